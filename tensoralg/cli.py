@@ -1,0 +1,47 @@
+"""The ``tensoralg`` command line.
+
+Sub-commands are registered by the modules that implement them, so that ``tensoralg --help``
+stays fast (heavy imports happen inside each command):
+
+* ``demo``, ``audit``, ``compare``, ``matrix`` — :mod:`tensoralg.audit.cli`;
+* ``sae`` — :mod:`tensoralg.sae.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._version import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tensoralg",
+        description="Exact tensor similarity of multilinear networks, checkpoint audits and "
+                    "identifiable sparse autoencoders.")
+    parser.add_argument("--version", action="version", version=f"tensoralg {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    from .audit import cli as audit_cli
+    from .sae import cli as sae_cli
+
+    audit_cli.add_parsers(sub)
+    sae_cli.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, TypeError) as exc:
+        # Bad input: a clear one-line message, no traceback.
+        print(f"tensoralg {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
