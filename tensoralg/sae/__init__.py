@@ -1,0 +1,45 @@
+"""Identifiable sparse autoencoders (iSAE): AbsTopK, approximate-RIP regularization, multi-step
+(LISTA-style) encoding, an OMP oracle, synthetic ground-truth data and run-to-run stability.
+
+An SAE decomposes activations ``x ∈ R^d_in`` as ``x ≈ z @ W_dec + b_dec`` with a ``k``-sparse
+code ``z ∈ R^d_sae``; the rows of ``W_dec`` (shape ``(d_sae, d_in)``) are the dictionary atoms,
+kept at unit norm. Standard TopK SAEs are not identifiable (two seeds give different
+dictionaries); the iSAE recipe addresses one-signed codes (AbsTopK), an ill-conditioned
+dictionary (aRIP regularizer) and a too-weak encoder (multi-step encoder).
+
+Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
+
+* :mod:`tensoralg.sae.models` — :class:`SAEConfig`, :class:`SparseAutoencoder`, ``topk``,
+  ``abstopk``, ``rip_penalty``, ``rip_constants``;
+* :mod:`tensoralg.sae.training` — :class:`TrainConfig`, :func:`train`, checkpoints;
+* :mod:`tensoralg.sae.synthetic` — :func:`make_synthetic`;
+* :mod:`tensoralg.sae.omp` — batched :func:`omp`;
+* :mod:`tensoralg.sae.presets` — ``topk``, ``abstopk``, ``isae``, ``isae-me``;
+* :mod:`tensoralg.sae.bench` — :func:`run_bench`;
+* :mod:`tensoralg.sae.activations` — hidden states of all-MiniLM-L6-v2 (optional extra).
+
+The stability metrics live in :mod:`verify.identifiability`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "SAEConfig": "models", "SparseAutoencoder": "models", "topk": "models",
+    "abstopk": "models", "rip_penalty": "models", "rip_constants": "models",
+    "TrainConfig": "training", "train": "training", "load_sae": "training",
+    "save_sae": "training", "TrainingDiverged": "training",
+    "make_synthetic": "synthetic", "SyntheticData": "synthetic",
+    "omp": "omp", "PRESETS": "presets", "make_config": "presets",
+    "run_bench": "bench",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
