@@ -1,0 +1,291 @@
+"""Trainable bilinear networks (torch modules) that export to exact tensoralg networks.
+
+:class:`BilinearNet` is ``embed (linear) -> n_layers bilinear blocks -> head (linear)``::
+
+    h_0 = E x + e0                                  embed,  E: (d_model, d_in)
+    h_l = [h_{l-1} +] D_l((L_l h_{l-1} + l_l) * (R_l h_{l-1} + r_l)) + d_l     block l
+    y   = U h_n + u0                                head,   U: (d_out, d_model)
+
+(the residual ``h_{l-1} +`` and every bias are optional). It is a polynomial of degree
+``2**n_layers`` in ``x``, so :meth:`BilinearNet.to_network` returns the *same function* as a
+:class:`tensoralg.Sequential` of :class:`~tensoralg.Linear`, :class:`~tensoralg.Bilinear` and
+:class:`~tensoralg.Residual` layers with float64 weights (exact copies of the torch weights),
+whose Gaussian inner products tensoralg computes in closed form (``DESIGN.md`` section 3).
+
+Models are deterministic under ``seed`` (initialisation draws from a private generator and
+never touches torch's global random state), and so is :func:`train_classifier`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE"]
+
+ARCHITECTURE = "bilinear_net"
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: expected float32 or float64, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+class BilinearBlock(nn.Module):
+    """``y = [x +] down((left x + l) * (right x + r)) + d`` with ``left, right: (d_hidden, d_model)``
+    and ``down: (d_model, d_hidden)``; biases present iff ``bias``; residual iff ``residual``.
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, bias: bool = False, residual: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        _positive_int(d_model, "d_model")
+        _positive_int(d_hidden, "d_hidden")
+        self.residual = bool(residual)
+        self.left = nn.Linear(d_model, d_hidden, bias=bias, dtype=dtype)
+        self.right = nn.Linear(d_model, d_hidden, bias=bias, dtype=dtype)
+        self.down = nn.Linear(d_hidden, d_model, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(self.left(x) * self.right(x))
+        return x + y if self.residual else y
+
+    def to_layer(self):
+        """The exact tensoralg layer: ``Bilinear`` (wrapped in ``Residual`` when residual)."""
+        from .layers import Bilinear, Residual
+
+        def b(lin):
+            return None if lin.bias is None else lin.bias.detach()
+
+        layer = Bilinear(self.left.weight.detach(), self.right.weight.detach(),
+                         self.down.weight.detach(), b(self.left), b(self.right), b(self.down))
+        return Residual(layer) if self.residual else layer
+
+
+class BilinearNet(nn.Module):
+    """Embedding -> ``n_layers`` bilinear blocks -> head; a trainable bilinear classifier.
+
+    Args:
+        d_in: input size (64 for 8x8 digits, ``2P`` for modular addition).
+        d_out: number of outputs (classes).
+        d_model: width of the embedding / residual stream.
+        d_hidden: hidden size of each bilinear block.
+        n_layers: number of bilinear blocks (depth; degree ``2**n_layers``).
+        bias: biases in the bilinear blocks (left, right, down).
+        residual: residual connection around each block.
+        embed_bias, head_bias: biases of the embedding and the head.
+        seed: initialisation seed (a private generator; the global torch RNG is untouched).
+        dtype: ``"float32"`` (default) or ``"float64"``.
+
+    Input ``(n, d_in)`` -> logits ``(n, d_out)``.
+
+    Raises:
+        ValueError: non-positive sizes or an unknown dtype.
+    """
+
+    def __init__(self, d_in: int, d_out: int, d_model: int = 32, d_hidden: int = 64,
+                 n_layers: int = 1, bias: bool = False, residual: bool = False,
+                 embed_bias: bool = False, head_bias: bool = False, seed: int = 0,
+                 dtype: Any = "float32"):
+        super().__init__()
+        for name, value in (("d_in", d_in), ("d_out", d_out), ("d_model", d_model),
+                            ("d_hidden", d_hidden), ("n_layers", n_layers)):
+            _positive_int(value, name)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed: expected an integer, got {seed!r}")
+        dt = _dtype(dtype)
+        self.hparams = dict(d_in=d_in, d_out=d_out, d_model=d_model, d_hidden=d_hidden,
+                            n_layers=n_layers, bias=bool(bias), residual=bool(residual),
+                            embed_bias=bool(embed_bias), head_bias=bool(head_bias), seed=seed,
+                            dtype=_dtype_name(dt))
+        # torch's default init draws from the global RNG; fork it so construction leaves the
+        # caller's random state untouched (the real init is reset_parameters below).
+        with torch.random.fork_rng(devices=[]):
+            self.embed = nn.Linear(d_in, d_model, bias=embed_bias, dtype=dt)
+            self.blocks = nn.ModuleList(
+                [BilinearBlock(d_model, d_hidden, bias=bias, residual=residual, dtype=dt)
+                 for _ in range(n_layers)])
+            self.head = nn.Linear(d_model, d_out, bias=head_bias, dtype=dt)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Deterministic initialisation: ``N(0, 1/fan_in)`` weights, zero biases.
+
+        Each block's ``down`` is scaled by ``1/sqrt(d_hidden)`` more so that a residual stack
+        starts near the identity-plus-small-quadratic regime.
+        """
+        gen = torch.Generator().manual_seed(int(seed))
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+                continue
+            fan_in = p.shape[1]
+            std = 1.0 / math.sqrt(fan_in)
+            if name.endswith("down.weight"):
+                std /= math.sqrt(p.shape[1]) if self.hparams["residual"] else 1.0
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 2 or x.shape[1] != self.hparams["d_in"]:
+            raise ValueError(f"x: expected shape (n, {self.hparams['d_in']}), got {tuple(x.shape)}")
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def to_network(self):
+        """The exact tensoralg network computing the same function (float64 weights).
+
+        ``Sequential([Linear(embed), Bilinear | Residual(Bilinear), ..., Linear(head)])``; the
+        float32 weights are widened to float64 exactly, so ``net(x)`` equals ``self.double()(x)``
+        up to float64 rounding of the forward pass.
+        """
+        from .layers import Linear, Sequential
+
+        def lin(m):
+            return Linear(m.weight.detach(), None if m.bias is None else m.bias.detach())
+
+        return Sequential([lin(self.embed)] + [b.to_layer() for b in self.blocks] + [lin(self.head)])
+
+    def config(self) -> dict:
+        """Flat architecture config (all constructor arguments plus ``architecture``)."""
+        return {"architecture": ARCHITECTURE, **self.hparams}
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> "BilinearNet":
+        """Build an (initialised, untrained) model from :meth:`config`'s keys.
+
+        Raises:
+            ValueError: a wrong ``architecture`` or a missing size.
+        """
+        arch = cfg.get("architecture", ARCHITECTURE)
+        if arch != ARCHITECTURE:
+            raise ValueError(f"cfg: architecture {arch!r} is not {ARCHITECTURE!r}")
+        required = ("d_in", "d_out", "d_model", "d_hidden", "n_layers")
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ValueError(f"cfg: missing {missing} (needed to rebuild a {ARCHITECTURE})")
+        kwargs = {k: cfg[k] for k in ("d_in", "d_out", "d_model", "d_hidden", "n_layers", "bias",
+                                      "residual", "embed_bias", "head_bias", "seed", "dtype")
+                  if k in cfg}
+        return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------
+# training
+# ----------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def accuracy(model: nn.Module, X: torch.Tensor, y: torch.Tensor, batch_size: int = 4096) -> float:
+    """Fraction of rows of ``X`` (n, d_in) whose argmax logit equals ``y`` (n,); NaN if n == 0."""
+    if len(X) == 0:
+        return float("nan")
+    correct = 0
+    for i in range(0, len(X), batch_size):
+        xb = X[i:i + batch_size].to(next(model.parameters()).dtype)
+        correct += int((model(xb).argmax(1) == y[i:i + batch_size]).sum())
+    return correct / len(X)
+
+
+def train_classifier(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, steps: int,
+                     lr: float = 1e-2, weight_decay: float = 0.0, batch_size: int | None = 256,
+                     seed: int = 0, eval_sets: Mapping[str, tuple] | None = None,
+                     eval_at: Sequence[int] = (), callback: Callable[[int, nn.Module], None] | None = None,
+                     progress: bool | str = False) -> dict:
+    """Train ``model`` with AdamW on cross-entropy; deterministic under ``seed``.
+
+    Args:
+        X: ``(n, d_in)`` inputs; y: ``(n,)`` integer labels.
+        steps: optimiser steps; batch_size: minibatch size (``None`` = full batch).
+        eval_sets: name -> (X, y) evaluated (accuracy) at every step in ``eval_at``.
+        callback: ``callback(step, model)`` called at every step in ``eval_at`` (after the step;
+            step 0 = before training), e.g. to save a checkpoint.
+        progress: show a tqdm bar (a string is used as its description).
+
+    Returns:
+        ``{"step": [...], "<name>_acc": [...], "loss": [...]}`` at the ``eval_at`` steps.
+
+    Raises:
+        ValueError: mismatched ``X``/``y`` lengths, labels outside ``[0, d_out)``, ``steps < 0``.
+    """
+    from tqdm.auto import tqdm
+
+    if X.ndim != 2 or y.ndim != 1 or len(X) != len(y):
+        raise ValueError(f"X, y: expected shapes (n, d) and (n,), got {tuple(X.shape)} and "
+                         f"{tuple(y.shape)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps: expected a non-negative integer, got {steps!r}")
+    if len(X) == 0:
+        raise ValueError("X: no training rows")
+    d_out = model.head.out_features if hasattr(model, "head") else None
+    if d_out is not None and (int(y.min()) < 0 or int(y.max()) >= d_out):
+        raise ValueError(f"y: labels must lie in [0, {d_out}), got range [{int(y.min())}, "
+                         f"{int(y.max())}]")
+    dtype = next(model.parameters()).dtype
+    X = X.to(dtype)
+    gen = torch.Generator().manual_seed(int(seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    eval_at = sorted(set(int(s) for s in eval_at))
+    eval_sets = dict(eval_sets or {})
+    history: dict[str, list] = {"step": [], "loss": []}
+    for name in eval_sets:
+        history[f"{name}_acc"] = []
+
+    def record(step: int, loss: float) -> None:
+        history["step"].append(step)
+        history["loss"].append(loss)
+        model.eval()
+        for name, (xe, ye) in eval_sets.items():
+            history[f"{name}_acc"].append(accuracy(model, xe, ye))
+        model.train()
+        if callback is not None:
+            callback(step, model)
+
+    pending = list(eval_at)
+    if pending and pending[0] == 0:
+        pending.pop(0)
+        with torch.no_grad():
+            record(0, float(nn.functional.cross_entropy(model(X), y)))
+    bar = tqdm(range(1, steps + 1), desc=progress if isinstance(progress, str) else "train",
+               disable=not progress, leave=False)
+    n = len(X)
+    model.train()
+    for step in bar:
+        if batch_size is None or batch_size >= n:
+            xb, yb = X, y
+        else:
+            idx = torch.randint(0, n, (batch_size,), generator=gen)
+            xb, yb = X[idx], y[idx]
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if pending and step == pending[0]:
+            pending.pop(0)
+            record(step, float(loss.detach()))
+    model.eval()
+    return history

@@ -1,0 +1,121 @@
+"""tensoralg.checkpoint: save/load folders, errors, wrapping a foreign state_dict."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tensoralg.checkpoint import (from_state_dict, load_checkpoint, load_network,
+                                  save_checkpoint)
+from tensoralg.nn import BilinearNet
+
+
+def _model(**kw):
+    return BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=2, bias=True, residual=True,
+                       head_bias=True, seed=kw.pop("seed", 1), **kw)
+
+
+def test_roundtrip_weights_and_config(tmp_path):
+    m = _model()
+    save_checkpoint(tmp_path / "c", m, step=42, provenance={"data": "digits", "lr": 0.01})
+    m2, cfg = load_checkpoint(tmp_path / "c")
+    for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert cfg["step"] == 42 and cfg["data"] == "digits" and cfg["d_hidden"] == 5
+    assert cfg["dtype"] == "float32" and "tensoralg_version" in cfg
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["cfg.json", "weights.safetensors"]
+    x = np.random.default_rng(0).normal(size=(4, 6))
+    assert np.allclose(load_network(tmp_path / "c")(x), m.to_network()(x), rtol=0, atol=0)
+
+
+def test_missing_truncated_and_mismatched(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        load_checkpoint(tmp_path / "nope")
+    m = _model()
+    save_checkpoint(tmp_path / "c", m)
+    w = tmp_path / "c" / "weights.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_checkpoint(tmp_path / "c")
+    w.unlink()
+    with pytest.raises(FileNotFoundError, match="weights.safetensors"):
+        load_checkpoint(tmp_path / "c")
+    # weights of a different size than cfg.json claims
+    save_checkpoint(tmp_path / "d", m)
+    cfg_path = tmp_path / "d" / "cfg.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["d_hidden"] = 7
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="shape"):
+        load_checkpoint(tmp_path / "d")
+    cfg["d_hidden"], cfg["n_layers"] = 5, 1
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unexpected"):
+        load_checkpoint(tmp_path / "d")
+    cfg["architecture"] = "mlp"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="architecture"):
+        load_checkpoint(tmp_path / "d")
+    cfg_path.write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt JSON"):
+        load_checkpoint(tmp_path / "d")
+
+
+def test_nan_weights_rejected(tmp_path):
+    m = _model()
+    with torch.no_grad():
+        m.head.weight[0, 0] = float("nan")
+    save_checkpoint(tmp_path / "c", m)
+    with pytest.raises(ValueError, match="non-finite"):
+        load_checkpoint(tmp_path / "c")
+
+
+def test_bad_save_arguments(tmp_path):
+    with pytest.raises(TypeError, match="BilinearNet"):
+        save_checkpoint(tmp_path / "c", torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="overwrite"):
+        save_checkpoint(tmp_path / "c", _model(), provenance={"d_in": 3})
+    with pytest.raises(ValueError, match="flat"):
+        save_checkpoint(tmp_path / "c", _model(), provenance={"run": {"a": 1}})
+
+
+class TheirBilinear(torch.nn.Module):
+    """Somebody else's residual bilinear model with their own parameter names."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.W_E = torch.nn.Parameter(torch.randn(4, 6, generator=g, dtype=torch.float64))
+        self.W_l = torch.nn.Parameter(torch.randn(8, 4, generator=g, dtype=torch.float64))
+        self.W_r = torch.nn.Parameter(torch.randn(8, 4, generator=g, dtype=torch.float64))
+        self.W_d = torch.nn.Parameter(torch.randn(4, 8, generator=g, dtype=torch.float64))
+        self.W_U = torch.nn.Parameter(torch.randn(3, 4, generator=g, dtype=torch.float64))
+
+    def forward(self, x):
+        h = x @ self.W_E.T
+        h = h + ((h @ self.W_l.T) * (h @ self.W_r.T)) @ self.W_d.T
+        return h @ self.W_U.T
+
+
+def test_wrap_foreign_state_dict(tmp_path):
+    theirs = TheirBilinear()
+    names = {"embed.weight": "W_E", "blocks.0.left.weight": "W_l",
+             "blocks.0.right.weight": "W_r", "blocks.0.down.weight": "W_d",
+             "head.weight": "W_U"}
+    ours = from_state_dict(theirs.state_dict(), names, residual=True)
+    assert ours.config()["dtype"] == "float64" and ours.config()["d_hidden"] == 8
+    x = torch.randn(9, 6, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(ours(x), theirs(x), rtol=1e-13, atol=0)
+    save_checkpoint(tmp_path / "w", ours, provenance={"source": "TheirBilinear"})
+    assert load_checkpoint(tmp_path / "w")[1]["source"] == "TheirBilinear"
+    with pytest.raises(ValueError, match="not in the state_dict"):
+        from_state_dict(theirs.state_dict(), {**names, "head.weight": "W_out"})
+    with pytest.raises(ValueError, match="head.weight"):
+        from_state_dict(theirs.state_dict(), {k: v for k, v in names.items() if k != "head.weight"})
+    bad = dict(theirs.state_dict())
+    bad["W_d"] = torch.zeros(5, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="shape"):
+        from_state_dict(bad, names, residual=True)
