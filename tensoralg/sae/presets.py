@@ -19,9 +19,9 @@ _COMMON = {"auxk_alpha": 1 / 32, "dead_tokens": 10_000}
 PRESETS: dict[str, dict] = {
     "topk": {"activation": "topk"},
     "abstopk": {"activation": "abstopk"},
-    "isae": {"activation": "abstopk", "rip": "eig", "rip_beta": 1.0, "rip_delta": 0.1},
-    "isae-me": {"activation": "abstopk", "rip": "eig", "rip_beta": 1.0, "rip_delta": 0.1,
-                "encoder": "multistep", "n_steps": 5, "gamma": "free", "step_size": 1.0},
+    "isae": {"activation": "abstopk", "rip": "eig", "rip_beta": 0.1, "rip_delta": 0.1},
+    "isae-me": {"activation": "abstopk", "rip": "eig", "rip_beta": 0.1, "rip_delta": 0.1,
+                "encoder": "multistep", "n_steps": 5, "gamma": "free", "step_size": 0.5},
 }
 
 
