@@ -11,8 +11,8 @@ network or Wick code). Everything is recomputed from definitions:
 * :mod:`verify.montecarlo` — sampling estimates with standard errors, convergence reports and
   z-score agreement checks.
 
-Submodules are imported lazily, so ``import verify`` is cheap (no sympy, no matplotlib) and
-does not import ``verify.identifiability``.
+``import verify`` is cheap: it loads only :mod:`verify.certify` (numpy); ``symbolic`` (sympy)
+and ``montecarlo`` load on first use, and ``verify.identifiability`` is never imported here.
 """
 
 from __future__ import annotations
@@ -22,24 +22,11 @@ import importlib
 __all__ = ["certify", "Certificate", "gaussian_inner_exact", "expand", "ExpansionTooLarge",
            "symbolic", "montecarlo"]
 
-_LAZY = {
-    "certify": ("verify.certify", "certify"),
-    "Certificate": ("verify.certify", "Certificate"),
-    "gaussian_inner_exact": ("verify.certify", "gaussian_inner_exact"),
-    "expand": ("verify.certify", "expand"),
-    "ExpansionTooLarge": ("verify._poly", "ExpansionTooLarge"),
-}
+from ._poly import ExpansionTooLarge
+from .certify import Certificate, certify, expand, gaussian_inner_exact  # binds the function
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        mod, attr = _LAZY[name]
-        value = getattr(importlib.import_module(mod), attr)
-        if name == "certify":
-            # importing verify.certify binds the submodule as attribute ``certify`` of the
-            # package; the public name ``verify.certify`` is the function.
-            globals()["certify"] = value
-        return value
     if name in ("symbolic", "montecarlo", "identifiability"):
         return importlib.import_module(f"verify.{name}")
     raise AttributeError(f"module 'verify' has no attribute {name!r}")
