@@ -1,0 +1,478 @@
+"""Tensor-network engine: joined networks, Wick configurations, contraction plans, backends.
+
+A pair of canonical networks (see :mod:`tensoralg.canonical`) is joined into one tensor network
+whose open legs are copies of the lifted input ``x~``. Its Gaussian inner product is, by Isserlis'
+theorem applied to the non-constant part of ``x~`` only (DESIGN §3.1),
+
+    <a, b>_G = sum over partial matchings pi of the legs of
+               contract(network, matched pairs bridged by P, unmatched legs capped by e0).
+
+Bridging by ``P = diag(0, 1, ..., 1)`` and capping by ``e0`` are applied by splitting each leaf
+factor ``F`` (rows: hidden units, columns: ``x~``) into its constant column ``F[:, 0]`` and its
+non-constant block ``F[:, 1:]``, so no ``(d+1) x (d+1)`` tensor is ever built. The symmetrized
+Frobenius metric (DESIGN §3.3) uses perfect bijections between the legs of ``a`` and ``b``
+bridged by the identity, weighted ``1/n!``.
+
+Every configuration is one einsum over the joined network. Its contraction path is found once by
+``opt_einsum`` (per expression and shapes: a *topology*), kept in memory and on disk
+(``$TENSORALG_CACHE_DIR`` or ``~/.cache/tensoralg``), and the same path runs on every backend:
+NumPy float64, torch (any device and dtype) and exact rationals (object arrays of Fractions).
+
+Symmetry reduction uses only leg permutations *checked* to be automorphisms of the joined
+tensor network: swapping the two subtrees of a bilinear stage is used only when its left and
+right factors are equal entry by entry (for every model of the stack), and swapping the two
+networks only when both sides are the same stack. A permutation that preserves the function
+but not the tensor network (e.g. swapping different factors of a symmetric bilinear form) is
+never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Sequence
+
+import networkx as nx
+import numpy as np
+import opt_einsum as oe
+
+from .canonical import Canonical
+from .io import atomic_write_json
+from .wick import bijections, group_closure, orbits, partial_matchings, telephone
+
+__all__ = ["CostTooHigh", "Plan", "JoinedNetwork", "plan", "to_graph", "DEFAULT_MAX_FLOPS",
+           "DEFAULT_MAX_CONFIGURATIONS"]
+
+DEFAULT_MAX_FLOPS = 2e11
+DEFAULT_MAX_FLOPS_EXACT = 2e7
+DEFAULT_MAX_CONFIGURATIONS = 200_000
+
+
+class CostTooHigh(ValueError):
+    """An exact contraction whose estimated cost is over the budget (raised before any work)."""
+
+
+# ----------------------------------------------------------------------------------------
+# one side of the joined network
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class _Side:
+    """A stack of canonical networks as tensors with labels; leaves listed separately."""
+
+    tensors: list[tuple[np.ndarray, tuple[str, ...], str]]  # (array, labels, node name)
+    leaves: list[tuple[np.ndarray, str, str]]  # (leaf factor (N, H, d+1), hidden label, name)
+    leaf_stage_kind: list[tuple[int, str]]  # (copy id, 'L'/'R') of each leaf, for symmetry
+    batch: str
+
+
+class _Labels:
+    def __init__(self):
+        self.n = 0
+        self.sizes: dict[str, int] = {}
+
+    def new(self, size: int) -> str:
+        s = oe.get_symbol(self.n)
+        self.n += 1
+        self.sizes[s] = size
+        return s
+
+
+def _output_projection(U, root: np.ndarray) -> np.ndarray:
+    """``U @ root[:, 1:, ...]`` over the (non-constant) output axis; U: (K, O)."""
+    body = root[:, 1:, ...]
+    if body.dtype == object or (isinstance(U, np.ndarray) and U.dtype == object):
+        return np.einsum("ko,no...->nk...", np.asarray(U, dtype=object), body.astype(object))
+    return np.einsum("ko,no...->nk...", U, body)
+
+
+def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, side: str
+                ) -> _Side:
+    N = can.arrays()[0].shape[0]
+    batch = labels.new(N)
+    tensors: list = []
+    leaves: list = []
+    kinds: list = []
+    if not can.stages:
+        W = _output_projection(U, can.linear)  # (N, K, d+1)
+        leaves.append((W, out_label, f"{side}.W"))
+        kinds.append((0, "W"))
+        return _Side(tensors, leaves, kinds, batch)
+    depth = can.depth
+    copy_counter = [0]
+
+    def build(stage: int, D: np.ndarray, parent_label: str, path: str):
+        H = D.shape[-1]
+        h = labels.new(H)
+        tensors.append((D, (batch, parent_label, h), f"{side}.D{stage + 1}{path}"))
+        copy_id = copy_counter[0]
+        copy_counter[0] += 1
+        st = can.stages[stage]
+        for fac, arr in (("L", st.L), ("R", st.R)):
+            if stage == 0:
+                leaves.append((arr, h, f"{side}.{fac}{stage + 1}{path}"))
+                kinds.append((copy_id, fac))
+            else:
+                child = labels.new(arr.shape[-1])
+                tensors.append((arr, (batch, h, child), f"{side}.{fac}{stage + 1}{path}"))
+                build(stage - 1, can.stages[stage - 1].D, child, path + fac.lower())
+
+    root = _output_projection(U, can.stages[-1].D)
+    build(depth - 1, root, out_label, "")
+    if len(tensors) > 1:
+        # Pre-contract the non-leaf part of the tree once (it is the same in every Wick
+        # configuration): T[batch, out, hidden index of each first-stage copy].
+        leaf_h = list(dict.fromkeys(h for _, h, _ in leaves))
+        size = N * labels.sizes[out_label] * math.prod(labels.sizes[h] for h in leaf_h)
+        if size <= _MAX_PRECONTRACT:
+            expr = ",".join("".join(l) for _, l, _ in tensors) + "->" + batch + out_label + \
+                "".join(leaf_h)
+            T = oe.contract(expr, *[t for t, _, _ in tensors], optimize="auto")
+            tensors = [(T, (batch, out_label, *leaf_h), f"{side}.T")]
+    return _Side(tensors, leaves, kinds, batch)
+
+
+_MAX_PRECONTRACT = 1 << 26
+
+
+def _leaf_generators(can: Canonical, offset: int) -> list[tuple[list[int], int]]:
+    """Candidate leg permutations (subtree swaps) of one side, with the stage they need."""
+    depth = can.depth
+    n = 2 ** depth
+    gens = []
+    # legs of the subtree of a copy of stage s are contiguous blocks of size 2**(s+1),
+    # left half from L, right half from R.
+    for s in range(depth):
+        block = 2 ** (s + 1)
+        half = block // 2
+        for start in range(0, n, block):
+            perm = list(range(n))
+            for i in range(half):
+                perm[start + i], perm[start + half + i] = start + half + i, start + i
+            gens.append(([p + offset for p in perm], s))
+    return gens
+
+
+def _equal_arrays(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.shape == y.shape and bool(np.all(x == y))
+
+
+def _same_stack(a: Canonical, b: Canonical) -> bool:
+    if a is b:
+        return True
+    xa, xb = a.arrays(), b.arrays()
+    return len(xa) == len(xb) and all(_equal_arrays(x, y) for x, y in zip(xa, xb))
+
+
+# ----------------------------------------------------------------------------------------
+# the joined network and its plan
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """What an exact inner product will cost, computed before any contraction.
+
+    Attributes:
+        n_legs: input legs of the joined network (``2**depth_a + 2**depth_b``).
+        n_configurations: Wick configurations before any reduction (T(n) partial matchings for
+            the Gaussian metric, ``n_a!`` bijections for Frobenius).
+        n_nonzero: after dropping configurations that vanish by zero patterns.
+        n_orbits: distinct configurations contracted after symmetry reduction.
+        group_order: order of the verified automorphism group acting on the legs.
+        flops: total estimated floating-point operations of the chosen opt_einsum paths.
+        largest_intermediate: largest intermediate tensor (elements) of any path.
+        expressions: einsum expressions of the orbit representatives (for inspection).
+    """
+
+    metric: str
+    n_legs: int
+    n_configurations: int
+    n_nonzero: int
+    n_orbits: int
+    group_order: int
+    flops: float
+    largest_intermediate: int
+    symmetries: list[str] = field(default_factory=list)
+    expressions: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        sym = ", ".join(self.symmetries) if self.symmetries else "none"
+        return (f"{self.metric} metric: {self.n_legs} legs, {self.n_configurations} Wick "
+                f"configurations, {self.n_nonzero} after zero patterns, {self.n_orbits} after "
+                f"symmetry (group order {self.group_order}; symmetries: {sym}); "
+                f"{self.flops:.3g} FLOPs, largest intermediate {self.largest_intermediate} "
+                f"elements")
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+_PATH_CACHE: dict[str, list] = {}
+
+
+def _cache_dir() -> Path | None:
+    root = os.environ.get("TENSORALG_CACHE_DIR")
+    if root == "":
+        return None
+    return Path(root) if root else Path.home() / ".cache" / "tensoralg" / "paths"
+
+
+def _find_paths(exprs: list[str], shapes: list[list[tuple]]) -> tuple[list, list[float], list[int]]:
+    """Contraction paths (and their FLOPs and largest intermediates) for every expression.
+
+    Keyed by the whole list of (expression, shapes): found once per topology, reused from
+    memory, then from the disk cache across processes.
+    """
+    key_src = json.dumps([exprs, [[list(s) for s in sh] for sh in shapes]])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    if key in _PATH_CACHE:
+        return _PATH_CACHE[key]
+    cdir = _cache_dir()
+    fpath = cdir / f"{key}.json" if cdir is not None else None
+    if fpath is not None and fpath.exists():
+        try:
+            data = json.loads(fpath.read_text())
+            if data.get("key_src") == key_src:
+                res = ([[tuple(p) for p in path] for path in data["paths"]], data["flops"],
+                       data["largest"])
+                _PATH_CACHE[key] = res
+                return res
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # corrupt cache entry: recompute and overwrite
+    paths, flops, largest = [], [], []
+    for expr, sh in zip(exprs, shapes):
+        path, info = oe.contract_path(expr, *sh, shapes=True, optimize="auto")
+        paths.append([tuple(p) for p in path])
+        flops.append(float(info.opt_cost))
+        largest.append(int(info.largest_intermediate))
+    res = (paths, flops, largest)
+    _PATH_CACHE[key] = res
+    if fpath is not None:
+        try:
+            atomic_write_json(fpath, {"key_src": key_src, "paths": paths, "flops": flops,
+                                      "largest": largest}, indent=None)
+        except OSError:
+            pass  # a read-only home must not break the computation
+    return res
+
+
+class JoinedNetwork:
+    """Two stacks of canonical networks joined at their outputs.
+
+    Args:
+        a, b: canonical forms with a leading batch axis (``N_a`` and ``N_b`` models).
+        U: ``(K, O)`` output projection (identity: sum over outputs; a row: one slice).
+        keep_output: keep the projected output index open (per-output values).
+        metric: ``"gaussian"`` or ``"frobenius"``.
+    """
+
+    def __init__(self, a: Canonical, b: Canonical, U: np.ndarray, keep_output: bool = False,
+                 metric: str = "gaussian"):
+        self.a, self.b, self.metric = a, b, metric
+        self.labels = _Labels()
+        self.out_label = self.labels.new(U.shape[0])
+        self.side_a = _build_side(a, U, self.labels, self.out_label, "a")
+        self.side_b = _build_side(b, U, self.labels, self.out_label, "b")
+        self.keep_output = keep_output
+        self.n_a = len(self.side_a.leaves)
+        self.n_b = len(self.side_b.leaves)
+        self.same = _same_stack(a, b)
+        self._symmetry()
+        # leaf parts, built once so that shared intermediates are recognized across configs
+        self.leaf_parts = [(F[..., 0], F[..., 1:], F)
+                           for F, _, _ in self.side_a.leaves + self.side_b.leaves]
+
+    # -- symmetry -------------------------------------------------------------------------
+    def _symmetry(self):
+        gens, names = [], []
+        n = self.n_a + self.n_b
+        for side, can, off in (("a", self.a, 0), ("b", self.b, self.n_a)):
+            for perm, s in _leaf_generators(can, off):
+                st = can.stages[s]
+                if _equal_arrays(st.L, st.R):  # checked: the swap is an automorphism
+                    full = list(range(n))
+                    full[off:off + len(perm)] = perm
+                    gens.append(full)
+                    names.append(f"{side}: left/right swap at bilinear stage {s + 1}")
+        self.swap_ab = self.same
+        if self.same:
+            gens.append(list(range(self.n_a, n)) + list(range(self.n_a)))
+            names.append("a <-> b")
+        self.group = group_closure(gens, n)
+        self.symmetry_names = sorted(set(names))
+
+    # -- configurations -------------------------------------------------------------------
+    def n_configurations(self) -> int:
+        n = self.n_a + self.n_b
+        if self.metric == "gaussian":
+            return telephone(n)
+        return math.factorial(self.n_a) if self.n_a == self.n_b else 0
+
+    def configurations(self) -> list[tuple[Any, int]]:
+        """Orbit representatives with their sizes (after zero-pattern pruning)."""
+        leaves = self.side_a.leaves + self.side_b.leaves
+        if self.metric == "gaussian":
+            can_cap = [bool(np.any(F[..., 0] != 0)) for F, _, _ in leaves]
+            can_pair = [bool(np.any(F[..., 1:] != 0)) for F, _, _ in leaves]
+            ms = list(partial_matchings(len(leaves), can_cap, can_pair))
+        else:
+            if self.n_a != self.n_b:
+                raise ValueError(
+                    f"metric='frobenius' needs coefficient tensors of the same order: a has "
+                    f"{self.n_a} input legs, b has {self.n_b} (networks with a different number "
+                    f"of bilinear stages); use metric='gaussian'")
+            ms = list(bijections(range(self.n_a), range(self.n_a, self.n_a + self.n_b)))
+        self.n_nonzero = len(ms)
+        return orbits(ms, self.group)
+
+    def expression(self, m) -> tuple[str, list[np.ndarray]]:
+        pairs, singles = m
+        ops, subs = [], []
+        for side in (self.side_a, self.side_b):
+            for arr, labs, _ in side.tensors:
+                ops.append(arr)
+                subs.append("".join(labs))
+        leaves = self.side_a.leaves + self.side_b.leaves
+        batches = [self.side_a.batch] * self.n_a + [self.side_b.batch] * self.n_b
+        local = _Labels()
+        local.n = self.labels.n
+        parts = self.leaf_parts
+        for i in singles:
+            ops.append(parts[i][0])
+            subs.append(batches[i] + leaves[i][1])
+        for i, j in pairs:
+            k = 1 if self.metric == "gaussian" else 2
+            p = local.new(parts[i][k].shape[-1])
+            ops.extend([parts[i][k], parts[j][k]])
+            subs.extend([batches[i] + leaves[i][1] + p, batches[j] + leaves[j][1] + p])
+        out = self.side_a.batch + self.side_b.batch + (self.out_label if self.keep_output else "")
+        return ",".join(subs) + "->" + out, ops
+
+    # -- plan & evaluation ----------------------------------------------------------------
+    def plan(self, max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
+        total = self.n_configurations()
+        if total > max_configurations:
+            raise CostTooHigh(
+                f"exact {self.metric} inner product: the joined network has "
+                f"{self.n_a + self.n_b} input legs, i.e. {total:,} Wick configurations, over "
+                f"max_configurations={max_configurations:,}. Alternatives: method='closure' "
+                f"(second-moment propagation, fast, approximate beyond depth 1) or "
+                f"method='montecarlo' (unbiased, with a standard error)")
+        self.reps = self.configurations()
+        exprs, shapes = [], []
+        for m, _ in self.reps:
+            expr, ops = self.expression(m)
+            exprs.append(expr)
+            shapes.append([tuple(o.shape) for o in ops])
+        self.paths, flops, largest = _find_paths(exprs, shapes)
+        self.exprs = exprs
+        return Plan(metric=self.metric, n_legs=self.n_a + self.n_b, n_configurations=total,
+                    n_nonzero=self.n_nonzero, n_orbits=len(self.reps),
+                    group_order=len(self.group), flops=float(sum(flops)),
+                    largest_intermediate=max(largest) if largest else 0,
+                    symmetries=self.symmetry_names, expressions=exprs)
+
+    def contract(self, convert) -> Any:
+        """Sum of all configurations; ``convert`` maps a NumPy array to the backend's array."""
+        cache: dict[int, Any] = {}
+
+        def conv(x):
+            k = id(x)
+            if k not in cache:
+                cache[k] = (x, convert(x))
+            return cache[k][1]
+
+        total = None
+        with oe.shared_intermediates():
+            for (m, weight), path in zip(self.reps, self.paths):
+                total = self._add_config(m, weight, path, conv, total)
+        return total
+
+    def _add_config(self, m, weight, path, conv, total):
+        expr, ops = self.expression(m)
+        val = oe.contract(expr, *[conv(o) for o in ops], optimize=path)
+        if self.swap_ab:
+            # the group contains a<->b: an orbit holds as many images X^T as X
+            val = (val + _swap01(val)) / 2
+        if self.metric == "frobenius":
+            w = Fraction(weight, math.factorial(self.n_a))
+        else:
+            w = Fraction(weight)
+        term = val * (w if _is_exact_array(val) else float(w))
+        return term if total is None else total + term
+
+
+def _swap01(x):
+    if hasattr(x, "transpose") and not isinstance(x, np.ndarray):  # torch
+        return x.transpose(0, 1)
+    return np.swapaxes(x, 0, 1)
+
+
+def _is_exact_array(x) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype == object
+
+
+# ----------------------------------------------------------------------------------------
+# graph view
+# ----------------------------------------------------------------------------------------
+
+def to_graph(a: Any, b: Any = None, output: Any = None) -> nx.Graph:
+    """The tensor network of ``a`` (or of the pair ``a``, ``b`` joined at the output) as a
+    bipartite :class:`networkx.Graph`.
+
+    Nodes are tensors (``kind="tensor"``, with ``shape`` and ``side``) and indices
+    (``kind="index"``, with ``size``); an index node links every tensor that carries it, so a
+    bilinear layer's hidden index appears as a *hyperedge*: one index node joined to three
+    tensors (``D``, ``L``, ``R``). Open input legs are index nodes with ``leg=True`` (copies of
+    the lifted input ``x~``); the output index is ``open=True`` for a single network and shared
+    by both sides for a pair.
+    """
+    from .layers import as_network
+    from .canonical import canonicalize, stack
+
+    net_a = as_network(a, "a")
+    can_a = stack([canonicalize(net_a)])
+    labels = _Labels()
+    out = labels.new(net_a.out_features)
+    U = np.eye(net_a.out_features)
+    sides = [("a", _build_side(can_a, U, labels, out, "a"))]
+    if b is not None:
+        net_b = as_network(b, "b")
+        if net_b.out_features != net_a.out_features:
+            raise ValueError(f"b: output size {net_b.out_features} differs from a's "
+                             f"{net_a.out_features}")
+        sides.append(("b", _build_side(stack([canonicalize(net_b)]), U, labels, out, "b")))
+    g = nx.Graph()
+    for name, side in sides:
+        for arr, labs, node in side.tensors:
+            g.add_node(node, kind="tensor", side=name, shape=tuple(arr.shape[1:]))
+            for lab in labs[1:]:
+                g.add_node(f"i:{lab}", kind="index", size=labels.sizes[lab])
+                g.add_edge(node, f"i:{lab}")
+        for arr, h, node in side.leaves:
+            g.add_node(node, kind="tensor", side=name, shape=tuple(arr.shape[1:]))
+            g.add_node(f"i:{h}", kind="index", size=labels.sizes[h])
+            g.add_edge(node, f"i:{h}")
+            leg = f"leg:{node}"
+            g.add_node(leg, kind="index", size=arr.shape[-1], leg=True)
+            g.add_edge(node, leg)
+    g.nodes[f"i:{out}"]["open"] = b is None
+    g.nodes[f"i:{out}"]["output"] = True
+    return g
+
+
+def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None,
+         max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
+    """The cost summary of the exact inner product ``<a, b>`` (``<a, a>`` if ``b`` is None):
+    Wick configurations before and after zero-pattern and symmetry reduction, FLOPs and largest
+    intermediate of the chosen opt_einsum paths. Contracts nothing."""
+    from .products import _prepare_pair
+
+    joined = _prepare_pair(a, a if b is None else b, metric=metric, output=output,
+                           backend="numpy")[0]
+    return joined.plan(max_configurations)
