@@ -1,0 +1,141 @@
+"""verify.montecarlo: sampling estimates, agreement z-tests, convergence reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from verify import montecarlo as mc  # noqa: E402
+from verify.certify import certify, gaussian_inner_exact  # noqa: E402
+from tensoralg.layers import Bilinear, Linear, Sequential  # noqa: E402
+
+CASES_PATH = Path("/work/shared/cases/gaussian_inner_products.json")
+CASES = {c["name"]: c for c in json.loads(CASES_PATH.read_text())} if CASES_PATH.exists() else {}
+needs_cases = pytest.mark.skipif(not CASES, reason="shared/cases not available")
+
+# (1 + x)^2 written as a lifted bilinear layer; E[f^2] = 10 (not 12).
+ONE_PLUS_X_SQ = Bilinear([[1]], [[1]], [[1]], left_bias=["1"], right_bias=["1"])
+
+
+def _depth1_pair():
+    rng = np.random.default_rng(11)
+    a = Bilinear(rng.normal(size=(3, 2)), rng.normal(size=(3, 2)), rng.normal(size=(2, 3)),
+                 rng.normal(size=3), rng.normal(size=3))
+    b = Bilinear(rng.normal(size=(2, 2)), rng.normal(size=(2, 2)), rng.normal(size=(2, 2)),
+                 rng.normal(size=2), None, rng.normal(size=2))
+    return a, b
+
+
+@needs_cases
+@pytest.mark.parametrize("kw", [{}, {"antithetic": True}, {"control_variate": True},
+                                {"antithetic": True, "control_variate": True}])
+@pytest.mark.parametrize("name", ["bilinear_biases", "embed_bilinear_head", "residual_block"])
+def test_estimates_agree_with_exact_values(name, kw):
+    c = CASES[name]
+    est = mc.estimate_inner(c["a"], c["b"], 20_000, seed=1, **kw)
+    assert est.n_samples == 20_000 and est.stderr > 0
+    check = mc.agreement(est, Fraction(c["ab"]), z_max=4)
+    assert check.passed, str(check)
+
+
+def test_agreement_rejects_the_naive_value_12():
+    # Monte Carlo tells 10 (right) from 12 (perfect-matching Wick sum with a Gaussian constant).
+    est = mc.estimate_inner(ONE_PLUS_X_SQ, ONE_PLUS_X_SQ, 50_000, seed=0)
+    assert mc.agreement(est, 10).passed
+    bad = mc.agreement(est, 12)
+    assert not bad.passed and bad.z < -10 and "DISAGREES" in str(bad)
+
+
+def test_norm_default_b_none():
+    est = mc.estimate_inner(ONE_PLUS_X_SQ, None, 20_000, seed=3)
+    assert abs(est.z_score(10)) < 4
+
+
+def test_antithetic_cancels_odd_parts_exactly():
+    # f_a linear, f_b homogeneous quadratic: f_a f_b is odd, so every pair average is 0.
+    a = Linear([[1.0, -2.0]])
+    b = Bilinear([[1.0, 0.5]], [[0.0, 1.0]], [[3.0]])
+    assert gaussian_inner_exact(a, b) == 0
+    est = mc.estimate_inner(a, b, 1000, seed=0, antithetic=True)
+    assert est.value == 0 and est.stderr == 0 and est.method == "antithetic"
+    plain = mc.estimate_inner(a, b, 1000, seed=0)
+    assert plain.stderr > 0
+
+
+def test_control_variate_reduces_the_standard_error():
+    a, b = _depth1_pair()
+    plain = mc.estimate_inner(a, b, 20_000, seed=5)
+    cv = mc.estimate_inner(a, b, 20_000, seed=5, control_variate=True)
+    exact = gaussian_inner_exact(a, b)
+    assert cv.stderr < plain.stderr
+    assert mc.agreement(cv, exact).passed and mc.agreement(plain, exact).passed
+
+
+def test_similarity_estimate():
+    a, b = _depth1_pair()
+    cert = certify(a, b)
+    est = mc.estimate_similarity(a, b, 40_000, seed=2)
+    assert mc.agreement(est, cert.similarity).passed and 0 < est.stderr < 0.05
+    same = mc.estimate_similarity(a, a, 1000, seed=0)
+    assert same.value == pytest.approx(1.0, abs=1e-12)
+
+
+def test_convergence_shows_the_inverse_sqrt_rate_and_honest_stderr():
+    a, b = _depth1_pair()
+    rep = mc.convergence(a, b, sample_sizes=[100, 400, 1600, 6400], repeats=40, seed=0)
+    assert rep.exact == pytest.approx(float(gaussian_inner_exact(a, b)), rel=1e-12)
+    # theory: slope -1/2; 40 repeats make the fitted slope accurate to a few hundredths
+    assert -0.65 < rep.slope < -0.35, rep.table()
+    # the reported standard error tracks the actual RMS error
+    ratio = np.array(rep.mean_stderr) / np.array(rep.rms_error)
+    assert np.all((ratio > 0.6) & (ratio < 1.6)), rep.table()
+    assert "fitted slope" in rep.table()
+    ax = mc.plot_convergence(rep, label="depth 1")
+    assert len(ax.get_lines()) == 3 and ax.get_xscale() == "log"
+
+
+def test_bad_inputs():
+    a = Linear([[1.0, 2.0]])
+    with pytest.raises(ValueError, match="in_features"):
+        mc.estimate_inner(a, Linear([[1.0]]), 100)
+    with pytest.raises(ValueError, match="out_features"):
+        mc.estimate_similarity(a, Linear([[1.0, 2.0], [0.0, 1.0]]), 100)
+    with pytest.raises(ValueError, match="n_samples: need at least 2"):
+        mc.estimate_inner(a, a, 1)
+    with pytest.raises(ValueError, match="at least 4"):
+        mc.estimate_inner(a, a, 3, antithetic=True)
+    with pytest.raises(TypeError, match="n_samples: expected an int"):
+        mc.estimate_inner(a, a, 100.5)
+    with pytest.raises(ValueError, match="batch_size"):
+        mc.estimate_inner(a, a, 100, batch_size=0)
+    with pytest.raises(ValueError, match="control_variate: needs more samples"):
+        mc.estimate_inner(a, a, 4, control_variate=True)
+    with pytest.raises(ValueError, match="zero estimated norm"):
+        mc.estimate_similarity(Linear([[0.0, 0.0]]), a, 100)
+    with pytest.raises(ValueError, match="z_max"):
+        mc.agreement(mc.estimate_inner(a, a, 100), 5.0, z_max=0)
+    with pytest.raises(TypeError, match="estimate"):
+        mc.agreement(5.0, 5.0)
+    with pytest.raises(ValueError, match="sample_sizes"):
+        mc.convergence(a, a, exact=5, sample_sizes=[100])
+    with pytest.raises(TypeError, match="report"):
+        mc.plot_convergence("nope")
+    with pytest.raises(ValueError, match="non-finite"):
+        mc.estimate_inner(Linear([[math.nan, 1.0]]), a, 100)
+
+
+def test_estimate_helpers():
+    e = mc.MCEstimate(1.0, 0.5, 100)
+    assert e.z_score(2.0) == -2.0 and float(e) == 1.0
+    assert e.interval(2.0) == (0.0, 2.0)
+    assert mc.MCEstimate(1.0, 0.0, 10).z_score(1.0) == 0.0
+    assert mc.MCEstimate(1.0, 0.0, 10).z_score(0.0) == math.inf
