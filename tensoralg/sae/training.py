@@ -119,8 +119,11 @@ def as_activations(data, name: str = "data"):
 def _rows(data, idx: torch.Tensor, dtype, device) -> torch.Tensor:
     if isinstance(data, torch.Tensor):
         return data[idx.to(data.device)].to(device=device, dtype=dtype)
-    sorted_idx = np.sort(idx.numpy())
-    return torch.from_numpy(np.asarray(data[sorted_idx], dtype=np.float64)).to(device=device, dtype=dtype)
+    idx_np = idx.numpy()
+    order = np.argsort(idx_np, kind="stable")   # read the memmap in increasing row order
+    rows = np.empty((len(idx_np), data.shape[1]), dtype=np.float64)
+    rows[order] = data[idx_np[order]]           # ... and put the rows back in batch order
+    return torch.from_numpy(rows).to(device=device, dtype=dtype)
 
 
 class _Batches:
@@ -270,7 +273,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         loss = parts["loss"]
         if not bool(torch.isfinite(loss)):
             where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-            raise TrainingDiverged(f"loss became {float(loss)} at step {step} (recon="
+            raise TrainingDiverged(f"loss became {float(loss.detach())} at step {step} (recon="
                                    f"{float(parts['recon'])}, rip={float(parts['rip'])}); "
                                    f"{where}; try a smaller lr", step, last_good)
         opt.zero_grad(set_to_none=True)
