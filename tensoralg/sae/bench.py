@@ -103,7 +103,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         D_true, Z_true = eval_data.W_dec, eval_data.z
     else:
         arr = as_activations(data)
-        full = torch.as_tensor(np.asarray(arr, dtype=np.float32)) if not isinstance(arr, torch.Tensor) else arr.float()
+        full = torch.from_numpy(np.array(arr, dtype=np.float32)) if not isinstance(arr, torch.Tensor) else arr.float()
         n_eval = max(1, len(full) // 5)
         x_train, x_eval = full[:-n_eval], full[-n_eval:]
         cfg["d"], cfg["n_train"], cfg["n_eval"] = full.shape[1], len(x_train), n_eval

@@ -93,6 +93,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_stability(args) -> int:
+    import numpy as np
     import torch
 
     from verify.identifiability import compare, random_baseline
@@ -106,7 +107,7 @@ def _cmd_stability(args) -> int:
     z_a = z_b = None
     if args.data is not None:
         x = as_activations(args.data, "--data")
-        x = torch.as_tensor(x[: args.max_samples]).to(a.W_dec.dtype)
+        x = torch.as_tensor(np.array(x[: args.max_samples], dtype=np.float64)).to(a.W_dec.dtype)
         if x.shape[1] != a.cfg.d_in:
             raise ValueError(f"--data: expected d_in={a.cfg.d_in} columns, got shape {tuple(x.shape)}")
         with torch.no_grad():
