@@ -176,20 +176,56 @@ def _check_pair(a, b) -> Tuple[Any, Any]:
     return a, b
 
 
-def gaussian_inner_exact(a: Any, b: Any, *, max_monomials: int = DEFAULT_MAX_MONOMIALS,
-                         max_work: int = DEFAULT_MAX_WORK) -> Fraction:
+def _select_output(polys: List[Poly], output: Any, n_out: int) -> List[Poly]:
+    """The polynomials for one output slice (see :func:`gaussian_inner_exact`)."""
+    if output is None or (isinstance(output, str) and output == "each"):
+        return polys
+    if isinstance(output, (int, np.integer)) and not isinstance(output, bool):
+        if not -n_out <= int(output) < n_out:
+            raise ValueError(f"output: class index {output} out of range for {n_out} outputs")
+        return [polys[int(output)]]
+    if isinstance(output, str):
+        raise ValueError(f"output: expected None, an int, 'each' or a vector, got {output!r}")
+    u = np.asarray(output, dtype=object).reshape(-1) if not hasattr(output, "detach") else \
+        np.asarray(output.detach().cpu().double().numpy(), dtype=object).reshape(-1)
+    if u.shape != (n_out,):
+        raise ValueError(f"output: a direction vector must have shape ({n_out},), got {u.shape}")
+    p: Poly = {}
+    for w, q in zip(u, polys):
+        add_scaled(p, q, _frac(w))
+    return [p]
+
+
+def gaussian_inner_exact(a: Any, b: Any, *, output: Any = None,
+                         max_monomials: int = DEFAULT_MAX_MONOMIALS,
+                         max_work: int = DEFAULT_MAX_WORK):
     """``<a, b>_G = sum_o E_{x~N(0,I)}[f_a(x)_o f_b(x)_o]`` exactly, by polynomial expansion.
 
     The independent (slow, exact) counterpart of ``tensoralg.inner(a, b, method="exact")``.
 
+    Args:
+        output: ``None`` (sum over outputs), an int ``c`` (``E[f_a,c f_b,c]``), ``"each"``
+            (a list of per-output values) or a vector ``u`` of length ``out_features``
+            (``E[(u.f_a)(u.f_b)]``; floats converted exactly).
+
+    Returns:
+        a ``Fraction`` (a list of Fractions for ``output="each"``).
+
     Raises:
-        ValueError: different input or output sizes; ExpansionTooLarge over the limits.
+        ValueError: different input or output sizes, a bad ``output``;
+            ExpansionTooLarge over the limits.
     """
     a, b = _check_pair(a, b)
+    n_out = a.out_features
+    _select_output([{}] * n_out, output, n_out)  # validate before the expansion
     pa = expand(a, max_monomials=max_monomials, max_work=max_work, name="a")
     pb = pa if b is a else expand(b, max_monomials=max_monomials, max_work=max_work, name="b")
+    pa, pb = _select_output(pa, output, n_out), _select_output(pb, output, n_out)
     budget = Budget(max_work, "inner product")
-    return sum((gaussian_inner(p, q, budget) for p, q in zip(pa, pb)), Fraction(0))
+    vals = [gaussian_inner(p, q, budget) for p, q in zip(pa, pb)]
+    if isinstance(output, str) and output == "each":
+        return vals
+    return sum(vals, Fraction(0))
 
 
 @dataclass
