@@ -91,8 +91,8 @@ def _output_projection(U, root: np.ndarray) -> np.ndarray:
     return np.einsum("ko,no...->nk...", U, body)
 
 
-def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, side: str
-                ) -> _Side:
+def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, side: str,
+                precontract: bool = True) -> _Side:
     N = can.arrays()[0].shape[0]
     batch = labels.new(N)
     tensors: list = []
@@ -105,6 +105,7 @@ def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, 
         return _Side(tensors, leaves, kinds, batch)
     depth = can.depth
     copy_counter = [0]
+    stages = _pruned_stages(can, _output_projection(U, can.stages[-1].D))
 
     def build(stage: int, D: np.ndarray, parent_label: str, path: str):
         H = D.shape[-1]
@@ -112,19 +113,18 @@ def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, 
         tensors.append((D, (batch, parent_label, h), f"{side}.D{stage + 1}{path}"))
         copy_id = copy_counter[0]
         copy_counter[0] += 1
-        st = can.stages[stage]
-        for fac, arr in (("L", st.L), ("R", st.R)):
+        L, R, _ = stages[stage]
+        for fac, arr in (("L", L), ("R", R)):
             if stage == 0:
                 leaves.append((arr, h, f"{side}.{fac}{stage + 1}{path}"))
                 kinds.append((copy_id, fac))
             else:
                 child = labels.new(arr.shape[-1])
                 tensors.append((arr, (batch, h, child), f"{side}.{fac}{stage + 1}{path}"))
-                build(stage - 1, can.stages[stage - 1].D, child, path + fac.lower())
+                build(stage - 1, stages[stage - 1][2], child, path + fac.lower())
 
-    root = _output_projection(U, can.stages[-1].D)
-    build(depth - 1, root, out_label, "")
-    if len(tensors) > 1:
+    build(depth - 1, stages[-1][2], out_label, "")
+    if precontract and len(tensors) > 1:
         # Pre-contract the non-leaf part of the tree once (it is the same in every Wick
         # configuration): T[batch, out, hidden index of each first-stage copy].
         leaf_h = list(dict.fromkeys(h for _, h, _ in leaves))
@@ -138,6 +138,34 @@ def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, 
 
 
 _MAX_PRECONTRACT = 1 << 26
+
+
+def _nonzero(x: np.ndarray, axes) -> np.ndarray:
+    return np.any(x != 0, axis=axes)
+
+
+def _pruned_stages(can: Canonical, root: np.ndarray) -> list:
+    """Zero patterns, removed exactly: hidden units whose ``D`` column, ``L`` row or ``R`` row is
+    zero in every model contribute nothing, and an intermediate coordinate that no factor of the
+    next stage reads is dropped (from ``D`` rows and the next factors' columns). The input
+    coordinates of the first stage (``x~``) are kept. ``root`` is the output-projected ``D`` of
+    the last stage."""
+    st = [[s.L, s.R, s.D] for s in can.stages]
+    st[-1][2] = root
+    for k in range(len(st) - 1, -1, -1):
+        L, R, D = st[k]
+        keep = _nonzero(D, (0, 1)) & _nonzero(L, (0, 2)) & _nonzero(R, (0, 2))
+        if not keep.any():
+            keep[0] = True  # an all-zero network keeps one (zero) unit
+        L, R, D = L[:, keep], R[:, keep], D[:, :, keep]
+        if k > 0:
+            used = _nonzero(L, (0, 1)) | _nonzero(R, (0, 1))
+            if not used.any():
+                used[0] = True
+            L, R = L[:, :, used], R[:, :, used]
+            st[k - 1][2] = st[k - 1][2][:, used, :]
+        st[k] = [L, R, D]
+    return st
 
 
 def _leaf_generators(can: Canonical, offset: int) -> list[tuple[list[int], int]]:
@@ -440,13 +468,14 @@ def to_graph(a: Any, b: Any = None, output: Any = None) -> nx.Graph:
     labels = _Labels()
     out = labels.new(net_a.out_features)
     U = np.eye(net_a.out_features)
-    sides = [("a", _build_side(can_a, U, labels, out, "a"))]
+    sides = [("a", _build_side(can_a, U, labels, out, "a", precontract=False))]
     if b is not None:
         net_b = as_network(b, "b")
         if net_b.out_features != net_a.out_features:
             raise ValueError(f"b: output size {net_b.out_features} differs from a's "
                              f"{net_a.out_features}")
-        sides.append(("b", _build_side(stack([canonicalize(net_b)]), U, labels, out, "b")))
+        sides.append(("b", _build_side(stack([canonicalize(net_b)]), U, labels, out, "b",
+                                       precontract=False)))
     g = nx.Graph()
     for name, side in sides:
         for arr, labs, node in side.tensors:

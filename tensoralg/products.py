@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .canonical import Canonical, Stage, canonicalize, stack
-from .layers import Layer, as_network
+from .layers import Layer, _map_arrays, as_network
 from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
                       CostTooHigh, JoinedNetwork)
 
@@ -171,6 +171,10 @@ def _normalize(can: Canonical) -> tuple[Canonical, np.ndarray]:
     return Canonical(can.d, can.out, stages, None, False), carry
 
 
+def _fraction_array(arr: np.ndarray) -> np.ndarray:
+    return np.vectorize(Fraction, otypes=[object])(arr)
+
+
 def _to_exact(can: Canonical) -> Canonical:
     if can.exact:
         return can
@@ -191,6 +195,9 @@ def _networks(models: Any, name: str) -> list[Layer]:
 
 
 def _stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, np.ndarray]:
+    if backend == "exact":
+        # floats are converted exactly (Fraction(float)) before any folding arithmetic
+        nets = [n if n.is_exact else _map_arrays(n, _fraction_array) for n in nets]
     cans = [canonicalize(n) for n in nets]
     if backend == "exact":
         cans = [_to_exact(c) for c in cans]

@@ -1,0 +1,114 @@
+"""The tensor-network graph, the plan (cost summary), symmetry reduction and the path cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import networkx as nx
+import numpy as np
+import pytest
+
+import tensoralg as ta
+from tensoralg import network
+from tensoralg.wick import group_closure, orbits, partial_matchings, telephone
+from netgen import brute_inner, rand_bilinear, rand_network
+
+
+def test_telephone_numbers_match_enumeration():
+    for n in range(9):
+        assert telephone(n) == sum(1 for _ in partial_matchings(n))
+    assert [telephone(n) for n in (4, 8, 16)] == [10, 764, 46206736]
+
+
+def test_orbit_sizes_sum_to_the_configurations():
+    ms = list(partial_matchings(4))
+    group = group_closure([[1, 0, 2, 3], [2, 3, 0, 1]], 4)
+    reps = orbits(ms, group)
+    assert sum(w for _, w in reps) == len(ms)
+    assert len(reps) < len(ms)
+
+
+def test_graph_has_hyperedges_and_legs():
+    rng = np.random.default_rng(0)
+    net = ta.Sequential([rand_bilinear(rng, 3, 4, 3), rand_bilinear(rng, 3, 2, 2)])
+    g = ta.to_graph(net)
+    assert isinstance(g, nx.Graph)
+    tensors = [n for n, d in g.nodes(data=True) if d["kind"] == "tensor"]
+    legs = [n for n, d in g.nodes(data=True) if d.get("leg")]
+    assert len(legs) == 4  # depth 2: 2**2 copies of x~
+    # the hidden index of every first-stage copy is a hyperedge (D, L, R)
+    hyper = [n for n, d in g.nodes(data=True) if d["kind"] == "index" and g.degree(n) == 3]
+    assert len(hyper) >= 3
+    assert nx.is_bipartite(g) and nx.is_connected(g)
+    joined = ta.to_graph(net, net)
+    out = [n for n, d in joined.nodes(data=True) if d.get("output")]
+    assert len(out) == 1 and joined.degree(out[0]) == 2 and not joined.nodes[out[0]]["open"]
+    assert len(tensors) > 0
+
+
+def test_plan_counts_and_symmetry_is_checked_not_assumed():
+    rng = np.random.default_rng(1)
+    f = rand_bilinear(rng, 3, 4, 2)
+    sym = ta.Bilinear(f.left, f.left, f.down, f.left_bias, f.left_bias, f.down_bias)
+    p = ta.plan(f, sym)
+    assert p.n_configurations == 10 and p.group_order == 2  # only b's L == R swap
+    assert ta.plan(sym).group_order == 8  # two swaps and a <-> b
+    # x1 * x2: swapping L and R keeps the FUNCTION but not the tensor network: not used
+    prod = ta.Bilinear([[1.0, 0.0]], [[0.0, 1.0]], [[1.0]])
+    assert ta.plan(prod, ta.Bilinear([[1.0, 1.0]], [[1.0, -1.0]], [[1.0]])).group_order == 1
+    assert ta.plan(prod).group_order == 2  # a <-> b only
+    # zero patterns: no biases -> legs cannot be capped
+    nob = rand_bilinear(rng, 3, 4, 2, biases=False)
+    assert ta.plan(nob, nob).n_nonzero == 3  # perfect matchings of 4 legs
+    assert "FLOPs" in p.summary()
+
+
+def test_symmetry_reduced_sum_equals_unreduced():
+    rng = np.random.default_rng(2)
+    l1 = rand_bilinear(rng, 2, 3, 3)
+    l1 = ta.Bilinear(l1.left, l1.left, l1.down, l1.left_bias, l1.left_bias, l1.down_bias)
+    l2 = rand_bilinear(rng, 3, 2, 2)
+    l2 = ta.Bilinear(l2.left, l2.left, l2.down, l2.left_bias, l2.left_bias, l2.down_bias)
+    net = ta.Sequential([l1, l2])
+    p = ta.plan(net)
+    assert p.group_order == 128 and p.n_orbits < p.n_nonzero
+    assert ta.inner(net, net, backend="exact") == brute_inner(net, net)
+
+
+def test_path_cache_on_disk_is_reused_across_processes(tmp_path):
+    code = (
+        "import numpy as np, tensoralg as ta, json\n"
+        "rng = np.random.default_rng(0)\n"
+        "a = ta.Sequential([ta.Bilinear(*rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 2))),"
+        " ta.Bilinear(*rng.standard_normal((2, 1, 2)), rng.standard_normal((1, 1)))])\n"
+        "from tensoralg import network\n"
+        "calls = []\n"
+        "orig = network.oe.contract_path\n"
+        "def spy(*a, **k):\n"
+        "    calls.append(k.get('shapes', False)); return orig(*a, **k)\n"
+        "network.oe.contract_path = spy\n"
+        "v = ta.inner(a, a)\n"
+        "print(json.dumps([v, sum(calls)]))\n")
+    env = {"TENSORALG_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    first = json.loads(subprocess.check_output([sys.executable, "-c", code], env=env))
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    second = json.loads(subprocess.check_output([sys.executable, "-c", code], env=env))
+    assert first[1] > 0 and second[1] == 0  # no path search the second time
+    assert first[0] == second[0]
+    # a corrupt cache file is recomputed, not trusted
+    files[0].write_text("{not json")
+    third = json.loads(subprocess.check_output([sys.executable, "-c", code], env=env))
+    assert third[0] == first[0] and third[1] == first[1]
+
+
+def test_same_path_runs_on_every_backend():
+    rng = np.random.default_rng(3)
+    a = rand_network(rng, "embed_bilinear_head")
+    b = rand_network(rng, "embed_bilinear_head")
+    vals = [ta.inner(a, b), float(ta.inner(a, b, backend="exact"))]
+    pytest.importorskip("torch")
+    vals.append(ta.inner(a, b, backend="torch", device="cpu"))
+    assert max(vals) - min(vals) <= 1e-12 * abs(vals[1]) + 1e-300
