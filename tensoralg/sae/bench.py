@@ -19,7 +19,6 @@ here), ``config`` and ``tensoralg_version``.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from pathlib import Path
 
@@ -210,9 +209,12 @@ def format_table(r: dict) -> str:
         o = r["oracle"]
         lines.append(f"| OMP oracle (true D) | {_fmt(o['fvu'])} | — | — | — | 1.000 | "
                      f"{_fmt(o['gt_code_iou'])} | {_fmt(o['gt_code_l2'])} | {_fmt(o['rip_delta'])} | — | — | — | — |")
+    if r.get("findings"):
+        lines.append("")
     for key, f in r.get("findings", {}).items():
-        lines.append(f"\n- {f['claim']}: {'holds' if f['holds'] else 'does NOT hold'} here "
-                     f"({key} = {json.dumps(f['value'], default=lambda v: round(v, 4))})")
+        val = f["value"]
+        val = ", ".join(f"{v:.3f}" for v in val) if isinstance(val, list) else _fmt(val)
+        lines.append(f"- {f['claim']}: {'holds' if f['holds'] else 'does NOT hold'} here ({key} = {val})")
     return "\n".join(lines)
 
 
