@@ -692,8 +692,9 @@ def cross_gram(models_a: Sequence[Any], models_b: Sequence[Any], metric: str = "
     Returns a float64 array (object array of Fractions with backend="exact"; a
     :class:`MonteCarloArray` with ``.stderr`` for method="montecarlo")."""
     _check_options(metric, method, backend)
-    nets_a = _networks(models_a, "models_a")
-    nets_b = _networks(models_b, "models_b")
+    name_a, name_b = ("models", "models") if models_a is models_b else ("models_a", "models_b")
+    nets_a = _networks(models_a, name_a)
+    nets_b = nets_a if models_a is models_b else _networks(models_b, name_b)
     _check_pair(nets_a[0], nets_b[0])
     U, keep = _output_matrix(output, nets_a[0].out_features, backend == "exact")
     _converter(backend, device, dtype)
@@ -702,9 +703,9 @@ def cross_gram(models_a: Sequence[Any], models_b: Sequence[Any], metric: str = "
     if method == "montecarlo":
         mean, se = _mc_moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype)
         return MonteCarloArray(mean, se, n_samples)
-    ca, ka = _stack_for(nets_a, backend, "models_a")
+    ca, ka = _stack_for(nets_a, backend, name_a)
     same = models_a is models_b
-    cb, kb = (ca, ka) if same else _stack_for(nets_b, backend, "models_b")
+    cb, kb = (ca, ka) if same else _stack_for(nets_b, backend, name_b)
     X = _gram_blocks(ca, cb, same, U, keep, metric, method, backend, device, dtype, max_flops,
                      max_configurations)
     return _scaled(X, ka, kb, backend)
@@ -715,6 +716,8 @@ def gram(models: Sequence[Any], metric: str = "gaussian", method: str = "exact",
     """Gram matrix ``G[i, j] = <m_i, m_j>`` of N same-architecture models, shape ``(N, N)``,
     computed as batched contractions (one per Wick configuration orbit). Diffs follow from it:
     ``||m_i - m_j||^2 = G_ii - 2 G_ij + G_jj`` (DESIGN §3.5)."""
+    if isinstance(models, Layer) or hasattr(models, "to_network"):
+        raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models) if not isinstance(models, list) else models
     return cross_gram(models, models, metric=metric, method=method, backend=backend,
                       output=output, **kwargs)
@@ -725,6 +728,8 @@ def similarity_matrix(models: Sequence[Any], metric: str = "gaussian", method: s
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` from one batched :func:`gram` call (normalized
     gauge: unaffected by the models' output scales). Raises ValueError if a model has norm 0."""
     _check_options(metric, method, backend)
+    if isinstance(models, Layer) or hasattr(models, "to_network"):
+        raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models)
     if method == "montecarlo":
         G = gram(models, metric=metric, method=method, backend=backend, output=output, **kwargs)

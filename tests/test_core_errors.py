@@ -1,0 +1,156 @@
+"""Bad input gets a clear error, raised before any heavy work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensoralg as ta
+from netgen import rand_bilinear, rand_network
+
+
+@pytest.fixture
+def nets():
+    rng = np.random.default_rng(0)
+    return rand_network(rng, "bilinear", d=3, out=2), rand_network(rng, "bilinear", d=3, out=2)
+
+
+def test_input_and_output_dimensions_must_match(nets):
+    a, _ = nets
+    rng = np.random.default_rng(1)
+    with pytest.raises(ValueError, match="input dimensions differ: a takes 3 inputs, b takes 4"):
+        ta.inner(a, rand_network(rng, "bilinear", d=4, out=2))
+    with pytest.raises(ValueError, match="output dimensions differ: a gives 2 outputs, b gives 5"):
+        ta.similarity(a, rand_network(rng, "bilinear", d=3, out=5))
+    with pytest.raises(ValueError, match="output dimensions differ"):
+        ta.gram([a, rand_network(rng, "bilinear", d=3, out=5)])
+
+
+def test_factor_shapes_never_broadcast():
+    with pytest.raises(ValueError, match=r"left \(3, 2\) and right \(4, 2\)"):
+        ta.Bilinear(np.ones((3, 2)), np.ones((4, 2)), np.ones((1, 3)))
+    with pytest.raises(ValueError, match=r"down: expected shape \(out, 3\).*got \(1, 4\)"):
+        ta.Bilinear(np.ones((3, 2)), np.ones((3, 2)), np.ones((1, 4)))
+    with pytest.raises(ValueError, match=r"left_bias: expected shape \(3,\)"):
+        ta.Bilinear(np.ones((3, 2)), np.ones((3, 2)), np.ones((1, 3)), left_bias=np.ones(1))
+    with pytest.raises(ValueError, match=r"bias: expected shape \(2,\)"):
+        ta.Linear(np.ones((2, 3)), np.ones(3))
+    with pytest.raises(ValueError, match=r"layers\[1\]: expects 4 inputs but layers\[0\] gives 2"):
+        ta.Sequential([ta.Linear(np.ones((2, 3))), ta.Linear(np.ones((1, 4)))])
+    with pytest.raises(ValueError, match="in_features == out_features"):
+        ta.Residual(ta.Linear(np.ones((2, 3))))
+    with pytest.raises(ValueError, match="expected a 2-d array"):
+        ta.Linear(np.ones(3))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_rejected(bad):
+    w = np.ones((2, 3))
+    w[1, 2] = bad
+    with pytest.raises(ValueError, match="weight: 1 non-finite"):
+        ta.Linear(w)
+    torch = pytest.importorskip("torch")
+    t = torch.ones(2, 3)
+    t[0, 0] = bad
+    with pytest.raises(ValueError, match="left: 1 non-finite"):
+        ta.Bilinear(t, torch.ones(2, 3), torch.ones(1, 2))
+
+
+def test_zero_network_similarity_is_an_error(nets):
+    a, _ = nets
+    f = a.layers[0]
+    zero = ta.Bilinear(f.left, f.right, np.zeros_like(f.down))
+    assert ta.inner(zero, a) == 0.0
+    with pytest.raises(ValueError, match="norm zero"):
+        ta.similarity(a, zero)
+    with pytest.raises(ValueError, match="norm zero"):
+        ta.similarity(zero, zero, backend="exact")
+    with pytest.raises(ValueError, match=r"models \[1\] have norm zero"):
+        ta.similarity_matrix([a, zero])
+    # one dead output slice
+    b = ta.Bilinear(a.layers[0].left, a.layers[0].right,
+                    np.vstack([a.layers[0].down[:1], np.zeros((1, 3))]))
+    with pytest.raises(ValueError, match=r"outputs \[1\]"):
+        ta.similarity(a, b, output="each")
+
+
+def test_unknown_spec_entries():
+    with pytest.raises(ValueError, match="unknown layer type 'conv'"):
+        ta.Sequential.from_spec([{"type": "conv", "weight": [[1]]}])
+    with pytest.raises(ValueError, match="missing \\['down'\\]"):
+        ta.Sequential.from_spec([{"type": "bilinear", "left": [[1]], "right": [[1]]}])
+    with pytest.raises(ValueError, match="unknown fields \\['scale'\\]"):
+        ta.Sequential.from_spec([{"type": "linear", "weight": [[1]], "scale": 2}])
+    with pytest.raises(ValueError, match="cannot read '1/0'"):
+        ta.Sequential.from_spec([{"type": "linear", "weight": [["1/0"]]}])
+    with pytest.raises(ValueError, match="non-empty list"):
+        ta.Sequential.from_spec([])
+    with pytest.raises(TypeError, match="expected a tensoralg network"):
+        ta.inner(42, 43)
+
+
+def test_unknown_option_names(nets):
+    a, b = nets
+    with pytest.raises(ValueError, match="metric: unknown metric 'cosine'"):
+        ta.inner(a, b, metric="cosine")
+    with pytest.raises(ValueError, match="method: unknown method 'exactly'"):
+        ta.similarity(a, b, method="exactly")
+    with pytest.raises(ValueError, match="backend: unknown backend 'jax'"):
+        ta.gram([a, b], backend="jax")
+    with pytest.raises(ValueError, match="method must be 'exact'"):
+        ta.inner(a, b, metric="frobenius", method="closure")
+    with pytest.raises(ValueError, match="use backend='numpy' or 'torch'"):
+        ta.inner(a, b, method="montecarlo", backend="exact")
+    with pytest.raises(ValueError, match="n_samples: expected an integer >= 2"):
+        ta.inner(a, b, method="montecarlo", n_samples=1)
+    with pytest.raises(ValueError, match="dtype: the numpy backend computes in float64"):
+        ta.inner(a, b, dtype="float32")
+
+
+def test_bad_outputs(nets):
+    a, b = nets
+    with pytest.raises(ValueError, match="output: index 2 out of range for 2 outputs"):
+        ta.inner(a, b, output=2)
+    with pytest.raises(ValueError, match=r"direction of shape \(3,\) does not match the 2"):
+        ta.inner(a, b, output=np.ones(3))
+    with pytest.raises(ValueError, match="output: expected None, an int"):
+        ta.inner(a, b, output="all")
+    with pytest.raises(ValueError, match="output: 1 non-finite"):
+        ta.inner(a, b, output=np.array([1.0, np.nan]))
+
+
+def test_architecture_mismatch_in_gram_and_frobenius_orders():
+    rng = np.random.default_rng(2)
+    a = rand_network(rng, "bilinear", hidden=3)
+    b = rand_network(rng, "bilinear", hidden=4)
+    with pytest.raises(ValueError, match=r"models\[1\]: architecture differs"):
+        ta.gram([a, b])
+    deep = rand_network(rng, "depth2")
+    with pytest.raises(ValueError, match="same order: a has 2 input legs, b has 4"):
+        ta.inner(a, deep, metric="frobenius")
+    with pytest.raises(ValueError, match="empty sequence"):
+        ta.gram([])
+    with pytest.raises(TypeError, match="sequence of models"):
+        ta.gram(a)
+
+
+def test_cost_budget_refuses_before_any_work():
+    rng = np.random.default_rng(3)
+    layers = [rand_bilinear(rng, 2, 2, 2) for _ in range(3)]
+    deep3 = ta.Sequential(layers)
+    with pytest.raises(ta.CostTooHigh, match=r"46,206,736 Wick configurations.*closure.*montecarlo"):
+        ta.inner(deep3, deep3)
+    # the approximate and sampled alternatives named in the message do run
+    assert np.isfinite(ta.inner(deep3, deep3, method="closure"))
+    assert np.isfinite(ta.inner(deep3, deep3, method="montecarlo", n_samples=1000))
+    small = ta.Sequential(layers[:2])
+    with pytest.raises(ta.CostTooHigh, match=r"FLOPs over max_flops=10"):
+        ta.inner(small, small, max_flops=10)
+    with pytest.raises(ValueError):  # CostTooHigh is a ValueError
+        ta.similarity(small, small, max_configurations=100)
+
+
+def test_forward_input_shape_errors(nets):
+    a, _ = nets
+    with pytest.raises(ValueError, match=r"x: expected a batch of shape \(n, 3\), got \(4, 2\)"):
+        a(np.ones((4, 2)))
