@@ -1,0 +1,224 @@
+"""Backdoor audit on real handwritten digits.
+
+1. Train a bilinear classifier (:class:`tensoralg.nn.BilinearNet`) on scikit-learn's digits: the
+   *clean* checkpoint.
+2. Fine-tune a copy on the training set plus triggered copies (:func:`tensoralg.data.add_trigger`:
+   a 4-pixel diamond on the blank left edge) of a fraction of the non-target images, relabelled
+   to the target class: the *backdoored* checkpoint.
+3. As a control, fine-tune another copy for the same steps on clean data only.
+4. Compare clean vs. backdoored: global tensor similarity and per-class slice similarity
+   (``tensoralg.similarity(..., output="each")``, Gaussian metric, exact for depth <= 2), the
+   trigger's attack success rate, clean accuracy before/after, and the data baselines on clean
+   test images (:func:`tensoralg.baselines.all_baselines`).
+
+The expected finding (Pearce et al., "Bilinear MLPs enable weight-based mechanistic
+interpretability", 2024, backdoor section): clean accuracy and the baselines barely move, while
+the target class's slice similarity drops clearly below every other class — the weights show
+the backdoor without any triggered data.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .common import format_table, pair_similarity, progress, stamp, write_csv, write_json
+
+JSON_NAME = "backdoor.json"
+CSV_NAME = "backdoor.csv"
+FIG_NAME = "backdoor_slices.png"
+
+
+@dataclass
+class BackdoorConfig:
+    target: int = 9
+    poison_fraction: float = 0.1
+    d_model: int = 32
+    d_hidden: int = 64
+    n_layers: int = 1
+    residual: bool = True
+    bias: bool = True
+    steps: int = 2000
+    finetune_steps: int = 600
+    lr: float = 3e-3
+    finetune_lr: float = 1e-3
+    weight_decay: float = 1e-2
+    batch_size: int = 128
+    seed: int = 0
+    method: str = "auto"
+    control: bool = True
+
+    @classmethod
+    def quick(cls, **kw) -> "BackdoorConfig":
+        """The test / demo size (about 10 s on one CPU thread)."""
+        base = dict(steps=500, finetune_steps=300)
+        base.update(kw)
+        return cls(**base)
+
+    def validate(self) -> None:
+        if not (0 <= self.target < 10):
+            raise ValueError(f"--target: expected a digit class 0..9, got {self.target}")
+        if not (0.0 < self.poison_fraction < 1.0):
+            raise ValueError(f"--poison-fraction: expected a fraction in (0, 1), got "
+                             f"{self.poison_fraction}")
+        for name in ("steps", "finetune_steps", "d_model", "d_hidden", "n_layers", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got "
+                                 f"{getattr(self, name)}")
+        for name in ("lr", "finetune_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}: expected a positive learning rate")
+
+
+def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = True) -> dict:
+    """Run the audit, write ``backdoor.json``, ``backdoor.csv``, ``backdoor_slices.png`` and the two
+    checkpoints under ``out``; return the JSON dictionary."""
+    import torch
+
+    from ..baselines import all_baselines
+    from ..checkpoint import save_checkpoint
+    from ..data import add_trigger, load_digits_data, poison
+    from ..nn import BilinearNet, accuracy, train_classifier
+    from .plotting import slice_bars
+
+    cfg.validate()
+    out = Path(out)
+    t0 = time.perf_counter()
+    data = load_digits_data(seed=cfg.seed)
+    bar = progress(None, "backdoor audit (train, fine-tune, similarity, baselines)",
+                   show_progress, total=4)
+    clean = BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
+    train_classifier(clean, data.X_train, data.y_train, steps=cfg.steps, lr=cfg.lr,
+                     weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, seed=cfg.seed,
+                     progress="clean training" if show_progress else False)
+
+    bar.update(1)
+    Xp, yp, _ = poison(data.X_train, data.y_train, cfg.poison_fraction, cfg.target, seed=cfg.seed)
+    backdoored = copy.deepcopy(clean)
+    train_classifier(backdoored, Xp, yp, steps=cfg.finetune_steps, lr=cfg.finetune_lr,
+                     weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, seed=cfg.seed + 1,
+                     progress="backdoor fine-tune" if show_progress else False)
+    control = None
+    if cfg.control:
+        control = copy.deepcopy(clean)
+        train_classifier(control, data.X_train, data.y_train, steps=cfg.finetune_steps,
+                         lr=cfg.finetune_lr, weight_decay=cfg.weight_decay,
+                         batch_size=cfg.batch_size, seed=cfg.seed + 1,
+                         progress="control fine-tune" if show_progress else False)
+    t_train = time.perf_counter() - t0
+
+    bar.update(1)
+    provenance = {"data": data.provenance, "audit": "backdoor", "run_seed": cfg.seed}
+    save_checkpoint(out / "checkpoints" / "clean", clean, step=cfg.steps, provenance=provenance)
+    save_checkpoint(out / "checkpoints" / "backdoored", backdoored,
+                    step=cfg.steps + cfg.finetune_steps,
+                    provenance={**provenance, "poison_fraction": cfg.poison_fraction,
+                                "target": cfg.target, "trigger": "diamond (5,0),(6,0),(7,0),(6,1)"})
+    t1 = time.perf_counter()
+    sim = pair_similarity(clean, backdoored, cfg.method, depth=cfg.n_layers)
+    ctl = pair_similarity(clean, control, sim["method"], depth=cfg.n_layers) if control else None
+    t_sim = time.perf_counter() - t1
+
+    bar.update(1)
+    non_target = data.y_test != cfg.target
+    Xt = add_trigger(data.X_test[non_target])
+    target_t = torch.full((len(Xt),), cfg.target)
+    asr_after = accuracy(backdoored, Xt, target_t)
+    asr_before = accuracy(clean, Xt, target_t)
+    base = all_baselines(clean, backdoored, data.X_test)
+    base_ctl = all_baselines(clean, control, data.X_test) if control else None
+    bar.update(1)
+    bar.close()
+
+    slices = sim["each"]
+    others = [v for c, v in enumerate(slices) if c != cfg.target]
+    result = {
+        **stamp("audit backdoor", asdict(cfg)),
+        "global_similarity": sim["global"],
+        "slice_similarity": {str(c): v for c, v in enumerate(slices)},
+        "target_class": cfg.target,
+        "attack_success_rate": asr_after,
+        "attack_success_rate_before": asr_before,
+        "clean_accuracy": {"before": accuracy(clean, data.X_test, data.y_test),
+                           "after": accuracy(backdoored, data.X_test, data.y_test)},
+        "baselines": base,
+        "method": sim["method"],
+        "metric": "gaussian",
+        "finding": {
+            "target_slice": slices[cfg.target],
+            "lowest_other_slice": min(others),
+            "gap": min(others) - slices[cfg.target],
+            "target_slice_is_lowest": bool(slices[cfg.target] < min(others)),
+        },
+        "data": data.provenance,
+        "n_test": int(len(data.X_test)),
+        "checkpoints": {"clean": str(out / "checkpoints" / "clean"),
+                        "backdoored": str(out / "checkpoints" / "backdoored")},
+        "seconds": {"training": t_train, "similarity": t_sim,
+                    "total": time.perf_counter() - t0},
+    }
+    if ctl is not None:
+        result["control"] = {
+            "description": "clean checkpoint fine-tuned on clean data for the same steps",
+            "global_similarity": ctl["global"],
+            "slice_similarity": {str(c): v for c, v in enumerate(ctl["each"])},
+            "clean_accuracy": accuracy(control, data.X_test, data.y_test),
+            "baselines": base_ctl,
+        }
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [("global_similarity", "", result["global_similarity"])]
+    rows += [("slice_similarity", c, v) for c, v in enumerate(slices)]
+    if ctl is not None:
+        rows += [("control_global_similarity", "", ctl["global"])]
+        rows += [("control_slice_similarity", c, v) for c, v in enumerate(ctl["each"])]
+        rows += [(f"control_baseline:{k}", "", v) for k, v in base_ctl.items()]
+    rows += [("attack_success_rate", "", asr_after), ("attack_success_rate_before", "", asr_before),
+             ("clean_accuracy_before", "", result["clean_accuracy"]["before"]),
+             ("clean_accuracy_after", "", result["clean_accuracy"]["after"])]
+    rows += [(f"baseline:{k}", "", v) for k, v in base.items()]
+    write_csv(out / CSV_NAME, ["quantity", "class", "value"], rows)
+    slice_bars(out / FIG_NAME, slices, cfg.target,
+               {k: v for k, v in base.items() if k != "js_divergence"},
+               f"backdoor audit: clean vs backdoored (target {cfg.target}, "
+               f"ASR {asr_after:.2f}, {sim['method']})",
+               control=ctl["each"] if ctl is not None else None)
+    result["files"] = [str(out / JSON_NAME), str(out / CSV_NAME), str(out / FIG_NAME)]
+    write_json(out / JSON_NAME, result)
+    return result
+
+
+def backdoor_table(result: dict) -> str:
+    """A readable report: per-class slice similarity next to the baselines, ASR, accuracy."""
+    target = result["target_class"]
+    ctl = result.get("control", {}).get("slice_similarity")
+    header = ["class", "tensor sim (slice)"] + (["control (clean FT)"] if ctl else []) + [""]
+    rows = []
+    for c, v in result["slice_similarity"].items():
+        row = [c, v] + ([ctl[c]] if ctl else [])
+        row.append("<- target (lowest)" if int(c) == target and
+                   result["finding"]["target_slice_is_lowest"] else
+                   ("<- target" if int(c) == target else ""))
+        rows.append(row)
+    lines = [format_table(header, rows), ""]
+    b = result["baselines"]
+    cb = result.get("control", {}).get("baselines")
+    metric_rows = [["tensor similarity (global)", result["global_similarity"]]
+                   + ([result["control"]["global_similarity"]] if cb else [])]
+    for k, v in b.items():
+        metric_rows.append([f"baseline {k}", v] + ([cb[k]] if cb else []))
+    lines.append(format_table(["metric: clean vs audited", "backdoored"] + (["control"] if cb else []),
+                              metric_rows))
+    acc = result["clean_accuracy"]
+    lines += ["",
+              f"attack success rate (trigger -> {target}): {result['attack_success_rate']:.3f} "
+              f"(clean model: {result['attack_success_rate_before']:.3f})",
+              f"clean test accuracy: {acc['before']:.3f} before, {acc['after']:.3f} after",
+              f"similarity method: {result['method']} ({result['metric']} metric); "
+              f"target slice {result['finding']['target_slice']:.3f} vs lowest other "
+              f"{result['finding']['lowest_other_slice']:.3f}"]
+    return "\n".join(lines)
+

@@ -1,0 +1,199 @@
+"""Forgetting audit: a class curriculum on digits, audited checkpoint by checkpoint.
+
+Stages (for the default removed class 9): train on classes 0-4, then add 5, 6, 7, 8, 9 one at a
+time (each stage continues from the previous weights on the enlarged class set), then remove 9,
+then re-add 9. Every stage ends in a checkpoint. The *reference* is the first checkpoint that
+knows all ten classes. For each checkpoint: global and per-class slice tensor similarity to the
+reference (Gaussian metric), test accuracy per class; over all checkpoints: the tensor
+similarity matrix (one batched ``tensoralg.similarity_matrix`` call), linear CKA of the logits
+on the test images, and weight cosine, drawn side by side.
+
+Expected finding: the removed class's slice similarity collapses when it is removed and
+recovers when it is re-added, while the other classes' slices stay high.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .common import (format_table, pair_similarity, progress, similarity_matrix, stamp, write_csv,
+                     write_json)
+
+JSON_NAME = "forgetting.json"
+CSV_NAME = "forgetting.csv"
+FIG_SLICES = "forgetting_slices.png"
+FIG_MATRICES = "forgetting_matrices.png"
+
+
+@dataclass
+class ForgettingConfig:
+    removed_class: int = 9
+    n_base: int = 5
+    stage_steps: int = 600
+    d_model: int = 32
+    d_hidden: int = 64
+    n_layers: int = 1
+    residual: bool = True
+    bias: bool = True
+    lr: float = 5e-3
+    weight_decay: float = 0.5
+    batch_size: int = 512
+    seed: int = 0
+    method: str = "auto"
+
+    @classmethod
+    def quick(cls, **kw) -> "ForgettingConfig":
+        base = dict(stage_steps=150)
+        base.update(kw)
+        return cls(**base)
+
+    def validate(self) -> None:
+        if not (0 <= self.removed_class < 10):
+            raise ValueError(f"--removed-class: expected a digit class 0..9, got {self.removed_class}")
+        if not (1 <= self.n_base <= 8):
+            raise ValueError(f"n_base: expected 1..8 initial classes, got {self.n_base}")
+        if self.stage_steps < 1:
+            raise ValueError(f"--stage-steps: expected a positive integer, got {self.stage_steps}")
+
+
+def curriculum(removed_class: int = 9, n_base: int = 5, n_classes: int = 10) -> list[tuple[str, list[int]]]:
+    """``[(label, classes), ...]``: base classes, add the rest one at a time with
+    ``removed_class`` last, remove it, re-add it."""
+    order = [c for c in range(n_classes) if c != removed_class] + [removed_class]
+    base = order[:n_base]
+    stages = [(f"{{{','.join(map(str, base))}}}", list(base))]
+    current = list(base)
+    for c in order[n_base:]:
+        current = current + [c]
+        stages.append((f"+{c}", list(current)))
+    without = [c for c in current if c != removed_class]
+    stages.append((f"-{removed_class}", without))
+    stages.append((f"+{removed_class} again", list(current)))
+    return stages
+
+
+def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool = True) -> dict:
+    """Run the curriculum, audit its checkpoints, write JSON/CSV/PNG under ``out``."""
+    from ..baselines import linear_cka, model_outputs, weight_cosine
+    from ..checkpoint import save_checkpoint
+    from ..data import load_digits_data, select_classes
+    from ..nn import BilinearNet, accuracy, train_classifier
+    from .plotting import class_heatmap, heatmaps
+
+    cfg.validate()
+    out = Path(out)
+    t0 = time.perf_counter()
+    data = load_digits_data(seed=cfg.seed)
+    stages = curriculum(cfg.removed_class, cfg.n_base)
+    model = BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
+    checkpoints, labels, acc = [], [], []
+    step = 0
+    for i, (label, classes) in enumerate(progress(stages, "forgetting curriculum", show_progress)):
+        X, y = select_classes(data.X_train, data.y_train, classes)
+        train_classifier(model, X, y, steps=cfg.stage_steps, lr=cfg.lr,
+                         weight_decay=cfg.weight_decay, batch_size=cfg.batch_size,
+                         seed=cfg.seed + i)
+        step += cfg.stage_steps
+        snap = copy.deepcopy(model)
+        checkpoints.append(snap)
+        labels.append(label)
+        acc.append([accuracy(snap, *select_classes(data.X_test, data.y_test, [c])) for c in range(10)])
+        save_checkpoint(out / "checkpoints" / f"stage{i:02d}", snap, step=step,
+                        provenance={"data": data.provenance, "audit": "forgetting",
+                                    "stage": label, "classes": classes})
+    t_train = time.perf_counter() - t0
+
+    ref_index = next(i for i, (_, cl) in enumerate(stages) if len(cl) == 10)
+    ref = checkpoints[ref_index]
+    t1 = time.perf_counter()
+    per_stage = [pair_similarity(m, ref, cfg.method, depth=cfg.n_layers)
+                 for m in progress(checkpoints, "similarity to reference", show_progress)]
+    method = per_stage[0]["method"]
+    tensor_mat, _ = similarity_matrix(checkpoints, method, depth=cfg.n_layers)
+    t_sim = time.perf_counter() - t1
+    logits = [model_outputs(m, data.X_test) for m in checkpoints]
+    n = len(checkpoints)
+    cka = np.array([[linear_cka(logits[i], logits[j]) for j in range(n)] for i in range(n)])
+    wcos = np.array([[weight_cosine(checkpoints[i], checkpoints[j]) for j in range(n)]
+                     for i in range(n)])
+
+    slices = np.array([s["each"] for s in per_stage])  # (stages, classes)
+    r = cfg.removed_class
+    i_rm = next(i for i, (lab, _) in enumerate(stages) if lab == f"-{r}")
+    i_re = len(stages) - 1
+    others = [c for c in range(10) if c != r]
+    finding = {
+        "removed_class": r,
+        "reference_stage": labels[ref_index],
+        "removed_slice_at_removal": float(slices[i_rm, r]),
+        "removed_slice_after_readd": float(slices[i_re, r]),
+        "other_slices_min_at_removal": float(slices[i_rm, others].min()),
+        "other_slices_mean_at_removal": float(slices[i_rm, others].mean()),
+        "other_slices_min_after_readd": float(slices[i_re, others].min()),
+        "collapses": bool(slices[i_rm, r] < slices[i_rm, others].min()),
+        "recovers": bool(slices[i_re, r] > slices[i_rm, r]),
+    }
+    result = {
+        **stamp("audit forgetting", asdict(cfg)),
+        "stages": [{"label": lab, "classes": cl} for lab, cl in stages],
+        "reference_stage": labels[ref_index],
+        "method": method,
+        "metric": "gaussian",
+        "global_similarity_to_reference": {lab: s["global"] for lab, s in zip(labels, per_stage)},
+        "slice_similarity_to_reference": {lab: {str(c): float(v) for c, v in enumerate(row)}
+                                          for lab, row in zip(labels, slices)},
+        "test_accuracy_per_class": {lab: {str(c): v for c, v in enumerate(row)}
+                                    for lab, row in zip(labels, acc)},
+        "matrices": {"labels": labels, "tensor_similarity": tensor_mat, "cka_logits": cka,
+                     "weight_cosine": wcos},
+        "finding": finding,
+        "data": data.provenance,
+        "seconds": {"training": t_train, "similarity": t_sim, "total": time.perf_counter() - t0},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for lab, s, row, arow in zip(labels, per_stage, slices, acc):
+        rows.append((lab, "global_similarity_to_reference", "", s["global"]))
+        rows += [(lab, "slice_similarity_to_reference", c, float(v)) for c, v in enumerate(row)]
+        rows += [(lab, "test_accuracy", c, v) for c, v in enumerate(arow)]
+    for name, mat in (("tensor_similarity", tensor_mat), ("cka_logits", cka),
+                      ("weight_cosine", wcos)):
+        rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]))
+                 for i in range(n) for j in range(n)]
+    write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value"], rows)
+    class_heatmap(out / FIG_SLICES, slices.T, labels,
+                  f"slice similarity to the reference ({labels[ref_index]}, {method}); "
+                  f"class {r} removed at '-{r}'")
+    heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method})": tensor_mat,
+                                  "linear CKA (logits, test data)": cka,
+                                  "weight cosine": wcos}, labels,
+             "forgetting curriculum: checkpoint x checkpoint")
+    result["files"] = [str(out / x) for x in (JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES)]
+    write_json(out / JSON_NAME, result)
+    return result
+
+
+def forgetting_table(result: dict) -> str:
+    labels = [s["label"] for s in result["stages"]]
+    r = result["finding"]["removed_class"]
+    header = ["stage", "global"] + [f"c{c}" for c in range(10)] + [f"acc c{r}"]
+    rows = []
+    for lab in labels:
+        sl = result["slice_similarity_to_reference"][lab]
+        rows.append([lab, result["global_similarity_to_reference"][lab]]
+                    + [sl[str(c)] for c in range(10)]
+                    + [result["test_accuracy_per_class"][lab][str(r)]])
+    f = result["finding"]
+    return "\n".join([
+        f"slice similarity of each checkpoint to the reference ({result['reference_stage']}), "
+        f"{result['method']} {result['metric']} metric:",
+        format_table(header, rows), "",
+        f"class {r}: {f['removed_slice_at_removal']:.3f} after removal (other classes >= "
+        f"{f['other_slices_min_at_removal']:.3f}), {f['removed_slice_after_readd']:.3f} after "
+        f"re-adding; collapses: {f['collapses']}, recovers: {f['recovers']}"])

@@ -1,0 +1,169 @@
+"""Grokking audit: modular addition, checkpoints on a log schedule, one similarity matrix.
+
+A depth-1 bilinear network (one-hot ``a`` ++ one-hot ``b`` -> embedding -> bilinear block ->
+head) is trained full-batch with AdamW and strong weight decay on a fraction of all
+``(a, b)`` pairs mod ``P`` (Power et al. 2022, "Grokking"): it memorises the training pairs
+early and generalises to the held-out pairs later. Checkpoints are saved on a log-spaced
+schedule; their ``N x N`` tensor similarity matrix is one batched
+``tensoralg.similarity_matrix`` call (exact Gaussian metric: one Gram contraction per Wick
+configuration for the whole stack of checkpoints).
+
+Expected finding: the similarity to the final checkpoint keeps changing after validation
+accuracy has saturated — the weights keep reorganising (circuit clean-up under weight decay)
+while the behaviour on the data no longer moves.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .common import format_table, progress, similarity_matrix, stamp, write_csv, write_json
+
+JSON_NAME = "grokking.json"
+CSV_NAME = "grokking.csv"
+MATRIX_CSV = "grokking_matrix.csv"
+FIG_NAME = "grokking.png"
+
+SATURATION_TOL = 0.02     # val accuracy within this of its maximum = saturated
+CHANGE_THRESHOLD = 0.02   # similarity to final at saturation below 1 - this = "keeps changing"
+
+
+@dataclass
+class GrokkingConfig:
+    P: int = 31
+    train_fraction: float = 0.7
+    steps: int = 5000
+    checkpoints: int = 24
+    d_model: int = 64
+    d_hidden: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 1.0
+    seed: int = 0
+    method: str = "auto"
+
+    @classmethod
+    def quick(cls, **kw) -> "GrokkingConfig":
+        base = dict(P=13, steps=400, checkpoints=8, d_model=32, d_hidden=32)
+        base.update(kw)
+        return cls(**base)
+
+    def validate(self) -> None:
+        if self.P < 2:
+            raise ValueError(f"--P: expected a modulus >= 2, got {self.P}")
+        if not 0.0 < self.train_fraction < 1.0:
+            raise ValueError(f"--train-fraction: expected (0, 1), got {self.train_fraction}")
+        if self.steps < 1 or self.checkpoints < 2:
+            raise ValueError(f"--steps >= 1 and --checkpoints >= 2 required, got {self.steps} and "
+                             f"{self.checkpoints}")
+
+
+def log_schedule(steps: int, n: int) -> list[int]:
+    """Step 0 plus ``n - 1`` log-spaced steps in ``[1, steps]`` (rounded, duplicates dropped)."""
+    pts = np.unique(np.round(np.geomspace(1, steps, max(n - 1, 1))).astype(int))
+    return [0] + [int(p) for p in pts]
+
+
+def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = True) -> dict:
+    """Train, checkpoint on a log schedule, compute the similarity matrix, write outputs."""
+    from ..checkpoint import save_checkpoint
+    from ..data import modular_addition
+    from ..nn import BilinearNet, train_classifier
+    from .plotting import grokking_figure
+
+    cfg.validate()
+    out = Path(out)
+    t0 = time.perf_counter()
+    data = modular_addition(cfg.P, cfg.train_fraction, seed=cfg.seed)
+    model = BilinearNet(2 * cfg.P, cfg.P, d_model=cfg.d_model, d_hidden=cfg.d_hidden,
+                        residual=False, bias=False, seed=cfg.seed)
+    schedule = log_schedule(cfg.steps, cfg.checkpoints)
+    snaps = []
+
+    def keep(step, m):
+        snap = copy.deepcopy(m)
+        snaps.append(snap)
+        save_checkpoint(out / "checkpoints" / f"step{step:07d}", snap, step=step,
+                        provenance={"data": data.provenance, "audit": "grokking"})
+
+    hist = train_classifier(model, data.X_train, data.y_train, steps=cfg.steps, lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, batch_size=None, seed=cfg.seed,
+                            eval_sets={"train": (data.X_train, data.y_train),
+                                       "val": (data.X_test, data.y_test)},
+                            eval_at=schedule, callback=keep,
+                            progress="grokking training" if show_progress else False)
+    t_train = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    bar = progress(None, "similarity matrix", show_progress, total=1)
+    sim, method = similarity_matrix(snaps, cfg.method, depth=1)
+    bar.update(1)
+    bar.close()
+    t_sim = time.perf_counter() - t1
+
+    steps = hist["step"]
+    train_acc, val_acc = hist["train_acc"], hist["val_acc"]
+    to_final = sim[-1].tolist()
+    vmax = max(val_acc)
+    i_sat = next(i for i, v in enumerate(val_acc) if v >= vmax - SATURATION_TOL)
+    i_mem = next((i for i, v in enumerate(train_acc) if v >= 0.99), None)
+    neighbour = [float(sim[i, i + 1]) for i in range(len(steps) - 1)]
+    finding = {
+        "memorisation_step": None if i_mem is None else steps[i_mem],
+        "saturation_step": steps[i_sat],
+        "saturation_criterion": f"first checkpoint with val accuracy >= max - {SATURATION_TOL}",
+        "val_acc_at_saturation": val_acc[i_sat],
+        "final_val_acc": val_acc[-1],
+        "final_train_acc": train_acc[-1],
+        "similarity_to_final_at_saturation": to_final[i_sat],
+        "similarity_to_final_at_memorisation": None if i_mem is None else to_final[i_mem],
+        "min_neighbour_similarity_after_saturation": min(neighbour[i_sat:]) if i_sat < len(neighbour) else None,
+        "keeps_changing": bool(to_final[i_sat] < 1 - CHANGE_THRESHOLD),
+        "keeps_changing_criterion": f"similarity to final at saturation < {1 - CHANGE_THRESHOLD}",
+        "grokked": bool(vmax >= 0.95),
+    }
+    result = {
+        **stamp("audit grokking", asdict(cfg)),
+        "steps": steps,
+        "train_accuracy": train_acc,
+        "val_accuracy": val_acc,
+        "train_loss": hist["loss"],
+        "similarity_matrix": sim,
+        "similarity_to_final": to_final,
+        "neighbour_similarity": neighbour,
+        "method": method,
+        "metric": "gaussian",
+        "finding": finding,
+        "data": data.provenance,
+        "seconds": {"training": t_train, "similarity_matrix": t_sim,
+                    "total": time.perf_counter() - t0},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / CSV_NAME, ["step", "train_accuracy", "val_accuracy", "train_loss",
+                               "similarity_to_final"],
+              zip(steps, train_acc, val_acc, hist["loss"], to_final))
+    write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
+              ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
+    grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method)
+    result["files"] = [str(out / x) for x in (JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME)]
+    write_json(out / JSON_NAME, result)
+    return result
+
+
+def grokking_table(result: dict) -> str:
+    rows = [[s, tr, va, sf] for s, tr, va, sf in zip(result["steps"], result["train_accuracy"],
+                                                      result["val_accuracy"],
+                                                      result["similarity_to_final"])]
+    f = result["finding"]
+    cfg = result["config"]
+    return "\n".join([
+        f"grokking audit: modular addition mod {cfg['P']} ({result['method']} "
+        f"{result['metric']} similarity, {result['seconds']['total']:.1f} s)",
+        format_table(["step", "train acc", "val acc", "sim to final"], rows), "",
+        f"validation accuracy saturates at step {f['saturation_step']} "
+        f"({f['val_acc_at_saturation']:.3f}; final {f['final_val_acc']:.3f}); similarity to the "
+        f"final checkpoint there: {f['similarity_to_final_at_saturation']:.3f} "
+        f"(keeps changing: {f['keeps_changing']})"])

@@ -1,0 +1,123 @@
+"""Figures for the audits (matplotlib, Agg backend; written atomically as PNG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .common import save_figure
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def slice_bars(path: Path, slices: Sequence[float], target: int | None,
+               baselines: Mapping[str, float], title: str, control: Sequence[float] | None = None) -> Path:
+    """Per-class slice similarity (target class highlighted) with the similarity-like baselines
+    drawn as horizontal lines."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    k = len(slices)
+    colors = ["tab:red" if c == target else "tab:blue" for c in range(k)]
+    width = 0.4 if control is not None else 0.8
+    ax.bar(np.arange(k) - (width / 2 if control is not None else 0), slices, width=width,
+           color=colors, label="tensor similarity (class slice)")
+    if control is not None:
+        ax.bar(np.arange(k) + width / 2, control, width=width, color="tab:gray", alpha=0.6,
+               label="control: clean fine-tune")
+    styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 1))]
+    for i, (name, value) in enumerate(baselines.items()):
+        if value is None or name == "js_divergence":
+            continue
+        ax.axhline(value, ls=styles[i % len(styles)], color=f"C{i + 2}", lw=1.2,
+                   label=f"{name} = {value:.3f}")
+    lo = min([v for v in slices] + [v for v in baselines.values() if v is not None
+                                    and not np.isnan(v)] + ([min(control)] if control else []))
+    ax.set_ylim(max(0.0, lo - 0.1), 1.01)
+    ax.set_xticks(range(k))
+    ax.set_xlabel("class (output slice)")
+    ax.set_ylabel("similarity clean vs. audited")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower left")
+    return save_figure(fig, path)
+
+
+def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], title: str,
+             vmin: float | None = None) -> Path:
+    """Matrices side by side with a shared colour scale, labelled rows and columns."""
+    plt = _plt()
+    n = len(mats)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 0.8, 4.2), squeeze=False)
+    vals = np.concatenate([np.asarray(m, dtype=float).ravel() for m in mats.values()])
+    vals = vals[np.isfinite(vals)]
+    lo = vmin if vmin is not None else (float(vals.min()) if vals.size else 0.0)
+    im = None
+    for ax, (name, mat) in zip(axes[0], mats.items()):
+        mat = np.asarray(mat, dtype=float)
+        im = ax.imshow(mat, vmin=lo, vmax=1.0, cmap="viridis", aspect="auto")
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks(range(mat.shape[1]))
+        ax.set_xticklabels(labels if mat.shape[1] == len(labels) else range(mat.shape[1]),
+                           rotation=90, fontsize=6)
+        ax.set_yticks(range(mat.shape[0]))
+        ax.set_yticklabels(labels if mat.shape[0] == len(labels) else range(mat.shape[0]), fontsize=6)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], title: str,
+                  ylabel: str = "class") -> Path:
+    """Rows = classes, columns = checkpoints; the number written in each cell."""
+    plt = _plt()
+    values = np.asarray(values, dtype=float)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * values.shape[1], 0.45 * values.shape[0] + 1.5))
+    im = ax.imshow(values, cmap="viridis", vmin=min(0.0, np.nanmin(values)), vmax=1.0, aspect="auto")
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=6,
+                    color="white" if values[i, j] < 0.6 else "black")
+    ax.set_xticks(range(values.shape[1]))
+    ax.set_xticklabels(stage_labels, rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(values.shape[0]))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax)
+    return save_figure(fig, path)
+
+
+def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float],
+                    val_acc: Sequence[float], sim: np.ndarray, sim_to_final: Sequence[float],
+                    method: str) -> Path:
+    """Accuracy curves and similarity to the final checkpoint (log steps) next to the
+    checkpoint x checkpoint similarity heatmap."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = np.maximum(np.asarray(steps, dtype=float), 1.0)
+    ax1.plot(x, train_acc, "o-", ms=3, label="train accuracy")
+    ax1.plot(x, val_acc, "o-", ms=3, label="validation accuracy")
+    ax1.plot(x, sim_to_final, "s-", ms=3, color="tab:red",
+             label=f"tensor similarity to final ({method})")
+    ax1.set_xscale("log")
+    ax1.set_xlabel("training step (step 0 drawn at 1)")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend(fontsize=8)
+    ax1.set_title("accuracy and similarity to the final checkpoint")
+    im = ax2.imshow(np.asarray(sim, dtype=float), cmap="viridis", vmin=min(0.0, float(np.min(sim))),
+                    vmax=1.0)
+    ticks = list(range(0, len(steps), max(1, len(steps) // 10)))
+    ax2.set_xticks(ticks)
+    ax2.set_xticklabels([str(steps[i]) for i in ticks], rotation=90, fontsize=7)
+    ax2.set_yticks(ticks)
+    ax2.set_yticklabels([str(steps[i]) for i in ticks], fontsize=7)
+    ax2.set_title("checkpoint x checkpoint tensor similarity")
+    fig.colorbar(im, ax=ax2)
+    return save_figure(fig, path)

@@ -1,0 +1,88 @@
+"""`tensoralg audit backdoor` end to end at a tiny size, and its pieces."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tensoralg.cli import main
+
+KEYS = {"global_similarity", "slice_similarity", "target_class", "attack_success_rate",
+        "clean_accuracy", "baselines", "method", "tensoralg_version", "config"}
+
+
+@pytest.fixture(scope="module")
+def backdoor_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("backdoor")
+    rc = main(["audit", "backdoor", "--quick", "--steps", "400", "--finetune-steps", "250",
+               "--out", str(out), "--no-progress", "--json", str(out / "copy.json")])
+    return rc, out
+
+
+def test_exit_code_and_files(backdoor_run):
+    rc, out = backdoor_run
+    assert rc == 0
+    for name in ("backdoor.json", "backdoor.csv", "backdoor_slices.png", "copy.json",
+                 "checkpoints/clean/cfg.json", "checkpoints/backdoored/weights.safetensors"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "backdoor_slices.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_keys_and_the_finding(backdoor_run):
+    _, out = backdoor_run
+    res = json.loads((out / "backdoor.json").read_text())
+    assert KEYS <= set(res)
+    assert res["target_class"] == 9 and res["method"] == "exact"
+    assert set(res["clean_accuracy"]) == {"before", "after"}
+    assert set(res["baselines"]) == {"cka_logits", "cka_logits_debiased", "cka_hidden",
+                                     "output_cosine", "js_divergence", "weight_cosine"}
+    slices = {int(k): v for k, v in res["slice_similarity"].items()}
+    assert sorted(slices) == list(range(10))
+    # the paper's finding: the target class's slice is the lowest of all
+    assert min(slices, key=slices.get) == 9
+    assert res["finding"]["target_slice_is_lowest"] is True
+    # the backdoor works and clean behaviour barely moves
+    assert res["attack_success_rate"] > 0.8 > res["attack_success_rate_before"]
+    assert res["clean_accuracy"]["after"] > res["clean_accuracy"]["before"] - 0.05
+    # the global similarity is the norm-weighted combination of slices: it lies within their range
+    assert min(slices.values()) <= res["global_similarity"] <= max(slices.values())
+
+
+def test_csv_holds_every_slice(backdoor_run):
+    _, out = backdoor_run
+    lines = (out / "backdoor.csv").read_text().splitlines()
+    assert lines[0] == "quantity,class,value"
+    slice_rows = [ln for ln in lines if ln.startswith("slice_similarity,")]
+    res = json.loads((out / "backdoor.json").read_text())
+    assert len(slice_rows) == 10
+    for row in slice_rows:
+        _, c, v = row.split(",")
+        assert float(v) == pytest.approx(res["slice_similarity"][c], rel=1e-9)
+
+
+def test_slices_match_an_independent_monte_carlo(backdoor_run):
+    """Cross-check the audit's exact slices with a plain sampling estimate of
+    E[f_a,c f_b,c] / sqrt(E[f_a,c^2] E[f_b,c^2]) under x ~ N(0, I) (no tensoralg inner products)."""
+    _, out = backdoor_run
+    from tensoralg.checkpoint import load_checkpoint
+    import torch
+
+    a, _ = load_checkpoint(out / "checkpoints" / "clean")
+    b, _ = load_checkpoint(out / "checkpoints" / "backdoored")
+    x = torch.randn(200_000, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        ya, yb = a.double()(x).numpy(), b.double()(x).numpy()
+    mc = (ya * yb).mean(0) / np.sqrt((ya ** 2).mean(0) * (yb ** 2).mean(0))
+    res = json.loads((out / "backdoor.json").read_text())
+    exact = np.array([res["slice_similarity"][str(c)] for c in range(10)])
+    # 200k samples: the standard error of a similarity near 0.9 is ~ 1e-3; allow 5 sigma.
+    assert np.abs(mc - exact).max() < 5e-3
+
+
+def test_bad_options_are_clear(tmp_path, capsys):
+    assert main(["audit", "backdoor", "--quick", "--target", "12", "--out", str(tmp_path)]) == 2
+    assert "--target" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["audit", "backdoor", "--poison-fraction", "1.5"])
+    assert exc.value.code == 2
+    assert "poison-fraction" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""`tensoralg audit forgetting` end to end at a tiny size."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tensoralg.audit.forgetting import curriculum
+from tensoralg.cli import main
+
+
+def test_curriculum_stages():
+    st = curriculum(9)
+    assert [lab for lab, _ in st] == ["{0,1,2,3,4}", "+5", "+6", "+7", "+8", "+9", "-9", "+9 again"]
+    assert st[5][1] == list(range(10)) and 9 not in st[6][1] and sorted(st[7][1]) == list(range(10))
+    st3 = curriculum(3)
+    assert st3[-3][0] == "+3" and 3 not in st3[-2][1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("forgetting")
+    rc = main(["audit", "forgetting", "--quick", "--out", str(out),
+               "--no-progress"])
+    return rc, out
+
+
+def test_files_keys_and_finding(run):
+    rc, out = run
+    assert rc == 0
+    for name in ("forgetting.json", "forgetting.csv", "forgetting_slices.png",
+                 "forgetting_matrices.png", "checkpoints/stage07/cfg.json"):
+        assert (out / name).stat().st_size > 0, name
+    res = json.loads((out / "forgetting.json").read_text())
+    assert res["reference_stage"] == "+9"
+    labels = [s["label"] for s in res["stages"]]
+    ref = res["slice_similarity_to_reference"]["+9"]
+    assert all(v == pytest.approx(1.0, abs=1e-9) for v in ref.values())
+    mats = res["matrices"]
+    for name in ("tensor_similarity", "cka_logits", "weight_cosine"):
+        m = np.array(mats[name])
+        assert m.shape == (len(labels), len(labels))
+        assert np.allclose(np.diag(m), 1.0) and np.allclose(m, m.T, atol=1e-9)
+    # the tensor matrix row of the reference equals the per-checkpoint global similarities
+    i_ref = labels.index("+9")
+    g = [res["global_similarity_to_reference"][lab] for lab in labels]
+    assert np.allclose(np.array(mats["tensor_similarity"])[i_ref], g, rtol=1e-8)
+    f = res["finding"]
+    assert f["collapses"] and f["recovers"]
+    assert f["removed_slice_at_removal"] < f["other_slices_min_at_removal"]
+
+
+def test_bad_removed_class(tmp_path, capsys):
+    assert main(["audit", "forgetting", "--quick", "--removed-class", "10",
+                 "--out", str(tmp_path)]) == 2
+    assert "--removed-class" in capsys.readouterr().err
