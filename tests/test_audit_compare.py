@@ -1,0 +1,109 @@
+"""`tensoralg compare` and `tensoralg matrix` over saved checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tensoralg.audit.common import resolve_method
+from tensoralg.checkpoint import save_checkpoint
+from tensoralg.cli import main
+from tensoralg.nn import BilinearNet
+
+
+def _perturbed(seed, scale, **kw):
+    m = BilinearNet(64, 10, d_model=8, d_hidden=12, residual=True, bias=True, seed=0, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    paths = []
+    for i, scale in enumerate([0.0, 0.05, 0.3]):
+        p = root / f"m{i}"
+        save_checkpoint(p, _perturbed(i, scale), step=100 * i)
+        paths.append(str(p))
+    return root, paths
+
+
+def test_compare_all_methods(ckpts, tmp_path, capsys):
+    _, (a, b, _) = ckpts
+    rc = main(["compare", a, b, "--data", "digits", "--n-samples", "200000",
+               "--json", str(tmp_path / "c.json")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "gaussian" in text and "cka_logits" in text
+    res = json.loads((tmp_path / "c.json").read_text())
+    by = {(r["metric"], r["method"]): r for r in res["results"]}
+    exact, closure, mc = (by[("gaussian", m)] for m in ("exact", "closure", "montecarlo"))
+    # depth 1: the closure is exact (DESIGN 3.2), an independent algorithm
+    assert closure["global"] == pytest.approx(exact["global"], rel=1e-10)
+    assert np.allclose(closure["each"], exact["each"], rtol=1e-10)
+    # Monte Carlo agrees within 5 standard errors
+    assert abs(mc["global"] - exact["global"]) < 5 * mc["global_stderr"] + 1e-12
+    assert np.all(np.abs(np.array(mc["each"]) - exact["each"]) < 5 * np.array(mc["each_stderr"]))
+    assert len(exact["each"]) == 10 and "error" not in by[("frobenius", "exact")]
+    assert set(res["baselines"]) >= {"cka_logits", "weight_cosine", "js_divergence"}
+    assert res["tensoralg_version"] and res["config"]["data"] == "digits"
+
+
+def test_matrix_consistent_with_pairwise(ckpts, tmp_path, capsys):
+    _, paths = ckpts
+    rc = main(["matrix", *paths, "--out", str(tmp_path / "m")])
+    assert rc == 0
+    res = json.loads((tmp_path / "m" / "matrix.json").read_text())
+    mat = np.array(res["similarity_matrix"])
+    assert mat.shape == (3, 3) and np.allclose(np.diag(mat), 1.0)
+    assert res["steps"] == [0, 100, 200] and res["method"] == "exact"
+    # the batched Gram matrix agrees with the pairwise similarity of `compare`
+    main(["compare", paths[0], paths[2], "--methods", "exact", "--metrics", "gaussian",
+          "--json", str(tmp_path / "c.json")])
+    pair = json.loads((tmp_path / "c.json").read_text())["results"][0]["global"]
+    assert mat[0, 2] == pytest.approx(pair, rel=1e-9)
+    # a larger perturbation is less similar
+    assert mat[0, 1] > mat[0, 2]
+    assert (tmp_path / "m" / "matrix.png").stat().st_size > 0
+    csv = (tmp_path / "m" / "matrix.csv").read_text().splitlines()
+    assert csv[0] == "checkpoint,m0,m1,m2" and len(csv) == 4
+    # one output slice
+    assert main(["matrix", *paths, "--out", str(tmp_path / "m9"), "--output", "9"]) == 0
+
+
+def test_deep_models_use_monte_carlo_under_auto(tmp_path):
+    assert resolve_method("auto", 1) == "exact" and resolve_method("auto", 3) == "montecarlo"
+    assert resolve_method("closure", 3) == "closure"
+    with pytest.raises(ValueError, match="method"):
+        resolve_method("fast", 1)
+    for i in range(2):
+        save_checkpoint(tmp_path / f"d{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=3,
+                                                        residual=True, seed=i))
+    assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"),
+                 "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m" / "matrix.json").read_text())["method"] == "montecarlo"
+
+
+def test_compare_and_matrix_errors(ckpts, tmp_path, capsys):
+    _, paths = ckpts
+    assert main(["compare", paths[0], str(tmp_path / "missing")]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+    other = tmp_path / "other"
+    save_checkpoint(other, BilinearNet(5, 3))
+    assert main(["compare", paths[0], str(other)]) == 2
+    assert "same input and output sizes" in capsys.readouterr().err
+    assert main(["compare", str(other), str(other), "--data", "digits"]) == 2
+    assert "64 -> 10" in capsys.readouterr().err
+    assert main(["compare", paths[0], paths[1], "--methods", "exact,quick"]) == 2
+    assert "--methods" in capsys.readouterr().err
+    assert main(["matrix", paths[0], "--out", str(tmp_path / "m")]) == 2
+    assert "at least two" in capsys.readouterr().err
+    assert main(["matrix", *paths, "--output", "10", "--out", str(tmp_path / "m")]) == 2
+    assert "--output" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["matrix", *paths, "--out", str(tmp_path / "afile")]) == 2
+    assert "not a folder" in capsys.readouterr().err
