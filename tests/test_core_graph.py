@@ -112,3 +112,29 @@ def test_same_path_runs_on_every_backend():
     pytest.importorskip("torch")
     vals.append(ta.inner(a, b, backend="torch", device="cpu"))
     assert max(vals) - min(vals) <= 1e-12 * abs(vals[1]) + 1e-300
+
+
+def test_single_bilinear_pair_goes_through_gram_matrices():
+    """One bilinear layer pair: the chosen paths contract factor Gram matrices, O(H_a H_b d),
+    and never build the (O, d+1, d+1) coefficient tensor."""
+    rng = np.random.default_rng(4)
+    d, Ha, Hb, O = 64, 256, 200, 10
+    a = rand_bilinear(rng, d, Ha, O)
+    b = rand_bilinear(rng, d, Hb, O)
+    p = ta.plan(a, b)
+    # 10 configurations, each a few Gram-sized products: O(H_a H_b d)
+    assert p.n_orbits == 10
+    assert p.flops <= 10 * 4 * (Ha + 1) * (Hb + 1) * (d + 1)
+    # no intermediate of any chosen path carries two input legs (the d^2-sized tensor T)
+    import opt_einsum as oe
+    sizes = {}
+    for expr in p.expressions:
+        ins, _ = expr.split("->")
+        legs = {c for c in set(ins) if c not in "abcde"}  # labels a..e: outputs, batches, hidden
+        shapes = []
+        for sub in ins.split(","):
+            shapes.append(tuple({"a": O, "b": 1, "c": Ha + 1, "d": 1, "e": Hb + 1}.get(ch, d) for ch in sub))
+        _, info = oe.contract_path(expr, *shapes, shapes=True)
+        for step in info.contraction_list:
+            out_sub = step[2].split("->")[1]
+            assert len(legs & set(out_sub)) <= 1, (expr, step[2])
