@@ -15,14 +15,14 @@ standard normal).
 from __future__ import annotations
 
 from fractions import Fraction
-from math import comb
+from math import comb, lcm
 from typing import Dict, Iterable, List, Tuple
 
 Monomial = Tuple[int, ...]
 Poly = Dict[Monomial, Fraction]
 
 __all__ = ["Poly", "ExpansionTooLarge", "Budget", "constant", "variable", "add_scaled", "mul",
-           "gaussian_moment", "expectation", "gaussian_inner", "dense_monomial_count"]
+           "linear_combination", "gaussian_moment", "expectation", "gaussian_inner", "dense_monomial_count"]
 
 
 class ExpansionTooLarge(ValueError):
@@ -75,20 +75,78 @@ def add_scaled(acc: Poly, p: Poly, c: Fraction) -> None:
             acc.pop(m, None)
 
 
+def _integer_form(p: Poly) -> Tuple[Dict[Monomial, int], int]:
+    """``p = P / den`` with integer coefficients ``P`` (exact; makes the inner loops run on
+    Python ints instead of Fractions)."""
+    den = lcm(*(v.denominator for v in p.values())) if p else 1
+    return {m: v.numerator * (den // v.denominator) for m, v in p.items()}, den
+
+
+def linear_combination(terms: Iterable[Tuple[Fraction, Poly]], const=0,
+                       d: int | None = None) -> Poly:
+    """``const + sum_k c_k p_k`` exactly, accumulated on integers over a common denominator."""
+    items = []
+    for c, p in terms:
+        c = Fraction(c)
+        if c and p:
+            P, dp = _integer_form(p)
+            items.append((c.numerator, c.denominator * dp, P))
+    const = Fraction(const)
+    den = lcm(const.denominator, *(dd for _, dd, _ in items))
+    acc: Dict[Monomial, int] = {}
+    get = acc.get
+    for cn, dd, P in items:
+        f = cn * (den // dd)
+        for m, v in P.items():
+            acc[m] = get(m, 0) + f * v
+    if const:
+        if d is None:
+            raise ValueError("linear_combination: d is needed for a constant term")
+        zero = (0,) * d
+        acc[zero] = get(zero, 0) + const.numerator * (den // const.denominator)
+    return {m: Fraction(v, den) for m, v in acc.items() if v}
+
+
+def _packing(p: Poly, q: Poly) -> int:
+    """Bits per exponent so that every exponent of ``p * q`` fits in its field."""
+    deg = max((sum(m) for m in p), default=0) + max((sum(m) for m in q), default=0)
+    return max(deg.bit_length() + 1, 2)
+
+
+def _pack(m: Monomial, bits: int) -> int:
+    """Exponent tuple -> one int (field i holds ``m[i]``): monomial products become additions."""
+    key = 0
+    for i, k in enumerate(m):
+        key |= k << (bits * i)
+    return key
+
+
+def _unpack(key: int, bits: int, d: int) -> Monomial:
+    mask = (1 << bits) - 1
+    return tuple((key >> (bits * i)) & mask for i in range(d))
+
+
 def mul(p: Poly, q: Poly, budget: Budget | None = None) -> Poly:
-    """Product of two polynomials (schoolbook, exact)."""
+    """Product of two polynomials (schoolbook, exact; integer coefficients and packed
+    monomials in the inner loop)."""
     if budget is not None:
         budget.charge(len(p) * len(q))
-    out: Poly = {}
-    for a, u in p.items():
-        for b, v in q.items():
-            m = tuple(x + y for x, y in zip(a, b))
-            s = out.get(m, 0) + u * v
-            if s:
-                out[m] = s
-            else:
-                out.pop(m, None)
-    return out
+    if not p or not q:
+        return {}
+    d = len(next(iter(p)))
+    bits = _packing(p, q)
+    P, dp = _integer_form(p)
+    Q, dq = _integer_form(q)
+    Pk = [(_pack(m, bits), v) for m, v in P.items()]
+    Qk = [(_pack(m, bits), v) for m, v in Q.items()]
+    acc: Dict[int, int] = {}
+    get = acc.get
+    for a, u in Pk:
+        for b, v in Qk:
+            k = a + b
+            acc[k] = get(k, 0) + u * v
+    den = dp * dq
+    return {_unpack(k, bits, d): Fraction(v, den) for k, v in acc.items() if v}
 
 
 _DF: List[int] = [1, 1]  # _DF[k] = k!! ; E[x^k] = (k-1)!! for even k
@@ -117,26 +175,36 @@ def expectation(p: Poly) -> Fraction:
     return sum((v * gaussian_moment(m) for m, v in p.items()), Fraction(0))
 
 
-def _parity(m: Monomial) -> Tuple[int, ...]:
-    return tuple(k & 1 for k in m)
-
-
 def gaussian_inner(p: Poly, q: Poly, budget: Budget | None = None) -> Fraction:
     """``E[p(x) q(x)]`` for ``x ~ N(0, I_d)`` without forming the product polynomial.
 
     Only monomial pairs with the same parity pattern can have a nonzero moment, so ``q`` is
-    bucketed by parity first.
+    bucketed by parity first; the sum runs on integers (common denominators) over packed
+    monomials, with the moment of each exponent sum computed once.
     """
-    buckets: Dict[Tuple[int, ...], List[Tuple[Monomial, Fraction]]] = {}
-    for m, v in q.items():
-        buckets.setdefault(_parity(m), []).append((m, v))
+    if not p or not q:
+        return Fraction(0)
+    d = len(next(iter(p)))
+    bits = _packing(p, q)
+    odd = _pack((1,) * d, bits)  # lowest bit of every field: the parity pattern
+    P, dp = _integer_form(p)
+    Q, dq = _integer_form(q)
+    buckets: Dict[int, List[Tuple[int, int]]] = {}
+    for m, v in Q.items():
+        k = _pack(m, bits)
+        buckets.setdefault(k & odd, []).append((k, v))
+    Pk = [(_pack(m, bits), u) for m, u in P.items()]
     if budget is not None:
-        budget.charge(sum(len(buckets.get(_parity(m), ())) for m in p))
-    total = Fraction(0)
-    for a, u in p.items():
+        budget.charge(sum(len(buckets.get(a & odd, ())) for a, _ in Pk))
+    moments: Dict[int, int] = {}
+    total = 0
+    for a, u in Pk:
         acc = 0
-        for b, v in buckets.get(_parity(a), ()):
-            acc += v * gaussian_moment(x + y for x, y in zip(a, b))
-        if acc:
-            total += u * acc
-    return total
+        for b, v in buckets.get(a & odd, ()):
+            k = a + b
+            mom = moments.get(k)
+            if mom is None:
+                mom = moments[k] = gaussian_moment(_unpack(k, bits, d))
+            acc += v * mom
+        total += u * acc
+    return Fraction(total, dp * dq)
