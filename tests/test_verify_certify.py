@@ -182,3 +182,26 @@ def test_verify_does_not_import_tensoralg_fast_paths():
             for m in mods:
                 if m == "tensoralg" or m.startswith("tensoralg."):
                     assert m in allowed, f"verify/{name} imports {m}"
+
+
+def test_output_slices():
+    rng = np.random.default_rng(5)
+    q = lambda *s: np.vectorize(lambda v: Fraction(int(v), 2), otypes=[object])(
+        rng.integers(-4, 5, s))
+    a = Bilinear(q(2, 2), q(2, 2), q(3, 2), q(2), q(2))
+    b = Sequential([Linear(q(2, 2)), Bilinear(q(1, 2), q(1, 2), q(3, 1), None, q(1))])
+    each = gaussian_inner_exact(a, b, output="each")
+    assert len(each) == 3 and sum(each) == gaussian_inner_exact(a, b)
+    assert [gaussian_inner_exact(a, b, output=c) for c in range(3)] == each
+    assert gaussian_inner_exact(a, b, output=-1) == each[2]
+    # a direction u equals appending the linear head u to both networks (independent route)
+    u = [Fraction(1, 2), Fraction(-1), Fraction(3)]
+    head = Linear(np.array([u], dtype=object))
+    assert gaussian_inner_exact(a, b, output=u) == gaussian_inner_exact(
+        Sequential([a, head]), Sequential([b, head]))
+    with pytest.raises(ValueError, match="output: class index 3 out of range for 3"):
+        gaussian_inner_exact(a, b, output=3)
+    with pytest.raises(ValueError, match="output: expected None"):
+        gaussian_inner_exact(a, b, output="sum")
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        gaussian_inner_exact(a, b, output=[1, 2])
