@@ -41,10 +41,10 @@ def _out_dir(path: str | None, default: str) -> Path:
     return out
 
 
-def _threads() -> None:
+def _threads(args=None) -> None:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(getattr(args, "threads", 1) or 1)
 
 
 def _common(p: argparse.ArgumentParser, default_out: str) -> None:
@@ -58,6 +58,8 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the result JSON to PATH")
+    p.add_argument("--threads", type=_positive_int, default=1,
+                   help="torch CPU threads (default 1: small shared machines)")
 
 
 def add_parsers(sub) -> None:
@@ -139,7 +141,7 @@ def _write_extra_json(path: str | None, result: dict) -> None:
 def cmd_backdoor(args, demo: bool = False) -> int:
     from .backdoor import BackdoorConfig, backdoor_table, run_backdoor
 
-    _threads()
+    _threads(args)
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
               d_hidden=args.d_hidden)
@@ -170,7 +172,7 @@ def cmd_demo(args) -> int:
 def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
-    _threads()
+    _threads(args)
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
               n_layers=args.layers)
     if args.stage_steps:
@@ -188,7 +190,7 @@ def cmd_forgetting(args) -> int:
 def cmd_grokking(args) -> int:
     from .grokking import GrokkingConfig, grokking_table, run_grokking
 
-    _threads()
+    _threads(args)
     kw = dict(seed=args.seed, method=args.method)
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
@@ -206,7 +208,7 @@ def cmd_grokking(args) -> int:
 def cmd_compare(args) -> int:
     from .compare import compare_table, run_compare
 
-    _threads()
+    _threads(args)
     result = run_compare(args.a, args.b, methods=_split(args.methods, "--methods",
                                                          ("exact", "closure", "montecarlo")),
                          metrics=_split(args.metrics, "--metrics", ("gaussian", "frobenius")),
@@ -219,7 +221,7 @@ def cmd_compare(args) -> int:
 def cmd_matrix(args) -> int:
     from .compare import matrix_table, run_matrix
 
-    _threads()
+    _threads(args)
     out = _out_dir(args.out, "runs/matrix")
     result = run_matrix(args.checkpoints, out, method=args.method, output=args.output)
     _write_extra_json(args.json, result)
