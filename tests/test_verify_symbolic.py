@@ -98,6 +98,17 @@ def test_invariances():
         assert r.passed, (r.name, r.detail)
 
 
+def test_broken_symmetries_are_detected():
+    # negative controls for the identity test used above: permuting L alone, or rescaling
+    # without compensating D, changes the polynomial.
+    xt = sp.Matrix([1, *sp.symbols("x1:3")])
+    L, R, D = S._symbolic_bilinear("", 2, 2, 1)
+    f = S._bilinear_poly(L, R, D, xt)[0]
+    g = S._bilinear_poly(L.extract([1, 0], [0, 1, 2]), R, D, xt)[0]
+    h = S._bilinear_poly(2 * L, R, D, xt)[0]
+    assert not S._ok(f - g) and not S._ok(f - h)
+
+
 def test_run_all_and_table(capsys):
     results = S.run_all(quick=True, only="polarization")
     assert results and all(r.passed for r in results)

@@ -16,6 +16,10 @@ Variance reduction (optional):
   ``d > 30``) and subtracts the fit (the coefficients are estimated on the same samples, which
   adds an O(1/n) bias, negligible next to the standard error).
 
+Sources: the central limit theorem for the standard error; the delta method for the ratio;
+antithetic variates (Hammersley & Morton 1956) and control variates (e.g. Glasserman, *Monte
+Carlo Methods in Financial Engineering*, 2003, ch. 4).
+
 Nothing here calls tensoralg's inner products; exact reference values default to
 :func:`verify.certify.gaussian_inner_exact` (rational polynomial expansion).
 """

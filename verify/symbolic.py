@@ -12,6 +12,12 @@ product of the one-dimensional integrals ``int t^k exp(-t^2/2) dt / sqrt(2 pi)``
 ``sympy.integrate`` (and cached).
 
 Run them all with ``python -m verify`` (``--quick`` for the small sizes).
+
+Sources: Isserlis, "On a formula for the product-moment coefficient of any order of a normal
+frequency distribution in any number of variables", Biometrika 12 (1918) (Wick's theorem in
+physics); the polarization identity for symmetric multilinear forms (e.g. E. Thomas, "A
+polarization identity for multilinear maps", Indag. Math. 25 (2014)); the lifted partial-matching
+rule, the single-layer Gram closed form and the invariances are DESIGN.md section 3.1.
 """
 
 from __future__ import annotations
@@ -250,7 +256,8 @@ def _cholesky_symbols(d: int, name: str = "c"):
 
 def prove_isserlis_covariance(order: int = 4, d: int = 2) -> ProofResult:
     """Isserlis with a general covariance: ``x = C z``, ``z ~ N(0, I)``, ``Sigma = C C^T`` with
-    symbolic ``C`` (Cholesky: covers every positive definite ``Sigma``).  For every index tuple
+    symbolic ``C`` (Cholesky: every positive definite ``Sigma`` is of this form, so the entries of
+    ``Sigma`` are as general as free symbols, with positivity built in).  For every index tuple
     of length ``order`` (and 2), ``E[x_{i1}...x_{in}] == sum_matchings prod Sigma[i_a, i_b]``."""
     with _Timer() as tm:
         zs = sp.symbols(f"z1:{d + 1}")
