@@ -195,7 +195,7 @@ def backdoor_table(result: dict) -> str:
     """A readable report: per-class slice similarity next to the baselines, ASR, accuracy."""
     target = result["target_class"]
     ctl = result.get("control", {}).get("slice_similarity")
-    header = ["class", "tensor sim (slice)"] + (["control (clean FT)"] if ctl else []) + [""]
+    header = ["class", "tensor sim (slice)"] + (["control (clean FT)"] if ctl else []) + ["note"]
     rows = []
     for c, v in result["slice_similarity"].items():
         row = [c, v] + ([ctl[c]] if ctl else [])
