@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from verify import montecarlo as mc  # noqa: E402
 from verify.certify import certify, gaussian_inner_exact  # noqa: E402
-from tensoralg.layers import Bilinear, Linear, Sequential  # noqa: E402
+from tensoralg.layers import Bilinear, Linear  # noqa: E402
 
 CASES_PATH = Path("/work/shared/cases/gaussian_inner_products.json")
 CASES = {c["name"]: c for c in json.loads(CASES_PATH.read_text())} if CASES_PATH.exists() else {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
