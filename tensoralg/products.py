@@ -84,8 +84,6 @@ def _check_options(metric: str, method: str, backend: str) -> None:
     if metric == "frobenius" and method != "exact":
         raise ValueError(f"metric='frobenius' is a closed form of the weights: method must be "
                          f"'exact', got {method!r}")
-    if method == "closure" and backend == "exact":
-        pass  # closure runs in rationals too
 
 
 def _check_pair(na: Layer, nb: Layer) -> None:
@@ -484,8 +482,8 @@ def _mc_similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, devi
         raise ValueError("similarity: a sampled norm is zero (a zero network?); similarity is "
                          "undefined")
     r = ab / np.sqrt(aa * bb)
-    g = np.stack([r / np.where(ab == 0, np.inf, ab) if False else 1 / np.sqrt(aa * bb),
-                  -r / (2 * aa), -r / (2 * bb)])
+    # gradient of r = ab / sqrt(aa bb) with respect to (ab, aa, bb)
+    g = np.stack([1 / np.sqrt(aa * bb), -r / (2 * aa), -r / (2 * bb)])
     var = np.einsum("i...,ij...,j...->...", g, cov, g) / n_samples
     se = np.sqrt(np.maximum(var, 0.0))
     if keep:
