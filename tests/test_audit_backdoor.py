@@ -55,8 +55,6 @@ def test_json_keys_and_the_finding(backdoor_run):
     # the backdoor works and clean behaviour barely moves
     assert res["attack_success_rate"] > 0.8 > res["attack_success_rate_before"]
     assert res["clean_accuracy"]["after"] > res["clean_accuracy"]["before"] - 0.05
-    # the global similarity is the norm-weighted combination of slices: it lies within their range
-    assert min(slices.values()) <= res["global_similarity"] <= max(slices.values())
 
 
 def test_csv_holds_every_slice(backdoor_run):
@@ -84,10 +82,12 @@ def test_slices_match_an_independent_monte_carlo(backdoor_run):
     with torch.no_grad():
         ya, yb = a.double()(x).numpy(), b.double()(x).numpy()
     mc = (ya * yb).mean(0) / np.sqrt((ya ** 2).mean(0) * (yb ** 2).mean(0))
+    mc_global = (ya * yb).sum(1).mean() / np.sqrt((ya ** 2).sum(1).mean() * (yb ** 2).sum(1).mean())
     res = json.loads((out / "backdoor.json").read_text())
     exact = np.array([res["slice_similarity"][str(c)] for c in range(10)])
     # 200k samples: the standard error of a similarity near 0.9 is ~ 1e-3; allow 5 sigma.
     assert np.abs(mc - exact).max() < 5e-3
+    assert abs(mc_global - res["global_similarity"]) < 5e-3
 
 
 def test_bad_options_are_clear(tmp_path, capsys):

@@ -87,23 +87,38 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", n_outputs: int | None 
                     depth: int = 1) -> dict:
     """Global and per-output tensor similarity (Gaussian metric) of two models.
 
-    Returns ``{"global": float, "each": [per-output floats], "method": used}``; the per-output
-    values are the class slices ``output=c`` (``similarity(..., output="each")``).
+    Three per-output inner-product vectors (``tensoralg.inner(..., output="each")``) give
+    everything: slice ``c`` is ``<a_c, b_c> / sqrt(<a_c, a_c> <b_c, b_c>)`` and, since the
+    Gaussian inner product sums over outputs (``DESIGN.md`` 3.1, 3.5), the global similarity is
+    ``sum_c <a_c, b_c> / sqrt(sum_c <a_c, a_c> * sum_c <b_c, b_c>)`` — three contractions instead
+    of six, which matters for exact depth-2 models.
+
+    Returns ``{"global", "each", "method", "inner_each", "norm2_a_each", "norm2_b_each"}``.
+    Under ``auto``, an exact computation refused as too costly (``CostTooHigh``) is redone by
+    Monte Carlo and ``method`` says so.
     """
     import tensoralg as ta
 
     m = resolve_method(method, depth)
-    allow_fallback = method == "auto"
+
+    def compute(meth):
+        ab = np.asarray(ta.inner(a, b, method=meth, output="each"), dtype=np.float64)
+        aa = np.asarray(ta.inner(a, a, method=meth, output="each"), dtype=np.float64)
+        bb = np.asarray(ta.inner(b, b, method=meth, output="each"), dtype=np.float64)
+        return ab, aa, bb
+
     try:
-        g = float(ta.similarity(a, b, method=m))
-        each = np.asarray(ta.similarity(a, b, method=m, output="each"), dtype=np.float64)
+        ab, aa, bb = compute(m)
     except ta.CostTooHigh:
-        if not allow_fallback:
+        if method != "auto":
             raise
         m = "montecarlo"
-        g = float(ta.similarity(a, b, method=m))
-        each = np.asarray(ta.similarity(a, b, method=m, output="each"), dtype=np.float64)
-    return {"global": g, "each": each.tolist(), "method": m}
+        ab, aa, bb = compute(m)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        each = ab / np.sqrt(aa * bb)  # NaN for an identically-zero output (no direction)
+    glob = float(ab.sum() / np.sqrt(aa.sum() * bb.sum()))
+    return {"global": glob, "each": each.tolist(), "method": m, "inner_each": ab.tolist(),
+            "norm2_a_each": aa.tolist(), "norm2_b_each": bb.tolist()}
 
 
 def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 1,
