@@ -142,3 +142,33 @@ def test_all_baselines_identical_models():
     for k in ("cka_logits", "cka_logits_debiased", "cka_hidden", "output_cosine", "weight_cosine"):
         assert res[k] == pytest.approx(1.0, rel=1e-9), k
     assert res["js_divergence"] == pytest.approx(0.0, abs=1e-12)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), alpha=st.floats(0.2, 5.0))
+def test_weight_symmetry_moves_weight_cosine_not_the_function(seed, alpha):
+    """Permuting a block's hidden units and rescaling left by alpha, right by 1/alpha keeps the
+    function: outputs, CKA and tensor similarity stay at 1 while weight cosine drops."""
+    import tensoralg as ta
+
+    a = BilinearNet(6, 3, d_model=4, d_hidden=5, residual=True, bias=True, seed=seed,
+                    dtype="float64")
+    b = BilinearNet(6, 3, d_model=4, d_hidden=5, residual=True, bias=True, seed=seed,
+                    dtype="float64")
+    perm = torch.randperm(5, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        blk_a, blk_b = a.blocks[0], b.blocks[0]
+        blk_a.left.bias.normal_(generator=torch.Generator().manual_seed(seed))
+        blk_a.right.bias.fill_(0.5)
+        blk_b.left.weight.copy_(alpha * blk_a.left.weight[perm])
+        blk_b.left.bias.copy_(alpha * blk_a.left.bias[perm])
+        blk_b.right.weight.copy_(blk_a.right.weight[perm] / alpha)
+        blk_b.right.bias.copy_(blk_a.right.bias[perm] / alpha)
+        blk_b.down.weight.copy_(blk_a.down.weight[:, perm])
+    X = torch.randn(40, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(a(X), b(X), rtol=1e-10, atol=1e-12)
+    assert float(ta.similarity(a, b)) == pytest.approx(1.0, abs=1e-10)
+    assert linear_cka(a(X).detach(), b(X).detach()) == pytest.approx(1.0, abs=1e-9)
+    if not torch.equal(perm, torch.arange(5)) or abs(alpha - 1) > 1e-3:
+        assert weight_cosine(a, b) < 1 - 1e-6
