@@ -119,7 +119,8 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
                                 "target": cfg.target, "trigger": "diamond (5,0),(6,0),(7,0),(6,1)"})
     t1 = time.perf_counter()
     sim = pair_similarity(clean, backdoored, cfg.method, depth=cfg.n_layers)
-    ctl = pair_similarity(clean, control, sim["method"], depth=cfg.n_layers) if control else None
+    ctl = (pair_similarity(clean, control, sim["method"], depth=cfg.n_layers,
+                           norm2_a=sim["norm2_a_each"]) if control else None)
     t_sim = time.perf_counter() - t1
 
     bar.update(1)

@@ -83,8 +83,8 @@ def resolve_method(method: str, depth: int) -> str:
     return "exact" if depth <= 2 else "montecarlo"
 
 
-def pair_similarity(a: Any, b: Any, method: str = "auto", n_outputs: int | None = None,
-                    depth: int = 1) -> dict:
+def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
+                    norm2_a: Sequence[float] | None = None) -> dict:
     """Global and per-output tensor similarity (Gaussian metric) of two models.
 
     Three per-output inner-product vectors (``tensoralg.inner(..., output="each")``) give
@@ -93,7 +93,9 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", n_outputs: int | None 
     ``sum_c <a_c, b_c> / sqrt(sum_c <a_c, a_c> * sum_c <b_c, b_c>)`` — three contractions instead
     of six, which matters for exact depth-2 models.
 
-    Returns ``{"global", "each", "method", "inner_each", "norm2_a_each", "norm2_b_each"}``.
+    ``norm2_a``: ``<a_c, a_c>`` per output from an earlier call with the same ``a`` and method
+    (skips one contraction). Returns ``{"global", "each", "method", "inner_each",
+    "norm2_a_each", "norm2_b_each"}``.
     Under ``auto``, an exact computation refused as too costly (``CostTooHigh``) is redone by
     Monte Carlo and ``method`` says so.
     """
@@ -103,7 +105,10 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", n_outputs: int | None 
 
     def compute(meth):
         ab = np.asarray(ta.inner(a, b, method=meth, output="each"), dtype=np.float64)
-        aa = np.asarray(ta.inner(a, a, method=meth, output="each"), dtype=np.float64)
+        if norm2_a is not None and meth == m:
+            aa = np.asarray(norm2_a, dtype=np.float64)
+        else:
+            aa = np.asarray(ta.inner(a, a, method=meth, output="each"), dtype=np.float64)
         bb = np.asarray(ta.inner(b, b, method=meth, output="each"), dtype=np.float64)
         return ab, aa, bb
 

@@ -112,8 +112,13 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
     ref_index = next(i for i, (_, cl) in enumerate(stages) if len(cl) == 10)
     ref = checkpoints[ref_index]
     t1 = time.perf_counter()
-    per_stage = [pair_similarity(m, ref, cfg.method, depth=cfg.n_layers)
-                 for m in progress(checkpoints, "similarity to reference", show_progress)]
+    per_stage = []
+    ref_norm2 = None
+    for m in progress(checkpoints, "similarity to reference", show_progress):
+        # the reference goes first in each pair so that its norms are computed once
+        ps = pair_similarity(ref, m, cfg.method, depth=cfg.n_layers, norm2_a=ref_norm2)
+        ref_norm2 = ps["norm2_a_each"]
+        per_stage.append(ps)
     method = per_stage[0]["method"]
     tensor_mat, _ = similarity_matrix(checkpoints, method, depth=cfg.n_layers)
     t_sim = time.perf_counter() - t1
