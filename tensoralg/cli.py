@@ -28,7 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit_cli.add_parsers(sub)
     sae_cli.add_parsers(sub)
+    _name_leaves(parser)
     return parser
+
+
+def _name_leaves(parser: argparse.ArgumentParser) -> None:
+    """Record each command's full name (e.g. ``tensoralg audit backdoor``) for error messages."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        parser.set_defaults(prog_name=parser.prog)
+    for action in subs:
+        for child in dict.fromkeys(action.choices.values()):
+            _name_leaves(child)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, TypeError) as exc:
         # Bad input: a clear one-line message, no traceback.
-        print(f"tensoralg {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{getattr(args, 'prog_name', 'tensoralg')}: error: {exc}", file=sys.stderr)
         return 2
     return int(rc or 0)
 

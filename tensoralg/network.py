@@ -154,14 +154,11 @@ def _pruned_stages(can: Canonical, root: np.ndarray) -> list:
     st[-1][2] = root
     for k in range(len(st) - 1, -1, -1):
         L, R, D = st[k]
+        # (a side whose every unit is pruned is the zero function: no configuration survives)
         keep = _nonzero(D, (0, 1)) & _nonzero(L, (0, 2)) & _nonzero(R, (0, 2))
-        if not keep.any():
-            keep[0] = True  # an all-zero network keeps one (zero) unit
         L, R, D = L[:, keep], R[:, keep], D[:, :, keep]
         if k > 0:
             used = _nonzero(L, (0, 1)) | _nonzero(R, (0, 1))
-            if not used.any():
-                used[0] = True
             L, R = L[:, :, used], R[:, :, used]
             st[k - 1][2] = st[k - 1][2][:, used, :]
         st[k] = [L, R, D]
@@ -419,6 +416,15 @@ class JoinedNetwork:
         with oe.shared_intermediates():
             for (m, weight), path in zip(self.reps, self.paths):
                 total = self._add_config(m, weight, path, conv, total)
+        if total is None:  # every configuration vanishes by zero patterns
+            shape = (self.labels.sizes[self.side_a.batch], self.labels.sizes[self.side_b.batch])
+            if self.keep_output:
+                shape += (self.labels.sizes[self.out_label],)
+            if self.a.exact:
+                total = np.empty(shape, dtype=object)
+                total.fill(Fraction(0))
+            else:
+                total = convert(np.zeros(shape))
         return total
 
     def _add_config(self, m, weight, path, conv, total):

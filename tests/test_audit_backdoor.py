@@ -8,16 +8,6 @@ import pytest
 from tensoralg.cli import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The CI machine is small and shared: one torch thread, restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 KEYS = {"global_similarity", "slice_similarity", "target_class", "attack_success_rate",
         "clean_accuracy", "baselines", "method", "tensoralg_version", "config"}
 

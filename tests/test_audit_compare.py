@@ -12,17 +12,6 @@ from tensoralg.cli import main
 from tensoralg.nn import BilinearNet
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The CI machine is small and shared: one torch thread, restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _perturbed(seed, scale, **kw):
     m = BilinearNet(64, 10, d_model=8, d_hidden=12, residual=True, bias=True, seed=0, **kw)
     g = torch.Generator().manual_seed(seed)

@@ -9,17 +9,6 @@ from tensoralg.audit.forgetting import curriculum
 from tensoralg.cli import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The CI machine is small and shared: one torch thread, restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_curriculum_stages():
     st = curriculum(9)
     assert [lab for lab, _ in st] == ["{0,1,2,3,4}", "+5", "+6", "+7", "+8", "+9", "-9", "+9 again"]

@@ -9,17 +9,6 @@ from tensoralg.audit.grokking import log_schedule
 from tensoralg.cli import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The CI machine is small and shared: one torch thread, restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_log_schedule():
     s = log_schedule(1000, 8)
     assert s[0] == 0 and s[1] == 1 and s[-1] == 1000

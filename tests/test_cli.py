@@ -9,17 +9,6 @@ import pytest
 from tensoralg.cli import build_parser, main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The CI machine is small and shared: one torch thread, restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_commands_are_registered():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")

@@ -154,3 +154,14 @@ def test_forward_input_shape_errors(nets):
     a, _ = nets
     with pytest.raises(ValueError, match=r"x: expected a batch of shape \(n, 3\), got \(4, 2\)"):
         a(np.ones((4, 2)))
+
+
+def test_all_configurations_vanishing_gives_zero_not_an_error():
+    """No bias and a zero second factor row pattern: every Wick configuration is pruned."""
+    a = ta.Bilinear([[1.0, 0.0]], [[0.0, 1.0]], [[1.0], [0.0]])
+    b = ta.Bilinear([[1.0, 0.0]], [[0.0, 1.0]], [[0.0], [2.0]])
+    assert ta.inner(a, b, output=0) == 0.0
+    from fractions import Fraction
+    assert ta.inner(a, b, output=0, backend="exact") == Fraction(0)
+    assert list(ta.inner(a, b, output="each")) == [0.0, 0.0]
+    assert ta.plan(a, b, output=0).n_nonzero == 0

@@ -9,17 +9,6 @@ import tensoralg as ta
 from tensoralg.nn import BilinearNet, train_classifier
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The CI machine is small and shared: one torch thread, restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _x(n, d, seed=0):
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 

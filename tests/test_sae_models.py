@@ -8,8 +8,6 @@ from tensoralg.sae.models import (SAEConfig, SparseAutoencoder, abstopk, geometr
                                   rip_constants, rip_penalty, select_topk, topk)
 from tensoralg.sae.presets import PRESETS, make_config
 
-torch.set_num_threads(1)
-
 
 def test_abstopk_keeps_signs_of_largest_magnitudes():
     pre = torch.tensor([[0.5, -3.0, 2.0, -0.1, 1.0]])

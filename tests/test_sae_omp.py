@@ -8,8 +8,6 @@ from sklearn.linear_model import OrthogonalMatchingPursuit
 from tensoralg.sae.omp import omp
 from tensoralg.sae.synthetic import make_synthetic
 
-torch.set_num_threads(1)
-
 
 @pytest.mark.parametrize("seed,d,m,k", [(0, 8, 12, 1), (1, 8, 12, 3), (2, 10, 20, 5), (3, 6, 6, 6)])
 def test_matches_sklearn(seed, d, m, k):

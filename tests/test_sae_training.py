@@ -11,8 +11,6 @@ from tensoralg.sae.presets import make_config
 from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import (TrainConfig, TrainingDiverged, load_sae, save_sae, train)
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def syn():
