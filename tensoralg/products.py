@@ -757,9 +757,16 @@ def similarity_matrix(models: Sequence[Any], metric: str = "gaussian", method: s
 
 
 def inner_diff(a: Any, b: Any, c: Any, **kwargs):
-    """``<a, b - c> = <a, b> - <a, c>`` (bilinearity, DESIGN §3.5). Same keywords as
+    """``<a, b - c> = <a, b> - <a, c>`` (bilinearity, DESIGN §3.5), from one batched
+    :func:`cross_gram` call when ``b`` and ``c`` share an architecture. Same keywords as
     :func:`inner`. In floating point the difference carries the absolute error of the two
-    terms."""
+    terms (about ``eps * ||a|| (||b|| + ||c||)``)."""
+    try:
+        row = cross_gram([a], [b, c], **kwargs)
+        return row[0, 0] - row[0, 1]
+    except ValueError as exc:
+        if "architecture differs" not in str(exc):
+            raise
     return inner(a, b, **kwargs) - inner(a, c, **kwargs)
 
 

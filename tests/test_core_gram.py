@@ -113,3 +113,14 @@ def test_gram_closure_matches_exact_at_depth_one_and_pairs_at_depth_two():
         for j in range(3):
             assert Gd[i, j] == pytest.approx(ta.inner(deep[i], deep[j], method="closure"),
                                              rel=1e-12)
+
+
+def test_inner_diff_across_architectures_and_exact():
+    rng = np.random.default_rng(12)
+    a = rand_network(rng, "bilinear", hidden=2)
+    b = rand_network(rng, "bilinear", hidden=3)
+    c = rand_network(rng, "bilinear", hidden=4)
+    want = brute_inner(a, b) - brute_inner(a, c)
+    assert ta.inner_diff(a, b, c, backend="exact") == want
+    scale = math.sqrt(ta.inner(a, a) * (ta.inner(b, b) + ta.inner(c, c)))
+    assert abs(ta.inner_diff(a, b, c) - float(want)) <= 1e-10 * scale
