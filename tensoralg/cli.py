@@ -44,13 +44,20 @@ def _name_leaves(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        return 2
     args = parser.parse_args(argv)
+    name = getattr(args, "prog_name", "tensoralg")
     try:
         rc = args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, TypeError) as exc:
-        # Bad input: a clear one-line message, no traceback.
-        print(f"{getattr(args, 'prog_name', 'tensoralg')}: error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as exc:
+        # Bad input (including missing, misplaced or unwritable files): one line, no traceback.
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
     return int(rc or 0)
 
 

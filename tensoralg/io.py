@@ -21,12 +21,29 @@ __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "save
            "load_folder", "read_config", "WEIGHTS_FILE", "CONFIG_FILE"]
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, then rename)."""
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, then rename).
+    Missing parent folders are created; the file gets the usual mode (0666 less the umask).
+
+    Raises:
+        IsADirectoryError: ``path`` is an existing folder.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a folder; expected the path of a file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the usual mode
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -224,8 +224,12 @@ class Plan:
     largest_intermediate: int
     symmetries: list[str] = field(default_factory=list)
     expressions: list[str] = field(default_factory=list)
+    refused: str | None = None
 
     def summary(self) -> str:
+        if self.refused:
+            return (f"{self.metric} metric: {self.n_legs} legs, {self.n_configurations:,} Wick "
+                    f"configurations: REFUSED ({self.refused})")
         sym = ", ".join(self.symmetries) if self.symmetries else "none"
         return (f"{self.metric} metric: {self.n_legs} legs, {self.n_configurations} Wick "
                 f"configurations, {self.n_nonzero} after zero patterns, {self.n_orbits} after "
@@ -379,8 +383,16 @@ class JoinedNetwork:
         return ",".join(subs) + "->" + out, ops
 
     # -- plan & evaluation ----------------------------------------------------------------
-    def plan(self, max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
+    def plan(self, max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
+             refuse: bool = True) -> Plan:
         total = self.n_configurations()
+        if total > max_configurations and not refuse:
+            return Plan(metric=self.metric, n_legs=self.n_a + self.n_b, n_configurations=total,
+                        n_nonzero=-1, n_orbits=-1, group_order=len(self.group),
+                        flops=math.inf, largest_intermediate=-1,
+                        symmetries=self.symmetry_names,
+                        refused=f"over max_configurations={max_configurations:,}; use "
+                                f"method='closure' or 'montecarlo'")
         if total > max_configurations:
             raise CostTooHigh(
                 f"exact {self.metric} inner product: the joined network has "
@@ -505,9 +517,11 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None,
          max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
     """The cost summary of the exact inner product ``<a, b>`` (``<a, a>`` if ``b`` is None):
     Wick configurations before and after zero-pattern and symmetry reduction, FLOPs and largest
-    intermediate of the chosen opt_einsum paths. Contracts nothing."""
+    intermediate of the chosen opt_einsum paths. Contracts nothing. Over
+    ``max_configurations`` the returned plan has ``refused`` set (a reason), ``flops = inf``
+    and ``n_nonzero = n_orbits = -1`` (the configurations are not enumerated)."""
     from .products import _prepare_pair
 
     joined = _prepare_pair(a, a if b is None else b, metric=metric, output=output,
                            backend="numpy")[0]
-    return joined.plan(max_configurations)
+    return joined.plan(max_configurations, refuse=False)

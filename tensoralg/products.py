@@ -106,7 +106,7 @@ def _output_matrix(output: Any, O: int, exact: bool) -> tuple[np.ndarray, bool]:
             raise ValueError(f"output: expected None, an int, a vector of length {O} or 'each'; "
                              f"got {output!r}")
         U, keep = np.eye(O, dtype=np.float64), True
-    elif isinstance(output, numbers.Integral) and not isinstance(output, bool):
+    elif isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
         c = int(output)
         if not -O <= c < O:
             raise ValueError(f"output: index {c} out of range for {O} outputs")
@@ -116,6 +116,9 @@ def _output_matrix(output: Any, O: int, exact: bool) -> tuple[np.ndarray, bool]:
     else:
         from .layers import as_array
 
+        if isinstance(output, (bool, numbers.Real)) or np.ndim(output) != 1:
+            raise ValueError(f"output: expected None, an int class index, a vector of length {O} "
+                             f"or 'each'; got {output!r}")
         u = as_array(output, "output", 1)
         if u.shape != (O,):
             raise ValueError(f"output: direction of shape {u.shape} does not match the {O} outputs")
@@ -235,8 +238,16 @@ def _converter(backend: str, device: Any, dtype: Any):
         return lambda x: x
     import torch
 
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: unknown torch device {device!r} ({exc})") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} requested but CUDA is not available here "
+                             f"(torch.cuda.is_available() is False); use device='cpu' or None")
     if dtype is None:
         tdtype = torch.float64
     elif isinstance(dtype, str):
@@ -435,13 +446,19 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
         done += s
 
 
-def _mc_moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype):
-    """Sample means and standard errors of <a_i, b_j> products (Na, Nb[, K])."""
+def _check_mc(n_samples, seed, backend) -> None:
     if backend == "exact":
         raise ValueError("method='montecarlo' samples in floating point: use backend='numpy' "
                          "or 'torch'")
-    if not isinstance(n_samples, numbers.Integral) or n_samples < 2:
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or n_samples < 2:
         raise ValueError(f"n_samples: expected an integer >= 2, got {n_samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+
+
+def _mc_moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype):
+    """Sample means and standard errors of <a_i, b_j> products (Na, Nb[, K])."""
+    _check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     nets = list(nets_a) + list(nets_b)
     Na = len(nets_a)
@@ -461,9 +478,7 @@ def _mc_moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype
 
 def _mc_similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, dtype):
     """Ratio estimator ab / sqrt(aa bb) with a delta-method standard error."""
-    if backend == "exact":
-        raise ValueError("method='montecarlo' samples in floating point: use backend='numpy' "
-                         "or 'torch'")
+    _check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     sums = None
     for F in _mc_features([na, nb], U, n_samples, seed, backend, device, dtype):

@@ -165,3 +165,40 @@ def test_all_configurations_vanishing_gives_zero_not_an_error():
     assert ta.inner(a, b, output=0, backend="exact") == Fraction(0)
     assert list(ta.inner(a, b, output="each")) == [0.0, 0.0]
     assert ta.plan(a, b, output=0).n_nonzero == 0
+
+
+def test_montecarlo_arguments_checked_by_every_entry_point(nets):
+    a, b = nets
+    for fn in (ta.inner, ta.similarity):
+        for bad in (0, -5, 1, 1e3, True):
+            with pytest.raises(ValueError, match="n_samples: expected an integer >= 2"):
+                fn(a, b, method="montecarlo", n_samples=bad)
+        with pytest.raises(ValueError, match="seed: expected a non-negative integer"):
+            fn(a, b, method="montecarlo", seed=-1)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, np.float64(2.0), [[1.0, 0.0]]])
+def test_output_of_the_wrong_kind(nets, bad):
+    a, b = nets
+    with pytest.raises(ValueError, match="output: expected None, an int class index"):
+        ta.inner(a, b, output=bad)
+
+
+def test_torch_device_errors(nets):
+    torch = pytest.importorskip("torch")
+    a, b = nets
+    with pytest.raises(ValueError, match="device: unknown torch device 'tpu'"):
+        ta.inner(a, b, backend="torch", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            ta.inner(a, b, backend="torch", device="cuda")
+    with pytest.raises(ValueError, match="dtype: unknown torch floating dtype 'int8'"):
+        ta.inner(a, b, backend="torch", dtype="int8")
+
+
+def test_plan_reports_a_refusal_instead_of_raising():
+    rng = np.random.default_rng(3)
+    deep3 = ta.Sequential([rand_bilinear(rng, 2, 2, 2) for _ in range(3)])
+    p = ta.plan(deep3)
+    assert p.refused and p.flops == float("inf") and p.n_configurations == 46206736
+    assert "REFUSED" in p.summary()
