@@ -25,9 +25,13 @@ def main() -> None:
     ap.add_argument("--m", type=int)
     ap.add_argument("--k", type=int)
     ap.add_argument("--out")
+    ap.add_argument("--seed", type=int, default=0, help="first model seed")
+    ap.add_argument("--data-seed", type=int, default=12345, help="seed of the synthetic data")
+    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     r = run_bench(quick=args.quick, seeds=args.seeds, data=args.data, out=args.out,
+                  seed=args.seed, data_seed=args.data_seed, progress=not args.no_progress,
                   steps=args.steps, m=args.m, k=args.k)
     print(format_table(r))
     names = r["config"]["presets"]

@@ -88,3 +88,92 @@ def test_through_tensoralg_main(tmp_path, capsys):
     # bad input -> exit code 2 with a one-line message naming the command
     assert main(["sae", "stability", str(tmp_path / "r"), str(tmp_path / "missing")]) == 2
     assert "tensoralg sae stability: error:" in capsys.readouterr().err
+
+
+def test_untrained_same_seed_run_is_not_the_ground_truth(tmp_path, capsys):
+    """Regression: `train --steps 0 --seed 0` on `--synthetic` (data seed 0) gave gt_dcs 1.0."""
+    common = ["--synthetic", "16,24,3,512", "--steps", "0", "--no-progress"]
+    assert _run(["sae", "train", *common, "--seed", "0", "--data-seed", "0", "--out", str(tmp_path / "s0"),
+                 "--json", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    assert "untrained" in out and "nan" not in out
+    t = json.loads((tmp_path / "t.json").read_text())
+    assert t["history"] == [] and 0 < t["fvu"] < 10 and t["fvu_on"] == "first 512 samples"
+    assert json.loads((tmp_path / "s0" / "cfg.json").read_text())["train_step"] == 0
+    assert _run(["sae", "train", *common, "--seed", "1", "--out", str(tmp_path / "s1")]) == 0
+    assert _run(["sae", "stability", str(tmp_path / "s0"), str(tmp_path / "s1"), "--ground-truth",
+                 str(tmp_path / "s0" / "ground_truth"), "--seed", "3", "--json", str(tmp_path / "s.json")]) == 0
+    s = json.loads((tmp_path / "s.json").read_text())
+    from verify.identifiability import random_baseline
+    rb = random_baseline(24, 24, 16, n_draws=20, seed=0)
+    for key in ("gt_dcs_a", "gt_dcs_b", "dcs", "random_dcs"):
+        assert abs(s[key] - rb["dcs_mean"]) < 5 * rb["dcs_std"] + 0.01, (key, s[key], rb)
+
+
+def test_steps_zero_fvu_matches_the_training_loss_definition(tmp_path, capsys):
+    from tensoralg.sae.training import load_sae
+
+    from tensoralg.sae.synthetic import make_synthetic
+
+    x = make_synthetic(200, 6, 8, 2, seed=4).x
+    np.save(tmp_path / "x.npy", x.numpy())
+    assert _run(["sae", "train", "--data", str(tmp_path / "x.npy"), "--d-sae", "8", "--k", "2",
+                 "--steps", "0", "--batch-size", "64", "--no-progress", "--out", str(tmp_path / "r"),
+                 "--json", str(tmp_path / "r.json")]) == 0
+    model = load_sae(tmp_path / "r")
+    with torch.no_grad():
+        ref = float(((x - model(x)) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
+    assert json.loads((tmp_path / "r.json").read_text())["fvu"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_train_argument_errors_name_the_right_flag(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((64, 6), dtype=np.float32))
+    data = ["--data", str(tmp_path / "x.npy"), "--out", str(tmp_path / "r")]
+    with pytest.raises(ValueError, match=r"--k: expected 1 <= k <= d_sae=8, got 0"):
+        _run(["sae", "train", *data, "--d-sae", "8", "--k", "0"])
+    with pytest.raises(ValueError, match=r"--k: expected 1 <= k <= d_sae=8, got 9"):
+        _run(["sae", "train", *data, "--d-sae", "8", "--k", "9"])
+    with pytest.raises(ValueError, match=r"--k: expected 1 <= k"):     # not silently the spec's k
+        _run(["sae", "train", "--synthetic", "6,8,2,64", "--k", "0", "--out", str(tmp_path / "r")])
+    with pytest.raises(ValueError, match=r"^--k: required"):
+        _run(["sae", "train", *data, "--d-sae", "8"])
+    with pytest.raises(ValueError, match=r"^--d-sae and --k: required"):
+        _run(["sae", "train", *data])
+    with pytest.raises(ValueError, match=r"--steps: expected an int >= 0"):
+        _run(["sae", "train", *data, "--d-sae", "8", "--k", "2", "--steps", "-1"])
+    with pytest.raises(ValueError, match=r"--data-seed"):
+        _run(["sae", "train", "--synthetic", "6,8,2,64", "--data-seed", "-1", "--out", str(tmp_path / "r")])
+    (tmp_path / "obj.npy").write_bytes(b"\x80\x04\x95 not an array")
+    with pytest.raises(ValueError, match=r"not a numeric \.npy array of shape \(n, d_in\)") as e:
+        _run(["sae", "train", "--data", str(tmp_path / "obj.npy"), "--d-sae", "8", "--k", "2",
+              "--out", str(tmp_path / "r")])
+    assert "allow_pickle" not in str(e.value)
+    assert not (tmp_path / "r").exists()
+
+
+def test_data_run_prints_no_warning(tmp_path):
+    """torch warns once per process, so check a fresh process: no "not writable" warning."""
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((128, 6)).astype(np.float32))
+    r = subprocess.run([sys.executable, "-W", "default", "-m", "tensoralg.cli", "sae", "train",
+                        "--data", str(tmp_path / "x.npy"), "--d-sae", "8", "--k", "2", "--steps", "3",
+                        "--batch-size", "32", "--threads", "1", "--no-progress", "--out", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stderr and "step 3" in r.stdout, r.stderr
+
+
+def test_bench_accepts_no_progress_and_seed(tmp_path, capsys):
+    args = ["sae", "bench", "--quick", "--presets", "topk", "--seeds", "2", "--d", "6", "--m", "8",
+            "--k", "2", "--steps", "5", "--n-train", "256", "--no-progress"]
+    assert _run([*args, "--seed", "5", "--data-seed", "7", "--json", str(tmp_path / "b.json")]) == 0
+    r = json.loads((tmp_path / "b.json").read_text())
+    assert [p["seed"] for p in r["topk"]["per_seed"]] == [5, 6]
+    assert r["config"]["seed"] == 5 and r["config"]["data_seed"] == 7
+    assert "it/s" not in capsys.readouterr().err                 # no tqdm bar
+    with pytest.raises(ValueError, match="--seed"):
+        _run([*args, "--seed", "-1"])
+    with pytest.raises(ValueError, match="--seed"):
+        _run(["sae", "stability", "a", "b", "--seed", "-2"])

@@ -1,11 +1,11 @@
-"""tensoralg.sae.omp against scikit-learn's OrthogonalMatchingPursuit, and on exact recovery."""
+"""tensoralg.sae.omp (module tensoralg.sae.pursuit) against scikit-learn's OrthogonalMatchingPursuit, and on exact recovery."""
 
 import numpy as np
 import pytest
 import torch
 from sklearn.linear_model import OrthogonalMatchingPursuit
 
-from tensoralg.sae.omp import omp
+from tensoralg.sae import omp
 from tensoralg.sae.synthetic import make_synthetic
 
 
@@ -37,3 +37,67 @@ def test_bad_input():
         omp(torch.zeros(3, 4), torch.zeros(5, 6), 2)
     with pytest.raises(ValueError, match="k"):
         omp(torch.zeros(3, 4), torch.zeros(5, 4), 5)
+
+
+def test_documented_import_gives_the_function_not_the_module():
+    """`from tensoralg.sae import omp` used to return the submodule tensoralg.sae.omp."""
+    import tensoralg.sae.bench  # noqa: F401  (imports the pursuit module first, as users may)
+    from tensoralg.sae import make_config, train, TrainConfig, make_synthetic, omp  # noqa: F401
+
+    data = make_synthetic(64, d=32, m=64, k=4, seed=0)
+    z = omp(data.x, data.W_dec, k=4)
+    assert callable(omp) and z.shape == (64, 64) and ((z != 0).sum(1) == 4).all()
+
+
+def test_no_export_is_shadowed_by_a_submodule():
+    import importlib
+    import pkgutil
+    import types
+
+    import tensoralg.sae as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name != "activations":          # the optional transformers extra
+            importlib.import_module(f"tensoralg.sae.{info.name}")
+    for name in pkg.__all__:
+        assert not isinstance(getattr(pkg, name), types.ModuleType), name
+
+
+def _readme_sae_snippet():
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    if not readme.exists():
+        pytest.skip("README.md is not next to the tests (installed package)")
+    text = readme.read_text()
+    start = text.find("```python\nfrom tensoralg.sae import make_config")
+    assert start >= 0, "README lost its tensoralg.sae python snippet"
+    return text[start + len("```python\n"):text.index("```", start + 10)]
+
+
+def test_readme_snippet_runs_as_written():
+    """The README's SAE snippet, unchanged except for smaller sizes (same calls)."""
+    code = _readme_sae_snippet()
+    small = code.replace("make_synthetic(8192,", "make_synthetic(512,").replace("steps=600", "steps=10")
+    assert small.count("512") == 1 and "steps=10" in small, "README snippet changed shape; update this test"
+    ns = {}
+    exec(compile(small, "README.md (sae snippet)", "exec"), ns)
+    data, sae = ns["data"], ns["sae"]
+    r = ns["compare"](data.W_dec, sae.W_dec, data.z, sae.encode(data.x))
+    assert {"dcs", "code_iou", "code_l2", "perm", "signs"} <= set(r)
+    z = ns["omp"](data.x, data.W_dec, k=4)
+    assert z.shape == (512, 64) and ((z != 0).sum(1) == 4).all()
+
+
+def test_readme_snippet_literal_small():
+    from tensoralg.sae import make_config, train, TrainConfig, make_synthetic, omp
+    from verify.identifiability import compare, random_baseline
+
+    data = make_synthetic(512, d=32, m=64, k=4, seed=0)
+    sae, history = train(data.x, make_config("isae-me", 32, 64, 4), TrainConfig(steps=10, seed=0))
+    r = compare(data.W_dec, sae.W_dec, data.z, sae.encode(data.x))
+    z = omp(data.x, data.W_dec, k=4)
+    assert history and 0 <= r["dcs"] <= 1 and ((z != 0).sum(1) == 4).all()
+    # 10 steps cannot find the dictionary: the SAE is still near the random floor, not at 1
+    rb = random_baseline(64, 64, 32, n_draws=10, seed=0)
+    assert r["dcs"] < rb["dcs_mean"] + 0.1

@@ -164,3 +164,54 @@ def test_synthetic_data_properties():
         make_synthetic(10, 4, 8, 2, min_abs=0.0)
     with pytest.raises(ValueError, match="dictionary"):
         make_synthetic(10, 4, 8, 2, dictionary=torch.zeros(8, 5))
+
+
+def test_memmap_and_read_only_arrays_are_not_wrapped_in_tensors(syn, tmp_path):
+    """A memmap passed again (the CLI loads it, then calls train) used to be turned into a
+    tensor over read-only memory (torch's "NumPy array is not writable" warning)."""
+    from tensoralg.sae.training import as_activations
+
+    path = tmp_path / "acts.npy"
+    np.save(path, syn.x.numpy())
+    mm = as_activations(path)
+    assert isinstance(mm, np.memmap)
+    assert isinstance(as_activations(mm), np.memmap)           # second pass keeps the memmap
+    ro = syn.x.numpy().copy()
+    ro.flags.writeable = False
+    assert isinstance(as_activations(ro), np.ndarray)
+    assert isinstance(as_activations(syn.x.numpy().copy()), torch.Tensor)
+    cfg = SAEConfig(8, 12, 2)
+    a, _ = train(mm, cfg, TrainConfig(steps=5, batch_size=64))
+    b, _ = train(ro, cfg, TrainConfig(steps=5, batch_size=64))
+    c, _ = train(syn.x, cfg, TrainConfig(steps=5, batch_size=64))
+    assert torch.equal(a.W_dec, c.W_dec) and torch.equal(b.W_dec, c.W_dec)
+    assert not mm.flags.writeable                               # nothing was written to the file
+
+
+@pytest.mark.parametrize("kind", ["pickle", "object", "text", "garbage", "strings"])
+def test_non_numeric_npy_never_suggests_unsafe_loading(tmp_path, kind):
+    import pickle
+
+    path = tmp_path / f"{kind}.npy"
+    if kind == "pickle":
+        path.write_bytes(pickle.dumps([1, 2, 3]))
+    elif kind == "object":
+        np.save(path, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    elif kind == "text":
+        path.write_text("1,2,3\n4,5,6\n")
+    elif kind == "garbage":
+        path.write_bytes(b"\x93NUMPY\x01\x00garbage")
+    else:
+        np.save(path, np.array([["a", "b"], ["c", "d"]]))
+    with pytest.raises(ValueError, match=r"not a numeric \.npy array of shape \(n, d_in\)") as e:
+        train(path, SAEConfig(2, 4, 1), TrainConfig(steps=1, batch_size=1))
+    assert "pickle=" not in str(e.value) and e.value.__cause__ is None
+
+
+def test_steps_zero_is_initialization_only(syn, tmp_path):
+    cfg = make_config("isae", 8, 12, 2)
+    model, hist = train(syn.x, cfg, TrainConfig(steps=0, seed=2), out=tmp_path / "r")
+    assert hist == []
+    init = SparseAutoencoder(cfg, seed=2)
+    assert torch.equal(model.W_dec, init.W_dec)
+    assert json.loads((tmp_path / "r" / "cfg.json").read_text())["train_step"] == 0

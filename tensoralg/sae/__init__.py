@@ -13,7 +13,7 @@ Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
   ``abstopk``, ``rip_penalty``, ``rip_constants``;
 * :mod:`tensoralg.sae.training` — :class:`TrainConfig`, :func:`train`, checkpoints;
 * :mod:`tensoralg.sae.synthetic` — :func:`make_synthetic`;
-* :mod:`tensoralg.sae.omp` — batched :func:`omp`;
+* :mod:`tensoralg.sae.pursuit` — batched :func:`omp` (exported as ``tensoralg.sae.omp``);
 * :mod:`tensoralg.sae.presets` — ``topk``, ``abstopk``, ``isae``, ``isae-me``;
 * :mod:`tensoralg.sae.bench` — :func:`run_bench`;
 * :mod:`tensoralg.sae.activations` — hidden states of all-MiniLM-L6-v2 (optional extra).
@@ -31,7 +31,7 @@ _EXPORTS = {
     "TrainConfig": "training", "train": "training", "load_sae": "training",
     "save_sae": "training", "TrainingDiverged": "training",
     "make_synthetic": "synthetic", "SyntheticData": "synthetic",
-    "omp": "omp", "PRESETS": "presets", "make_config": "presets",
+    "omp": "pursuit", "PRESETS": "presets", "make_config": "presets",
     "run_bench": "bench",
 }
 

@@ -28,7 +28,7 @@ import torch
 from .. import io as tio
 from .._version import __version__
 from .models import SparseAutoencoder, rip_constants
-from .omp import omp
+from .pursuit import omp
 from .presets import PRESETS, make_config
 from .synthetic import make_synthetic
 from .training import TrainConfig, as_activations, train
@@ -62,7 +62,8 @@ def _gt(D_true, Z_true, Ds, Zs, compare):
 
 
 def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, data=None,
-              out=None, progress: bool = False, log=print, **overrides) -> dict:
+              out=None, progress: bool = False, log=print, seed: int = 0, data_seed: int = 12345,
+              **overrides) -> dict:
     """Train every preset with several seeds and measure reconstruction and identifiability.
 
     Args:
@@ -72,6 +73,10 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         data: optional real activations ``(n, d)`` (tensor, array or ``.npy`` path); the last
             20% are held out. Without it, synthetic data with a ground truth is used.
         out: folder for ``bench.json``, ``bench.md`` and ``bench.png`` (optional).
+        progress: a tqdm bar per training run; ``log``: called with each per-seed line.
+        seed: the model seeds are ``seed, seed + 1, ..., seed + seeds - 1`` (init and batches).
+        data_seed: seed of the synthetic training data (held-out data: ``data_seed + 1``, same
+            dictionary). Data and model streams are independent even for equal numbers.
         overrides: replace entries of the size table (``d``, ``m``, ``k``, ``steps``, ``lr``...).
             With real data, ``m`` is the number of latents and ``k`` the sparsity.
     Returns:
@@ -88,6 +93,9 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         cfg["seeds"] = seeds
     if cfg["seeds"] < 2:
         raise ValueError(f"seeds: need >= 2 seeds for run-to-run stability, got {cfg['seeds']}")
+    for name, v in (("seed", seed), ("data_seed", data_seed)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
     presets = list(PRESETS) if presets is None else list(presets)
     for p in presets:
         if p not in PRESETS:
@@ -95,9 +103,10 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
     t0 = time.time()
     synthetic = data is None
     if synthetic:
-        train_data = make_synthetic(cfg["n_train"], cfg["d"], cfg["m"], cfg["k"], noise=cfg["noise"], seed=12345)
+        train_data = make_synthetic(cfg["n_train"], cfg["d"], cfg["m"], cfg["k"], noise=cfg["noise"],
+                                    seed=data_seed)
         eval_data = make_synthetic(cfg["n_eval"], cfg["d"], cfg["m"], cfg["k"], noise=cfg["noise"],
-                                   seed=54321, dictionary=train_data.W_dec)
+                                   seed=data_seed + 1, dictionary=train_data.W_dec)
         x_train, x_eval = train_data.x, eval_data.x
         D_true, Z_true = eval_data.W_dec, eval_data.z
     else:
@@ -120,10 +129,10 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         sae_cfg = make_config(name, cfg["d"], cfg["m"], k)
         Ds, Zs, fvus, rips, ripm, Zomp, fomp, Dr, Zr, fr = ([] for _ in range(10))
         per_seed = []
-        for seed in range(cfg["seeds"]):
+        for seed_i in range(seed, seed + cfg["seeds"]):
             ts = time.time()
             model, hist = train(x_train, sae_cfg, TrainConfig(steps=cfg["steps"], batch_size=cfg["batch_size"],
-                                                              lr=cfg["lr"], seed=seed, progress=progress))
+                                                              lr=cfg["lr"], seed=seed_i, progress=progress))
             with torch.no_grad():
                 z = model.encode(x_eval.to(model.W_dec.dtype))
                 f = _fvu(x_eval, model.decode(z))
@@ -131,14 +140,14 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                 rc = rip_constants(D, z)
                 zo = omp(x_eval, D, k, b_dec=model.b_dec)
                 fo = _fvu(x_eval, zo @ D + model.b_dec)
-                init = SparseAutoencoder(sae_cfg, seed=seed)
+                init = SparseAutoencoder(sae_cfg, seed=seed_i)
                 init.init_b_dec(x_train[:8192].to(init.W_dec.dtype))
                 zr = init.encode(x_eval.to(init.W_dec.dtype))
                 Dr.append(init.W_dec.detach().clone()); Zr.append(zr); fr.append(_fvu(x_eval, init.decode(zr)))
             Ds.append(D); Zs.append(z); fvus.append(f); rips.append(rc["delta_max"]); ripm.append(rc["delta_mean"])
             Zomp.append(zo); fomp.append(fo)
-            per_seed.append({"seed": seed, "fvu": f, "rip_delta": rc["delta_max"], "seconds": time.time() - ts})
-            log(f"  {name:8s} seed {seed}: fvu {f:.4f}  rip_delta {rc['delta_max']:.3f}  ({time.time() - ts:.1f}s)")
+            per_seed.append({"seed": seed_i, "fvu": f, "rip_delta": rc["delta_max"], "seconds": time.time() - ts})
+            log(f"  {name:8s} seed {seed_i}: fvu {f:.4f}  rip_delta {rc['delta_max']:.3f}  ({time.time() - ts:.1f}s)")
         res = {"fvu": _mean(fvus), "fvu_std": float(np.std(fvus))}
         res.update(_pairwise(Ds, Zs, compare))
         if synthetic:
@@ -158,7 +167,8 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         res["per_seed"] = per_seed
         results[name] = res
     results["findings"] = _findings(results)
-    results["config"] = {**cfg, "presets": presets, "data": "synthetic" if synthetic else str(data)}
+    results["config"] = {**cfg, "presets": presets, "data": "synthetic" if synthetic else str(data),
+                         "seed": seed, "data_seed": data_seed if synthetic else None}
     results["seconds"] = time.time() - t0
     results["tensoralg_version"] = __version__
     if out is not None:

@@ -39,6 +39,23 @@ def _synthetic_spec(text: str) -> dict:
     return spec
 
 
+def _check_int(value, flag: str, low: int, what: str = "") -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{flag}: expected an int >= {low}{what}, got {value}")
+
+
+def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
+    """FVU (the training loss's ``recon`` term) of ``model`` on the first ``n_max`` rows."""
+    import numpy as np
+    import torch
+
+    rows = data[:n_max]
+    x = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.array(rows, dtype=np.float64))
+    x = x.to(model.W_dec.dtype)
+    with torch.no_grad():
+        return float(model.loss(x)["recon"]), int(x.shape[0])
+
+
 def _cmd_train(args) -> int:
     import torch
 
@@ -47,25 +64,31 @@ def _cmd_train(args) -> int:
     from .synthetic import make_synthetic
     from .training import TrainConfig, TrainingDiverged, as_activations, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if (args.data is None) == (args.synthetic is None):
         raise ValueError("give exactly one of --data X.npy or --synthetic d,m,k[,n[,noise]]")
+    _check_int(args.steps, "--steps", 0, " (0: write the initialized, untrained SAE)")
+    _check_int(args.seed, "--seed", 0)
+    _check_int(args.data_seed, "--data-seed", 0)
+    _check_int(args.d_sae, "--d-sae", 1)
+    if args.data is not None and (args.d_sae is None or args.k is None):
+        missing = " and ".join(f for f, v in (("--d-sae", args.d_sae), ("--k", args.k)) if v is None)
+        raise ValueError(f"{missing}: required with --data (the data fixes only d_in)")
+    s = args.synthetic
+    d_sae = args.d_sae if args.d_sae is not None else s["m"]
+    k = args.k if args.k is not None else s["k"]
+    if not 1 <= k <= d_sae:
+        raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     meta = {}
-    if args.synthetic is not None:
-        s = args.synthetic
+    if s is not None:
         syn = make_synthetic(s["n"], s["d"], s["m"], s["k"], noise=s["noise"], seed=args.data_seed)
         data, d_in = syn.x, s["d"]
-        d_sae = args.d_sae or s["m"]
-        k = args.k or s["k"]
         meta = {"data": f"synthetic d={s['d']} m={s['m']} k={s['k']} n={s['n']} noise={s['noise']}",
                 "data_seed": args.data_seed}
     else:
         data = as_activations(args.data, "--data")
         d_in = int(data.shape[1])
-        if not args.d_sae or not args.k:
-            raise ValueError("--d-sae and --k are required with --data")
-        d_sae, k = args.d_sae, args.k
         meta = {"data": str(args.data)}
     overrides = {}
     if args.rip_beta is not None:
@@ -81,14 +104,22 @@ def _cmd_train(args) -> int:
     except TrainingDiverged as exc:
         print(f"tensoralg sae train: error: {exc}", file=sys.stderr)
         return 1
-    if args.synthetic is not None:
+    if s is not None:
         save_folder(f"{args.out}/ground_truth", {"W_dec": syn.W_dec}, {"d_in": d_in, "d_sae": s["m"], "k": s["k"],
                                                                     "kind": "ground_truth", **meta})
-    last = hist[-1] if hist else {}
-    print(f"trained {args.preset} SAE d_in={d_in} d_sae={d_sae} k={k}: step {tcfg.steps}, "
-          f"fvu {last.get('recon', float('nan')):.4f} -> {args.out}")
+    if hist:
+        fvu, how = hist[-1]["recon"], "last batch"
+        what = f"trained {args.preset} SAE"
+    else:   # no optimizer step ran (--steps 0, or a resume already at --steps): evaluate it
+        fvu, n_eval = _eval_fvu(model, data)
+        how = f"first {n_eval} samples"
+        what = (f"initialized (untrained, --steps 0) {args.preset} SAE" if args.steps == 0
+                else f"{args.preset} SAE (already at step {args.steps}, nothing to train)")
+    print(f"{what} d_in={d_in} d_sae={d_sae} k={k}: step {tcfg.steps}, fvu {fvu:.4f} ({how}) "
+          f"-> {args.out}")
     if args.json:
-        _write_json(args.json, _stamp({"history": hist, "sae_cfg": sae_cfg.to_dict(), "out": str(args.out)}, args))
+        _write_json(args.json, _stamp({"history": hist, "fvu": fvu, "fvu_on": how,
+                                       "sae_cfg": sae_cfg.to_dict(), "out": str(args.out)}, args))
     return 0
 
 
@@ -100,6 +131,7 @@ def _cmd_stability(args) -> int:
     from .models import rip_constants
     from .training import as_activations, load_sae
 
+    _check_int(args.seed, "--seed", 0)
     a, b = load_sae(args.run_a), load_sae(args.run_b)
     if a.cfg.d_in != b.cfg.d_in:
         raise ValueError(f"RUN_A, RUN_B: different d_in ({a.cfg.d_in} vs {b.cfg.d_in})")
@@ -116,7 +148,7 @@ def _cmd_stability(args) -> int:
         res["rip_delta_b"] = rip_constants(b.W_dec, z_b)["delta_max"]
     c = compare(a.W_dec, b.W_dec, z_a, z_b)
     res.update({k: v for k, v in c.items() if k not in ("perm", "signs")})
-    res["random_dcs"] = random_baseline(a.cfg.d_sae, b.cfg.d_sae, a.cfg.d_in, seed=0)["dcs_mean"]
+    res["random_dcs"] = random_baseline(a.cfg.d_sae, b.cfg.d_sae, a.cfg.d_in, seed=args.seed)["dcs_mean"]
     if args.ground_truth is not None:
         from ..io import load_folder
         gt, _ = load_folder(args.ground_truth)
@@ -139,7 +171,10 @@ def _cmd_bench(args) -> int:
     torch.set_num_threads(args.threads)
     overrides = {k: getattr(args, k) for k in ("d", "m", "k", "steps", "lr", "n_train")
                  if getattr(args, k) is not None}
+    for flag, value in (("--seed", args.seed), ("--data-seed", args.data_seed)):
+        _check_int(value, flag, 0)
     r = run_bench(args.presets, quick=args.quick, seeds=args.seeds, data=args.data, out=args.out,
+                  seed=args.seed, data_seed=args.data_seed, progress=not (args.no_progress or args.quiet),
                   log=(lambda *a: None) if args.quiet else print, **overrides)
     print(format_table(r))
     if args.out:
@@ -173,20 +208,24 @@ def add_parsers(sub) -> None:
     t.add_argument("--data", help="(n, d) float .npy of activations (memory-mapped)")
     t.add_argument("--synthetic", type=_synthetic_spec, metavar="d,m,k[,n[,noise]]",
                    help="train on synthetic data with a ground-truth dictionary (saved to OUT/ground_truth)")
-    t.add_argument("--data-seed", type=int, default=0)
+    t.add_argument("--data-seed", type=int, default=0,
+                   help="seed of the --synthetic data (default 0); drawn from a stream independent "
+                        "of --seed's, so equal numbers never give equal draws")
     t.add_argument("--d-sae", type=int, help="number of latents (default: m of --synthetic)")
     t.add_argument("--k", type=int, help="active latents per sample (default: k of --synthetic)")
-    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--steps", type=int, default=2000,
+                   help="optimizer steps (default 2000); 0 writes the initialized, untrained SAE "
+                        "(a baseline) and reports its FVU on the first 8192 samples")
     t.add_argument("--batch-size", type=int, default=256)
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order")
     t.add_argument("--rip-beta", type=float, help="override the preset's aRIP weight")
     t.add_argument("--n-steps", type=int, help="override the multi-step encoder's T")
     t.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: end only)")
     t.add_argument("--resume", help="checkpoint folder to continue from")
     t.add_argument("--out", required=True, help="checkpoint folder (weights.safetensors + cfg.json)")
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", help="also write the loss history as JSON here")
     t.set_defaults(func=_cmd_train)
 
@@ -196,6 +235,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--data", help=".npy of activations to compare the codes on")
     s.add_argument("--max-samples", type=int, default=4096)
     s.add_argument("--ground-truth", help="folder with a ground-truth W_dec (from train --synthetic)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random-dictionary baseline (random_dcs)")
     s.add_argument("--json")
     s.set_defaults(func=_cmd_stability)
 
@@ -210,7 +250,12 @@ def add_parsers(sub) -> None:
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--out", help="folder for bench.json, bench.md, bench.png")
     b.add_argument("--json")
-    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--seed", type=int, default=0,
+                   help="first model seed (seeds --seed, --seed+1, ...; default 0)")
+    b.add_argument("--data-seed", type=int, default=12345,
+                   help="seed of the synthetic train data (eval data: --data-seed + 1)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar per training run")
+    b.add_argument("--quiet", action="store_true", help="no per-seed log lines")
     b.set_defaults(func=_cmd_bench)
 
     a = ss.add_parser("activations", help="extract hidden states of all-MiniLM-L6-v2 (optional extra)")

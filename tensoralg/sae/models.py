@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._seeds import stream_generator
+
 __all__ = ["SAEConfig", "SparseAutoencoder", "select_topk", "topk", "abstopk", "rip_penalty",
            "rip_constants", "geometric_median"]
 
@@ -260,13 +262,18 @@ class SparseAutoencoder(nn.Module):
     Multi-step encoder (LISTA-style): ``z_0 = act(W_enc(x - b_dec) + b_enc)``, then for
     ``t = 1..T``: ``z_t = act(z_{t-1} + Γ(x - b_dec - W_dec z_{t-1}))`` — in row convention
     ``z_t = act(z_{t-1} + r_t @ Γ)`` with residual ``r_t = x - b_dec - z_{t-1} @ W_dec``.
+
+    ``seed`` (an int >= 0, or None for the global torch RNG) seeds the initial decoder through
+    the ``"init"`` stream of :func:`tensoralg.sae._seeds.stream_seed`, independent of the
+    ``"data"`` stream of :func:`~tensoralg.sae.synthetic.make_synthetic` with the same number.
     """
 
     def __init__(self, cfg: SAEConfig, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
         dtype = _DTYPES[cfg.dtype]
-        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        # the "init" stream: independent of make_synthetic's "data" stream for the same seed
+        gen = stream_generator(seed, "init") if seed is not None else None
         W_dec = torch.randn(cfg.d_sae, cfg.d_in, generator=gen, dtype=torch.float64)
         W_dec = W_dec / W_dec.norm(dim=1, keepdim=True)
         self.W_dec = nn.Parameter(W_dec.to(dtype))

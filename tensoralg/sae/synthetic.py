@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._seeds import stream_generator
+
 __all__ = ["SyntheticData", "make_synthetic", "random_dictionary"]
 
 
@@ -51,11 +53,15 @@ def make_synthetic(n: int, d: int, m: int, k: int, *, noise: float = 0.0, min_ab
         min_abs, max_abs: coefficient magnitudes are uniform in ``[min_abs, max_abs]``,
             ``0 < min_abs <= max_abs``.
         signed: random ±1 signs (``True``) or all-positive coefficients.
-        seed: seeds a private ``torch.Generator`` (the global RNG is untouched).
+        seed: an int >= 0 seeding a private ``torch.Generator`` through the ``"data"`` stream of
+            :func:`tensoralg.sae._seeds.stream_seed` (the global RNG is untouched). The stream is
+            independent of an SAE's ``"init"`` stream, so an SAE seeded with the same number
+            does not start at the ground-truth dictionary.
         dictionary: reuse this ``(m, d)`` dictionary (e.g. a held-out set from the same
             ground truth); normalized to unit rows.
     Raises:
-        ValueError: non-positive sizes, ``k > m``, bad magnitudes or a wrong dictionary shape.
+        ValueError: non-positive sizes, ``k > m``, bad magnitudes, a negative seed or a wrong
+            dictionary shape.
     """
     for name, v in (("n", n), ("d", d), ("m", m), ("k", k)):
         if not isinstance(v, int) or v < 1:
@@ -67,7 +73,7 @@ def make_synthetic(n: int, d: int, m: int, k: int, *, noise: float = 0.0, min_ab
                          f"{min_abs}, {max_abs}")
     if not (noise >= 0) or noise == float("inf"):
         raise ValueError(f"noise: expected a finite number >= 0, got {noise}")
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = stream_generator(seed, "data")
     if dictionary is None:
         D = random_dictionary(m, d, gen, torch.float64)
     else:

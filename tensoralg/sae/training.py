@@ -9,9 +9,12 @@ Checkpoint layout (written with :func:`tensoralg.io.save_folder`, atomically):
   ``k``, ``activation_fn``, ``apply_b_dec_to_input``, ...) and ``train_*`` entries;
 * ``OUT/trainer_state/`` — AdamW moments, dead-latent counters and the step, for resuming.
 
-Determinism: the initial weights come from ``seed``; the batch of step ``s`` is a slice of a
-permutation drawn from a generator seeded by ``(seed, epoch)``, so a resumed run sees exactly
-the batches the uninterrupted run would have seen (bit-identical on CPU with the same threads).
+Determinism: the initial weights come from ``seed`` (stream ``"init"``); the batch of step ``s``
+is a slice of a permutation drawn from a generator seeded by ``(seed, epoch)`` (stream
+``"batches"``), so a resumed run sees exactly the batches the uninterrupted run would have seen
+(bit-identical on CPU with the same threads). The streams are derived with
+:func:`tensoralg.sae._seeds.stream_seed`, so they are independent of each other and of the
+``"data"`` stream of :func:`~tensoralg.sae.synthetic.make_synthetic` with the same number.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from .. import io as tio
+from ._seeds import stream_generator
 from .models import SAEConfig, SparseAutoencoder
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "save_sae", "load_sae", "as_activations"]
@@ -83,8 +87,11 @@ class TrainConfig:
 def as_activations(data, name: str = "data"):
     """Accept a ``(n, d)`` tensor / array, or a path to a ``.npy`` (memory-mapped, not loaded).
 
-    Returns a torch tensor or a read-only numpy memmap. Raises FileNotFoundError / ValueError
-    for a missing or corrupt file, a wrong rank, an empty array or non-finite entries.
+    Returns a torch tensor, or a numpy array for a memory-mapped file or any read-only array
+    (never wrapped in a tensor, which would share non-writable memory; the training loop copies
+    each batch out of it). Raises FileNotFoundError / ValueError for a missing or corrupt file,
+    a non-numeric array, a wrong rank, an empty array or non-finite entries. Files are always
+    read with ``allow_pickle=False``.
     """
     if isinstance(data, (str, os.PathLike)):
         path = Path(data)
@@ -92,12 +99,21 @@ def as_activations(data, name: str = "data"):
             raise FileNotFoundError(f"{name}: {path}: no such file")
         if path.suffix != ".npy":
             raise ValueError(f"{name}: expected a .npy file of shape (n, d), got {path}")
+        not_numeric = (f"{name}: {path} is not a numeric .npy array of shape (n, d_in) (corrupt, "
+                       f"truncated, or holding object/pickled data; save a float array with "
+                       f"numpy.save)")
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"{name}: {path}: corrupt or unreadable .npy ({exc})") from exc
+        except (ValueError, OSError, EOFError):
+            # numpy's own message suggests unsafe loading (allow_pickle); never relay it
+            raise ValueError(not_numeric) from None
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
+            raise ValueError(f"{not_numeric}; got "
+                             f"{getattr(arr, 'dtype', type(arr).__name__)}")
     elif isinstance(data, torch.Tensor):
         arr = data.detach()
+    elif isinstance(data, np.ndarray):
+        arr = data                      # keeps an np.memmap a memmap (np.asarray would not)
     else:
         arr = np.asarray(data)
     if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
@@ -109,11 +125,13 @@ def as_activations(data, name: str = "data"):
             raise ValueError(f"{name}: contains NaN or inf")
         return arr
     if arr.dtype.kind not in "fiu":
-        raise ValueError(f"{name}: expected a numeric array, got dtype {arr.dtype}")
+        raise ValueError(f"{name}: expected a numeric (n, d) array, got dtype {arr.dtype}")
     for start in range(0, arr.shape[0], 65536):  # chunked, so a memmap is never loaded whole
         if not np.all(np.isfinite(arr[start:start + 65536])):
             raise ValueError(f"{name}: contains NaN or inf (rows {start}..)")
-    return arr if isinstance(arr, np.memmap) else torch.from_numpy(np.ascontiguousarray(arr))
+    if isinstance(arr, np.memmap) or not arr.flags.writeable:
+        return arr
+    return torch.from_numpy(np.ascontiguousarray(arr))
 
 
 def _rows(data, idx: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -137,7 +155,7 @@ class _Batches:
     def indices(self, step: int) -> torch.Tensor:
         epoch, j = divmod(step, self.per_epoch)
         if epoch != self._epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            gen = stream_generator(self.seed, "batches", epoch)
             self._perm, self._epoch = torch.randperm(self.n, generator=gen), epoch
         return self._perm[j * self.bs:(j + 1) * self.bs]
 
@@ -254,7 +272,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         start, dead = _load_trainer_state(resume, model, opt)
         dead = dead.to(torch.long)
     else:
-        gen = torch.Generator().manual_seed(train_cfg.seed)
+        gen = stream_generator(train_cfg.seed, "b_dec")
         sample = torch.randperm(n, generator=gen)[:min(n, 8192)]
         model.init_b_dec(_rows(data, sample, dtype, device))
     meta = dict(meta or {})
