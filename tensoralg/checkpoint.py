@@ -54,7 +54,8 @@ def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 
 
     Raises:
         TypeError: ``model`` is not a :class:`BilinearNet`.
-        ValueError: nested provenance values or a key that shadows the architecture config.
+        ValueError: a weight with NaN/inf entries (naming the tensor; nothing is written),
+            nested provenance values or a key that shadows the architecture config.
     """
     if not isinstance(model, BilinearNet):
         raise TypeError(f"model: expected a tensoralg.nn.BilinearNet, got {type(model).__name__} "
@@ -69,6 +70,11 @@ def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 
             raise ValueError(f"provenance: entry {key!r} is a dict; cfg.json is flat")
         cfg[key] = value
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"model: tensor {name!r} has {bad} non-finite (NaN/inf) entries of "
+                             f"{t.numel()}; refusing to write {path} (did training diverge?)")
     return save_folder(path, tensors, cfg)
 
 
@@ -144,9 +150,25 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
     n_layers = 0
     while f"blocks.{n_layers}.left.weight" in ours:
         n_layers += 1
+    for k, t in ours.items():
+        want = 1 if k.endswith(".bias") else 2
+        if t.ndim != want:
+            raise ValueError(f"state_dict: {k!r} (their {names[k]!r}) has shape {tuple(t.shape)}; "
+                             f"expected a {'vector' if want == 1 else 'matrix'}")
     d_model, d_in = ours["embed.weight"].shape
     d_out = ours["head.weight"].shape[0]
-    d_hidden = ours["blocks.0.left.weight"].shape[0]
+    # d_model and d_hidden each appear in several tensors: take the size most of them agree on,
+    # so that the error below names the tensor(s) that disagree, not their consistent neighbours.
+    votes_model = [("embed.weight", 0), ("head.weight", 1)]
+    votes_hidden = []
+    for i in range(n_layers):
+        for side in ("left", "right"):
+            votes_model.append((f"blocks.{i}.{side}.weight", 1))
+            votes_hidden.append((f"blocks.{i}.{side}.weight", 0))
+        votes_model.append((f"blocks.{i}.down.weight", 0))
+        votes_hidden.append((f"blocks.{i}.down.weight", 1))
+    d_model = _majority(ours, votes_model)
+    d_hidden = _majority(ours, votes_hidden)
     bias = "blocks.0.left.bias" in ours
     dtype = dtype or {torch.float64: "float64"}.get(ours["embed.weight"].dtype, "float32")
     model = BilinearNet(d_in, d_out, d_model=d_model, d_hidden=d_hidden, n_layers=n_layers,
@@ -158,11 +180,24 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
     if missing or extra:
         raise ValueError(f"names: incomplete or inconsistent mapping: missing {missing}, "
                          f"unexpected {extra}")
-    for k, ref in expected.items():
-        if tuple(ours[k].shape) != tuple(ref.shape):
-            raise ValueError(f"state_dict: {k!r} (their {names[k]!r}) has shape "
-                             f"{tuple(ours[k].shape)}, expected {tuple(ref.shape)} from the "
-                             f"other weights")
+    bad = [f"{k!r} (their {names[k]!r}) has shape {tuple(ours[k].shape)}, expected "
+           f"{tuple(ref.shape)}" for k, ref in expected.items()
+           if tuple(ours[k].shape) != tuple(ref.shape)]
+    if bad:
+        raise ValueError(f"state_dict: {'; '.join(bad)} (sizes taken from the other weights: "
+                         f"d_in={d_in}, d_out={d_out}, d_model={d_model}, d_hidden={d_hidden}, "
+                         f"each the size most tensors agree on)")
+    for k, t in ours.items():
+        if not torch.isfinite(t).all():
+            raise ValueError(f"state_dict: {k!r} (their {names[k]!r}) has NaN/inf entries")
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in ours.items()})
     model.eval()
     return model
+
+
+def _majority(tensors: Mapping[str, torch.Tensor], votes: list[tuple[str, int]]) -> int:
+    """The size that most of ``tensors[name].shape[axis]`` agree on (ties: the first seen)."""
+    from collections import Counter
+
+    sizes = [int(tensors[k].shape[ax]) for k, ax in votes if k in tensors]
+    return Counter(sizes).most_common(1)[0][0]

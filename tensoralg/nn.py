@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE"]
+__all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE",
+           "TrainingDiverged"]
 
 ARCHITECTURE = "bilinear_net"
 
@@ -199,19 +201,95 @@ class BilinearNet(nn.Module):
 # training
 # ----------------------------------------------------------------------------------------
 
+class TrainingDiverged(RuntimeError):
+    """Training produced a NaN/inf loss or NaN/inf weights (learning rate too high?).
+
+    ``step`` is the optimiser step at which it was detected; the model's weights are then
+    unusable (the caller should discard it, not save it).
+    """
+
+    def __init__(self, msg: str, step: int):
+        super().__init__(msg)
+        self.step = step
+
+
+def _as_inputs(X: Any, name: str, d_in: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """``X`` (numpy array or torch tensor) as a ``(n, d_in)`` float tensor of ``dtype``."""
+    if not isinstance(X, torch.Tensor):
+        try:
+            X = torch.as_tensor(np.asarray(X))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}: expected a numeric (n, d_in) array, got "
+                             f"{type(X).__name__} ({exc})") from None
+    if X.ndim != 2:
+        raise ValueError(f"{name}: expected shape (n, {d_in if d_in else 'd_in'}), got "
+                         f"{tuple(X.shape)}")
+    if d_in is not None and X.shape[1] != d_in:
+        raise ValueError(f"{name}: expected shape (n, {d_in}) to match the model's d_in={d_in}, "
+                         f"got {tuple(X.shape)}")
+    if X.dtype == torch.bool or X.is_complex():
+        raise ValueError(f"{name}: expected real numbers, got dtype {X.dtype}")
+    X = X.to(dtype)
+    if not torch.isfinite(X).all():
+        raise ValueError(f"{name}: has NaN/inf entries")
+    return X
+
+
+def _as_labels(y: Any, name: str, n: int, d_out: int | None, x_name: str = "X") -> torch.Tensor:
+    """``y`` (numpy array or torch tensor) as ``(n,)`` int64 labels in ``[0, d_out)``."""
+    if not isinstance(y, torch.Tensor):
+        y = np.asarray(y)
+        if y.dtype.kind not in "iu":
+            raise ValueError(f"{name}: expected integer class labels, got dtype {y.dtype}")
+        y = torch.as_tensor(y)
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"{name}: expected integer class labels, got dtype {y.dtype}")
+    if y.ndim != 1 or len(y) != n:
+        raise ValueError(f"{name}: expected shape ({n},) (one label per row of {x_name}), got "
+                         f"{tuple(y.shape)}")
+    y = y.to(torch.int64)
+    if d_out is not None and n and (int(y.min()) < 0 or int(y.max()) >= d_out):
+        raise ValueError(f"{name}: labels must lie in [0, {d_out}) (the model's d_out), got "
+                         f"range [{int(y.min())}, {int(y.max())}]")
+    return y
+
+
+def _model_sizes(model: nn.Module) -> tuple[int | None, int | None]:
+    hp = getattr(model, "hparams", None)
+    if isinstance(hp, Mapping) and "d_in" in hp and "d_out" in hp:
+        return int(hp["d_in"]), int(hp["d_out"])
+    embed, head = getattr(model, "embed", None), getattr(model, "head", None)
+    return (getattr(embed, "in_features", None), getattr(head, "out_features", None))
+
+
+def _check_finite_weights(model: nn.Module, step: int) -> None:
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise TrainingDiverged(f"training diverged: parameter {name!r} has NaN/inf entries "
+                                   f"after step {step} (learning rate too high?)", step)
+
+
 @torch.no_grad()
-def accuracy(model: nn.Module, X: torch.Tensor, y: torch.Tensor, batch_size: int = 4096) -> float:
-    """Fraction of rows of ``X`` (n, d_in) whose argmax logit equals ``y`` (n,); NaN if n == 0."""
+def accuracy(model: nn.Module, X: Any, y: Any, batch_size: int = 4096) -> float:
+    """Fraction of rows of ``X`` (n, d_in) whose argmax logit equals ``y`` (n,); NaN if n == 0.
+
+    ``X`` and ``y`` may be numpy arrays or torch tensors.
+
+    Raises:
+        ValueError: ``X`` not ``(n, d_in)`` or ``y`` not ``(n,)`` integer labels.
+    """
+    d_in, _ = _model_sizes(model)
+    X = _as_inputs(X, "X", d_in, next(model.parameters()).dtype)
+    y = _as_labels(y, "y", len(X), None)
     if len(X) == 0:
         return float("nan")
     correct = 0
     for i in range(0, len(X), batch_size):
-        xb = X[i:i + batch_size].to(next(model.parameters()).dtype)
-        correct += int((model(xb).argmax(1) == y[i:i + batch_size]).sum())
+        correct += int((model(X[i:i + batch_size]).argmax(1) == y[i:i + batch_size]).sum())
     return correct / len(X)
 
 
-def train_classifier(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, steps: int,
+def train_classifier(model: nn.Module, X: Any, y: Any, *, steps: int,
                      lr: float = 1e-2, weight_decay: float = 0.0, batch_size: int | None = 256,
                      seed: int = 0, eval_sets: Mapping[str, tuple] | None = None,
                      eval_at: Sequence[int] = (), callback: Callable[[int, nn.Module], None] | None = None,
@@ -219,43 +297,53 @@ def train_classifier(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, step
     """Train ``model`` with AdamW on cross-entropy; deterministic under ``seed``.
 
     Args:
-        X: ``(n, d_in)`` inputs; y: ``(n,)`` integer labels.
+        X: ``(n, d_in)`` inputs (numpy array or torch tensor; converted to the model's dtype);
+            y: ``(n,)`` integer labels in ``[0, d_out)`` (numpy or torch).
         steps: optimiser steps; batch_size: minibatch size (``None`` = full batch).
         eval_sets: name -> (X, y) evaluated (accuracy) at every step in ``eval_at``.
         callback: ``callback(step, model)`` called at every step in ``eval_at`` (after the step;
             step 0 = before training), e.g. to save a checkpoint.
-        progress: show a tqdm bar (a string is used as its description).
+        progress: show a tqdm bar (a string is used as its description); the bar is hidden
+            anyway when stderr is not a terminal.
 
     Returns:
         ``{"step": [...], "<name>_acc": [...], "loss": [...]}`` at the ``eval_at`` steps.
 
     Raises:
-        ValueError: mismatched ``X``/``y`` lengths, labels outside ``[0, d_out)``, ``steps < 0``.
+        ValueError: (before any training) ``X`` not ``(n, d_in)`` with the model's ``d_in``,
+            ``y`` not ``(n,)`` integer labels in ``[0, d_out)``, bad ``eval_sets``,
+            ``steps < 0``, a non-finite or non-positive ``lr``.
+        TrainingDiverged: the loss became NaN/inf, or a weight did (checked at every step for
+            the loss, at every ``eval_at`` step and at the end for the weights).
     """
     from tqdm.auto import tqdm
 
-    if X.ndim != 2 or y.ndim != 1 or len(X) != len(y):
-        raise ValueError(f"X, y: expected shapes (n, d) and (n,), got {tuple(X.shape)} and "
-                         f"{tuple(y.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps: expected a non-negative integer, got {steps!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr: expected a positive finite learning rate, got {lr!r}")
+    d_in, d_out = _model_sizes(model)
+    dtype = next(model.parameters()).dtype
+    X = _as_inputs(X, "X", d_in, dtype)
+    y = _as_labels(y, "y", len(X), d_out)
     if len(X) == 0:
         raise ValueError("X: no training rows")
-    d_out = model.head.out_features if hasattr(model, "head") else None
-    if d_out is not None and (int(y.min()) < 0 or int(y.max()) >= d_out):
-        raise ValueError(f"y: labels must lie in [0, {d_out}), got range [{int(y.min())}, "
-                         f"{int(y.max())}]")
-    dtype = next(model.parameters()).dtype
-    X = X.to(dtype)
+    checked_sets = {}
+    for name, pair in dict(eval_sets or {}).items():
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"eval_sets[{name!r}]: expected an (X, y) pair")
+        xe = _as_inputs(pair[0], f"eval_sets[{name!r}] X", d_in, dtype)
+        checked_sets[name] = (xe, _as_labels(pair[1], f"eval_sets[{name!r}] y", len(xe), d_out))
+    eval_sets = checked_sets
     gen = torch.Generator().manual_seed(int(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     eval_at = sorted(set(int(s) for s in eval_at))
-    eval_sets = dict(eval_sets or {})
     history: dict[str, list] = {"step": [], "loss": []}
     for name in eval_sets:
         history[f"{name}_acc"] = []
 
     def record(step: int, loss: float) -> None:
+        _check_finite_weights(model, step)
         history["step"].append(step)
         history["loss"].append(loss)
         model.eval()
@@ -271,7 +359,7 @@ def train_classifier(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, step
         with torch.no_grad():
             record(0, float(nn.functional.cross_entropy(model(X), y)))
     bar = tqdm(range(1, steps + 1), desc=progress if isinstance(progress, str) else "train",
-               disable=not progress, leave=False)
+               disable=None if progress else True, leave=False)
     n = len(X)
     model.train()
     for step in bar:
@@ -281,11 +369,17 @@ def train_classifier(model: nn.Module, X: torch.Tensor, y: torch.Tensor, *, step
             idx = torch.randint(0, n, (batch_size,), generator=gen)
             xb, yb = X[idx], y[idx]
         loss = nn.functional.cross_entropy(model(xb), yb)
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            model.eval()
+            raise TrainingDiverged(f"training diverged: the loss is {loss_value} at step {step} "
+                                   f"(lr={lr:g}; learning rate too high?)", step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if pending and step == pending[0]:
             pending.pop(0)
-            record(step, float(loss.detach()))
+            record(step, loss_value)
     model.eval()
+    _check_finite_weights(model, steps)
     return history

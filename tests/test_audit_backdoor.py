@@ -87,3 +87,12 @@ def test_bad_options_are_clear(tmp_path, capsys):
         main(["audit", "backdoor", "--poison-fraction", "1.5"])
     assert exc.value.code == 2
     assert "poison-fraction" in capsys.readouterr().err
+
+
+def test_checkpoint_paths_are_relative_to_the_output_folder(backdoor_run):
+    _, out = backdoor_run
+    res = json.loads((out / "backdoor.json").read_text())
+    assert res["paths"].startswith("relative to the output folder")
+    for path in res["checkpoints"].values():
+        assert not path.startswith("/") and (out / path / "cfg.json").is_file()
+    assert res["files"] == ["backdoor.json", "backdoor.csv", "backdoor_slices.png"]

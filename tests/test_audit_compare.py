@@ -107,3 +107,49 @@ def test_compare_and_matrix_errors(ckpts, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["matrix", *paths, "--out", str(tmp_path / "afile")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_compare_runs_only_valid_metric_method_pairs(ckpts, tmp_path, capsys):
+    _, (a, b, _) = ckpts
+    assert main(["compare", a, b, "--n-samples", "2000", "--json", str(tmp_path / "c.json")]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((tmp_path / "c.json").read_text())
+    ran = {(r["metric"], r["method"]) for r in res["results"]}
+    assert ran == {("gaussian", "exact"), ("gaussian", "closure"), ("gaussian", "montecarlo"),
+                   ("frobenius", "exact")}
+    assert {(s["metric"], s["method"]) for s in res["skipped"]} == {("frobenius", "closure"),
+                                                                    ("frobenius", "montecarlo")}
+    assert "skipped frobenius/closure, frobenius/montecarlo" in text and "exact-only" in text
+    assert all("error" not in r for r in res["results"])
+    # only invalid combinations requested: an error, before any work
+    assert main(["compare", a, b, "--metrics", "frobenius", "--methods", "closure,montecarlo"]) == 2
+    assert "exact-only" in capsys.readouterr().err
+
+
+def test_compare_seed_and_common_options(ckpts, tmp_path):
+    _, (a, b, _) = ckpts
+    mc = {}
+    for seed in (0, 1, 1):
+        p = tmp_path / f"s{seed}.json"
+        assert main(["compare", a, b, "--methods", "montecarlo", "--metrics", "gaussian",
+                     "--n-samples", "2000", "--seed", str(seed), "--no-progress", "--threads", "1",
+                     "--json", str(p)]) == 0
+        res = json.loads(p.read_text())
+        assert res["config"]["seed"] == seed
+        mc.setdefault(seed, []).append(res["results"][0]["global"])
+    assert mc[1][0] == mc[1][1] and mc[0][0] != mc[1][0]   # the seed drives the samples
+
+
+def test_matrix_exact_over_budget_and_foreign_out(tmp_path, capsys):
+    for i in range(2):
+        save_checkpoint(tmp_path / f"d{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=3,
+                                                        residual=True, seed=i))
+    ck = [str(tmp_path / "d0"), str(tmp_path / "d1")]
+    assert main(["matrix", *ck, "--method", "exact", "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "--method closure" in err and "--method montecarlo" in err
+    assert not (tmp_path / "m").exists()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("x")
+    assert main(["matrix", *ck, "--out", str(tmp_path / "busy")]) == 2
+    assert "not empty" in capsys.readouterr().err

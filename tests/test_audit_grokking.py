@@ -46,3 +46,12 @@ def test_bad_grokking_options(tmp_path):
     with pytest.raises(SystemExit):
         main(["audit", "grokking", "--train-fraction", "1.0"])
     assert main(["audit", "grokking", "--quick", "--P", "1", "--out", str(tmp_path)]) == 2
+
+
+def test_P_is_bounded_before_any_work(tmp_path, capsys):
+    from tensoralg.audit.grokking import MAX_P
+
+    assert main(["audit", "grokking", "--quick", "--P", "100000", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"[2, {MAX_P}]" in err and "100000" in err and "GB" in err
+    assert not (tmp_path / "o").exists()

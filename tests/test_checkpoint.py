@@ -63,13 +63,22 @@ def test_missing_truncated_and_mismatched(tmp_path):
         load_checkpoint(tmp_path / "d")
 
 
-def test_nan_weights_rejected(tmp_path):
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_weights_rejected(tmp_path, value):
     m = _model()
     with torch.no_grad():
-        m.head.weight[0, 0] = float("nan")
-    save_checkpoint(tmp_path / "c", m)
-    with pytest.raises(ValueError, match="non-finite"):
-        load_checkpoint(tmp_path / "c")
+        m.blocks[1].down.weight[0, 0] = value
+    # saving refuses (naming the tensor) and writes nothing
+    with pytest.raises(ValueError, match=r"'blocks\.1\.down\.weight'.*non-finite"):
+        save_checkpoint(tmp_path / "c", m)
+    assert not (tmp_path / "c").exists()
+    # a folder written some other way is refused on load
+    from tensoralg.io import save_folder
+
+    save_folder(tmp_path / "d", m.state_dict(), {"format": "tensoralg.checkpoint/1",
+                                                   **m.config(), "step": 0})
+    with pytest.raises(ValueError, match=r"'blocks\.1\.down\.weight'.*non-finite"):
+        load_checkpoint(tmp_path / "d")
 
 
 def test_bad_save_arguments(tmp_path):
@@ -119,3 +128,42 @@ def test_wrap_foreign_state_dict(tmp_path):
     bad["W_d"] = torch.zeros(5, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="shape"):
         from_state_dict(bad, names, residual=True)
+
+
+@pytest.mark.parametrize("key, ours, shape", [
+    ("W_l", "blocks.0.left.weight", (3, 4)),    # d_hidden cut in the first tensor read
+    ("W_r", "blocks.0.right.weight", (8, 5)),   # d_model wrong in one block input
+    ("W_d", "blocks.0.down.weight", (4, 7)),    # d_hidden wrong in the down matrix
+    ("W_E", "embed.weight", (5, 6)),            # d_model wrong in the embedding
+])
+def test_shape_error_names_the_inconsistent_tensor(key, ours, shape):
+    theirs = TheirBilinear()
+    names = {"embed.weight": "W_E", "blocks.0.left.weight": "W_l",
+             "blocks.0.right.weight": "W_r", "blocks.0.down.weight": "W_d",
+             "head.weight": "W_U"}
+    bad = dict(theirs.state_dict())
+    bad[key] = torch.zeros(*shape, dtype=torch.float64)
+    with pytest.raises(ValueError) as exc:
+        from_state_dict(bad, names, residual=True)
+    msg = str(exc.value)
+    assert f"{ours!r} (their {key!r}) has shape {shape}" in msg
+    # only the culprit is blamed: every consistent tensor stays out of the message
+    for other, their in names.items():
+        if other != ours:
+            assert their not in msg.replace(f"their {key!r}", "")
+    assert "d_model=4" in msg and "d_hidden=8" in msg
+
+
+def test_foreign_nan_and_vector_weights_rejected():
+    theirs = TheirBilinear()
+    names = {"embed.weight": "W_E", "blocks.0.left.weight": "W_l",
+             "blocks.0.right.weight": "W_r", "blocks.0.down.weight": "W_d",
+             "head.weight": "W_U"}
+    bad = dict(theirs.state_dict())
+    bad["W_U"] = bad["W_U"].clone()
+    bad["W_U"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="'head.weight'.*NaN"):
+        from_state_dict(bad, names)
+    bad["W_U"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="'head.weight'.*matrix"):
+        from_state_dict(bad, names)

@@ -62,3 +62,136 @@ def test_out_that_is_a_file(tmp_path, capsys):
     assert main(["demo", "--out", str(f), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and "not a folder" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# paths checked up front, shared options, output folders replaced only by complete runs
+# ---------------------------------------------------------------------------------------------
+
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def _no_staging_left(parent):
+    return not [p for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+GROK = ["audit", "grokking", "--quick", "--steps", "30", "--no-progress"]
+
+
+def test_json_that_is_a_folder_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import tensoralg.nn
+
+    monkeypatch.setattr(tensoralg.nn, "train_classifier",
+                        lambda *a, **k: pytest.fail("trained despite a bad --json"))
+    (tmp_path / "folder").mkdir()
+    assert main(["demo", "--out", str(tmp_path / "o"), "--json", str(tmp_path / "folder")]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "is a folder" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "f").write_text("x")
+    assert main([*GROK, "--out", str(tmp_path / "o"), "--json", str(tmp_path / "f" / "r.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+def test_out_below_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert main([*GROK, "--out", str(tmp_path / "f" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "is a file" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo"], ["audit", "backdoor"], ["audit", "forgetting"], ["audit", "grokking"],
+    ["compare", "a", "b"], ["matrix", "a", "b"],
+])
+def test_common_options_are_accepted_everywhere(argv):
+    args = build_parser().parse_args([*argv, "--seed", "1", "--no-progress", "--threads", "1",
+                                      "--json", "r.json"])
+    assert (args.seed, args.no_progress, args.threads, args.json) == (1, True, 1, "r.json")
+
+
+def test_rerun_replaces_the_previous_run_as_a_whole(tmp_path):
+    out = tmp_path / "g"
+    assert main([*GROK, "--checkpoints", "6", "--out", str(out)]) == 0
+    (out / "checkpoints" / "stray-from-user").mkdir()
+    assert main([*GROK, "--checkpoints", "3", "--out", str(out)]) == 0
+    res = json.loads((out / "grokking.json").read_text())
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    # only the second run's checkpoints: no stale step* from the first (6-checkpoint) run
+    assert ["checkpoints/" + n for n in names] == res["checkpoints"] and len(names) == 3
+    assert _no_staging_left(tmp_path)
+
+
+def test_interrupt_and_failures_leave_the_previous_run_untouched(tmp_path, capsys, monkeypatch):
+    import tensoralg.nn
+    from tensoralg.nn import TrainingDiverged
+
+    out = tmp_path / "g"
+    assert main([*GROK, "--checkpoints", "4", "--out", str(out)]) == 0
+    before = _snapshot(out)
+    real = tensoralg.nn.train_classifier
+
+    def interrupted(*a, eval_at=(), callback=None, **k):
+        callback(0, a[0])      # a checkpoint is written (into the staging folder) ...
+        raise KeyboardInterrupt  # ... then Ctrl-C
+
+    monkeypatch.setattr(tensoralg.nn, "train_classifier", interrupted)
+    assert main([*GROK, "--checkpoints", "4", "--out", str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert _snapshot(out) == before and _no_staging_left(tmp_path)
+
+    def diverged(*a, **k):
+        raise TrainingDiverged("training diverged: the loss is nan at step 3", 3)
+
+    monkeypatch.setattr(tensoralg.nn, "train_classifier", diverged)
+    assert main([*GROK, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "diverged" in err and "Traceback" not in err
+    assert _snapshot(out) == before and _no_staging_left(tmp_path)
+    monkeypatch.setattr(tensoralg.nn, "train_classifier", real)
+
+
+def test_exact_cost_refused_before_training(tmp_path, capsys, monkeypatch):
+    """Depth 3 has 46,206,736 Wick configurations (T(16)), over the core's 200,000 limit: the
+    audit must say so before training, in CLI words, and leave the previous run alone."""
+    import tensoralg.nn
+
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "backdoor.json").write_text("{}")   # an earlier run (its marker file)
+    before = _snapshot(out)
+    monkeypatch.setattr(tensoralg.nn, "train_classifier",
+                        lambda *a, **k: pytest.fail("trained before the cost check"))
+    assert main(["audit", "backdoor", "--quick", "--layers", "3", "--method", "exact",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--method closure" in err and "--method montecarlo" in err
+    assert "method='" not in err and "Traceback" not in err
+    assert _snapshot(out) == before and _no_staging_left(tmp_path)
+
+
+def test_foreign_non_empty_out_is_refused(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    assert main([*GROK, "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (out / "thesis.tex").read_text() == "precious" and len(list(out.iterdir())) == 1
+
+
+def test_progress_bars_hidden_when_stderr_is_not_a_terminal(capsys):
+    from tensoralg.audit.common import progress
+
+    assert progress(range(3), "x", True).disable       # pytest's captured stderr: not a tty
+    assert progress(range(3), "x", False).disable
+
+
+def test_out_that_is_the_working_folder_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / "grokking.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    for out in (".", str(tmp_path), ".."):
+        assert main([*GROK, "--out", out]) == 2
+        assert "current folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grokking.json"]

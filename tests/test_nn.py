@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tensoralg as ta
-from tensoralg.nn import BilinearNet, train_classifier
+from tensoralg.nn import BilinearNet, TrainingDiverged, accuracy, train_classifier
 
 
 def _x(n, d, seed=0):
@@ -101,7 +101,7 @@ def test_bad_forward_and_training_input():
         m(torch.zeros(3, 5))
     with pytest.raises(ValueError, match="labels"):
         train_classifier(m, torch.zeros(3, 4), torch.tensor([0, 1, 2]), steps=1)
-    with pytest.raises(ValueError, match="X, y"):
+    with pytest.raises(ValueError, match=r"y: expected shape \(3,\)"):
         train_classifier(m, torch.zeros(3, 4), torch.tensor([0, 1]), steps=1)
     with pytest.raises(ValueError, match="steps"):
         train_classifier(m, torch.zeros(3, 4), torch.tensor([0, 1, 1]), steps=-1)
@@ -115,3 +115,55 @@ def test_from_config_roundtrip():
         BilinearNet.from_config({**m.config(), "architecture": "transformer"})
     with pytest.raises(ValueError, match="missing"):
         BilinearNet.from_config({"architecture": "bilinear_net", "d_in": 3})
+
+
+def test_numpy_inputs_train_like_tensors():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 4))                    # float64 numpy
+    y = (X[:, 0] * X[:, 1] > 0).astype(np.int64)     # int64 numpy
+    m1, m2 = BilinearNet(4, 2, d_model=4, d_hidden=8, seed=1), BilinearNet(4, 2, d_model=4,
+                                                                        d_hidden=8, seed=1)
+    h1 = train_classifier(m1, X, y, steps=20, batch_size=32, eval_sets={"t": (X, y)},
+                          eval_at=[20])
+    h2 = train_classifier(m2, torch.as_tensor(X, dtype=torch.float32), torch.as_tensor(y),
+                          steps=20, batch_size=32, eval_sets={"t": (X, y)}, eval_at=[20])
+    assert h1 == h2
+    assert accuracy(m1, X, y) == accuracy(m1, torch.as_tensor(X), torch.as_tensor(y))
+
+
+@pytest.mark.parametrize("X, y, match", [
+    (np.zeros((3, 5)), np.array([0, 1, 1]), r"X: expected shape \(n, 4\).*d_in=4.*\(3, 5\)"),
+    (np.zeros(4), np.array([0]), r"X: expected shape \(n, 4\), got \(4,\)"),
+    (np.zeros((3, 4)), np.array([0.0, 1.0, 1.0]), r"y: expected integer class labels"),
+    (np.zeros((3, 4)), np.array([[0], [1], [1]]), r"y: expected shape \(3,\).*\(3, 1\)"),
+    (np.zeros((3, 4)), np.array([0, 1, 2]), r"y: labels must lie in \[0, 2\)"),
+    (np.zeros((3, 4)), np.array([0, -1, 1]), r"y: labels must lie in \[0, 2\)"),
+    (np.full((3, 4), np.nan), np.array([0, 1, 1]), r"X: has NaN/inf"),
+    (np.array([["a"] * 4] * 3), np.array([0, 1, 1]), r"X: expected a numeric"),
+])
+def test_bad_training_input_is_named_before_training(X, y, match):
+    m = BilinearNet(4, 2, seed=0)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        train_classifier(m, X, y, steps=5)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+def test_bad_eval_set_and_lr():
+    m = BilinearNet(4, 2, seed=0)
+    X, y = np.zeros((3, 4)), np.array([0, 1, 1])
+    with pytest.raises(ValueError, match=r"eval_sets\['val'\] X"):
+        train_classifier(m, X, y, steps=1, eval_sets={"val": (np.zeros((2, 3)), [0, 1])})
+    for lr in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="lr"):
+            train_classifier(m, X, y, steps=1, lr=lr)
+
+
+def test_divergence_stops_training():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(64, 4))
+    y = (X[:, 0] > 0).astype(np.int64)
+    m = BilinearNet(4, 2, d_model=4, d_hidden=8, seed=1)
+    with pytest.raises(TrainingDiverged, match="diverged") as exc:
+        train_classifier(m, X, y, steps=50, lr=1e30, batch_size=None)
+    assert 1 <= exc.value.step <= 50

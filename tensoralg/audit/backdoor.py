@@ -24,7 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .common import format_table, pair_similarity, progress, stamp, write_csv, write_json
+from .common import (PATHS_NOTE, check_output_folder, choose_method, format_table, pair_similarity,
+                     progress, staged_output, stamp, write_csv, write_json)
 
 JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
@@ -72,25 +73,52 @@ class BackdoorConfig:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive learning rate")
 
 
+def _model(cfg: BackdoorConfig):
+    from ..nn import BilinearNet
+
+    return BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+                       bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
+
+
 def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = True) -> dict:
     """Run the audit, write ``backdoor.json``, ``backdoor.csv``, ``backdoor_slices.png`` and the two
-    checkpoints under ``out``; return the JSON dictionary."""
+    checkpoints under ``out``; return the JSON dictionary (plus ``out``).
+
+    Before any training: the configuration is validated, ``out`` is checked (missing, empty or an
+    earlier backdoor run; see :func:`~tensoralg.audit.common.check_output_folder`) and the exact
+    similarity cost of the architecture is planned (``method="exact"`` over budget raises
+    ``tensoralg.CostTooHigh``; ``auto`` then uses Monte Carlo). The run is written into a fresh
+    folder that replaces ``out`` only when complete (:func:`~tensoralg.audit.common.staged_output`),
+    so a failed or interrupted run leaves the previous run untouched. Paths in the JSON are
+    relative to ``out``.
+
+    Raises:
+        ValueError: a bad configuration or ``out``; tensoralg.CostTooHigh: see above;
+        tensoralg.nn.TrainingDiverged: NaN/inf loss or weights (nothing is written).
+    """
+    cfg.validate()
+    final = check_output_folder(out, JSON_NAME)
+    method = choose_method(cfg.method, cfg.n_layers, _model(cfg).to_network())
+    with staged_output(final, JSON_NAME) as stage:
+        result = _run_backdoor(cfg, stage, show_progress, method)
+    result["out"] = str(final)
+    return result
+
+
+def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: str) -> dict:
     import torch
 
     from ..baselines import all_baselines
     from ..checkpoint import save_checkpoint
     from ..data import add_trigger, load_digits_data, poison
-    from ..nn import BilinearNet, accuracy, train_classifier
+    from ..nn import accuracy, train_classifier
     from .plotting import slice_bars
 
-    cfg.validate()
-    out = Path(out)
     t0 = time.perf_counter()
     data = load_digits_data(seed=cfg.seed)
     bar = progress(None, "backdoor audit (train, fine-tune, similarity, baselines)",
                    show_progress, total=4)
-    clean = BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
-                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
+    clean = _model(cfg)
     train_classifier(clean, data.X_train, data.y_train, steps=cfg.steps, lr=cfg.lr,
                      weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, seed=cfg.seed,
                      progress="clean training" if show_progress else False)
@@ -118,7 +146,9 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
                     provenance={**provenance, "poison_fraction": cfg.poison_fraction,
                                 "target": cfg.target, "trigger": "diamond (5,0),(6,0),(7,0),(6,1)"})
     t1 = time.perf_counter()
-    sim = pair_similarity(clean, backdoored, cfg.method, depth=cfg.n_layers)
+    # "auto" stays "auto" when exact was planned, keeping its run-time Monte Carlo fallback
+    sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
+    sim = pair_similarity(clean, backdoored, sim_method, depth=cfg.n_layers)
     ctl = (pair_similarity(clean, control, sim["method"], depth=cfg.n_layers,
                            norm2_a=sim["norm2_a_each"]) if control else None)
     t_sim = time.perf_counter() - t1
@@ -156,8 +186,8 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
         },
         "data": data.provenance,
         "n_test": int(len(data.X_test)),
-        "checkpoints": {"clean": str(out / "checkpoints" / "clean"),
-                        "backdoored": str(out / "checkpoints" / "backdoored")},
+        "checkpoints": {"clean": "checkpoints/clean", "backdoored": "checkpoints/backdoored"},
+        "paths": PATHS_NOTE,
         "seconds": {"training": t_train, "similarity": t_sim,
                     "total": time.perf_counter() - t0},
     }
@@ -170,7 +200,6 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
             "baselines": base_ctl,
         }
 
-    out.mkdir(parents=True, exist_ok=True)
     rows = [("global_similarity", "", result["global_similarity"])]
     rows += [("slice_similarity", c, v) for c, v in enumerate(slices)]
     if ctl is not None:
@@ -187,7 +216,7 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
                f"ASR {asr_after:.2f}, {sim['method']})",
                control=ctl["each"] if ctl is not None else None)
-    result["files"] = [str(out / JSON_NAME), str(out / CSV_NAME), str(out / FIG_NAME)]
+    result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME]
     write_json(out / JSON_NAME, result)
     return result
 

@@ -1,7 +1,14 @@
 """Command line of the audits: ``demo``, ``audit backdoor|forgetting|grokking``, ``compare``,
 ``matrix``. Registered into ``tensoralg``'s parser by :func:`add_parsers`; every handler
 returns an exit code and raises ``ValueError`` / ``FileNotFoundError`` for bad input (printed
-by :func:`tensoralg.cli.main` as one line, exit code 2)."""
+by :func:`tensoralg.cli.main` as one line, exit code 2).
+
+Options shared by every command here: ``--seed``, ``--json PATH``, ``--no-progress``,
+``--threads N``; ``demo``, ``audit *`` and ``matrix`` also take ``--out DIR`` and ``--method``.
+Paths (``--out``, ``--json``) are checked before any work. An output folder is replaced as a
+whole by a complete run (written to a hidden folder next to it, then swapped in); a failed or
+interrupted run (exit code 1 / 130) leaves the previous one untouched. ``--out`` must be new,
+empty, or an earlier output of the same command."""
 
 from __future__ import annotations
 
@@ -33,12 +40,43 @@ def _fraction(text: str) -> float:
     return v
 
 
-def _out_dir(path: str | None, default: str) -> Path:
-    out = Path(path or default)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out: {out} exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+def _check_paths(args, default_out: str | None = None) -> Path | None:
+    """Validate ``--json`` and ``--out`` before any work (creates nothing)."""
+    from .common import check_file_path, check_folder_path
+
+    if getattr(args, "json", None):
+        check_file_path(args.json, "--json")
+    if default_out is None:
+        return None
+    return check_folder_path(args.out or default_out, "--out")
+
+
+def _run(args, name: str, fn):
+    """``fn()``'s result, or an exit code (int) with the failures of a long run turned into one line: an over-budget exact
+    method (reworded with the CLI options, exit 2), diverged training (exit 1), Ctrl-C (exit
+    130; output folders are only ever replaced by complete runs, so nothing is half-written)."""
+    import tensoralg as ta
+    from ..nn import TrainingDiverged
+
+    try:
+        return fn()
+    except ta.CostTooHigh as exc:
+        from .common import _reason
+
+        why = _reason(str(exc))
+        raise ValueError(f"--method {getattr(args, 'method', 'exact')}: {why}; use --method closure "
+                         f"(fast; exact only at depth 1) or --method montecarlo (an estimate with "
+                         f"its standard error)") from None
+    except TrainingDiverged as exc:
+        print(f"tensoralg {name}: error: {exc}; nothing was written", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"tensoralg {name}: interrupted; no output was changed", file=sys.stderr)
+        return 130
+
+
+def _wrote(result: dict) -> str:
+    return f"wrote {', '.join(str(Path(result['out']) / f) for f in result['files'])}"
 
 
 def _threads(args=None) -> None:
@@ -47,19 +85,26 @@ def _threads(args=None) -> None:
     torch.set_num_threads(getattr(args, "threads", 1) or 1)
 
 
+def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
+    """The options every command here takes: --seed, --json, --no-progress, --threads."""
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the result JSON to PATH (a file path)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (they are hidden anyway when stderr is not a terminal)")
+    p.add_argument("--threads", type=_positive_int, default=1,
+                   help="torch CPU threads (default 1: small shared machines)")
+
+
 def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
-                   help=f"output folder (default: {default_out})")
+                   help=f"output folder (default: {default_out}); must be new, empty or an "
+                        f"earlier run of the same audit, which a completed run replaces")
     p.add_argument("--quick", action="store_true", help="small size (tests, demo)")
-    p.add_argument("--seed", type=int, default=0, help="seed for data split, init and batches")
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="tensor similarity method: auto = exact for depth <= 2 (Monte Carlo if the "
                         "exact cost is refused), or force exact/closure/montecarlo")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the result JSON to PATH")
-    p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch CPU threads (default 1: small shared machines)")
+    _shared(p, "seed for data split, init and batches")
 
 
 def add_parsers(sub) -> None:
@@ -118,16 +163,18 @@ def add_parsers(sub) -> None:
                    help="comma-separated metrics (gaussian, frobenius)")
     c.add_argument("--n-samples", type=_positive_int, default=100_000,
                    help="Monte Carlo samples")
-    c.add_argument("--json", metavar="PATH", default=None, help="write every number as JSON")
+    _shared(c, "Monte Carlo seed and the digits split seed for --data digits")
     c.set_defaults(func=cmd_compare)
 
     m = sub.add_parser("matrix", help="similarity matrix over checkpoints (heatmap + CSV)")
     m.add_argument("checkpoints", nargs="+", help="checkpoint folders (two or more)")
-    m.add_argument("--out", metavar="DIR", default=None, help="output folder (default runs/matrix)")
+    m.add_argument("--out", metavar="DIR", default=None,
+                   help="output folder (default runs/matrix); must be new, empty or an earlier "
+                        "matrix output, which a completed run replaces")
     m.add_argument("--method", choices=METHODS, default="auto")
     m.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="compare one output slice instead of all outputs")
-    m.add_argument("--json", metavar="PATH", default=None)
+    _shared(m, "Monte Carlo seed")
     m.set_defaults(func=cmd_matrix)
 
 
@@ -141,7 +188,7 @@ def _write_extra_json(path: str | None, result: dict) -> None:
 def cmd_backdoor(args, demo: bool = False) -> int:
     from .backdoor import BackdoorConfig, backdoor_table, run_backdoor
 
-    _threads(args)
+    name = "demo" if demo else "audit backdoor"
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
               d_hidden=args.d_hidden)
@@ -151,14 +198,17 @@ def cmd_backdoor(args, demo: bool = False) -> int:
         kw["finetune_steps"] = args.finetune_steps
     cfg = BackdoorConfig.quick(**kw) if args.quick else BackdoorConfig(**kw)
     cfg.validate()
-    out = _out_dir(args.out, "runs/demo" if demo else "runs/backdoor")
+    out = _check_paths(args, "runs/demo" if demo else "runs/backdoor")
+    _threads(args)
     t0 = time.perf_counter()
-    result = run_backdoor(cfg, out, show_progress=not args.no_progress)
+    result = _run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress))
+    if isinstance(result, int):
+        return result
     _write_extra_json(args.json, result)
-    print(f"tensoralg {'demo' if demo else 'audit backdoor'}: backdoor audit on scikit-learn "
+    print(f"tensoralg {name}: backdoor audit on scikit-learn "
           f"digits ({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
     print(backdoor_table(result))
-    print(f"\nwrote {', '.join(result['files'])}")
+    print(f"\n{_wrote(result)}")
     return 0
 
 
@@ -172,47 +222,57 @@ def cmd_demo(args) -> int:
 def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
-    _threads(args)
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
               n_layers=args.layers)
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
     cfg.validate()
-    out = _out_dir(args.out, "runs/forgetting")
-    result = run_forgetting(cfg, out, show_progress=not args.no_progress)
+    out = _check_paths(args, "runs/forgetting")
+    _threads(args)
+    result = _run(args, "audit forgetting",
+                  lambda: run_forgetting(cfg, out, show_progress=not args.no_progress))
+    if isinstance(result, int):
+        return result
     _write_extra_json(args.json, result)
     print(forgetting_table(result))
-    print(f"\nwrote {', '.join(result['files'])}")
+    print(f"\n{_wrote(result)}")
     return 0
 
 
 def cmd_grokking(args) -> int:
     from .grokking import GrokkingConfig, grokking_table, run_grokking
 
-    _threads(args)
     kw = dict(seed=args.seed, method=args.method)
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
             kw[name] = getattr(args, name)
     cfg = GrokkingConfig.quick(**kw) if args.quick else GrokkingConfig(**kw)
     cfg.validate()
-    out = _out_dir(args.out, "runs/grokking")
-    result = run_grokking(cfg, out, show_progress=not args.no_progress)
+    out = _check_paths(args, "runs/grokking")
+    _threads(args)
+    result = _run(args, "audit grokking",
+                  lambda: run_grokking(cfg, out, show_progress=not args.no_progress))
+    if isinstance(result, int):
+        return result
     _write_extra_json(args.json, result)
     print(grokking_table(result))
-    print(f"\nwrote {', '.join(result['files'])}")
+    print(f"\n{_wrote(result)}")
     return 0
 
 
 def cmd_compare(args) -> int:
     from .compare import compare_table, run_compare
 
+    methods = _split(args.methods, "--methods", ("exact", "closure", "montecarlo"))
+    metrics = _split(args.metrics, "--metrics", ("gaussian", "frobenius"))
+    _check_paths(args)
     _threads(args)
-    result = run_compare(args.a, args.b, methods=_split(args.methods, "--methods",
-                                                         ("exact", "closure", "montecarlo")),
-                         metrics=_split(args.metrics, "--metrics", ("gaussian", "frobenius")),
-                         data=args.data, n_samples=args.n_samples)
+    result = _run(args, "compare", lambda: run_compare(
+        args.a, args.b, methods=methods, metrics=metrics, data=args.data,
+        n_samples=args.n_samples, seed=args.seed, show_progress=not args.no_progress))
+    if isinstance(result, int):
+        return result
     _write_extra_json(args.json, result)
     print(compare_table(result))
     return 0
@@ -221,12 +281,15 @@ def cmd_compare(args) -> int:
 def cmd_matrix(args) -> int:
     from .compare import matrix_table, run_matrix
 
+    out = _check_paths(args, "runs/matrix")
     _threads(args)
-    out = _out_dir(args.out, "runs/matrix")
-    result = run_matrix(args.checkpoints, out, method=args.method, output=args.output)
+    result = _run(args, "matrix", lambda: run_matrix(args.checkpoints, out, method=args.method,
+                                                     output=args.output, seed=args.seed))
+    if isinstance(result, int):
+        return result
     _write_extra_json(args.json, result)
     print(matrix_table(result))
-    print(f"\nwrote {', '.join(result['files'])}")
+    print(f"\n{_wrote(result)}")
     return 0
 
 

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import math
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -16,6 +20,8 @@ from .._version import __version__
 from ..io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 METHODS = ("auto", "exact", "closure", "montecarlo")
+
+PATHS_NOTE = "relative to the output folder (the folder holding this JSON)"
 
 
 def stamp(command: str, config: Mapping[str, Any]) -> dict:
@@ -67,7 +73,155 @@ def save_figure(fig: Any, path: str | Path) -> Path:
 def progress(iterable: Iterable, desc: str, enabled: bool, total: int | None = None):
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, disable=not enabled, total=total, leave=False)
+    # disable=None: tqdm hides the bar by itself when stderr is not a terminal (logs, CI)
+    return tqdm(iterable, desc=desc, disable=None if enabled else True, total=total, leave=False)
+
+
+# ----------------------------------------------------------------------------------------
+# output folders: a run is written into a fresh folder and swapped into place when complete
+# ----------------------------------------------------------------------------------------
+
+def check_folder_path(path: str | Path, option: str = "--out") -> Path:
+    """Refuse, before any work, a folder path that cannot be created: an existing file, or a
+    path below a file. Creates nothing.
+
+    Raises:
+        ValueError: naming ``option`` and the offending path.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option}: {path} exists and is not a folder")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option}: {path} cannot be created: {parent} is a file, not a "
+                                 f"folder")
+            break
+    return path
+
+
+def check_file_path(path: str | Path, option: str = "--json") -> Path:
+    """Refuse, before any work, a file path that cannot be written: an existing folder, or a path
+    below a file. Creates nothing.
+
+    Raises:
+        ValueError: naming ``option`` and the offending path.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option}: {path} is a folder; expected a file path (e.g. "
+                         f"{path / 'result.json'})")
+    check_folder_path(path.parent, option)
+    return path
+
+
+def check_output_folder(out: str | Path, json_name: str) -> Path:
+    """``out`` may be missing, an empty folder, or the complete output of an earlier run of the
+    same audit (it holds ``json_name``); anything else is refused so that a run never deletes
+    files it did not write.
+
+    Raises:
+        ValueError: ``out`` is a file, lies below a file, is the working folder (or holds it),
+            or is a non-empty folder without ``json_name``.
+    """
+    out = check_folder_path(out, "--out")
+    here = Path.cwd().resolve()
+    if out.exists() and (out.resolve() == here or out.resolve() in here.parents):
+        raise ValueError(f"--out: {out} is the current folder or holds it; a run replaces its "
+                         f"output folder as a whole, so choose a subfolder (e.g. {out / 'run'})")
+    if out.is_dir() and any(out.iterdir()) and not (out / json_name).is_file():
+        raise ValueError(f"--out: {out} is not empty and holds no {json_name} (not an earlier run "
+                         f"of this command); choose a new or empty folder, or remove it — a run "
+                         f"replaces its output folder as a whole")
+    return out
+
+
+@contextlib.contextmanager
+def staged_output(out: str | Path, json_name: str):
+    """Write a run into a fresh hidden folder next to ``out`` and swap it into place only when
+    the ``with`` block completes.
+
+    Yields the staging folder. On any exception (including ``KeyboardInterrupt``) the staging
+    folder is deleted and ``out`` is untouched, so ``out`` always holds one complete run (or
+    nothing). On success the previous contents of ``out`` (an earlier run, see
+    :func:`check_output_folder`) are replaced as a whole: ``out`` is renamed aside, the new
+    folder renamed into place, and the old one deleted. Paths written inside the run must be
+    relative to the folder, since it changes name at the end.
+
+    Raises:
+        ValueError: ``out`` refused by :func:`check_output_folder`.
+    """
+    out = check_output_folder(out, json_name).resolve()  # "." has no name to stage next to
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield stage
+        # re-check: another process may have filled `out` meanwhile
+        check_output_folder(out, json_name)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "run")
+    os.replace(stage, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def exact_cost_refused(net: Any) -> str | None:
+    """Why the exact Gaussian inner product ``<net, net>`` is over budget, or ``None`` if it is
+    affordable. Contracts nothing: :func:`tensoralg.plan` counts Wick configurations and
+    estimates the FLOPs of the contraction paths (refused when it raises ``CostTooHigh``, marks
+    the plan ``refused``, or estimates more than ``tensoralg.network.DEFAULT_MAX_FLOPS``)."""
+    import tensoralg as ta
+    from tensoralg.network import DEFAULT_MAX_FLOPS
+
+    try:
+        plan = ta.plan(net)
+    except ta.CostTooHigh as exc:
+        return _reason(str(exc))
+    if getattr(plan, "refused", None):
+        return _reason(plan.refused) if isinstance(plan.refused, str) else "over the exact budget"
+    flops = float(getattr(plan, "flops", 0.0))
+    if not flops <= DEFAULT_MAX_FLOPS:
+        return f"about {flops:.3g} FLOPs, over the {DEFAULT_MAX_FLOPS:.3g} FLOP budget"
+    return None
+
+
+def _reason(text: str) -> str:
+    """The core's refusal text without its advice (which names the API, not the CLI)."""
+    for cut in ("; use method", ". Alternatives", "Alternatives:"):
+        text = text.split(cut)[0]
+    return text.strip().rstrip(".;,")
+
+
+def choose_method(method: str, depth: int, net: Any) -> str:
+    """The similarity method a run will use, decided BEFORE any training from an untrained
+    model ``net`` of the configured architecture (the cost depends on sizes only).
+
+    ``auto``: ``exact`` for depth <= 2 when affordable, otherwise ``montecarlo``. ``exact``
+    over budget raises (so that no training is wasted). ``closure``/``montecarlo``: as given.
+
+    Raises:
+        tensoralg.CostTooHigh: ``method == "exact"`` and the exact cost is refused (the message
+            names the API alternatives ``method='closure'`` / ``method='montecarlo'``; the CLI
+            rewords it with its options).
+    """
+    import tensoralg as ta
+
+    m = resolve_method(method, depth)
+    if m != "exact":
+        return m
+    why = exact_cost_refused(net)
+    if why is None:
+        return m
+    if method == "auto":
+        return "montecarlo"
+    raise ta.CostTooHigh(f"the exact similarity of this depth-{depth} architecture is over budget "
+                         f"({why}; planned before any training or contraction); use method='closure' (fast, exact only at depth 1) "
+                         f"or method='montecarlo' (an estimate with a standard error)")
 
 
 def resolve_method(method: str, depth: int) -> str:
@@ -127,18 +281,21 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
 
 
 def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 1,
-                      output: Any = None) -> tuple[np.ndarray, str]:
-    """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded."""
+                      output: Any = None, seed: int = 0) -> tuple[np.ndarray, str]:
+    """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded;
+    ``seed`` is the Monte Carlo seed (unused by the other methods)."""
     import tensoralg as ta
 
     m = resolve_method(method, depth)
+    mc = {"seed": seed}
     try:
-        return np.asarray(ta.similarity_matrix(list(models), method=m, output=output)), m
+        return np.asarray(ta.similarity_matrix(list(models), method=m, output=output,
+                                               **(mc if m == "montecarlo" else {}))), m
     except ta.CostTooHigh:
         if method != "auto":
             raise
         return np.asarray(ta.similarity_matrix(list(models), method="montecarlo",
-                                               output=output)), "montecarlo"
+                                               output=output, **mc)), "montecarlo"
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -18,7 +18,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import format_table, resolve_method, similarity_matrix, stamp, write_csv, write_json
+from .common import (choose_method, format_table, progress, resolve_method, similarity_matrix,
+                     staged_output, stamp, write_csv, write_json)
+
+# The Frobenius metric is a closed form of the weights (symmetrised coefficient tensors):
+# only the exact method computes it; closure and Monte Carlo are Gaussian-metric methods.
+FROBENIUS_METHODS = ("exact",)
 
 
 def _load(path: str | Path):
@@ -35,17 +40,44 @@ def _same_shape(cfgs: Sequence[dict], paths: Sequence[str]) -> None:
                          f"got {desc}")
 
 
+def valid_pairs(metrics: Sequence[str], methods: Sequence[str]
+                ) -> tuple[list[tuple[str, str]], list[dict]]:
+    """Split the requested (metric, method) combinations into those that exist and those skipped
+    (``frobenius`` is exact-only), each skipped one with its reason."""
+    run, skipped = [], []
+    for metric in metrics:
+        for method in methods:
+            if metric == "frobenius" and method not in FROBENIUS_METHODS:
+                skipped.append({"metric": metric, "method": method,
+                                "reason": "the Frobenius metric is exact-only (a closed form of "
+                                          "the weights)"})
+            else:
+                run.append((metric, method))
+    return run, skipped
+
+
 def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "montecarlo"),
                 metrics: Sequence[str] = ("gaussian", "frobenius"), data: str = "none",
-                n_samples: int = 100_000, seed: int = 0) -> dict:
-    """Every (metric, method) similarity of checkpoints ``a`` and ``b``; a combination the core
-    refuses (too costly, unsupported) is recorded with its error instead of failing the rest.
+                n_samples: int = 100_000, seed: int = 0, show_progress: bool = False) -> dict:
+    """Every valid (metric, method) similarity of checkpoints ``a`` and ``b``.
+
+    Combinations that do not exist (``frobenius`` with ``closure``/``montecarlo``) are skipped
+    and listed under ``skipped``; a combination the core refuses at run time (too costly) is
+    recorded with its full error instead of failing the rest. ``seed``: the Monte Carlo seed
+    and the digits split seed for ``data="digits"``.
 
     Raises:
         FileNotFoundError / ValueError: missing or corrupt checkpoints, mismatched sizes,
-            ``data="digits"`` for a model that is not a 64 -> 10 digit classifier.
+            ``data="digits"`` for a model that is not a 64 -> 10 digit classifier, or only
+            invalid combinations requested.
     """
     import tensoralg as ta
+
+    pairs, skipped = valid_pairs(metrics, methods)
+    if not pairs:
+        raise ValueError(f"--metrics/--methods: no valid combination in metrics {list(metrics)} "
+                         f"x methods {list(methods)}: the Frobenius metric is exact-only (add "
+                         f"--methods exact or --metrics gaussian)")
 
     ma, ca = _load(a)
     mb, cb = _load(b)
@@ -57,24 +89,23 @@ def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "m
                          f"{ca['d_in']} -> {ca['d_out']}")
     na, nb = ma.to_network(), mb.to_network()
     rows = []
-    for metric in metrics:
-        for method in methods:
-            entry = {"metric": metric, "method": method}
-            kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
-            t = time.perf_counter()
-            try:
-                g = ta.similarity(na, nb, metric=metric, method=method, **kw)
-                each = ta.similarity(na, nb, metric=metric, method=method, output="each", **kw)
-                entry["global"] = float(g)
-                entry["each"] = [float(v) for v in np.asarray(each, dtype=np.float64)]
-                if getattr(g, "stderr", None) is not None:
-                    entry["global_stderr"] = float(g.stderr)
-                if getattr(each, "stderr", None) is not None:
-                    entry["each_stderr"] = [float(v) for v in np.ravel(each.stderr)]
-            except (ValueError, NotImplementedError) as exc:  # CostTooHigh is a ValueError
-                entry["error"] = f"{type(exc).__name__}: {exc}"
-            entry["seconds"] = time.perf_counter() - t
-            rows.append(entry)
+    for metric, method in progress(pairs, "compare", show_progress):
+        entry = {"metric": metric, "method": method}
+        kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
+        t = time.perf_counter()
+        try:
+            g = ta.similarity(na, nb, metric=metric, method=method, **kw)
+            each = ta.similarity(na, nb, metric=metric, method=method, output="each", **kw)
+            entry["global"] = float(g)
+            entry["each"] = [float(v) for v in np.asarray(each, dtype=np.float64)]
+            if getattr(g, "stderr", None) is not None:
+                entry["global_stderr"] = float(g.stderr)
+            if getattr(each, "stderr", None) is not None:
+                entry["each_stderr"] = [float(v) for v in np.ravel(each.stderr)]
+        except (ValueError, NotImplementedError) as exc:  # CostTooHigh is a ValueError
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry["seconds"] = time.perf_counter() - t
+        rows.append(entry)
     result = {
         **stamp("compare", {"a": str(a), "b": str(b), "methods": list(methods),
                             "metrics": list(metrics), "data": data, "n_samples": n_samples,
@@ -83,6 +114,7 @@ def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "m
         "b": {"path": str(b), "step": cb.get("step"), "n_layers": cb.get("n_layers")},
         "depth": max(ca["n_layers"], cb["n_layers"]),
         "results": rows,
+        "skipped": skipped,
     }
     if data == "digits":
         from ..baselines import all_baselines
@@ -98,9 +130,11 @@ def compare_table(result: dict) -> str:
     out = [f"compare {result['a']['path']}  vs  {result['b']['path']} (depth {result['depth']})"]
     rows = []
     n_out = 0
+    notes = []
     for r in result["results"]:
         if "error" in r:
-            rows.append([r["metric"], r["method"], "-", "-", "-", r["error"][:60]])
+            notes.append(f"[{len(notes) + 1}] {r['metric']}/{r['method']}: {r['error']}")
+            rows.append([r["metric"], r["method"], "-", "-", "-", f"refused, see [{len(notes)}]"])
             continue
         each = r["each"]
         n_out = len(each)
@@ -108,6 +142,13 @@ def compare_table(result: dict) -> str:
         rows.append([r["metric"], r["method"], r["global"], min(each),
                      int(np.argmin(each)), stderr])
     out.append(format_table(["metric", "method", "global", "min slice", "argmin", "note"], rows))
+    out += notes
+    skipped = result.get("skipped", [])
+    if skipped:
+        by_reason: dict[str, list[str]] = {}
+        for s in skipped:
+            by_reason.setdefault(s["reason"], []).append(f"{s['metric']}/{s['method']}")
+        out += [f"skipped {', '.join(v)}: {k}" for k, v in by_reason.items()]
     ok = [r for r in result["results"] if "each" in r]
     if ok and n_out <= 32:
         out.append("")
@@ -121,13 +162,24 @@ def compare_table(result: dict) -> str:
 
 
 def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
-               output: int | None = None) -> dict:
+               output: int | None = None, seed: int = 0) -> dict:
     """Similarity matrix of the checkpoints at ``paths`` (heatmap ``matrix.png``, ``matrix.csv``,
-    ``matrix.json`` under ``out``)."""
+    ``matrix.json`` under ``out``). ``seed``: the Monte Carlo seed.
+
+    ``out`` must be missing, empty or an earlier matrix output (it holds ``matrix.json``); the
+    three files are written into a fresh folder that replaces ``out`` only when complete.
+
+    Raises:
+        ValueError: fewer than two checkpoints, mismatched sizes, a bad ``output`` or ``out``;
+        tensoralg.CostTooHigh: ``method="exact"`` over the exact budget (checked before any
+            contraction).
+    """
+    from .common import check_output_folder
     from .plotting import heatmaps
 
     if len(paths) < 2:
         raise ValueError(f"checkpoints: need at least two, got {len(paths)}")
+    final = check_output_folder(out, "matrix.json")
     loaded = [_load(p) for p in paths]
     cfgs = [c for _, c in loaded]
     _same_shape(cfgs, paths)
@@ -135,29 +187,32 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     if output is not None and not (0 <= output < d_out):
         raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
     depth = max(c["n_layers"] for c in cfgs)
-    resolve_method(method, depth)
+    nets = [m.to_network() for m, _ in loaded]
+    deepest = nets[max(range(len(cfgs)), key=lambda i: cfgs[i]["n_layers"])]
+    planned = choose_method(method, depth, deepest)
     t = time.perf_counter()
-    mat, used = similarity_matrix([m.to_network() for m, _ in loaded], method, depth=depth,
-                                  output=output)
+    mat, used = similarity_matrix(nets, method if planned == "exact" else planned, depth=depth,
+                                  output=output, seed=seed)
     seconds = time.perf_counter() - t
     labels = [Path(p).name or str(p) for p in paths]
     if len(set(labels)) < len(labels):
         labels = [str(p) for p in paths]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "matrix.csv", ["checkpoint"] + labels,
-              ([lab] + [float(v) for v in row] for lab, row in zip(labels, mat)))
     what = "all outputs" if output is None else f"output {output}"
-    heatmaps(out / "matrix.png", {f"tensor similarity ({used}, {what})": mat}, labels,
-             "checkpoint x checkpoint similarity")
     result = {
         **stamp("matrix", {"checkpoints": [str(p) for p in paths], "method": method,
-                           "output": output}),
+                           "output": output, "seed": seed}),
         "labels": labels, "steps": [c.get("step") for c in cfgs], "method": used,
         "metric": "gaussian", "output": output, "similarity_matrix": mat, "seconds": seconds,
-        "files": [str(out / "matrix.json"), str(out / "matrix.csv"), str(out / "matrix.png")],
+        "files": ["matrix.json", "matrix.csv", "matrix.png"],
+        "paths": "files: relative to the output folder; checkpoints: as given on the command line",
     }
-    write_json(out / "matrix.json", result)
+    with staged_output(final, "matrix.json") as stage:
+        write_csv(stage / "matrix.csv", ["checkpoint"] + labels,
+                  ([lab] + [float(v) for v in row] for lab, row in zip(labels, mat)))
+        heatmaps(stage / "matrix.png", {f"tensor similarity ({used}, {what})": mat}, labels,
+                 "checkpoint x checkpoint similarity")
+        write_json(stage / "matrix.json", result)
+    result["out"] = str(final)
     return result
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (format_table, pair_similarity, progress, similarity_matrix, stamp, write_csv,
-                     write_json)
+from .common import (PATHS_NOTE, check_output_folder, choose_method, format_table, pair_similarity,
+                     progress, similarity_matrix, staged_output, stamp, write_csv, write_json)
 
 JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
@@ -77,22 +77,42 @@ def curriculum(removed_class: int = 9, n_base: int = 5, n_classes: int = 10) -> 
     return stages
 
 
+def _model(cfg: ForgettingConfig):
+    from ..nn import BilinearNet
+
+    return BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+                       bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
+
+
 def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool = True) -> dict:
-    """Run the curriculum, audit its checkpoints, write JSON/CSV/PNG under ``out``."""
+    """Run the curriculum, audit its checkpoints, write JSON/CSV/PNG and ``checkpoints/stage*``
+    under ``out``; return the JSON dictionary.
+
+    Checks (``out``, the exact cost) happen before training, and the run is written into a
+    fresh folder that replaces ``out`` as a whole only when complete; see
+    :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are relative to ``out``.
+    """
+    cfg.validate()
+    final = check_output_folder(out, JSON_NAME)
+    method = choose_method(cfg.method, cfg.n_layers, _model(cfg).to_network())
+    with staged_output(final, JSON_NAME) as stage:
+        result = _run_forgetting(cfg, stage, show_progress, method)
+    result["out"] = str(final)
+    return result
+
+
+def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, method: str) -> dict:
     from ..baselines import linear_cka, model_outputs, weight_cosine
     from ..checkpoint import save_checkpoint
     from ..data import load_digits_data, select_classes
-    from ..nn import BilinearNet, accuracy, train_classifier
+    from ..nn import accuracy, train_classifier
     from .plotting import class_heatmap, heatmaps
 
-    cfg.validate()
-    out = Path(out)
     t0 = time.perf_counter()
     data = load_digits_data(seed=cfg.seed)
     stages = curriculum(cfg.removed_class, cfg.n_base)
-    model = BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
-                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
-    checkpoints, labels, acc = [], [], []
+    model = _model(cfg)
+    checkpoints, labels, acc, names = [], [], [], []
     step = 0
     for i, (label, classes) in enumerate(progress(stages, "forgetting curriculum", show_progress)):
         X, y = select_classes(data.X_train, data.y_train, classes)
@@ -104,7 +124,8 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
         checkpoints.append(snap)
         labels.append(label)
         acc.append([accuracy(snap, *select_classes(data.X_test, data.y_test, [c])) for c in range(10)])
-        save_checkpoint(out / "checkpoints" / f"stage{i:02d}", snap, step=step,
+        names.append(f"checkpoints/stage{i:02d}")
+        save_checkpoint(out / names[-1], snap, step=step,
                         provenance={"data": data.provenance, "audit": "forgetting",
                                     "stage": label, "classes": classes})
     t_train = time.perf_counter() - t0
@@ -114,9 +135,10 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
     t1 = time.perf_counter()
     per_stage = []
     ref_norm2 = None
+    sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
     for m in progress(checkpoints, "similarity to reference", show_progress):
         # the reference goes first in each pair so that its norms are computed once
-        ps = pair_similarity(ref, m, cfg.method, depth=cfg.n_layers, norm2_a=ref_norm2)
+        ps = pair_similarity(ref, m, sim_method, depth=cfg.n_layers, norm2_a=ref_norm2)
         ref_norm2 = ps["norm2_a_each"]
         per_stage.append(ps)
     method = per_stage[0]["method"]
@@ -159,9 +181,10 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
                      "weight_cosine": wcos},
         "finding": finding,
         "data": data.provenance,
+        "checkpoints": dict(zip(labels, names)),
+        "paths": PATHS_NOTE,
         "seconds": {"training": t_train, "similarity": t_sim, "total": time.perf_counter() - t0},
     }
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for lab, s, row, arow in zip(labels, per_stage, slices, acc):
         rows.append((lab, "global_similarity_to_reference", "", s["global"]))
@@ -179,7 +202,7 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
                                   "linear CKA (logits, test data)": cka,
                                   "weight cosine": wcos}, labels,
              "forgetting curriculum: checkpoint x checkpoint")
-    result["files"] = [str(out / x) for x in (JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES)]
+    result["files"] = [JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES]
     write_json(out / JSON_NAME, result)
     return result
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import format_table, progress, similarity_matrix, stamp, write_csv, write_json
+from .common import (PATHS_NOTE, check_output_folder, choose_method, format_table, progress,
+                     similarity_matrix, staged_output, stamp, write_csv, write_json)
 
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
@@ -31,6 +32,11 @@ FIG_NAME = "grokking.png"
 
 SATURATION_TOL = 0.02     # val accuracy within this of its maximum = saturated
 CHANGE_THRESHOLD = 0.02   # similarity to final at saturation below 1 - this = "keeps changing"
+
+# The data set is all P^2 pairs as one-hot rows of 2P features, trained full batch: the inputs
+# alone take 8 P^3 bytes in float32 (134 MB at P = 256; 8 GB at P = 1000) and every step runs
+# all P^2 rows through the model. P = 256 keeps a run within a few hundred MB on a laptop.
+MAX_P = 256
 
 
 @dataclass
@@ -53,8 +59,11 @@ class GrokkingConfig:
         return cls(**base)
 
     def validate(self) -> None:
-        if self.P < 2:
-            raise ValueError(f"--P: expected a modulus >= 2, got {self.P}")
+        if not 2 <= self.P <= MAX_P:
+            raise ValueError(f"--P: expected a modulus in [2, {MAX_P}], got {self.P} (the "
+                             f"full-batch data set is P^2 one-hot rows of 2P features: "
+                             f"{8 * self.P ** 3 / 1e9:.3g} GB of float32 inputs at this P; "
+                             f"{MAX_P} keeps it at {8 * MAX_P ** 3 / 1e6:.0f} MB)")
         if not 0.0 < self.train_fraction < 1.0:
             raise ValueError(f"--train-fraction: expected (0, 1), got {self.train_fraction}")
         if self.steps < 1 or self.checkpoints < 2:
@@ -68,26 +77,48 @@ def log_schedule(steps: int, n: int) -> list[int]:
     return [0] + [int(p) for p in pts]
 
 
+def _model(cfg: GrokkingConfig):
+    from ..nn import BilinearNet
+
+    return BilinearNet(2 * cfg.P, cfg.P, d_model=cfg.d_model, d_hidden=cfg.d_hidden,
+                       residual=False, bias=False, seed=cfg.seed)
+
+
 def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = True) -> dict:
-    """Train, checkpoint on a log schedule, compute the similarity matrix, write outputs."""
+    """Train, checkpoint on a log schedule, compute the similarity matrix, write outputs under
+    ``out`` (``grokking.json``, CSVs, PNG, ``checkpoints/step*``); return the JSON dictionary.
+
+    Checks (``out``, the exact cost) happen before training, and the run is written into a
+    fresh folder that replaces ``out`` as a whole only when complete, so ``out/checkpoints``
+    never mixes runs; see :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are
+    relative to ``out``.
+    """
+    cfg.validate()
+    final = check_output_folder(out, JSON_NAME)
+    method = choose_method(cfg.method, 1, _model(cfg).to_network())
+    with staged_output(final, JSON_NAME) as stage:
+        result = _run_grokking(cfg, stage, show_progress, method)
+    result["out"] = str(final)
+    return result
+
+
+def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: str) -> dict:
     from ..checkpoint import save_checkpoint
     from ..data import modular_addition
-    from ..nn import BilinearNet, train_classifier
+    from ..nn import train_classifier
     from .plotting import grokking_figure
 
-    cfg.validate()
-    out = Path(out)
     t0 = time.perf_counter()
     data = modular_addition(cfg.P, cfg.train_fraction, seed=cfg.seed)
-    model = BilinearNet(2 * cfg.P, cfg.P, d_model=cfg.d_model, d_hidden=cfg.d_hidden,
-                        residual=False, bias=False, seed=cfg.seed)
+    model = _model(cfg)
     schedule = log_schedule(cfg.steps, cfg.checkpoints)
-    snaps = []
+    snaps, names = [], []
 
     def keep(step, m):
         snap = copy.deepcopy(m)
         snaps.append(snap)
-        save_checkpoint(out / "checkpoints" / f"step{step:07d}", snap, step=step,
+        names.append(f"checkpoints/step{step:07d}")
+        save_checkpoint(out / names[-1], snap, step=step,
                         provenance={"data": data.provenance, "audit": "grokking"})
 
     hist = train_classifier(model, data.X_train, data.y_train, steps=cfg.steps, lr=cfg.lr,
@@ -99,7 +130,8 @@ def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = Tru
     t_train = time.perf_counter() - t0
     t1 = time.perf_counter()
     bar = progress(None, "similarity matrix", show_progress, total=1)
-    sim, method = similarity_matrix(snaps, cfg.method, depth=1)
+    sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
+    sim, method = similarity_matrix(snaps, sim_method, depth=1)
     bar.update(1)
     bar.close()
     t_sim = time.perf_counter() - t1
@@ -138,17 +170,18 @@ def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = Tru
         "metric": "gaussian",
         "finding": finding,
         "data": data.provenance,
+        "checkpoints": names,
+        "paths": PATHS_NOTE,
         "seconds": {"training": t_train, "similarity_matrix": t_sim,
                     "total": time.perf_counter() - t0},
     }
-    out.mkdir(parents=True, exist_ok=True)
     write_csv(out / CSV_NAME, ["step", "train_accuracy", "val_accuracy", "train_loss",
                                "similarity_to_final"],
               zip(steps, train_acc, val_acc, hist["loss"], to_final))
     write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
               ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
     grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method)
-    result["files"] = [str(out / x) for x in (JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME)]
+    result["files"] = [JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME]
     write_json(out / JSON_NAME, result)
     return result
 
