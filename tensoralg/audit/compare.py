@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import (choose_method, format_table, progress, resolve_method, similarity_matrix,
+from .common import (choose_method, format_table, progress, similarity_matrix,
                      staged_output, stamp, write_csv, write_json)
 
 # The Frobenius metric is a closed form of the weights (symmetrised coefficient tensors):
