@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .errors import TrainingDiverged  # noqa: F401  (re-exported)
+
 __all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE",
            "TrainingDiverged"]
 
@@ -200,18 +202,6 @@ class BilinearNet(nn.Module):
 # ----------------------------------------------------------------------------------------
 # training
 # ----------------------------------------------------------------------------------------
-
-class TrainingDiverged(RuntimeError):
-    """Training produced a NaN/inf loss or NaN/inf weights (learning rate too high?).
-
-    ``step`` is the optimiser step at which it was detected; the model's weights are then
-    unusable (the caller should discard it, not save it).
-    """
-
-    def __init__(self, msg: str, step: int):
-        super().__init__(msg)
-        self.step = step
-
 
 def _as_inputs(X: Any, name: str, d_in: int | None, dtype: torch.dtype) -> torch.Tensor:
     """``X`` (numpy array or torch tensor) as a ``(n, d_in)`` float tensor of ``dtype``."""

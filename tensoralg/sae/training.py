@@ -28,21 +28,13 @@ import numpy as np
 import torch
 
 from .. import io as tio
+from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
 from ._seeds import stream_generator
 from .models import SAEConfig, SparseAutoencoder
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "save_sae", "load_sae", "as_activations"]
 
 TRAINER_STATE = "trainer_state"
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or inf; ``last_checkpoint`` is the last good checkpoint (or None)."""
-
-    def __init__(self, msg: str, step: int, last_checkpoint: str | None):
-        super().__init__(msg)
-        self.step = step
-        self.last_checkpoint = last_checkpoint
 
 
 @dataclass

@@ -1,0 +1,20 @@
+"""Exceptions shared across tensoralg."""
+
+from __future__ import annotations
+
+__all__ = ["TrainingDiverged"]
+
+
+class TrainingDiverged(RuntimeError):
+    """Training produced a NaN/inf loss or NaN/inf weights (learning rate too high?).
+
+    Attributes:
+        step: the optimizer step at which it was detected.
+        last_checkpoint: the last good checkpoint written before it, or None (the weights in
+            memory are unusable: discard them, do not save them).
+    """
+
+    def __init__(self, msg: str, step: int, last_checkpoint: str | None = None):
+        super().__init__(msg)
+        self.step = step
+        self.last_checkpoint = last_checkpoint
