@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .common import (PATHS_NOTE, check_output_folder, choose_method, format_table, pair_similarity,
-                     progress, staged_output, stamp, write_csv, write_json)
+from .common import (PATHS_NOTE, format_table, pair_similarity, progress, run_staged, stamp,
+                     write_csv, write_json)
 
 JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
@@ -96,13 +96,7 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
         ValueError: a bad configuration or ``out``; tensoralg.CostTooHigh: see above;
         tensoralg.nn.TrainingDiverged: NaN/inf loss or weights (nothing is written).
     """
-    cfg.validate()
-    final = check_output_folder(out, JSON_NAME)
-    method = choose_method(cfg.method, cfg.n_layers, _model(cfg).to_network())
-    with staged_output(final, JSON_NAME) as stage:
-        result = _run_backdoor(cfg, stage, show_progress, method)
-    result["out"] = str(final)
-    return result
+    return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_backdoor, show_progress)
 
 
 def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: str) -> dict:

@@ -202,14 +202,9 @@ def cmd_backdoor(args, demo: bool = False) -> int:
     _threads(args)
     t0 = time.perf_counter()
     result = _run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress))
-    if isinstance(result, int):
-        return result
-    _write_extra_json(args.json, result)
-    print(f"tensoralg {name}: backdoor audit on scikit-learn "
-          f"digits ({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
-    print(backdoor_table(result))
-    print(f"\n{_wrote(result)}")
-    return 0
+    header = (f"tensoralg {name}: backdoor audit on scikit-learn digits "
+              f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
+    return _report(args, result, backdoor_table, header)
 
 
 def cmd_demo(args) -> int:
@@ -232,12 +227,7 @@ def cmd_forgetting(args) -> int:
     _threads(args)
     result = _run(args, "audit forgetting",
                   lambda: run_forgetting(cfg, out, show_progress=not args.no_progress))
-    if isinstance(result, int):
-        return result
-    _write_extra_json(args.json, result)
-    print(forgetting_table(result))
-    print(f"\n{_wrote(result)}")
-    return 0
+    return _report(args, result, forgetting_table)
 
 
 def cmd_grokking(args) -> int:
@@ -253,12 +243,7 @@ def cmd_grokking(args) -> int:
     _threads(args)
     result = _run(args, "audit grokking",
                   lambda: run_grokking(cfg, out, show_progress=not args.no_progress))
-    if isinstance(result, int):
-        return result
-    _write_extra_json(args.json, result)
-    print(grokking_table(result))
-    print(f"\n{_wrote(result)}")
-    return 0
+    return _report(args, result, grokking_table)
 
 
 def cmd_compare(args) -> int:
@@ -271,11 +256,7 @@ def cmd_compare(args) -> int:
     result = _run(args, "compare", lambda: run_compare(
         args.a, args.b, methods=methods, metrics=metrics, data=args.data,
         n_samples=args.n_samples, seed=args.seed, show_progress=not args.no_progress))
-    if isinstance(result, int):
-        return result
-    _write_extra_json(args.json, result)
-    print(compare_table(result))
-    return 0
+    return _report(args, result, compare_table, wrote=False)
 
 
 def cmd_matrix(args) -> int:
@@ -285,11 +266,20 @@ def cmd_matrix(args) -> int:
     _threads(args)
     result = _run(args, "matrix", lambda: run_matrix(args.checkpoints, out, method=args.method,
                                                      output=args.output, seed=args.seed))
+    return _report(args, result, matrix_table)
+
+
+def _report(args, result, table, header: str = "", wrote: bool = True) -> int:
+    """A handler's exit code: ``_run``'s code for a refused/interrupted run, else write
+    ``--json``, print the table (and the files written) and return 0."""
     if isinstance(result, int):
         return result
     _write_extra_json(args.json, result)
-    print(matrix_table(result))
-    print(f"\n{_wrote(result)}")
+    if header:
+        print(header)
+    print(table(result))
+    if wrote:
+        print(f"\n{_wrote(result)}")
     return 0
 
 

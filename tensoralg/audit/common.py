@@ -197,6 +197,22 @@ def _reason(text: str) -> str:
     return text.strip().rstrip(".;,")
 
 
+def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any,
+               runner: Any, show_progress: bool) -> dict:
+    """The shared frame of every audit: validate ``cfg``, check ``out``
+    (:func:`check_output_folder`), choose the similarity method with the exact cost checked on
+    the untrained ``model`` of the configured architecture BEFORE any training
+    (:func:`choose_method`), then ``runner(cfg, stage, show_progress, method)`` inside
+    :func:`staged_output`, so ``out`` is replaced only by a complete run."""
+    cfg.validate()
+    final = check_output_folder(out, json_name)
+    method = choose_method(cfg.method, depth, model.to_network())
+    with staged_output(final, json_name) as stage:
+        result = runner(cfg, stage, show_progress, method)
+    result["out"] = str(final)
+    return result
+
+
 def choose_method(method: str, depth: int, net: Any) -> str:
     """The similarity method a run will use, decided BEFORE any training from an untrained
     model ``net`` of the configured architecture (the cost depends on sizes only).

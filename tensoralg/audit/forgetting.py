@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (PATHS_NOTE, check_output_folder, choose_method, format_table, pair_similarity,
-                     progress, similarity_matrix, staged_output, stamp, write_csv, write_json)
+from .common import (PATHS_NOTE, format_table, pair_similarity, progress, run_staged,
+                     similarity_matrix, stamp, write_csv, write_json)
 
 JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
@@ -92,13 +92,7 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
     fresh folder that replaces ``out`` as a whole only when complete; see
     :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are relative to ``out``.
     """
-    cfg.validate()
-    final = check_output_folder(out, JSON_NAME)
-    method = choose_method(cfg.method, cfg.n_layers, _model(cfg).to_network())
-    with staged_output(final, JSON_NAME) as stage:
-        result = _run_forgetting(cfg, stage, show_progress, method)
-    result["out"] = str(final)
-    return result
+    return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_forgetting, show_progress)
 
 
 def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, method: str) -> dict:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (PATHS_NOTE, check_output_folder, choose_method, format_table, progress,
-                     similarity_matrix, staged_output, stamp, write_csv, write_json)
+from .common import (PATHS_NOTE, format_table, progress, run_staged, similarity_matrix, stamp,
+                     write_csv, write_json)
 
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
@@ -93,13 +93,7 @@ def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = Tru
     never mixes runs; see :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are
     relative to ``out``.
     """
-    cfg.validate()
-    final = check_output_folder(out, JSON_NAME)
-    method = choose_method(cfg.method, 1, _model(cfg).to_network())
-    with staged_output(final, JSON_NAME) as stage:
-        result = _run_grokking(cfg, stage, show_progress, method)
-    result["out"] = str(final)
-    return result
+    return run_staged(cfg, out, JSON_NAME, 1, _model(cfg), _run_grokking, show_progress)
 
 
 def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: str) -> dict:

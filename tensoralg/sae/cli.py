@@ -6,7 +6,6 @@ Heavy imports (torch, matplotlib, transformers) happen inside the handlers.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 __all__ = ["add_parsers"]
