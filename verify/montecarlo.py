@@ -116,16 +116,9 @@ class ConvergenceReport:
 # ----------------------------------------------------------------------------------------
 
 def _networks(a: Any, b: Any):
-    from tensoralg.layers import as_network
+    from .certify import _check_pair
 
-    a = as_network(a, "a")
-    b = a if b is None else as_network(b, "b")
-    if a.in_features != b.in_features:
-        raise ValueError(f"a and b must read the same input: a has in_features={a.in_features}, "
-                         f"b has in_features={b.in_features}")
-    if a.out_features != b.out_features:
-        raise ValueError(f"a and b must have the same number of outputs: a has "
-                         f"out_features={a.out_features}, b has out_features={b.out_features}")
+    a, b = _check_pair(a, a if b is None else b)
     fa = a.astype_float() if a.is_exact else a
     fb = b.astype_float() if b.is_exact else b
     return fa, fb
