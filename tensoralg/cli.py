@@ -42,6 +42,18 @@ def _name_leaves(parser: argparse.ArgumentParser) -> None:
             _name_leaves(child)
 
 
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (``timeout``, ``kill``) unwinds like Ctrl-C, so staged outputs are cleaned up."""
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):
@@ -49,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     name = getattr(args, "prog_name", "tensoralg")
+    _terminate_as_interrupt()
     try:
         rc = args.func(args)
     except (ValueError, TypeError, OSError) as exc:

@@ -263,16 +263,11 @@ def _find_paths(exprs: list[str], shapes: list[list[tuple]]) -> tuple[list, list
         return _PATH_CACHE[key]
     cdir = _cache_dir()
     fpath = cdir / f"{key}.json" if cdir is not None else None
-    if fpath is not None and fpath.exists():
-        try:
-            data = json.loads(fpath.read_text())
-            if data.get("key_src") == key_src:
-                res = ([[tuple(p) for p in path] for path in data["paths"]], data["flops"],
-                       data["largest"])
-                _PATH_CACHE[key] = res
-                return res
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # corrupt cache entry: recompute and overwrite
+    if fpath is not None:
+        res = _read_cached_paths(fpath, key_src, [len(sh) for sh in shapes])
+        if res is not None:
+            _PATH_CACHE[key] = res
+            return res
     paths, flops, largest = [], [], []
     for expr, sh in zip(exprs, shapes):
         path, info = oe.contract_path(expr, *sh, shapes=True, optimize="auto")
@@ -283,11 +278,52 @@ def _find_paths(exprs: list[str], shapes: list[list[tuple]]) -> tuple[list, list
     _PATH_CACHE[key] = res
     if fpath is not None:
         try:
-            atomic_write_json(fpath, {"key_src": key_src, "paths": paths, "flops": flops,
-                                      "largest": largest}, indent=None)
+            body = {"paths": paths, "flops": flops, "largest": largest}
+            atomic_write_json(fpath, {"key_src": key_src, **body,
+                                      "sha256": _digest(key_src, body)}, indent=None)
         except OSError:
             pass  # a read-only home must not break the computation
     return res
+
+
+def _digest(key_src: str, body: dict) -> str:
+    return hashlib.sha256((key_src + json.dumps(body, sort_keys=True)).encode()).hexdigest()
+
+
+def _valid_path(path: Any, n_ops: int) -> bool:
+    """A contraction path that contracts ``n_ops`` operands down to one, step by step."""
+    count = n_ops
+    for step in path:
+        if (not step or len(set(step)) != len(step)
+                or not all(isinstance(i, int) and 0 <= i < count for i in step)):
+            return False
+        count -= len(step) - 1
+    return count == 1
+
+
+def _read_cached_paths(fpath: Path, key_src: str, n_ops: list[int]):
+    """The cached paths of ``fpath``, or None when absent, for another key, or damaged in any
+    way (bad JSON or structure, checksum mismatch, a path that is not a complete contraction,
+    non-finite costs): the caller then searches again and overwrites the file."""
+    try:
+        data = json.loads(fpath.read_text())
+        if not isinstance(data, dict) or data.get("key_src") != key_src:
+            return None
+        body = {k: data[k] for k in ("paths", "flops", "largest")}
+        if data.get("sha256") != _digest(key_src, body):
+            return None
+        paths = [[tuple(step) for step in path] for path in body["paths"]]
+        flops = [float(f) for f in body["flops"]]
+        largest = [int(x) for x in body["largest"]]
+        if not (len(paths) == len(flops) == len(largest) == len(n_ops)):
+            return None
+        if not all(_valid_path(p, n) for p, n in zip(paths, n_ops)):
+            return None
+        if not all(math.isfinite(f) and f >= 0 for f in flops):
+            return None
+        return paths, flops, largest
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 class JoinedNetwork:

@@ -122,6 +122,8 @@ def _output_matrix(output: Any, O: int, exact: bool) -> tuple[np.ndarray, bool]:
         u = as_array(output, "output", 1)
         if u.shape != (O,):
             raise ValueError(f"output: direction of shape {u.shape} does not match the {O} outputs")
+        if not np.any(u != 0):
+            raise ValueError("output: the direction u is zero; u . f is the zero function")
         U, keep = u[None, :], False
     if exact:
         U = np.vectorize(Fraction, otypes=[object])(U)
@@ -230,6 +232,9 @@ def _prepare_pair(a: Any, b: Any, metric: str = "gaussian", output: Any = None,
 # ----------------------------------------------------------------------------------------
 
 def _converter(backend: str, device: Any, dtype: Any):
+    if backend != "torch" and device is not None:
+        raise ValueError(f"device: only backend='torch' runs on a device; backend={backend!r} "
+                         f"computes on the CPU (got device={device!r})")
     if backend == "numpy":
         if dtype not in (None, np.float64, "float64"):
             raise ValueError(f"dtype: the numpy backend computes in float64, got {dtype!r}")

@@ -58,3 +58,29 @@ def test_atomic_write_leaves_no_temp_file_on_failure(tmp_path):
     with pytest.raises(TypeError):
         io.atomic_write_bytes(tmp_path / "x.bin", "not bytes")  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_unwinds_like_an_interrupt(tmp_path):
+    """A SIGTERM'd command prints one line and exits 130 (so staged outputs are cleaned up)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from tensoralg import cli\n"
+            "def slow(args):\n"
+            "    print('ready', flush=True); time.sleep(30)\n"
+            "parser = cli.build_parser()\n"
+            "args = parser.parse_args(['compare', 'x', 'y'])\n"
+            "args.func = slow\n"
+            "class P:\n"
+            "    def parse_args(self, argv): return args\n"
+            "cli.build_parser = lambda: P()\n"
+            "sys.exit(cli.main(['compare', 'x', 'y']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    assert err.strip() == "tensoralg compare: interrupted"

@@ -202,3 +202,11 @@ def test_plan_reports_a_refusal_instead_of_raising():
     p = ta.plan(deep3)
     assert p.refused and p.flops == float("inf") and p.n_configurations == 46206736
     assert "REFUSED" in p.summary()
+
+
+def test_zero_direction_and_device_without_torch(nets):
+    a, b = nets
+    with pytest.raises(ValueError, match="output: the direction u is zero"):
+        ta.similarity(a, b, output=np.zeros(2))
+    with pytest.raises(ValueError, match="device: only backend='torch' runs on a device"):
+        ta.inner(a, b, device="cuda")

@@ -138,3 +138,39 @@ def test_single_bilinear_pair_goes_through_gram_matrices():
         for step in info.contraction_list:
             out_sub = step[2].split("->")[1]
             assert len(legs & set(out_sub)) <= 1, (expr, step[2])
+
+
+@pytest.mark.parametrize("tamper", ["drop_last_path", "reverse_paths", "list_file", "nan_flops",
+                                    "bad_index", "truncate_step"])
+def test_damaged_path_cache_is_never_trusted(tmp_path, monkeypatch, tamper):
+    monkeypatch.setenv("TENSORALG_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(6)
+    a = rand_network(rng, "depth2", d=2)
+    b = rand_network(rng, "depth2", d=2)
+    network._PATH_CACHE.clear()
+    want = ta.inner(a, b)
+    (f,) = tmp_path.glob("*.json")
+    data = json.loads(f.read_text())
+    if tamper == "drop_last_path":
+        data["paths"] = data["paths"][:-1]
+    elif tamper == "reverse_paths":
+        data["paths"] = [list(reversed(p)) for p in data["paths"]]
+    elif tamper == "list_file":
+        data = [1, 2]
+    elif tamper == "nan_flops":
+        data["flops"][0] = float("nan")
+    elif tamper == "bad_index":
+        data["paths"][0][0] = [99, 100]
+    elif tamper == "truncate_step":
+        data["paths"][3] = data["paths"][3][:-1]
+    f.write_text(json.dumps(data))
+    network._PATH_CACHE.clear()
+    assert ta.inner(a, b) == want
+    # the damaged entry was overwritten by a sound one, which is then used without a search
+    network._PATH_CACHE.clear()
+    searches = []
+    orig = network.oe.contract_path
+    monkeypatch.setattr(network.oe, "contract_path",
+                        lambda *x, **k: searches.append(k.get("shapes")) or orig(*x, **k))
+    assert ta.inner(a, b) == want
+    assert not any(searches)

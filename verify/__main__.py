@@ -29,7 +29,11 @@ def main(argv=None) -> int:
     from . import symbolic
 
     t0 = time.perf_counter()
-    results = symbolic.run_all(quick=args.quick, only=args.only)
+    try:
+        results = symbolic.run_all(quick=args.quick, only=args.only)
+    except KeyboardInterrupt:
+        print("python -m verify: interrupted", file=sys.stderr)
+        return 130
     total = time.perf_counter() - t0
     if not results:
         print(f"python -m verify: error: no check matches --only {args.only!r}", file=sys.stderr)
@@ -49,7 +53,11 @@ def main(argv=None) -> int:
                    "results": [r.to_dict() for r in results]}
         from tensoralg.io import atomic_write_json  # noqa: import here: optional dependency
 
-        atomic_write_json(args.json, payload)
+        try:
+            atomic_write_json(args.json, payload)
+        except OSError as exc:
+            print(f"python -m verify: error: --json: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.json}")
     return 1 if n_fail else 0
 
