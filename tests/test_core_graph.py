@@ -127,7 +127,6 @@ def test_single_bilinear_pair_goes_through_gram_matrices():
     assert p.flops <= 10 * 4 * (Ha + 1) * (Hb + 1) * (d + 1)
     # no intermediate of any chosen path carries two input legs (the d^2-sized tensor T)
     import opt_einsum as oe
-    sizes = {}
     for expr in p.expressions:
         ins, _ = expr.split("->")
         legs = {c for c in set(ins) if c not in "abcde"}  # labels a..e: outputs, batches, hidden

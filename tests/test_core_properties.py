@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tensoralg as ta
-from netgen import KINDS, rand_bilinear, rand_linear, rand_network
+from netgen import KINDS, rand_bilinear, rand_network
 
 CASES = {c["name"]: c for c in json.loads(
     (Path(__file__).resolve().parents[2] / "shared" / "cases" /
