@@ -50,13 +50,15 @@ def test_json_keys_and_the_finding(backdoor_run):
 def test_csv_holds_every_slice(backdoor_run):
     _, out = backdoor_run
     lines = (out / "backdoor.csv").read_text().splitlines()
-    assert lines[0] == "quantity,class,value"
+    assert lines[0] == "quantity,class,value,stderr"
     slice_rows = [ln for ln in lines if ln.startswith("slice_similarity,")]
     res = json.loads((out / "backdoor.json").read_text())
     assert len(slice_rows) == 10
     for row in slice_rows:
-        _, c, v = row.split(",")
+        _, c, v, se = row.split(",")
         assert float(v) == pytest.approx(res["slice_similarity"][c], rel=1e-9)
+        assert se == ""                  # exact: no sampling error
+    assert res["slice_similarity_stderr"] is None and res["n_samples"] is None
 
 
 def test_slices_match_an_independent_monte_carlo(backdoor_run):
@@ -96,3 +98,51 @@ def test_checkpoint_paths_are_relative_to_the_output_folder(backdoor_run):
     for path in res["checkpoints"].values():
         assert not path.startswith("/") and (out / path / "cfg.json").is_file()
     assert res["files"] == ["backdoor.json", "backdoor.csv", "backdoor_slices.png"]
+
+
+def test_monte_carlo_audit_records_its_standard_errors(tmp_path, capsys):
+    """Depth 3: auto picks Monte Carlo; every similarity carries a standard error and n_samples
+    (JSON, CSV, table), and the values are tensoralg.similarity's with the run's seed."""
+    import tensoralg as ta
+    from tensoralg.checkpoint import load_checkpoint
+
+    out = tmp_path / "b"
+    assert main(["audit", "backdoor", "--quick", "--layers", "3", "--steps", "30",
+                 "--finetune-steps", "20", "--n-samples", "4000", "--seed", "2",
+                 "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((out / "backdoor.json").read_text())
+    assert res["method"] == "montecarlo" and res["n_samples"] == 4000
+    se = res["slice_similarity_stderr"]
+    assert sorted(se, key=int) == [str(c) for c in range(10)]
+    assert all(0 < v < 0.5 for v in se.values()) and 0 < res["global_similarity_stderr"] < 0.5
+    assert res["control"]["slice_similarity_stderr"] and res["control"]["global_similarity_stderr"] > 0
+    a, _ = load_checkpoint(out / "checkpoints" / "clean")
+    b, _ = load_checkpoint(out / "checkpoints" / "backdoored")
+    each = ta.similarity(a, b, method="montecarlo", output="each", n_samples=4000, seed=2)
+    assert np.allclose([res["slice_similarity"][str(c)] for c in range(10)], each, rtol=1e-9)
+    assert np.allclose([se[str(c)] for c in range(10)], each.stderr, rtol=1e-9)
+    f = res["finding"]
+    assert f["gap_stderr"] == pytest.approx(np.hypot(se["9"], se[str(f["lowest_other_class"])]))
+    assert f["gap_within_2_stderr"] == (abs(f["gap"]) <= 2 * f["gap_stderr"])
+    lines = (out / "backdoor.csv").read_text().splitlines()
+    assert lines[0] == "quantity,class,value,stderr"
+    row9 = next(ln for ln in lines if ln.startswith("slice_similarity,9,"))
+    assert float(row9.split(",")[3]) == pytest.approx(se["9"], rel=1e-9)
+    assert "±" in text and "4000 samples" in text
+
+
+def test_gap_finding_is_stderr_aware():
+    from tensoralg.audit.common import gap_finding
+
+    each = [0.9, 0.8, 0.95, 0.75]
+    # gap 0.05 with stderr sqrt(0.02^2 + 0.02^2) = 0.028: lowest, but within 2 standard errors
+    f = gap_finding(each, [0.01, 0.02, 0.01, 0.02], 3)
+    assert f["target_slice_is_lowest"] and f["lowest_other_class"] == 1
+    assert f["gap"] == pytest.approx(0.05) and f["gap_stderr"] == pytest.approx(0.02 * 2 ** 0.5)
+    assert f["gap_within_2_stderr"] and not f["target_slice_is_clearly_lowest"]
+    f = gap_finding(each, [0.001] * 4, 3)            # same gap, 0.0014 stderr: clear
+    assert not f["gap_within_2_stderr"] and f["target_slice_is_clearly_lowest"]
+    f = gap_finding(each, None, 3)                   # deterministic: any positive gap
+    assert f["gap_stderr"] is None and f["target_slice_is_clearly_lowest"]
+    assert not gap_finding(each, None, 0)["target_slice_is_lowest"]

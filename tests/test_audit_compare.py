@@ -153,3 +153,32 @@ def test_matrix_exact_over_budget_and_foreign_out(tmp_path, capsys):
     (tmp_path / "busy" / "notes.txt").write_text("x")
     assert main(["matrix", *ck, "--out", str(tmp_path / "busy")]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_compare_deduplicates_methods_and_metrics(ckpts, tmp_path, capsys):
+    _, (a, b, _) = ckpts
+    assert main(["compare", a, b, "--methods", "exact,exact,closure,exact",
+                 "--metrics", "gaussian,gaussian", "--json", str(tmp_path / "c.json")]) == 0
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert [(r["metric"], r["method"]) for r in res["results"]] == [("gaussian", "exact"),
+                                                                    ("gaussian", "closure")]
+    assert res["config"]["methods"] == ["exact", "closure"]
+    out = capsys.readouterr().out
+    assert out.count("gaussian/exact") == 1
+
+
+def test_monte_carlo_matrix_says_it_is_an_estimate(tmp_path, capsys):
+    for i in range(2):
+        save_checkpoint(tmp_path / f"d{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=3,
+                                                        residual=True, seed=i))
+    assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"), "--n-samples", "3000",
+                 "--out", str(tmp_path / "m"), "--json", str(tmp_path / "copy.json")]) == 0
+    res = json.loads((tmp_path / "m" / "matrix.json").read_text())
+    u = res["uncertainty"]
+    assert res["method"] == "montecarlo" and u["estimate"] is True and u["n_samples"] == 3000
+    assert "no per-entry standard error" in u["note"]
+    assert "3000 samples" in capsys.readouterr().out
+    assert json.loads((tmp_path / "copy.json").read_text())["uncertainty"] == u
+    assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"), "--method", "closure",
+                 "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m" / "matrix.json").read_text())["uncertainty"]["estimate"] is False

@@ -54,3 +54,25 @@ def test_bad_removed_class(tmp_path, capsys):
     assert main(["audit", "forgetting", "--quick", "--removed-class", "10",
                  "--out", str(tmp_path)]) == 2
     assert "--removed-class" in capsys.readouterr().err
+
+
+def test_monte_carlo_forgetting_records_standard_errors(tmp_path, capsys):
+    out = tmp_path / "f"
+    assert main(["audit", "forgetting", "--quick", "--stage-steps", "20", "--method", "montecarlo",
+                 "--n-samples", "3000", "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((out / "forgetting.json").read_text())
+    assert res["method"] == "montecarlo" and res["n_samples"] == 3000
+    se = res["slice_similarity_to_reference_stderr"]
+    labels = [s["label"] for s in res["stages"]]
+    assert set(se) == set(labels) and all(len(row) == 10 for row in se.values())
+    assert all(v == pytest.approx(0.0, abs=1e-9) for v in se["+9"].values())  # reference vs itself
+    assert all(v > 0 for v in se["-9"].values())
+    f = res["finding"]
+    assert f["collapse_gap_stderr"] > 0
+    assert f["collapses"] == (f["collapse_gap"] > 2 * f["collapse_gap_stderr"])
+    assert f["recovers"] == (f["recovery"] > 2 * f["recovery_stderr"])
+    assert res["matrices"]["tensor_similarity_uncertainty"]["estimate"] is True
+    header = (out / "forgetting.csv").read_text().splitlines()[0]
+    assert header == "stage,quantity,class,value,stderr"
+    assert "±" in text and "3000 samples" in text

@@ -55,3 +55,36 @@ def test_P_is_bounded_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"[2, {MAX_P}]" in err and "100000" in err and "GB" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_log_schedule_is_exact_when_points_collide():
+    # 20 points on [1, 400] collide at the small end after rounding; the schedule still has
+    # exactly the requested number of distinct steps, from 0 to --steps
+    for steps, n in [(400, 20), (30, 30), (10, 11), (5000, 24), (1, 2), (7, 3)]:
+        s = log_schedule(steps, n)
+        assert len(s) == n and s == sorted(set(s)) and s[0] == 0 and s[-1] == steps, (steps, n, s)
+    with pytest.raises(ValueError, match="checkpoints"):
+        log_schedule(5, 7)
+
+
+def test_checkpoint_count_is_exact_and_chance_is_not_saturation(tmp_path, capsys):
+    """--checkpoints N gives N checkpoints; a run at chance-level validation accuracy (30 steps)
+    reports no saturation point instead of "saturates at ... (0.09)"."""
+    assert main(["audit", "grokking", "--quick", "--steps", "30", "--checkpoints", "20",
+                 "--out", str(tmp_path / "g"), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((tmp_path / "g" / "grokking.json").read_text())
+    assert res["n_checkpoints"] == len(res["steps"]) == len(res["checkpoints"]) == 20
+    assert len(list((tmp_path / "g" / "checkpoints").iterdir())) == 20
+    assert "20 checkpoints" in text
+    f = res["finding"]
+    chance = 1 / 13
+    assert f["chance_accuracy"] == pytest.approx(chance)
+    assert f["max_val_acc"] < chance + 0.5 * (1 - chance)    # this run has not learned
+    assert f["saturates"] is False and f["saturation_step"] is None
+    assert f["keeps_changing"] is None
+    assert "chance" in f["saturation_criterion"] and "saturates at step" not in text
+    assert "never rises clearly above chance" in text
+    assert main(["audit", "grokking", "--quick", "--steps", "5", "--checkpoints", "7",
+                 "--out", str(tmp_path / "h")]) == 2
+    assert "--checkpoints" in capsys.readouterr().err

@@ -195,3 +195,65 @@ def test_out_that_is_the_working_folder_is_refused(tmp_path, capsys, monkeypatch
         assert main([*GROK, "--out", out]) == 2
         assert "current folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grokking.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# late failures, --json writability, folder mode
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_unwritable_json_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """/proc passes every permission check (and root passes os.access everywhere), yet no file
+    can be created there: the probe file says so before training, the previous run is kept."""
+    import tensoralg.nn
+
+    out = tmp_path / "g"
+    assert main([*GROK, "--checkpoints", "3", "--out", str(out)]) == 0
+    before = _snapshot(out)
+    monkeypatch.setattr(tensoralg.nn, "train_classifier",
+                        lambda *a, **k: pytest.fail("trained despite an unwritable --json"))
+    for argv in ([*GROK, "--out", str(out)], ["demo", "--out", str(out / "d")],
+                 ["matrix", "a", "b", "--out", str(tmp_path / "m")], ["compare", "a", "b"]):
+        assert main([*argv, "--json", "/proc/r.json"]) == 2
+        err = capsys.readouterr().err
+        assert "--json" in err and "/proc" in err and len(err.strip().splitlines()) == 1, err
+    assert _snapshot(out) == before and _no_staging_left(tmp_path)
+
+
+def test_json_copy_is_written_before_the_swap(tmp_path, capsys, monkeypatch):
+    """A failure writing --json (after the up-front probe passed) leaves the previous run whole:
+    the copy is written while the new run is still staged."""
+    import tensoralg.audit.common as common
+
+    out = tmp_path / "g"
+    assert main([*GROK, "--checkpoints", "3", "--out", str(out)]) == 0
+    before = _snapshot(out)
+
+    def failing(*a, **k):
+        raise FileNotFoundError("simulated: the --json folder vanished")
+
+    monkeypatch.setattr(common, "write_json_copy", failing)
+    assert main([*GROK, "--checkpoints", "4", "--out", str(out),
+                 "--json", str(tmp_path / "r.json")]) == 2
+    assert "vanished" in capsys.readouterr().err
+    assert _snapshot(out) == before and _no_staging_left(tmp_path)
+    assert not (tmp_path / "r.json").exists()
+    monkeypatch.undo()
+    # a --json path inside --out becomes part of the new run
+    assert main([*GROK, "--checkpoints", "4", "--out", str(out), "--json", str(out / "c.json")]) == 0
+    res = json.loads((out / "grokking.json").read_text())
+    assert json.loads((out / "c.json").read_text())["steps"] == res["steps"]
+
+
+def test_output_folder_gets_the_usual_mode(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        assert main([*GROK, "--checkpoints", "2", "--out", str(tmp_path / "g")]) == 0
+        assert main([*GROK, "--checkpoints", "2", "--out", str(tmp_path / "g")]) == 0  # replaced
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "g").stat().st_mode)
+    assert mode == 0o777 & ~0o027, oct(mode)     # not mkdtemp's 0o700

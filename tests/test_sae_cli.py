@@ -177,3 +177,49 @@ def test_bench_accepts_no_progress_and_seed(tmp_path, capsys):
         _run([*args, "--seed", "-1"])
     with pytest.raises(ValueError, match="--seed"):
         _run(["sae", "stability", "a", "b", "--seed", "-2"])
+
+
+def test_train_out_must_be_new_empty_or_an_sae_folder(tmp_path, capsys, monkeypatch):
+    """`sae train --out` never writes into a folder of other files (which a later audit run could
+    then replace, deleting the SAE), and an existing file is named as such — before any work."""
+    from tensoralg.cli import main
+    import tensoralg.sae.training as training
+
+    common = ["sae", "train", "--synthetic", "6,8,2,128", "--steps", "3", "--batch-size", "32",
+              "--no-progress"]
+    real_train = training.train
+    monkeypatch.setattr(training, "train", lambda *a, **k: pytest.fail("trained despite a bad --out"))
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    (audit / "backdoor.json").write_text("{}")
+    (tmp_path / "s1.py").write_text("print(1)")
+    for out, words in ((notes, "not an SAE checkpoint folder"), (audit, "not an SAE checkpoint folder"),
+                       (tmp_path / "s1.py", "is a file; expected a folder"),
+                       (tmp_path / "s1.py" / "sub", "is a file")):
+        assert main([*common, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "--out" in err and words in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in notes.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in audit.iterdir()) == ["backdoor.json"]
+    monkeypatch.setattr(training, "train", real_train)
+    # new, empty, and an earlier SAE folder (rerun and --resume) are accepted
+    (tmp_path / "empty").mkdir()
+    for out in ("new", "empty", "new"):
+        assert main([*common, "--out", str(tmp_path / out)]) == 0
+    assert main([*common[:4], "--steps", "5", "--batch-size", "32", "--no-progress",
+                 "--out", str(tmp_path / "new"), "--resume", str(tmp_path / "new")]) == 0
+    assert json.loads((tmp_path / "new" / "cfg.json").read_text())["train_step"] == 5
+
+
+def test_train_progress_bar_hidden_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    """Without --no-progress the bar is still not drawn into a non-terminal stderr (tqdm
+    disable=None); pytest's captured stderr is not a terminal."""
+    assert _run(["sae", "train", "--synthetic", "6,8,2,128", "--steps", "3", "--batch-size", "32",
+                 "--out", str(tmp_path / "r")]) == 0
+    assert _run(["sae", "bench", "--quick", "--presets", "topk", "--seeds", "2", "--d", "6",
+                 "--m", "8", "--k", "2", "--steps", "3", "--n-train", "256", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "sae train" not in err and "it/s" not in err and "step/s" not in err, err

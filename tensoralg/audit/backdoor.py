@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .common import (PATHS_NOTE, format_table, pair_similarity, progress, run_staged, stamp,
-                     write_csv, write_json)
+from .common import (MC_SAMPLES, PATHS_NOTE, format_table, gap_finding, pair_similarity, pm,
+                     progress, run_staged, stamp, write_csv, write_json)
 
 JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
@@ -50,6 +50,7 @@ class BackdoorConfig:
     seed: int = 0
     method: str = "auto"
     control: bool = True
+    n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
 
     @classmethod
     def quick(cls, **kw) -> "BackdoorConfig":
@@ -64,6 +65,8 @@ class BackdoorConfig:
         if not (0.0 < self.poison_fraction < 1.0):
             raise ValueError(f"--poison-fraction: expected a fraction in (0, 1), got "
                              f"{self.poison_fraction}")
+        if self.n_samples < 2:
+            raise ValueError(f"--n-samples: expected an integer >= 2, got {self.n_samples}")
         for name in ("steps", "finetune_steps", "d_model", "d_hidden", "n_layers", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got "
@@ -80,7 +83,8 @@ def _model(cfg: BackdoorConfig):
                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
 
 
-def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = True) -> dict:
+def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = True,
+                 json_copy: str | Path | None = None) -> dict:
     """Run the audit, write ``backdoor.json``, ``backdoor.csv``, ``backdoor_slices.png`` and the two
     checkpoints under ``out``; return the JSON dictionary (plus ``out``).
 
@@ -90,13 +94,19 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
     ``tensoralg.CostTooHigh``; ``auto`` then uses Monte Carlo). The run is written into a fresh
     folder that replaces ``out`` only when complete (:func:`~tensoralg.audit.common.staged_output`),
     so a failed or interrupted run leaves the previous run untouched. Paths in the JSON are
-    relative to ``out``.
+    relative to ``out``. ``json_copy``: also write the JSON there (checked up front, written
+    before the swap; see :func:`~tensoralg.audit.common.run_staged`).
+
+    With Monte Carlo (``auto`` at depth >= 3, or forced) every similarity carries its
+    delta-method standard error (``*_stderr``, ``n_samples``) and the finding says whether the
+    target's gap exceeds 2 standard errors.
 
     Raises:
         ValueError: a bad configuration or ``out``; tensoralg.CostTooHigh: see above;
         tensoralg.nn.TrainingDiverged: NaN/inf loss or weights (nothing is written).
     """
-    return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_backdoor, show_progress)
+    return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_backdoor, show_progress,
+                      json_copy)
 
 
 def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: str) -> dict:
@@ -142,9 +152,10 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     t1 = time.perf_counter()
     # "auto" stays "auto" when exact was planned, keeping its run-time Monte Carlo fallback
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
-    sim = pair_similarity(clean, backdoored, sim_method, depth=cfg.n_layers)
+    mc = {"n_samples": cfg.n_samples, "seed": cfg.seed}
+    sim = pair_similarity(clean, backdoored, sim_method, depth=cfg.n_layers, **mc)
     ctl = (pair_similarity(clean, control, sim["method"], depth=cfg.n_layers,
-                           norm2_a=sim["norm2_a_each"]) if control else None)
+                           norm2_a=sim["norm2_a_each"], **mc) if control else None)
     t_sim = time.perf_counter() - t1
 
     bar.update(1)
@@ -158,12 +169,18 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     bar.update(1)
     bar.close()
 
-    slices = sim["each"]
-    others = [v for c, v in enumerate(slices) if c != cfg.target]
+    slices, se = sim["each"], sim["each_stderr"]
     result = {
         **stamp("audit backdoor", asdict(cfg)),
         "global_similarity": sim["global"],
+        "global_similarity_stderr": sim["global_stderr"],
         "slice_similarity": {str(c): v for c, v in enumerate(slices)},
+        "slice_similarity_stderr": (None if se is None else
+                                    {str(c): v for c, v in enumerate(se)}),
+        "n_samples": sim["n_samples"],
+        "stderr_note": ("Monte Carlo: delta-method standard errors of the ratio estimates"
+                        if se is not None else
+                        f"{sim['method']}: deterministic, no sampling error"),
         "target_class": cfg.target,
         "attack_success_rate": asr_after,
         "attack_success_rate_before": asr_before,
@@ -172,12 +189,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         "baselines": base,
         "method": sim["method"],
         "metric": "gaussian",
-        "finding": {
-            "target_slice": slices[cfg.target],
-            "lowest_other_slice": min(others),
-            "gap": min(others) - slices[cfg.target],
-            "target_slice_is_lowest": bool(slices[cfg.target] < min(others)),
-        },
+        "finding": gap_finding(slices, se, cfg.target),
         "data": data.provenance,
         "n_test": int(len(data.X_test)),
         "checkpoints": {"clean": "checkpoints/clean", "backdoored": "checkpoints/backdoored"},
@@ -189,22 +201,29 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         result["control"] = {
             "description": "clean checkpoint fine-tuned on clean data for the same steps",
             "global_similarity": ctl["global"],
+            "global_similarity_stderr": ctl["global_stderr"],
             "slice_similarity": {str(c): v for c, v in enumerate(ctl["each"])},
+            "slice_similarity_stderr": (None if ctl["each_stderr"] is None else
+                                        {str(c): v for c, v in enumerate(ctl["each_stderr"])}),
             "clean_accuracy": accuracy(control, data.X_test, data.y_test),
             "baselines": base_ctl,
         }
 
-    rows = [("global_similarity", "", result["global_similarity"])]
-    rows += [("slice_similarity", c, v) for c, v in enumerate(slices)]
+    def _se(s, c):
+        return None if s["each_stderr"] is None else s["each_stderr"][c]
+
+    rows = [("global_similarity", "", result["global_similarity"], sim["global_stderr"])]
+    rows += [("slice_similarity", c, v, _se(sim, c)) for c, v in enumerate(slices)]
     if ctl is not None:
-        rows += [("control_global_similarity", "", ctl["global"])]
-        rows += [("control_slice_similarity", c, v) for c, v in enumerate(ctl["each"])]
+        rows += [("control_global_similarity", "", ctl["global"], ctl["global_stderr"])]
+        rows += [("control_slice_similarity", c, v, _se(ctl, c)) for c, v in enumerate(ctl["each"])]
         rows += [(f"control_baseline:{k}", "", v) for k, v in base_ctl.items()]
     rows += [("attack_success_rate", "", asr_after), ("attack_success_rate_before", "", asr_before),
              ("clean_accuracy_before", "", result["clean_accuracy"]["before"]),
              ("clean_accuracy_after", "", result["clean_accuracy"]["after"])]
     rows += [(f"baseline:{k}", "", v) for k, v in base.items()]
-    write_csv(out / CSV_NAME, ["quantity", "class", "value"], rows)
+    rows = [tuple(r) + (None,) * (4 - len(r)) for r in rows]
+    write_csv(out / CSV_NAME, ["quantity", "class", "value", "stderr"], rows)
     slice_bars(out / FIG_NAME, slices, cfg.target,
                {k: v for k, v in base.items() if k != "js_divergence"},
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
@@ -216,33 +235,49 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
 
 
 def backdoor_table(result: dict) -> str:
-    """A readable report: per-class slice similarity next to the baselines, ASR, accuracy."""
+    """A readable report: per-class slice similarity (± its standard error for Monte Carlo) next
+    to the baselines, ASR, accuracy."""
     target = result["target_class"]
-    ctl = result.get("control", {}).get("slice_similarity")
+    se = result.get("slice_similarity_stderr")
+    control = result.get("control", {})
+    ctl, ctl_se = control.get("slice_similarity"), control.get("slice_similarity_stderr")
+    f = result["finding"]
     header = ["class", "tensor sim (slice)"] + (["control (clean FT)"] if ctl else []) + ["note"]
     rows = []
     for c, v in result["slice_similarity"].items():
-        row = [c, v] + ([ctl[c]] if ctl else [])
-        row.append("<- target (lowest)" if int(c) == target and
-                   result["finding"]["target_slice_is_lowest"] else
-                   ("<- target" if int(c) == target else ""))
-        rows.append(row)
+        row = [c, pm(v, se and se[c])] + ([pm(ctl[c], ctl_se and ctl_se[c])] if ctl else [])
+        if int(c) != target:
+            note = ""
+        elif f.get("target_slice_is_clearly_lowest"):
+            note = "<- target (lowest)"
+        elif f["target_slice_is_lowest"]:
+            note = "<- target (lowest, within 2 SE)"
+        else:
+            note = "<- target"
+        rows.append(row + [note])
     lines = [format_table(header, rows), ""]
     b = result["baselines"]
-    cb = result.get("control", {}).get("baselines")
-    metric_rows = [["tensor similarity (global)", result["global_similarity"]]
-                   + ([result["control"]["global_similarity"]] if cb else [])]
+    cb = control.get("baselines")
+    metric_rows = [["tensor similarity (global)",
+                    pm(result["global_similarity"], result.get("global_similarity_stderr"))]
+                   + ([pm(control["global_similarity"], control.get("global_similarity_stderr"))]
+                      if cb else [])]
     for k, v in b.items():
         metric_rows.append([f"baseline {k}", v] + ([cb[k]] if cb else []))
     lines.append(format_table(["metric: clean vs audited", "backdoored"] + (["control"] if cb else []),
                               metric_rows))
     acc = result["clean_accuracy"]
+    method = result["method"]
+    if result.get("n_samples"):
+        method += f", {result['n_samples']} samples, ± = 1 standard error"
+    gap = f"gap {pm(f['gap'], f.get('gap_stderr'))}"
+    if f.get("gap_within_2_stderr"):
+        gap += " — within 2 standard errors: not distinguishable at this sample count"
     lines += ["",
               f"attack success rate (trigger -> {target}): {result['attack_success_rate']:.3f} "
               f"(clean model: {result['attack_success_rate_before']:.3f})",
               f"clean test accuracy: {acc['before']:.3f} before, {acc['after']:.3f} after",
-              f"similarity method: {result['method']} ({result['metric']} metric); "
-              f"target slice {result['finding']['target_slice']:.3f} vs lowest other "
-              f"{result['finding']['lowest_other_slice']:.3f}"]
+              f"similarity method: {method} ({result['metric']} metric); "
+              f"target slice {f['target_slice']:.3f} vs lowest other "
+              f"{f['lowest_other_slice']:.3f} (class {f.get('lowest_other_class')}); {gap}"]
     return "\n".join(lines)
-

@@ -4,8 +4,11 @@ returns an exit code and raises ``ValueError`` / ``FileNotFoundError`` for bad i
 by :func:`tensoralg.cli.main` as one line, exit code 2).
 
 Options shared by every command here: ``--seed``, ``--json PATH``, ``--no-progress``,
-``--threads N``; ``demo``, ``audit *`` and ``matrix`` also take ``--out DIR`` and ``--method``.
-Paths (``--out``, ``--json``) are checked before any work. An output folder is replaced as a
+``--threads N``; ``demo``, ``audit *`` and ``matrix`` also take ``--out DIR``, ``--method`` and
+``--n-samples`` (Monte Carlo; results then carry standard errors).
+Paths (``--out``, ``--json``) are checked before any work (``--json`` by creating and deleting a
+probe file next to it); the ``--json`` copy is written before the new run is swapped in, so a
+late failure never costs the previous run. An output folder is replaced as a
 whole by a complete run (written to a hidden folder next to it, then swapped in); a failed or
 interrupted run (exit code 1 / 130) leaves the previous one untouched. ``--out`` must be new,
 empty, or an earlier output of the same command."""
@@ -41,11 +44,12 @@ def _fraction(text: str) -> float:
 
 
 def _check_paths(args, default_out: str | None = None) -> Path | None:
-    """Validate ``--json`` and ``--out`` before any work (creates nothing)."""
-    from .common import check_file_path, check_folder_path
+    """Validate ``--json`` (really writable: a probe file is created and deleted next to it) and
+    ``--out`` before any work."""
+    from .common import check_file_writable, check_folder_path
 
     if getattr(args, "json", None):
-        check_file_path(args.json, "--json")
+        check_file_writable(args.json, "--json")
     if default_out is None:
         return None
     return check_folder_path(args.out or default_out, "--out")
@@ -104,7 +108,16 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="tensor similarity method: auto = exact for depth <= 2 (Monte Carlo if the "
                         "exact cost is refused), or force exact/closure/montecarlo")
-    _shared(p, "seed for data split, init and batches")
+    _n_samples(p)
+    _shared(p, "seed for data split, init, batches and Monte Carlo samples")
+
+
+def _n_samples(p: argparse.ArgumentParser) -> None:
+    from .common import MC_SAMPLES
+
+    p.add_argument("--n-samples", type=_positive_int, default=MC_SAMPLES,
+                   help=f"Monte Carlo samples when the method is montecarlo (default "
+                        f"{MC_SAMPLES}); the standard errors shrink like 1/sqrt(N)")
 
 
 def add_parsers(sub) -> None:
@@ -174,6 +187,7 @@ def add_parsers(sub) -> None:
     m.add_argument("--method", choices=METHODS, default="auto")
     m.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="compare one output slice instead of all outputs")
+    _n_samples(m)
     _shared(m, "Monte Carlo seed")
     m.set_defaults(func=cmd_matrix)
 
@@ -191,7 +205,7 @@ def cmd_backdoor(args, demo: bool = False) -> int:
     name = "demo" if demo else "audit backdoor"
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
-              d_hidden=args.d_hidden)
+              d_hidden=args.d_hidden, n_samples=args.n_samples)
     if args.steps:
         kw["steps"] = args.steps
     if args.finetune_steps:
@@ -201,10 +215,11 @@ def cmd_backdoor(args, demo: bool = False) -> int:
     out = _check_paths(args, "runs/demo" if demo else "runs/backdoor")
     _threads(args)
     t0 = time.perf_counter()
-    result = _run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress))
+    result = _run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress,
+                                                   json_copy=args.json))
     header = (f"tensoralg {name}: backdoor audit on scikit-learn digits "
               f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
-    return _report(args, result, backdoor_table, header)
+    return _report(args, result, backdoor_table, header, json_written=True)
 
 
 def cmd_demo(args) -> int:
@@ -218,7 +233,7 @@ def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
-              n_layers=args.layers)
+              n_layers=args.layers, n_samples=args.n_samples)
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
@@ -226,14 +241,15 @@ def cmd_forgetting(args) -> int:
     out = _check_paths(args, "runs/forgetting")
     _threads(args)
     result = _run(args, "audit forgetting",
-                  lambda: run_forgetting(cfg, out, show_progress=not args.no_progress))
-    return _report(args, result, forgetting_table)
+                  lambda: run_forgetting(cfg, out, show_progress=not args.no_progress,
+                                         json_copy=args.json))
+    return _report(args, result, forgetting_table, json_written=True)
 
 
 def cmd_grokking(args) -> int:
     from .grokking import GrokkingConfig, grokking_table, run_grokking
 
-    kw = dict(seed=args.seed, method=args.method)
+    kw = dict(seed=args.seed, method=args.method, n_samples=args.n_samples)
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
             kw[name] = getattr(args, name)
@@ -242,8 +258,9 @@ def cmd_grokking(args) -> int:
     out = _check_paths(args, "runs/grokking")
     _threads(args)
     result = _run(args, "audit grokking",
-                  lambda: run_grokking(cfg, out, show_progress=not args.no_progress))
-    return _report(args, result, grokking_table)
+                  lambda: run_grokking(cfg, out, show_progress=not args.no_progress,
+                                       json_copy=args.json))
+    return _report(args, result, grokking_table, json_written=True)
 
 
 def cmd_compare(args) -> int:
@@ -265,16 +282,20 @@ def cmd_matrix(args) -> int:
     out = _check_paths(args, "runs/matrix")
     _threads(args)
     result = _run(args, "matrix", lambda: run_matrix(args.checkpoints, out, method=args.method,
-                                                     output=args.output, seed=args.seed))
-    return _report(args, result, matrix_table)
+                                                     output=args.output, seed=args.seed,
+                                                     n_samples=args.n_samples, json_copy=args.json))
+    return _report(args, result, matrix_table, json_written=True)
 
 
-def _report(args, result, table, header: str = "", wrote: bool = True) -> int:
+def _report(args, result, table, header: str = "", wrote: bool = True,
+            json_written: bool = False) -> int:
     """A handler's exit code: ``_run``'s code for a refused/interrupted run, else write
-    ``--json``, print the table (and the files written) and return 0."""
+    ``--json`` (unless the staged run already wrote it before its swap: ``json_written``), print
+    the table (and the files written) and return 0."""
     if isinstance(result, int):
         return result
-    _write_extra_json(args.json, result)
+    if not json_written:
+        _write_extra_json(args.json, result)
     if header:
         print(header)
     print(table(result))
@@ -284,7 +305,7 @@ def _report(args, result, table, header: str = "", wrote: bool = True) -> int:
 
 
 def _split(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
+    items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))  # dedupe, keep order
     bad = [t for t in items if t not in allowed]
     if not items or bad:
         raise ValueError(f"{option}: expected a comma-separated subset of {list(allowed)}, got "

@@ -115,6 +115,35 @@ def check_file_path(path: str | Path, option: str = "--json") -> Path:
     return path
 
 
+def check_file_writable(path: str | Path, option: str = "--json") -> Path:
+    """:func:`check_file_path`, then prove that the file can really be created: a temporary file
+    is created and deleted in the nearest existing folder on the way to ``path`` (permission
+    bits and ``os.access`` say nothing for root, read-only mounts or ``/proc``). Called before
+    any work, so that a run never trains for minutes and then fails writing its result.
+
+    Raises:
+        ValueError: naming ``option``, the folder and the operating system's reason.
+    """
+    path = check_file_path(path, option)
+    folder = path.parent.resolve()
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot write {path}: creating a file in {folder} failed "
+                         f"({exc.strerror or exc})") from None
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def check_output_folder(out: str | Path, json_name: str) -> Path:
     """``out`` may be missing, an empty folder, or the complete output of an earlier run of the
     same audit (it holds ``json_name``); anything else is refused so that a run never deletes
@@ -146,7 +175,8 @@ def staged_output(out: str | Path, json_name: str):
     nothing). On success the previous contents of ``out`` (an earlier run, see
     :func:`check_output_folder`) are replaced as a whole: ``out`` is renamed aside, the new
     folder renamed into place, and the old one deleted. Paths written inside the run must be
-    relative to the folder, since it changes name at the end.
+    relative to the folder, since it changes name at the end. The folder gets the usual mode
+    (``0o777`` less the umask), not the ``0o700`` of :func:`tempfile.mkdtemp`.
 
     Raises:
         ValueError: ``out`` refused by :func:`check_output_folder`.
@@ -158,6 +188,7 @@ def staged_output(out: str | Path, json_name: str):
         yield stage
         # re-check: another process may have filled `out` meanwhile
         check_output_folder(out, json_name)
+        os.chmod(stage, 0o777 & ~_umask())
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -197,19 +228,38 @@ def _reason(text: str) -> str:
     return text.strip().rstrip(".;,")
 
 
+def write_json_copy(json_copy: str | Path, result: Mapping[str, Any], final: Path,
+                    stage: Path) -> Path:
+    """Write the ``--json`` copy of ``result`` while the run is still staged, so that a failure
+    here leaves the previous run untouched. A path inside the final folder ``final`` is written
+    at the same place inside ``stage`` (it becomes part of the run that is swapped in)."""
+    path = Path(json_copy)
+    try:
+        rel = path.resolve().relative_to(Path(final).resolve())
+    except ValueError:
+        return write_json(path, result)
+    return write_json(stage / rel, result)
+
+
 def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any,
-               runner: Any, show_progress: bool) -> dict:
+               runner: Any, show_progress: bool, json_copy: str | Path | None = None) -> dict:
     """The shared frame of every audit: validate ``cfg``, check ``out``
-    (:func:`check_output_folder`), choose the similarity method with the exact cost checked on
-    the untrained ``model`` of the configured architecture BEFORE any training
-    (:func:`choose_method`), then ``runner(cfg, stage, show_progress, method)`` inside
-    :func:`staged_output`, so ``out`` is replaced only by a complete run."""
+    (:func:`check_output_folder`) and ``json_copy`` (:func:`check_file_writable`), choose the
+    similarity method with the exact cost checked on the untrained ``model`` of the configured
+    architecture BEFORE any training (:func:`choose_method`), then
+    ``runner(cfg, stage, show_progress, method)`` inside :func:`staged_output`, then the
+    ``json_copy`` (:func:`write_json_copy`) — all before the swap, so ``out`` is replaced only
+    by a complete run and a late failure leaves the previous run untouched."""
     cfg.validate()
     final = check_output_folder(out, json_name)
+    if json_copy is not None:
+        check_file_writable(json_copy, "--json")
     method = choose_method(cfg.method, depth, model.to_network())
     with staged_output(final, json_name) as stage:
         result = runner(cfg, stage, show_progress, method)
-    result["out"] = str(final)
+        result["out"] = str(final)
+        if json_copy is not None:
+            write_json_copy(json_copy, result, final, stage)
     return result
 
 
@@ -253,21 +303,32 @@ def resolve_method(method: str, depth: int) -> str:
     return "exact" if depth <= 2 else "montecarlo"
 
 
+MC_SAMPLES = 100_000   # default Monte Carlo sample count of the audits
+
+
 def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
-                    norm2_a: Sequence[float] | None = None) -> dict:
+                    norm2_a: Sequence[float] | None = None, n_samples: int = MC_SAMPLES,
+                    seed: int = 0) -> dict:
     """Global and per-output tensor similarity (Gaussian metric) of two models.
 
-    Three per-output inner-product vectors (``tensoralg.inner(..., output="each")``) give
-    everything: slice ``c`` is ``<a_c, b_c> / sqrt(<a_c, a_c> <b_c, b_c>)`` and, since the
-    Gaussian inner product sums over outputs (``DESIGN.md`` 3.1, 3.5), the global similarity is
-    ``sum_c <a_c, b_c> / sqrt(sum_c <a_c, a_c> * sum_c <b_c, b_c>)`` — three contractions instead
-    of six, which matters for exact depth-2 models.
-
+    Exact / closure: three per-output inner-product vectors (``tensoralg.inner(...,
+    output="each")``) give everything: slice ``c`` is ``<a_c, b_c> / sqrt(<a_c, a_c> <b_c,
+    b_c>)`` and, since the Gaussian inner product sums over outputs (``DESIGN.md`` 3.1, 3.5),
+    the global similarity is ``sum_c <a_c, b_c> / sqrt(sum_c <a_c, a_c> * sum_c <b_c, b_c>)``
+    — three contractions instead of six, which matters for exact depth-2 models.
     ``norm2_a``: ``<a_c, a_c>`` per output from an earlier call with the same ``a`` and method
-    (skips one contraction). Returns ``{"global", "each", "method", "inner_each",
-    "norm2_a_each", "norm2_b_each"}``.
-    Under ``auto``, an exact computation refused as too costly (``CostTooHigh``) is redone by
-    Monte Carlo and ``method`` says so.
+    (skips one contraction).
+
+    Monte Carlo: ``tensoralg.similarity(a, b, method="montecarlo", output="each")`` and the
+    global ``tensoralg.similarity(a, b, method="montecarlo")`` with ``n_samples`` Gaussian
+    inputs drawn with ``seed``: ratio estimates with delta-method standard errors (an
+    approximation, accurate when the standard error is small against the norms).
+
+    Returns ``{"global", "each", "method", "global_stderr", "each_stderr", "n_samples",
+    "seed", "inner_each", "norm2_a_each", "norm2_b_each"}``; the stderr entries,
+    ``n_samples`` and ``seed`` are ``None`` and the inner products are present only for
+    the deterministic methods. Under ``auto``, an exact computation refused as too costly
+    (``CostTooHigh``) is redone by Monte Carlo and ``method`` says so.
     """
     import tensoralg as ta
 
@@ -282,28 +343,65 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
         bb = np.asarray(ta.inner(b, b, method=meth, output="each"), dtype=np.float64)
         return ab, aa, bb
 
-    try:
-        ab, aa, bb = compute(m)
-    except ta.CostTooHigh:
-        if method != "auto":
-            raise
-        m = "montecarlo"
-        ab, aa, bb = compute(m)
+    if m != "montecarlo":
+        try:
+            ab, aa, bb = compute(m)
+        except ta.CostTooHigh:
+            if method != "auto":
+                raise
+            m = "montecarlo"
+    if m == "montecarlo":
+        kw = {"method": "montecarlo", "n_samples": n_samples, "seed": seed}
+        each = ta.similarity(a, b, output="each", **kw)
+        glob = ta.similarity(a, b, **kw)
+        return {"global": float(glob), "each": [float(v) for v in np.asarray(each)],
+                "method": m, "global_stderr": float(glob.stderr),
+                "each_stderr": [float(v) for v in np.ravel(each.stderr)],
+                "n_samples": int(glob.n_samples), "seed": seed,
+                "inner_each": None, "norm2_a_each": None, "norm2_b_each": None}
     with np.errstate(divide="ignore", invalid="ignore"):
         each = ab / np.sqrt(aa * bb)  # NaN for an identically-zero output (no direction)
     glob = float(ab.sum() / np.sqrt(aa.sum() * bb.sum()))
-    return {"global": glob, "each": each.tolist(), "method": m, "inner_each": ab.tolist(),
+    return {"global": glob, "each": each.tolist(), "method": m, "global_stderr": None,
+            "each_stderr": None, "n_samples": None, "seed": None, "inner_each": ab.tolist(),
             "norm2_a_each": aa.tolist(), "norm2_b_each": bb.tolist()}
 
 
+def gap_finding(each: Sequence[float], each_stderr: Sequence[float] | None, cls: int) -> dict:
+    """Is slice ``cls`` below every other slice, and by more than its sampling noise?
+
+    ``gap = min_{c != cls} each[c] - each[cls]`` with, for Monte Carlo, the standard error
+    ``sqrt(se[cls]^2 + se[c*]^2)`` (``c*`` the lowest other class; the two estimates share their
+    samples, so this ignores their covariance — an approximation). The gap is called
+    *significant* when it exceeds 2 standard errors (exact methods: any positive gap)."""
+    others = [c for c in range(len(each)) if c != cls]
+    low = min(others, key=lambda c: each[c])
+    gap = float(each[low] - each[cls])
+    se = None
+    if each_stderr is not None:
+        se = float(math.hypot(each_stderr[cls], each_stderr[low]))
+    lowest = bool(each[cls] < each[low])
+    return {"target_slice": float(each[cls]), "lowest_other_slice": float(each[low]),
+            "lowest_other_class": int(low), "gap": gap, "gap_stderr": se,
+            "target_slice_is_lowest": lowest,
+            "gap_within_2_stderr": None if se is None else bool(abs(gap) <= 2 * se),
+            "target_slice_is_clearly_lowest": bool(gap > (2 * se if se is not None else 0.0)),
+            "rule": ("clearly lowest: gap > 2 standard errors, gap stderr = sqrt(se_target^2 + "
+                     "se_lowest_other^2) (covariance ignored)") if se is not None
+                    else "clearly lowest: gap > 0 (deterministic method, no sampling error)"}
+
+
 def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 1,
-                      output: Any = None, seed: int = 0) -> tuple[np.ndarray, str]:
+                      output: Any = None, seed: int = 0, n_samples: int = MC_SAMPLES
+                      ) -> tuple[np.ndarray, str]:
     """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded;
-    ``seed`` is the Monte Carlo seed (unused by the other methods)."""
+    ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods). The Monte Carlo
+    matrix is ``G_ij / sqrt(G_ii G_jj)`` of one sampled Gram matrix: no per-entry standard
+    error (see :func:`matrix_uncertainty`)."""
     import tensoralg as ta
 
     m = resolve_method(method, depth)
-    mc = {"seed": seed}
+    mc = {"seed": seed, "n_samples": n_samples}
     try:
         return np.asarray(ta.similarity_matrix(list(models), method=m, output=output,
                                                **(mc if m == "montecarlo" else {}))), m
@@ -312,6 +410,25 @@ def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 
             raise
         return np.asarray(ta.similarity_matrix(list(models), method="montecarlo",
                                                output=output, **mc)), "montecarlo"
+
+
+def matrix_uncertainty(method: str, n_samples: int, seed: int) -> dict:
+    """What the JSON says about a similarity matrix's error."""
+    if method != "montecarlo":
+        return {"estimate": False, "n_samples": None, "seed": None,
+                "note": f"{method}: deterministic (no sampling error)"}
+    return {"estimate": True, "n_samples": n_samples, "seed": seed,
+            "note": ("Monte Carlo estimate G_ij / sqrt(G_ii G_jj) of one sampled Gram matrix "
+                     "(all entries share the samples); no per-entry standard error is computed. "
+                     "For one pair with its standard error use `tensoralg compare A B "
+                     "--methods montecarlo`; the error shrinks like 1/sqrt(n_samples).")}
+
+
+def pm(value: float, stderr: float | None) -> Any:
+    """``value`` as is (deterministic) or ``"v ± se"`` text for a Monte Carlo estimate."""
+    if stderr is None:
+        return value
+    return f"{value:.4f} ± {stderr:.1g}" if stderr < 1e-4 else f"{value:.4f} ± {stderr:.4f}"
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -18,8 +18,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import (choose_method, format_table, progress, similarity_matrix,
-                     staged_output, stamp, write_csv, write_json)
+from .common import (MC_SAMPLES, check_file_writable, choose_method, format_table,
+                     matrix_uncertainty, progress, similarity_matrix, staged_output, stamp,
+                     write_csv, write_json, write_json_copy)
 
 # The Frobenius metric is a closed form of the weights (symmetrised coefficient tensors):
 # only the exact method computes it; closure and Monte Carlo are Gaussian-metric methods.
@@ -162,9 +163,13 @@ def compare_table(result: dict) -> str:
 
 
 def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
-               output: int | None = None, seed: int = 0) -> dict:
+               output: int | None = None, seed: int = 0, n_samples: int = MC_SAMPLES,
+               json_copy: str | Path | None = None) -> dict:
     """Similarity matrix of the checkpoints at ``paths`` (heatmap ``matrix.png``, ``matrix.csv``,
-    ``matrix.json`` under ``out``). ``seed``: the Monte Carlo seed.
+    ``matrix.json`` under ``out``). ``seed``, ``n_samples``: Monte Carlo seed and sample count
+    (a Monte Carlo matrix is recorded as an estimate without per-entry standard errors, under
+    ``uncertainty``). ``json_copy``: also write the JSON there (checked up front, written before
+    the swap).
 
     ``out`` must be missing, empty or an earlier matrix output (it holds ``matrix.json``); the
     three files are written into a fresh folder that replaces ``out`` only when complete.
@@ -180,6 +185,10 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     if len(paths) < 2:
         raise ValueError(f"checkpoints: need at least two, got {len(paths)}")
     final = check_output_folder(out, "matrix.json")
+    if json_copy is not None:
+        check_file_writable(json_copy, "--json")
+    if n_samples < 2:
+        raise ValueError(f"--n-samples: expected an integer >= 2, got {n_samples}")
     loaded = [_load(p) for p in paths]
     cfgs = [c for _, c in loaded]
     _same_shape(cfgs, paths)
@@ -192,7 +201,7 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     planned = choose_method(method, depth, deepest)
     t = time.perf_counter()
     mat, used = similarity_matrix(nets, method if planned == "exact" else planned, depth=depth,
-                                  output=output, seed=seed)
+                                  output=output, seed=seed, n_samples=n_samples)
     seconds = time.perf_counter() - t
     labels = [Path(p).name or str(p) for p in paths]
     if len(set(labels)) < len(labels):
@@ -200,9 +209,10 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     what = "all outputs" if output is None else f"output {output}"
     result = {
         **stamp("matrix", {"checkpoints": [str(p) for p in paths], "method": method,
-                           "output": output, "seed": seed}),
+                           "output": output, "seed": seed, "n_samples": n_samples}),
         "labels": labels, "steps": [c.get("step") for c in cfgs], "method": used,
-        "metric": "gaussian", "output": output, "similarity_matrix": mat, "seconds": seconds,
+        "metric": "gaussian", "output": output, "similarity_matrix": mat,
+        "uncertainty": matrix_uncertainty(used, n_samples, seed), "seconds": seconds,
         "files": ["matrix.json", "matrix.csv", "matrix.png"],
         "paths": "files: relative to the output folder; checkpoints: as given on the command line",
     }
@@ -212,7 +222,9 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         heatmaps(stage / "matrix.png", {f"tensor similarity ({used}, {what})": mat}, labels,
                  "checkpoint x checkpoint similarity")
         write_json(stage / "matrix.json", result)
-    result["out"] = str(final)
+        result["out"] = str(final)
+        if json_copy is not None:
+            write_json_copy(json_copy, result, final, stage)
     return result
 
 
@@ -220,7 +232,10 @@ def matrix_table(result: dict) -> str:
     labels = result["labels"]
     short = [lab[-14:] for lab in labels]
     mat = np.asarray(result["similarity_matrix"])
-    return "\n".join([f"similarity matrix ({result['method']}, "
+    unc = result.get("uncertainty") or {}
+    est = (f"; Monte Carlo estimate from {unc['n_samples']} samples, no per-entry standard "
+           f"error" if unc.get("estimate") else "")
+    return "\n".join([f"similarity matrix ({result['method']}{est}, "
                       f"{'all outputs' if result['output'] is None else 'output ' + str(result['output'])}):",
                       format_table([""] + short, [[s] + [float(v) for v in row]
                                                   for s, row in zip(short, mat)])])

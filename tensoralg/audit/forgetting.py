@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (PATHS_NOTE, format_table, pair_similarity, progress, run_staged,
-                     similarity_matrix, stamp, write_csv, write_json)
+from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_uncertainty, pair_similarity,
+                     pm, progress, run_staged, similarity_matrix, stamp, write_csv, write_json)
 
 JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
@@ -45,6 +45,7 @@ class ForgettingConfig:
     batch_size: int = 512
     seed: int = 0
     method: str = "auto"
+    n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
 
     @classmethod
     def quick(cls, **kw) -> "ForgettingConfig":
@@ -57,6 +58,8 @@ class ForgettingConfig:
             raise ValueError(f"--removed-class: expected a digit class 0..9, got {self.removed_class}")
         if not (1 <= self.n_base <= 8):
             raise ValueError(f"n_base: expected 1..8 initial classes, got {self.n_base}")
+        if self.n_samples < 2:
+            raise ValueError(f"--n-samples: expected an integer >= 2, got {self.n_samples}")
         if self.stage_steps < 1:
             raise ValueError(f"--stage-steps: expected a positive integer, got {self.stage_steps}")
 
@@ -84,15 +87,20 @@ def _model(cfg: ForgettingConfig):
                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
 
 
-def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool = True) -> dict:
+def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool = True,
+                   json_copy: str | Path | None = None) -> dict:
     """Run the curriculum, audit its checkpoints, write JSON/CSV/PNG and ``checkpoints/stage*``
     under ``out``; return the JSON dictionary.
 
     Checks (``out``, the exact cost) happen before training, and the run is written into a
     fresh folder that replaces ``out`` as a whole only when complete; see
     :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are relative to ``out``.
+    With Monte Carlo the per-stage similarities carry standard errors and ``collapses`` needs a
+    gap of more than 2 standard errors; the matrix is a Monte Carlo estimate without per-entry
+    errors (said under ``matrices.tensor_similarity_uncertainty``).
     """
-    return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_forgetting, show_progress)
+    return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_forgetting,
+                      show_progress, json_copy)
 
 
 def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, method: str) -> dict:
@@ -132,11 +140,15 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
     for m in progress(checkpoints, "similarity to reference", show_progress):
         # the reference goes first in each pair so that its norms are computed once
-        ps = pair_similarity(ref, m, sim_method, depth=cfg.n_layers, norm2_a=ref_norm2)
+        ps = pair_similarity(ref, m, sim_method, depth=cfg.n_layers, norm2_a=ref_norm2,
+                             n_samples=cfg.n_samples, seed=cfg.seed)
         ref_norm2 = ps["norm2_a_each"]
         per_stage.append(ps)
     method = per_stage[0]["method"]
-    tensor_mat, _ = similarity_matrix(checkpoints, method, depth=cfg.n_layers)
+    tensor_mat, _ = similarity_matrix(checkpoints, method, depth=cfg.n_layers, seed=cfg.seed,
+                                      n_samples=cfg.n_samples)
+    mc = method == "montecarlo"
+    ses = np.array([s["each_stderr"] for s in per_stage]) if mc else None
     t_sim = time.perf_counter() - t1
     logits = [model_outputs(m, data.X_test) for m in checkpoints]
     n = len(checkpoints)
@@ -149,6 +161,13 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     i_rm = next(i for i, (lab, _) in enumerate(stages) if lab == f"-{r}")
     i_re = len(stages) - 1
     others = [c for c in range(10) if c != r]
+    # collapse: the removed class's slice below every other slice at removal; with Monte Carlo
+    # by more than 2 standard errors (sqrt(se_r^2 + se_low^2), covariance ignored)
+    low = others[int(np.argmin(slices[i_rm, others]))]
+    gap = float(slices[i_rm, low] - slices[i_rm, r])
+    gap_se = float(np.hypot(ses[i_rm, r], ses[i_rm, low])) if mc else None
+    rec = float(slices[i_re, r] - slices[i_rm, r])
+    rec_se = float(np.hypot(ses[i_re, r], ses[i_rm, r])) if mc else None
     finding = {
         "removed_class": r,
         "reference_stage": labels[ref_index],
@@ -157,8 +176,16 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         "other_slices_min_at_removal": float(slices[i_rm, others].min()),
         "other_slices_mean_at_removal": float(slices[i_rm, others].mean()),
         "other_slices_min_after_readd": float(slices[i_re, others].min()),
-        "collapses": bool(slices[i_rm, r] < slices[i_rm, others].min()),
-        "recovers": bool(slices[i_re, r] > slices[i_rm, r]),
+        "collapse_gap": gap,
+        "collapse_gap_stderr": gap_se,
+        "collapses": bool(gap > (2 * gap_se if mc else 0.0)),
+        "recovery": rec,
+        "recovery_stderr": rec_se,
+        "recovers": bool(rec > (2 * rec_se if mc else 0.0)),
+        "rule": ("collapses: removed slice below the lowest other slice at removal; recovers: "
+                 "removed slice higher after re-adding than at removal" +
+                 ("; each by more than 2 standard errors (sqrt of the summed variances, "
+                  "covariance ignored)" if mc else " (deterministic method)")),
     }
     result = {
         **stamp("audit forgetting", asdict(cfg)),
@@ -167,12 +194,20 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         "method": method,
         "metric": "gaussian",
         "global_similarity_to_reference": {lab: s["global"] for lab, s in zip(labels, per_stage)},
+        "global_similarity_to_reference_stderr": {lab: s["global_stderr"]
+                                                  for lab, s in zip(labels, per_stage)},
         "slice_similarity_to_reference": {lab: {str(c): float(v) for c, v in enumerate(row)}
                                           for lab, row in zip(labels, slices)},
+        "slice_similarity_to_reference_stderr": (
+            {lab: {str(c): float(v) for c, v in enumerate(row)} for lab, row in zip(labels, ses)}
+            if mc else None),
+        "n_samples": cfg.n_samples if mc else None,
         "test_accuracy_per_class": {lab: {str(c): v for c, v in enumerate(row)}
                                     for lab, row in zip(labels, acc)},
         "matrices": {"labels": labels, "tensor_similarity": tensor_mat, "cka_logits": cka,
-                     "weight_cosine": wcos},
+                     "weight_cosine": wcos,
+                     "tensor_similarity_uncertainty": matrix_uncertainty(method, cfg.n_samples,
+                                                                         cfg.seed)},
         "finding": finding,
         "data": data.provenance,
         "checkpoints": dict(zip(labels, names)),
@@ -181,14 +216,16 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     }
     rows = []
     for lab, s, row, arow in zip(labels, per_stage, slices, acc):
-        rows.append((lab, "global_similarity_to_reference", "", s["global"]))
-        rows += [(lab, "slice_similarity_to_reference", c, float(v)) for c, v in enumerate(row)]
-        rows += [(lab, "test_accuracy", c, v) for c, v in enumerate(arow)]
+        rows.append((lab, "global_similarity_to_reference", "", s["global"], s["global_stderr"]))
+        rows += [(lab, "slice_similarity_to_reference", c, float(v),
+                  None if s["each_stderr"] is None else s["each_stderr"][c])
+                 for c, v in enumerate(row)]
+        rows += [(lab, "test_accuracy", c, v, None) for c, v in enumerate(arow)]
     for name, mat in (("tensor_similarity", tensor_mat), ("cka_logits", cka),
                       ("weight_cosine", wcos)):
-        rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]))
+        rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]), None)
                  for i in range(n) for j in range(n)]
-    write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value"], rows)
+    write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value", "stderr"], rows)
     class_heatmap(out / FIG_SLICES, slices.T, labels,
                   f"slice similarity to the reference ({labels[ref_index]}, {method}); "
                   f"class {r} removed at '-{r}'")
@@ -204,18 +241,26 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
 def forgetting_table(result: dict) -> str:
     labels = [s["label"] for s in result["stages"]]
     r = result["finding"]["removed_class"]
+    se = result.get("slice_similarity_to_reference_stderr")
+    gse = result.get("global_similarity_to_reference_stderr") or {}
     header = ["stage", "global"] + [f"c{c}" for c in range(10)] + [f"acc c{r}"]
     rows = []
     for lab in labels:
         sl = result["slice_similarity_to_reference"][lab]
-        rows.append([lab, result["global_similarity_to_reference"][lab]]
+        rows.append([lab, pm(result["global_similarity_to_reference"][lab], gse.get(lab))]
                     + [sl[str(c)] for c in range(10)]
                     + [result["test_accuracy_per_class"][lab][str(r)]])
     f = result["finding"]
-    return "\n".join([
-        f"slice similarity of each checkpoint to the reference ({result['reference_stage']}), "
-        f"{result['method']} {result['metric']} metric:",
-        format_table(header, rows), "",
-        f"class {r}: {f['removed_slice_at_removal']:.3f} after removal (other classes >= "
-        f"{f['other_slices_min_at_removal']:.3f}), {f['removed_slice_after_readd']:.3f} after "
-        f"re-adding; collapses: {f['collapses']}, recovers: {f['recovers']}"])
+    method = f"{result['method']} {result['metric']} metric"
+    lines = [f"slice similarity of each checkpoint to the reference ({result['reference_stage']}), "
+             f"{method}:", format_table(header, rows), ""]
+    if se is not None:
+        worst = max(v for row in se.values() for v in row.values())
+        lines.append(f"Monte Carlo, {result['n_samples']} samples: slice standard errors <= "
+                     f"{worst:.2g} (per entry in the JSON/CSV); ± = 1 standard error")
+    lines.append(
+        f"class {r}: {pm(f['removed_slice_at_removal'], se and se[labels[-2]][str(r)])} after "
+        f"removal (other classes >= {f['other_slices_min_at_removal']:.3f}), "
+        f"{f['removed_slice_after_readd']:.3f} after re-adding; collapses: {f['collapses']}, "
+        f"recovers: {f['recovers']}" + (" (each > 2 standard errors)" if se is not None else ""))
+    return "\n".join(lines)

@@ -22,15 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (PATHS_NOTE, format_table, progress, run_staged, similarity_matrix, stamp,
-                     write_csv, write_json)
+from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_uncertainty, progress,
+                     run_staged, similarity_matrix, stamp, write_csv, write_json)
 
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
 MATRIX_CSV = "grokking_matrix.csv"
 FIG_NAME = "grokking.png"
 
-SATURATION_TOL = 0.02     # val accuracy within this of its maximum = saturated
+SATURATION_TOL = 0.02     # val accuracy within this of its maximum = saturated ...
+SATURATION_ABOVE_CHANCE = 0.5  # ... provided the maximum is at least halfway from chance to 1
 CHANGE_THRESHOLD = 0.02   # similarity to final at saturation below 1 - this = "keeps changing"
 
 # The data set is all P^2 pairs as one-hot rows of 2P features, trained full batch: the inputs
@@ -51,6 +52,7 @@ class GrokkingConfig:
     weight_decay: float = 1.0
     seed: int = 0
     method: str = "auto"
+    n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
 
     @classmethod
     def quick(cls, **kw) -> "GrokkingConfig":
@@ -69,12 +71,33 @@ class GrokkingConfig:
         if self.steps < 1 or self.checkpoints < 2:
             raise ValueError(f"--steps >= 1 and --checkpoints >= 2 required, got {self.steps} and "
                              f"{self.checkpoints}")
+        if self.checkpoints > self.steps + 1:
+            raise ValueError(f"--checkpoints: at most --steps + 1 = {self.steps + 1} distinct "
+                             f"checkpoint steps (0..{self.steps}), got {self.checkpoints}")
+        if self.n_samples < 2:
+            raise ValueError(f"--n-samples: expected an integer >= 2, got {self.n_samples}")
 
 
 def log_schedule(steps: int, n: int) -> list[int]:
-    """Step 0 plus ``n - 1`` log-spaced steps in ``[1, steps]`` (rounded, duplicates dropped)."""
-    pts = np.unique(np.round(np.geomspace(1, steps, max(n - 1, 1))).astype(int))
-    return [0] + [int(p) for p in pts]
+    """Exactly ``n`` distinct steps: 0 plus ``n - 1`` log-spaced steps from 1 to ``steps``.
+
+    The rounded geometric points ``steps ** (k / (n - 2))`` collide at small ``k`` when ``n`` is
+    large against ``log(steps)``; a collision is moved to the next free integer (forward pass)
+    and the points are kept below ``steps`` (backward pass), so the schedule has exactly ``n``
+    entries whenever ``2 <= n <= steps + 1``.
+
+    Raises:
+        ValueError: ``n < 2`` or ``n > steps + 1`` (not enough distinct steps).
+    """
+    if not 2 <= n <= steps + 1:
+        raise ValueError(f"checkpoints: expected 2..steps + 1 = {steps + 1} distinct steps, got {n}")
+    pts = [int(p) for p in np.round(np.geomspace(1, steps, n - 1))]
+    for k in range(1, len(pts)):
+        pts[k] = max(pts[k], pts[k - 1] + 1)
+    pts[-1] = steps
+    for k in range(len(pts) - 2, -1, -1):
+        pts[k] = min(pts[k], pts[k + 1] - 1)
+    return [0] + pts
 
 
 def _model(cfg: GrokkingConfig):
@@ -84,7 +107,8 @@ def _model(cfg: GrokkingConfig):
                        residual=False, bias=False, seed=cfg.seed)
 
 
-def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = True) -> dict:
+def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = True,
+                 json_copy: str | Path | None = None) -> dict:
     """Train, checkpoint on a log schedule, compute the similarity matrix, write outputs under
     ``out`` (``grokking.json``, CSVs, PNG, ``checkpoints/step*``); return the JSON dictionary.
 
@@ -93,7 +117,8 @@ def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = Tru
     never mixes runs; see :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are
     relative to ``out``.
     """
-    return run_staged(cfg, out, JSON_NAME, 1, _model(cfg), _run_grokking, show_progress)
+    return run_staged(cfg, out, JSON_NAME, 1, _model(cfg), _run_grokking, show_progress,
+                      json_copy)
 
 
 def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: str) -> dict:
@@ -125,7 +150,8 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     t1 = time.perf_counter()
     bar = progress(None, "similarity matrix", show_progress, total=1)
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
-    sim, method = similarity_matrix(snaps, sim_method, depth=1)
+    sim, method = similarity_matrix(snaps, sim_method, depth=1, seed=cfg.seed,
+                                    n_samples=cfg.n_samples)
     bar.update(1)
     bar.close()
     t_sim = time.perf_counter() - t1
@@ -134,26 +160,37 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     train_acc, val_acc = hist["train_acc"], hist["val_acc"]
     to_final = sim[-1].tolist()
     vmax = max(val_acc)
-    i_sat = next(i for i, v in enumerate(val_acc) if v >= vmax - SATURATION_TOL)
+    chance = 1.0 / cfg.P
+    floor = chance + SATURATION_ABOVE_CHANCE * (1.0 - chance)
+    saturates = bool(vmax >= floor)
+    i_sat = (next(i for i, v in enumerate(val_acc) if v >= vmax - SATURATION_TOL)
+             if saturates else None)
     i_mem = next((i for i, v in enumerate(train_acc) if v >= 0.99), None)
     neighbour = [float(sim[i, i + 1]) for i in range(len(steps) - 1)]
     finding = {
         "memorisation_step": None if i_mem is None else steps[i_mem],
-        "saturation_step": steps[i_sat],
-        "saturation_criterion": f"first checkpoint with val accuracy >= max - {SATURATION_TOL}",
-        "val_acc_at_saturation": val_acc[i_sat],
+        "saturates": saturates,
+        "saturation_step": None if i_sat is None else steps[i_sat],
+        "saturation_criterion": (f"first checkpoint with val accuracy >= max - {SATURATION_TOL}, "
+                                 f"only if the max is at least {SATURATION_ABOVE_CHANCE:g} of the "
+                                 f"way from chance (1/P = {chance:.4f}) to 1, i.e. >= {floor:.4f}"),
+        "chance_accuracy": chance,
+        "max_val_acc": vmax,
+        "val_acc_at_saturation": None if i_sat is None else val_acc[i_sat],
         "final_val_acc": val_acc[-1],
         "final_train_acc": train_acc[-1],
-        "similarity_to_final_at_saturation": to_final[i_sat],
+        "similarity_to_final_at_saturation": None if i_sat is None else to_final[i_sat],
         "similarity_to_final_at_memorisation": None if i_mem is None else to_final[i_mem],
-        "min_neighbour_similarity_after_saturation": min(neighbour[i_sat:]) if i_sat < len(neighbour) else None,
-        "keeps_changing": bool(to_final[i_sat] < 1 - CHANGE_THRESHOLD),
+        "min_neighbour_similarity_after_saturation": (min(neighbour[i_sat:]) if i_sat is not None
+                                                      and i_sat < len(neighbour) else None),
+        "keeps_changing": None if i_sat is None else bool(to_final[i_sat] < 1 - CHANGE_THRESHOLD),
         "keeps_changing_criterion": f"similarity to final at saturation < {1 - CHANGE_THRESHOLD}",
         "grokked": bool(vmax >= 0.95),
     }
     result = {
         **stamp("audit grokking", asdict(cfg)),
         "steps": steps,
+        "n_checkpoints": len(steps),
         "train_accuracy": train_acc,
         "val_accuracy": val_acc,
         "train_loss": hist["loss"],
@@ -162,6 +199,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "neighbour_similarity": neighbour,
         "method": method,
         "metric": "gaussian",
+        "similarity_matrix_uncertainty": matrix_uncertainty(method, cfg.n_samples, cfg.seed),
         "finding": finding,
         "data": data.provenance,
         "checkpoints": names,
@@ -186,11 +224,21 @@ def grokking_table(result: dict) -> str:
                                                       result["similarity_to_final"])]
     f = result["finding"]
     cfg = result["config"]
+    method = result["method"]
+    unc = result.get("similarity_matrix_uncertainty") or {}
+    if unc.get("estimate"):
+        method += f" estimate from {unc['n_samples']} samples, no per-entry standard error"
+    if f.get("saturation_step") is None:
+        sat = (f"validation accuracy never rises clearly above chance (max "
+               f"{f['max_val_acc']:.3f}; chance 1/P = {f['chance_accuracy']:.3f}; saturation "
+               f"needs >= {f['chance_accuracy'] + SATURATION_ABOVE_CHANCE * (1 - f['chance_accuracy']):.3f}):"
+               f" no saturation point; final val accuracy {f['final_val_acc']:.3f}")
+    else:
+        sat = (f"validation accuracy saturates at step {f['saturation_step']} "
+               f"({f['val_acc_at_saturation']:.3f}; final {f['final_val_acc']:.3f}); similarity to "
+               f"the final checkpoint there: {f['similarity_to_final_at_saturation']:.3f} "
+               f"(keeps changing: {f['keeps_changing']})")
     return "\n".join([
-        f"grokking audit: modular addition mod {cfg['P']} ({result['method']} "
-        f"{result['metric']} similarity, {result['seconds']['total']:.1f} s)",
-        format_table(["step", "train acc", "val acc", "sim to final"], rows), "",
-        f"validation accuracy saturates at step {f['saturation_step']} "
-        f"({f['val_acc_at_saturation']:.3f}; final {f['final_val_acc']:.3f}); similarity to the "
-        f"final checkpoint there: {f['similarity_to_final_at_saturation']:.3f} "
-        f"(keeps changing: {f['keeps_changing']})"])
+        f"grokking audit: modular addition mod {cfg['P']}, {len(result['steps'])} checkpoints "
+        f"({method} {result['metric']} similarity, {result['seconds']['total']:.1f} s)",
+        format_table(["step", "train acc", "val acc", "sim to final"], rows), "", sat])

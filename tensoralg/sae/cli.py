@@ -43,6 +43,37 @@ def _check_int(value, flag: str, low: int, what: str = "") -> None:
         raise ValueError(f"{flag}: expected an int >= {low}{what}, got {value}")
 
 
+def _check_out(out) -> None:
+    """``sae train --out`` must be missing, an empty folder, or an earlier SAE checkpoint folder
+    (its ``cfg.json`` names ``d_sae``), so that training never writes into (and a later run
+    never replaces) a folder of other files. Checked before any work; creates nothing.
+
+    Raises:
+        ValueError: one line naming ``--out`` and what was found.
+    """
+    import json
+    from pathlib import Path
+
+    from ..audit.common import check_folder_path
+
+    out = Path(out)
+    if out.is_file():
+        raise ValueError(f"--out: {out} is a file; expected a folder (the SAE checkpoint folder "
+                         f"to create or update)")
+    check_folder_path(out, "--out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    cfg = out / "cfg.json"
+    try:
+        is_sae = "d_sae" in json.loads(cfg.read_text())
+    except (OSError, ValueError, TypeError):
+        is_sae = False
+    if not is_sae:
+        raise ValueError(f"--out: {out} is not empty and is not an SAE checkpoint folder (no "
+                         f"cfg.json with d_sae); choose a new or empty folder, or an earlier "
+                         f"`sae train` output")
+
+
 def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
     """FVU (the training loss's ``recon`` term) of ``model`` on the first ``n_max`` rows."""
     import numpy as np
@@ -77,6 +108,10 @@ def _cmd_train(args) -> int:
     k = args.k if args.k is not None else s["k"]
     if not 1 <= k <= d_sae:
         raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
+    _check_out(args.out)
+    if args.json:
+        from ..audit.common import check_file_writable
+        check_file_writable(args.json, "--json")
     if args.threads:
         torch.set_num_threads(args.threads)
     meta = {}
@@ -222,9 +257,12 @@ def add_parsers(sub) -> None:
     t.add_argument("--n-steps", type=int, help="override the multi-step encoder's T")
     t.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: end only)")
     t.add_argument("--resume", help="checkpoint folder to continue from")
-    t.add_argument("--out", required=True, help="checkpoint folder (weights.safetensors + cfg.json)")
+    t.add_argument("--out", required=True,
+                   help="checkpoint folder (weights.safetensors + cfg.json): new, empty, or an "
+                        "earlier SAE checkpoint folder (e.g. the --resume folder)")
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is hidden anyway when stderr is not a terminal)")
     t.add_argument("--json", help="also write the loss history as JSON here")
     t.set_defaults(func=_cmd_train)
 
@@ -253,7 +291,9 @@ def add_parsers(sub) -> None:
                    help="first model seed (seeds --seed, --seed+1, ...; default 0)")
     b.add_argument("--data-seed", type=int, default=12345,
                    help="seed of the synthetic train data (eval data: --data-seed + 1)")
-    b.add_argument("--no-progress", action="store_true", help="no progress bar per training run")
+    b.add_argument("--no-progress", action="store_true",
+                   help="no progress bar per training run (hidden anyway when stderr is not a "
+                        "terminal)")
     b.add_argument("--quiet", action="store_true", help="no per-seed log lines")
     b.set_defaults(func=_cmd_bench)
 

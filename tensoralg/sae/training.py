@@ -48,7 +48,7 @@ class TrainConfig:
         seed: seeds the initial weights and the batch order.
         ckpt_every: write a checkpoint every this many steps (0: only at the end); needs ``out``.
         log_every: record the loss parts every this many steps.
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar (only when stderr is a terminal).
         device: torch device for the model and batches.
     """
 
@@ -274,7 +274,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     steps = range(start, train_cfg.steps)
     if train_cfg.progress:
         from tqdm import tqdm
-        steps = tqdm(steps, desc="sae train", unit="step")
+        # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
+        steps = tqdm(steps, desc="sae train", unit="step", disable=None)
     model.train()
     for step in steps:
         x = _rows(data, batches.indices(step), dtype, device)
