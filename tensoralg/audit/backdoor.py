@@ -270,7 +270,8 @@ def backdoor_table(result: dict) -> str:
     method = result["method"]
     if result.get("n_samples"):
         method += f", {result['n_samples']} samples, ± = 1 standard error"
-    gap = f"gap {pm(f['gap'], f.get('gap_stderr'))}"
+    g = pm(f["gap"], f.get("gap_stderr"))
+    gap = f"gap {g:.3f}" if isinstance(g, float) else f"gap {g}"
     if f.get("gap_within_2_stderr"):
         gap += " — within 2 standard errors: not distinguishable at this sample count"
     lines += ["",
