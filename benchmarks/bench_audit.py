@@ -8,19 +8,9 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-
-def timed(fn, repeat=3):
-    best = float("inf")
-    out = None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+from _timing import best_of
 
 
 def main() -> None:
@@ -37,8 +27,8 @@ def main() -> None:
     na, nb = a.to_network(), b.to_network()
     rows = []
     for method in ("exact", "closure", "montecarlo"):
-        t_g, _ = timed(lambda: ta.similarity(na, nb, method=method), 1 if method == "montecarlo" else 3)
-        t_e, _ = timed(lambda: ta.similarity(na, nb, method=method, output="each"),
+        t_g, _ = best_of(lambda: ta.similarity(na, nb, method=method), 1 if method == "montecarlo" else 3)
+        t_e, _ = best_of(lambda: ta.similarity(na, nb, method=method, output="each"),
                        1 if method == "montecarlo" else 3)
         rows.append((method, t_g, t_e))
     base = rows[0][1]
@@ -49,13 +39,13 @@ def main() -> None:
 
     for n in (8, 24):
         nets = [model(s).to_network() for s in range(n)]
-        t_batch, mat = timed(lambda: ta.similarity_matrix(nets), 1)
-        t_pair, _ = timed(lambda: [[ta.similarity(x, y) for y in nets] for x in nets], 1)
+        t_batch, mat = best_of(lambda: ta.similarity_matrix(nets), 1)
+        t_pair, _ = best_of(lambda: [[ta.similarity(x, y) for y in nets] for x in nets], 1)
         print(f"N={n:3d} checkpoints: batched matrix {t_batch:.3f} s, N^2 pairwise {t_pair:.3f} s, "
               f"ratio {t_pair / t_batch:.1f}x")
 
     d = load_digits_data()
-    t_base, _ = timed(lambda: all_baselines(a, b, d.X_test))
+    t_base, _ = best_of(lambda: all_baselines(a, b, d.X_test))
     print(f"all data baselines on {len(d.X_test)} test digits: {t_base:.4f} s "
           f"({t_base / base:.1f}x the exact global similarity)")
 

@@ -18,20 +18,12 @@ import numpy as np
 
 import tensoralg as ta
 
+from _timing import best_of
+
 
 def bilinear(rng, d, H, O, scale=1.0):
     g = lambda *s: rng.standard_normal(s) / np.sqrt(s[-1])  # noqa: E731
     return ta.Bilinear(g(H, d), g(H, d), scale * g(O, H), g(H), g(H), g(O))
-
-
-def timeit(fn, repeat=3):
-    best = float("inf")
-    out = None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
 
 
 def bench_mc(rng):
@@ -48,7 +40,7 @@ def bench_mc(rng):
     cases["depth-2 d=8 H=16 (embed,res,head)"] = (deep(), deep())
     for name, (a, b) in cases.items():
         ta.inner(a, a)  # paths found once per topology (cached), as in real use
-        t_exact, exact = timeit(lambda: ta.inner(a, a))
+        t_exact, exact = best_of(lambda: ta.inner(a, a))
         n0 = 20_000
         t0 = time.perf_counter()
         est = ta.inner(a, a, method="montecarlo", n_samples=n0, seed=1)
@@ -76,7 +68,7 @@ def bench_gram(rng, N=50):
         drift = lambda arr: arr + 0.05 * k / N * rng.standard_normal(arr.shape)  # noqa: E731
         models.append(ta.Sequential([ta.layers._map_arrays(layer, drift) for layer in base]))
     ta.gram(models[:2])
-    t_gram, G = timeit(lambda: ta.gram(models), repeat=1)
+    t_gram, G = best_of(lambda: ta.gram(models), repeat=1)
     ta.inner(models[0], models[1])
     t0 = time.perf_counter()
     P = np.array([[ta.inner(a, b) for b in models] for a in models])
@@ -95,7 +87,7 @@ def bench_depth2(rng):
         b = ta.Sequential([bilinear(rng, d, H, d), bilinear(rng, d, H, 10)])
         p = ta.plan(a, b)
         try:
-            t, _ = timeit(lambda: ta.inner(a, b), repeat=1)
+            t, _ = best_of(lambda: ta.inner(a, b), repeat=1)
             ts = f"{t:>10.2f}"
         except ta.CostTooHigh:
             ts = f"{'refused':>10}"
