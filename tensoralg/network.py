@@ -67,7 +67,6 @@ class _Side:
 
     tensors: list[tuple[np.ndarray, tuple[str, ...], str]]  # (array, labels, node name)
     leaves: list[tuple[np.ndarray, str, str]]  # (leaf factor (N, H, d+1), hidden label, name)
-    leaf_stage_kind: list[tuple[int, str]]  # (copy id, 'L'/'R') of each leaf, for symmetry
     batch: str
 
 
@@ -97,27 +96,21 @@ def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, 
     batch = labels.new(N)
     tensors: list = []
     leaves: list = []
-    kinds: list = []
     if not can.stages:
         W = _output_projection(U, can.linear)  # (N, K, d+1)
         leaves.append((W, out_label, f"{side}.W"))
-        kinds.append((0, "W"))
-        return _Side(tensors, leaves, kinds, batch)
+        return _Side(tensors, leaves, batch)
     depth = can.depth
-    copy_counter = [0]
     stages = _pruned_stages(can, _output_projection(U, can.stages[-1].D))
 
     def build(stage: int, D: np.ndarray, parent_label: str, path: str):
         H = D.shape[-1]
         h = labels.new(H)
         tensors.append((D, (batch, parent_label, h), f"{side}.D{stage + 1}{path}"))
-        copy_id = copy_counter[0]
-        copy_counter[0] += 1
         L, R, _ = stages[stage]
         for fac, arr in (("L", L), ("R", R)):
             if stage == 0:
                 leaves.append((arr, h, f"{side}.{fac}{stage + 1}{path}"))
-                kinds.append((copy_id, fac))
             else:
                 child = labels.new(arr.shape[-1])
                 tensors.append((arr, (batch, h, child), f"{side}.{fac}{stage + 1}{path}"))
@@ -134,7 +127,7 @@ def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, 
                 "".join(leaf_h)
             T = oe.contract(expr, *[t for t, _, _ in tensors], optimize="auto")
             tensors = [(T, (batch, out_label, *leaf_h), f"{side}.T")]
-    return _Side(tensors, leaves, kinds, batch)
+    return _Side(tensors, leaves, batch)
 
 
 _MAX_PRECONTRACT = 1 << 26
