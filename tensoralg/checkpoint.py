@@ -100,8 +100,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     except ValueError as exc:
         raise ValueError(f"{path}: cfg.json does not describe a model: {exc}") from exc
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
+    missing, extra = _name_diff(expected, tensors)
     if missing or extra:
         raise ValueError(f"{path}: weights.safetensors does not match cfg.json: missing "
                          f"{missing}, unexpected {extra}")
@@ -175,8 +174,7 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
                         bias=bias, residual=residual, embed_bias="embed.bias" in ours,
                         head_bias="head.bias" in ours, dtype=dtype)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(ours))
-    extra = sorted(set(ours) - set(expected))
+    missing, extra = _name_diff(expected, ours)
     if missing or extra:
         raise ValueError(f"names: incomplete or inconsistent mapping: missing {missing}, "
                          f"unexpected {extra}")
@@ -201,3 +199,8 @@ def _majority(tensors: Mapping[str, torch.Tensor], votes: list[tuple[str, int]])
 
     sizes = [int(tensors[k].shape[ax]) for k, ax in votes if k in tensors]
     return Counter(sizes).most_common(1)[0][0]
+
+
+def _name_diff(expected: Mapping[str, Any], got: Mapping[str, Any]) -> tuple[list, list]:
+    """Tensor names the model needs but ``got`` lacks, and names ``got`` has in excess."""
+    return sorted(set(expected) - set(got)), sorted(set(got) - set(expected))

@@ -120,8 +120,10 @@ def test_monte_carlo_audit_records_its_standard_errors(tmp_path, capsys):
     a, _ = load_checkpoint(out / "checkpoints" / "clean")
     b, _ = load_checkpoint(out / "checkpoints" / "backdoored")
     each = ta.similarity(a, b, method="montecarlo", output="each", n_samples=4000, seed=2)
-    assert np.allclose([res["slice_similarity"][str(c)] for c in range(10)], each, rtol=1e-9)
-    assert np.allclose([se[str(c)] for c in range(10)], each.stderr, rtol=1e-9)
+    # the same estimator, samples and seed: equal to float64 rounding (JSON keeps every digit)
+    assert np.allclose([res["slice_similarity"][str(c)] for c in range(10)], each, rtol=1e-12,
+                       atol=0)
+    assert np.allclose([se[str(c)] for c in range(10)], each.stderr, rtol=1e-12, atol=0)
     f = res["finding"]
     assert f["gap_stderr"] == pytest.approx(np.hypot(se["9"], se[str(f["lowest_other_class"])]))
     assert f["gap_within_2_stderr"] == (abs(f["gap"]) <= 2 * f["gap_stderr"])

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,10 +13,9 @@ from hypothesis import strategies as st
 
 import tensoralg as ta
 from netgen import KINDS, brute_inner, rand_network
+from shared_cases import load_cases
 
-CASES_PATH = Path(__file__).resolve().parents[1].parent / "shared" / "cases" / \
-    "gaussian_inner_products.json"
-CASES = json.loads(CASES_PATH.read_text())
+CASES = load_cases()
 
 
 def _rel(x, ref, scale):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +12,9 @@ from hypothesis import strategies as st
 
 import tensoralg as ta
 from netgen import KINDS, rand_bilinear, rand_network
+from shared_cases import load_cases
 
-CASES = {c["name"]: c for c in json.loads(
-    (Path(__file__).resolve().parents[2] / "shared" / "cases" /
-     "gaussian_inner_products.json").read_text())}
+CASES = {c["name"]: c for c in load_cases()}
 
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

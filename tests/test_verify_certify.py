@@ -16,16 +16,12 @@ from hypothesis import given, settings, strategies as st
 import verify
 from verify.certify import Certificate, ExpansionTooLarge, certify, expand, gaussian_inner_exact
 from tensoralg.layers import Bilinear, Linear, Residual, Sequential
+from shared_cases import load_cases
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES_PATH = Path("/work/shared/cases/gaussian_inner_products.json")
-if not CASES_PATH.exists():  # CI checkouts may carry a copy next to the tests
-    CASES_PATH = ROOT / "shared" / "cases" / "gaussian_inner_products.json"
-CASES = {c["name"]: c for c in json.loads(CASES_PATH.read_text())} if CASES_PATH.exists() else {}
-needs_cases = pytest.mark.skipif(not CASES, reason="shared/cases not available")
+CASES = {c["name"]: c for c in load_cases()}
 
 
-@needs_cases
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_shared_cases_exact_inner_products(name):
     # aa, ab, bb in the shared file were produced independently (sympy expansion); certify must
@@ -39,7 +35,6 @@ def test_shared_cases_exact_inner_products(name):
     assert gaussian_inner_exact(c["a"], c["b"]) == ab
 
 
-@needs_cases
 def test_reparametrized_depth2_pair_is_certified_equal():
     c = CASES["reparam_depth2_identical"]
     cert = certify(Sequential.from_spec(c["a"]), Sequential.from_spec(c["b"]))
@@ -49,7 +44,6 @@ def test_reparametrized_depth2_pair_is_certified_equal():
     assert "EQUAL" in str(cert)
 
 
-@needs_cases
 def test_different_pair_is_not_equal_with_exact_distance():
     c = CASES["depth2_biases"]
     cert = certify(c["a"], c["b"])

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 from fractions import Fraction
-from pathlib import Path
 
 import matplotlib
 
@@ -17,10 +15,9 @@ import pytest  # noqa: E402
 from verify import montecarlo as mc  # noqa: E402
 from verify.certify import certify, gaussian_inner_exact  # noqa: E402
 from tensoralg.layers import Bilinear, Linear  # noqa: E402
+from shared_cases import load_cases  # noqa: E402
 
-CASES_PATH = Path("/work/shared/cases/gaussian_inner_products.json")
-CASES = {c["name"]: c for c in json.loads(CASES_PATH.read_text())} if CASES_PATH.exists() else {}
-needs_cases = pytest.mark.skipif(not CASES, reason="shared/cases not available")
+CASES = {c["name"]: c for c in load_cases()}
 
 # (1 + x)^2 written as a lifted bilinear layer; E[f^2] = 10 (not 12).
 ONE_PLUS_X_SQ = Bilinear([[1]], [[1]], [[1]], left_bias=["1"], right_bias=["1"])
@@ -35,7 +32,6 @@ def _depth1_pair():
     return a, b
 
 
-@needs_cases
 @pytest.mark.parametrize("kw", [{}, {"antithetic": True}, {"control_variate": True},
                                 {"antithetic": True, "control_variate": True}])
 @pytest.mark.parametrize("name", ["bilinear_biases", "embed_bilinear_head", "residual_block"])
