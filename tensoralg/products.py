@@ -669,7 +669,7 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     return sim
 
 
-def _gram_blocks(ca, cb, same: bool, U, keep, metric, method, backend, device, dtype, max_flops,
+def _gram_blocks(ca, cb, U, keep, metric, method, backend, device, dtype, max_flops,
                  max_configurations):
     """Cross Gram (Na, Nb[, K]) in normalized gauge, in blocks when intermediates are large."""
     Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
@@ -724,7 +724,7 @@ def cross_gram(models_a: Sequence[Any], models_b: Sequence[Any], metric: str = "
     ca, ka = _stack_for(nets_a, backend, name_a)
     same = models_a is models_b
     cb, kb = (ca, ka) if same else _stack_for(nets_b, backend, name_b)
-    X = _gram_blocks(ca, cb, same, U, keep, metric, method, backend, device, dtype, max_flops,
+    X = _gram_blocks(ca, cb, U, keep, metric, method, backend, device, dtype, max_flops,
                      max_configurations)
     return _scaled(X, ka, kb, backend)
 
@@ -761,7 +761,7 @@ def similarity_matrix(models: Sequence[Any], metric: str = "gaussian", method: s
     U, keep = _output_matrix(output, nets[0].out_features, backend == "exact")
     _converter(backend, device=kwargs.get("device"), dtype=kwargs.get("dtype"))
     c, _ = _stack_for(nets, backend, "models")
-    X = _gram_blocks(c, c, True, U, keep, metric, method, backend, kwargs.get("device"),
+    X = _gram_blocks(c, c, U, keep, metric, method, backend, kwargs.get("device"),
                      kwargs.get("dtype"), kwargs.get("max_flops"),
                      kwargs.get("max_configurations", DEFAULT_MAX_CONFIGURATIONS))
     dg = np.einsum("ii...->i...", X)
