@@ -8,6 +8,8 @@ the lifted input ``x~ = (1, x)``), its similarity, slices, diffs and Gram matric
 
 from ._version import __version__
 from .layers import Bilinear, Layer, Linear, Residual, Sequential
+from .errors import CostTooHigh
+from .planner import Plan
 from .products import (
     MonteCarloEstimate,
     cross_gram,
@@ -16,10 +18,11 @@ from .products import (
     inner,
     inner_diff,
     norm,
+    plan,
     similarity,
     similarity_matrix,
 )
-from .network import CostTooHigh, Plan, plan, to_graph
+from .network import to_graph
 
 __all__ = [
     "__version__",

@@ -9,16 +9,21 @@ Every network of :mod:`tensoralg.layers` is rewritten, exactly, as maps between 
   output bias;
 * a residual block ``x + inner(x)`` widens every stage of ``inner`` with units that carry ``x``
   along (``x_i = (e_i . x~)(e0 . x~)`` through a bilinear stage) and adds it at the end;
-* consecutive linear maps are folded into the neighbouring bilinear factors.
+* consecutive linear maps are folded into the neighbouring bilinear factors, except a leading
+  *embedding* that narrows the input (``m < d``): it is kept apart as ``embed`` so that the
+  legs of the tensor network stay at the model width ``m + 1`` (the Wick strategy bridges two
+  legs through the embedding Gram ``E_a E_b^T``; the chaos strategy whitens the joint input
+  covariance, DESIGN §3.6).
 
-The result is a :class:`Canonical`: ``stages`` (lifted bilinear stages, applied in order) or, for a
-network of degree 1, a single lifted matrix ``linear``. As a tensor network it is a full binary
-tree with ``2**len(stages)`` input legs (DESIGN §2).
+The result is a :class:`Canonical`: an optional lifted ``embed`` followed by ``stages`` (lifted
+bilinear stages, applied in order) or, for a network of degree 1, a single lifted matrix
+``linear``. As a tensor network it is a full binary tree with ``2**len(stages)`` input legs
+(DESIGN §2), each leg a copy of the lifted (embedded) input.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import numpy as np
@@ -40,13 +45,44 @@ class Stage:
 
 @dataclass
 class Canonical:
-    """Canonical lifted form; ``stages`` empty means degree 1, given by ``linear``."""
+    """Canonical lifted form; ``stages`` empty means degree 1, given by ``linear``.
+
+    ``embed`` (optional, only with stages): the lifted leading linear map ``(m+1, d+1)`` (or
+    ``(N, m+1, d+1)`` for a stack), applied before the first stage, whose factors then have
+    ``m + 1`` columns."""
 
     d: int
     out: int
     stages: list[Stage] = field(default_factory=list)
     linear: np.ndarray | None = None
     exact: bool = False
+    embed: np.ndarray | None = None
+
+    @property
+    def leg_width(self) -> int:
+        """Size of one input leg: ``m + 1`` behind a kept embedding, else ``d + 1``."""
+        return self.d + 1 if self.embed is None else self.embed.shape[-2]
+
+    def folded(self) -> "Canonical":
+        """The same network with its embedding folded into the first stage's factors."""
+        if self.embed is None:
+            return self
+        s0 = self.stages[0]
+        E = self.embed
+        mm = (lambda x, y: np.matmul(x, y)) if not self.exact else (
+            lambda x, y: np.einsum("...ij,...jk->...ik", x, y))
+        first = Stage(mm(s0.L, E), mm(s0.R, E), s0.D)
+        return replace(self, stages=[first] + list(self.stages[1:]), embed=None)
+
+    def map(self, fn) -> "Canonical":
+        """A copy with ``fn`` applied to every array."""
+        f = lambda a: None if a is None else fn(a)  # noqa: E731
+        return replace(self, stages=[Stage(fn(s.L), fn(s.R), fn(s.D)) for s in self.stages],
+                       linear=f(self.linear), embed=f(self.embed))
+
+    def sub(self, idx) -> "Canonical":
+        """Models ``idx`` of a stack (leading batch axis)."""
+        return self.map(lambda a: a[idx])
 
     @property
     def depth(self) -> int:
@@ -59,7 +95,8 @@ class Canonical:
     def arrays(self) -> list[np.ndarray]:
         if not self.stages:
             return [self.linear]
-        return [a for s in self.stages for a in (s.L, s.R, s.D)]
+        head = [] if self.embed is None else [self.embed]
+        return head + [a for s in self.stages for a in (s.L, s.R, s.D)]
 
     def shapes(self) -> tuple:
         return tuple(a.shape for a in self.arrays())
@@ -163,18 +200,25 @@ def _residual(ops: list, d: int, exact: bool) -> list:
     return new
 
 
-def canonicalize(net: Layer) -> Canonical:
-    """Exact canonical lifted form of ``net`` (float64 arrays, or Fractions if ``net.is_exact``)."""
+def canonicalize(net: Layer, keep_embed: bool = True) -> Canonical:
+    """Exact canonical lifted form of ``net`` (float64 arrays, or Fractions if ``net.is_exact``).
+
+    ``keep_embed``: keep a leading linear map that narrows the input (``m < d``) apart as
+    ``embed`` instead of folding it into the first stage's factors."""
     exact = net.is_exact
     ops = _ops(net, exact)
     stages: list[Stage] = []
+    embed = None
     pending: np.ndarray | None = None  # product of linear maps not yet folded
     for op in ops:
         if isinstance(op, np.ndarray):
             pending = op if pending is None else op @ pending
         else:
             if pending is not None:
-                op = Stage(op.L @ pending, op.R @ pending, op.D)
+                if not stages and keep_embed and pending.shape[0] < pending.shape[1]:
+                    embed = pending
+                else:
+                    op = Stage(op.L @ pending, op.R @ pending, op.D)
                 pending = None
             stages.append(op)
     if stages and pending is not None:
@@ -187,8 +231,10 @@ def canonicalize(net: Layer) -> Canonical:
                 a[...] = np.vectorize(Fraction, otypes=[object])(a)
         if pending is not None:
             pending = np.vectorize(Fraction, otypes=[object])(pending)
+        if embed is not None:
+            embed = np.vectorize(Fraction, otypes=[object])(embed)
     return Canonical(d=net.in_features, out=net.out_features, stages=stages, linear=pending,
-                     exact=exact)
+                     exact=exact, embed=embed)
 
 
 def stack(cans: list[Canonical], name: str = "models") -> Canonical:
@@ -198,6 +244,9 @@ def stack(cans: list[Canonical], name: str = "models") -> Canonical:
         ValueError: models whose canonical shapes differ (name the first mismatch).
     """
     ref = cans[0]
+    if any((c.embed is None) != (ref.embed is None) for c in cans):
+        cans = [c.folded() for c in cans]
+        ref = cans[0]
     for i, c in enumerate(cans[1:], start=1):
         if c.depth != ref.depth or c.shapes() != ref.shapes():
             raise ValueError(f"{name}[{i}]: architecture differs from {name}[0] (canonical "
@@ -214,4 +263,5 @@ def stack(cans: list[Canonical], name: str = "models") -> Canonical:
         return Canonical(ref.d, ref.out, [], st([c.linear for c in cans]), exact)
     stages = [Stage(st([c.stages[k].L for c in cans]), st([c.stages[k].R for c in cans]),
                     st([c.stages[k].D for c in cans])) for k in range(ref.depth)]
-    return Canonical(ref.d, ref.out, stages, None, exact)
+    embed = None if ref.embed is None else st([c.embed for c in cans])
+    return Canonical(ref.d, ref.out, stages, None, exact, embed)

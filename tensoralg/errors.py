@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TrainingDiverged"]
+__all__ = ["TrainingDiverged", "CostTooHigh"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -18,3 +18,10 @@ class TrainingDiverged(RuntimeError):
         super().__init__(msg)
         self.step = step
         self.last_checkpoint = last_checkpoint
+
+
+class CostTooHigh(ValueError):
+    """An exact computation whose estimated cost (FLOPs, memory or Wick configurations) is over
+    the budget. Raised by the planner before any contraction or allocation; the message names
+    each strategy's estimate and the alternatives (``method="closure"``, ``"montecarlo"``, or a
+    larger budget)."""

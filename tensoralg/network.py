@@ -42,19 +42,26 @@ import numpy as np
 import opt_einsum as oe
 
 from .canonical import Canonical
+from .errors import CostTooHigh
 from .io import atomic_write_json
 from .wick import bijections, group_closure, orbits, partial_matchings, telephone
 
-__all__ = ["CostTooHigh", "Plan", "JoinedNetwork", "plan", "to_graph", "DEFAULT_MAX_FLOPS",
-           "DEFAULT_MAX_CONFIGURATIONS"]
+__all__ = ["CostTooHigh", "WickPlan", "JoinedNetwork", "to_graph", "DEFAULT_MAX_FLOPS",
+           "DEFAULT_MAX_CONFIGURATIONS", "n_wick_configurations"]
 
 DEFAULT_MAX_FLOPS = 2e11
 DEFAULT_MAX_FLOPS_EXACT = 2e7
 DEFAULT_MAX_CONFIGURATIONS = 200_000
 
 
-class CostTooHigh(ValueError):
-    """An exact contraction whose estimated cost is over the budget (raised before any work)."""
+def n_wick_configurations(can_a: Canonical, can_b: Canonical, metric: str) -> tuple[int, int]:
+    """``(n_legs, configurations)`` of the joined network before any reduction, from the
+    depths alone (nothing is built): ``T(n)`` partial matchings for the Gaussian metric,
+    ``n_a!`` bijections for Frobenius."""
+    n_a, n_b = 2 ** can_a.depth, 2 ** can_b.depth
+    if metric == "gaussian":
+        return n_a + n_b, telephone(n_a + n_b)
+    return n_a + n_b, math.factorial(n_a) if n_a == n_b else 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -63,11 +70,43 @@ class CostTooHigh(ValueError):
 
 @dataclass
 class _Side:
-    """A stack of canonical networks as tensors with labels; leaves listed separately."""
+    """A stack of canonical networks as tensors with labels; leaves listed separately.
+
+    ``pre``: when set, ``tensors`` is the non-leaf part of the tree, contracted lazily into one
+    tensor ``T[batch, out, hidden index of each first-stage copy]`` (the same in every Wick
+    configuration); ``pre_labels`` are T's labels and ``pre_shape`` its shape."""
 
     tensors: list[tuple[np.ndarray, tuple[str, ...], str]]  # (array, labels, node name)
-    leaves: list[tuple[np.ndarray, str, str]]  # (leaf factor (N, H, d+1), hidden label, name)
+    leaves: list[tuple[np.ndarray, str, str]]  # (leaf factor (N, H, w), hidden label, name)
     batch: str
+    embed: np.ndarray | None = None  # (N, m+1, d+1) lifted embedding before the leaves
+    pre_labels: tuple | None = None
+    pre_shape: tuple | None = None
+    _T: Any = None
+    _lazy: Any = None
+
+    def operands(self) -> list[tuple[Any, tuple[str, ...]]]:
+        """The non-leaf operands as (array or shape-only placeholder, labels)."""
+        if self.pre_labels is None:
+            return [(t, labs) for t, labs, _ in self.tensors]
+        if self._lazy is None:
+            self._lazy = _Lazy(self)
+        return [(self._lazy, self.pre_labels)]
+
+    def precontracted(self) -> np.ndarray:
+        if self._T is None:
+            expr = ",".join("".join(l) for _, l, _ in self.tensors) + "->" + \
+                "".join(self.pre_labels)
+            self._T = oe.contract(expr, *[t for t, _, _ in self.tensors], optimize="auto")
+        return self._T
+
+
+class _Lazy:
+    """Placeholder for a side's pre-contracted tensor: its shape is known before any work."""
+
+    def __init__(self, side: _Side):
+        self.side = side
+        self.shape = side.pre_shape
 
 
 class _Labels:
@@ -100,6 +139,7 @@ def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, 
         W = _output_projection(U, can.linear)  # (N, K, d+1)
         leaves.append((W, out_label, f"{side}.W"))
         return _Side(tensors, leaves, batch)
+    embed = can.embed
     depth = can.depth
     stages = _pruned_stages(can, _output_projection(U, can.stages[-1].D))
 
@@ -117,17 +157,16 @@ def _build_side(can: Canonical, U: np.ndarray, labels: _Labels, out_label: str, 
                 build(stage - 1, stages[stage - 1][2], child, path + fac.lower())
 
     build(depth - 1, stages[-1][2], out_label, "")
+    out = _Side(tensors, leaves, batch, embed)
     if precontract and len(tensors) > 1:
-        # Pre-contract the non-leaf part of the tree once (it is the same in every Wick
-        # configuration): T[batch, out, hidden index of each first-stage copy].
+        # The non-leaf part of the tree is the same in every Wick configuration: contracted
+        # once, lazily (at contraction time, never while planning).
         leaf_h = list(dict.fromkeys(h for _, h, _ in leaves))
-        size = N * labels.sizes[out_label] * math.prod(labels.sizes[h] for h in leaf_h)
-        if size <= _MAX_PRECONTRACT:
-            expr = ",".join("".join(l) for _, l, _ in tensors) + "->" + batch + out_label + \
-                "".join(leaf_h)
-            T = oe.contract(expr, *[t for t, _, _ in tensors], optimize="auto")
-            tensors = [(T, (batch, out_label, *leaf_h), f"{side}.T")]
-    return _Side(tensors, leaves, batch)
+        shape = (N, labels.sizes[out_label], *(labels.sizes[h] for h in leaf_h))
+        if math.prod(shape) <= _MAX_PRECONTRACT:
+            out.pre_labels = (batch, out_label, *leaf_h)
+            out.pre_shape = shape
+    return out
 
 
 _MAX_PRECONTRACT = 1 << 26
@@ -192,8 +231,8 @@ def _same_stack(a: Canonical, b: Canonical) -> bool:
 # ----------------------------------------------------------------------------------------
 
 @dataclass
-class Plan:
-    """What an exact inner product will cost, computed before any contraction.
+class WickPlan:
+    """What the exact Wick strategy will cost, computed before any contraction.
 
     Attributes:
         n_legs: input legs of the joined network (``2**depth_a + 2**depth_b``).
@@ -204,6 +243,9 @@ class Plan:
         group_order: order of the verified automorphism group acting on the legs.
         flops: total estimated floating-point operations of the chosen opt_einsum paths.
         largest_intermediate: largest intermediate tensor (elements) of any path.
+        intermediates: elements of all intermediates of all paths together (what the shared
+            intermediate cache may hold at once).
+        input_elements: elements of the operands (pre-contracted trees, leaves, bridges).
         expressions: einsum expressions of the orbit representatives (for inspection).
     """
 
@@ -218,6 +260,31 @@ class Plan:
     symmetries: list[str] = field(default_factory=list)
     expressions: list[str] = field(default_factory=list)
     refused: str | None = None
+    intermediates: int = 0
+    input_elements: int = 0
+
+    largest_input: int = 0
+    n_steps: int = 0
+
+    #: Bytes of Python bookkeeping per intermediate held by the shared cache (array header,
+    #: shape and stride tuples, the cache's key string and dict slot), counted with the data.
+    STEP_OVERHEAD = 512
+
+    def memory_bytes(self, itemsize: int, shared: bool = True) -> int:
+        """:meth:`memory_elements` in bytes, plus the shared cache's per-intermediate
+        bookkeeping."""
+        extra = self.n_steps * self.STEP_OVERHEAD if shared else 0
+        return int(self.memory_elements(shared) * itemsize + extra)
+
+    def memory_elements(self, shared: bool = True) -> int:
+        """Upper bound on the elements alive during the contraction: the operands; every
+        intermediate (``shared=True``: the shared-intermediates cache keeps them all until the
+        end) or the two largest of one configuration (``shared=False``); and the work of one
+        pairwise step (BLAS ``tensordot`` may copy both operands into matrix layout next to its
+        output: two of the largest operands plus one output)."""
+        inter = self.intermediates if shared else 2 * self.largest_intermediate
+        step = 2 * max(self.largest_intermediate, self.largest_input) + self.largest_intermediate
+        return int(self.input_elements + inter + step)
 
     def summary(self) -> str:
         if self.refused:
@@ -244,8 +311,10 @@ def _cache_dir() -> Path | None:
     return Path(root) if root else Path.home() / ".cache" / "tensoralg" / "paths"
 
 
-def _find_paths(exprs: list[str], shapes: list[list[tuple]]) -> tuple[list, list[float], list[int]]:
-    """Contraction paths (and their FLOPs and largest intermediates) for every expression.
+def _find_paths(exprs: list[str], shapes: list[list[tuple]]
+                ) -> tuple[list, list[float], list[int], list[int]]:
+    """Contraction paths (and their FLOPs, largest intermediates and total intermediate sizes)
+    for every expression.
 
     Keyed by the whole list of (expression, shapes): found once per topology, reused from
     memory, then from the disk cache across processes.
@@ -261,17 +330,18 @@ def _find_paths(exprs: list[str], shapes: list[list[tuple]]) -> tuple[list, list
         if res is not None:
             _PATH_CACHE[key] = res
             return res
-    paths, flops, largest = [], [], []
+    paths, flops, largest, inter = [], [], [], []
     for expr, sh in zip(exprs, shapes):
         path, info = oe.contract_path(expr, *sh, shapes=True, optimize="auto")
         paths.append([tuple(p) for p in path])
         flops.append(float(info.opt_cost))
         largest.append(int(info.largest_intermediate))
-    res = (paths, flops, largest)
+        inter.append(int(sum(info.size_list)))
+    res = (paths, flops, largest, inter)
     _PATH_CACHE[key] = res
     if fpath is not None:
         try:
-            body = {"paths": paths, "flops": flops, "largest": largest}
+            body = {"paths": paths, "flops": flops, "largest": largest, "inter": inter}
             atomic_write_json(fpath, {"key_src": key_src, **body,
                                       "sha256": _digest(key_src, body)}, indent=None)
         except OSError:
@@ -302,19 +372,20 @@ def _read_cached_paths(fpath: Path, key_src: str, n_ops: list[int]):
         data = json.loads(fpath.read_text())
         if not isinstance(data, dict) or data.get("key_src") != key_src:
             return None
-        body = {k: data[k] for k in ("paths", "flops", "largest")}
+        body = {k: data[k] for k in ("paths", "flops", "largest", "inter")}
         if data.get("sha256") != _digest(key_src, body):
             return None
         paths = [[tuple(step) for step in path] for path in body["paths"]]
         flops = [float(f) for f in body["flops"]]
         largest = [int(x) for x in body["largest"]]
-        if not (len(paths) == len(flops) == len(largest) == len(n_ops)):
+        inter = [int(x) for x in body["inter"]]
+        if not (len(paths) == len(flops) == len(largest) == len(inter) == len(n_ops)):
             return None
         if not all(_valid_path(p, n) for p, n in zip(paths, n_ops)):
             return None
         if not all(math.isfinite(f) and f >= 0 for f in flops):
             return None
-        return paths, flops, largest
+        return paths, flops, largest, inter
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -327,11 +398,19 @@ class JoinedNetwork:
         U: ``(K, O)`` output projection (identity: sum over outputs; a row: one slice).
         keep_output: keep the projected output index open (per-output values).
         metric: ``"gaussian"`` or ``"frobenius"``.
+
+    When both sides keep an embedding (``m < d``), legs stay at the model widths and a pair of
+    legs is bridged by the embedding Gram ``E_s E_t^T`` (``(m_s, m_t)``, the covariance of the
+    two embedded inputs) instead of ``P`` on the wide input; a single leg is capped by the
+    embedded constant ``E~ e0 = (1, c)``. Otherwise embeddings are folded into the leaves.
     """
 
     def __init__(self, a: Canonical, b: Canonical, U: np.ndarray, keep_output: bool = False,
                  metric: str = "gaussian"):
+        if metric != "gaussian" or a.embed is None or b.embed is None:
+            a, b = a.folded(), (a.folded() if b is a else b.folded())
         self.a, self.b, self.metric = a, b, metric
+        self.bridged = a.embed is not None
         self.labels = _Labels()
         self.out_label = self.labels.new(U.shape[0])
         self.side_a = _build_side(a, U, self.labels, self.out_label, "a")
@@ -342,8 +421,20 @@ class JoinedNetwork:
         self.same = _same_stack(a, b)
         self._symmetry()
         # leaf parts, built once so that shared intermediates are recognized across configs
-        self.leaf_parts = [(F[..., 0], F[..., 1:], F)
-                           for F, _, _ in self.side_a.leaves + self.side_b.leaves]
+        self.leaf_parts = []
+        for side in (self.side_a, self.side_b):
+            for F, _, _ in side.leaves:
+                if side.embed is None:
+                    cap = F[..., 0]
+                else:
+                    cap = np.einsum("nhw,nw->nh", F, side.embed[:, :, 0])
+                self.leaf_parts.append((cap, F[..., 1:], F))
+        self.bridges = {}
+        if self.bridged:
+            Ea, Eb = a.embed[:, 1:, 1:], b.embed[:, 1:, 1:]
+            self.bridges[("a", "a")] = np.einsum("nix,njx->nij", Ea, Ea)
+            self.bridges[("b", "b")] = np.einsum("nix,njx->nij", Eb, Eb)
+            self.bridges[("a", "b")] = np.einsum("nix,mjx->nmij", Ea, Eb)
 
     # -- symmetry -------------------------------------------------------------------------
     def _symmetry(self):
@@ -373,11 +464,10 @@ class JoinedNetwork:
 
     def configurations(self) -> list[tuple[Any, int]]:
         """Orbit representatives with their sizes (after zero-pattern pruning)."""
-        leaves = self.side_a.leaves + self.side_b.leaves
         if self.metric == "gaussian":
-            can_cap = [bool(np.any(F[..., 0] != 0)) for F, _, _ in leaves]
-            can_pair = [bool(np.any(F[..., 1:] != 0)) for F, _, _ in leaves]
-            ms = list(partial_matchings(len(leaves), can_cap, can_pair))
+            can_cap = [bool(np.any(cap != 0)) for cap, _, _ in self.leaf_parts]
+            can_pair = [bool(np.any(nc != 0)) for _, nc, _ in self.leaf_parts]
+            ms = list(partial_matchings(len(self.leaf_parts), can_cap, can_pair))
         else:
             if self.n_a != self.n_b:
                 raise ValueError(
@@ -388,23 +478,35 @@ class JoinedNetwork:
         self.n_nonzero = len(ms)
         return orbits(ms, self.group)
 
-    def expression(self, m) -> tuple[str, list[np.ndarray]]:
+    def expression(self, m) -> tuple[str, list[Any]]:
+        """The einsum of configuration ``m`` and its operands (a side's pre-contracted tree is
+        a :class:`_Lazy` placeholder until :meth:`contract`)."""
         pairs, singles = m
         ops, subs = [], []
         for side in (self.side_a, self.side_b):
-            for arr, labs, _ in side.tensors:
+            for arr, labs in side.operands():
                 ops.append(arr)
                 subs.append("".join(labs))
         leaves = self.side_a.leaves + self.side_b.leaves
         batches = [self.side_a.batch] * self.n_a + [self.side_b.batch] * self.n_b
+        sides = ["a"] * self.n_a + ["b"] * self.n_b
         local = _Labels()
         local.n = self.labels.n
         parts = self.leaf_parts
         for i in singles:
             ops.append(parts[i][0])
             subs.append(batches[i] + leaves[i][1])
+        k = 1 if self.metric == "gaussian" else 2
         for i, j in pairs:
-            k = 1 if self.metric == "gaussian" else 2
+            if self.bridged:
+                p = local.new(parts[i][1].shape[-1])
+                q = local.new(parts[j][1].shape[-1])
+                G = self.bridges[(sides[i], sides[j])]
+                bsub = batches[i] + p + q if sides[i] == sides[j] else \
+                    batches[i] + batches[j] + p + q
+                ops.extend([parts[i][1], G, parts[j][1]])
+                subs.extend([batches[i] + leaves[i][1] + p, bsub, batches[j] + leaves[j][1] + q])
+                continue
             p = local.new(parts[i][k].shape[-1])
             ops.extend([parts[i][k], parts[j][k]])
             subs.extend([batches[i] + leaves[i][1] + p, batches[j] + leaves[j][1] + p])
@@ -413,15 +515,15 @@ class JoinedNetwork:
 
     # -- plan & evaluation ----------------------------------------------------------------
     def plan(self, max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
-             refuse: bool = True) -> Plan:
+             refuse: bool = True) -> WickPlan:
         total = self.n_configurations()
         if total > max_configurations and not refuse:
-            return Plan(metric=self.metric, n_legs=self.n_a + self.n_b, n_configurations=total,
-                        n_nonzero=-1, n_orbits=-1, group_order=len(self.group),
-                        flops=math.inf, largest_intermediate=-1,
-                        symmetries=self.symmetry_names,
-                        refused=f"over max_configurations={max_configurations:,}; use "
-                                f"method='closure' or 'montecarlo'")
+            return WickPlan(metric=self.metric, n_legs=self.n_a + self.n_b,
+                            n_configurations=total, n_nonzero=-1, n_orbits=-1,
+                            group_order=len(self.group), flops=math.inf,
+                            largest_intermediate=-1, symmetries=self.symmetry_names,
+                            refused=f"over max_configurations={max_configurations:,}; use "
+                                    f"method='closure' or 'montecarlo'")
         if total > max_configurations:
             raise CostTooHigh(
                 f"exact {self.metric} inner product: the joined network has "
@@ -431,30 +533,44 @@ class JoinedNetwork:
                 f"method='montecarlo' (unbiased, with a standard error)")
         self.reps = self.configurations()
         exprs, shapes = [], []
+        seen: dict[int, int] = {}
         for m, _ in self.reps:
             expr, ops = self.expression(m)
             exprs.append(expr)
             shapes.append([tuple(o.shape) for o in ops])
-        self.paths, flops, largest = _find_paths(exprs, shapes)
+            for o in ops:
+                seen[id(o)] = math.prod(o.shape)
+        self.paths, flops, largest, inter = _find_paths(exprs, shapes)
         self.exprs = exprs
-        return Plan(metric=self.metric, n_legs=self.n_a + self.n_b, n_configurations=total,
-                    n_nonzero=self.n_nonzero, n_orbits=len(self.reps),
-                    group_order=len(self.group), flops=float(sum(flops)),
-                    largest_intermediate=max(largest) if largest else 0,
-                    symmetries=self.symmetry_names, expressions=exprs)
+        return WickPlan(metric=self.metric, n_legs=self.n_a + self.n_b, n_configurations=total,
+                        n_nonzero=self.n_nonzero, n_orbits=len(self.reps),
+                        group_order=len(self.group), flops=float(sum(flops)),
+                        largest_intermediate=max(largest) if largest else 0,
+                        symmetries=self.symmetry_names, expressions=exprs,
+                        intermediates=int(sum(inter)), input_elements=int(sum(seen.values())),
+                        largest_input=max(seen.values(), default=0),
+                        n_steps=sum(len(p) for p in self.paths))
 
-    def contract(self, convert) -> Any:
-        """Sum of all configurations; ``convert`` maps a NumPy array to the backend's array."""
+    def contract(self, convert, shared: bool = True) -> Any:
+        """Sum of all configurations; ``convert`` maps a NumPy array to the backend's array.
+        ``shared``: reuse intermediates across configurations (opt_einsum's
+        ``shared_intermediates``; memory: every intermediate is kept until the end)."""
         cache: dict[int, Any] = {}
 
         def conv(x):
+            if isinstance(x, _Lazy):
+                x = x.side.precontracted()
             k = id(x)
             if k not in cache:
                 cache[k] = (x, convert(x))
             return cache[k][1]
 
         total = None
-        with oe.shared_intermediates():
+        if shared:
+            with oe.shared_intermediates():
+                for (m, weight), path in zip(self.reps, self.paths):
+                    total = self._add_config(m, weight, path, conv, total)
+        else:
             for (m, weight), path in zip(self.reps, self.paths):
                 total = self._add_config(m, weight, path, conv, total)
         if total is None:  # every configuration vanishes by zero patterns
@@ -511,7 +627,7 @@ def to_graph(a: Any, b: Any = None, output: Any = None) -> nx.Graph:
     from .canonical import canonicalize, stack
 
     net_a = as_network(a, "a")
-    can_a = stack([canonicalize(net_a)])
+    can_a = stack([canonicalize(net_a, keep_embed=False)])
     labels = _Labels()
     out = labels.new(net_a.out_features)
     U = np.eye(net_a.out_features)
@@ -521,7 +637,7 @@ def to_graph(a: Any, b: Any = None, output: Any = None) -> nx.Graph:
         if net_b.out_features != net_a.out_features:
             raise ValueError(f"b: output size {net_b.out_features} differs from a's "
                              f"{net_a.out_features}")
-        sides.append(("b", _build_side(stack([canonicalize(net_b)]), U, labels, out, "b",
+        sides.append(("b", _build_side(stack([canonicalize(net_b, keep_embed=False)]), U, labels, out, "b",
                                        precontract=False)))
     g = nx.Graph()
     for name, side in sides:
@@ -540,17 +656,3 @@ def to_graph(a: Any, b: Any = None, output: Any = None) -> nx.Graph:
     g.nodes[f"i:{out}"]["open"] = b is None
     g.nodes[f"i:{out}"]["output"] = True
     return g
-
-
-def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None,
-         max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
-    """The cost summary of the exact inner product ``<a, b>`` (``<a, a>`` if ``b`` is None):
-    Wick configurations before and after zero-pattern and symmetry reduction, FLOPs and largest
-    intermediate of the chosen opt_einsum paths. Contracts nothing. Over
-    ``max_configurations`` the returned plan has ``refused`` set (a reason), ``flops = inf``
-    and ``n_nonzero = n_orbits = -1`` (the configurations are not enumerated)."""
-    from .products import _prepare_pair
-
-    joined = _prepare_pair(a, a if b is None else b, metric=metric, output=output,
-                           backend="numpy")[0]
-    return joined.plan(max_configurations, refuse=False)

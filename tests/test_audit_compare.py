@@ -80,9 +80,11 @@ def test_deep_models_use_monte_carlo_under_auto(tmp_path):
     assert resolve_method("closure", 3) == "closure"
     with pytest.raises(ValueError, match="method"):
         resolve_method("fast", 1)
+    # depth 3 at input width 32: 46 206 736 Wick configurations, and a degree-8 chaos expansion
+    # in r = 32 dimensions (32**8 coefficients per output): every exact strategy is refused
     for i in range(2):
-        save_checkpoint(tmp_path / f"d{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=3,
-                                                        residual=True, seed=i))
+        save_checkpoint(tmp_path / f"d{i}", BilinearNet(32, 3, d_model=16, d_hidden=5,
+                                                        n_layers=3, residual=True, seed=i))
     assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"),
                  "--out", str(tmp_path / "m")]) == 0
     assert json.loads((tmp_path / "m" / "matrix.json").read_text())["method"] == "montecarlo"
@@ -141,9 +143,11 @@ def test_compare_seed_and_common_options(ckpts, tmp_path):
 
 
 def test_matrix_exact_over_budget_and_foreign_out(tmp_path, capsys):
+    # depth 3 at input width 32: 46 206 736 Wick configurations, and a degree-8 chaos expansion
+    # in r = 32 dimensions (32**8 coefficients per output): every exact strategy is refused
     for i in range(2):
-        save_checkpoint(tmp_path / f"d{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=3,
-                                                        residual=True, seed=i))
+        save_checkpoint(tmp_path / f"d{i}", BilinearNet(32, 3, d_model=16, d_hidden=5,
+                                                        n_layers=3, residual=True, seed=i))
     ck = [str(tmp_path / "d0"), str(tmp_path / "d1")]
     assert main(["matrix", *ck, "--method", "exact", "--out", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
@@ -168,9 +172,11 @@ def test_compare_deduplicates_methods_and_metrics(ckpts, tmp_path, capsys):
 
 
 def test_monte_carlo_matrix_says_it_is_an_estimate(tmp_path, capsys):
+    # depth 3 at input width 32: 46 206 736 Wick configurations, and a degree-8 chaos expansion
+    # in r = 32 dimensions (32**8 coefficients per output): every exact strategy is refused
     for i in range(2):
-        save_checkpoint(tmp_path / f"d{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=3,
-                                                        residual=True, seed=i))
+        save_checkpoint(tmp_path / f"d{i}", BilinearNet(32, 3, d_model=16, d_hidden=5,
+                                                        n_layers=3, residual=True, seed=i))
     assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"), "--n-samples", "3000",
                  "--out", str(tmp_path / "m"), "--json", str(tmp_path / "copy.json")]) == 0
     res = json.loads((tmp_path / "m" / "matrix.json").read_text())

@@ -1,0 +1,227 @@
+"""The planner: estimate the cost of every applicable exact strategy before any work, choose the
+cheapest within the budgets, or refuse with every estimate and the alternatives.
+
+Strategies (see :mod:`tensoralg.strategies`): ``"wick"`` (tensor-network Wick sum; cost
+polynomial in the hidden widths, exponential in the number of legs) and ``"chaos"`` (Gaussian
+chaos coefficients; polynomial in the input width, exponential in the degree; Gaussian metric
+only). Budgets: ``max_flops`` (default 2e11, 2e7 on the exact backend), ``max_memory`` in bytes
+(default: half of the available RAM, or of the free memory of the CUDA device for torch) and
+``max_configurations`` (Wick configurations before reduction; default 200 000). Estimates come
+from shapes alone: Wick counts configurations from the depths (T(n)) before building anything,
+then finds opt_einsum paths (cached per topology); chaos counts coefficients and products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .backends import available_memory, itemsize
+from .canonical import Canonical
+from .errors import CostTooHigh
+from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
+                      WickPlan, n_wick_configurations)
+from .prepare import check_budget
+from .strategies import chaos, wick
+
+__all__ = ["Plan", "make_plan", "CHAOS_SHORTCUT_FLOPS"]
+
+#: Below this many FLOPs an affordable chaos expansion is taken without searching Wick paths
+#: (the path search alone would cost more than the whole computation).
+CHAOS_SHORTCUT_FLOPS = 1e9
+
+ALTERNATIVES = ("Alternatives: method='closure' (second-moment propagation, fast, approximate "
+                "beyond depth 1), method='montecarlo' (unbiased, with a standard error), or "
+                "raise max_flops / max_memory")
+
+
+@dataclass
+class Plan:
+    """The planner's decision for one exact inner product, made before any work.
+
+    Attributes:
+        strategy: ``"wick"`` or ``"chaos"`` (the choice), or None when refused.
+        reason: why that strategy (or why none).
+        refused: the refusal message (every estimate and the alternatives) exactly when the
+            computation would raise :class:`~tensoralg.CostTooHigh`; None otherwise.
+        flops, memory_bytes: the chosen strategy's estimates (``inf`` / 0 when refused).
+        wick: the Wick strategy's :class:`~tensoralg.network.WickPlan` (None when it was not
+            planned: not applicable, or skipped because chaos was cheap).
+        chaos: the chaos strategy's :class:`~tensoralg.strategies.chaos.ChaosEstimate` (None for
+            the Frobenius metric).
+        max_flops, max_memory, max_configurations: the budgets applied.
+
+    The Wick fields of earlier versions (``n_legs``, ``n_configurations``, ``n_nonzero``,
+    ``n_orbits``, ``group_order``, ``largest_intermediate``, ``symmetries``, ``expressions``)
+    read through to :attr:`wick`.
+    """
+
+    metric: str
+    strategy: str | None
+    reason: str
+    flops: float
+    memory_bytes: int
+    max_flops: float
+    max_memory: float
+    max_configurations: int
+    n_legs: int
+    n_configurations: int
+    wick: WickPlan | None = None
+    chaos: chaos.ChaosEstimate | None = None
+    refused: str | None = None
+    wick_shared: bool = True
+    _joined: Any = field(default=None, repr=False)
+
+    # read-through Wick fields
+    @property
+    def n_nonzero(self) -> int:
+        return self.wick.n_nonzero if self.wick is not None else -1
+
+    @property
+    def n_orbits(self) -> int:
+        return self.wick.n_orbits if self.wick is not None else -1
+
+    @property
+    def group_order(self) -> int:
+        return self.wick.group_order if self.wick is not None else 0
+
+    @property
+    def largest_intermediate(self) -> int:
+        return self.wick.largest_intermediate if self.wick is not None else -1
+
+    @property
+    def symmetries(self) -> list[str]:
+        return self.wick.symmetries if self.wick is not None else []
+
+    @property
+    def expressions(self) -> list[str]:
+        return self.wick.expressions if self.wick is not None else []
+
+    def summary(self) -> str:
+        lines = []
+        if self.wick is not None:
+            lines.append("wick: " + self.wick.summary())
+        elif self.n_configurations:
+            lines.append(f"wick: {self.metric} metric: {self.n_legs} legs, "
+                         f"{self.n_configurations:,} Wick configurations (not planned)")
+        if self.chaos is not None:
+            lines.append(self.chaos.summary())
+        if self.refused:
+            lines.append(f"REFUSED: {self.refused}")
+        else:
+            lines.append(f"choice: {self.strategy} ({self.reason}); {self.flops:.3g} FLOPs, "
+                         f"about {self.memory_bytes / 2**20:.3g} MiB")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _fits(flops: float, mem: float, max_flops: float, max_memory: float) -> str | None:
+    if not flops <= max_flops:
+        return f"estimated {flops:.3g} FLOPs over max_flops={max_flops:.3g}"
+    if not mem <= max_memory:
+        return (f"estimated {mem / 2**20:.4g} MiB over max_memory={max_memory / 2**20:.4g} "
+                f"MiB")
+    return None
+
+
+def make_plan(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: str,
+              backend: str, device: Any = None, dtype: Any = None, strategy: str = "auto",
+              max_flops: float | None = None, max_memory: float | None = None,
+              max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, same: bool = False,
+              full: bool = False) -> Plan:
+    """Plan the exact inner products of two stacks (nothing contracted, nothing large
+    allocated). ``full``: plan Wick even when chaos is cheap (for :func:`tensoralg.plan`).
+
+    Raises:
+        ValueError: a budget that is not a positive number; ``strategy="chaos"`` with the
+            Frobenius metric.
+    """
+    check_budget("max_flops", max_flops)
+    check_budget("max_memory", max_memory)
+    if isinstance(max_configurations, bool) or not isinstance(max_configurations, (int, np.integer)) \
+            or max_configurations <= 0:
+        raise ValueError(f"max_configurations: expected a positive integer, got "
+                         f"{max_configurations!r}")
+    if strategy == "chaos" and metric != "gaussian":
+        raise ValueError("strategy='chaos' computes the Gaussian metric; metric='frobenius' "
+                         "needs strategy='wick' (or 'auto')")
+    if max_flops is None:
+        max_flops = DEFAULT_MAX_FLOPS_EXACT if backend == "exact" else DEFAULT_MAX_FLOPS
+    if max_memory is None:
+        max_memory = available_memory(backend, device)
+    size = itemsize(backend, dtype)
+    n_legs, n_conf = n_wick_configurations(ca, cb, metric)
+    plan = Plan(metric=metric, strategy=None, reason="", flops=float("inf"), memory_bytes=0,
+                max_flops=float(max_flops), max_memory=float(max_memory),
+                max_configurations=int(max_configurations), n_legs=n_legs,
+                n_configurations=n_conf)
+    why: dict[str, str] = {}
+    ok: dict[str, tuple[float, int]] = {}
+    # chaos: from shapes alone
+    if metric == "gaussian":
+        est = chaos.estimate(ca, cb, U.shape[0], keep, same, backend == "exact")
+        plan.chaos = est
+        mem = est.memory_elements * size
+        bad = _fits(est.flops, mem, max_flops, max_memory)
+        if bad:
+            est.refused = bad
+            why["chaos"] = bad
+        else:
+            ok["chaos"] = (est.flops, mem)
+    else:
+        why["chaos"] = "computes the Gaussian metric only"
+    if strategy == "auto" and "chaos" in ok and ok["chaos"][0] <= CHAOS_SHORTCUT_FLOPS \
+            and not full:
+        plan.strategy, (plan.flops, plan.memory_bytes) = "chaos", ok["chaos"]
+        plan.reason = (f"chaos fits the budgets at {ok['chaos'][0]:.3g} FLOPs (under "
+                       f"{CHAOS_SHORTCUT_FLOPS:.0g}); Wick paths not searched")
+        return plan
+    # wick: count first, build and search paths only within the configuration budget
+    if strategy != "chaos" or full:
+        if n_conf > max_configurations:
+            why["wick"] = (f"the joined network has {n_legs} input legs, i.e. {n_conf:,} Wick "
+                           f"configurations, over max_configurations={max_configurations:,}")
+        else:
+            joined, wp = wick.build(ca, cb, U, keep, metric, max_configurations)
+            plan.wick, plan._joined = wp, joined
+            mem_shared = wp.memory_bytes(size, shared=True)
+            mem_seq = wp.memory_bytes(size, shared=False)
+            bad = _fits(wp.flops, mem_shared, max_flops, max_memory)
+            if bad is None:
+                ok["wick"] = (wp.flops, mem_shared)
+            elif _fits(wp.flops, mem_seq, max_flops, max_memory) is None:
+                ok["wick"] = (wp.flops, mem_seq)
+                plan.wick_shared = False
+            else:
+                why["wick"] = _fits(wp.flops, mem_seq, max_flops, max_memory)
+    choices = ok if strategy == "auto" else {k: v for k, v in ok.items() if k == strategy}
+    if choices:
+        best = min(choices, key=lambda k: choices[k][0])
+        plan.strategy = best
+        plan.flops, plan.memory_bytes = choices[best]
+        if strategy != "auto":
+            plan.reason = f"forced by strategy={strategy!r}"
+        elif len(choices) == 2:
+            other = "wick" if best == "chaos" else "chaos"
+            plan.reason = (f"fewer FLOPs than {other} ({choices[best][0]:.3g} against "
+                           f"{choices[other][0]:.3g})")
+        else:
+            other = "wick" if best == "chaos" else "chaos"
+            plan.reason = f"the only exact strategy within budget ({other}: {why.get(other)})"
+        return plan
+    names = ["wick", "chaos"] if strategy == "auto" else [strategy]
+    parts = [f"{n}: {why.get(n, 'not planned')}" for n in names]
+    plan.refused = (f"exact {metric} inner product over budget — " + "; ".join(parts) + ". "
+                    + ALTERNATIVES)
+    plan.reason = "no exact strategy within budget"
+    return plan
+
+
+def refuse_if_needed(plan: Plan) -> None:
+    """Raise :class:`CostTooHigh` with the plan's message when it was refused."""
+    if plan.refused:
+        raise CostTooHigh(plan.refused)

@@ -1,0 +1,13 @@
+"""Strategies: ways to compute the Gaussian inner product of two stacks of networks.
+
+* :mod:`.wick` — exact: the Isserlis/Wick sum over partial matchings of the joined tensor
+  network's legs (DESIGN §3.1); polynomial in the hidden widths, exponential in the legs.
+* :mod:`.chaos` — exact: Euclidean inner products of Gaussian chaos (Hermite) coefficients
+  (DESIGN §3.6); polynomial in the input width, exponential in the degree; Gram matrices of
+  many models are one matrix product.
+* :mod:`.closure` — APPROXIMATE beyond depth 1: second-moment propagation (DESIGN §3.2).
+* :mod:`.montecarlo` — unbiased sampling with standard errors (DESIGN §3.4).
+
+Each exact strategy estimates its own cost (FLOPs, peak memory) before any work;
+:mod:`tensoralg.planner` chooses between them.
+"""
