@@ -1,0 +1,95 @@
+"""GPU check of the torch backend (not run in CI): both exact strategies (Wick and chaos) and the
+Monte Carlo estimator on torch CUDA in float64 and float32 against NumPy float64 — agreement
+(relative to the Cauchy–Schwarz scale ``||a|| ||b||``) and speed. On a machine without a CUDA
+GPU it says so and exits 0.
+
+    python benchmarks/gpu_check.py            # a few seconds on a GPU
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+
+def main() -> int:
+    try:
+        import torch
+    except ImportError:
+        print("gpu_check: torch is not installed; nothing to check")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to "
+              "check")
+        return 0
+    import tensoralg as ta
+
+    print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    rng = np.random.default_rng(0)
+
+    def bil(d, H, O):
+        g = lambda *s: rng.standard_normal(s) / np.sqrt(s[-1])  # noqa: E731
+        return ta.Bilinear(g(H, d), g(H, d), g(O, H), g(H), g(H), g(O))
+
+    def one_layer(din, dm, H, O):
+        return ta.Sequential([ta.Linear(rng.standard_normal((dm, din)) / np.sqrt(din)),
+                              bil(dm, H, dm), ta.Linear(rng.standard_normal((O, dm)) / np.sqrt(dm))])
+
+    def depth2(dm, H, O):
+        return ta.Sequential([ta.Linear(rng.standard_normal((dm, dm)) / np.sqrt(dm)),
+                              ta.Residual(bil(dm, H, dm)), ta.Residual(bil(dm, H, dm)),
+                              ta.Linear(rng.standard_normal((O, dm)) / np.sqrt(dm))])
+
+    cases = {
+        "one layer 64->64, H=256": (one_layer(64, 64, 256, 10), one_layer(64, 64, 256, 10)),
+        "image 784->128, H=512": (one_layer(784, 128, 512, 10), one_layer(784, 128, 512, 10)),
+        "depth 2 (16, 32)": (depth2(16, 32, 10), depth2(16, 32, 10)),
+    }
+    # float32 rounding of O(1) gauged factors over these contractions: a few 1e-6 relative
+    tol = {"float64": 1e-10, "float32": 1e-4}
+    failed = 0
+
+    def timed(fn, reps=3):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts)), out
+
+    print(f"{'case':<26}{'strategy':<8}{'dtype':<9}{'rel. err':>11}{'cpu [s]':>10}"
+          f"{'gpu [s]':>10}{'speed-up':>10}")
+    for name, (a, b) in cases.items():
+        scale = np.sqrt(ta.inner(a, a) * ta.inner(b, b))
+        for strategy in ("wick", "chaos"):
+            try:
+                t_cpu, ref = timed(lambda: ta.inner(a, b, strategy=strategy, max_flops=1e13))
+            except ta.CostTooHigh as exc:
+                print(f"{name:<26}{strategy:<8}refused: {str(exc)[:60]}")
+                continue
+            for dtype in ("float64", "float32"):
+                t_gpu, val = timed(lambda: ta.inner(a, b, strategy=strategy, backend="torch",
+                                                    device="cuda", dtype=dtype, max_flops=1e13))
+                err = abs(val - ref) / scale
+                ok = err <= tol[dtype]
+                failed += not ok
+                print(f"{name:<26}{strategy:<8}{dtype:<9}{err:>11.2e}{t_cpu:>10.4f}"
+                      f"{t_gpu:>10.4f}{t_cpu / t_gpu:>9.1f}x{'' if ok else '  FAIL'}")
+    a, b = cases["one layer 64->64, H=256"]
+    mc = ta.inner(a, b, method="montecarlo", backend="torch", device="cuda", n_samples=10**6)
+    ex = ta.inner(a, b)
+    z = abs(float(mc) - ex) / mc.stderr
+    print(f"Monte Carlo on cuda: {float(mc):.6g} ± {mc.stderr:.2g} against exact {ex:.6g} "
+          f"({z:.1f} standard errors)")
+    failed += z > 4
+    print("gpu_check: " + ("all agree" if not failed else f"{failed} disagreement(s)"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
