@@ -395,10 +395,10 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
         G[rows.start:rows.stop, cols.start:cols.stop] = block
         G[cols.start:cols.stop, rows.start:rows.stop] = np.swapaxes(block, 0, 1)
 
-    done = set()
+    done, in_grid = set(), set(grid)
     if store is not None:
         for I, J in store.finished():
-            if (I, J) in grid:
+            if (I, J) in in_grid:
                 put(I, J, store.read(I, J, (len(span(I)), len(span(J))) + tail))
                 done.add((I, J))
     todo = [blk for blk in grid if blk not in done]

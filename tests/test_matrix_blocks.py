@@ -262,6 +262,8 @@ def test_killed_worker_loses_only_its_block(client, tmp_path):
         if killed:
             return
         busy = {w: keys for w, keys in client.processing().items() if keys}
+        if not busy:
+            return  # try again after the next block
         victim = sorted(busy)[0]
         pid = client.run(os.getpid, workers=[victim])[victim]
         killed.update(worker=victim, pid=pid, tasks=len(busy[victim]))
@@ -269,7 +271,7 @@ def test_killed_worker_loses_only_its_block(client, tmp_path):
 
     S, summary = blocks.similarity_matrix(nets, tmp_path / "store", block_size=1, client=client,
                                           on_block=kill_a_busy_worker, return_summary=True)
-    assert killed["tasks"] >= 1  # it held work when it died
+    assert killed and killed["tasks"] >= 1  # a worker died while it held work
     with pytest.raises(ProcessLookupError):
         os.kill(killed["pid"], 0)
     assert summary["computed_blocks"] == 55 and len(_block_files(tmp_path / "store")) == 55
