@@ -578,7 +578,10 @@ def similarity_matrix(sources: Sequence[Any], out: str | os.PathLike | None = No
     """Similarity matrix ``S[i, j] = G_ij / sqrt(G_ii G_jj)`` in [-1, 1] (clipped for rounding)
     of N same-architecture checkpoints, with ``G`` from :func:`gram` (blocked, resumable,
     optionally on Dask; same keywords) and the norms ``G_ii`` from its diagonal blocks. Equal to
-    :func:`tensoralg.similarity_matrix` within float64 rounding (tested to 1e-12 relative).
+    :func:`tensoralg.similarity_matrix` within float64 rounding (tested to 1e-12; the rounding of
+    entry ``(i, j)`` is of order ``eps`` times its scale ``||m_i|| ||m_j||``, which for a similarity
+    is 1: near-orthogonal pairs carry larger elementwise relative differences, as between any two
+    summation orders).
 
     Raises (besides those of :func:`gram`):
         ValueError: a checkpoint whose network has norm zero (named).
