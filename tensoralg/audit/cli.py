@@ -189,6 +189,9 @@ def add_parsers(sub) -> None:
                    help="compare one output slice instead of all outputs")
     _n_samples(m)
     _shared(m, "Monte Carlo seed")
+    from .matrix_blocks import add_options as _block_options
+
+    _block_options(m)  # --block-size, --resume, --scheduler, --workers (tensoralg.blocks)
     m.set_defaults(func=cmd_matrix)
 
 
@@ -278,6 +281,10 @@ def cmd_compare(args) -> int:
 
 def cmd_matrix(args) -> int:
     from .compare import matrix_table, run_matrix
+    from .matrix_blocks import cmd_matrix_blocked, wants_blocks
+
+    if wants_blocks(args):
+        return cmd_matrix_blocked(args)
 
     out = _check_paths(args, "runs/matrix")
     _threads(args)
