@@ -33,6 +33,7 @@ _ENCODERS = ("single", "multistep")
 _GAMMAS = ("free", "diag", "tied")
 _RIPS = ("none", "eig", "fro")
 _B_DEC_INITS = ("mean", "geometric_median", "zeros")
+_NORMALIZATIONS = ("none", "layer_norm")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -68,6 +69,9 @@ class SAEConfig:
         dead_tokens: a latent is dead when it has not fired on this many training samples.
         b_dec_init: ``"mean"``, ``"geometric_median"`` of the first batch, or ``"zeros"``.
         dtype: ``"float32"`` or ``"float64"``.
+        normalize_activations: ``"none"`` or ``"layer_norm"`` (as SAELens: every input row is
+            centred and divided by its unbiased standard deviation plus ``1e-5`` before
+            encoding; :meth:`SparseAutoencoder.forward` maps the reconstruction back).
     """
 
     d_in: int
@@ -87,6 +91,7 @@ class SAEConfig:
     dead_tokens: int = 10_000
     b_dec_init: str = "mean"
     dtype: str = "float32"
+    normalize_activations: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("d_in", "d_sae", "k", "n_steps", "rip_max_supports", "k_aux", "dead_tokens"):
@@ -106,6 +111,7 @@ class SAEConfig:
         _choice("rip", self.rip, _RIPS)
         _choice("b_dec_init", self.b_dec_init, _B_DEC_INITS)
         _choice("dtype", self.dtype, tuple(_DTYPES))
+        _choice("normalize_activations", self.normalize_activations, _NORMALIZATIONS)
         for name in ("step_size", "rip_beta", "rip_delta", "auxk_alpha"):
             value = float(getattr(self, name))
             if not value == value or value in (float("inf"), float("-inf")) or value < 0:
@@ -374,6 +380,18 @@ class SparseAutoencoder(nn.Module):
             return self.W_step
         return self.W_dec.T * self.step_scale
 
+    def normalize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                        torch.Tensor | None]:
+        """``(x_n, mu, std)``: ``x`` as the encoder sees it. With ``"layer_norm"``
+        ``x_n = (x - mu) / (std + 1e-5)`` per row (``std`` unbiased, as SAELens); otherwise
+        ``x_n = x`` and ``mu = std = None``."""
+        if self.cfg.normalize_activations != "layer_norm":
+            return x, None, None
+        mu = x.mean(dim=-1, keepdim=True)
+        xc = x - mu
+        std = xc.std(dim=-1, keepdim=True)
+        return xc / (std + 1e-5), mu, std
+
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.b_dec) @ self.W_enc + self.b_enc
 
@@ -381,8 +399,10 @@ class SparseAutoencoder(nn.Module):
         """Codes ``(n, d_sae)`` of ``x (n, d_in)`` (at most ``k`` non-zeros per row)."""
         return self._encode(x)[0]
 
-    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, x: torch.Tensor, normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, first pre-activation)``; the loss reuses the latter for AuxK."""
+        if not normalized:
+            x = self.normalize_input(x)[0]
         pre = self.pre_activation(x)
         z = self.activation(pre)
         if self.cfg.encoder == "multistep" and self.cfg.n_steps > 0:
@@ -393,10 +413,15 @@ class SparseAutoencoder(nn.Module):
         return z, pre
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """``z @ W_dec + b_dec`` (in the normalized space when ``normalize_activations`` is
+        ``"layer_norm"``; :meth:`forward` maps back)."""
         return z @ self.W_dec + self.b_dec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x))
+        """Reconstruction of ``x (n, d_in)`` in the input's own space."""
+        xn, mu, std = self.normalize_input(x)
+        out = self.decode(self._encode(xn, normalized=True)[0])
+        return out if mu is None else out * std + mu
 
     # -- training helpers ------------------------------------------------------------------
     def check_input(self, x: torch.Tensor, name: str = "x") -> None:
@@ -414,7 +439,8 @@ class SparseAutoencoder(nn.Module):
         Returns a dict with ``loss`` (scalar), ``recon``, ``rip``, ``aux`` (scalars) and ``z``.
         """
         cfg = self.cfg
-        z, pre = self._encode(x)
+        x = self.normalize_input(x)[0]
+        z, pre = self._encode(x, normalized=True)
         x_hat = self.decode(z)
         var = ((x - x.mean(dim=0)) ** 2).sum().clamp_min(1e-12)
         recon = ((x - x_hat) ** 2).sum() / var
@@ -463,16 +489,3 @@ class SparseAutoencoder(nn.Module):
             self.b_dec.copy_(x.mean(dim=0))
         elif self.cfg.b_dec_init == "geometric_median":
             self.b_dec.copy_(geometric_median(x.double()).to(self.b_dec.dtype))
-
-    def tensors(self) -> dict:
-        """Named parameters for ``weights.safetensors`` (SAELens names)."""
-        return {name: p.detach() for name, p in self.named_parameters()}
-
-    def library_cfg(self) -> dict:
-        """Flat ``cfg.json`` entries: the :class:`SAEConfig` plus SAELens-style keys."""
-        cfg = self.cfg.to_dict()
-        cfg.update({"architecture": "isae" if (self.cfg.activation == "abstopk" or
-                                                self.cfg.encoder == "multistep") else "topk",
-                    "activation_fn": self.cfg.activation, "apply_b_dec_to_input": True,
-                    "normalize_activations": "none", "device": "cpu"})
-        return cfg

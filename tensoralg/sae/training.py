@@ -1,12 +1,12 @@
 """Training loop for :class:`~tensoralg.sae.models.SparseAutoencoder`: AdamW, batches from an
 in-memory tensor or a memory-mapped ``.npy``, periodic checkpoints, resume, determinism.
 
-Checkpoint layout (written with :func:`tensoralg.io.save_folder`, atomically):
+Checkpoint layout (the SAELens layout of :mod:`tensoralg.sae.formats`, written atomically):
 
-* ``OUT/weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (+ ``W_step`` / ``step_scale``
-  for the multi-step encoder), SAELens names and shapes;
-* ``OUT/cfg.json`` — flat: the :class:`SAEConfig`, SAELens-style keys (``d_in``, ``d_sae``,
-  ``k``, ``activation_fn``, ``apply_b_dec_to_input``, ...) and ``train_*`` entries;
+* ``OUT/sae_weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (SAELens names, shapes);
+  ``OUT/encoder_steps.safetensors`` — ``W_step`` / ``step_scale`` of a multi-step encoder;
+* ``OUT/cfg.json`` — flat: SAELens's fields (``architecture``, ``d_in``, ``d_sae``, ``k``,
+  ``apply_b_dec_to_input``, ...), the :class:`SAEConfig` and ``train_*`` entries;
 * ``OUT/trainer_state/`` — AdamW moments, dead-latent counters and the step, for resuming.
 
 Determinism: the initial weights come from ``seed`` (stream ``"init"``); the batch of step ``s``
@@ -30,6 +30,7 @@ import torch
 from .. import io as tio
 from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
 from ._seeds import stream_generator
+from .formats import load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "save_sae", "load_sae", "as_activations"]
@@ -153,41 +154,6 @@ class _Batches:
 
 
 # --------------------------------------------------------------------------- checkpoints
-
-def save_sae(path, model: SparseAutoencoder, extra_cfg: dict | None = None) -> Path:
-    """Save ``model`` as ``path/weights.safetensors`` + ``path/cfg.json`` (SAELens layout)."""
-    cfg = model.library_cfg()
-    if extra_cfg:
-        cfg.update(extra_cfg)
-    return tio.save_folder(path, model.tensors(), cfg)
-
-
-def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
-    """Load an SAE saved by :func:`save_sae`.
-
-    Raises:
-        FileNotFoundError: missing folder / files.
-        ValueError: corrupt files, a config without ``d_in/d_sae/k``, missing or mis-shaped
-            tensors, or NaN/inf weights.
-    """
-    tensors, cfg = tio.load_folder(path, device=device)
-    model = SparseAutoencoder(SAEConfig.from_dict(cfg)).to(device)
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    got = {n: tuple(t.shape) for n, t in tensors.items() if n in expected}
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ValueError(f"{path}: weights.safetensors lacks tensors {missing}")
-    bad = {n: (got[n], expected[n]) for n in expected if got[n] != expected[n]}
-    if bad:
-        raise ValueError(f"{path}: tensor shapes (got, expected) do not match cfg.json: {bad}")
-    for n in expected:
-        if not bool(torch.isfinite(tensors[n]).all()):
-            raise ValueError(f"{path}: tensor {n} contains NaN or inf")
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(tensors[n].to(p.dtype))
-    return model
-
 
 def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta) -> None:
     extra = {f"train_{k}": v for k, v in asdict(train_cfg).items()}
