@@ -428,7 +428,8 @@ class SparseAutoencoder(nn.Module):
         if x.ndim != 2 or x.shape[1] != self.cfg.d_in:
             raise ValueError(f"{name}: expected shape (n, d_in={self.cfg.d_in}), got {tuple(x.shape)}")
 
-    def loss(self, x: torch.Tensor, dead_mask: torch.Tensor | None = None) -> dict:
+    def loss(self, x: torch.Tensor, dead_mask: torch.Tensor | None = None,
+             rip_coef: float | None = None, aux_coef: float | None = None) -> dict:
         """Training loss and its parts on a batch ``x (n, d_in)``.
 
         ``recon`` is the batch fraction of variance unexplained
@@ -436,6 +437,7 @@ class SparseAutoencoder(nn.Module):
         (weight ``rip_beta``); ``aux`` the AuxK loss (Gao et al. 2024, weight ``auxk_alpha``):
         the ``k_aux`` dead latents of largest pre-activation (largest magnitude for AbsTopK)
         reconstruct the residual ``x - x_hat``, normalized by ``Σ‖x - x_hat‖²``.
+        ``rip_coef`` / ``aux_coef`` replace ``rip_beta`` / ``auxk_alpha`` (coefficient warmup).
         Returns a dict with ``loss`` (scalar), ``recon``, ``rip``, ``aux`` (scalars) and ``z``.
         """
         cfg = self.cfg
@@ -447,10 +449,12 @@ class SparseAutoencoder(nn.Module):
         total = recon
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
         rip = zero
+        rip_coef = cfg.rip_beta if rip_coef is None else rip_coef
+        aux_coef = cfg.auxk_alpha if aux_coef is None else aux_coef
         if cfg.rip != "none" and cfg.rip_beta > 0:
             supports = code_supports(z, cfg.k)
             rip = rip_penalty(self.W_dec, supports, cfg.rip, cfg.rip_delta, cfg.rip_max_supports)
-            total = total + cfg.rip_beta * rip
+            total = total + rip_coef * rip
         aux = zero
         if cfg.auxk_alpha > 0 and dead_mask is not None and bool(dead_mask.any()):
             score = pre.abs() if cfg.activation == "abstopk" else pre
@@ -463,7 +467,7 @@ class SparseAutoencoder(nn.Module):
             z_aux = torch.zeros_like(pre).scatter(-1, idx, vals)
             resid = (x - x_hat).detach()
             aux = ((resid - z_aux @ self.W_dec) ** 2).sum() / (resid ** 2).sum().clamp_min(1e-12)
-            total = total + cfg.auxk_alpha * aux
+            total = total + aux_coef * aux
         return {"loss": total, "recon": recon.detach(), "rip": rip.detach(), "aux": aux.detach(), "z": z}
 
     @torch.no_grad()

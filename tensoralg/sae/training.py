@@ -38,6 +38,13 @@ __all__ = ["TrainConfig", "TrainingDiverged", "train", "save_sae", "load_sae", "
 TRAINER_STATE = "trainer_state"
 
 
+LOG_FILE = "train_log.jsonl"
+DENSITY_PLOT = "feature_density.png"
+DEAD_TOKENS_DEFAULT = 10_000_000       # Gao et al. (2024): dead = not fired in 10M tokens
+_LR_DECAYS = ("constant", "linear", "cosine")
+_NORMALIZE = ("none", "expected_norm")
+
+
 @dataclass
 class TrainConfig:
     """Optimization settings.
@@ -45,10 +52,31 @@ class TrainConfig:
     Attributes:
         steps: total optimizer steps (a resumed run continues up to this number).
         batch_size: samples per step (batches drop the last partial one of each epoch).
-        lr: AdamW learning rate; ``weight_decay``: AdamW weight decay (default 0).
+        lr: AdamW peak learning rate; ``weight_decay``: AdamW weight decay (default 0).
+        lr_warmup_steps: the lr rises linearly from ``lr / lr_warmup_steps`` to ``lr`` over the
+            first this many steps (0: no warmup).
+        lr_decay: after warmup, ``"constant"``, ``"linear"`` or ``"cosine"`` decay from ``lr``
+            to ``lr_end`` at the last step (cosine: ``lr_end + (lr - lr_end)(1 + cos πp)/2``
+            with ``p`` the fraction of the decay done; Loshchilov & Hutter, SGDR, 2017).
+        lr_end: final learning rate of a linear or cosine decay (``0 <= lr_end <= lr``).
+        grad_clip: clip the global gradient norm to this value (0: no clipping; the norm
+            before clipping is logged either way).
+        rip_warmup_steps, auxk_warmup_steps: the aRIP and AuxK weights rise linearly from 0 to
+            the configured ``rip_beta`` / ``auxk_alpha`` over this many steps (0: full weight
+            from the start).
+        normalize: ``"none"`` or ``"expected_norm"``: the activations are multiplied by
+            ``c = sqrt(d_in / E‖x‖²)`` (estimated on up to 8192 rows) during training, so that
+            ``E‖c x‖² = d_in``; the saved and returned SAE has ``c`` folded into its biases
+            (``b_enc / c``, ``b_dec / c``; exact for TopK/AbsTopK, which commute with positive
+            scaling), so it takes raw activations and its codes are ``1/c`` times the training
+            codes. (Per-row layer norm is a model option: ``SAEConfig.normalize_activations``.)
+        dead_tokens: a latent counts as dead in the log and summary when it has not fired on
+            this many training samples (None: ``min(10_000_000, n)``, the TopK paper's 10M
+            tokens or the dataset size if smaller). The AuxK loss uses ``SAEConfig.dead_tokens``.
         seed: seeds the initial weights and the batch order.
         ckpt_every: write a checkpoint every this many steps (0: only at the end); needs ``out``.
-        log_every: record the loss parts every this many steps.
+        log_every: average the loss parts, L0 and gradient norm over this many steps and record
+            them (in ``history``, the progress bar and ``OUT/train_log.jsonl``).
         progress: show a tqdm progress bar (only when stderr is a terminal).
         device: torch device for the model and batches.
     """
@@ -57,6 +85,14 @@ class TrainConfig:
     batch_size: int = 256
     lr: float = 1e-3
     weight_decay: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay: str = "constant"
+    lr_end: float = 0.0
+    grad_clip: float = 0.0
+    rip_warmup_steps: int = 0
+    auxk_warmup_steps: int = 0
+    normalize: str = "none"
+    dead_tokens: int | None = None
     seed: int = 0
     ckpt_every: int = 0
     log_every: int = 50
@@ -64,7 +100,8 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seed", "ckpt_every", "log_every"):
+        for name in ("steps", "batch_size", "seed", "ckpt_every", "log_every", "lr_warmup_steps",
+                     "rip_warmup_steps", "auxk_warmup_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
@@ -73,6 +110,34 @@ class TrainConfig:
                              f"{self.log_every}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr: expected a finite number > 0, got {self.lr!r}")
+        if self.lr_decay not in _LR_DECAYS:
+            raise ValueError(f"lr_decay: expected one of {list(_LR_DECAYS)}, got {self.lr_decay!r}")
+        if not (0 <= self.lr_end <= self.lr):
+            raise ValueError(f"lr_end: expected 0 <= lr_end <= lr={self.lr}, got {self.lr_end!r}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ValueError(f"grad_clip: expected a finite number >= 0, got {self.grad_clip!r}")
+        if self.normalize not in _NORMALIZE:
+            raise ValueError(f"normalize: expected one of {list(_NORMALIZE)}, got {self.normalize!r}")
+        if self.dead_tokens is not None and (isinstance(self.dead_tokens, bool) or
+                                             not isinstance(self.dead_tokens, int) or
+                                             self.dead_tokens < 1):
+            raise ValueError(f"dead_tokens: expected None or an int >= 1, got {self.dead_tokens!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.lr_warmup_steps:
+            return self.lr * (step + 1) / self.lr_warmup_steps
+        if self.lr_decay == "constant":
+            return self.lr
+        span = self.steps - self.lr_warmup_steps
+        p = min(1.0, (step - self.lr_warmup_steps) / (span - 1)) if span > 1 else 1.0
+        if self.lr_decay == "linear":
+            return self.lr_end + (self.lr - self.lr_end) * (1.0 - p)
+        return self.lr_end + (self.lr - self.lr_end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def _ramp(step: int, warmup: int) -> float:
+    return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
 
 
 # --------------------------------------------------------------------------- data
@@ -155,17 +220,33 @@ class _Batches:
 
 # --------------------------------------------------------------------------- checkpoints
 
-def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta) -> None:
+def _folded(model: SparseAutoencoder, scale: float) -> SparseAutoencoder:
+    """``model`` with the input scale ``c`` folded in: biases divided by ``c`` (a copy)."""
+    if scale == 1.0:
+        return model
+    import copy
+    folded = copy.deepcopy(model)
+    with torch.no_grad():
+        folded.b_enc.div_(scale)
+        folded.b_dec.div_(scale)
+    return folded
+
+
+def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta, scale) -> None:
     extra = {f"train_{k}": v for k, v in asdict(train_cfg).items()}
     extra.update(meta)
     extra["train_step"] = step
-    save_sae(out, model, extra)
+    extra["train_activation_scale"] = scale
+    save_sae(out, _folded(model, scale), extra)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {"tokens_since_fired": dead}
+    if scale != 1.0:   # the unfolded biases, so that a resumed run continues bit-identically
+        state.update({"unfolded.b_enc": model.b_enc.detach(), "unfolded.b_dec": model.b_dec.detach()})
     for p, s in opt.state.items():
         for key, val in s.items():
             state[f"{names[id(p)]}.{key}"] = torch.as_tensor(val).reshape(-1) if key == "step" else val
-    tio.save_folder(out / TRAINER_STATE, state, {"step": step, "seed": train_cfg.seed})
+    tio.save_folder(out / TRAINER_STATE, state, {"step": step, "seed": train_cfg.seed,
+                                                  "activation_scale": scale})
 
 
 def _load_trainer_state(path: Path, model, opt):
@@ -180,7 +261,67 @@ def _load_trainer_state(path: Path, model, opt):
                             "exp_avg_sq": tensors[f"{name}.exp_avg_sq"]}
     sd["state"] = new_state
     opt.load_state_dict(sd)
-    return int(cfg["step"]), tensors["tokens_since_fired"]
+    if "unfolded.b_enc" in tensors:
+        with torch.no_grad():
+            model.b_enc.copy_(tensors["unfolded.b_enc"])
+            model.b_dec.copy_(tensors["unfolded.b_dec"])
+    return int(cfg["step"]), tensors["tokens_since_fired"], float(cfg.get("activation_scale", 1.0))
+
+
+def density_histogram(fires: torch.Tensor, tokens: int, n_bins: int = 20) -> dict:
+    """Histogram of the feature densities ``fires / tokens`` (fraction of samples each latent
+    fired on) in ``n_bins`` log10 bins from ``1/tokens`` to 1, plus the never-firing count."""
+    dens = fires.double() / max(tokens, 1)
+    lo = -math.log10(max(tokens, 10))
+    edges = torch.linspace(lo, 0.0, n_bins + 1, dtype=torch.float64)
+    alive = dens > 0
+    counts = torch.histc(torch.log10(dens[alive]), bins=n_bins, min=lo, max=0.0) if bool(alive.any()) \
+        else torch.zeros(n_bins, dtype=torch.float64)
+    return {"log10_density_edges": [round(float(e), 6) for e in edges],
+            "counts": [int(c) for c in counts], "never_fired": int((~alive).sum()),
+            "tokens": int(tokens)}
+
+
+def plot_density(records: list[dict], path) -> None:
+    """Feature-density histograms (one line per checkpoint) to ``path`` (PNG, atomic)."""
+    import io as _io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for rec in records:
+        e = rec["log10_density_edges"]
+        mids = [(a + b) / 2 for a, b in zip(e[:-1], e[1:])]
+        ax.plot(mids, rec["counts"], marker=".", label=f"step {rec['step']} "
+                f"({rec['never_fired']} never fired)")
+    ax.set_xlabel("log10 feature density (fraction of samples a latent fires on)")
+    ax.set_ylabel("number of latents")
+    ax.set_title("feature density at checkpoints", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = _io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    tio.atomic_write_bytes(path, buf.getvalue())
+
+
+def _read_log(path: Path, upto: int) -> list[dict]:
+    """Records of an earlier ``train_log.jsonl`` up to step ``upto`` (a torn last line of an
+    interrupted run is dropped)."""
+    import json
+    if not path.is_file():
+        return []
+    recs = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= upto:
+            recs.append(rec)
+    return recs
 
 
 # --------------------------------------------------------------------------- loop
@@ -193,16 +334,27 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         data: ``(n, d_in)`` activations: tensor, array or path to a ``.npy`` (memory-mapped).
         sae_cfg: architecture; ``train_cfg``: optimization (defaults :class:`TrainConfig`).
         out: checkpoint folder (written every ``ckpt_every`` steps and at the end), or None.
+            It also receives ``train_log.jsonl`` (one JSON record per ``log_every`` steps and
+            one ``"event": "density"`` record per checkpoint) and ``feature_density.png``.
         resume: a checkpoint folder written by this function to continue from (its SAE
             config must equal ``sae_cfg``); training continues up to ``train_cfg.steps``.
         meta: extra flat entries for ``cfg.json`` (e.g. the data source).
     Returns:
-        ``(model, history)``; ``history`` is a list of ``{"step", "loss", "recon", "rip", "aux"}``.
+        ``(model, history)``; ``history`` is the list of log records: ``step``, ``tokens``,
+        ``loss``, ``recon`` (the batch FVU, also as ``fvu``), ``explained_variance``
+        (``1 - fvu``), ``l0`` (mean active latents per sample), ``dead_latents`` (not fired on
+        ``dead_tokens`` samples), ``lr``, ``grad_norm`` (before clipping), ``rip``, ``aux``,
+        ``rip_coef``, ``aux_coef``, ``seconds`` — averages over the ``log_every`` steps. The
+        model is returned in raw-activation space (any ``normalize`` scale folded in), and
+        ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
         ValueError: bad data (shape, NaN/inf), a batch larger than the data, a resume
             checkpoint whose config differs.
         TrainingDiverged: the loss became NaN/inf (the last good checkpoint is kept on disk).
     """
+    import json
+    import time
+
     train_cfg = train_cfg or TrainConfig()
     data = as_activations(data)
     n, d = data.shape
@@ -216,7 +368,9 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     model = SparseAutoencoder(sae_cfg, seed=train_cfg.seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
     dead = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
-    start = 0
+    fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
+    dead_tokens = train_cfg.dead_tokens or min(DEAD_TOKENS_DEFAULT, n)
+    start, scale = 0, 1.0
     if resume is not None:
         resume = Path(resume)
         saved = tio.read_config(resume)
@@ -227,26 +381,54 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                              f"(saved, requested): {diff}")
         loaded = load_sae(resume, device=str(device))
         model.load_state_dict(loaded.state_dict())
-        start, dead = _load_trainer_state(resume, model, opt)
+        start, dead, scale = _load_trainer_state(resume, model, opt)
         dead = dead.to(torch.long)
     else:
         gen = stream_generator(train_cfg.seed, "b_dec")
-        sample = torch.randperm(n, generator=gen)[:min(n, 8192)]
-        model.init_b_dec(_rows(data, sample, dtype, device))
+        sample = _rows(data, torch.randperm(n, generator=gen)[:min(n, 8192)], dtype, device)
+        if train_cfg.normalize == "expected_norm":
+            msq = float((sample.double() ** 2).sum(dim=1).mean())
+            if not msq > 0:
+                raise ValueError("data: normalize='expected_norm' needs non-zero activations")
+            scale = math.sqrt(d / msq)
+        model.init_b_dec(sample * scale if scale != 1.0 else sample)
     meta = dict(meta or {})
     out = Path(out) if out is not None else None
     last_good = str(out) if (out is not None and (out / tio.CONFIG_FILE).exists()) else None
+    log_path = out / LOG_FILE if out is not None else None
+    old_log = _read_log(log_path, start) if (log_path is not None and resume is not None) else []
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        tio.atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in old_log))
+    density_recs = [r for r in old_log if r.get("event") == "density"]
     history = []
     steps = range(start, train_cfg.steps)
     if train_cfg.progress:
         from tqdm import tqdm
         # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
         steps = tqdm(steps, desc="sae train", unit="step", disable=None)
+    keys = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
+    window = {k: 0.0 for k in keys}
+    n_window = 0
+    t0 = time.perf_counter()
+    last_ckpt = start
+    params = list(model.parameters())
     model.train()
     for step in steps:
         x = _rows(data, batches.indices(step), dtype, device)
+        if scale != 1.0:
+            x = x * scale
         dead_mask = (dead >= sae_cfg.dead_tokens).to(device) if sae_cfg.auxk_alpha > 0 else None
-        parts = model.loss(x, dead_mask)
+        lr = train_cfg.lr_at(step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        rip_ramp = _ramp(step, train_cfg.rip_warmup_steps)
+        aux_ramp = _ramp(step, train_cfg.auxk_warmup_steps)
+        if rip_ramp == 1.0 and aux_ramp == 1.0:
+            parts = model.loss(x, dead_mask)
+        else:
+            parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
+                               aux_coef=aux_ramp * sae_cfg.auxk_alpha)
         loss = parts["loss"]
         if not bool(torch.isfinite(loss)):
             where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
@@ -256,26 +438,67 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         opt.zero_grad(set_to_none=True)
         loss.backward()
         model.remove_parallel_grad_()
+        if train_cfg.grad_clip > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
+        else:
+            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         opt.step()
         model.normalize_decoder_()
         with torch.no_grad():
-            fired = (parts["z"] != 0).any(dim=0).cpu()
+            active = parts["z"] != 0
+            fired = active.any(dim=0).cpu()
+            fires += active.sum(dim=0).cpu()
             dead += x.shape[0]
             dead[fired] = 0
+            for k in ("loss", "recon", "rip", "aux"):
+                window[k] += float(parts[k].detach())
+            window["l0"] += float(active.sum(dim=1).double().mean())
+            window["grad_norm"] += float(gnorm)
+            n_window += 1
         done = step + 1
         if done % train_cfg.log_every == 0 or done == train_cfg.steps:
-            rec = {"step": done, **{k: float(parts[k].detach()) for k in ("loss", "recon", "rip", "aux")}}
+            rec = {"step": done, "tokens": done * train_cfg.batch_size,
+                   **{k: window[k] / n_window for k in keys}}
+            rec.update({"fvu": rec["recon"], "explained_variance": 1.0 - rec["recon"],
+                        "dead_latents": int((dead >= dead_tokens).sum()),
+                        "dead_tokens": dead_tokens, "lr": lr,
+                        "rip_coef": rip_ramp * sae_cfg.rip_beta,
+                        "aux_coef": aux_ramp * sae_cfg.auxk_alpha,
+                        "seconds": time.perf_counter() - t0})
+            window = {k: 0.0 for k in keys}
+            n_window = 0
             history.append(rec)
+            if log_path is not None:
+                with open(log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(rec) + "\n")
             if train_cfg.progress:
-                steps.set_postfix(fvu=f"{rec['recon']:.4f}")
+                steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
+                                  dead=rec["dead_latents"], lr=f"{lr:.2e}")
         if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)
                                 or done == train_cfg.steps):
             if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta)
+                dens = {"event": "density", "step": done,
+                        **density_histogram(fires, (done - last_ckpt) * train_cfg.batch_size)}
+                density_recs.append(dens)
+                with open(log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(dens) + "\n")
+                fires = torch.zeros_like(fires)
+                last_ckpt = done
+                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale)
                 last_good = str(out)
     if out is not None and start >= train_cfg.steps and not (out / tio.CONFIG_FILE).exists():
-        _save_checkpoint(out, model, opt, start, dead, train_cfg, meta)
+        _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale)
+    if out is not None and density_recs and start < train_cfg.steps:
+        plot_density(density_recs[-5:], out / DENSITY_PLOT)
+    seconds = time.perf_counter() - t0
+    model = _folded(model, scale)
     model.eval()
+    summary = dict(history[-1]) if history else {}
+    summary.update({"steps_run": train_cfg.steps - start if start < train_cfg.steps else 0,
+                    "seconds": seconds, "activation_scale": scale,
+                    "samples_per_s": (max(0, train_cfg.steps - start) * train_cfg.batch_size /
+                                      seconds) if seconds > 0 else None})
+    model.train_summary = summary
     return model, history
 
 
