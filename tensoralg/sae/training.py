@@ -232,11 +232,14 @@ def _folded(model: SparseAutoencoder, scale: float) -> SparseAutoencoder:
     return folded
 
 
-def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta, scale) -> None:
+def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta, scale,
+                     dead_tokens) -> None:
     extra = {f"train_{k}": v for k, v in asdict(train_cfg).items()}
     extra.update(meta)
     extra["train_step"] = step
     extra["train_activation_scale"] = scale
+    extra["train_dead_tokens"] = dead_tokens    # the threshold actually used (None resolved)
+    extra["train_dead_latents"] = int((dead >= dead_tokens).sum())
     save_sae(out, _folded(model, scale), extra)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {"tokens_since_fired": dead}
@@ -484,13 +487,13 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                     fh.write(json.dumps(dens) + "\n")
                 fires = torch.zeros_like(fires)
                 last_ckpt = done
-                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale)
+                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale, dead_tokens)
                 last_good = str(out)
     if out is not None and start >= train_cfg.steps and not (out / tio.CONFIG_FILE).exists():
-        _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale)
+        _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
+    seconds = time.perf_counter() - t0
     if out is not None and density_recs and start < train_cfg.steps:
         plot_density(density_recs[-5:], out / DENSITY_PLOT)
-    seconds = time.perf_counter() - t0
     model = _folded(model, scale)
     model.eval()
     summary = dict(history[-1]) if history else {}
