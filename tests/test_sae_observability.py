@@ -133,3 +133,21 @@ def test_expected_norm_scaling_is_folded_exactly(tmp_path):
                    out=tmp_path / "h", resume=tmp_path / "h")
     for k, v in full.state_dict().items():
         assert torch.equal(v, res.state_dict()[k]), k
+
+
+def test_train_many_equals_separate_runs_on_shared_batches(syn):
+    from dataclasses import replace
+    cfgs = [make_config("topk", 8, 12, 2), make_config("isae-me", 8, 12, 2),
+            make_config("abstopk", 8, 12, 2)]
+    seeds = [3, 4, 5]
+    tc = TrainConfig(steps=7, batch_size=64, log_every=3, seed=11, normalize="expected_norm")
+    many = training.train_many(syn.x, cfgs, seeds, tc)
+    for (m, h), c, s in zip(many, cfgs, seeds):
+        one, h1 = train(syn.x, c, replace(tc, init_seed=s))
+        for k, v in one.state_dict().items():
+            assert torch.equal(v, m.state_dict()[k]), k
+        assert [r["fvu"] for r in h] == [r["fvu"] for r in h1]
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        training.train_many(syn.x, cfgs, [1], tc)
+    with pytest.raises(ValueError, match=r"sae_cfgs\[0\]: d_in=9"):
+        training.train_many(syn.x, [make_config("topk", 9, 12, 2)], [0], tc)

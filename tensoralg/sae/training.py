@@ -19,8 +19,10 @@ is a slice of a permutation drawn from a generator seeded by ``(seed, epoch)`` (
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from ._seeds import stream_generator
 from .formats import load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
-__all__ = ["TrainConfig", "TrainingDiverged", "train", "save_sae", "load_sae", "as_activations"]
+__all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae", "as_activations"]
 
 TRAINER_STATE = "trainer_state"
 
@@ -73,7 +75,10 @@ class TrainConfig:
         dead_tokens: a latent counts as dead in the log and summary when it has not fired on
             this many training samples (None: ``min(10_000_000, n)``, the TopK paper's 10M
             tokens or the dataset size if smaller). The AuxK loss uses ``SAEConfig.dead_tokens``.
-        seed: seeds the initial weights and the batch order.
+        seed: seeds the batch order, the ``b_dec`` sample and (unless ``init_seed`` is set)
+            the initial weights.
+        init_seed: seeds the initial weights instead of ``seed`` (None: ``seed``); several
+            SAEs that share batches (:func:`train_many`) differ only in this.
         ckpt_every: write a checkpoint every this many steps (0: only at the end); needs ``out``.
         log_every: average the loss parts, L0 and gradient norm over this many steps and record
             them (in ``history``, the progress bar and ``OUT/train_log.jsonl``).
@@ -94,6 +99,7 @@ class TrainConfig:
     normalize: str = "none"
     dead_tokens: int | None = None
     seed: int = 0
+    init_seed: int | None = None
     ckpt_every: int = 0
     log_every: int = 50
     progress: bool = False
@@ -118,6 +124,9 @@ class TrainConfig:
             raise ValueError(f"grad_clip: expected a finite number >= 0, got {self.grad_clip!r}")
         if self.normalize not in _NORMALIZE:
             raise ValueError(f"normalize: expected one of {list(_NORMALIZE)}, got {self.normalize!r}")
+        if self.init_seed is not None and (isinstance(self.init_seed, bool) or
+                                           not isinstance(self.init_seed, int) or self.init_seed < 0):
+            raise ValueError(f"init_seed: expected None or an int >= 0, got {self.init_seed!r}")
         if self.dead_tokens is not None and (isinstance(self.dead_tokens, bool) or
                                              not isinstance(self.dead_tokens, int) or
                                              self.dead_tokens < 1):
@@ -313,7 +322,6 @@ def plot_density(records: list[dict], path) -> None:
 def _read_log(path: Path, upto: int) -> list[dict]:
     """Records of an earlier ``train_log.jsonl`` up to step ``upto`` (a torn last line of an
     interrupted run is dropped)."""
-    import json
     if not path.is_file():
         return []
     recs = []
@@ -328,6 +336,173 @@ def _read_log(path: Path, upto: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- loop
+
+def _init_seed(train_cfg: TrainConfig) -> int:
+    return train_cfg.seed if train_cfg.init_seed is None else train_cfg.init_seed
+
+
+class _Stepper:
+    """One SAE's optimizer step and its log window (shared by :func:`train` and
+    :func:`train_many`)."""
+
+    KEYS = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
+
+    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0):
+        self.model, self.opt, self.sae_cfg, self.train_cfg = model, opt, sae_cfg, train_cfg
+        self.dead, self.dead_tokens, self.scale, self.t0 = dead, dead_tokens, scale, t0
+        self.fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
+        self.params = list(model.parameters())
+        self.window = {k: 0.0 for k in self.KEYS}
+        self.n_window = 0
+        model.train()
+
+    def step(self, x, step, where="no checkpoint was written", last_good=None):
+        model, sae_cfg, train_cfg = self.model, self.sae_cfg, self.train_cfg
+        if self.scale != 1.0:
+            x = x * self.scale
+        dead = self.dead
+        dead_mask = (dead >= sae_cfg.dead_tokens).to(x.device) if sae_cfg.auxk_alpha > 0 else None
+        self.lr = lr = train_cfg.lr_at(step)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.rip_ramp = rip_ramp = _ramp(step, train_cfg.rip_warmup_steps)
+        self.aux_ramp = aux_ramp = _ramp(step, train_cfg.auxk_warmup_steps)
+        if rip_ramp == 1.0 and aux_ramp == 1.0:
+            parts = model.loss(x, dead_mask)
+        else:
+            parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
+                               aux_coef=aux_ramp * sae_cfg.auxk_alpha)
+        loss = parts["loss"]
+        if not bool(torch.isfinite(loss)):
+            raise TrainingDiverged(f"loss became {float(loss.detach())} at step {step} (recon="
+                                   f"{float(parts['recon'])}, rip={float(parts['rip'])}); "
+                                   f"{where}; try a smaller lr", step, last_good)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        model.remove_parallel_grad_()
+        params = self.params
+        if train_cfg.grad_clip > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
+        else:
+            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        self.opt.step()
+        model.normalize_decoder_()
+        with torch.no_grad():
+            active = parts["z"] != 0
+            fired = active.any(dim=0).cpu()
+            self.fires += active.sum(dim=0).cpu()
+            dead += x.shape[0]
+            dead[fired] = 0
+            for k in ("loss", "recon", "rip", "aux"):
+                self.window[k] += float(parts[k].detach())
+            self.window["l0"] += float(active.sum(dim=1).double().mean())
+            self.window["grad_norm"] += float(gnorm)
+            self.n_window += 1
+        return parts
+
+    def record(self, done: int) -> dict | None:
+        """The averaged log record when step ``done`` ends a log window, else None."""
+        tc, sae_cfg = self.train_cfg, self.sae_cfg
+        if not (done % tc.log_every == 0 or done == tc.steps):
+            return None
+        rec = {"step": done, "tokens": done * tc.batch_size,
+               **{k: self.window[k] / self.n_window for k in self.KEYS}}
+        rec.update({"fvu": rec["recon"], "explained_variance": 1.0 - rec["recon"],
+                    "dead_latents": int((self.dead >= self.dead_tokens).sum()),
+                    "dead_tokens": self.dead_tokens, "lr": self.lr,
+                    "rip_coef": self.rip_ramp * sae_cfg.rip_beta,
+                    "aux_coef": self.aux_ramp * sae_cfg.auxk_alpha,
+                    "seconds": time.perf_counter() - self.t0})
+        self.window = {k: 0.0 for k in self.KEYS}
+        self.n_window = 0
+        return rec
+
+
+def _expected_norm_scale(sample: torch.Tensor, d: int) -> float:
+    msq = float((sample.double() ** 2).sum(dim=1).mean())
+    if not msq > 0:
+        raise ValueError("data: normalize='expected_norm' needs non-zero activations")
+    return math.sqrt(d / msq)
+
+
+def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None):
+    """Train several SAEs in one pass over shared batches (e.g. seeds × presets).
+
+    Every batch is read once and given to every SAE in turn; SAE ``i`` is exactly the SAE that
+    ``train(data, sae_cfgs[i], replace(train_cfg, init_seed=init_seeds[i]))`` returns (same
+    batch order from ``train_cfg.seed``, own initial weights from ``init_seeds[i]``,
+    bit-identical on CPU). No checkpoints or log files (use :func:`train` for one SAE with
+    ``out``).
+
+    Args:
+        data: as for :func:`train`; ``sae_cfgs``: list of :class:`SAEConfig` (same ``d_in``);
+        init_seeds: one int >= 0 per config; ``train_cfg``: shared optimization settings.
+    Returns:
+        list of ``(model, history)`` in the order of ``sae_cfgs``.
+    Raises:
+        ValueError: as :func:`train`; different lengths of ``sae_cfgs`` and ``init_seeds``.
+        TrainingDiverged: any of the SAEs diverged (its index is in the message).
+    """
+    from dataclasses import replace
+
+    train_cfg = train_cfg or TrainConfig()
+    sae_cfgs, init_seeds = list(sae_cfgs), list(init_seeds)
+    if len(sae_cfgs) != len(init_seeds) or not sae_cfgs:
+        raise ValueError(f"sae_cfgs, init_seeds: expected equal, non-zero lengths, got "
+                         f"{len(sae_cfgs)} and {len(init_seeds)}")
+    data = as_activations(data)
+    n, d = data.shape
+    for i, c in enumerate(sae_cfgs):
+        if c.d_in != d:
+            raise ValueError(f"sae_cfgs[{i}]: d_in={c.d_in} but the data has shape {tuple(data.shape)}")
+    batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
+    device = torch.device(train_cfg.device)
+    dead_tokens = train_cfg.dead_tokens or min(DEAD_TOKENS_DEFAULT, n)
+    gen = stream_generator(train_cfg.seed, "b_dec")
+    sample_idx = torch.randperm(n, generator=gen)[:min(n, 8192)]
+    t0 = time.perf_counter()
+    runs, cfgs = [], []
+    for c, s in zip(sae_cfgs, init_seeds):
+        tc = replace(train_cfg, init_seed=s)
+        dtype = torch.float64 if c.dtype == "float64" else torch.float32
+        model = SparseAutoencoder(c, seed=_init_seed(tc)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        sample = _rows(data, sample_idx, dtype, device)
+        scale = _expected_norm_scale(sample, d) if tc.normalize == "expected_norm" else 1.0
+        model.init_b_dec(sample * scale if scale != 1.0 else sample)
+        runs.append(_Stepper(model, opt, c, tc, torch.zeros(c.d_sae, dtype=torch.long),
+                             dead_tokens, scale, t0))
+        cfgs.append(dtype)
+    histories = [[] for _ in runs]
+    steps = range(train_cfg.steps)
+    if train_cfg.progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc=f"sae train x{len(runs)}", unit="step", disable=None)
+    for step in steps:
+        idx = batches.indices(step)
+        xs = {}
+        for i, (run, dtype) in enumerate(zip(runs, cfgs)):
+            if dtype not in xs:
+                xs[dtype] = _rows(data, idx, dtype, device)
+            try:
+                run.step(xs[dtype], step)
+            except TrainingDiverged as exc:
+                raise TrainingDiverged(f"sae_cfgs[{i}]: {exc}", exc.step, None) from None
+            rec = run.record(step + 1)
+            if rec is not None:
+                histories[i].append(rec)
+    seconds = time.perf_counter() - t0
+    out = []
+    for run, hist in zip(runs, histories):
+        model = _folded(run.model, run.scale)
+        model.eval()
+        summary = dict(hist[-1]) if hist else {}
+        summary.update({"steps_run": train_cfg.steps, "seconds": seconds,
+                        "activation_scale": run.scale, "shared_with": len(runs)})
+        model.train_summary = summary
+        out.append((model, hist))
+    return out
+
 
 def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=None,
           resume=None, meta: dict | None = None):
@@ -355,9 +530,6 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             checkpoint whose config differs.
         TrainingDiverged: the loss became NaN/inf (the last good checkpoint is kept on disk).
     """
-    import json
-    import time
-
     train_cfg = train_cfg or TrainConfig()
     data = as_activations(data)
     n, d = data.shape
@@ -368,10 +540,9 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
     device = torch.device(train_cfg.device)
     dtype = torch.float64 if sae_cfg.dtype == "float64" else torch.float32
-    model = SparseAutoencoder(sae_cfg, seed=train_cfg.seed).to(device)
+    model = SparseAutoencoder(sae_cfg, seed=_init_seed(train_cfg)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
     dead = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
-    fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
     dead_tokens = train_cfg.dead_tokens or min(DEAD_TOKENS_DEFAULT, n)
     start, scale = 0, 1.0
     if resume is not None:
@@ -390,10 +561,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         gen = stream_generator(train_cfg.seed, "b_dec")
         sample = _rows(data, torch.randperm(n, generator=gen)[:min(n, 8192)], dtype, device)
         if train_cfg.normalize == "expected_norm":
-            msq = float((sample.double() ** 2).sum(dim=1).mean())
-            if not msq > 0:
-                raise ValueError("data: normalize='expected_norm' needs non-zero activations")
-            scale = math.sqrt(d / msq)
+            scale = _expected_norm_scale(sample, d)
         model.init_b_dec(sample * scale if scale != 1.0 else sample)
     meta = dict(meta or {})
     out = Path(out) if out is not None else None
@@ -410,82 +578,33 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         from tqdm import tqdm
         # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
         steps = tqdm(steps, desc="sae train", unit="step", disable=None)
-    keys = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
-    window = {k: 0.0 for k in keys}
-    n_window = 0
     t0 = time.perf_counter()
     last_ckpt = start
-    params = list(model.parameters())
-    model.train()
+    run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0)
     for step in steps:
         x = _rows(data, batches.indices(step), dtype, device)
-        if scale != 1.0:
-            x = x * scale
-        dead_mask = (dead >= sae_cfg.dead_tokens).to(device) if sae_cfg.auxk_alpha > 0 else None
-        lr = train_cfg.lr_at(step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        rip_ramp = _ramp(step, train_cfg.rip_warmup_steps)
-        aux_ramp = _ramp(step, train_cfg.auxk_warmup_steps)
-        if rip_ramp == 1.0 and aux_ramp == 1.0:
-            parts = model.loss(x, dead_mask)
-        else:
-            parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
-                               aux_coef=aux_ramp * sae_cfg.auxk_alpha)
-        loss = parts["loss"]
-        if not bool(torch.isfinite(loss)):
-            where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-            raise TrainingDiverged(f"loss became {float(loss.detach())} at step {step} (recon="
-                                   f"{float(parts['recon'])}, rip={float(parts['rip'])}); "
-                                   f"{where}; try a smaller lr", step, last_good)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        model.remove_parallel_grad_()
-        if train_cfg.grad_clip > 0:
-            gnorm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
-        else:
-            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        opt.step()
-        model.normalize_decoder_()
-        with torch.no_grad():
-            active = parts["z"] != 0
-            fired = active.any(dim=0).cpu()
-            fires += active.sum(dim=0).cpu()
-            dead += x.shape[0]
-            dead[fired] = 0
-            for k in ("loss", "recon", "rip", "aux"):
-                window[k] += float(parts[k].detach())
-            window["l0"] += float(active.sum(dim=1).double().mean())
-            window["grad_norm"] += float(gnorm)
-            n_window += 1
+        where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
+        run.step(x, step, where, last_good)
+        dead = run.dead
         done = step + 1
-        if done % train_cfg.log_every == 0 or done == train_cfg.steps:
-            rec = {"step": done, "tokens": done * train_cfg.batch_size,
-                   **{k: window[k] / n_window for k in keys}}
-            rec.update({"fvu": rec["recon"], "explained_variance": 1.0 - rec["recon"],
-                        "dead_latents": int((dead >= dead_tokens).sum()),
-                        "dead_tokens": dead_tokens, "lr": lr,
-                        "rip_coef": rip_ramp * sae_cfg.rip_beta,
-                        "aux_coef": aux_ramp * sae_cfg.auxk_alpha,
-                        "seconds": time.perf_counter() - t0})
-            window = {k: 0.0 for k in keys}
-            n_window = 0
+        rec = run.record(done)
+        if rec is not None:
             history.append(rec)
             if log_path is not None:
                 with open(log_path, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(rec) + "\n")
             if train_cfg.progress:
                 steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
-                                  dead=rec["dead_latents"], lr=f"{lr:.2e}")
+                                  dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
         if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)
                                 or done == train_cfg.steps):
             if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
                 dens = {"event": "density", "step": done,
-                        **density_histogram(fires, (done - last_ckpt) * train_cfg.batch_size)}
+                        **density_histogram(run.fires, (done - last_ckpt) * train_cfg.batch_size)}
                 density_recs.append(dens)
                 with open(log_path, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(dens) + "\n")
-                fires = torch.zeros_like(fires)
+                run.fires.zero_()
                 last_ckpt = done
                 _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale, dead_tokens)
                 last_good = str(out)
