@@ -221,6 +221,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         results[name] = res
     results["findings"] = _findings(results)
     results["config"] = {**cfg, "presets": presets, "data": "synthetic" if synthetic else str(data),
+                         "eval_fraction": None if synthetic else eval_fraction,
                          "seed": seed, "data_seed": data_seed if synthetic else None}
     results["seconds"] = time.time() - t0
     results["train_seconds"] = train_seconds

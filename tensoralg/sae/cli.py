@@ -290,7 +290,8 @@ def _cmd_bench(args) -> int:
         from ..audit.common import check_file_writable
         check_file_writable(args.json, "--json")
     r = run_bench(args.presets, quick=args.quick, seeds=args.seeds, data=args.data, out=args.out,
-                  seed=args.seed, data_seed=args.data_seed, progress=not (args.no_progress or args.quiet),
+                  seed=args.seed, data_seed=args.data_seed, eval_fraction=args.eval_fraction,
+                  progress=not (args.no_progress or args.quiet),
                   log=(lambda *a: None) if args.quiet else print, **overrides)
     print(format_table(r))
     if args.out:
@@ -409,7 +410,7 @@ def add_parsers(sub) -> None:
     b.add_argument("--presets", nargs="+", choices=PRESET_NAMES, help="presets to train (default: all)")
     b.add_argument("--seeds", type=int, help="seeds per preset (default 3 quick / 5 full)")
     b.add_argument("--data", help="real activations .npy instead of synthetic data (default: "
-                                  "synthetic; the last 20%% are held out)")
+                                  "synthetic; the last --eval-fraction rows are held out)")
     b.add_argument("--d", type=int, help="activation dimension of the synthetic data (default 32 "
                                          "quick / 64 full)")
     b.add_argument("--m", type=int, help="latents (default 64 quick / 128 full)")
@@ -419,6 +420,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--batch-size", type=int, help="samples per step (default 256)")
     b.add_argument("--n-train", type=int, help="synthetic training samples (default 8192 quick / "
                                                "32768 full)")
+    b.add_argument("--eval-fraction", type=float, default=0.2,
+                   help="held-out share of --data rows, taken from the end (default 0.2)")
     b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     b.add_argument("--out", help="folder for bench.json, bench.md, bench.png (default: none): new, "
                                  "empty, or an earlier `sae bench` output, which is replaced as a "
