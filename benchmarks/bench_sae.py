@@ -3,6 +3,8 @@
     python benchmarks/bench_sae.py            # full synthetic sizes (several minutes on CPU)
     python benchmarks/bench_sae.py --quick    # about a minute
     python benchmarks/bench_sae.py --data acts.npy --m 768 --k 16   # real activations
+    python benchmarks/bench_sae.py --speed    # training samples/s: torch.topk selection vs the
+                                              # full stable sort it replaced, side by side
 
 Prints, side by side per preset, the ratios the iSAE claims are about: FVU relative to TopK,
 cross-seed code IoU relative to the OMP-with-learned-dictionary IoU, ground-truth code IoU
@@ -10,10 +12,55 @@ relative to the OMP oracle's, and rip_delta relative to AbsTopK's.
 """
 
 import argparse
+import statistics
+import time
 
 import torch
 
+import _sae_models_before as _before
+from tensoralg.sae import models, training
 from tensoralg.sae.bench import format_table, run_bench
+from tensoralg.sae.presets import make_config
+from tensoralg.sae.synthetic import make_synthetic
+from tensoralg.sae.training import TrainConfig, train
+
+
+def _samples_per_s(x, preset, d, m, k, steps, batch_size, before: bool) -> float:
+    """Samples/s of ``steps`` training steps of ``preset``; ``before``: with the model code as
+    it was before the speed-up (``_sae_models_before.py``, commit 15ea9a9)."""
+    saved = training.SparseAutoencoder
+    if before:
+        training.SparseAutoencoder = _before.SparseAutoencoder
+    try:
+        cfg = make_config(preset, d, m, k)
+        t = time.perf_counter()
+        train(x, cfg, TrainConfig(steps=steps, batch_size=batch_size, lr=1e-3, seed=0, log_every=steps))
+        return steps * batch_size / (time.perf_counter() - t)
+    finally:
+        training.SparseAutoencoder = saved
+
+
+def speed(reps: int = 5, steps: int = 20, d: int = 64, m: int = 256, k: int = 8,
+          batch_size: int = 1024) -> dict:
+    """Samples/s of training with today's selection (torch.topk + tie check) and with the full
+    stable sort it replaced, interleaved ``reps`` times; medians and their ratio per preset."""
+    x = make_synthetic(8 * batch_size, d, m, k, seed=0).x
+    out = {}
+    for preset in ("topk", "abstopk", "isae-me"):
+        new, old = [], []
+        for _ in range(reps):
+            new.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, False))
+            old.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, True))
+        out[preset] = {"new": statistics.median(new), "old": statistics.median(old)}
+        out[preset]["ratio"] = out[preset]["new"] / out[preset]["old"]
+    # the selection alone, on one (batch, m) score matrix
+    s = torch.randn(batch_size, m, generator=torch.Generator().manual_seed(1))
+    tn, to = [], []
+    for _ in range(reps * 10):
+        t = time.perf_counter(); models.select_topk(s, k); tn.append(time.perf_counter() - t)
+        t = time.perf_counter(); _before.select_topk(s, k); to.append(time.perf_counter() - t)
+    out["select_ms"] = {"new": 1e3 * statistics.median(tn), "old": 1e3 * statistics.median(to)}
+    return out
 
 
 def main() -> None:
@@ -28,8 +75,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="first model seed")
     ap.add_argument("--data-seed", type=int, default=12345, help="seed of the synthetic data")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--speed", action="store_true",
+                    help="only the training-throughput comparison of the top-k selection")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (--speed)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.speed:
+        r = speed(reps=args.reps)
+        print("training samples/s, d=64 m=256 k=8 batch 1024, one thread, medians of "
+              f"{args.reps} interleaved runs")
+        print("preset     now (torch.topk+tie check)   before (full sort)   ratio")
+        for p in ("topk", "abstopk", "isae-me"):
+            print(f"{p:9s}  {r[p]['new']:26.0f}   {r[p]['old']:18.0f}   {r[p]['ratio']:.2f}x")
+        sm = r["select_ms"]
+        print(f"selection alone on (1024, 256), k=8: {sm['new']:.2f} ms vs {sm['old']:.2f} ms "
+              f"({sm['old'] / sm['new']:.2f}x)")
+        return
     r = run_bench(quick=args.quick, seeds=args.seeds, data=args.data, out=args.out,
                   seed=args.seed, data_seed=args.data_seed, progress=not args.no_progress,
                   steps=args.steps, m=args.m, k=args.k)

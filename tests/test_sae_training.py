@@ -63,11 +63,12 @@ def test_checkpoint_layout_and_roundtrip(syn, tmp_path):
     cfg = make_config("isae-me", 8, 12, 2, gamma="diag")
     model, _ = train(syn.x, cfg, TrainConfig(steps=5, batch_size=64, ckpt_every=2), out=tmp_path / "run")
     from safetensors.torch import load_file
-    w = load_file(str(tmp_path / "run" / "weights.safetensors"))
-    assert set(w) == {"W_enc", "b_enc", "W_dec", "b_dec", "step_scale"}
+    w = load_file(str(tmp_path / "run" / "sae_weights.safetensors"))
+    assert set(w) == {"W_enc", "b_enc", "W_dec", "b_dec"}
+    assert set(load_file(str(tmp_path / "run" / "encoder_steps.safetensors"))) == {"step_scale"}
     assert w["W_enc"].shape == (8, 12) and w["W_dec"].shape == (12, 8)
     c = json.loads((tmp_path / "run" / "cfg.json").read_text())
-    assert (c["d_in"], c["d_sae"], c["k"], c["activation_fn"]) == (8, 12, 2, "abstopk")
+    assert (c["d_in"], c["d_sae"], c["k"], c["architecture"]) == (8, 12, 2, "abstopk")
     assert c["train_step"] == 5 and "tensoralg_version" in c
     loaded = load_sae(tmp_path / "run")
     assert torch.equal(loaded.encode(syn.x[:50]), model.encode(syn.x[:50]))
@@ -136,13 +137,13 @@ def test_load_sae_rejects_bad_checkpoints(tmp_path):
     save_sae(tmp_path / "nan", model)
     with pytest.raises(ValueError, match="NaN"):
         load_sae(tmp_path / "nan")
-    (tmp_path / "ok" / "weights.safetensors").write_bytes(b"\x00" * 10)
+    (tmp_path / "ok" / "sae_weights.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(ValueError, match="corrupt"):
         load_sae(tmp_path / "ok")
     from tensoralg.io import save_folder
     save_folder(tmp_path / "shape", {"W_enc": torch.zeros(4, 6), "b_enc": torch.zeros(6),
                                      "W_dec": torch.zeros(5, 4), "b_dec": torch.zeros(4)},
-                {"d_in": 4, "d_sae": 6, "k": 2})
+                {"d_in": 4, "d_sae": 6, "k": 2, "architecture": "topk"})
     with pytest.raises(ValueError, match="W_dec"):
         load_sae(tmp_path / "shape")
 

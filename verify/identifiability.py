@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 __all__ = ["Matching", "match_atoms", "dictionary_cosine_similarity", "align_codes", "code_iou",
-           "code_l2", "compare", "random_baseline"]
+           "code_l2", "compare", "random_baseline", "resolve_ties"]
 
 
 def _as_array(a, name: str, ndim: int = 2) -> np.ndarray:
@@ -144,13 +144,78 @@ def code_l2(z_a, z_b, matching: Matching) -> float:
     return float(err / ref)
 
 
+def _duplicate_classes(U: np.ndarray, tol: float) -> list[np.ndarray]:
+    """Classes (size >= 2) of rows of the unit-row matrix ``U`` equal up to sign: ``|cos| >= 1 - tol``."""
+    if U.shape[0] < 2:
+        return []
+    same = np.abs(U @ U.T) >= 1.0 - tol
+    same &= np.linalg.norm(U, axis=1)[:, None] > 0          # zero atoms are never duplicates
+    seen = np.zeros(U.shape[0], dtype=bool)
+    classes = []
+    for i in range(U.shape[0]):
+        if seen[i] or not same[i].any():
+            continue
+        members = np.flatnonzero(same[i])
+        seen[members] = True
+        if members.size > 1:
+            classes.append(members)
+    return classes
+
+
+def resolve_ties(matching: Matching, D_a, D_b, z_a, z_b, tol: float = 1e-12) -> Matching:
+    """Re-pair atoms inside groups of duplicate atoms by their codes.
+
+    When ``D_b`` (or ``D_a``) holds several atoms equal up to sign (``|cos| >= 1 - tol``), every
+    assignment of them to their partners has the same ``Σ |cos|``, so the Hungarian matching
+    picks one arbitrarily and the code metrics would depend on that choice (swapping two
+    identical atoms together with their codes changed code IoU from 0.71 to 1.00). Inside each
+    such group the partners are re-assigned to maximize, per pair, the number of samples where
+    both codes are active plus half the cosine of the sign-aligned code columns (a tie-break in
+    ``[-0.5, 0.5]`` below one shared sample). ``Σ |cos|`` and the DCS are unchanged.
+    """
+    A = _unit_rows(_as_array(D_a, "D_a"))
+    B = _unit_rows(_as_array(D_b, "D_b"))
+    Za, Zb = _as_array(z_a, "z_a"), _as_array(z_b, "z_b")
+    C = A @ B.T
+    perm = matching.perm.copy()
+    for side, classes in (("b", _duplicate_classes(B, tol)), ("a", _duplicate_classes(A, tol))):
+        for cls in classes:
+            if side == "b":      # atoms of A matched into this class of B
+                rows = np.flatnonzero(np.isin(perm, cls))
+                cols = perm[rows]
+            else:                # this class of A and their partners in B
+                rows = cls[perm[cls] >= 0]
+                cols = perm[rows]
+            if rows.size < 2:
+                continue
+            sa = np.abs(Za[:, rows]) > 0
+            sb = np.abs(Zb[:, cols]) > 0
+            both = sa.T.astype(np.float64) @ sb.astype(np.float64)
+            sign = np.where(C[np.ix_(rows, cols)] < 0, -1.0, 1.0)
+            na = np.linalg.norm(Za[:, rows], axis=0)
+            nb = np.linalg.norm(Zb[:, cols], axis=0)
+            denom = np.outer(na, nb)
+            corr = np.divide(Za[:, rows].T @ Zb[:, cols], denom, out=np.zeros_like(denom),
+                             where=denom > 0) * sign
+            r, c = linear_sum_assignment(-(both + 0.5 * corr))
+            perm[rows[r]] = cols[c]
+    ra = np.flatnonzero(perm >= 0)
+    rb = perm[ra]
+    cos = C[ra, rb]
+    return Matching(ra, rb, np.where(cos < 0, -1.0, 1.0), cos, perm, matching.shape)
+
+
 def compare(D_a, D_b, z_a=None, z_b=None) -> dict:
     """All stability metrics of decomposition a against b.
 
     Returns ``{"dcs", "code_iou", "code_l2"}`` (the code entries only when both codes are
-    given), plus ``"perm"`` and ``"signs"`` as lists.
+    given), plus ``"perm"`` and ``"signs"`` as lists. With codes, duplicate atoms are paired
+    by their codes (:func:`resolve_ties`), so the score does not depend on how the matching
+    breaks ties.
     """
     m = match_atoms(D_a, D_b)
+    if z_a is not None and z_b is not None:
+        m = resolve_ties(m, D_a, D_b, z_a, z_b)
     out = {"dcs": m.dcs}
     if z_a is not None and z_b is not None:
         out["code_iou"] = code_iou(z_a, z_b, m)

@@ -11,7 +11,9 @@ Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
 
 * :mod:`tensoralg.sae.models` — :class:`SAEConfig`, :class:`SparseAutoencoder`, ``topk``,
   ``abstopk``, ``rip_penalty``, ``rip_constants``;
-* :mod:`tensoralg.sae.training` — :class:`TrainConfig`, :func:`train`, checkpoints;
+* :mod:`tensoralg.sae.training` — :class:`TrainConfig`, :func:`train`, :func:`train_many`
+  (several SAEs over shared batches), checkpoints, the JSONL log;
+* :mod:`tensoralg.sae.formats` — :func:`save_sae` / :func:`load_sae` in SAELens's layout;
 * :mod:`tensoralg.sae.synthetic` — :func:`make_synthetic`;
 * :mod:`tensoralg.sae.pursuit` — batched :func:`omp` (exported as ``tensoralg.sae.omp``);
 * :mod:`tensoralg.sae.presets` — ``topk``, ``abstopk``, ``isae``, ``isae-me``;
@@ -28,8 +30,8 @@ import importlib
 _EXPORTS = {
     "SAEConfig": "models", "SparseAutoencoder": "models", "topk": "models",
     "abstopk": "models", "rip_penalty": "models", "rip_constants": "models",
-    "TrainConfig": "training", "train": "training", "load_sae": "training",
-    "save_sae": "training", "TrainingDiverged": "training",
+    "TrainConfig": "training", "train": "training", "train_many": "training", "load_sae": "formats",
+    "save_sae": "formats", "TrainingDiverged": "training",
     "make_synthetic": "synthetic", "SyntheticData": "synthetic",
     "omp": "pursuit", "PRESETS": "presets", "make_config": "presets",
     "run_bench": "bench",

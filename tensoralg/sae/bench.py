@@ -11,6 +11,11 @@ Per preset (means over seeds, or over seed pairs for the cross-seed numbers), on
 * ``omp`` — OMP codes with each learned dictionary (their cross-seed IoU, IoU against the
   truth, FVU); ``random_init`` — the same metrics for untrained SAEs (the floor).
 
+All presets × seeds are trained in one pass over shared batches
+(:func:`~tensoralg.sae.training.train_many`; batch order from ``seed``, the runs differ in
+their initial weights), and ``findings`` include a plateau check per preset (relative FVU change
+over the last 20 % of steps, ``plateau_change``).
+
 Top level: ``oracle`` (OMP with the true dictionary: ``gt_code_iou``, ``gt_code_l2``, ``fvu``,
 and the true dictionary's ``rip_delta``), ``findings`` (the three claims and whether they hold
 here), ``config`` and ``tensoralg_version``.
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +35,7 @@ from .models import SparseAutoencoder, rip_constants
 from .pursuit import omp
 from .presets import PRESETS, make_config
 from .synthetic import make_synthetic
-from .training import TrainConfig, as_activations, train
+from .training import TrainConfig, as_activations, train_many
 
 __all__ = ["run_bench", "format_table", "plot_bench", "QUICK", "FULL"]
 
@@ -51,19 +55,41 @@ def _mean(vals):
     return float(np.mean(vals)) if vals else None
 
 
+def _std(vals):
+    vals = [v for v in vals if v is not None]
+    return float(np.std(vals)) if vals else None
+
+
 def _pairwise(Ds, Zs, compare):
     rows = [compare(Ds[i], Ds[j], Zs[i], Zs[j]) for i, j in itertools.combinations(range(len(Ds)), 2)]
-    return {key: _mean([r[key] for r in rows]) for key in ("dcs", "code_iou", "code_l2")}
+    out = {key: _mean([r[key] for r in rows]) for key in ("dcs", "code_iou", "code_l2")}
+    out.update({f"{key}_std": _std([r[key] for r in rows]) for key in ("dcs", "code_iou", "code_l2")})
+    return out
 
 
 def _gt(D_true, Z_true, Ds, Zs, compare):
     rows = [compare(D_true, D, Z_true, Z) for D, Z in zip(Ds, Zs)]
-    return {f"gt_{key}": _mean([r[key] for r in rows]) for key in ("dcs", "code_iou", "code_l2")}
+    out = {f"gt_{key}": _mean([r[key] for r in rows]) for key in ("dcs", "code_iou", "code_l2")}
+    out.update({f"gt_{key}_std": _std([r[key] for r in rows]) for key in ("dcs", "code_iou", "code_l2")})
+    return out
+
+
+def plateau_change(history: list[dict], steps: int) -> float | None:
+    """Relative FVU change over the last 20 % of the steps: ``(fvu(0.8 T) - fvu(T)) / fvu(T)``
+    with each FVU the logged batch average nearest to that step (positive: still improving)."""
+    recs = [r for r in history if "fvu" in r]
+    if len(recs) < 2:
+        return None
+    at = min(recs, key=lambda r: abs(r["step"] - 0.8 * steps))
+    end = recs[-1]
+    if at is end or end["fvu"] <= 0:
+        return None
+    return (at["fvu"] - end["fvu"]) / end["fvu"]
 
 
 def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, data=None,
               out=None, progress: bool = False, log=print, seed: int = 0, data_seed: int = 12345,
-              **overrides) -> dict:
+              eval_fraction: float = 0.2, **overrides) -> dict:
     """Train every preset with several seeds and measure reconstruction and identifiability.
 
     Args:
@@ -71,8 +97,12 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         quick: use :data:`QUICK` sizes (about a minute on one CPU thread) instead of :data:`FULL`.
         seeds: number of seeds (>= 2 for cross-seed numbers; the issue asks for >= 3).
         data: optional real activations ``(n, d)`` (tensor, array or ``.npy`` path); the last
-            20% are held out. Without it, synthetic data with a ground truth is used.
-        out: folder for ``bench.json``, ``bench.md`` and ``bench.png`` (optional).
+            ``eval_fraction`` of the rows are held out. Without it, synthetic data with a
+            ground truth is used.
+        out: folder for ``bench.json``, ``bench.md`` and ``bench.png`` (optional): new, empty,
+            or an earlier bench output (the audits' rules); written into a staging folder and
+            swapped in when complete.
+        eval_fraction: held-out share of real ``data`` (default 0.2).
         progress: a tqdm bar per training run; ``log``: called with each per-seed line.
         seed: the model seeds are ``seed, seed + 1, ..., seed + seeds - 1`` (init and batches).
         data_seed: seed of the synthetic training data (held-out data: ``data_seed + 1``, same
@@ -100,6 +130,11 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
     for p in presets:
         if p not in PRESETS:
             raise ValueError(f"presets: unknown preset {p!r}; expected some of {list(PRESETS)}")
+    if out is not None:   # the audits' output-folder rules, checked before any work
+        from ..audit.common import check_output_folder
+        check_output_folder(out, "bench.json")
+    if not 0 < eval_fraction < 1:
+        raise ValueError(f"eval_fraction: expected a number in (0, 1), got {eval_fraction!r}")
     t0 = time.time()
     synthetic = data is None
     if synthetic:
@@ -112,7 +147,10 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
     else:
         arr = as_activations(data)
         full = torch.from_numpy(np.array(arr, dtype=np.float32)) if not isinstance(arr, torch.Tensor) else arr.float()
-        n_eval = max(1, len(full) // 5)
+        n_eval = max(1, int(round(len(full) * eval_fraction)))
+        if n_eval >= len(full):
+            raise ValueError(f"data: {len(full)} rows leave nothing to train on with "
+                             f"eval_fraction={eval_fraction}")
         x_train, x_eval = full[:-n_eval], full[-n_eval:]
         cfg["d"], cfg["n_train"], cfg["n_eval"] = full.shape[1], len(x_train), n_eval
         D_true = Z_true = None
@@ -125,14 +163,25 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                              "fvu": _fvu(x_eval, z_or @ D_true),
                              "rip_delta": rip_constants(D_true, Z_true)["delta_max"],
                              "rip_delta_mean": rip_constants(D_true, Z_true)["delta_mean"]}
-    for name in presets:
-        sae_cfg = make_config(name, cfg["d"], cfg["m"], k)
+    # every preset x seed in one pass over shared batches (batch order from `seed`); the runs
+    # differ in their initial weights (init_seed = seed, seed + 1, ...)
+    seeds_list = list(range(seed, seed + cfg["seeds"]))
+    sae_cfgs = {name: make_config(name, cfg["d"], cfg["m"], k) for name in presets}
+    ts = time.time()
+    trained = train_many(x_train, [sae_cfgs[nm] for nm in presets for _ in seeds_list],
+                         [s for _ in presets for s in seeds_list],
+                         TrainConfig(steps=cfg["steps"], batch_size=cfg["batch_size"],
+                                     log_every=max(1, cfg["steps"] // 20), lr=cfg["lr"], seed=seed,
+                                     progress=progress))
+    train_seconds = time.time() - ts
+    log(f"  trained {len(trained)} SAEs in one pass over shared batches ({train_seconds:.1f}s)")
+    for p_i, name in enumerate(presets):
+        sae_cfg = sae_cfgs[name]
         Ds, Zs, fvus, rips, ripm, Zomp, fomp, Dr, Zr, fr = ([] for _ in range(10))
         per_seed = []
-        for seed_i in range(seed, seed + cfg["seeds"]):
+        for s_i, seed_i in enumerate(seeds_list):
             ts = time.time()
-            model, hist = train(x_train, sae_cfg, TrainConfig(steps=cfg["steps"], batch_size=cfg["batch_size"],
-                                                              lr=cfg["lr"], seed=seed_i, progress=progress))
+            model, hist = trained[p_i * len(seeds_list) + s_i]
             with torch.no_grad():
                 z = model.encode(x_eval.to(model.W_dec.dtype))
                 f = _fvu(x_eval, model.decode(z))
@@ -146,7 +195,9 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                 Dr.append(init.W_dec.detach().clone()); Zr.append(zr); fr.append(_fvu(x_eval, init.decode(zr)))
             Ds.append(D); Zs.append(z); fvus.append(f); rips.append(rc["delta_max"]); ripm.append(rc["delta_mean"])
             Zomp.append(zo); fomp.append(fo)
-            per_seed.append({"seed": seed_i, "fvu": f, "rip_delta": rc["delta_max"], "seconds": time.time() - ts})
+            per_seed.append({"seed": seed_i, "fvu": f, "rip_delta": rc["delta_max"],
+                             "eval_seconds": time.time() - ts,
+                             "plateau_change": plateau_change(hist, cfg["steps"])})
             log(f"  {name:8s} seed {seed_i}: fvu {f:.4f}  rip_delta {rc['delta_max']:.3f}  ({time.time() - ts:.1f}s)")
         res = {"fvu": _mean(fvus), "fvu_std": float(np.std(fvus))}
         res.update(_pairwise(Ds, Zs, compare))
@@ -155,7 +206,9 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         else:
             res.update({"gt_dcs": None, "gt_code_iou": None, "gt_code_l2": None})
         res["rip_delta"] = _mean(rips)
+        res["rip_delta_std"] = _std(rips)
         res["rip_delta_mean"] = _mean(ripm)
+        res["plateau_change"] = _mean([p["plateau_change"] for p in per_seed])
         omp_res = {"fvu": _mean(fomp), **_pairwise(Ds, Zomp, compare)}
         if synthetic:
             omp_res.update(_gt(D_true, Z_true, Ds, Zomp, compare))
@@ -168,19 +221,33 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         results[name] = res
     results["findings"] = _findings(results)
     results["config"] = {**cfg, "presets": presets, "data": "synthetic" if synthetic else str(data),
+                         "eval_fraction": None if synthetic else eval_fraction,
                          "seed": seed, "data_seed": data_seed if synthetic else None}
     results["seconds"] = time.time() - t0
+    results["train_seconds"] = train_seconds
     results["tensoralg_version"] = __version__
     if out is not None:
-        out = Path(out)
-        tio.atomic_write_json(out / "bench.json", results)
-        tio.atomic_write_text(out / "bench.md", format_table(results) + "\n")
-        plot_bench(results, out / "bench.png")
+        from ..audit.common import staged_output
+        with staged_output(out, "bench.json") as stage:
+            tio.atomic_write_json(stage / "bench.json", results)
+            tio.atomic_write_text(stage / "bench.md", format_table(results) + "\n")
+            plot_bench(results, stage / "bench.png")
     return results
+
+
+PLATEAU_TOL = 0.02
 
 
 def _findings(r: dict) -> dict:
     f = {}
+    for name in r:
+        p = r[name]
+        if isinstance(p, dict) and "plateau_change" in p and p["plateau_change"] is not None:
+            f[f"{name}_fvu_plateau"] = {
+                "value": p["plateau_change"],
+                "claim": f"{name}: training reached a plateau (FVU fell by less than "
+                         f"{PLATEAU_TOL:.0%} over the last 20% of steps)",
+                "holds": bool(p["plateau_change"] < PLATEAU_TOL)}
     if "topk" in r and "abstopk" in r:
         red = 1.0 - r["abstopk"]["fvu"] / r["topk"]["fvu"] if r["topk"]["fvu"] > 0 else None
         f["abstopk_fvu_reduction_vs_topk"] = {
@@ -229,26 +296,38 @@ def format_table(r: dict) -> str:
 
 
 def plot_bench(r: dict, path) -> None:
-    """Bar charts (fvu, cross-seed code IoU, ground-truth code IoU, rip_delta) to ``path``."""
+    """Bar charts (fvu, cross-seed code IoU, ground-truth code IoU, rip_delta) to ``path``, with
+    error bars of ±1 standard deviation across seeds (across seed pairs for the cross-seed IoU)
+    and the true dictionary's δ (synthetic data) as a reference line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = r["config"]["presets"]
-    panels = [("fvu", "FVU (lower is better)", None), ("code_iou", "code IoU across seeds", "random_init"),
-              ("gt_code_iou", "code IoU vs ground truth", "oracle"), ("rip_delta", "aRIP δ (lower = better conditioned)", None)]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, (key, title, ref) in zip(axes, panels):
+    panels = [("fvu", "FVU (lower is better)", None, "fraction of variance unexplained"),
+              ("code_iou", "code IoU across seeds", "random_init", "mean IoU over seed pairs"),
+              ("gt_code_iou", "code IoU vs ground truth", "oracle", "mean IoU over seeds"),
+              ("rip_delta", "aRIP δ (lower = better conditioned)", "true_delta", "δ over observed supports")]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for ax, (key, title, ref, ylabel) in zip(axes, panels):
         vals = [r[n][key] if r[n][key] is not None else np.nan for n in names]
-        ax.bar(names, vals, color="tab:blue")
+        errs = [r[n].get(f"{key}_std") or 0.0 for n in names]
+        ax.bar(names, vals, yerr=errs, capsize=4, color="tab:blue", ecolor="k")
         if ref == "random_init":
             ax.plot(names, [r[n]["random_init"][key] for n in names], "k_", markersize=30, label="untrained")
-            ax.legend(fontsize=7)
         if ref == "oracle" and "oracle" in r:
             ax.axhline(r["oracle"]["gt_code_iou"], color="k", ls="--", label="OMP oracle")
-            ax.legend(fontsize=7)
+        if ref == "true_delta" and "oracle" in r:
+            ax.axhline(r["oracle"]["rip_delta"], color="k", ls="--", label="true dictionary")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
+                      frameon=False)
         ax.set_title(title, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_xlabel("preset", fontsize=8)
         ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"error bars: ±1 std across {r['config']['seeds']} seeds (seed pairs for the "
+                 f"cross-seed IoU)", fontsize=8)
     fig.tight_layout()
     buf = __import__("io").BytesIO()
     fig.savefig(buf, format="png", dpi=100)

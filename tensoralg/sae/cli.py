@@ -86,9 +86,52 @@ def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
         return float(model.loss(x)["recon"]), int(x.shape[0])
 
 
-def _cmd_train(args) -> int:
-    import torch
+def _resumed_config(args, d_in: int):
+    """The SAE config of the ``--resume`` folder; explicit --preset/--d-sae/--k/--rip-beta/
+    --n-steps/--normalize must agree with it (one-line error naming the flag otherwise)."""
+    from ..io import read_config
+    from .formats import sae_config_from_cfg
 
+    saved = read_config(args.resume)
+    try:
+        cfg = sae_config_from_cfg(saved, f"--resume: {args.resume}/cfg.json")
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    checks = (("--d-sae", args.d_sae, cfg.d_sae), ("--k", args.k, cfg.k),
+              ("--rip-beta", args.rip_beta, cfg.rip_beta), ("--n-steps", args.n_steps, cfg.n_steps),
+              ("--preset", args.preset, saved.get("preset", args.preset)))
+    for flag, given, have in checks:
+        if given is not None and given != have:
+            raise ValueError(f"{flag}: {given} differs from the resumed run's {have} "
+                             f"({args.resume}); omit it to continue that run")
+    if args.normalize == "layer_norm" and cfg.normalize_activations != "layer_norm":
+        raise ValueError(f"--normalize: layer_norm differs from the resumed run's "
+                         f"{cfg.normalize_activations!r}")
+    if cfg.d_in != d_in:
+        raise ValueError(f"--resume: {args.resume} has d_in={cfg.d_in}, the data has {d_in} "
+                         f"columns")
+    return cfg, saved.get("preset", "(resumed)")
+
+
+def _summary_lines(model, out) -> list[str]:
+    s = getattr(model, "train_summary", {}) or {}
+    if "fvu" not in s:
+        return []
+    rate = f"{s['samples_per_s']:,.0f} samples/s" if s.get("samples_per_s") else "-"
+    lines = [f"summary: {s['steps_run']} steps run ({s['tokens']:,} samples seen in all) in "
+             f"{s['seconds']:.1f} s ({rate})",
+             f"  last log window (to step {s['step']}): FVU {s['fvu']:.4f} (explained variance "
+             f"{s['explained_variance']:.4f}), L0 {s['l0']:.2f}, dead latents "
+             f"{s['dead_latents']}/{model.cfg.d_sae} (not fired in {s['dead_tokens']:,} samples), "
+             f"lr {s['lr']:.3g}, grad norm {s['grad_norm']:.3g}"]
+    if s.get("activation_scale", 1.0) != 1.0:
+        lines.append(f"  activations were scaled by {s['activation_scale']:.6g} in training "
+                     f"(E|x|^2 = d_in); the saved SAE has it folded in and takes raw activations")
+    lines.append(f"  log: {out}/train_log.jsonl; feature density: {out}/feature_density.png")
+    return lines
+
+
+def _cmd_train(args) -> int:
     from ..io import save_folder
     from .presets import make_config
     from .synthetic import make_synthetic
@@ -100,21 +143,36 @@ def _cmd_train(args) -> int:
     _check_int(args.seed, "--seed", 0)
     _check_int(args.data_seed, "--data-seed", 0)
     _check_int(args.d_sae, "--d-sae", 1)
-    if args.data is not None and (args.d_sae is None or args.k is None):
+    for flag, value in (("--lr-warmup-steps", args.lr_warmup_steps), ("--log-every", args.log_every),
+                        ("--rip-warmup-steps", args.rip_warmup_steps),
+                        ("--auxk-warmup-steps", args.auxk_warmup_steps),
+                        ("--dead-tokens", args.dead_tokens), ("--ckpt-every", args.ckpt_every)):
+        _check_int(value, flag, 1 if flag in ("--log-every", "--dead-tokens") else 0)
+    if args.data is not None and args.resume is None and (args.d_sae is None or args.k is None):
         missing = " and ".join(f for f, v in (("--d-sae", args.d_sae), ("--k", args.k)) if v is None)
-        raise ValueError(f"{missing}: required with --data (the data fixes only d_in)")
+        raise ValueError(f"{missing}: required with --data (the data fixes only d_in), unless "
+                         f"--resume gives them")
     s = args.synthetic
-    d_sae = args.d_sae if args.d_sae is not None else s["m"]
-    k = args.k if args.k is not None else s["k"]
-    if not 1 <= k <= d_sae:
-        raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
+    if args.resume is None:
+        d_sae = args.d_sae if args.d_sae is not None else s["m"]
+        k = args.k if args.k is not None else s["k"]
+        if not 1 <= k <= d_sae:
+            raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
     _check_out(args.out)
     if args.json:
         from ..audit.common import check_file_writable
         check_file_writable(args.json, "--json")
     if args.threads:
+        import torch
         torch.set_num_threads(args.threads)
-    meta = {}
+    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                       ckpt_every=args.ckpt_every, progress=not args.no_progress,
+                       lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
+                       lr_end=args.lr_end, grad_clip=args.grad_clip,
+                       rip_warmup_steps=args.rip_warmup_steps,
+                       auxk_warmup_steps=args.auxk_warmup_steps,
+                       normalize="expected_norm" if args.normalize == "expected_norm" else "none",
+                       dead_tokens=args.dead_tokens, log_every=args.log_every)
     if s is not None:
         syn = make_synthetic(s["n"], s["d"], s["m"], s["k"], noise=s["noise"], seed=args.data_seed)
         data, d_in = syn.x, s["d"]
@@ -124,15 +182,20 @@ def _cmd_train(args) -> int:
         data = as_activations(args.data, "--data")
         d_in = int(data.shape[1])
         meta = {"data": str(args.data)}
-    overrides = {}
-    if args.rip_beta is not None:
-        overrides["rip_beta"] = args.rip_beta
-    if args.n_steps is not None:
-        overrides["n_steps"] = args.n_steps
-    sae_cfg = make_config(args.preset, d_in, d_sae, k, **overrides)
-    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                       ckpt_every=args.ckpt_every, progress=not args.no_progress)
-    meta["preset"] = args.preset
+    if args.resume is not None:
+        sae_cfg, preset = _resumed_config(args, d_in)
+        d_sae, k = sae_cfg.d_sae, sae_cfg.k
+    else:
+        preset = args.preset or "isae-me"
+        overrides = {}
+        if args.rip_beta is not None:
+            overrides["rip_beta"] = args.rip_beta
+        if args.n_steps is not None:
+            overrides["n_steps"] = args.n_steps
+        if args.normalize == "layer_norm":
+            overrides["normalize_activations"] = "layer_norm"
+        sae_cfg = make_config(preset, d_in, d_sae, k, **overrides)
+    meta["preset"] = preset
     try:
         model, hist = train(data, sae_cfg, tcfg, out=args.out, resume=args.resume, meta=meta)
     except TrainingDiverged as exc:
@@ -142,17 +205,20 @@ def _cmd_train(args) -> int:
         save_folder(f"{args.out}/ground_truth", {"W_dec": syn.W_dec}, {"d_in": d_in, "d_sae": s["m"], "k": s["k"],
                                                                     "kind": "ground_truth", **meta})
     if hist:
-        fvu, how = hist[-1]["recon"], "last batch"
-        what = f"trained {args.preset} SAE"
+        fvu, how = hist[-1]["recon"], f"mean over the last {min(args.log_every, tcfg.steps)} steps' batches"
+        what = f"trained {preset} SAE"
     else:   # no optimizer step ran (--steps 0, or a resume already at --steps): evaluate it
         fvu, n_eval = _eval_fvu(model, data)
         how = f"first {n_eval} samples"
-        what = (f"initialized (untrained, --steps 0) {args.preset} SAE" if args.steps == 0
-                else f"{args.preset} SAE (already at step {args.steps}, nothing to train)")
+        what = (f"initialized (untrained, --steps 0) {preset} SAE" if args.steps == 0
+                else f"{preset} SAE (already at step {args.steps}, nothing to train)")
     print(f"{what} d_in={d_in} d_sae={d_sae} k={k}: step {tcfg.steps}, fvu {fvu:.4f} ({how}) "
           f"-> {args.out}")
+    for line in _summary_lines(model, args.out) if hist else []:
+        print(line)
     if args.json:
         _write_json(args.json, _stamp({"history": hist, "fvu": fvu, "fvu_on": how,
+                                       "summary": getattr(model, "train_summary", {}),
                                        "sae_cfg": sae_cfg.to_dict(), "out": str(args.out)}, args))
     return 0
 
@@ -162,6 +228,7 @@ def _cmd_stability(args) -> int:
     import torch
 
     from verify.identifiability import compare, random_baseline
+    from ..io import read_config
     from .models import rip_constants
     from .training import as_activations, load_sae
 
@@ -180,6 +247,15 @@ def _cmd_stability(args) -> int:
             z_a, z_b = a.encode(x), b.encode(x.to(b.W_dec.dtype))
         res["rip_delta_a"] = rip_constants(a.W_dec, z_a)["delta_max"]
         res["rip_delta_b"] = rip_constants(b.W_dec, z_b)["delta_max"]
+        # latents that fire on none of the --data samples
+        res["dead_on_data_a"] = int((~(z_a != 0).any(dim=0)).sum())
+        res["dead_on_data_b"] = int((~(z_b != 0).any(dim=0)).sum())
+        res["data_samples"] = int(x.shape[0])
+    for tag, run in (("a", args.run_a), ("b", args.run_b)):
+        saved = read_config(run)
+        if "train_dead_latents" in saved:   # at the run's last checkpoint, its own threshold
+            res[f"train_dead_latents_{tag}"] = saved["train_dead_latents"]
+            res[f"train_dead_tokens_{tag}"] = saved.get("train_dead_tokens")
     c = compare(a.W_dec, b.W_dec, z_a, z_b)
     res.update({k: v for k, v in c.items() if k not in ("perm", "signs")})
     res["random_dcs"] = random_baseline(a.cfg.d_sae, b.cfg.d_sae, a.cfg.d_in, seed=args.seed)["dcs_mean"]
@@ -203,12 +279,19 @@ def _cmd_bench(args) -> int:
     from .bench import format_table, run_bench
 
     torch.set_num_threads(args.threads)
-    overrides = {k: getattr(args, k) for k in ("d", "m", "k", "steps", "lr", "n_train")
+    overrides = {k: getattr(args, k) for k in ("d", "m", "k", "steps", "lr", "n_train", "batch_size")
                  if getattr(args, k) is not None}
     for flag, value in (("--seed", args.seed), ("--data-seed", args.data_seed)):
         _check_int(value, flag, 0)
+    if args.out:   # the audits' rules: new, empty, or an earlier `sae bench` output; before any work
+        from ..audit.common import check_output_folder
+        check_output_folder(args.out, "bench.json")
+    if args.json:
+        from ..audit.common import check_file_writable
+        check_file_writable(args.json, "--json")
     r = run_bench(args.presets, quick=args.quick, seeds=args.seeds, data=args.data, out=args.out,
-                  seed=args.seed, data_seed=args.data_seed, progress=not (args.no_progress or args.quiet),
+                  seed=args.seed, data_seed=args.data_seed, eval_fraction=args.eval_fraction,
+                  progress=not (args.no_progress or args.quiet),
                   log=(lambda *a: None) if args.quiet else print, **overrides)
     print(format_table(r))
     if args.out:
@@ -219,8 +302,14 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_activations(args) -> int:
-    from .activations import extract_activations
+    from .activations import extract_activations, real_extra_available
 
+    ok, why = real_extra_available()
+    if not ok:    # one line through the CLI's error handler, not an ImportError traceback
+        raise ValueError(f"the optional extra is missing: {why}")
+    if args.json:
+        from ..audit.common import check_file_writable
+        check_file_writable(args.json, "--json")
     info = extract_activations(args.out, layer=args.layer, max_texts=args.max_texts,
                                max_tokens=args.max_tokens, batch_size=args.batch_size)
     print(f"wrote {info['shape'][0]} x {info['shape'][1]} activations of layer {info['layer']} "
@@ -238,70 +327,123 @@ def add_parsers(sub) -> None:
     ss.required = True
 
     t = ss.add_parser("train", help="train an SAE on a .npy of activations or synthetic data")
-    t.add_argument("--preset", choices=PRESET_NAMES, default="isae-me")
-    t.add_argument("--data", help="(n, d) float .npy of activations (memory-mapped)")
+    t.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                   help="architecture preset (default isae-me; with --resume: the resumed run's)")
+    t.add_argument("--data", help="(n, d) float .npy of activations (memory-mapped); default: none, "
+                                  "give this or --synthetic")
     t.add_argument("--synthetic", type=_synthetic_spec, metavar="d,m,k[,n[,noise]]",
-                   help="train on synthetic data with a ground-truth dictionary (saved to OUT/ground_truth)")
+                   help="train on synthetic data with a ground-truth dictionary (saved to "
+                        "OUT/ground_truth); n defaults to 8192, noise to 0")
     t.add_argument("--data-seed", type=int, default=0,
                    help="seed of the --synthetic data (default 0); drawn from a stream independent "
                         "of --seed's, so equal numbers never give equal draws")
-    t.add_argument("--d-sae", type=int, help="number of latents (default: m of --synthetic)")
-    t.add_argument("--k", type=int, help="active latents per sample (default: k of --synthetic)")
+    t.add_argument("--d-sae", type=int, help="number of latents (default: m of --synthetic; with "
+                                             "--resume: the resumed run's)")
+    t.add_argument("--k", type=int, help="active latents per sample (default: k of --synthetic; "
+                                         "with --resume: the resumed run's)")
     t.add_argument("--steps", type=int, default=2000,
                    help="optimizer steps (default 2000); 0 writes the initialized, untrained SAE "
                         "(a baseline) and reports its FVU on the first 8192 samples")
-    t.add_argument("--batch-size", type=int, default=256)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order")
-    t.add_argument("--rip-beta", type=float, help="override the preset's aRIP weight")
-    t.add_argument("--n-steps", type=int, help="override the multi-step encoder's T")
-    t.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: end only)")
-    t.add_argument("--resume", help="checkpoint folder to continue from")
+    t.add_argument("--batch-size", type=int, default=256, help="samples per step (default 256)")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
+    t.add_argument("--lr-warmup-steps", type=int, default=0,
+                   help="linear lr warmup over this many steps (default 0: none)")
+    t.add_argument("--lr-decay", choices=("constant", "linear", "cosine"), default="constant",
+                   help="lr decay after warmup, down to --lr-end at the last step (default constant)")
+    t.add_argument("--lr-end", type=float, default=0.0,
+                   help="final lr of a linear or cosine decay (default 0)")
+    t.add_argument("--grad-clip", type=float, default=0.0,
+                   help="clip the global gradient norm to this value (default 0: no clipping)")
+    t.add_argument("--rip-warmup-steps", type=int, default=0,
+                   help="raise the aRIP weight linearly from 0 over this many steps (default 0)")
+    t.add_argument("--auxk-warmup-steps", type=int, default=0,
+                   help="raise the AuxK weight linearly from 0 over this many steps (default 0)")
+    t.add_argument("--normalize", choices=("none", "expected_norm", "layer_norm"), default="none",
+                   help="activation normalization (default none): expected_norm scales the data to "
+                        "E|x|^2 = d_in in training and folds the scale into the saved SAE; "
+                        "layer_norm normalizes each row (saved as SAELens's layer_norm)")
+    t.add_argument("--dead-tokens", type=int, default=None,
+                   help="a latent is reported dead when it has not fired on this many samples "
+                        "(default: min(10,000,000, n), the TopK paper's 10M tokens)")
+    t.add_argument("--log-every", type=int, default=50,
+                   help="write a record to OUT/train_log.jsonl every N steps (default 50)")
+    t.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights and batch order (default 0)")
+    t.add_argument("--rip-beta", type=float, help="override the preset's aRIP weight (default: the "
+                                                  "preset's, 0.1 for isae and isae-me)")
+    t.add_argument("--n-steps", type=int, help="override the multi-step encoder's T (default: the "
+                                               "preset's, 5 for isae-me)")
+    t.add_argument("--ckpt-every", type=int, default=0,
+                   help="checkpoint every N steps (default 0: at the end only)")
+    t.add_argument("--resume", help="checkpoint folder to continue from (default: none); the SAE "
+                                    "config (preset, --d-sae, --k) is taken from it")
     t.add_argument("--out", required=True,
-                   help="checkpoint folder (weights.safetensors + cfg.json): new, empty, or an "
-                        "earlier SAE checkpoint folder (e.g. the --resume folder)")
-    t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+                   help="checkpoint folder (sae_weights.safetensors + cfg.json, SAELens layout; "
+                        "required): new, empty, or an earlier SAE checkpoint folder (e.g. the "
+                        "--resume folder)")
+    t.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
     t.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (it is hidden anyway when stderr is not a terminal)")
-    t.add_argument("--json", help="also write the loss history as JSON here")
+                   help="no progress bar (default: shown; it is hidden anyway when stderr is not "
+                        "a terminal)")
+    t.add_argument("--json", help="also write the loss history and summary as JSON here "
+                                  "(default: none)")
     t.set_defaults(func=_cmd_train)
 
-    s = ss.add_parser("stability", help="compare two trained SAEs (DCS, code IoU, code l2)")
-    s.add_argument("run_a", metavar="RUN_A")
-    s.add_argument("run_b", metavar="RUN_B")
-    s.add_argument("--data", help=".npy of activations to compare the codes on")
-    s.add_argument("--max-samples", type=int, default=4096)
-    s.add_argument("--ground-truth", help="folder with a ground-truth W_dec (from train --synthetic)")
-    s.add_argument("--seed", type=int, default=0, help="seed of the random-dictionary baseline (random_dcs)")
-    s.add_argument("--json")
+    s = ss.add_parser("stability", help="compare two trained SAEs (DCS, code IoU, code l2, dead "
+                                        "latents)")
+    s.add_argument("run_a", metavar="RUN_A", help="SAE folder (tensoralg or SAELens layout)")
+    s.add_argument("run_b", metavar="RUN_B", help="SAE folder (tensoralg or SAELens layout)")
+    s.add_argument("--data", help=".npy of activations to compare the codes on (default: none, "
+                                  "dictionaries only)")
+    s.add_argument("--max-samples", type=int, default=4096,
+                   help="rows of --data used (default 4096)")
+    s.add_argument("--ground-truth", help="folder with a ground-truth W_dec (from train "
+                                          "--synthetic; default: none)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="seed of the random-dictionary baseline (random_dcs; default 0)")
+    s.add_argument("--json", help="also write the results as JSON here (default: none)")
     s.set_defaults(func=_cmd_stability)
 
     b = ss.add_parser("bench", help="train every preset with several seeds and report stability")
-    b.add_argument("--quick", action="store_true", help="small sizes: about a minute on CPU")
-    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES)
+    b.add_argument("--quick", action="store_true",
+                   help="small sizes, about a minute on CPU (default: the full sizes)")
+    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES, help="presets to train (default: all)")
     b.add_argument("--seeds", type=int, help="seeds per preset (default 3 quick / 5 full)")
-    b.add_argument("--data", help="real activations .npy instead of synthetic data")
-    b.add_argument("--d", type=int); b.add_argument("--m", type=int); b.add_argument("--k", type=int)
-    b.add_argument("--steps", type=int); b.add_argument("--lr", type=float)
-    b.add_argument("--n-train", type=int)
-    b.add_argument("--threads", type=int, default=1)
-    b.add_argument("--out", help="folder for bench.json, bench.md, bench.png")
-    b.add_argument("--json")
+    b.add_argument("--data", help="real activations .npy instead of synthetic data (default: "
+                                  "synthetic; the last --eval-fraction rows are held out)")
+    b.add_argument("--d", type=int, help="activation dimension of the synthetic data (default 32 "
+                                         "quick / 64 full)")
+    b.add_argument("--m", type=int, help="latents (default 64 quick / 128 full)")
+    b.add_argument("--k", type=int, help="active latents per sample (default 4 quick / 6 full)")
+    b.add_argument("--steps", type=int, help="optimizer steps per run (default 600 quick / 4000 full)")
+    b.add_argument("--lr", type=float, help="learning rate (default 3e-3 quick / 2e-3 full)")
+    b.add_argument("--batch-size", type=int, help="samples per step (default 256)")
+    b.add_argument("--n-train", type=int, help="synthetic training samples (default 8192 quick / "
+                                               "32768 full)")
+    b.add_argument("--eval-fraction", type=float, default=0.2,
+                   help="held-out share of --data rows, taken from the end (default 0.2)")
+    b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    b.add_argument("--out", help="folder for bench.json, bench.md, bench.png (default: none): new, "
+                                 "empty, or an earlier `sae bench` output, which is replaced as a "
+                                 "whole once the run completes")
+    b.add_argument("--json", help="also write the results as JSON here (default: none)")
     b.add_argument("--seed", type=int, default=0,
                    help="first model seed (seeds --seed, --seed+1, ...; default 0)")
     b.add_argument("--data-seed", type=int, default=12345,
-                   help="seed of the synthetic train data (eval data: --data-seed + 1)")
+                   help="seed of the synthetic train data (eval data: --data-seed + 1; default 12345)")
     b.add_argument("--no-progress", action="store_true",
-                   help="no progress bar per training run (hidden anyway when stderr is not a "
-                        "terminal)")
-    b.add_argument("--quiet", action="store_true", help="no per-seed log lines")
+                   help="no progress bar per training run (default: shown; hidden anyway when "
+                        "stderr is not a terminal)")
+    b.add_argument("--quiet", action="store_true", help="no per-seed log lines (default: printed)")
     b.set_defaults(func=_cmd_bench)
 
     a = ss.add_parser("activations", help="extract hidden states of all-MiniLM-L6-v2 (optional extra)")
-    a.add_argument("--out", required=True, help="output .npy")
-    a.add_argument("--layer", type=int, default=3, help="hidden-state index (0 = embeddings, 1..6)")
-    a.add_argument("--max-texts", type=int, default=2000)
-    a.add_argument("--max-tokens", type=int, default=64)
-    a.add_argument("--batch-size", type=int, default=32)
-    a.add_argument("--json")
+    a.add_argument("--out", required=True, help="output .npy (required)")
+    a.add_argument("--layer", type=int, default=3,
+                   help="hidden-state index, 0 = embeddings, 1..6 (default 3)")
+    a.add_argument("--max-texts", type=int, default=2000,
+                   help="standard-library docstring paragraphs (default 2000)")
+    a.add_argument("--max-tokens", type=int, default=64, help="truncation length (default 64)")
+    a.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    a.add_argument("--json", help="also write the extraction info as JSON here (default: none)")
     a.set_defaults(func=_cmd_activations)

@@ -24,14 +24,16 @@ from torch import nn
 
 from ._seeds import stream_generator
 
-__all__ = ["SAEConfig", "SparseAutoencoder", "select_topk", "topk", "abstopk", "rip_penalty",
-           "rip_constants", "geometric_median"]
+__all__ = ["SAEConfig", "SparseAutoencoder", "select_topk", "select_topk_sort", "topk", "abstopk", "rip_penalty",
+           "rip_constants", "geometric_median", "unique_rows", "unique_rows_reference",
+           "code_supports"]
 
 _ACTIVATIONS = ("topk", "abstopk")
 _ENCODERS = ("single", "multistep")
 _GAMMAS = ("free", "diag", "tied")
 _RIPS = ("none", "eig", "fro")
 _B_DEC_INITS = ("mean", "geometric_median", "zeros")
+_NORMALIZATIONS = ("none", "layer_norm")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -67,6 +69,9 @@ class SAEConfig:
         dead_tokens: a latent is dead when it has not fired on this many training samples.
         b_dec_init: ``"mean"``, ``"geometric_median"`` of the first batch, or ``"zeros"``.
         dtype: ``"float32"`` or ``"float64"``.
+        normalize_activations: ``"none"`` or ``"layer_norm"`` (as SAELens: every input row is
+            centred and divided by its unbiased standard deviation plus ``1e-5`` before
+            encoding; :meth:`SparseAutoencoder.forward` maps the reconstruction back).
     """
 
     d_in: int
@@ -86,6 +91,7 @@ class SAEConfig:
     dead_tokens: int = 10_000
     b_dec_init: str = "mean"
     dtype: str = "float32"
+    normalize_activations: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("d_in", "d_sae", "k", "n_steps", "rip_max_supports", "k_aux", "dead_tokens"):
@@ -105,6 +111,7 @@ class SAEConfig:
         _choice("rip", self.rip, _RIPS)
         _choice("b_dec_init", self.b_dec_init, _B_DEC_INITS)
         _choice("dtype", self.dtype, tuple(_DTYPES))
+        _choice("normalize_activations", self.normalize_activations, _NORMALIZATIONS)
         for name in ("step_size", "rip_beta", "rip_delta", "auxk_alpha"):
             value = float(getattr(self, name))
             if not value == value or value in (float("inf"), float("-inf")) or value < 0:
@@ -127,14 +134,50 @@ class SAEConfig:
 
 # --------------------------------------------------------------------------- sparsifiers
 
-def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices ``(n, k)`` of the ``k`` largest ``scores`` per row, deterministic.
+def select_topk_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Reference for :func:`select_topk`: a full stable descending sort, ``O(m log m)`` per row.
 
-    Ties are broken toward the lower latent index (a stable descending sort), so the result is
-    the same on CPU and GPU (``torch.topk`` does not specify its tie order).
+    Kept as the independent definition the fast path is tested and benchmarked against.
     """
     order = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices
     return order[..., :k]
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``(n, k)`` of the ``k`` largest ``scores`` per row, deterministic.
+
+    Ties are broken toward the lower latent index, and the indices come in the order of a
+    stable descending sort (value descending, then index ascending), so the result equals
+    :func:`select_topk_sort` exactly, on CPU and GPU (``torch.topk`` does not specify its tie
+    order). Fast path: ``torch.topk`` of ``k + 1`` entries; a row whose ``k``-th and
+    ``(k+1)``-th largest values are equal (a tie at the boundary, where the set itself depends
+    on the tie rule) is redone with the stable sort. The ``k`` selected entries are then put
+    in stable order by two sorts of length ``k``.
+
+    Args:
+        scores: ``(..., m)`` scores (detached inside); ``k``: ``1 <= k <= m``.
+    Returns:
+        long tensor ``(..., k)``.
+    """
+    scores = scores.detach()
+    m = scores.shape[-1]
+    if not 1 <= k <= m:
+        raise ValueError(f"k: expected 1 <= k <= {m} (the last dimension of scores "
+                         f"{tuple(scores.shape)}), got {k}")
+    if k == m or scores.ndim != 2:
+        return select_topk_sort(scores, k)
+    vals, idx = torch.topk(scores, k + 1, dim=-1, largest=True, sorted=True)
+    a, b = vals[:, k - 1], vals[:, k]
+    tie = (a == b) | (torch.isnan(a) & torch.isnan(b))   # sort and topk both rank NaN largest
+    idx = idx[:, :k]
+    # stable order inside the selected set: index ascending, then value descending (stable)
+    idx = torch.sort(idx, dim=-1).values
+    inner = torch.sort(scores.gather(-1, idx), dim=-1, descending=True, stable=True).indices
+    idx = idx.gather(-1, inner)
+    if bool(tie.any()):
+        rows = tie.nonzero().squeeze(-1)
+        idx[rows] = select_topk_sort(scores[rows], k)
+    return idx
 
 
 def topk(pre: torch.Tensor, k: int) -> torch.Tensor:
@@ -146,7 +189,7 @@ def topk(pre: torch.Tensor, k: int) -> torch.Tensor:
         ``(n, d_sae)`` code with at most ``k`` non-zero (positive) entries per row.
     """
     idx = select_topk(pre, k)
-    return torch.zeros_like(pre).scatter(-1, idx, torch.relu(pre.gather(-1, idx)))
+    return torch.zeros_like(pre).scatter_(-1, idx, torch.relu(pre.gather(-1, idx)))
 
 
 def abstopk(pre: torch.Tensor, k: int) -> torch.Tensor:
@@ -155,7 +198,7 @@ def abstopk(pre: torch.Tensor, k: int) -> torch.Tensor:
     Ties in magnitude go to the lower latent index (see :func:`select_topk`).
     """
     idx = select_topk(pre.abs(), k)
-    return torch.zeros_like(pre).scatter(-1, idx, pre.gather(-1, idx))
+    return torch.zeros_like(pre).scatter_(-1, idx, pre.gather(-1, idx))
 
 
 # --------------------------------------------------------------------------- aRIP
@@ -163,6 +206,45 @@ def abstopk(pre: torch.Tensor, k: int) -> torch.Tensor:
 def _gram_of_supports(W_dec: torch.Tensor, supports: torch.Tensor) -> torch.Tensor:
     atoms = W_dec[supports]                       # (s, k, d_in)
     return atoms @ atoms.transpose(-1, -2)         # (s, k, k) = D_S^T D_S
+
+
+def unique_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Distinct rows of an integer matrix ``(n, k)`` in ascending lexicographic order.
+
+    Equal to ``torch.unique(rows, dim=0)`` (the reference, :func:`unique_rows_reference`) but
+    computed as a radix sort: ``k`` stable sorts of length ``n`` (last column first), then a
+    comparison of neighbours — several times faster on CPU for the small ``k`` of a support.
+    """
+    if rows.ndim != 2:
+        raise ValueError(f"rows: expected (n, k), got shape {tuple(rows.shape)}")
+    n, k = rows.shape
+    if n == 0 or k == 0:
+        return unique_rows_reference(rows)
+    order = torch.arange(n, device=rows.device)
+    for j in range(k - 1, -1, -1):
+        order = order[torch.sort(rows[order, j], stable=True).indices]
+    srt = rows[order]
+    keep = torch.ones(n, dtype=torch.bool, device=rows.device)
+    keep[1:] = (srt[1:] != srt[:-1]).any(dim=1)
+    return srt[keep]
+
+
+def unique_rows_reference(rows: torch.Tensor) -> torch.Tensor:
+    """``torch.unique(rows, dim=0)``: the definition :func:`unique_rows` is tested against."""
+    return torch.unique(rows, dim=0)
+
+
+def code_supports(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Supports ``(n, k)`` of codes ``z (n, m)``: the indices of the ``k`` largest ``|z|``.
+
+    Equal (as sets per row) to ``select_topk(z.abs(), k)``; when every row has exactly ``k``
+    non-zeros (the usual case for TopK/AbsTopK codes) they are read off the non-zeros in
+    index order, without a selection.
+    """
+    nz = z.detach() != 0
+    if z.ndim == 2 and bool((nz.sum(dim=1) == k).all()):
+        return torch.nonzero(nz)[:, 1].reshape(z.shape[0], k)
+    return select_topk(z.detach().abs(), k)
 
 
 def rip_penalty(W_dec: torch.Tensor, supports: torch.Tensor, mode: str = "eig",
@@ -187,7 +269,7 @@ def rip_penalty(W_dec: torch.Tensor, supports: torch.Tensor, mode: str = "eig",
     _choice("mode", mode, ("eig", "fro"))
     if supports.ndim != 2:
         raise ValueError(f"supports: expected (n, k), got shape {tuple(supports.shape)}")
-    sup = torch.unique(torch.sort(supports, dim=-1).values, dim=0)
+    sup = unique_rows(torch.sort(supports, dim=-1).values)
     if max_supports is not None and sup.shape[0] > max_supports:
         pick = torch.linspace(0, sup.shape[0] - 1, max_supports).round().long()
         sup = sup[pick]
@@ -298,31 +380,56 @@ class SparseAutoencoder(nn.Module):
             return self.W_step
         return self.W_dec.T * self.step_scale
 
+    def normalize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                        torch.Tensor | None]:
+        """``(x_n, mu, std)``: ``x`` as the encoder sees it. With ``"layer_norm"``
+        ``x_n = (x - mu) / (std + 1e-5)`` per row (``std`` unbiased, as SAELens); otherwise
+        ``x_n = x`` and ``mu = std = None``."""
+        if self.cfg.normalize_activations != "layer_norm":
+            return x, None, None
+        mu = x.mean(dim=-1, keepdim=True)
+        xc = x - mu
+        std = xc.std(dim=-1, keepdim=True)
+        return xc / (std + 1e-5), mu, std
+
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.b_dec) @ self.W_enc + self.b_enc
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Codes ``(n, d_sae)`` of ``x (n, d_in)`` (at most ``k`` non-zeros per row)."""
-        z = self.activation(self.pre_activation(x))
+        return self._encode(x)[0]
+
+    def _encode(self, x: torch.Tensor, normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, first pre-activation)``; the loss reuses the latter for AuxK."""
+        if not normalized:
+            x = self.normalize_input(x)[0]
+        pre = self.pre_activation(x)
+        z = self.activation(pre)
         if self.cfg.encoder == "multistep" and self.cfg.n_steps > 0:
             gamma = self.step_matrix()
             xc = x - self.b_dec
             for _ in range(self.cfg.n_steps):
                 z = self.activation(z + (xc - z @ self.W_dec) @ gamma)
-        return z
+        return z, pre
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """``z @ W_dec + b_dec`` (in the normalized space when ``normalize_activations`` is
+        ``"layer_norm"``; :meth:`forward` maps back)."""
         return z @ self.W_dec + self.b_dec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x))
+        """Reconstruction of ``x (n, d_in)`` in the input's own space."""
+        xn, mu, std = self.normalize_input(x)
+        out = self.decode(self._encode(xn, normalized=True)[0])
+        return out if mu is None else out * std + mu
 
     # -- training helpers ------------------------------------------------------------------
     def check_input(self, x: torch.Tensor, name: str = "x") -> None:
         if x.ndim != 2 or x.shape[1] != self.cfg.d_in:
             raise ValueError(f"{name}: expected shape (n, d_in={self.cfg.d_in}), got {tuple(x.shape)}")
 
-    def loss(self, x: torch.Tensor, dead_mask: torch.Tensor | None = None) -> dict:
+    def loss(self, x: torch.Tensor, dead_mask: torch.Tensor | None = None,
+             rip_coef: float | None = None, aux_coef: float | None = None) -> dict:
         """Training loss and its parts on a batch ``x (n, d_in)``.
 
         ``recon`` is the batch fraction of variance unexplained
@@ -330,24 +437,26 @@ class SparseAutoencoder(nn.Module):
         (weight ``rip_beta``); ``aux`` the AuxK loss (Gao et al. 2024, weight ``auxk_alpha``):
         the ``k_aux`` dead latents of largest pre-activation (largest magnitude for AbsTopK)
         reconstruct the residual ``x - x_hat``, normalized by ``Σ‖x - x_hat‖²``.
+        ``rip_coef`` / ``aux_coef`` replace ``rip_beta`` / ``auxk_alpha`` (coefficient warmup).
         Returns a dict with ``loss`` (scalar), ``recon``, ``rip``, ``aux`` (scalars) and ``z``.
         """
         cfg = self.cfg
-        z = self.encode(x)
+        x = self.normalize_input(x)[0]
+        z, pre = self._encode(x, normalized=True)
         x_hat = self.decode(z)
         var = ((x - x.mean(dim=0)) ** 2).sum().clamp_min(1e-12)
         recon = ((x - x_hat) ** 2).sum() / var
         total = recon
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
         rip = zero
+        rip_coef = cfg.rip_beta if rip_coef is None else rip_coef
+        aux_coef = cfg.auxk_alpha if aux_coef is None else aux_coef
         if cfg.rip != "none" and cfg.rip_beta > 0:
-            score = z.detach().abs()
-            supports = select_topk(score, cfg.k)
+            supports = code_supports(z, cfg.k)
             rip = rip_penalty(self.W_dec, supports, cfg.rip, cfg.rip_delta, cfg.rip_max_supports)
-            total = total + cfg.rip_beta * rip
+            total = total + rip_coef * rip
         aux = zero
         if cfg.auxk_alpha > 0 and dead_mask is not None and bool(dead_mask.any()):
-            pre = self.pre_activation(x)
             score = pre.abs() if cfg.activation == "abstopk" else pre
             score = score.masked_fill(~dead_mask, float("-inf"))
             k_aux = min(cfg.k_aux, int(dead_mask.sum()))
@@ -358,7 +467,7 @@ class SparseAutoencoder(nn.Module):
             z_aux = torch.zeros_like(pre).scatter(-1, idx, vals)
             resid = (x - x_hat).detach()
             aux = ((resid - z_aux @ self.W_dec) ** 2).sum() / (resid ** 2).sum().clamp_min(1e-12)
-            total = total + cfg.auxk_alpha * aux
+            total = total + aux_coef * aux
         return {"loss": total, "recon": recon.detach(), "rip": rip.detach(), "aux": aux.detach(), "z": z}
 
     @torch.no_grad()
@@ -384,16 +493,3 @@ class SparseAutoencoder(nn.Module):
             self.b_dec.copy_(x.mean(dim=0))
         elif self.cfg.b_dec_init == "geometric_median":
             self.b_dec.copy_(geometric_median(x.double()).to(self.b_dec.dtype))
-
-    def tensors(self) -> dict:
-        """Named parameters for ``weights.safetensors`` (SAELens names)."""
-        return {name: p.detach() for name, p in self.named_parameters()}
-
-    def library_cfg(self) -> dict:
-        """Flat ``cfg.json`` entries: the :class:`SAEConfig` plus SAELens-style keys."""
-        cfg = self.cfg.to_dict()
-        cfg.update({"architecture": "isae" if (self.cfg.activation == "abstopk" or
-                                                self.cfg.encoder == "multistep") else "topk",
-                    "activation_fn": self.cfg.activation, "apply_b_dec_to_input": True,
-                    "normalize_activations": "none", "device": "cpu"})
-        return cfg

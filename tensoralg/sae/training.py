@@ -1,12 +1,12 @@
 """Training loop for :class:`~tensoralg.sae.models.SparseAutoencoder`: AdamW, batches from an
 in-memory tensor or a memory-mapped ``.npy``, periodic checkpoints, resume, determinism.
 
-Checkpoint layout (written with :func:`tensoralg.io.save_folder`, atomically):
+Checkpoint layout (the SAELens layout of :mod:`tensoralg.sae.formats`, written atomically):
 
-* ``OUT/weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (+ ``W_step`` / ``step_scale``
-  for the multi-step encoder), SAELens names and shapes;
-* ``OUT/cfg.json`` — flat: the :class:`SAEConfig`, SAELens-style keys (``d_in``, ``d_sae``,
-  ``k``, ``activation_fn``, ``apply_b_dec_to_input``, ...) and ``train_*`` entries;
+* ``OUT/sae_weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (SAELens names, shapes);
+  ``OUT/encoder_steps.safetensors`` — ``W_step`` / ``step_scale`` of a multi-step encoder;
+* ``OUT/cfg.json`` — flat: SAELens's fields (``architecture``, ``d_in``, ``d_sae``, ``k``,
+  ``apply_b_dec_to_input``, ...), the :class:`SAEConfig` and ``train_*`` entries;
 * ``OUT/trainer_state/`` — AdamW moments, dead-latent counters and the step, for resuming.
 
 Determinism: the initial weights come from ``seed`` (stream ``"init"``); the batch of step ``s``
@@ -19,8 +19,10 @@ is a slice of a permutation drawn from a generator seeded by ``(seed, epoch)`` (
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -30,11 +32,19 @@ import torch
 from .. import io as tio
 from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
 from ._seeds import stream_generator
+from .formats import load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
-__all__ = ["TrainConfig", "TrainingDiverged", "train", "save_sae", "load_sae", "as_activations"]
+__all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae", "as_activations"]
 
 TRAINER_STATE = "trainer_state"
+
+
+LOG_FILE = "train_log.jsonl"
+DENSITY_PLOT = "feature_density.png"
+DEAD_TOKENS_DEFAULT = 10_000_000       # Gao et al. (2024): dead = not fired in 10M tokens
+_LR_DECAYS = ("constant", "linear", "cosine")
+_NORMALIZE = ("none", "expected_norm")
 
 
 @dataclass
@@ -44,10 +54,34 @@ class TrainConfig:
     Attributes:
         steps: total optimizer steps (a resumed run continues up to this number).
         batch_size: samples per step (batches drop the last partial one of each epoch).
-        lr: AdamW learning rate; ``weight_decay``: AdamW weight decay (default 0).
-        seed: seeds the initial weights and the batch order.
+        lr: AdamW peak learning rate; ``weight_decay``: AdamW weight decay (default 0).
+        lr_warmup_steps: the lr rises linearly from ``lr / lr_warmup_steps`` to ``lr`` over the
+            first this many steps (0: no warmup).
+        lr_decay: after warmup, ``"constant"``, ``"linear"`` or ``"cosine"`` decay from ``lr``
+            to ``lr_end`` at the last step (cosine: ``lr_end + (lr - lr_end)(1 + cos πp)/2``
+            with ``p`` the fraction of the decay done; Loshchilov & Hutter, SGDR, 2017).
+        lr_end: final learning rate of a linear or cosine decay (``0 <= lr_end <= lr``).
+        grad_clip: clip the global gradient norm to this value (0: no clipping; the norm
+            before clipping is logged either way).
+        rip_warmup_steps, auxk_warmup_steps: the aRIP and AuxK weights rise linearly from 0 to
+            the configured ``rip_beta`` / ``auxk_alpha`` over this many steps (0: full weight
+            from the start).
+        normalize: ``"none"`` or ``"expected_norm"``: the activations are multiplied by
+            ``c = sqrt(d_in / E‖x‖²)`` (estimated on up to 8192 rows) during training, so that
+            ``E‖c x‖² = d_in``; the saved and returned SAE has ``c`` folded into its biases
+            (``b_enc / c``, ``b_dec / c``; exact for TopK/AbsTopK, which commute with positive
+            scaling), so it takes raw activations and its codes are ``1/c`` times the training
+            codes. (Per-row layer norm is a model option: ``SAEConfig.normalize_activations``.)
+        dead_tokens: a latent counts as dead in the log and summary when it has not fired on
+            this many training samples (None: ``min(10_000_000, n)``, the TopK paper's 10M
+            tokens or the dataset size if smaller). The AuxK loss uses ``SAEConfig.dead_tokens``.
+        seed: seeds the batch order, the ``b_dec`` sample and (unless ``init_seed`` is set)
+            the initial weights.
+        init_seed: seeds the initial weights instead of ``seed`` (None: ``seed``); several
+            SAEs that share batches (:func:`train_many`) differ only in this.
         ckpt_every: write a checkpoint every this many steps (0: only at the end); needs ``out``.
-        log_every: record the loss parts every this many steps.
+        log_every: average the loss parts, L0 and gradient norm over this many steps and record
+            them (in ``history``, the progress bar and ``OUT/train_log.jsonl``).
         progress: show a tqdm progress bar (only when stderr is a terminal).
         device: torch device for the model and batches.
     """
@@ -56,14 +90,24 @@ class TrainConfig:
     batch_size: int = 256
     lr: float = 1e-3
     weight_decay: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay: str = "constant"
+    lr_end: float = 0.0
+    grad_clip: float = 0.0
+    rip_warmup_steps: int = 0
+    auxk_warmup_steps: int = 0
+    normalize: str = "none"
+    dead_tokens: int | None = None
     seed: int = 0
+    init_seed: int | None = None
     ckpt_every: int = 0
     log_every: int = 50
     progress: bool = False
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seed", "ckpt_every", "log_every"):
+        for name in ("steps", "batch_size", "seed", "ckpt_every", "log_every", "lr_warmup_steps",
+                     "rip_warmup_steps", "auxk_warmup_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
@@ -72,6 +116,37 @@ class TrainConfig:
                              f"{self.log_every}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr: expected a finite number > 0, got {self.lr!r}")
+        if self.lr_decay not in _LR_DECAYS:
+            raise ValueError(f"lr_decay: expected one of {list(_LR_DECAYS)}, got {self.lr_decay!r}")
+        if not (0 <= self.lr_end <= self.lr):
+            raise ValueError(f"lr_end: expected 0 <= lr_end <= lr={self.lr}, got {self.lr_end!r}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ValueError(f"grad_clip: expected a finite number >= 0, got {self.grad_clip!r}")
+        if self.normalize not in _NORMALIZE:
+            raise ValueError(f"normalize: expected one of {list(_NORMALIZE)}, got {self.normalize!r}")
+        if self.init_seed is not None and (isinstance(self.init_seed, bool) or
+                                           not isinstance(self.init_seed, int) or self.init_seed < 0):
+            raise ValueError(f"init_seed: expected None or an int >= 0, got {self.init_seed!r}")
+        if self.dead_tokens is not None and (isinstance(self.dead_tokens, bool) or
+                                             not isinstance(self.dead_tokens, int) or
+                                             self.dead_tokens < 1):
+            raise ValueError(f"dead_tokens: expected None or an int >= 1, got {self.dead_tokens!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.lr_warmup_steps:
+            return self.lr * (step + 1) / self.lr_warmup_steps
+        if self.lr_decay == "constant":
+            return self.lr
+        span = self.steps - self.lr_warmup_steps
+        p = min(1.0, (step - self.lr_warmup_steps) / (span - 1)) if span > 1 else 1.0
+        if self.lr_decay == "linear":
+            return self.lr_end + (self.lr - self.lr_end) * (1.0 - p)
+        return self.lr_end + (self.lr - self.lr_end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def _ramp(step: int, warmup: int) -> float:
+    return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
 
 
 # --------------------------------------------------------------------------- data
@@ -154,52 +229,36 @@ class _Batches:
 
 # --------------------------------------------------------------------------- checkpoints
 
-def save_sae(path, model: SparseAutoencoder, extra_cfg: dict | None = None) -> Path:
-    """Save ``model`` as ``path/weights.safetensors`` + ``path/cfg.json`` (SAELens layout)."""
-    cfg = model.library_cfg()
-    if extra_cfg:
-        cfg.update(extra_cfg)
-    return tio.save_folder(path, model.tensors(), cfg)
-
-
-def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
-    """Load an SAE saved by :func:`save_sae`.
-
-    Raises:
-        FileNotFoundError: missing folder / files.
-        ValueError: corrupt files, a config without ``d_in/d_sae/k``, missing or mis-shaped
-            tensors, or NaN/inf weights.
-    """
-    tensors, cfg = tio.load_folder(path, device=device)
-    model = SparseAutoencoder(SAEConfig.from_dict(cfg)).to(device)
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    got = {n: tuple(t.shape) for n, t in tensors.items() if n in expected}
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ValueError(f"{path}: weights.safetensors lacks tensors {missing}")
-    bad = {n: (got[n], expected[n]) for n in expected if got[n] != expected[n]}
-    if bad:
-        raise ValueError(f"{path}: tensor shapes (got, expected) do not match cfg.json: {bad}")
-    for n in expected:
-        if not bool(torch.isfinite(tensors[n]).all()):
-            raise ValueError(f"{path}: tensor {n} contains NaN or inf")
+def _folded(model: SparseAutoencoder, scale: float) -> SparseAutoencoder:
+    """``model`` with the input scale ``c`` folded in: biases divided by ``c`` (a copy)."""
+    if scale == 1.0:
+        return model
+    import copy
+    folded = copy.deepcopy(model)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(tensors[n].to(p.dtype))
-    return model
+        folded.b_enc.div_(scale)
+        folded.b_dec.div_(scale)
+    return folded
 
 
-def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta) -> None:
+def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta, scale,
+                     dead_tokens) -> None:
     extra = {f"train_{k}": v for k, v in asdict(train_cfg).items()}
     extra.update(meta)
     extra["train_step"] = step
-    save_sae(out, model, extra)
+    extra["train_activation_scale"] = scale
+    extra["train_dead_tokens"] = dead_tokens    # the threshold actually used (None resolved)
+    extra["train_dead_latents"] = int((dead >= dead_tokens).sum())
+    save_sae(out, _folded(model, scale), extra)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {"tokens_since_fired": dead}
+    if scale != 1.0:   # the unfolded biases, so that a resumed run continues bit-identically
+        state.update({"unfolded.b_enc": model.b_enc.detach(), "unfolded.b_dec": model.b_dec.detach()})
     for p, s in opt.state.items():
         for key, val in s.items():
             state[f"{names[id(p)]}.{key}"] = torch.as_tensor(val).reshape(-1) if key == "step" else val
-    tio.save_folder(out / TRAINER_STATE, state, {"step": step, "seed": train_cfg.seed})
+    tio.save_folder(out / TRAINER_STATE, state, {"step": step, "seed": train_cfg.seed,
+                                                  "activation_scale": scale})
 
 
 def _load_trainer_state(path: Path, model, opt):
@@ -214,10 +273,236 @@ def _load_trainer_state(path: Path, model, opt):
                             "exp_avg_sq": tensors[f"{name}.exp_avg_sq"]}
     sd["state"] = new_state
     opt.load_state_dict(sd)
-    return int(cfg["step"]), tensors["tokens_since_fired"]
+    if "unfolded.b_enc" in tensors:
+        with torch.no_grad():
+            model.b_enc.copy_(tensors["unfolded.b_enc"])
+            model.b_dec.copy_(tensors["unfolded.b_dec"])
+    return int(cfg["step"]), tensors["tokens_since_fired"], float(cfg.get("activation_scale", 1.0))
+
+
+def density_histogram(fires: torch.Tensor, tokens: int, n_bins: int = 20) -> dict:
+    """Histogram of the feature densities ``fires / tokens`` (fraction of samples each latent
+    fired on) in ``n_bins`` log10 bins from ``1/tokens`` to 1, plus the never-firing count."""
+    dens = fires.double() / max(tokens, 1)
+    lo = -math.log10(max(tokens, 10))
+    edges = torch.linspace(lo, 0.0, n_bins + 1, dtype=torch.float64)
+    alive = dens > 0
+    counts = torch.histc(torch.log10(dens[alive]), bins=n_bins, min=lo, max=0.0) if bool(alive.any()) \
+        else torch.zeros(n_bins, dtype=torch.float64)
+    return {"log10_density_edges": [round(float(e), 6) for e in edges],
+            "counts": [int(c) for c in counts], "never_fired": int((~alive).sum()),
+            "tokens": int(tokens)}
+
+
+def plot_density(records: list[dict], path) -> None:
+    """Feature-density histograms (one line per checkpoint) to ``path`` (PNG, atomic)."""
+    import io as _io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for rec in records:
+        e = rec["log10_density_edges"]
+        mids = [(a + b) / 2 for a, b in zip(e[:-1], e[1:])]
+        ax.plot(mids, rec["counts"], marker=".", label=f"step {rec['step']} "
+                f"({rec['never_fired']} never fired)")
+    ax.set_xlabel("log10 feature density (fraction of samples a latent fires on)")
+    ax.set_ylabel("number of latents")
+    ax.set_title("feature density at checkpoints", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = _io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    tio.atomic_write_bytes(path, buf.getvalue())
+
+
+def _read_log(path: Path, upto: int) -> list[dict]:
+    """Records of an earlier ``train_log.jsonl`` up to step ``upto`` (a torn last line of an
+    interrupted run is dropped)."""
+    if not path.is_file():
+        return []
+    recs = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= upto:
+            recs.append(rec)
+    return recs
 
 
 # --------------------------------------------------------------------------- loop
+
+def _init_seed(train_cfg: TrainConfig) -> int:
+    return train_cfg.seed if train_cfg.init_seed is None else train_cfg.init_seed
+
+
+class _Stepper:
+    """One SAE's optimizer step and its log window (shared by :func:`train` and
+    :func:`train_many`)."""
+
+    KEYS = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
+
+    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0):
+        self.model, self.opt, self.sae_cfg, self.train_cfg = model, opt, sae_cfg, train_cfg
+        self.dead, self.dead_tokens, self.scale, self.t0 = dead, dead_tokens, scale, t0
+        self.fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
+        self.params = list(model.parameters())
+        self.window = {k: 0.0 for k in self.KEYS}
+        self.n_window = 0
+        model.train()
+
+    def step(self, x, step, where="no checkpoint was written", last_good=None):
+        model, sae_cfg, train_cfg = self.model, self.sae_cfg, self.train_cfg
+        if self.scale != 1.0:
+            x = x * self.scale
+        dead = self.dead
+        dead_mask = (dead >= sae_cfg.dead_tokens).to(x.device) if sae_cfg.auxk_alpha > 0 else None
+        self.lr = lr = train_cfg.lr_at(step)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.rip_ramp = rip_ramp = _ramp(step, train_cfg.rip_warmup_steps)
+        self.aux_ramp = aux_ramp = _ramp(step, train_cfg.auxk_warmup_steps)
+        if rip_ramp == 1.0 and aux_ramp == 1.0:
+            parts = model.loss(x, dead_mask)
+        else:
+            parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
+                               aux_coef=aux_ramp * sae_cfg.auxk_alpha)
+        loss = parts["loss"]
+        if not bool(torch.isfinite(loss)):
+            raise TrainingDiverged(f"loss became {float(loss.detach())} at step {step} (recon="
+                                   f"{float(parts['recon'])}, rip={float(parts['rip'])}); "
+                                   f"{where}; try a smaller lr", step, last_good)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        model.remove_parallel_grad_()
+        params = self.params
+        if train_cfg.grad_clip > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
+        else:
+            gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        self.opt.step()
+        model.normalize_decoder_()
+        with torch.no_grad():
+            active = parts["z"] != 0
+            fired = active.any(dim=0).cpu()
+            self.fires += active.sum(dim=0).cpu()
+            dead += x.shape[0]
+            dead[fired] = 0
+            for k in ("loss", "recon", "rip", "aux"):
+                self.window[k] += float(parts[k].detach())
+            self.window["l0"] += float(active.sum(dim=1).double().mean())
+            self.window["grad_norm"] += float(gnorm)
+            self.n_window += 1
+        return parts
+
+    def record(self, done: int) -> dict | None:
+        """The averaged log record when step ``done`` ends a log window, else None."""
+        tc, sae_cfg = self.train_cfg, self.sae_cfg
+        if not (done % tc.log_every == 0 or done == tc.steps):
+            return None
+        rec = {"step": done, "tokens": done * tc.batch_size,
+               **{k: self.window[k] / self.n_window for k in self.KEYS}}
+        rec.update({"fvu": rec["recon"], "explained_variance": 1.0 - rec["recon"],
+                    "dead_latents": int((self.dead >= self.dead_tokens).sum()),
+                    "dead_tokens": self.dead_tokens, "lr": self.lr,
+                    "rip_coef": self.rip_ramp * sae_cfg.rip_beta,
+                    "aux_coef": self.aux_ramp * sae_cfg.auxk_alpha,
+                    "seconds": time.perf_counter() - self.t0})
+        self.window = {k: 0.0 for k in self.KEYS}
+        self.n_window = 0
+        return rec
+
+
+def _expected_norm_scale(sample: torch.Tensor, d: int) -> float:
+    msq = float((sample.double() ** 2).sum(dim=1).mean())
+    if not msq > 0:
+        raise ValueError("data: normalize='expected_norm' needs non-zero activations")
+    return math.sqrt(d / msq)
+
+
+def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None):
+    """Train several SAEs in one pass over shared batches (e.g. seeds × presets).
+
+    Every batch is read once and given to every SAE in turn; SAE ``i`` is exactly the SAE that
+    ``train(data, sae_cfgs[i], replace(train_cfg, init_seed=init_seeds[i]))`` returns (same
+    batch order from ``train_cfg.seed``, own initial weights from ``init_seeds[i]``,
+    bit-identical on CPU). No checkpoints or log files (use :func:`train` for one SAE with
+    ``out``).
+
+    Args:
+        data: as for :func:`train`; ``sae_cfgs``: list of :class:`SAEConfig` (same ``d_in``);
+        init_seeds: one int >= 0 per config; ``train_cfg``: shared optimization settings.
+    Returns:
+        list of ``(model, history)`` in the order of ``sae_cfgs``.
+    Raises:
+        ValueError: as :func:`train`; different lengths of ``sae_cfgs`` and ``init_seeds``.
+        TrainingDiverged: any of the SAEs diverged (its index is in the message).
+    """
+    from dataclasses import replace
+
+    train_cfg = train_cfg or TrainConfig()
+    sae_cfgs, init_seeds = list(sae_cfgs), list(init_seeds)
+    if len(sae_cfgs) != len(init_seeds) or not sae_cfgs:
+        raise ValueError(f"sae_cfgs, init_seeds: expected equal, non-zero lengths, got "
+                         f"{len(sae_cfgs)} and {len(init_seeds)}")
+    data = as_activations(data)
+    n, d = data.shape
+    for i, c in enumerate(sae_cfgs):
+        if c.d_in != d:
+            raise ValueError(f"sae_cfgs[{i}]: d_in={c.d_in} but the data has shape {tuple(data.shape)}")
+    batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
+    device = torch.device(train_cfg.device)
+    dead_tokens = train_cfg.dead_tokens or min(DEAD_TOKENS_DEFAULT, n)
+    gen = stream_generator(train_cfg.seed, "b_dec")
+    sample_idx = torch.randperm(n, generator=gen)[:min(n, 8192)]
+    t0 = time.perf_counter()
+    runs, cfgs = [], []
+    for c, s in zip(sae_cfgs, init_seeds):
+        tc = replace(train_cfg, init_seed=s)
+        dtype = torch.float64 if c.dtype == "float64" else torch.float32
+        model = SparseAutoencoder(c, seed=_init_seed(tc)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        sample = _rows(data, sample_idx, dtype, device)
+        scale = _expected_norm_scale(sample, d) if tc.normalize == "expected_norm" else 1.0
+        model.init_b_dec(sample * scale if scale != 1.0 else sample)
+        runs.append(_Stepper(model, opt, c, tc, torch.zeros(c.d_sae, dtype=torch.long),
+                             dead_tokens, scale, t0))
+        cfgs.append(dtype)
+    histories = [[] for _ in runs]
+    steps = range(train_cfg.steps)
+    if train_cfg.progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc=f"sae train x{len(runs)}", unit="step", disable=None)
+    for step in steps:
+        idx = batches.indices(step)
+        xs = {}
+        for i, (run, dtype) in enumerate(zip(runs, cfgs)):
+            if dtype not in xs:
+                xs[dtype] = _rows(data, idx, dtype, device)
+            try:
+                run.step(xs[dtype], step)
+            except TrainingDiverged as exc:
+                raise TrainingDiverged(f"sae_cfgs[{i}]: {exc}", exc.step, None) from None
+            rec = run.record(step + 1)
+            if rec is not None:
+                histories[i].append(rec)
+    seconds = time.perf_counter() - t0
+    out = []
+    for run, hist in zip(runs, histories):
+        model = _folded(run.model, run.scale)
+        model.eval()
+        summary = dict(hist[-1]) if hist else {}
+        summary.update({"steps_run": train_cfg.steps, "seconds": seconds,
+                        "activation_scale": run.scale, "shared_with": len(runs)})
+        model.train_summary = summary
+        out.append((model, hist))
+    return out
+
 
 def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=None,
           resume=None, meta: dict | None = None):
@@ -227,11 +512,19 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         data: ``(n, d_in)`` activations: tensor, array or path to a ``.npy`` (memory-mapped).
         sae_cfg: architecture; ``train_cfg``: optimization (defaults :class:`TrainConfig`).
         out: checkpoint folder (written every ``ckpt_every`` steps and at the end), or None.
+            It also receives ``train_log.jsonl`` (one JSON record per ``log_every`` steps and
+            one ``"event": "density"`` record per checkpoint) and ``feature_density.png``.
         resume: a checkpoint folder written by this function to continue from (its SAE
             config must equal ``sae_cfg``); training continues up to ``train_cfg.steps``.
         meta: extra flat entries for ``cfg.json`` (e.g. the data source).
     Returns:
-        ``(model, history)``; ``history`` is a list of ``{"step", "loss", "recon", "rip", "aux"}``.
+        ``(model, history)``; ``history`` is the list of log records: ``step``, ``tokens``,
+        ``loss``, ``recon`` (the batch FVU, also as ``fvu``), ``explained_variance``
+        (``1 - fvu``), ``l0`` (mean active latents per sample), ``dead_latents`` (not fired on
+        ``dead_tokens`` samples), ``lr``, ``grad_norm`` (before clipping), ``rip``, ``aux``,
+        ``rip_coef``, ``aux_coef``, ``seconds`` — averages over the ``log_every`` steps. The
+        model is returned in raw-activation space (any ``normalize`` scale folded in), and
+        ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
         ValueError: bad data (shape, NaN/inf), a batch larger than the data, a resume
             checkpoint whose config differs.
@@ -247,10 +540,11 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
     device = torch.device(train_cfg.device)
     dtype = torch.float64 if sae_cfg.dtype == "float64" else torch.float32
-    model = SparseAutoencoder(sae_cfg, seed=train_cfg.seed).to(device)
+    model = SparseAutoencoder(sae_cfg, seed=_init_seed(train_cfg)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
     dead = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
-    start = 0
+    dead_tokens = train_cfg.dead_tokens or min(DEAD_TOKENS_DEFAULT, n)
+    start, scale = 0, 1.0
     if resume is not None:
         resume = Path(resume)
         saved = tio.read_config(resume)
@@ -261,55 +555,72 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                              f"(saved, requested): {diff}")
         loaded = load_sae(resume, device=str(device))
         model.load_state_dict(loaded.state_dict())
-        start, dead = _load_trainer_state(resume, model, opt)
+        start, dead, scale = _load_trainer_state(resume, model, opt)
         dead = dead.to(torch.long)
     else:
         gen = stream_generator(train_cfg.seed, "b_dec")
-        sample = torch.randperm(n, generator=gen)[:min(n, 8192)]
-        model.init_b_dec(_rows(data, sample, dtype, device))
+        sample = _rows(data, torch.randperm(n, generator=gen)[:min(n, 8192)], dtype, device)
+        if train_cfg.normalize == "expected_norm":
+            scale = _expected_norm_scale(sample, d)
+        model.init_b_dec(sample * scale if scale != 1.0 else sample)
     meta = dict(meta or {})
     out = Path(out) if out is not None else None
     last_good = str(out) if (out is not None and (out / tio.CONFIG_FILE).exists()) else None
+    log_path = out / LOG_FILE if out is not None else None
+    old_log = _read_log(log_path, start) if (log_path is not None and resume is not None) else []
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        tio.atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in old_log))
+    density_recs = [r for r in old_log if r.get("event") == "density"]
     history = []
     steps = range(start, train_cfg.steps)
     if train_cfg.progress:
         from tqdm import tqdm
         # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
         steps = tqdm(steps, desc="sae train", unit="step", disable=None)
-    model.train()
+    t0 = time.perf_counter()
+    last_ckpt = start
+    run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0)
     for step in steps:
         x = _rows(data, batches.indices(step), dtype, device)
-        dead_mask = (dead >= sae_cfg.dead_tokens).to(device) if sae_cfg.auxk_alpha > 0 else None
-        parts = model.loss(x, dead_mask)
-        loss = parts["loss"]
-        if not bool(torch.isfinite(loss)):
-            where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-            raise TrainingDiverged(f"loss became {float(loss.detach())} at step {step} (recon="
-                                   f"{float(parts['recon'])}, rip={float(parts['rip'])}); "
-                                   f"{where}; try a smaller lr", step, last_good)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        model.remove_parallel_grad_()
-        opt.step()
-        model.normalize_decoder_()
-        with torch.no_grad():
-            fired = (parts["z"] != 0).any(dim=0).cpu()
-            dead += x.shape[0]
-            dead[fired] = 0
+        where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
+        run.step(x, step, where, last_good)
+        dead = run.dead
         done = step + 1
-        if done % train_cfg.log_every == 0 or done == train_cfg.steps:
-            rec = {"step": done, **{k: float(parts[k].detach()) for k in ("loss", "recon", "rip", "aux")}}
+        rec = run.record(done)
+        if rec is not None:
             history.append(rec)
+            if log_path is not None:
+                with open(log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(rec) + "\n")
             if train_cfg.progress:
-                steps.set_postfix(fvu=f"{rec['recon']:.4f}")
+                steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
+                                  dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
         if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)
                                 or done == train_cfg.steps):
             if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta)
+                dens = {"event": "density", "step": done,
+                        **density_histogram(run.fires, (done - last_ckpt) * train_cfg.batch_size)}
+                density_recs.append(dens)
+                with open(log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(dens) + "\n")
+                run.fires.zero_()
+                last_ckpt = done
+                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale, dead_tokens)
                 last_good = str(out)
     if out is not None and start >= train_cfg.steps and not (out / tio.CONFIG_FILE).exists():
-        _save_checkpoint(out, model, opt, start, dead, train_cfg, meta)
+        _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
+    seconds = time.perf_counter() - t0
+    if out is not None and density_recs and start < train_cfg.steps:
+        plot_density(density_recs[-5:], out / DENSITY_PLOT)
+    model = _folded(model, scale)
     model.eval()
+    summary = dict(history[-1]) if history else {}
+    summary.update({"steps_run": train_cfg.steps - start if start < train_cfg.steps else 0,
+                    "seconds": seconds, "activation_scale": scale,
+                    "samples_per_s": (max(0, train_cfg.steps - start) * train_cfg.batch_size /
+                                      seconds) if seconds > 0 else None})
+    model.train_summary = summary
     return model, history
 
 

@@ -1,0 +1,153 @@
+"""Training observability and schedules: the JSONL log, dead latents, feature density, lr
+warmup/decay, gradient clipping, coefficient warmup, expected-norm scaling folded at the end."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tensoralg.sae import models, training
+from tensoralg.sae.formats import load_sae
+from tensoralg.sae.presets import make_config
+from tensoralg.sae.synthetic import make_synthetic
+from tensoralg.sae.training import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def syn():
+    return make_synthetic(512, 8, 12, 2, seed=0)
+
+
+def test_lr_schedule_values():
+    # hand-computed: warmup 4 steps to 1.0, then decay over steps 4..9 (p = 0, 0.2, ..., 1)
+    c = TrainConfig(steps=10, lr=1.0, lr_warmup_steps=4, lr_decay="linear", lr_end=0.5)
+    assert [c.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [round(c.lr_at(s), 12) for s in range(4, 10)] == [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    cos = TrainConfig(steps=10, lr=1.0, lr_warmup_steps=4, lr_decay="cosine", lr_end=0.0)
+    assert cos.lr_at(4) == 1.0 and abs(cos.lr_at(9)) < 1e-15
+    assert cos.lr_at(6) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.4)), rel=1e-15)
+    assert TrainConfig(steps=10, lr=0.3).lr_at(7) == 0.3
+    for bad, match in (({"lr_decay": "step"}, "lr_decay"), ({"lr_end": 2.0}, "lr_end"),
+                       ({"grad_clip": -1.0}, "grad_clip"), ({"normalize": "l2"}, "normalize"),
+                       ({"dead_tokens": 0}, "dead_tokens"), ({"rip_warmup_steps": -1}, "rip_warmup")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad)
+
+
+def test_log_records_match_an_independent_recount(syn, tmp_path, monkeypatch):
+    codes = []
+    real = models.SparseAutoencoder.loss
+
+    def spy(self, x, *a, **kw):
+        out = real(self, x, *a, **kw)
+        codes.append((out["z"].detach() != 0, float(out["recon"])))
+        return out
+
+    monkeypatch.setattr(models.SparseAutoencoder, "loss", spy)
+    cfg = make_config("abstopk", 8, 12, 2)
+    tc = TrainConfig(steps=12, batch_size=64, log_every=4, lr=1e-2, lr_warmup_steps=2,
+                     lr_decay="cosine", lr_end=1e-3, dead_tokens=3 * 64, ckpt_every=6)
+    model, hist = train(syn.x, cfg, tc, out=tmp_path / "run")
+    lines = [json.loads(l) for l in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "event" not in r]
+    assert steps == hist and [r["step"] for r in hist] == [4, 8, 12]
+    for r in hist:
+        window = codes[r["step"] - 4:r["step"]]
+        assert r["l0"] == pytest.approx(sum(float(a.sum(1).double().mean()) for a, _ in window) / 4,
+                                        rel=1e-12)
+        assert r["fvu"] == pytest.approx(sum(f for _, f in window) / 4, rel=1e-12)
+        assert r["explained_variance"] == pytest.approx(1 - r["fvu"], rel=1e-12)
+        assert r["lr"] == tc.lr_at(r["step"] - 1)
+        # dead: not fired in the last 3 batches (= dead_tokens samples) up to this step
+        recent = torch.stack([a.any(0) for a, _ in codes[r["step"] - 3:r["step"]]]).any(0)
+        assert r["dead_latents"] == int((~recent).sum())
+        assert r["grad_norm"] > 0 and r["tokens"] == r["step"] * 64
+    dens = [r for r in lines if r.get("event") == "density"]
+    assert [r["step"] for r in dens] == [6, 12]
+    for r in dens:
+        assert sum(r["counts"]) + r["never_fired"] == 12 and r["tokens"] == 6 * 64
+    assert (tmp_path / "run" / "feature_density.png").stat().st_size > 1000
+    s = model.train_summary
+    assert s["step"] == 12 and s["samples_per_s"] > 0 and s["activation_scale"] == 1.0
+
+
+def test_resume_keeps_the_log_consistent(syn, tmp_path):
+    cfg = make_config("topk", 8, 12, 2)
+    train(syn.x, cfg, TrainConfig(steps=8, batch_size=64, log_every=2, ckpt_every=4),
+          out=tmp_path / "r")
+    log = tmp_path / "r" / "train_log.jsonl"
+    # an interruption after step 4: the checkpoint says 4, the log went further and was torn
+    full = log.read_text().splitlines()
+    train(syn.x, cfg, TrainConfig(steps=4, batch_size=64, log_every=2, ckpt_every=4),
+          out=tmp_path / "t")
+    with open(tmp_path / "t" / "train_log.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": 6, "loss": 9.0}) + "\n{\"step\": 7, \"lo")
+    train(syn.x, cfg, TrainConfig(steps=8, batch_size=64, log_every=2, ckpt_every=4),
+          out=tmp_path / "t", resume=tmp_path / "t")
+    lines = [json.loads(l) for l in (tmp_path / "t" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "event" not in r] == [2, 4, 6, 8]
+    ref = [json.loads(l) for l in full]
+    for a, b in zip([r for r in lines if "event" not in r], [r for r in ref if "event" not in r]):
+        assert a["fvu"] == b["fvu"] and a["dead_latents"] == b["dead_latents"]
+
+
+def test_gradient_clipping_and_coefficient_warmup(syn, monkeypatch):
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *a, **kw):
+        g = torch.cat([p.grad.reshape(-1) for grp in self.param_groups for p in grp["params"]
+                       if p.grad is not None])
+        seen.append(float(g.norm()))
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    cfg = make_config("isae", 8, 12, 2)
+    _, hist = train(syn.x, cfg, TrainConfig(steps=6, batch_size=64, log_every=1, grad_clip=1e-3,
+                                            rip_warmup_steps=4, auxk_warmup_steps=3))
+    assert max(seen) <= 1e-3 * (1 + 1e-5)
+    assert all(r["grad_norm"] > 1e-3 for r in hist)       # logged before clipping
+    assert [r["rip_coef"] for r in hist] == [cfg.rip_beta * min(1, (s + 1) / 4) for s in range(6)]
+    assert [r["aux_coef"] for r in hist] == [cfg.auxk_alpha * min(1, (s + 1) / 3) for s in range(6)]
+
+
+def test_expected_norm_scaling_is_folded_exactly(tmp_path):
+    syn = make_synthetic(512, 8, 12, 2, seed=1)
+    x = (syn.x * 7.0).double()
+    cfg = make_config("isae-me", 8, 12, 2, dtype="float64")
+    model, _ = train(x, cfg, TrainConfig(steps=6, batch_size=64, normalize="expected_norm"),
+                     out=tmp_path / "n")
+    c = model.train_summary["activation_scale"]
+    # n <= 8192: the scale is estimated on every row
+    assert c == pytest.approx(math.sqrt(8 / float((x ** 2).sum(1).mean())), rel=1e-12)
+    unfolded = training._folded(model, 1.0 / c)           # biases times c: the trained SAE
+    with torch.no_grad():
+        torch.testing.assert_close(unfolded.encode(c * x), c * model.encode(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(unfolded(c * x) / c, model(x), rtol=1e-12, atol=1e-12)
+        assert torch.equal(load_sae(tmp_path / "n").encode(x), model.encode(x))
+    # resumed runs continue bit-identically despite the folded biases on disk
+    full, _ = train(x, cfg, TrainConfig(steps=10, batch_size=64, normalize="expected_norm"))
+    train(x, cfg, TrainConfig(steps=5, batch_size=64, normalize="expected_norm"), out=tmp_path / "h")
+    res, _ = train(x, cfg, TrainConfig(steps=10, batch_size=64, normalize="expected_norm"),
+                   out=tmp_path / "h", resume=tmp_path / "h")
+    for k, v in full.state_dict().items():
+        assert torch.equal(v, res.state_dict()[k]), k
+
+
+def test_train_many_equals_separate_runs_on_shared_batches(syn):
+    from dataclasses import replace
+    cfgs = [make_config("topk", 8, 12, 2), make_config("isae-me", 8, 12, 2),
+            make_config("abstopk", 8, 12, 2)]
+    seeds = [3, 4, 5]
+    tc = TrainConfig(steps=7, batch_size=64, log_every=3, seed=11, normalize="expected_norm")
+    many = training.train_many(syn.x, cfgs, seeds, tc)
+    for (m, h), c, s in zip(many, cfgs, seeds):
+        one, h1 = train(syn.x, c, replace(tc, init_seed=s))
+        for k, v in one.state_dict().items():
+            assert torch.equal(v, m.state_dict()[k]), k
+        assert [r["fvu"] for r in h] == [r["fvu"] for r in h1]
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        training.train_many(syn.x, cfgs, [1], tc)
+    with pytest.raises(ValueError, match=r"sae_cfgs\[0\]: d_in=9"):
+        training.train_many(syn.x, [make_config("topk", 9, 12, 2)], [0], tc)
