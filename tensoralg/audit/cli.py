@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..threads import add_threads_option
 from .common import METHODS
 
 
@@ -84,9 +85,9 @@ def _wrote(result: dict) -> str:
 
 
 def _threads(args=None) -> None:
-    import torch
+    from ..threads import DEFAULT_THREADS, set_threads
 
-    torch.set_num_threads(getattr(args, "threads", 1) or 1)
+    set_threads(getattr(args, "threads", DEFAULT_THREADS))
 
 
 def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
@@ -96,8 +97,7 @@ def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
                    help="also write the result JSON to PATH (a file path)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are hidden anyway when stderr is not a terminal)")
-    p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch CPU threads (default 1: small shared machines)")
+    add_threads_option(p)
 
 
 def _common(p: argparse.ArgumentParser, default_out: str) -> None:

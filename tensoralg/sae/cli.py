@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..threads import add_threads_option
+
 __all__ = ["add_parsers"]
 
 PRESET_NAMES = ("topk", "abstopk", "isae", "isae-me")
@@ -202,7 +204,6 @@ def _cmd_bench(args) -> int:
 
     from .bench import format_table, run_bench
 
-    torch.set_num_threads(args.threads)
     overrides = {k: getattr(args, k) for k in ("d", "m", "k", "steps", "lr", "n_train")
                  if getattr(args, k) is not None}
     for flag, value in (("--seed", args.seed), ("--data-seed", args.data_seed)):
@@ -260,7 +261,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--out", required=True,
                    help="checkpoint folder (weights.safetensors + cfg.json): new, empty, or an "
                         "earlier SAE checkpoint folder (e.g. the --resume folder)")
-    t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    add_threads_option(t)
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is hidden anyway when stderr is not a terminal)")
     t.add_argument("--json", help="also write the loss history as JSON here")
@@ -274,6 +275,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--ground-truth", help="folder with a ground-truth W_dec (from train --synthetic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the random-dictionary baseline (random_dcs)")
     s.add_argument("--json")
+    add_threads_option(s)
     s.set_defaults(func=_cmd_stability)
 
     b = ss.add_parser("bench", help="train every preset with several seeds and report stability")
@@ -284,7 +286,7 @@ def add_parsers(sub) -> None:
     b.add_argument("--d", type=int); b.add_argument("--m", type=int); b.add_argument("--k", type=int)
     b.add_argument("--steps", type=int); b.add_argument("--lr", type=float)
     b.add_argument("--n-train", type=int)
-    b.add_argument("--threads", type=int, default=1)
+    add_threads_option(b)
     b.add_argument("--out", help="folder for bench.json, bench.md, bench.png")
     b.add_argument("--json")
     b.add_argument("--seed", type=int, default=0,
@@ -304,4 +306,5 @@ def add_parsers(sub) -> None:
     a.add_argument("--max-tokens", type=int, default=64)
     a.add_argument("--batch-size", type=int, default=32)
     a.add_argument("--json")
+    add_threads_option(a)
     a.set_defaults(func=_cmd_activations)
