@@ -669,6 +669,36 @@ def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str =
     return np.sqrt(np.maximum(val, 0.0)) if isinstance(val, np.ndarray) else math.sqrt(max(val, 0.0))
 
 
+class ExactSimilarity(float):
+    """An exact similarity (``backend="exact"``): the float nearest to it, plus ``.exact``.
+
+    ``.exact`` is the sympy number ``sign(ab) * sqrt(R)`` with ``R = ab^2 / (aa bb)`` a reduced
+    rational (square factors taken out by sympy; a plain Rational when ``R`` is a perfect
+    square), and ``.squared`` is the signed Fraction ``sign(ab) * R``. Arithmetic and
+    comparisons act on the float; use ``.exact`` / ``.squared`` for exact work."""
+
+    exact: Any
+    squared: Fraction
+
+    @classmethod
+    def from_products(cls, ab: Fraction, aa: Fraction, bb: Fraction) -> "ExactSimilarity":
+        import sympy
+
+        R = ab * ab / (aa * bb)
+        sign = 1 if ab >= 0 else -1
+        exact = sign * sympy.sqrt(sympy.Rational(R.numerator, R.denominator))
+        obj = super().__new__(cls, float(sympy.Float(exact.evalf(30), 30)))
+        obj.exact, obj.squared = exact, sign * R
+        return obj
+
+    def __repr__(self) -> str:
+        text = str(self.exact)
+        if len(text) > 60:
+            digits = len(str(self.squared.numerator)) + len(str(self.squared.denominator))
+            text = f"sign * sqrt(p/q), {digits} digits: see .exact"
+        return f"ExactSimilarity({float(self)!r}, exact={text})"
+
+
 def _sim_from(Xab, Xaa, Xbb, backend, what: str):
     if backend == "exact":
         import sympy
@@ -677,9 +707,7 @@ def _sim_from(Xab, Xaa, Xbb, backend, what: str):
             if aa == 0 or bb == 0:
                 raise ValueError(f"similarity{where}: a network has norm zero (||a||^2 = {aa}, "
                                  f"||b||^2 = {bb}); similarity is undefined")
-            q = sympy.Rational(Fraction(ab).numerator, Fraction(ab).denominator)
-            return q / sympy.sqrt(sympy.Rational(Fraction(aa * bb).numerator,
-                                                 Fraction(aa * bb).denominator))
+            return ExactSimilarity.from_products(Fraction(ab), Fraction(aa), Fraction(bb))
         if np.ndim(Xab):
             return [one(x, y, z, f" (output {i})") for i, (x, y, z) in
                     enumerate(zip(Xab, Xaa, Xbb))]
@@ -702,7 +730,8 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     """Tensor similarity ``<a, b> / (||a|| ||b||)`` in [-1, 1] (cosine of the two functions under
     the chosen metric). ``sim(a, a) = 1``; symmetric; invariant to reparametrizations that keep
     the functions (exact method). Computed in a normalized gauge so that output scales of
-    1e±300 cancel exactly. Returns a float, a sympy expression (exact backend), a vector
+    1e±300 cancel exactly. Returns a float, an :class:`ExactSimilarity` (exact backend: the
+    float with the exact value ``.exact = ±sqrt(R)``, ``R`` a reduced rational), a vector
     (``output="each"``) or a :class:`MonteCarloEstimate` (delta-method standard error).
     """
     _check_options(metric, method, backend)

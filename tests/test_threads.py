@@ -55,3 +55,26 @@ def test_cli_applies_threads_before_the_command(restore_threads, tmp_path, capsy
     with pytest.raises(SystemExit):
         main(["matrix", "x", "--threads", "-1"])
     assert "expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_every_non_sae_option_states_its_default():
+    """Help text states each default (issue 12 item 8); the quick/full step counts quoted in the
+    help are the configuration classes' own."""
+    for path, parser in _leaves(build_parser()):
+        if path[0] == "sae":  # the SAE commands' help is maintained with the SAE code
+            continue
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert "default" in (action.help or ""), (path, action.option_strings)
+    from tensoralg.audit.backdoor import BackdoorConfig
+    from tensoralg.audit.forgetting import ForgettingConfig
+    from tensoralg.audit.grokking import GrokkingConfig
+
+    helps = {path: {a.dest: a.help for a in p._actions} for path, p in _leaves(build_parser())}
+    for path, cls, fields in ((("audit", "backdoor"), BackdoorConfig, ("steps", "finetune_steps")),
+                              (("audit", "forgetting"), ForgettingConfig, ("stage_steps",)),
+                              (("audit", "grokking"), GrokkingConfig, ("P", "steps", "checkpoints"))):
+        for f in fields:
+            text = helps[path][f]
+            assert f"default {getattr(cls(), f)};" in text, (path, f, text)
+            assert f"{getattr(cls.quick(), f)} with --quick" in text, (path, f, text)
