@@ -3,7 +3,10 @@
 The Gaussian inner product ``<f_a, f_b> = E_{x ~ N(0, I)}[f_a(x) . f_b(x)]`` of two polynomial
 networks (bilinear MLPs, linear and residual layers) computed in closed form (Isserlis / Wick on
 the lifted input ``x~ = (1, x)``), its similarity, slices, diffs and Gram matrices; see
-``DESIGN.md`` section 3 for the mathematics.
+``docs/`` for the mathematics (``docs/index.md``).
+
+Threads: the library leaves torch's and BLAS's thread counts alone; on small models or a loaded
+machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, :mod:`tensoralg.threads`).
 """
 
 from ._version import __version__
@@ -23,11 +26,12 @@ from .products import (
     similarity_matrix,
 )
 from .network import to_graph
+from .threads import set_threads
 
 __all__ = [
     "__version__",
     "Layer", "Linear", "Bilinear", "Residual", "Sequential",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate",
-    "to_graph", "plan", "Plan", "CostTooHigh",
+    "to_graph", "plan", "Plan", "CostTooHigh", "set_threads",
 ]

@@ -14,33 +14,71 @@ imported with :func:`from_state_dict`, given a map from our parameter names to t
     model = from_state_dict(sd, {
         "embed.weight": "W_E",                 # (d_model, d_in)
         "blocks.0.left.weight": "mlp.W_l",     # (d_hidden, d_model)
+        "blocks.0.left.bias": "mlp.b_l",       # (d_hidden,)   nn.Linear keeps a bias by default
         "blocks.0.right.weight": "mlp.W_r",    # (d_hidden, d_model)
+        "blocks.0.right.bias": "mlp.b_r",
         "blocks.0.down.weight": "mlp.W_d",     # (d_model, d_hidden)
+        "blocks.0.down.bias": "mlp.b_d",       # (d_model,)
         "head.weight": "W_U",                  # (d_out, d_model)
-    }, residual=True)
+    }, residual=True, check=(their_model, x))  # x: a few inputs of shape (n, d_in)
     save_checkpoint("ckpt/theirs", model, step=0, provenance={"source": "their_model.pt"})
 
-Sizes are read from the shapes; biases are used when their names are mapped (all of
-``blocks.*.{left,right,down}.bias`` together). Weights stored as ``(in, out)`` must be transposed
-first (``sd[k].T``). A model without an embedding or head: map it to an identity matrix.
+Sizes are read from the shapes. Every tensor of the state_dict must be mapped or listed in
+``ignore=`` (a tensor left out would silently change the function: dropped biases are the
+classic case). Block biases that their model lacks (e.g. ``down`` without a bias) are zeros.
+``residual`` is not visible in the weights and has no default. ``check=(module, inputs)``
+compares the export with their own forward pass and raises on a mismatch. Weights stored as
+``(in, out)`` must be transposed first (``sd[k].T``). A model without an embedding or head: map
+it to an identity matrix. Walk-through: ``proofs_notebooks/06_bring_your_own_model.ipynb``.
+
+Forward probe: :func:`save_checkpoint` stores the model's float64 outputs on a fixed,
+deterministic probe input (``probe_output`` in ``cfg.json``); :func:`load_checkpoint` recomputes
+them and refuses a checkpoint whose ``cfg.json`` and weights no longer compute the saved function
+(e.g. a ``residual`` flag edited by hand).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
+import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from .io import load_folder, read_config, save_folder
 from .nn import ARCHITECTURE, BilinearNet
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_network", "from_state_dict",
-           "read_checkpoint_config", "FORMAT"]
+           "check_export", "probe_input", "read_checkpoint_config", "FORMAT"]
 
 FORMAT = "tensoralg.checkpoint/1"
-_RESERVED = {"format", "architecture", "step", "tensoralg_version"}
+_RESERVED = {"format", "architecture", "step", "tensoralg_version", "probe_rows", "probe_output"}
+PROBE_ROWS = 4
+# Relative tolerance of the forward probe: both sides are float64 forward passes of the same
+# weights, so they differ only by rounding (about 1e-16 times the depth's condition); 1e-9
+# relative to the largest probe output leaves room for another BLAS or thread count, while
+# every edit of the architecture flags that we tried changed the outputs by O(1) relative.
+PROBE_RTOL = 1e-9
+
+
+def probe_input(d_in: int, rows: int = PROBE_ROWS) -> np.ndarray:
+    """The fixed probe input ``(rows, d_in)``, float64: ``x[i, j] = sqrt(2) sin(φ (i d_in + j + 1))``
+    with ``φ`` the golden ratio — deterministic without a random generator (so it cannot change
+    with a library version), entries of unit mean square, no two columns alike."""
+    k = np.arange(1, rows * d_in + 1, dtype=np.float64).reshape(rows, d_in)
+    return math.sqrt(2.0) * np.sin(k * (1 + math.sqrt(5)) / 2)
+
+
+def _probe(model: "BilinearNet", rows: int = PROBE_ROWS) -> np.ndarray:
+    """``model``'s float64 outputs on :func:`probe_input` (computed on a float64 copy on the CPU)."""
+    m = copy.deepcopy(model).to(device="cpu", dtype=torch.float64).eval()
+    with torch.no_grad():
+        x = torch.from_numpy(probe_input(model.hparams["d_in"], rows))
+        return m(x).numpy()
 
 
 def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 0,
@@ -75,6 +113,8 @@ def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 
             bad = int((~torch.isfinite(t)).sum())
             raise ValueError(f"model: tensor {name!r} has {bad} non-finite (NaN/inf) entries of "
                              f"{t.numel()}; refusing to write {path} (did training diverge?)")
+    cfg["probe_rows"] = PROBE_ROWS
+    cfg["probe_output"] = [float(v) for v in _probe(model).ravel()]  # repr round-trips exactly
     return save_folder(path, tensors, cfg)
 
 
@@ -86,10 +126,16 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict:
 def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     """Load ``(model, cfg)`` from a folder written by :func:`save_checkpoint`.
 
+    The forward probe stored by :func:`save_checkpoint` is recomputed and compared (relative
+    tolerance ``PROBE_RTOL`` of the largest probe output); a checkpoint written before probes
+    existed loads with a warning.
+
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or ``weights.safetensors``.
-        ValueError: a corrupt/truncated file, a foreign ``architecture``, or weights whose
-            names or shapes do not match the config (naming the tensor and both shapes).
+        ValueError: a corrupt/truncated file, a foreign ``architecture``, weights whose
+            names or shapes do not match the config (naming the tensor and both shapes), or
+            weights and config that no longer compute the saved probe outputs (an edited
+            ``cfg.json``: ``residual``, ``bias``, ...).
     """
     tensors, cfg = load_folder(path)
     if cfg.get("architecture") != ARCHITECTURE:
@@ -112,7 +158,31 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
             raise ValueError(f"{path}: tensor {name!r} has non-finite (NaN/inf) entries")
     model.load_state_dict({k: tensors[k].to(ref.dtype) for k, ref in expected.items()})
     model.eval()
+    _check_probe(path, model, cfg)
     return model, cfg
+
+
+def _check_probe(path, model: BilinearNet, cfg: Mapping[str, Any]) -> None:
+    if "probe_output" not in cfg:
+        warnings.warn(f"{path}: cfg.json has no forward probe (written before tensoralg stored "
+                      f"one); the config cannot be checked against the weights", stacklevel=3)
+        return
+    rows = cfg.get("probe_rows", PROBE_ROWS)
+    try:
+        want = np.asarray(cfg["probe_output"], dtype=np.float64).reshape(rows, -1)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: cfg.json probe_output is malformed ({exc})") from exc
+    got = _probe(model, rows)
+    if want.shape != got.shape:
+        raise ValueError(f"{path}: cfg.json probe_output has shape {want.shape} but the model "
+                         f"gives {got.shape}")
+    scale = float(np.max(np.abs(want))) if want.size else 0.0
+    err = float(np.max(np.abs(got - want))) if want.size else 0.0
+    if not err <= PROBE_RTOL * max(scale, np.finfo(np.float64).tiny):
+        raise ValueError(f"{path}: weights and cfg.json do not compute the function saved with "
+                         f"them: max |Δ output| = {err:.3g} on the forward probe (outputs up to "
+                         f"{scale:.3g}; tolerance {PROBE_RTOL:g} relative). Was cfg.json edited "
+                         f"(residual, bias, n_layers)?")
 
 
 def load_network(path: str | os.PathLike):
@@ -121,26 +191,53 @@ def load_network(path: str | os.PathLike):
 
 
 def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, str] | None = None,
-                    *, residual: bool = False, dtype: str | None = None) -> BilinearNet:
+                    *, residual: bool, ignore: Iterable[str] = (),
+                    check: tuple[Any, Any] | None = None, dtype: str | None = None) -> BilinearNet:
     """Wrap a plain torch ``state_dict`` of a bilinear model as a :class:`BilinearNet`.
 
     Args:
         state_dict: their tensors.
         names: our name -> their name (``embed.weight``, ``blocks.{i}.left.weight``,
-            ``blocks.{i}.right.weight``, ``blocks.{i}.down.weight``, ``head.weight`` and
-            optionally the matching ``.bias`` names); ``None`` = the names are already ours.
-        residual: whether their blocks have a residual connection (not visible in weights).
+            ``blocks.{i}.right.weight``, ``blocks.{i}.down.weight``, ``head.weight`` and the
+            matching ``.bias`` names); ``None`` = the names are already ours.
+        residual: whether their blocks have a residual connection ``h + block(h)`` (not visible
+            in the weights; required).
+        ignore: their tensor names that are deliberately not part of the function (buffers,
+            optimizer leftovers). Every other tensor of ``state_dict`` must be mapped.
+        check: ``(module, inputs)``: their module and an input batch ``(n, d_in)``; the export is
+            compared with ``module(inputs)`` (relative tolerance 1e-9 of the largest output in
+            float64, 1e-4 in lower precision) and a mismatch raises.
         dtype: ``"float32"``/``"float64"``; default: the dtype of their embedding.
 
+    Block biases: if any ``blocks.*.{left,right,down}.bias`` is mapped, the unmapped ones are
+    zeros (their model has no bias there, e.g. ``down`` built with ``bias=False``), which is the
+    same function exactly.
+
     Raises:
-        ValueError: a mapped name missing from ``state_dict``, missing required weights,
-            or shapes that do not chain (naming the tensor, its shape and the expected one).
+        TypeError: ``residual`` not given.
+        ValueError: a mapped or ignored name missing from ``state_dict``; tensors of
+            ``state_dict`` that are neither mapped nor ignored (listed); missing required
+            weights; shapes that do not chain (naming the tensor, its shape and the expected
+            one); NaN/inf entries; with ``check``, outputs that differ from ``module(inputs)``
+            (the largest difference, and the usual causes).
     """
+    if not isinstance(residual, bool):
+        raise TypeError(f"residual: expected True or False, got {residual!r}")
     names = dict(names) if names is not None else {k: k for k in state_dict}
     for ours, theirs in names.items():
         if theirs not in state_dict:
             raise ValueError(f"names: {ours!r} maps to {theirs!r}, which is not in the "
                              f"state_dict (keys: {sorted(state_dict)[:20]})")
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    unknown = [k for k in ignore if k not in state_dict]
+    if unknown:
+        raise ValueError(f"ignore: {unknown} not in the state_dict (keys: {sorted(state_dict)[:20]})")
+    left_out = sorted(set(state_dict) - set(names.values()) - set(ignore))
+    if left_out:
+        raise ValueError(f"state_dict: tensors {left_out} are neither mapped in names nor listed "
+                         f"in ignore=; leaving them out would change the function (e.g. biases "
+                         f"map to 'blocks.<i>.left.bias', 'embed.bias', 'head.bias'). Map them, "
+                         f"or pass ignore={left_out!r} if they are not part of the forward pass")
     ours = {k: torch.as_tensor(state_dict[v]) for k, v in names.items()}
     for req in ("embed.weight", "head.weight", "blocks.0.left.weight"):
         if req not in ours:
@@ -168,12 +265,20 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
         votes_hidden.append((f"blocks.{i}.down.weight", 1))
     d_model = _majority(ours, votes_model)
     d_hidden = _majority(ours, votes_hidden)
-    bias = "blocks.0.left.bias" in ours
+    bias = any(f"blocks.{i}.{side}.bias" in ours for i in range(n_layers)
+               for side in ("left", "right", "down"))
     dtype = dtype or {torch.float64: "float64"}.get(ours["embed.weight"].dtype, "float32")
     model = BilinearNet(d_in, d_out, d_model=d_model, d_hidden=d_hidden, n_layers=n_layers,
                         bias=bias, residual=residual, embed_bias="embed.bias" in ours,
                         head_bias="head.bias" in ours, dtype=dtype)
     expected = model.state_dict()
+    if bias:  # a block bias their model does not have is zero (the same function)
+        for i in range(n_layers):
+            for side in ("left", "right", "down"):
+                key = f"blocks.{i}.{side}.bias"
+                if key not in ours and f"blocks.{i}.{side}.weight" in ours:
+                    ours[key] = torch.zeros_like(expected[key])
+                    names[key] = "(zeros)"
     missing, extra = _name_diff(expected, ours)
     if missing or extra:
         raise ValueError(f"names: incomplete or inconsistent mapping: missing {missing}, "
@@ -190,7 +295,56 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
             raise ValueError(f"state_dict: {k!r} (their {names[k]!r}) has NaN/inf entries")
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in ours.items()})
     model.eval()
+    if check is not None:
+        check_export(model, *_check_pair_arg(check))
     return model
+
+
+def _check_pair_arg(check: Any) -> tuple[Any, Any]:
+    if not (isinstance(check, (tuple, list)) and len(check) == 2 and callable(check[0])):
+        raise TypeError(f"check: expected (module, inputs), got {type(check).__name__}")
+    return check[0], check[1]
+
+
+def check_export(model: BilinearNet, module: Any, inputs: Any) -> float:
+    """Compare ``model`` (an export) with ``module(inputs)``; return the max absolute difference.
+
+    ``inputs``: array or tensor ``(n, d_in)``. The export runs in float64; the tolerance is
+    ``1e-9`` of the largest reference output when ``module`` returns float64, ``1e-4`` otherwise
+    (float32 forward passes round at about 1e-7 per operation).
+
+    Raises:
+        ValueError: ``inputs`` of the wrong shape, non-finite reference outputs, or a difference
+            over the tolerance (with the likely causes: residual flag, left-out biases,
+            transposed weights).
+    """
+    x = torch.as_tensor(inputs)
+    d_in = model.hparams["d_in"]
+    if x.ndim != 2 or x.shape[1] != d_in or x.shape[0] < 1:
+        raise ValueError(f"check: inputs must have shape (n, {d_in}) with n >= 1, got "
+                         f"{tuple(x.shape)}")
+    if not torch.is_floating_point(x):
+        x = x.to(torch.float64)
+    with torch.no_grad():
+        ref = module(x)
+    ref = torch.as_tensor(ref).detach()
+    tol_rel = 1e-9 if ref.dtype == torch.float64 else 1e-4
+    ref64 = ref.to("cpu", torch.float64)
+    if not torch.isfinite(ref64).all():
+        raise ValueError("check: module(inputs) has NaN/inf entries")
+    ours = torch.from_numpy(np.asarray(model.to_network()(x.to("cpu", torch.float64).numpy()),
+                                       dtype=np.float64))
+    if ours.shape != ref64.shape:
+        raise ValueError(f"check: the export gives outputs of shape {tuple(ours.shape)}, "
+                         f"module(inputs) {tuple(ref64.shape)}")
+    err = float((ours - ref64).abs().max())
+    scale = float(ref64.abs().max())
+    if not err <= tol_rel * max(scale, np.finfo(np.float64).tiny):
+        raise ValueError(f"check: the export differs from module(inputs): max |Δ| = {err:.3g} "
+                         f"(outputs up to {scale:.3g}; tolerance {tol_rel:g} relative). Usual "
+                         f"causes: the residual flag, biases left out or ignored, weights stored "
+                         f"(in, out) that need .T, or a nonlinearity the export cannot represent")
+    return err
 
 
 def _majority(tensors: Mapping[str, torch.Tensor], votes: list[tuple[str, int]]) -> int:

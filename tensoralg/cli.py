@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     name = getattr(args, "prog_name", "tensoralg")
     _terminate_as_interrupt()
     try:
+        if getattr(args, "threads", None) is not None:  # every command has --threads
+            from .threads import set_threads
+            set_threads(args.threads)
         rc = args.func(args)
     except (ValueError, TypeError, OSError) as exc:
         # Bad input (including missing, misplaced or unwritable files): one line, no traceback.

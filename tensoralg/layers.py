@@ -168,7 +168,7 @@ class Layer:
         raise NotImplementedError  # pragma: no cover
 
     def to_spec(self) -> dict | list:
-        """The layer in the JSON layer format of ``shared/cases/README.md`` (strings for rationals)."""
+        """The layer in the JSON layer format of ``docs/spec.md`` (strings for rationals)."""
         raise NotImplementedError  # pragma: no cover
 
     def astype_float(self) -> "Layer":
@@ -382,7 +382,7 @@ class Sequential(Layer):
 
     @classmethod
     def from_spec(cls, spec: Sequence[dict] | dict) -> "Sequential":
-        """Build a network from the JSON layer format of ``shared/cases/README.md``.
+        """Build a network from the JSON layer format of ``docs/spec.md``.
 
         Numbers may be strings (``"-3/4"``), ints, Fractions or floats; when any is a string or a
         Fraction the layer keeps exact rationals.

@@ -10,7 +10,7 @@
 ``2**n_layers`` in ``x``, so :meth:`BilinearNet.to_network` returns the *same function* as a
 :class:`tensoralg.Sequential` of :class:`~tensoralg.Linear`, :class:`~tensoralg.Bilinear` and
 :class:`~tensoralg.Residual` layers with float64 weights (exact copies of the torch weights),
-whose Gaussian inner products tensoralg computes in closed form (``DESIGN.md`` section 3).
+whose Gaussian inner products tensoralg computes in closed form (``docs/gaussian_inner_product.md``).
 
 Models are deterministic under ``seed`` (initialisation draws from a private generator and
 never touches torch's global random state), and so is :func:`train_classifier`.

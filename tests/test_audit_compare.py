@@ -188,3 +188,13 @@ def test_monte_carlo_matrix_says_it_is_an_estimate(tmp_path, capsys):
     assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"), "--method", "closure",
                  "--out", str(tmp_path / "m")]) == 0
     assert json.loads((tmp_path / "m" / "matrix.json").read_text())["uncertainty"]["estimate"] is False
+
+
+def test_compare_montecarlo_with_one_sample_is_refused_up_front(ckpts, capsys):
+    _, (a, b, _) = ckpts
+    assert main(["compare", a, b, "--methods", "montecarlo", "--n-samples", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--n-samples" in err and ">= 2" in err
+    # without Monte Carlo the sample count is irrelevant
+    assert main(["compare", a, b, "--methods", "exact", "--metrics", "gaussian",
+                 "--n-samples", "1"]) == 0

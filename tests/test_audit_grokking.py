@@ -89,3 +89,12 @@ def test_checkpoint_count_is_exact_and_chance_is_not_saturation(tmp_path, capsys
     assert main(["audit", "grokking", "--quick", "--steps", "5", "--checkpoints", "7",
                  "--out", str(tmp_path / "h")]) == 2
     assert "--checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("P", ["2", "7"])
+def test_too_few_validation_pairs_refused(tmp_path, capsys, P):
+    # P = 2: 4 pairs, 3 train and 1 validation; P = 7: 49 pairs, 15 validation (< 30)
+    assert main(["audit", "grokking", "--quick", "--P", P, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "validation pairs" in err and "at least 30" in err
+    assert not (tmp_path / "o").exists()

@@ -121,9 +121,10 @@ def test_wrap_foreign_state_dict(tmp_path):
     save_checkpoint(tmp_path / "w", ours, provenance={"source": "TheirBilinear"})
     assert load_checkpoint(tmp_path / "w")[1]["source"] == "TheirBilinear"
     with pytest.raises(ValueError, match="not in the state_dict"):
-        from_state_dict(theirs.state_dict(), {**names, "head.weight": "W_out"})
+        from_state_dict(theirs.state_dict(), {**names, "head.weight": "W_out"}, residual=True)
     with pytest.raises(ValueError, match="head.weight"):
-        from_state_dict(theirs.state_dict(), {k: v for k, v in names.items() if k != "head.weight"})
+        from_state_dict(theirs.state_dict(), {k: v for k, v in names.items() if k != "head.weight"},
+                        residual=True, ignore=["W_U"])
     bad = dict(theirs.state_dict())
     bad["W_d"] = torch.zeros(5, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="shape"):
@@ -163,7 +164,121 @@ def test_foreign_nan_and_vector_weights_rejected():
     bad["W_U"] = bad["W_U"].clone()
     bad["W_U"][0, 0] = float("nan")
     with pytest.raises(ValueError, match="'head.weight'.*NaN"):
-        from_state_dict(bad, names)
+        from_state_dict(bad, names, residual=True)
     bad["W_U"] = torch.zeros(3)
     with pytest.raises(ValueError, match="'head.weight'.*matrix"):
-        from_state_dict(bad, names)
+        from_state_dict(bad, names, residual=True)
+
+
+class TheirLinearBilinear(torch.nn.Module):
+    """A model built from nn.Linear with their default biases (the case that used to lose them)."""
+
+    def __init__(self, residual=True, down_bias=True):
+        super().__init__()
+        torch.manual_seed(3)
+        self.residual = residual
+        self.emb = torch.nn.Linear(6, 4, dtype=torch.float64)
+        self.l = torch.nn.Linear(4, 8, dtype=torch.float64)
+        self.r = torch.nn.Linear(4, 8, dtype=torch.float64)
+        self.d = torch.nn.Linear(8, 4, bias=down_bias, dtype=torch.float64)
+        self.out = torch.nn.Linear(4, 3, dtype=torch.float64)
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x):
+        h = self.emb(x)
+        y = self.d(self.l(h) * self.r(h))
+        return self.out(h + y if self.residual else y)
+
+
+_WEIGHTS = {"embed.weight": "emb.weight", "blocks.0.left.weight": "l.weight",
+            "blocks.0.right.weight": "r.weight", "blocks.0.down.weight": "d.weight",
+            "head.weight": "out.weight"}
+_BIASES = {"embed.bias": "emb.bias", "blocks.0.left.bias": "l.bias",
+           "blocks.0.right.bias": "r.bias", "blocks.0.down.bias": "d.bias", "head.bias": "out.bias"}
+
+
+def test_unmapped_tensors_are_an_error_not_dropped():
+    theirs = TheirLinearBilinear()
+    with pytest.raises(ValueError) as exc:
+        from_state_dict(theirs.state_dict(), _WEIGHTS, residual=True)
+    msg = str(exc.value)
+    for name in ("emb.bias", "l.bias", "r.bias", "d.bias", "out.bias", "steps"):
+        assert name in msg
+    assert "ignore=" in msg
+    with pytest.raises(ValueError, match="ignore.*not in the state_dict"):
+        from_state_dict(theirs.state_dict(), {**_WEIGHTS, **_BIASES}, residual=True,
+                        ignore=["nope"])
+    x = torch.randn(16, 6, dtype=torch.float64)
+    ours = from_state_dict(theirs.state_dict(), {**_WEIGHTS, **_BIASES}, residual=True,
+                           ignore=["steps"], check=(theirs, x))
+    with torch.no_grad():
+        # float64 on both sides, same operations in another order: rounding only
+        assert torch.allclose(ours(x), theirs(x), rtol=1e-12, atol=1e-12)
+    # ignoring the biases deliberately is allowed, and check= then catches the changed function
+    with pytest.raises(ValueError, match="differs from module"):
+        from_state_dict(theirs.state_dict(), _WEIGHTS, residual=True,
+                        ignore=["steps"] + list(_BIASES.values()), check=(theirs, x))
+
+
+def test_missing_down_bias_is_zero_and_exact():
+    theirs = TheirLinearBilinear(down_bias=False)
+    names = {**_WEIGHTS, **{k: v for k, v in _BIASES.items() if k != "blocks.0.down.bias"}}
+    x = torch.randn(16, 6, dtype=torch.float64)
+    ours = from_state_dict(theirs.state_dict(), names, residual=True, ignore="steps",
+                           check=(theirs, x))
+    assert torch.equal(ours.blocks[0].down.bias, torch.zeros(4, dtype=torch.float64))
+
+
+def test_residual_has_no_default_and_check_catches_a_wrong_flag():
+    theirs = TheirLinearBilinear(residual=True)
+    names = {**_WEIGHTS, **_BIASES}
+    with pytest.raises(TypeError, match="residual"):
+        from_state_dict(theirs.state_dict(), names, ignore="steps")
+    with pytest.raises(TypeError, match="residual"):
+        from_state_dict(theirs.state_dict(), names, residual=None, ignore="steps")
+    x = torch.randn(16, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="differs from module.*residual"):
+        from_state_dict(theirs.state_dict(), names, residual=False, ignore="steps",
+                        check=(theirs, x))
+    with pytest.raises(ValueError, match=r"inputs must have shape \(n, 6\)"):
+        from_state_dict(theirs.state_dict(), names, residual=True, ignore="steps",
+                        check=(theirs, x[:, :5]))
+    with pytest.raises(TypeError, match="module, inputs"):
+        from_state_dict(theirs.state_dict(), names, residual=True, ignore="steps", check=theirs)
+    # a float32 model is checked at float32 tolerance
+    t32 = TheirLinearBilinear().float()
+    from_state_dict(t32.state_dict(), names, residual=True, ignore="steps",
+                    check=(t32, x.float()))
+
+
+@pytest.mark.parametrize("edit", [{"residual": False}, {"bias": False}, {"head_bias": False}])
+def test_forward_probe_refuses_an_edited_config(tmp_path, edit):
+    m = _model()
+    with torch.no_grad():  # non-zero biases, so that dropping them changes the function
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    save_checkpoint(tmp_path / "c", m)
+    cfg_path = tmp_path / "c" / "cfg.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert len(cfg["probe_output"]) == cfg["probe_rows"] * 3
+    load_checkpoint(tmp_path / "c")  # untouched: loads
+    key = next(iter(edit))
+    assert cfg[key] != edit[key]
+    cfg.update(edit)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError):  # bias flags also break the name check; residual only the probe
+        load_checkpoint(tmp_path / "c")
+    if key == "residual":
+        with pytest.raises(ValueError, match="forward probe"):
+            load_checkpoint(tmp_path / "c")
+
+
+def test_checkpoint_without_probe_loads_with_a_warning(tmp_path):
+    from tensoralg.io import save_folder
+
+    m = _model()
+    save_folder(tmp_path / "old", m.state_dict(), {"format": "tensoralg.checkpoint/1",
+                                                     **m.config(), "step": 0})
+    with pytest.warns(UserWarning, match="no forward probe"):
+        load_checkpoint(tmp_path / "old")

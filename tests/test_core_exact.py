@@ -139,3 +139,23 @@ def test_frobenius_against_homogenized_polynomial():
         scale = math.sqrt(float(brute(a, a, n)) * float(brute(b, b, n)))
         assert _rel(ta.inner(a, b, metric="frobenius"), want, scale) <= 1e-10
         assert ta.inner(a, b, metric="frobenius", backend="exact") == want
+
+
+def test_exact_similarity_is_a_simplified_exact_value_with_its_float():
+    import sympy
+
+    rng = np.random.default_rng(0)
+    a, b = (ta.Bilinear(rng.normal(size=(4, 3)), rng.normal(size=(4, 3)), rng.normal(size=(2, 4)))
+            for _ in range(2))
+    s = ta.similarity(a, b, backend="exact")
+    ab, aa, bb = (ta.inner(x, y, backend="exact") for x, y in ((a, b), (a, a), (b, b)))
+    # the exact value squares to ab^2 / (aa bb) and has the sign of ab
+    assert sympy.Rational(s.exact ** 2) == sympy.Rational(ab * ab) / sympy.Rational(aa * bb)
+    assert (s.exact < 0) == (ab < 0) and s.squared == (1 if ab >= 0 else -1) * ab * ab / (aa * bb)
+    # the float is the exact value correctly rounded (50 digits of sympy decide)
+    assert float(s) == float(sympy.Float(s.exact.evalf(50), 50))
+    assert abs(float(s) - ta.similarity(a, b)) <= 1e-12
+    assert len(repr(s)) < 120  # the hundreds of digits stay in .exact
+    # a perfect square comes back rational
+    one = ta.similarity(a, a, backend="exact")
+    assert one == 1 and one.exact == 1

@@ -24,7 +24,7 @@ NOTEBOOK_BUDGET_S = 90    # the whole notebook (the target is < 60 s on CPU)
 def test_the_teaching_notebooks_exist():
     names = {p.name for p in NOTEBOOKS}
     for expected in ("01_polarization.ipynb", "02_isserlis_lifted_constant.ipynb",
-                     "03_one_layer_to_deep.ipynb"):
+                     "03_one_layer_to_deep.ipynb", "06_bring_your_own_model.ipynb"):
         assert expected in names
 
 

@@ -129,7 +129,7 @@ def expand(net: Any, *, max_monomials: int = DEFAULT_MAX_MONOMIALS,
 
     Args:
         net: a tensoralg layer / ``Sequential``, a list of layers, or a layer spec (the JSON
-            format of ``shared/cases/README.md``).
+            format of ``docs/spec.md``).
         max_monomials: refuse (before expanding) when the dense bound ``C(d + degree, d)`` on
             the monomials of one output exceeds this.
         max_work: stop when the coefficient products performed would exceed this.

@@ -1,6 +1,6 @@
 """Symbolic (sympy) proofs of tensoralg's identities on small cases.
 
-Each ``prove_*`` function checks one identity of ``DESIGN.md`` with fully symbolic tensors /
+Each ``prove_*`` function checks one identity of ``docs/gaussian_inner_product.md`` with fully symbolic tensors /
 weights (so a pass is a proof for *every* value of the entries at that size) and returns a
 :class:`ProofResult` ``(name, sizes, passed, seconds, checked, detail)``.  Nothing here calls
 tensoralg: expectations come from sympy integration of the standard normal density, matchings
@@ -17,7 +17,7 @@ Sources: Isserlis, "On a formula for the product-moment coefficient of any order
 frequency distribution in any number of variables", Biometrika 12 (1918) (Wick's theorem in
 physics); the polarization identity for symmetric multilinear forms (e.g. E. Thomas, "A
 polarization identity for multilinear maps", Indag. Math. 25 (2014)); the lifted partial-matching
-rule, the single-layer Gram closed form and the invariances are DESIGN.md section 3.1.
+rule, the single-layer Gram closed form and the invariances are in docs/gaussian_inner_product.md.
 """
 
 from __future__ import annotations

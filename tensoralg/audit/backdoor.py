@@ -228,7 +228,8 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                {k: v for k, v in base.items() if k != "js_divergence"},
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
                f"ASR {asr_after:.2f}, {sim['method']})",
-               control=ctl["each"] if ctl is not None else None)
+               control=ctl["each"] if ctl is not None else None,
+               global_similarity=result["global_similarity"])
     result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME]
     write_json(out / JSON_NAME, result)
     return result

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..threads import add_threads_option
 from .common import METHODS
 
 
@@ -84,29 +85,29 @@ def _wrote(result: dict) -> str:
 
 
 def _threads(args=None) -> None:
-    import torch
+    from ..threads import DEFAULT_THREADS, set_threads
 
-    torch.set_num_threads(getattr(args, "threads", 1) or 1)
+    set_threads(getattr(args, "threads", DEFAULT_THREADS))
 
 
 def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
     """The options every command here takes: --seed, --json, --no-progress, --threads."""
-    p.add_argument("--seed", type=int, default=0, help=seed_help)
+    p.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default 0)")
     p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the result JSON to PATH (a file path)")
+                   help="also write the result JSON to PATH (a file path; default: none)")
     p.add_argument("--no-progress", action="store_true",
-                   help="no progress bars (they are hidden anyway when stderr is not a terminal)")
-    p.add_argument("--threads", type=_positive_int, default=1,
-                   help="torch CPU threads (default 1: small shared machines)")
+                   help="no progress bars (default: shown; they are hidden anyway when stderr "
+                        "is not a terminal)")
+    add_threads_option(p)
 
 
 def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help=f"output folder (default: {default_out}); must be new, empty or an "
                         f"earlier run of the same audit, which a completed run replaces")
-    p.add_argument("--quick", action="store_true", help="small size (tests, demo)")
+    p.add_argument("--quick", action="store_true", help="small size (tests, demo; default off)")
     p.add_argument("--method", choices=METHODS, default="auto",
-                   help="tensor similarity method: auto = exact for depth <= 2 (Monte Carlo if the "
+                   help="tensor similarity method (default auto): auto = exact for depth <= 2 (Monte Carlo if the "
                         "exact cost is refused), or force exact/closure/montecarlo")
     _n_samples(p)
     _shared(p, "seed for data split, init, batches and Monte Carlo samples")
@@ -116,7 +117,7 @@ def _n_samples(p: argparse.ArgumentParser) -> None:
     from .common import MC_SAMPLES
 
     p.add_argument("--n-samples", type=_positive_int, default=MC_SAMPLES,
-                   help=f"Monte Carlo samples when the method is montecarlo (default "
+                   help=f"Monte Carlo directions when the method is montecarlo (default "
                         f"{MC_SAMPLES}); the standard errors shrink like 1/sqrt(N)")
 
 
@@ -138,12 +139,18 @@ def add_parsers(sub) -> None:
     _common(b, "runs/backdoor")
     b.add_argument("--target", type=int, default=9, help="backdoor target class (default 9)")
     b.add_argument("--poison-fraction", type=_fraction, default=0.1,
-                   help="fraction of non-target training images triggered and relabelled")
-    b.add_argument("--steps", type=_positive_int, default=None, help="clean training steps")
-    b.add_argument("--finetune-steps", type=_positive_int, default=None)
-    b.add_argument("--layers", type=_positive_int, default=1, help="bilinear blocks (depth)")
-    b.add_argument("--d-model", type=_positive_int, default=32)
-    b.add_argument("--d-hidden", type=_positive_int, default=64)
+                   help="fraction of non-target training images triggered and relabelled "
+                        "(default 0.1)")
+    b.add_argument("--steps", type=_positive_int, default=None,
+                   help="clean training steps (default 2000; 500 with --quick)")
+    b.add_argument("--finetune-steps", type=_positive_int, default=None,
+                   help="backdoor fine-tuning steps (default 600; 300 with --quick)")
+    b.add_argument("--layers", type=_positive_int, default=1,
+                   help="bilinear blocks (depth; default 1)")
+    b.add_argument("--d-model", type=_positive_int, default=32,
+                   help="residual stream width (default 32)")
+    b.add_argument("--d-hidden", type=_positive_int, default=64,
+                   help="hidden units per bilinear block (default 64)")
     b.set_defaults(func=cmd_backdoor)
 
     f = asub.add_parser("forgetting", help="class curriculum on digits: per-class similarity")
@@ -151,31 +158,36 @@ def add_parsers(sub) -> None:
     f.add_argument("--removed-class", type=int, default=9,
                    help="the class added last, then removed and re-added (default 9)")
     f.add_argument("--stage-steps", type=_positive_int, default=None,
-                   help="training steps per curriculum stage")
-    f.add_argument("--layers", type=_positive_int, default=1)
+                   help="training steps per curriculum stage (default 600; 150 with --quick)")
+    f.add_argument("--layers", type=_positive_int, default=1,
+                   help="bilinear blocks (depth; default 1)")
     f.set_defaults(func=cmd_forgetting)
 
     g = asub.add_parser("grokking", help="modular addition: checkpoint similarity matrix")
     _common(g, "runs/grokking")
     g.add_argument("--P", dest="P", type=_positive_int, default=None,
-                   help="modulus (default 31; 113 is reachable but slow on CPU)")
-    g.add_argument("--steps", type=_positive_int, default=None)
+                   help="modulus (default 31; 13 with --quick; 113 is reachable but slow on "
+                        "CPU; at most 256, and at least 30 validation pairs)")
+    g.add_argument("--steps", type=_positive_int, default=None,
+                   help="full-batch training steps (default 5000; 400 with --quick)")
     g.add_argument("--checkpoints", type=_positive_int, default=None,
-                   help="number of checkpoints on the log schedule")
-    g.add_argument("--train-fraction", type=_fraction, default=None)
+                   help="number of checkpoints on the log schedule (default 24; 8 with --quick)")
+    g.add_argument("--train-fraction", type=_fraction, default=None,
+                   help="fraction of the P^2 pairs used for training (default 0.7)")
     g.set_defaults(func=cmd_grokking)
 
     c = sub.add_parser("compare", help="similarity of two checkpoints (all metrics and methods)")
     c.add_argument("a", help="checkpoint folder")
     c.add_argument("b", help="checkpoint folder")
     c.add_argument("--data", choices=["digits", "none"], default="none",
-                   help="also compute the data baselines on this data set (test split)")
+                   help="also compute the data baselines on this data set (test split; "
+                        "default none)")
     c.add_argument("--methods", default="exact,closure,montecarlo",
-                   help="comma-separated methods (exact, closure, montecarlo)")
+                   help="comma-separated methods (default exact,closure,montecarlo)")
     c.add_argument("--metrics", default="gaussian,frobenius",
-                   help="comma-separated metrics (gaussian, frobenius)")
+                   help="comma-separated metrics (default gaussian,frobenius)")
     c.add_argument("--n-samples", type=_positive_int, default=100_000,
-                   help="Monte Carlo samples")
+                   help="Monte Carlo directions (default 100000; at least 2)")
     _shared(c, "Monte Carlo seed and the digits split seed for --data digits")
     c.set_defaults(func=cmd_compare)
 
@@ -184,9 +196,11 @@ def add_parsers(sub) -> None:
     m.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default runs/matrix); must be new, empty or an earlier "
                         "matrix output, which a completed run replaces")
-    m.add_argument("--method", choices=METHODS, default="auto")
+    m.add_argument("--method", choices=METHODS, default="auto",
+                   help="tensor similarity method (default auto: exact for depth <= 2, Monte "
+                        "Carlo where exact is refused)")
     m.add_argument("--output", type=int, default=None, metavar="CLASS",
-                   help="compare one output slice instead of all outputs")
+                   help="compare one output slice instead of all outputs (default: all)")
     _n_samples(m)
     _shared(m, "Monte Carlo seed")
     from .matrix_blocks import add_options as _block_options
@@ -271,6 +285,9 @@ def cmd_compare(args) -> int:
 
     methods = _split(args.methods, "--methods", ("exact", "closure", "montecarlo"))
     metrics = _split(args.metrics, "--metrics", ("gaussian", "frobenius"))
+    if "montecarlo" in methods and args.n_samples < 2:
+        raise ValueError(f"--n-samples: expected an integer >= 2 with --methods montecarlo, got "
+                         f"{args.n_samples}")
     _check_paths(args)
     _threads(args)
     result = _run(args, "compare", lambda: run_compare(

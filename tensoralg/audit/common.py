@@ -313,7 +313,7 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
 
     Exact / closure: three per-output inner-product vectors (``tensoralg.inner(...,
     output="each")``) give everything: slice ``c`` is ``<a_c, b_c> / sqrt(<a_c, a_c> <b_c,
-    b_c>)`` and, since the Gaussian inner product sums over outputs (``DESIGN.md`` 3.1, 3.5),
+    b_c>)`` and, since the Gaussian inner product sums over outputs (``docs/gaussian_inner_product.md``),
     the global similarity is ``sum_c <a_c, b_c> / sqrt(sum_c <a_c, a_c> * sum_c <b_c, b_c>)``
     — three contractions instead of six, which matters for exact depth-2 models.
     ``norm2_a``: ``<a_c, a_c>`` per output from an earlier call with the same ``a`` and method

@@ -38,6 +38,9 @@ CHANGE_THRESHOLD = 0.02   # similarity to final at saturation below 1 - this = "
 # alone take 8 P^3 bytes in float32 (134 MB at P = 256; 8 GB at P = 1000) and every step runs
 # all P^2 rows through the model. P = 256 keeps a run within a few hundred MB on a laptop.
 MAX_P = 256
+# "grokked" is read off the validation accuracy: with fewer than 30 held-out pairs one example
+# moves it by more than 3 points (P = 2 had a single validation example), so refuse those sizes.
+MIN_VALIDATION = 30
 
 
 @dataclass
@@ -68,6 +71,12 @@ class GrokkingConfig:
                              f"{MAX_P} keeps it at {8 * MAX_P ** 3 / 1e6:.0f} MB)")
         if not 0.0 < self.train_fraction < 1.0:
             raise ValueError(f"--train-fraction: expected (0, 1), got {self.train_fraction}")
+        n_train = max(1, min(self.P ** 2 - 1, int(round(self.train_fraction * self.P ** 2))))
+        if self.P ** 2 - n_train < MIN_VALIDATION:
+            raise ValueError(f"--P {self.P} with --train-fraction {self.train_fraction} leaves "
+                             f"{self.P ** 2 - n_train} validation pairs of {self.P ** 2}; at least "
+                             f"{MIN_VALIDATION} are needed to tell grokking from chance (use a "
+                             f"larger --P or a smaller --train-fraction)")
         if self.steps < 1 or self.checkpoints < 2:
             raise ValueError(f"--steps >= 1 and --checkpoints >= 2 required, got {self.steps} and "
                              f"{self.checkpoints}")

@@ -20,9 +20,11 @@ def _plt():
 
 
 def slice_bars(path: Path, slices: Sequence[float], target: int | None,
-               baselines: Mapping[str, float], title: str, control: Sequence[float] | None = None) -> Path:
-    """Per-class slice similarity (target class highlighted) with the similarity-like baselines
-    drawn as horizontal lines."""
+               baselines: Mapping[str, float], title: str, control: Sequence[float] | None = None,
+               global_similarity: float | None = None) -> Path:
+    """Per-class slice similarity (target class highlighted) with the global tensor similarity
+    and the similarity-like baselines drawn as horizontal lines; the legend sits outside the
+    axes so that it never covers a bar."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     k = len(slices)
@@ -33,6 +35,9 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
     if control is not None:
         ax.bar(np.arange(k) + width / 2, control, width=width, color="tab:gray", alpha=0.6,
                label="control: clean fine-tune")
+    if global_similarity is not None:
+        ax.axhline(global_similarity, ls="-", color="black", lw=1.4,
+                   label=f"global tensor similarity = {global_similarity:.3f}")
     styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 1))]
     for i, (name, value) in enumerate(baselines.items()):
         if value is None or name == "js_divergence":
@@ -40,18 +45,19 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
         ax.axhline(value, ls=styles[i % len(styles)], color=f"C{i + 2}", lw=1.2,
                    label=f"{name} = {value:.3f}")
     lo = min([v for v in slices] + [v for v in baselines.values() if v is not None
-                                    and not np.isnan(v)] + ([min(control)] if control else []))
+                                    and not np.isnan(v)] + ([min(control)] if control else [])
+             + ([global_similarity] if global_similarity is not None else []))
     ax.set_ylim(max(0.0, lo - 0.1), 1.01)
     ax.set_xticks(range(k))
     ax.set_xlabel("class (output slice)")
     ax.set_ylabel("similarity clean vs. audited")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return save_figure(fig, path)
 
 
 def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], title: str,
-             vmin: float | None = None) -> Path:
+             vmin: float | None = None, axis_label: str = "checkpoint") -> Path:
     """Matrices side by side with a shared colour scale, labelled rows and columns."""
     plt = _plt()
     n = len(mats)
@@ -69,13 +75,16 @@ def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], 
                            rotation=90, fontsize=6)
         ax.set_yticks(range(mat.shape[0]))
         ax.set_yticklabels(labels if mat.shape[0] == len(labels) else range(mat.shape[0]), fontsize=6)
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+        ax.set_xlabel(axis_label)
+        ax.set_ylabel(axis_label)
+    cb = fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    cb.set_label("similarity")
     fig.suptitle(title)
     return save_figure(fig, path)
 
 
 def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], title: str,
-                  ylabel: str = "class") -> Path:
+                  ylabel: str = "class", xlabel: str = "checkpoint") -> Path:
     """Rows = classes, columns = checkpoints; the number written in each cell."""
     plt = _plt()
     values = np.asarray(values, dtype=float)
@@ -89,8 +98,9 @@ def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], t
     ax.set_xticklabels(stage_labels, rotation=45, ha="right", fontsize=7)
     ax.set_yticks(range(values.shape[0]))
     ax.set_ylabel(ylabel)
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax)
+    fig.colorbar(im, ax=ax).set_label("similarity")
     return save_figure(fig, path)
 
 
@@ -109,6 +119,7 @@ def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float]
     ax1.set_xscale("log")
     ax1.set_xlabel("training step (step 0 drawn at 1)")
     ax1.set_ylim(-0.02, 1.02)
+    ax1.set_ylabel("accuracy / similarity")
     ax1.legend(fontsize=8)
     ax1.set_title("accuracy and similarity to the final checkpoint")
     im = ax2.imshow(np.asarray(sim, dtype=float), cmap="viridis", vmin=min(0.0, float(np.min(sim))),
@@ -118,6 +129,8 @@ def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float]
     ax2.set_xticklabels([str(steps[i]) for i in ticks], rotation=90, fontsize=7)
     ax2.set_yticks(ticks)
     ax2.set_yticklabels([str(steps[i]) for i in ticks], fontsize=7)
+    ax2.set_xlabel("training step")
+    ax2.set_ylabel("training step")
     ax2.set_title("checkpoint x checkpoint tensor similarity")
-    fig.colorbar(im, ax=ax2)
+    fig.colorbar(im, ax=ax2).set_label("similarity")
     return save_figure(fig, path)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..threads import add_threads_option
+
 __all__ = ["add_parsers"]
 
 PRESET_NAMES = ("topk", "abstopk", "isae", "isae-me")
@@ -162,9 +164,6 @@ def _cmd_train(args) -> int:
     if args.json:
         from ..audit.common import check_file_writable
         check_file_writable(args.json, "--json")
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                        ckpt_every=args.ckpt_every, progress=not args.no_progress,
                        lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
@@ -278,7 +277,6 @@ def _cmd_bench(args) -> int:
 
     from .bench import format_table, run_bench
 
-    torch.set_num_threads(args.threads)
     overrides = {k: getattr(args, k) for k in ("d", "m", "k", "steps", "lr", "n_train", "batch_size")
                  if getattr(args, k) is not None}
     for flag, value in (("--seed", args.seed), ("--data-seed", args.data_seed)):
@@ -381,7 +379,7 @@ def add_parsers(sub) -> None:
                    help="checkpoint folder (sae_weights.safetensors + cfg.json, SAELens layout; "
                         "required): new, empty, or an earlier SAE checkpoint folder (e.g. the "
                         "--resume folder)")
-    t.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
+    add_threads_option(t)
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar (default: shown; it is hidden anyway when stderr is not "
                         "a terminal)")
@@ -402,6 +400,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--seed", type=int, default=0,
                    help="seed of the random-dictionary baseline (random_dcs; default 0)")
     s.add_argument("--json", help="also write the results as JSON here (default: none)")
+    add_threads_option(s)
     s.set_defaults(func=_cmd_stability)
 
     b = ss.add_parser("bench", help="train every preset with several seeds and report stability")
@@ -422,7 +421,7 @@ def add_parsers(sub) -> None:
                                                "32768 full)")
     b.add_argument("--eval-fraction", type=float, default=0.2,
                    help="held-out share of --data rows, taken from the end (default 0.2)")
-    b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_threads_option(b)
     b.add_argument("--out", help="folder for bench.json, bench.md, bench.png (default: none): new, "
                                  "empty, or an earlier `sae bench` output, which is replaced as a "
                                  "whole once the run completes")
@@ -446,4 +445,5 @@ def add_parsers(sub) -> None:
     a.add_argument("--max-tokens", type=int, default=64, help="truncation length (default 64)")
     a.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     a.add_argument("--json", help="also write the extraction info as JSON here (default: none)")
+    add_threads_option(a)
     a.set_defaults(func=_cmd_activations)

@@ -11,7 +11,8 @@ import numpy as np
 from ..backends import converter
 from ..layers import Layer
 
-__all__ = ["MonteCarloEstimate", "MonteCarloArray", "check_mc", "moments", "similarity"]
+__all__ = ["MonteCarloEstimate", "MonteCarloArray", "check_mc", "moments", "similarity",
+           "features", "warn_few", "MC_MIN_DIRECTIONS"]
 
 
 class MonteCarloEstimate(float):
@@ -45,31 +46,85 @@ class MonteCarloArray(np.ndarray):
             self.n_samples = getattr(obj, "n_samples", 0)
 
 
+# Monte Carlo over directions, radius integrated exactly (spherical-radial decomposition):
+# x = r u with u uniform on the sphere and r ~ chi_d independent, so for a polynomial integrand
+# g of degree <= D,  E[g(x)] = E_u[h(u)],  h(u) = E_r[(g(r u) + g(-r u)) / 2],  and h(u) is a
+# polynomial of degree <= D/2 in s = r^2 / 2 ~ Gamma(d/2): an m-point Gauss rule for the
+# weight s^(d/2-1) e^(-s) (generalized Laguerre) integrates it exactly once 2m - 1 >= D/2.
+# Why: plain sampling of a degree-8 integrand (depth 2) is heavy-tailed and its sample
+# standard error under-covers badly (n = 10 000: the truth beyond 3 SE in 2.9 % of runs,
+# beyond 2 SE in 11 %); h is bounded on the sphere, its standard error covers from a few
+# hundred directions on (measured: tests/test_mc_coverage.py), and at equal network
+# evaluations its RMS error was 2-3x smaller on random depth-2 pairs.
+MC_MIN_DIRECTIONS = 300
+
+
+def _radial_rule(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
+    """Radii and probability weights that integrate ``r^k`` (even k <= degree) exactly, r ~ chi_d.
+
+    Golub-Welsch on the Jacobi matrix of the generalized Laguerre weight (alpha = d/2 - 1):
+    nodes are its eigenvalues, weights the squared first eigenvector components — already
+    normalized, so no Gamma(d/2) appears (scipy's roots_genlaguerre overflows for d > 340)."""
+    from scipy.linalg import eigh_tridiagonal
+
+    m = (degree // 2) // 2 + 1
+    alpha = d / 2 - 1
+    k = np.arange(m, dtype=np.float64)
+    diag = 2 * k + alpha + 1
+    off = np.sqrt(k[1:] * (k[1:] + alpha))
+    s, V = eigh_tridiagonal(diag, off)
+    return np.sqrt(2 * s), V[0] ** 2
+
+
 def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, backend: str,
                  device, dtype, chunk: int = 8192):
-    """Yield per-chunk projected outputs ``(N, s, K)`` for x ~ N(0, I) (float64 NumPy)."""
+    """Yield ``(F, w)`` per chunk of directions: projected outputs ``F (N, s, Q, K)`` (float64
+    NumPy) at the ``Q`` quadrature points ``±r_q u`` of each direction ``u`` and the weights
+    ``w (Q,)`` (sum 1) such that ``sum_q w_q g(x_q)`` is the exact radial average of any
+    polynomial ``g`` of degree <= 2 * max degree of ``nets`` along the ray of ``u``."""
     d = nets[0].in_features
+    r, w = _radial_rule(d, 2 * max(n.degree for n in nets))
+    pts = np.concatenate([r, -r])           # (Q,)
+    wq = np.concatenate([w, w]) / 2
+    Q = pts.size
+    chunk = max(1, chunk // Q)
     if backend == "torch":
         import torch
 
         conv = converter("torch", device, dtype)
         gen = torch.Generator(device=conv(np.zeros(1)).device).manual_seed(int(seed))
         Ut = conv(U)
+        pt = conv(pts)
         done = 0
         while done < n_samples:
             s = min(chunk, n_samples - done)
-            x = torch.randn(s, d, generator=gen, device=Ut.device, dtype=Ut.dtype)
-            F = torch.stack([net(x) @ Ut.T for net in nets])
-            yield F.detach().to("cpu").double().numpy()
+            u = torch.randn(s, d, generator=gen, device=Ut.device, dtype=Ut.dtype)
+            u = u / torch.linalg.vector_norm(u, dim=1, keepdim=True)
+            x = (u[:, None, :] * pt[None, :, None]).reshape(s * Q, d)
+            F = torch.stack([(net(x) @ Ut.T).reshape(s, Q, -1) for net in nets])
+            yield F.detach().to("cpu").double().numpy(), wq
             done += s
         return
     rng = np.random.default_rng(seed)
     done = 0
     while done < n_samples:
         s = min(chunk, n_samples - done)
-        x = rng.standard_normal((s, d))
-        yield np.stack([np.asarray(net(x), dtype=np.float64) @ U.T for net in nets])
+        u = rng.standard_normal((s, d))
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        x = (u[:, None, :] * pts[None, :, None]).reshape(s * Q, d)
+        yield np.stack([(np.asarray(net(x), dtype=np.float64) @ U.T).reshape(s, Q, -1)
+                        for net in nets]), wq
         done += s
+
+
+def warn_few(n_samples: int) -> None:
+    if n_samples < MC_MIN_DIRECTIONS:
+        import warnings
+
+        warnings.warn(f"n_samples={n_samples} < {MC_MIN_DIRECTIONS}: the Monte Carlo standard "
+                      f"error may under-cover (measured on depth-2 pairs: at 100 directions the "
+                      f"truth lay beyond 3 SE in 1.3 % of runs instead of 0.27 %)",
+                      RuntimeWarning, stacklevel=4)
 
 
 def check_mc(n_samples, seed, backend) -> None:
@@ -88,13 +143,14 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype):
     U = np.asarray(U, dtype=np.float64)
     nets = list(nets_a) + list(nets_b)
     Na = len(nets_a)
+    warn_few(n_samples)
     s1 = s2 = 0.0
-    for F in _mc_features(nets, U, n_samples, seed, backend, device, dtype):
+    for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype):
         Fa, Fb = F[:Na], F[Na:]
         if keep:
-            P = np.einsum("asK,bsK->sabK", Fa, Fb)
+            P = np.einsum("asqK,bsqK,q->sabK", Fa, Fb, w)
         else:
-            P = np.einsum("asK,bsK->sab", Fa, Fb)
+            P = np.einsum("asqK,bsqK,q->sab", Fa, Fb, w)
         s1 = s1 + P.sum(axis=0)
         s2 = s2 + (P * P).sum(axis=0)
     mean = s1 / n_samples
@@ -106,13 +162,13 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
     """Ratio estimator ab / sqrt(aa bb) with a delta-method standard error."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
+    warn_few(n_samples)
     sums = None
-    for F in _mc_features([na, nb], U, n_samples, seed, backend, device, dtype):
+    for F, w in _mc_features([na, nb], U, n_samples, seed, backend, device, dtype):
         fa, fb = F[0], F[1]
-        sum_axis = None if keep else -1
-        pab = (fa * fb) if keep else (fa * fb).sum(sum_axis)
-        paa = (fa * fa) if keep else (fa * fa).sum(sum_axis)
-        pbb = (fb * fb) if keep else (fb * fb).sum(sum_axis)
+        out = "sK" if keep else "s"
+        pab, paa, pbb = (np.einsum(f"sqK,sqK,q->{out}", x, y, w)
+                         for x, y in ((fa, fb), (fa, fa), (fb, fb)))
         Z = np.stack([pab, paa, pbb])  # (3, s[, K])
         part = (Z.sum(axis=1), np.einsum("is...,js...->ij...", Z, Z))
         sums = part if sums is None else (sums[0] + part[0], sums[1] + part[1])
@@ -132,3 +188,4 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
     return MonteCarloEstimate(float(r), float(se), n_samples)
 
 
+features = _mc_features
