@@ -479,7 +479,7 @@ def _jsonable_output(output: Any) -> Any:
 
 def _options(metric, method, output, device, n_samples, seed, threads, max_flops,
              max_configurations) -> dict:
-    from .products import _check_options
+    from .prepare import check_options as _check_options
 
     _check_options(metric, method, "numpy")
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
