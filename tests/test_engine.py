@@ -73,16 +73,31 @@ def test_embeddings_of_different_widths_whitened_and_bridged(seed, ma, mb, resid
     assert abs(s - ta.similarity(a, b, strategy="wick")) <= 1e-10
 
 
-def test_whitening_is_used_and_exact_only_where_it_must_be():
+def test_narrow_embeddings_metric_pairs_and_whitened_grams():
+    """A pair behind narrow embeddings is expanded in each model's embedded coordinates and
+    paired through E_a E_b^T (exact in rationals too); a Gram matrix of several such models
+    whitens the joint input covariance (rank r = sum of widths)."""
+    from tensoralg.prepare import output_matrix, stack_for
+    from tensoralg.strategies import chaos
+
     rng = np.random.default_rng(1)
     a, b = _embedded(rng, 30, 3, 4, 2), _embedded(rng, 30, 2, 4, 2)
     p = ta.plan(a, b)
-    assert p.chaos.whitened and p.chaos.r == 5  # rank of the joint (E_a x, E_b x)
-    pe = ta.plan(a, b, backend="exact")
-    assert not pe.chaos.whitened and pe.chaos.r == 30  # rationals: no square roots
+    assert p.chaos.metric and not p.chaos.whitened and p.chaos.r == 3
     want = brute_inner(a, b)
     scale = math.sqrt(float(brute_inner(a, a)) * float(brute_inner(b, b)))
     assert _close(ta.inner(a, b, strategy="chaos"), want, scale)
+    assert ta.inner(a, b, backend="exact", strategy="chaos") == want
+    c = _embedded(rng, 30, 3, 4, 2)
+    ca, _ = stack_for([a, c], "numpy", "models")
+    U, _ = output_matrix(None, 2, False)
+    est = chaos.estimate(ca, ca, 2, False, True, False)
+    assert est.whitened and est.r == 6  # two models of width 3 in 30 dimensions
+    G = ta.gram([a, c], strategy="chaos")
+    Gw = ta.gram([a, c], strategy="wick")
+    dg = np.sqrt(np.diag(Gw))
+    assert np.all(np.abs(G - Gw) <= 1e-12 * np.outer(dg, dg))
+    assert _close(G[0, 1], brute_inner(a, c), math.sqrt(float(brute_inner(c, c)) * float(brute_inner(a, a))))
 
 
 @pytest.mark.parametrize("output", [0, 1, "each", np.array([0.5, -2.0])])

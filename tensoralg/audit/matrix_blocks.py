@@ -50,13 +50,15 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         f"holds at most 2*B models")
     g.add_argument("--resume", action="store_true",
                    help="continue from the finished blocks stored under OUT/blocks (refused if "
-                        "they were made from other checkpoints or options)")
+                        "they were made from other checkpoints or options; default: off, an "
+                        "existing store is an error)")
     where = g.add_mutually_exclusive_group()
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,
                        help="run the blocks on this Dask scheduler (e.g. tcp://host:8786); the "
-                            "workers must see the checkpoint paths")
+                            "workers must see the checkpoint paths (default: none)")
     where.add_argument("--workers", type=_positive_int, default=None, metavar="N",
-                       help="run the blocks on a local Dask cluster of N worker processes")
+                       help="run the blocks on a local Dask cluster of N worker processes "
+                            "(default: none, blocks run in this process)")
 
 
 def wants_blocks(args) -> bool:

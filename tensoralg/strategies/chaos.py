@@ -56,6 +56,8 @@ class ChaosEstimate:
         flops: floating-point operations (features of every model plus all pair products).
         memory_elements: upper bound on the elements alive at once.
         whitened: whether the joint input covariance was whitened (``r < d``).
+        metric: whether each model is expanded in its own embedded coordinates and the pair
+            through the cross covariance ``E_a E_b^T`` (one model per side).
     """
 
     r: int
@@ -65,11 +67,15 @@ class ChaosEstimate:
     memory_elements: int
     whitened: bool
     refused: str | None = None
+    metric: bool = False
 
     def summary(self) -> str:
         if self.refused:
             return f"chaos: REFUSED ({self.refused})"
         w = f"whitened joint input, r = {self.r}" if self.whitened else f"r = {self.r}"
+        if self.metric:
+            w = (f"each model in its embedded coordinates (m = {self.r}), paired through "
+                 f"E_a E_b^T")
         return (f"chaos: degree {self.degree}, {w}, {self.n_features:,} coefficients per model, "
                 f"{self.flops:.3g} FLOPs, peak about {self.memory_elements:,} elements")
 
@@ -167,12 +173,14 @@ def _poly_products(pl: list, pr: list, D: np.ndarray, exact: bool) -> list[np.nd
     for i, A in enumerate(pl):
         if not _any(A):
             continue
-        # (N, u, H, I) with D folded in, then one batched matmul per right degree
-        DA = D[:, :, :, None] * A[:, None, :, :]
-        DA = DA.swapaxes(2, 3)  # (N, u, I, H)
+        # (N, u, I, H) with D folded in, then one batched BLAS matmul per right degree
+        # (operands made contiguous: strided operands send numpy's matmul off BLAS)
+        DA = A.swapaxes(1, 2)[:, None, :, :] * D[:, :, None, :]
         for j, B in enumerate(pr):
             if not _any(B):
                 continue
+            if not _is_torch(B) and B.dtype != object:
+                B = np.ascontiguousarray(B)
             term = (DA @ B[:, None, :, :]).reshape(N, u, -1)  # (N, u, I*J)
             out[i + j] = term if (i + j) not in out else out[i + j] + term
     deg = max(out) if out else 0
@@ -211,10 +219,17 @@ def _symmetrize(M, n: int, r: int, exact: bool):
     return T.reshape(N, K, -1)
 
 
-def _trace(M: np.ndarray, n: int, r: int) -> np.ndarray:
-    """Contract the last two of the ``n`` input axes of ``M (N, K, r^n)``."""
+def _trace(M: np.ndarray, n: int, r: int, S=None) -> np.ndarray:
+    """Contract the last two of the ``n`` input axes of ``M (N, K, r^n)`` (with the covariance
+    ``S (N, r, r)`` of the input when it is not the identity)."""
     N, K = M.shape[:2]
     T = M.reshape(N, K, r ** (n - 2), r, r)
+    if S is not None:
+        if _is_torch(T):
+            import torch
+
+            return torch.einsum("nkIij,nij->nkI", T, S)
+        return np.einsum("nkIij,nij->nkI", T, S)
     if _is_torch(T):
         import torch
 
@@ -223,23 +238,38 @@ def _trace(M: np.ndarray, n: int, r: int) -> np.ndarray:
 
 
 def features(can: Canonical, U, r: int) -> list:
-    """Chaos coefficients ``[C_0, ..., C_n]`` of every model of a folded stack, each
-    ``(N, K, r^k)`` (dense, symmetric), for the outputs projected by ``U (K, O)``; ``None`` for
-    an order that vanishes identically.
+    """Chaos coefficients ``[C_0, ..., C_n]`` of every model of a stack, each ``(N, K, r^k)``
+    (dense, symmetric), for the outputs projected by ``U (K, O)``; ``None`` for an order that
+    vanishes identically.
 
-    Source: DESIGN §3.6 (``C_k`` from the monomial coefficients by iterated traces).
+    A folded stack is expanded in its input ``x ~ N(0, I_r)``. A stack that keeps its
+    embedding is expanded in the embedded coordinates ``v = E x`` (``r = m``), whose covariance
+    ``S = E E^T`` then replaces the identity in the traces; pair its coefficients with
+    :func:`inner_metric` (the metric ``E_a E_b^T``).
+
+    Source: DESIGN §3.6 (``C_k`` from the monomial coefficients by iterated traces; for
+    ``v ~ N(0, S)`` the traces contract with ``S``, since ``f(x) = g(E x)`` has ``x``-space
+    coefficients ``C_k^g o E^{(x)k}`` and ``tr(M o E (x) E) = <M, E E^T>``).
     """
     exact = can.exact
     Ucast = U if not exact else np.asarray(U, dtype=object)
     if not can.stages:
         W = Ucast[None] @ can.linear[:, 1:, :]
         return [W[..., :1], W[..., 1:]]
+    S = None
     P = None
     for s, st in enumerate(can.stages):
         D = st.D
         if s == len(can.stages) - 1:
             D = Ucast[None] @ D[:, 1:, :]
-        pl, pr = _stage_poly(st, P, r)
+        if s == 0 and can.embed is not None:
+            E = can.embed
+            Enc = E[:, 1:, 1:]
+            S = Enc @ Enc.swapaxes(1, 2) if not _is_torch(Enc) else Enc @ Enc.transpose(1, 2)
+            c = E[:, :, :1]  # the embedded constant (1, bias)
+            pl, pr = [st.L @ c, st.L[..., 1:]], [st.R @ c, st.R[..., 1:]]
+        else:
+            pl, pr = _stage_poly(st, P, r)
         P = _poly_products(pl, pr, D, exact)
     n_max = len(P) - 1
     M = [None if P[n] is None else _symmetrize(P[n], n, r, exact) for n in range(n_max + 1)]
@@ -252,7 +282,7 @@ def features(can: Canonical, U, r: int) -> list:
                 continue
             t = Mk
             for step in range(m):
-                t = _trace(t, k + 2 * (m - step), r)
+                t = _trace(t, k + 2 * (m - step), r, S)
             coef = math.factorial(k + 2 * m) // (math.factorial(k) * math.factorial(m) * 2 ** m)
             t = t * coef
             acc = t if acc is None else acc + t
@@ -283,6 +313,59 @@ def inner_from_features(Ca: list, Cb: list, keep: bool, exact: bool):
     return total
 
 
+def inner_metric(Ca: list, Cb: list, G, keep: bool):
+    """``sum_k k! <C_k^a, C_k^b>_G`` for one model per side, each index contracted through the
+    cross covariance ``G = E_a E_b^T (m_a, m_b)`` of the two embedded inputs: ``()`` or ``(K,)``."""
+    total = None
+    for k in range(min(len(Ca), len(Cb))):
+        A, B = Ca[k], Cb[k]
+        if A is None or B is None:
+            continue
+        K = B.shape[1]
+        mb = G.shape[1]
+        T = B[0].reshape((K,) + (mb,) * k)
+        for ax in range(k):  # contract index ax of B with G: (.., m_b, ..) -> (.., m_a, ..)
+            T = T.swapaxes(1 + ax, k) @ G.T
+            T = T.swapaxes(1 + ax, k)
+        Af = A[0].reshape(K, -1)
+        Tf = T.reshape(K, -1)
+        t = (Af * Tf).sum(-1)
+        if not keep:
+            t = t.sum()
+        t = t * math.factorial(k)
+        total = t if total is None else total + t
+    return total
+
+
+def metric_applies(ca: Canonical, cb: Canonical) -> bool:
+    """One model per side, both behind embeddings whose joint width is below the input's:
+    expand each in its own embedded coordinates and pair them through ``E_a E_b^T`` (cheaper
+    than whitening, and exact in rationals)."""
+    return (ca.embed is not None and cb.embed is not None and ca.embed.shape[0] == 1
+            and cb.embed.shape[0] == 1
+            and (ca.embed.shape[1] - 1) + (cb.embed.shape[1] - 1) < ca.d)
+
+
+def _metric_triple(ca: Canonical, cb: Canonical, U, keep: bool, conv, want_self: bool):
+    if conv is not None:
+        ca, cb, U = ca.map(conv), cb.map(conv), conv(U)
+    Ca = features(ca, U, ca.embed.shape[-2] - 1)
+    Cb = features(cb, U, cb.embed.shape[-2] - 1)
+    Ea, Eb = ca.embed[0, 1:, 1:], cb.embed[0, 1:, 1:]
+    out = [None, inner_metric(Ca, Cb, Ea @ Eb.T, keep), None]
+    if want_self:
+        out[0] = inner_metric(Ca, Ca, Ea @ Ea.T, keep)
+        out[2] = inner_metric(Cb, Cb, Eb @ Eb.T, keep)
+    K = (U.shape[0],) if keep else ()
+    exact = ca.exact
+
+    def fin(x):
+        x = _result(x, K, exact)
+        arr = np.asarray(x, dtype=object) if exact else np.asarray(x, dtype=np.float64)
+        return arr.reshape((1, 1) + K)
+    return [None if x is None else fin(x) for x in out]
+
+
 def _features_on(cans: list[Canonical], U: np.ndarray, r: int, conv) -> list[list]:
     if conv is None:
         return [features(c, U, r) for c in cans]
@@ -303,6 +386,8 @@ def cross(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, same: bool = 
     coefficients (numpy float64, or Fractions on exact stacks). ``conv``: maps NumPy arrays to
     another backend's (torch) for the expansion; the result comes back as NumPy float64."""
     exact = ca.exact
+    if not same and metric_applies(ca, cb):
+        return _metric_triple(ca, cb, U, keep, conv, False)[1]
     cans, r = whiten([ca] if same else [ca, cb], exact)
     F = _features_on(cans, U, r, conv)
     Ca = F[0]
@@ -315,6 +400,8 @@ def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, conv=None):
     """``(<a,a>, <a,b>, <b,b>)`` of two stacks from one expansion of each (one joint
     whitening), for similarities."""
     exact = ca.exact
+    if metric_applies(ca, cb):
+        return tuple(_metric_triple(ca, cb, U, keep, conv, True))
     cans, r = whiten([ca, cb], exact)
     Ca, Cb = _features_on(cans, U, r, conv)
     Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
@@ -332,16 +419,23 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
              exact: bool) -> ChaosEstimate:
     """FLOPs and peak memory of :func:`cross`, from the shapes alone (nothing allocated)."""
     cans = [ca] if same else [ca, cb]
+    metric = not same and metric_applies(ca, cb)
     r, whitened = _joint_rank_bound(cans)
     if exact:
         r, whitened = ca.d, False
+    if metric:
+        whitened = False
     flops = 0.0
     peak = 0
     feats_total = 0
     n_features = 0
+    pair_flops = 0.0
     for c in cans:
         N = c.arrays()[0].shape[0]
-        if c.embed is not None:
+        rc = r
+        if metric:
+            rc = r = c.embed.shape[-2] - 1
+        if c.embed is not None and not metric:
             flops += 2.0 * N * c.embed.shape[-2] * (r + 1) * max(c.stages[0].L.shape[1], 1) * 2
         if not c.stages:
             feats = K * (r + 1)
@@ -372,7 +466,14 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
         n_features = max(n_features, feats)
     Na = ca.arrays()[0].shape[0]
     Nb = cb.arrays()[0].shape[0]
-    flops += 2.0 * Na * Nb * n_features
+    if metric:  # three pairs (aa, ab, bb), each index of order k contracted through E_a E_b^T
+        m = max(c.embed.shape[-2] - 1 for c in cans)
+        deg = 2 ** max(ca.depth, cb.depth)
+        flops += 3 * sum(2.0 * K * k * m ** (k + 1) + 2.0 * K * m ** k for k in range(deg + 1))
+        r = max(c.embed.shape[-2] - 1 for c in cans)
+    else:
+        flops += 2.0 * Na * Nb * n_features
     memory = peak + feats_total + Na * Nb * (K if keep else 1)
     return ChaosEstimate(r=r, degree=2 ** max(ca.depth, cb.depth), n_features=n_features,
-                         flops=flops, memory_elements=int(memory), whitened=whitened)
+                         flops=flops, memory_elements=int(memory), whitened=whitened,
+                         metric=metric)
