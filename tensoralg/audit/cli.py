@@ -169,7 +169,7 @@ def add_parsers(sub) -> None:
                    help="modulus (default 31; 13 with --quick; 113 is reachable but slow on "
                         "CPU; at most 256, and at least 30 validation pairs)")
     g.add_argument("--steps", type=_positive_int, default=None,
-                   help="full-batch training steps (default 5000; 400 with --quick)")
+                   help="full-batch training steps (default 5000; 800 with --quick)")
     g.add_argument("--checkpoints", type=_positive_int, default=None,
                    help="number of checkpoints on the log schedule (default 24; 8 with --quick)")
     g.add_argument("--train-fraction", type=_fraction, default=None,
