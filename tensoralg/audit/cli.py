@@ -123,7 +123,7 @@ def _n_samples(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub) -> None:
     """Register ``demo``, ``audit`` (backdoor / forgetting / grokking), ``compare``, ``matrix``."""
-    p = sub.add_parser("demo", help="backdoor audit at quick size with a readable table (~1 min)",
+    p = sub.add_parser("demo", help="backdoor audit at quick size with a readable table (~15 s of CPU)",
                        description="Train a bilinear digit classifier, fine-tune a backdoor into "
                                    "it and audit the two checkpoints: per-class tensor similarity "
                                    "vs. CKA / output cosine / JS / weight cosine, attack success "
