@@ -123,7 +123,7 @@ def _n_samples(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub) -> None:
     """Register ``demo``, ``audit`` (backdoor / forgetting / grokking), ``compare``, ``matrix``."""
-    p = sub.add_parser("demo", help="backdoor audit at quick size with a readable table (~1 min)",
+    p = sub.add_parser("demo", help="backdoor audit at quick size with a readable table (~15 s of CPU)",
                        description="Train a bilinear digit classifier, fine-tune a backdoor into "
                                    "it and audit the two checkpoints: per-class tensor similarity "
                                    "vs. CKA / output cosine / JS / weight cosine, attack success "
@@ -169,7 +169,7 @@ def add_parsers(sub) -> None:
                    help="modulus (default 31; 13 with --quick; 113 is reachable but slow on "
                         "CPU; at most 256, and at least 30 validation pairs)")
     g.add_argument("--steps", type=_positive_int, default=None,
-                   help="full-batch training steps (default 5000; 400 with --quick)")
+                   help="full-batch training steps (default 5000; 800 with --quick)")
     g.add_argument("--checkpoints", type=_positive_int, default=None,
                    help="number of checkpoints on the log schedule (default 24; 8 with --quick)")
     g.add_argument("--train-fraction", type=_fraction, default=None,

@@ -59,7 +59,12 @@ class GrokkingConfig:
 
     @classmethod
     def quick(cls, **kw) -> "GrokkingConfig":
-        base = dict(P=13, steps=400, checkpoints=8, d_model=32, d_hidden=32)
+        # Measured (P = 13, seed 0): training accuracy 1.0 by step 50 while validation stays at
+        # chance (0.06), then validation climbs to 0.47 at step 200 and 0.76 at step 800 — the
+        # phenomenon in about 6 s of CPU. lr 3e-3 / weight decay 1.0 at 400 steps never left
+        # chance (0.098), hence the faster schedule and stronger decay here.
+        base = dict(P=13, steps=800, checkpoints=8, d_model=32, d_hidden=32, lr=1e-2,
+                    weight_decay=2.0)
         base.update(kw)
         return cls(**base)
 
