@@ -199,7 +199,7 @@ def test_difference_network_is_the_difference():
 
 def test_paths_sum_to_the_model_certificate_in_rationals():
     rng = np.random.default_rng(8)
-    net = rational_residual(rng, n_blocks=2)
+    net = rational_residual(rng, n_blocks=2, d=1, m=2, H=1, O=1)   # small: rational Wick sums
     pd = dc.paths(net, backend="exact")
     assert pd.names == ["direct", "1", "2", "1+2"]
     assert pd.depths == [0, 1, 1, 2]
@@ -218,9 +218,7 @@ def test_paths_three_blocks_sum_exactly():
     assert check_decomposition_exact(net, nets).equal
 
 
-@pytest.mark.slow
 def test_paths_three_blocks_list_costs():
-    # slow: the Gram of the seven paths within budget (six depth-2 x depth-2 pairs)
     rng = np.random.default_rng(9)
     net = rational_residual(rng, n_blocks=3, d=2, m=2, H=1, O=1)
     pd = dc.paths(net.astype_float(), check=False)
