@@ -4,7 +4,8 @@ Sub-commands are registered by the modules that implement them, so that ``tensor
 stays fast (heavy imports happen inside each command):
 
 * ``demo``, ``audit``, ``compare``, ``matrix`` — :mod:`tensoralg.audit.cli`;
-* ``sae`` — :mod:`tensoralg.sae.cli`.
+* ``sae`` — :mod:`tensoralg.sae.cli`;
+* ``decompose`` — :mod:`tensoralg.decompose_cli`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tensoralg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    from . import decompose_cli
     from .audit import cli as audit_cli
     from .sae import cli as sae_cli
 
     audit_cli.add_parsers(sub)
     sae_cli.add_parsers(sub)
+    decompose_cli.add_parsers(sub)
     _name_leaves(parser)
     return parser
 

@@ -69,11 +69,7 @@ def _arr(a, exact: bool) -> np.ndarray:
 
 
 def _coef(c: Any, exact: bool):
-    if exact:
-        if isinstance(c, float):
-            return Fraction(c)
-        return Fraction(c)
-    return float(c)
+    return Fraction(c) if exact else float(c)
 
 
 def _structure_key(net: Layer) -> tuple:
@@ -867,7 +863,8 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDeco
     architecture) is the exact attribution of ``||f||^2``; :func:`check_decomposition`
     confirms the sum (in rationals with ``backend="exact"``). A path whose exact norm is over
     the planner's budget (``tensoralg.plan(...).refused``, e.g. depth 3) is listed with its
-    cost, and its Gram entries are NaN.
+    cost, and its Gram entries are NaN (as are the model's, ``norm2``, when the model itself is
+    over budget); the check then needs ``verify.decompose.check_decomposition_exact``.
 
     Raises:
         ValueError: a model that is not embed / residual blocks / head, more than 8 blocks.
@@ -881,12 +878,15 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDeco
         cost.append(pl.summary())
         if pl.refused:
             over.append(n)
-    G = _gram_mixed([net] + nets, "gaussian", backend, None, on_cost="nan")
-    for i, n in enumerate(names, start=1):
-        if n in over:
-            G[i, :] = G[:, i] = np.nan
+    # only networks within budget enter the Gram (a refused one would still pay its cross terms)
+    keep = ([0] if not ta.plan(net).refused else []) + [i for i, n in enumerate(names, start=1)
+                                                         if n not in over]
+    allnets = [net] + nets
+    sub = _gram_mixed([allnets[i] for i in keep], "gaussian", backend, None, on_cost="nan")
+    G = np.full((len(allnets),) * 2, np.nan, dtype=object if backend == "exact" else float)
+    G[np.ix_(keep, keep)] = sub
     chk = None
-    if check and not over:
+    if check and len(keep) == len(allnets):
         chk = check_decomposition(net, nets, backend=backend, frobenius=False, _gram=G)
     norm2 = G[0, 0]
     G = G[1:, 1:]

@@ -97,7 +97,10 @@ def test_checkpoint_paths_are_relative_to_the_output_folder(backdoor_run):
     assert res["paths"].startswith("relative to the output folder")
     for path in res["checkpoints"].values():
         assert not path.startswith("/") and (out / path / "cfg.json").is_file()
-    assert res["files"] == ["backdoor.json", "backdoor.csv", "backdoor_slices.png"]
+    assert res["files"] == ["backdoor.json", "backdoor.csv", "backdoor_slices.png",
+                            "backdoor_eigenvectors.png"]
+    f = res["finding"]   # eigenvectors of the target's change (tensoralg.decompose)
+    assert 0 <= f["top_eigenvector_trigger_mass"] <= 1 and f["trigger_pixel_share"] == 4 / 64
 
 
 def test_monte_carlo_audit_records_its_standard_errors(tmp_path, capsys):

@@ -199,7 +199,7 @@ def test_difference_network_is_the_difference():
 
 def test_paths_sum_to_the_model_certificate_in_rationals():
     rng = np.random.default_rng(8)
-    net = rational_residual(rng, n_blocks=2)
+    net = rational_residual(rng, n_blocks=2, d=1, m=2, H=1, O=1)   # small: rational Wick sums
     pd = dc.paths(net, backend="exact")
     assert pd.names == ["direct", "1", "2", "1+2"]
     assert pd.depths == [0, 1, 1, 2]
@@ -218,9 +218,7 @@ def test_paths_three_blocks_sum_exactly():
     assert check_decomposition_exact(net, nets).equal
 
 
-@pytest.mark.slow
 def test_paths_three_blocks_list_costs():
-    # slow: the Gram of the seven paths within budget (six depth-2 x depth-2 pairs)
     rng = np.random.default_rng(9)
     net = rational_residual(rng, n_blocks=3, d=2, m=2, H=1, O=1)
     pd = dc.paths(net.astype_float(), check=False)
@@ -291,3 +289,91 @@ def test_verify_decompose_does_not_import_tensoralg_fast_paths():
         for m in mods:
             if m == "tensoralg" or m.startswith("tensoralg."):
                 assert m in allowed, f"verify/decompose.py imports {m}"
+
+
+# ---------------------------------------------------------------------------------------
+# 4. a change localized in input space (the audits' eigenvector report)
+# ---------------------------------------------------------------------------------------
+
+def test_change_eigen_localizes_a_planted_change(tmp_path):
+    from tensoralg.decompose_report import change_eigen, eigenvector_figure, mask_mass
+
+    rng = np.random.default_rng(12)
+    d, O = 16, 3
+    before = float_depth1(rng, d=d, m=4, H=5, O=O)
+    mask = np.zeros(d, dtype=bool)
+    mask[[5, 6, 9]] = True
+    w = np.where(mask, rng.normal(size=d), 0.0)
+    # after = before + 3 (w.x)^2 on output 2 only: the change is one eigen-component on the mask
+    plant = ta.Bilinear(w[None], w[None], [[0.0], [0.0], [3.0]])
+    after = dc.combine([before, plant])
+    eig, summary = change_eigen(before, after, 2, k=2, mask=mask)
+    # derivation: 3 (w.x)^2 = 3|w|^2 (v.x)^2 with v = w/|w|, so lambda_1 = 3|w|^2, C1 = 0, C0 = 3|w|^2
+    assert eig.eigenvalues[0] == pytest.approx(3 * w @ w, rel=1e-10)
+    assert abs(eig.eigenvalues[1]) <= 1e-10 * eig.eigenvalues[0]
+    assert summary["top_eigenvector_mask"]["mass_inside"] == pytest.approx(1.0, rel=1e-10)
+    assert summary["top_eigenvector_mask"]["pixel_share"] == 3 / 16
+    assert summary["linear_term_mask"] is None or np.allclose(eig.C1, 0, atol=1e-12)
+    assert mask_mass(np.ones(d), mask)["mass_inside"] == pytest.approx(3 / 16)
+    # no change on output 0: zero eigenvalues
+    e0, _ = change_eigen(before, after, 0, k=2)
+    assert np.max(np.abs(e0.eigenvalues)) <= 1e-12
+    path = eigenvector_figure(tmp_path / "eig.png", eig, 3, "planted", mask)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"mask: expected shape \(16,\)"):
+        mask_mass(np.ones(d), np.ones(4, dtype=bool))
+
+
+# ---------------------------------------------------------------------------------------
+# 5. CLI
+# ---------------------------------------------------------------------------------------
+
+def _checkpoints(tmp_path, n_layers=1, d_model=4, d_hidden=5):
+    from tensoralg.checkpoint import save_checkpoint
+    from tensoralg.nn import BilinearNet
+
+    kw = dict(d_model=d_model, d_hidden=d_hidden, n_layers=n_layers, residual=True, bias=True)
+    a, b = BilinearNet(16, 3, seed=0, **kw), BilinearNet(16, 3, seed=1, **kw)
+    save_checkpoint(tmp_path / "a", a, step=0)
+    save_checkpoint(tmp_path / "b", b, step=1)
+    return a, b
+
+
+def test_cli_decompose_eigen_and_diff(tmp_path, capsys):
+    import json
+
+    from tensoralg.cli import main
+
+    a, b = _checkpoints(tmp_path)
+    out = tmp_path / "run"
+    assert main(["decompose", str(tmp_path / "a"), "--diff", str(tmp_path / "b"), "--output",
+                 "2", "--k", "3", "--out", str(out), "--json", str(tmp_path / "c.json")]) == 0
+    res = json.loads((out / "decompose.json").read_text())
+    assert res["files"] == ["decompose.json", "decompose_eigenvectors.png"]
+    assert (out / "decompose_eigenvectors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "c.json").read_text())["eigen"] == res["eigen"]
+    e2 = res["eigen"]["2"]
+    assert len(e2["eigenvectors"]) == 3 and res["drawn_output"] == 2
+    # the change's norm per output is ||b - a||^2 of that slice (engine, from bilinearity)
+    want = ta.diff_norm(b.to_network(), a.to_network(), output=2) ** 2
+    assert e2["norm2"] == pytest.approx(want, rel=1e-9)
+    assert "rel. error (k=3)" in capsys.readouterr().out
+
+
+def test_cli_decompose_paths_and_bad_input(tmp_path, capsys):
+    import json
+
+    from tensoralg.cli import main
+
+    _checkpoints(tmp_path, n_layers=2, d_model=2, d_hidden=2)
+    out = tmp_path / "run"
+    assert main(["decompose", str(tmp_path / "a"), "--out", str(out)]) == 0
+    res = json.loads((out / "decompose.json").read_text())
+    assert res["paths"]["names"] == ["direct", "1", "2", "1+2"]
+    assert res["paths"]["check"]["equal"] and res["files"] == ["decompose.json"]
+    assert main(["decompose", str(tmp_path / "a"), "--output", "3", "--out", str(out)]) == 2
+    assert "--output: class 3 out of range for 3 outputs" in capsys.readouterr().err
+    assert main(["decompose", str(tmp_path / "a"), "--k", "17", "--out", str(out)]) == 2
+    assert "--k: 17" in capsys.readouterr().err
+    assert main(["decompose", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert "not a checkpoint folder" in capsys.readouterr().err

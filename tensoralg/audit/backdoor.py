@@ -30,6 +30,7 @@ from .common import (MC_SAMPLES, PATHS_NOTE, format_table, gap_finding, pair_sim
 JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
 FIG_NAME = "backdoor_slices.png"
+FIG_EIGEN = "backdoor_eigenvectors.png"
 
 
 @dataclass
@@ -230,9 +231,40 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                f"ASR {asr_after:.2f}, {sim['method']})",
                control=ctl["each"] if ctl is not None else None,
                global_similarity=result["global_similarity"])
-    result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME]
+    result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,
+                                                                    result, out)
     write_json(out / JSON_NAME, result)
     return result
+
+
+def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Path) -> list[str]:
+    """Depth 1: eigenvectors of the target's clean->backdoored change as 8x8 images next to the
+    trigger, and the top eigenvector's squared mass inside the trigger (into the finding)."""
+    if cfg.n_layers != 1:
+        result["eigen_change"] = None
+        return []
+    import numpy as np
+
+    from ..data import trigger_mask
+    from ..decompose_report import change_eigen, eigenvector_figure
+
+    mask = trigger_mask().numpy()
+    eig, summary = change_eigen(clean.to_network(), backdoored.to_network(), cfg.target, 4, mask)
+    tm = summary["top_eigenvector_mask"]
+    result["eigen_change"] = summary
+    result["finding"].update(
+        top_eigenvector_trigger_mass=tm["mass_inside"], trigger_pixel_share=tm["pixel_share"],
+        eigen_statement=f"class {cfg.target}'s change (backdoored - clean): the top eigenvector "
+                        f"puts {tm['mass_inside']:.1%} of its squared mass on the trigger's "
+                        f"{mask.sum()} pixels ({tm['pixel_share']:.1%} of the image; "
+                        f"{tm['ratio']:.1f}x their share); the most concentrated of the top 4 "
+                        f"(v{1 + int(np.argmax(summary['top_k_mask_mass']))}) "
+                        f"{max(summary['top_k_mask_mass']):.1%}; the linear term "
+                        + (f"{summary['linear_term_mask']['mass_inside']:.1%}"
+                           if summary["linear_term_mask"] else "is zero"))
+    eigenvector_figure(out / FIG_EIGEN, eig, 4, f"class {cfg.target}: eigenvectors of "
+                       f"backdoored - clean (input space)", mask)
+    return [FIG_EIGEN]
 
 
 def backdoor_table(result: dict) -> str:
@@ -282,4 +314,6 @@ def backdoor_table(result: dict) -> str:
               f"similarity method: {method} ({result['metric']} metric); "
               f"target slice {f['target_slice']:.3f} vs lowest other "
               f"{f['lowest_other_slice']:.3f} (class {f.get('lowest_other_class')}); {gap}"]
+    if f.get("eigen_statement"):
+        lines.append(f["eigen_statement"])
     return "\n".join(lines)

@@ -28,6 +28,7 @@ JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
 FIG_SLICES = "forgetting_slices.png"
 FIG_MATRICES = "forgetting_matrices.png"
+FIG_EIGEN = "forgetting_eigenvectors.png"
 
 
 @dataclass
@@ -234,6 +235,20 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                                   "weight cosine": wcos}, labels,
              "forgetting curriculum: checkpoint x checkpoint")
     result["files"] = [JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES]
+    if cfg.n_layers == 1:   # eigenvectors of the removed class's change at removal (pixels)
+        from ..decompose_report import change_eigen, eigenvector_figure
+
+        eig, result["eigen_change"] = change_eigen(ref.to_network(),
+                                                   checkpoints[i_rm].to_network(), r, 4)
+        ec = result["eigen_change"]
+        ec["stages"] = [labels[ref_index], labels[i_rm]]
+        finding["eigen_statement"] = (
+            f"class {r}'s change {labels[ref_index]} -> {labels[i_rm]}: the top {ec['k']} "
+            f"eigen-components carry {ec['top_k_share_of_quadratic']:.1%} of its quadratic part; "
+            f"keeping only them leaves {ec['relative_error_keeping_top_k']:.1%} of its norm^2")
+        eigenvector_figure(out / FIG_EIGEN, eig, 4, f"class {r}: eigenvectors of the change "
+                           f"{labels[ref_index]} -> {labels[i_rm]} (input space)")
+        result["files"].append(FIG_EIGEN)
     write_json(out / JSON_NAME, result)
     return result
 
@@ -263,4 +278,6 @@ def forgetting_table(result: dict) -> str:
         f"removal (other classes >= {f['other_slices_min_at_removal']:.3f}), "
         f"{f['removed_slice_after_readd']:.3f} after re-adding; collapses: {f['collapses']}, "
         f"recovers: {f['recovers']}" + (" (each > 2 standard errors)" if se is not None else ""))
+    if f.get("eigen_statement"):
+        lines.append(f["eigen_statement"])
     return "\n".join(lines)

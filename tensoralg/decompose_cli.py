@@ -1,0 +1,147 @@
+"""``tensoralg decompose CKPT [--output c] [--k K] [--diff CKPT2]``: a checkpoint (or the change
+from CKPT to CKPT2) taken apart.
+
+* depth 1: eigen-components per output (``tensoralg.decompose.eigen``): the norm, the top
+  eigenvalues, the exact relative error and similarity of keeping ``k``; the top ``k``
+  eigenvectors of one output drawn in input space (8x8 images for digits);
+* residual networks of depth >= 2: the residual paths (``tensoralg.decompose.paths``) with their
+  exact shares of ``||f||^2`` and costs.
+
+Writes ``decompose.json`` (stamped with the version and the options) and
+``decompose_eigenvectors.png`` under ``--out`` (default ``runs/decompose``; new, empty or an
+earlier decompose output, replaced as a whole only by a complete run).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+JSON_NAME = "decompose.json"
+FIG_NAME = "decompose_eigenvectors.png"
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("decompose", help="eigen-components / residual paths of a checkpoint",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="checkpoint folder (weights.safetensors + cfg.json)")
+    p.add_argument("--diff", metavar="CKPT2", default=None,
+                   help="decompose the change CKPT2 - CKPT instead (a difference network)")
+    p.add_argument("--output", type=int, default=None, metavar="CLASS",
+                   help="the output (class) whose eigenvectors are drawn (default: all outputs "
+                        "in the table, the largest in the figure)")
+    p.add_argument("--k", type=_nonneg_int, default=4,
+                   help="eigen-components kept / drawn (default 4)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output folder (default runs/decompose)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the JSON to PATH")
+    p.set_defaults(func=cmd_decompose)
+
+
+def _load(path: str, option: str):
+    from .checkpoint import load_checkpoint
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
+    return load_checkpoint(path)[0].to_network()
+
+
+def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int | None = None,
+                         k: int = 4) -> tuple[dict, object]:
+    """The JSON result of ``tensoralg decompose`` and the eigendecomposition drawn (or None).
+
+    Raises:
+        ValueError: ``--output`` out of range, ``--k`` above the input dimension;
+        FileNotFoundError / ValueError from loading the checkpoints.
+    """
+    from .audit.common import stamp
+    from .decompose import bilinear_depth, difference, eigen, paths
+
+    net = _load(checkpoint, "CKPT")
+    what = f"checkpoint {checkpoint}"
+    if diff is not None:
+        net = difference(net, _load(diff, "--diff"))
+        what = f"change {checkpoint} -> {diff}"
+    O, d = net.out_features, net.in_features
+    if output is not None and not 0 <= output < O:
+        raise ValueError(f"--output: class {output} out of range for {O} outputs (0..{O - 1})")
+    if k > d:
+        raise ValueError(f"--k: {k} eigen-components requested but the input has only {d} "
+                         f"dimensions")
+    result = stamp("decompose", {"checkpoint": checkpoint, "diff": diff, "output": output,
+                                 "k": k})
+    result.update(subject=what, depth=bilinear_depth(net), d=d, n_outputs=O)
+    if bilinear_depth(net) <= 1:
+        eigs = eigen(net, "each")
+        drawn = output if output is not None else int(max(range(O), key=lambda c: eigs[c].norm2))
+        result["eigen"] = {str(c): e.to_dict(top=k if c == drawn else 0)
+                           for c, e in enumerate(eigs)}
+        result["drawn_output"] = drawn
+        return result, eigs[drawn]
+    pd = paths(net)
+    result["paths"] = pd.to_dict()
+    return result, None
+
+
+def table(result: dict) -> str:
+    from .audit.common import format_table
+
+    k = result["config"]["k"]
+    lines = [f"{result['subject']}: {result['d']} inputs, {result['n_outputs']} outputs, "
+             f"bilinear depth {result['depth']}"]
+    if "eigen" in result:
+        rows = []
+        for c, e in result["eigen"].items():
+            lam = e["eigenvalues"]
+            rows.append([c, e["norm2"], e["C0"] ** 2, e["C1_norm2"], lam[0] if lam else 0.0,
+                         lam[1] if len(lam) > 1 else 0.0, e["relative_error"][k],
+                         e["similarity"][k]])
+        lines.append(format_table(["output", "||f||^2", "C0^2", "|C1|^2", "lambda_1", "lambda_2",
+                                   f"rel. error (k={k})", f"similarity (k={k})"], rows))
+        lines.append(f"f = C0 + C1.x + sum_i lambda_i He2(v_i.x); keeping the top k components "
+                     f"costs exactly 2 sum_dropped lambda_i^2 (relative error above); figure: "
+                     f"output {result['drawn_output']}")
+    else:
+        p = result["paths"]
+        rows = [[n, dep, s, "over budget" if n in p["over_budget"] else ""]
+                for n, dep, s in zip(p["names"], p["depths"], p["share"])]
+        lines.append(format_table(["path", "depth", "share of ||f||^2", "note"], rows))
+        chk = p["check"]
+        if chk is not None:
+            lines.append(f"paths sum to the model: {chk['equal']} (relative residual "
+                         f"{chk['relative_residual']:.2e}); interference {chk['interference']:.4g}")
+    return "\n".join(lines)
+
+
+def cmd_decompose(args) -> int:
+    from .audit.common import (check_file_writable, check_folder_path, staged_output,
+                               write_json)
+    from .decompose_report import eigenvector_figure
+
+    if args.json:
+        check_file_writable(args.json, "--json")
+    out = check_folder_path(args.out or "runs/decompose", "--out")
+    result, eig = decompose_checkpoint(args.checkpoint, args.diff, args.output, args.k)
+    with staged_output(out, JSON_NAME) as stage:
+        files = [JSON_NAME]
+        if eig is not None and args.k > 0:
+            eigenvector_figure(stage / FIG_NAME, eig, args.k,
+                               f"{result['subject']}: output {result['drawn_output']}")
+            files.append(FIG_NAME)
+        result["files"] = files
+        write_json(stage / JSON_NAME, result)
+        if args.json:
+            write_json(args.json, result)
+    print(table(result))
+    print(f"wrote {', '.join(str(Path(out) / f) for f in files)}")
+    return 0
