@@ -25,6 +25,9 @@ def test_select_topk_equals_the_stable_sort_on_ties(seed, n, m, levels, data):
     s = torch.randint(-levels, levels + 1, (n, m), generator=g).double()
     assert torch.equal(select_topk(s, k), select_topk_sort(s, k))
     assert torch.equal(select_topk(s.float(), k), select_topk_sort(s.float(), k))
+    # unordered: the same set per row
+    assert torch.equal(select_topk(s, k, ordered=False).sort(-1).values,
+                       select_topk_sort(s, k).sort(-1).values)
 
 
 def test_select_topk_constructed_ties_nan_and_inf():
@@ -76,7 +79,7 @@ def test_training_loss_identical_to_the_reference_paths(preset, monkeypatch):
         return parts, {n: p.grad.clone() for n, p in sae.named_parameters()}
 
     fast, g_fast = run()
-    monkeypatch.setattr(models, "select_topk", select_topk_sort)
+    monkeypatch.setattr(models, "select_topk", lambda s, k, ordered=True: select_topk_sort(s, k))
     monkeypatch.setattr(models, "unique_rows", unique_rows_reference)
     monkeypatch.setattr(models, "code_supports", lambda z, k: select_topk_sort(z.detach().abs(), k))
     ref, g_ref = run()

@@ -143,7 +143,7 @@ def select_topk_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
     return order[..., :k]
 
 
-def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """Indices ``(n, k)`` of the ``k`` largest ``scores`` per row, deterministic.
 
     Ties are broken toward the lower latent index, and the indices come in the order of a
@@ -156,6 +156,8 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
     Args:
         scores: ``(..., m)`` scores (detached inside); ``k``: ``1 <= k <= m``.
+        ordered: put the indices in stable-sort order (``False``: the same set per row, in an
+            unspecified order — enough for a scatter, and two small sorts cheaper).
     Returns:
         long tensor ``(..., k)``.
     """
@@ -170,10 +172,11 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     a, b = vals[:, k - 1], vals[:, k]
     tie = (a == b) | (torch.isnan(a) & torch.isnan(b))   # sort and topk both rank NaN largest
     idx = idx[:, :k]
-    # stable order inside the selected set: index ascending, then value descending (stable)
-    idx = torch.sort(idx, dim=-1).values
-    inner = torch.sort(scores.gather(-1, idx), dim=-1, descending=True, stable=True).indices
-    idx = idx.gather(-1, inner)
+    if ordered:
+        # stable order inside the selected set: index ascending, then value descending (stable)
+        idx = torch.sort(idx, dim=-1).values
+        inner = torch.sort(scores.gather(-1, idx), dim=-1, descending=True, stable=True).indices
+        idx = idx.gather(-1, inner)
     if bool(tie.any()):
         rows = tie.nonzero().squeeze(-1)
         idx[rows] = select_topk_sort(scores[rows], k)
@@ -188,7 +191,7 @@ def topk(pre: torch.Tensor, k: int) -> torch.Tensor:
     Returns:
         ``(n, d_sae)`` code with at most ``k`` non-zero (positive) entries per row.
     """
-    idx = select_topk(pre, k)
+    idx = select_topk(pre, k, ordered=False)
     return torch.zeros_like(pre).scatter_(-1, idx, torch.relu(pre.gather(-1, idx)))
 
 
@@ -197,7 +200,7 @@ def abstopk(pre: torch.Tensor, k: int) -> torch.Tensor:
 
     Ties in magnitude go to the lower latent index (see :func:`select_topk`).
     """
-    idx = select_topk(pre.abs(), k)
+    idx = select_topk(pre.abs(), k, ordered=False)
     return torch.zeros_like(pre).scatter_(-1, idx, pre.gather(-1, idx))
 
 
@@ -460,7 +463,7 @@ class SparseAutoencoder(nn.Module):
             score = pre.abs() if cfg.activation == "abstopk" else pre
             score = score.masked_fill(~dead_mask, float("-inf"))
             k_aux = min(cfg.k_aux, int(dead_mask.sum()))
-            idx = select_topk(score, k_aux)
+            idx = select_topk(score, k_aux, ordered=False)
             vals = pre.gather(-1, idx)
             if cfg.activation == "topk":
                 vals = torch.relu(vals)
