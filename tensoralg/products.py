@@ -342,15 +342,50 @@ def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "
     return scaled(X, ka, kb, backend)
 
 
+_BLOCK_KEYS = ("out", "client", "workers", "block_size", "resume")
+
+
+def _blocked(kind: str, models, metric, method, backend, output, kwargs):
+    """Route gram/similarity_matrix to :mod:`tensoralg.blocks` when a blocked-store option
+    (``out``, ``client``, ``workers``, ``block_size``, ``resume``) is given."""
+    from . import blocks
+
+    if backend == "exact":
+        raise ValueError("out=/client=/workers=/block_size=: the blocked path computes in floating "
+                         "point; use backend='numpy' or 'torch' (or drop those options)")
+    device = kwargs.pop("device", None)
+    dev = "cpu" if backend == "numpy" else ("auto" if device is None else str(device))
+    opts = {k: kwargs.pop(k) for k in _BLOCK_KEYS if k in kwargs}
+    if opts.get("block_size") is None:
+        opts["block_size"] = blocks.DEFAULT_BLOCK_SIZE
+    for k in ("n_samples", "seed", "max_flops", "max_configurations"):
+        if k in kwargs:
+            opts[k] = kwargs.pop(k)
+    kwargs.pop("dtype", None)
+    kwargs.pop("strategy", None)
+    kwargs.pop("max_memory", None)
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    fn = blocks.gram if kind == "gram" else blocks.similarity_matrix
+    return fn(list(models), metric=metric, method=method, output=output, device=dev, **opts)
+
+
 def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
          backend: str = "numpy", output: Any = None, **kwargs):
     """Gram matrix ``G[i, j] = <m_i, m_j>`` of N same-architecture models, shape ``(N, N)``
     (models, specs or checkpoint folders). Chaos: one expansion per model and one matrix
     product; Wick: batched contractions (one per configuration orbit). Diffs follow from it:
-    ``||m_i - m_j||^2 = G_ii - 2 G_ij + G_jj`` (DESIGN §3.5)."""
+    ``||m_i - m_j||^2 = G_ii - 2 G_ij + G_jj`` (DESIGN §3.5).
+
+    More checkpoints than fit in memory: pass ``out=FOLDER`` (a resumable block store),
+    ``client=`` (a Dask client) or ``workers=N`` (a local Dask cluster), optionally
+    ``block_size=`` and ``resume=``; the matrix is then computed by :mod:`tensoralg.blocks`
+    (docs/distributed.md)."""
     if isinstance(models, Layer) or hasattr(models, "to_network"):
         raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models)
+    if any(kwargs.get(k) is not None for k in _BLOCK_KEYS if k != "resume"):
+        return _blocked("gram", models, metric, method, backend, output, dict(kwargs))
     return cross_gram(models, models, metric=metric, method=method, backend=backend,
                       output=output, **kwargs)
 
@@ -358,11 +393,16 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
 def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
                       backend: str = "numpy", output: Any = None, **kwargs):
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` from one :func:`gram` call (normalized gauge:
-    unaffected by the models' output scales). Raises ValueError if a model has norm 0."""
+    unaffected by the models' output scales). Raises ValueError if a model has norm 0.
+    ``out=``/``client=``/``workers=``/``block_size=``/``resume=`` as in :func:`gram` (blocked,
+    resumable, optionally on Dask)."""
     check_options(metric, method, backend, kwargs.get("strategy", "auto"))
     if isinstance(models, Layer) or hasattr(models, "to_network"):
         raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models)
+    if any(kwargs.get(k) is not None for k in _BLOCK_KEYS if k != "resume"):
+        return _blocked("similarity_matrix", models, metric, method, backend, output,
+                        dict(kwargs))
     if method == "montecarlo":
         G = gram(models, metric=metric, method=method, backend=backend, output=output, **kwargs)
         dg = np.einsum("ii...->i...", np.asarray(G))
