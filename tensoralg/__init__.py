@@ -7,7 +7,7 @@ the lifted input ``x~ = (1, x)``), its similarity, slices, diffs and Gram matric
 """
 
 from ._version import __version__
-from .layers import Bilinear, Layer, Linear, Residual, Sequential
+from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential
 from .products import (
     MonteCarloEstimate,
     cross_gram,
@@ -23,7 +23,7 @@ from .network import CostTooHigh, Plan, plan, to_graph
 
 __all__ = [
     "__version__",
-    "Layer", "Linear", "Bilinear", "Residual", "Sequential",
+    "Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate",
     "to_graph", "plan", "Plan", "CostTooHigh",
