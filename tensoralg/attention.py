@@ -31,7 +31,8 @@ deduplication under that swap was wrong). Legs whose constant column is zero are
 Supported exactly: models of the form ``[Linear...] -> attention or Residual(attention) ->
 [Linear...]`` (an embedding applied per position, one attention layer with or without a
 residual, biases, any mask, RoPE, an unembedding), and per-position affine models. Deeper
-stacks: :func:`closure_inner` (approximate, see its docstring) and :func:`montecarlo_inner`.
+stacks: :func:`montecarlo_inner` (the second-moment closure over (position, feature) is not
+implemented yet).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ import opt_einsum as oe
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_network)
 
-__all__ = ["exact_inner", "exact_similarity", "head_gram", "count_configurations",
-           "closure_inner", "closure_similarity", "montecarlo_inner", "montecarlo_similarity",
-           "AttentionNotSupported", "DEFAULT_MAX_CONFIGURATIONS"]
+__all__ = ["exact_inner", "exact_similarity", "head_gram", "count_configurations", "canonicalize",
+           "montecarlo_inner", "montecarlo_similarity", "AttentionNotSupported",
+           "DEFAULT_MAX_CONFIGURATIONS"]
 
 DEFAULT_MAX_CONFIGURATIONS = 200_000
 
@@ -174,7 +175,7 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
             raise AttentionNotSupported(
                 f"{name}: the exact attention inner product handles one attention layer (with or "
                 f"without a residual) between per-position Linear layers; layer {i} is {what}. "
-                f"Use method='closure' (approximate) or method='montecarlo' for deeper stacks")
+                f"Use montecarlo_inner for deeper stacks (a closure method is planned)")
         core = c
     D = net.in_features + 1
     E = _identity(D, exact)
@@ -822,8 +823,8 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
     n_conf = sum(net.count() for net in nets)
     if n_conf > max_configurations:
         raise ValueError(f"exact attention inner product: {n_conf:,} Wick configurations, over "
-                         f"max_configurations={max_configurations:,}; use closure_inner "
-                         f"(approximate) or montecarlo_inner")
+                         f"max_configurations={max_configurations:,}; use montecarlo_inner "
+                         f"(approximate, with a standard error)")
     total = None
     if strategy == "matchings":
         for net in nets:
@@ -910,8 +911,8 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
         ``tensoralg.MonteCarloEstimate`` (a float with ``.stderr`` and ``.n_samples``).
 
     Raises:
-        ValueError: as :func:`exact_inner` for the pair and slices; ``n_samples`` not a
-            multiple-free positive int of at least ``2 * n_batches``; ``n_batches < 2``.
+        ValueError: as :func:`exact_inner` for the pair and slices; ``n_samples`` below
+            ``2 * n_batches``; ``n_batches < 2``; a negative ``seed``.
     """
     from .products import MonteCarloEstimate
 
@@ -946,3 +947,55 @@ def montecarlo_similarity(a: Any, b: Any, **kw):
     aa = montecarlo_inner(a, a, **kw)
     bb = montecarlo_inner(b, b, **kw)
     return float(ab) / math.sqrt(float(aa) * float(bb))
+
+
+# ----------------------------------------------------------------------------------------
+# per head
+# ----------------------------------------------------------------------------------------
+
+def _head_model(net: Layer, head: int) -> Layer:
+    """The model with its attention layer cut to one head, without o_bias and without the
+    residual branch (the attention term of that head, embedding and unembedding kept)."""
+    layers = _flatten_layers(net)
+    out = []
+    for layer in layers:
+        core = _attention_core(layer)
+        if core is None:
+            out.append(layer)
+            continue
+        at = core[0]
+        kw = {k: None if getattr(at, k) is None else getattr(at, k)[head:head + 1]
+              for k in ("q1", "k1", "q2", "k2", "v", "q1_bias", "k1_bias", "q2_bias", "k2_bias",
+                        "v_bias")}
+        out.append(BilinearAttention(**kw, o=at.o[:, head:head + 1], mask=at.mask,
+                                     scale=at.scale, rope=at.rope))
+    return Sequential(out)
+
+
+def head_gram(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position: Any = None,
+              backend: str = "numpy") -> np.ndarray:
+    """Exact ``G[h, k] = <head h of a, head k of b>`` (``(n_heads_a, n_heads_b)``).
+
+    Head ``h`` of a model is its attention term restricted to that head (embedding and
+    unembedding kept; the residual branch and ``o_bias`` dropped). By bilinearity, ``G.sum()``
+    is the inner product of the two attention terms; ``G[h, k] / sqrt(G_aa[h, h] G_bb[k, k])``
+    is a per-head similarity. One :func:`exact_inner` per head pair (same arguments).
+
+    Raises:
+        ValueError / AttentionNotSupported: as :func:`exact_inner`; a model without attention.
+    """
+    a, b, n_ctx = _check_pair(a, b, n_ctx)
+    cores = []
+    for name, net in (("a", a), ("b", b)):
+        found = [c for c in map(_attention_core, _flatten_layers(net)) if c is not None]
+        if len(found) != 1:
+            raise AttentionNotSupported(f"{name}: head_gram needs exactly one attention layer, "
+                                        f"found {len(found)}")
+        cores.append(found[0][0])
+    G = np.empty((cores[0].n_heads, cores[1].n_heads), dtype=_dtype(backend == "exact"))
+    for h in range(G.shape[0]):
+        ah = _head_model(a, h)
+        for k in range(G.shape[1]):
+            G[h, k] = exact_inner(ah, _head_model(b, k), n_ctx=n_ctx, output=output,
+                                  position=position, backend=backend)
+    return G

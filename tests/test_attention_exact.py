@@ -203,7 +203,7 @@ def test_errors_before_any_contraction():
     a = attn(rng, residual=True)
     deep = ta.Sequential([a, attn(rng, residual=True)])
     with pytest.raises(A.AttentionNotSupported, match="layer 1 is a second attention layer.*"
-                                                      "closure.*montecarlo"):
+                                                      "montecarlo_inner"):
         A.exact_inner(a, deep, n_ctx=2)
     mlp = ta.Sequential([a, ta.Residual(ta.Bilinear(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2))))])
     with pytest.raises(A.AttentionNotSupported, match="layer 1 is Residual"):
@@ -227,3 +227,19 @@ def test_errors_before_any_contraction():
         A.exact_inner(a, a, n_ctx=2, backend="torch-ish")
     with pytest.raises(ValueError, match="n_samples"):
         A.montecarlo_inner(a, a, n_ctx=2, n_samples=3)
+
+
+def test_head_gram_sums_to_the_attention_term_and_matches_brute_force():
+    rng = np.random.default_rng(10)
+    a = attn(rng, H=2, bias=True, residual=True, rope=10.0)
+    b = attn(rng, H=1, bias=False)
+    G = A.head_gram(a, b, n_ctx=2)
+    assert G.shape == (2, 1)
+    inner_a = a.inner
+    no_ob = _variant(inner_a, o_bias=None)
+    # sum over heads = the attention terms alone (no residual, no o_bias)
+    assert rel(G.sum(), sequence_inner_exact(no_ob, b, 2)) < 1e-10
+    one_head = _variant(no_ob, **{k: getattr(no_ob, k)[1:] for k in
+                                  ("q1", "k1", "q2", "k2", "v", "q1_bias", "k1_bias", "q2_bias",
+                                   "k2_bias", "v_bias")}, o=no_ob.o[:, 1:])
+    assert rel(G[1, 0], sequence_inner_exact(one_head, b, 2)) < 1e-10
