@@ -297,9 +297,6 @@ def _diagonal(arr, labels, ein):
     return ein(sub, arr), uniq
 
 
-_PATH_CACHE: dict = {}
-
-
 @dataclass
 class _Config:
     subscripts: str
@@ -795,6 +792,9 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
         backend: ``"numpy"`` (float64) or ``"exact"`` (rationals: floats are taken exactly,
             ``Fraction(float)``; RoPE rotations are the float64 values of
             :func:`tensoralg.layers.rope_rotations`, taken exactly).
+        strategy: ``"chaos"`` (default: per-model sums over internal matchings, then
+            bijections of the open legs) or ``"matchings"`` (one contraction per partial
+            matching of the joined network; slower, kept as a cross-check).
         max_configurations: refuse (before contracting) above this many Wick configurations.
 
     Returns:
@@ -808,6 +808,8 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
     """
     if backend not in ("numpy", "exact"):
         raise ValueError(f"backend: expected 'numpy' or 'exact', got {backend!r}")
+    if strategy not in ("chaos", "matchings"):
+        raise ValueError(f"strategy: expected 'chaos' or 'matchings', got {strategy!r}")
     a, b, n_ctx = _check_pair(a, b, n_ctx)
     _check_slices(output, position, a.out_features, n_ctx)
     exact = backend == "exact"

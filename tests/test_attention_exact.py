@@ -132,6 +132,19 @@ def test_slices_equal_brute_force():
             assert rel(each[t, o], sequence_inner_exact(a, b, 2, output=o, position=t)) < 1e-10
 
 
+def test_matchings_strategy_equals_chaos_strategy():
+    """The two groupings of the same Wick sum (one contraction per partial matching, or per
+    chaos component pair) agree; both equal the brute force."""
+    rng = np.random.default_rng(11)
+    a = attn(rng, d=1, bias=False, residual=True, rope=10.0)
+    b = attn(rng, d=1, bias=False, H=2)
+    want = sequence_inner_exact(a, b, 2)
+    for strategy in ("chaos", "matchings"):
+        assert rel(A.exact_inner(a, b, n_ctx=2, strategy=strategy), want) < 1e-10
+    with pytest.raises(ValueError, match="strategy"):
+        A.exact_inner(a, b, n_ctx=2, strategy="fast")
+
+
 def test_position_free_model_against_attention_model():
     """A per-position affine model (no attention) against an attention model."""
     rng = np.random.default_rng(5)
