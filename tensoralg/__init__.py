@@ -10,7 +10,7 @@ machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, :mod:`t
 """
 
 from ._version import __version__
-from .layers import Bilinear, Layer, Linear, Residual, Sequential
+from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential
 from .errors import CostTooHigh
 from .planner import Plan
 from .products import (
@@ -30,7 +30,7 @@ from .threads import set_threads
 
 __all__ = [
     "__version__",
-    "Layer", "Linear", "Bilinear", "Residual", "Sequential",
+    "Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate",
     "to_graph", "plan", "Plan", "CostTooHigh", "set_threads",

@@ -5,7 +5,9 @@ Every network here is a polynomial map ``R^d -> R^out`` built from
 * :class:`Linear` — ``y = W x + b``;
 * :class:`Bilinear` — ``y = D((L x + l0) * (R x + r0)) + d0`` (a bilinear MLP, CP form);
 * :class:`Residual` — ``y = x + inner(x)``;
-* :class:`Sequential` — composition, applied in order.
+* :class:`Sequential` — composition, applied in order;
+* :class:`BilinearAttention` — softmax-free attention whose pattern is a product of two bilinear
+  score forms (a sequence layer; see ``docs/attention.md`` and DESIGN.md section 3.7).
 
 Weights are stored as NumPy arrays: ``float64`` for floating-point input (torch tensors and
 float32 arrays are converted exactly), or ``object`` arrays of :class:`fractions.Fraction`
@@ -13,7 +15,10 @@ when the weights are given as rationals (``Fraction``, ``int`` or strings such a
 so that the ``exact`` backend computes in rational arithmetic with no rounding at all.
 
 Networks are callable on a batch: ``net(x)`` with ``x`` of shape ``(n, d)`` (NumPy or torch)
-returns ``(n, out)`` of the same kind (torch: same dtype and device as ``x``).
+returns ``(n, out)`` of the same kind (torch: same dtype and device as ``x``). A batch of
+sequences ``x`` of shape ``(n, n_ctx, d)`` gives ``(n, n_ctx, out)``: position-free layers
+(Linear, Bilinear) act on every position separately; a network holding a
+:class:`BilinearAttention` layer accepts only sequences.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Layer", "Linear", "Bilinear", "Residual", "Sequential", "as_network"]
+__all__ = ["Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
+           "as_network"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -123,16 +129,26 @@ def _numeric(w: np.ndarray, like: Any):
     return np.asarray(w, dtype=np.float64)
 
 
-def _prepare_input(x: Any, d: int) -> tuple[Any, bool]:
+def _prepare_input(x: Any, d: int, sequence: bool = False,
+                   n_ctx: int | None = None) -> tuple[Any, bool]:
     squeeze = False
     if not _is_torch(x):
         x = np.asarray(x)
         if x.dtype != object:
             x = x.astype(np.float64, copy=False)
+    if sequence:
+        if x.ndim != 3 or x.shape[2] != d:
+            raise ValueError(f"x: a network with attention expects a batch of sequences of shape "
+                             f"(n, n_ctx, {d}), got {tuple(x.shape)} (one sequence: pass x[None])")
+        if n_ctx is not None and x.shape[1] != n_ctx:
+            raise ValueError(f"x: has n_ctx={x.shape[1]} positions (shape {tuple(x.shape)}) but the "
+                             f"attention mask is ({n_ctx}, {n_ctx})")
+        return x, squeeze
     if x.ndim == 1:
         x, squeeze = x[None, :], True
-    if x.ndim != 2 or x.shape[1] != d:
-        raise ValueError(f"x: expected a batch of shape (n, {d}), got {tuple(x.shape)}")
+    if x.ndim not in (2, 3) or x.shape[-1] != d:
+        raise ValueError(f"x: expected a batch of shape (n, {d}), got {tuple(x.shape)} (or a batch "
+                         f"of sequences of shape (n, n_ctx, {d}))")
     return x, squeeze
 
 
@@ -147,7 +163,7 @@ class Layer:
     out_features: int
 
     def __call__(self, x: Any) -> Any:
-        x, squeeze = _prepare_input(x, self.in_features)
+        x, squeeze = _prepare_input(x, self.in_features, self.is_sequence_model, self.n_ctx)
         y = self._forward(x)
         return y[0] if squeeze else y
 
@@ -158,6 +174,16 @@ class Layer:
     def degree(self) -> int:
         """Degree of the network as a polynomial (an upper bound: 2**number of bilinear layers)."""
         raise NotImplementedError  # pragma: no cover
+
+    @property
+    def is_sequence_model(self) -> bool:
+        """True when the network holds attention, i.e. reads sequences ``(n_ctx, d)``, not vectors."""
+        return False
+
+    @property
+    def n_ctx(self) -> int | None:
+        """The sequence length fixed by an attention mask array; None when any length works."""
+        return None
 
     @property
     def is_exact(self) -> bool:
@@ -309,6 +335,14 @@ class Residual(Layer):
         self.inner = inner
         self.in_features = self.out_features = inner.in_features
 
+    @property
+    def is_sequence_model(self) -> bool:
+        return self.inner.is_sequence_model
+
+    @property
+    def n_ctx(self) -> int | None:
+        return self.inner.n_ctx
+
     def _forward(self, x):
         return x + self.inner._forward(x)
 
@@ -345,9 +379,23 @@ class Sequential(Layer):
             if layers[i].in_features != layers[i - 1].out_features:
                 raise ValueError(f"layers[{i}]: expects {layers[i].in_features} inputs but "
                                  f"layers[{i - 1}] gives {layers[i - 1].out_features}")
+        fixed = [(i, layer.n_ctx) for i, layer in enumerate(layers) if layer.n_ctx is not None]
+        for i, n in fixed[1:]:
+            if n != fixed[0][1]:
+                raise ValueError(f"layers[{i}]: attention mask fixes n_ctx={n} but layers[{fixed[0][0]}] "
+                                 f"fixes n_ctx={fixed[0][1]}")
         self.layers = layers
         self.in_features = layers[0].in_features
         self.out_features = layers[-1].out_features
+        self._n_ctx = fixed[0][1] if fixed else None
+
+    @property
+    def is_sequence_model(self) -> bool:
+        return any(layer.is_sequence_model for layer in self.layers)
+
+    @property
+    def n_ctx(self) -> int | None:
+        return self._n_ctx
 
     def _forward(self, x):
         for layer in self.layers:
@@ -401,6 +449,9 @@ _LAYER_FIELDS = {
     "linear": ({"weight"}, {"bias"}),
     "bilinear": ({"left", "right", "down"}, {"left_bias", "right_bias", "down_bias"}),
     "residual": ({"inner"}, set()),
+    "bilinear_attention": ({"q1", "k1", "q2", "k2", "v", "o"},
+                           {"q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias", "o_bias",
+                            "mask", "scale", "rope"}),
 }
 
 
@@ -432,6 +483,12 @@ def layer_from_spec(spec: dict, where: str = "spec") -> Layer:
         return Bilinear(exact(spec["left"]), exact(spec["right"]), exact(spec["down"]),
                         exact(spec.get("left_bias")), exact(spec.get("right_bias")),
                         exact(spec.get("down_bias")))
+    if kind == "bilinear_attention":
+        mask = spec.get("mask", "causal")
+        return BilinearAttention(*(exact(spec[k]) for k in ("q1", "k1", "q2", "k2", "v", "o")),
+                                 **{k: exact(spec.get(k)) for k in _ATTENTION_BIASES},
+                                 mask=mask if isinstance(mask, str) else exact(mask),
+                                 scale=spec.get("scale"), rope=spec.get("rope"))
     inner = spec["inner"]
     if isinstance(inner, list):
         return Residual(Sequential([layer_from_spec(s, f"{where}.inner[{i}]")
@@ -450,7 +507,7 @@ def as_network(net: Any, name: str = "network") -> Layer:
     if isinstance(net, (list, tuple, dict)):
         return Sequential.from_spec(net)
     raise TypeError(f"{name}: expected a tensoralg network (Linear, Bilinear, Residual, "
-                    f"Sequential), a layer spec or a module with to_network(); got "
+                    f"Sequential, BilinearAttention), a layer spec or a module with to_network(); got "
                     f"{type(net).__name__}")
 
 
@@ -463,6 +520,268 @@ def _map_arrays(layer: Layer, fn) -> Layer:
                         f(layer.right_bias), f(layer.down_bias))
     if isinstance(layer, Residual):
         return Residual(_map_arrays(layer.inner, fn))
+    if isinstance(layer, BilinearAttention):
+        return layer._map(fn)
     if isinstance(layer, Sequential):
         return Sequential([_map_arrays(x, fn) for x in layer.layers])
     raise TypeError(f"unknown layer type {type(layer).__name__}")
+
+
+# ----------------------------------------------------------------------------------------
+# bilinear attention (sequences)
+# ----------------------------------------------------------------------------------------
+
+_ATTENTION_WEIGHTS = ("q1", "k1", "q2", "k2", "v", "o")
+_ATTENTION_BIASES = ("q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias", "o_bias")
+
+
+def _einsum(like: Any):
+    if _is_torch(like):
+        import torch
+
+        return torch.einsum
+    return np.einsum
+
+
+def rope_rotations(n_ctx: int, d_head: int, base: float) -> np.ndarray:
+    """Rotary position rotations ``R[t]`` (``(n_ctx, d_head, d_head)``, float64).
+
+    Coordinates ``(2i, 2i+1)`` of a head vector at position ``t`` are rotated by the angle
+    ``t * base**(-2i/d_head)`` (RoFormer, Su et al. 2021, eq. 13-15, interleaved pairs):
+    ``R[t] @ q`` is the rotated query. ``R[t].T @ R[s]`` depends on ``s - t`` only.
+    """
+    theta = float(base) ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
+    ang = np.arange(n_ctx, dtype=np.float64)[:, None] * theta[None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    R = np.zeros((n_ctx, d_head, d_head))
+    i = np.arange(0, d_head, 2)
+    R[:, i, i] = c
+    R[:, i, i + 1] = -s
+    R[:, i + 1, i] = s
+    R[:, i + 1, i + 1] = c
+    return R
+
+
+class BilinearAttention(Layer):
+    """Bilinear (softmax-free) multi-head attention on sequences (DESIGN.md section 3.7).
+
+    For an input sequence ``x_0 .. x_{n_ctx-1}`` (each of size ``d``) and every head ``h``::
+
+        q1_t = R_t (q1_h x_t + q1_bias_h)       k1_s = R_s (k1_h x_s + k1_bias_h)   (same for q2, k2)
+        v_s  = v_h x_s + v_bias_h
+        pattern_h[t, s] = mask[t, s] * scale * (q1_t . k1_s) * (q2_t . k2_s)
+        out_t = sum_h o[:, h, :] @ sum_s pattern_h[t, s] v_s  + o_bias
+
+    ``R_t`` is the identity without RoPE and the rotary rotation of :func:`rope_rotations`
+    with ``rope=base``. The output at position ``t`` is a polynomial of degree 5 in the lifted
+    inputs: degree 2 in ``x_t`` (the queries) times degree 3 in ``x_s`` (keys and value),
+    summed over ``s`` against the mask.
+
+    Args:
+        q1, k1, q2, k2: ``(n_heads, d_head, d)``, all four the same shape.
+        v: ``(n_heads, d_v, d)``.
+        o: ``(d_out, n_heads, d_v)``.
+        q1_bias, k1_bias, q2_bias, k2_bias: ``(n_heads, d_head)`` or None; v_bias
+            ``(n_heads, d_v)`` or None; o_bias ``(d_out,)`` or None.
+        mask: ``"causal"`` (``mask[t, s] = 1`` for ``s <= t``, else 0), ``"none"`` (all ones),
+            or an ``(n_ctx, n_ctx)`` array (finite; fixes the sequence length).
+        scale: the constant ``c`` multiplying every pattern; default ``1/d_head`` (the square
+            of the usual ``1/sqrt(d_head)``, one factor per score). Rational when the weights are.
+        rope: None, or the rotary base (a positive number, e.g. 10000); needs an even ``d_head``.
+
+    Raises:
+        ValueError: head, feature or output sizes that disagree (naming both shapes), a bad
+            mask (shape, non-finite entries, unknown string), a non-finite or non-positive
+            rope base, an odd ``d_head`` with RoPE, empty or non-finite weights.
+    """
+
+    def __init__(self, q1: Any, k1: Any, q2: Any, k2: Any, v: Any, o: Any, q1_bias: Any = None,
+                 k1_bias: Any = None, q2_bias: Any = None, k2_bias: Any = None,
+                 v_bias: Any = None, o_bias: Any = None, mask: Any = "causal",
+                 scale: Any = None, rope: Any = None):
+        w = {"q1": q1, "k1": k1, "q2": q2, "k2": k2, "v": v}
+        for name, val in w.items():
+            setattr(self, name, as_array(val, name, 3))
+        self.o = as_array(o, "o", 3)
+        shape = self.q1.shape
+        for name in ("k1", "q2", "k2"):
+            got = getattr(self, name).shape
+            if got != shape:
+                raise ValueError(f"{name}: expected shape (n_heads, d_head, d) = {shape} like q1, "
+                                 f"got {got}; queries and keys must share heads, head size and "
+                                 f"input size")
+        self.n_heads, self.d_head, self.in_features = shape
+        if self.v.shape[0] != self.n_heads or self.v.shape[2] != self.in_features:
+            raise ValueError(f"v: expected shape ({self.n_heads}, d_v, {self.in_features}) to match "
+                             f"q1 of shape {shape}, got {self.v.shape}")
+        self.d_v = self.v.shape[1]
+        if self.o.shape[1:] != (self.n_heads, self.d_v):
+            raise ValueError(f"o: expected shape (d_out, {self.n_heads}, {self.d_v}) to match v of "
+                             f"shape {self.v.shape}, got {self.o.shape}")
+        self.out_features = self.o.shape[0]
+        want = {"q1_bias": (self.n_heads, self.d_head), "k1_bias": (self.n_heads, self.d_head),
+                "q2_bias": (self.n_heads, self.d_head), "k2_bias": (self.n_heads, self.d_head),
+                "v_bias": (self.n_heads, self.d_v), "o_bias": (self.out_features,)}
+        given = {"q1_bias": q1_bias, "k1_bias": k1_bias, "q2_bias": q2_bias, "k2_bias": k2_bias,
+                 "v_bias": v_bias, "o_bias": o_bias}
+        for name, val in given.items():
+            arr = None if val is None else as_array(val, name, len(want[name]))
+            if arr is not None and arr.shape != want[name]:
+                raise ValueError(f"{name}: expected shape {want[name]}, got {arr.shape}")
+            setattr(self, name, arr)
+        exact = all(a.dtype == object for a in self._weight_arrays())
+        # mask
+        if isinstance(mask, str):
+            if mask not in ("causal", "none"):
+                raise ValueError(f"mask: expected 'causal', 'none' or an (n_ctx, n_ctx) array, "
+                                 f"got {mask!r}")
+            self.mask = mask
+        else:
+            m = as_array(mask, "mask", 2)
+            if m.shape[0] != m.shape[1]:
+                raise ValueError(f"mask: expected a square (n_ctx, n_ctx) array, got shape {m.shape}")
+            if exact and m.dtype != object:
+                m = np.vectorize(lambda v: Fraction(float(v)), otypes=[object])(m)
+            self.mask = m
+        # scale
+        if scale is None:
+            self.scale = Fraction(1, self.d_head) if exact else 1.0 / self.d_head
+        else:
+            c = _to_fraction(scale, "scale")
+            self.scale = c if exact else float(c)
+        # rope
+        if rope is not None:
+            if isinstance(rope, bool) or not isinstance(rope, numbers.Real) or \
+                    not np.isfinite(float(rope)) or float(rope) <= 0:
+                raise ValueError(f"rope: expected None or a positive finite rotary base, got {rope!r}")
+            if self.d_head % 2:
+                raise ValueError(f"rope: rotary embeddings rotate coordinate pairs and need an even "
+                                 f"d_head, got d_head={self.d_head} (q1 of shape {shape})")
+            rope = float(rope)
+        self.rope = rope
+
+    # -- structure ----------------------------------------------------------------------
+    def _weight_arrays(self):
+        return [a for a in (self.q1, self.k1, self.q2, self.k2, self.v, self.o, self.q1_bias,
+                            self.k1_bias, self.q2_bias, self.k2_bias, self.v_bias, self.o_bias)
+                if a is not None]
+
+    @property
+    def is_sequence_model(self) -> bool:
+        return True
+
+    @property
+    def n_ctx(self) -> int | None:
+        return None if isinstance(self.mask, str) else int(self.mask.shape[0])
+
+    @property
+    def degree(self) -> int:
+        return 5
+
+    def arrays(self):
+        return self._weight_arrays() + ([] if isinstance(self.mask, str) else [self.mask])
+
+    def mask_matrix(self, n_ctx: int) -> np.ndarray:
+        """The ``(n_ctx, n_ctx)`` mask (Fractions when the layer is exact, else float64).
+
+        Raises:
+            ValueError: ``n_ctx`` differs from a mask array's size.
+        """
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1:
+            raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
+        if not isinstance(self.mask, str):
+            if self.mask.shape[0] != n_ctx:
+                raise ValueError(f"n_ctx={n_ctx} differs from the attention mask of shape "
+                                 f"{self.mask.shape}")
+            return self.mask
+        m = np.ones((n_ctx, n_ctx), dtype=np.int64)
+        if self.mask == "causal":
+            m = np.tril(m)
+        if self.is_exact:
+            return np.vectorize(Fraction, otypes=[object])(m)
+        return m.astype(np.float64)
+
+    def rotations(self, n_ctx: int) -> np.ndarray | None:
+        """RoPE rotations ``(n_ctx, d_head, d_head)`` float64 (:func:`rope_rotations`), or None."""
+        if self.rope is None:
+            return None
+        return rope_rotations(n_ctx, self.d_head, self.rope)
+
+    def lifted(self) -> dict:
+        """Weights with their biases as column 0 (the lifted input ``x~ = (1, x)``).
+
+        Returns a dict: ``q1, k1, q2, k2`` of shape ``(n_heads, d_head, d + 1)``, ``v``
+        ``(n_heads, d_v, d + 1)`` and ``o`` ``(d_out, n_heads, d_v)``, ``o_bias`` ``(d_out,)``
+        or None; object arrays of Fractions when the layer is exact, else float64.
+        """
+        out = {}
+        for name in ("q1", "k1", "q2", "k2", "v"):
+            w = getattr(self, name)
+            b = getattr(self, name + "_bias")
+            zero = Fraction(0) if w.dtype == object else 0.0
+            col = np.full(w.shape[:2] + (1,), zero, dtype=w.dtype) if b is None else \
+                np.asarray(b, dtype=w.dtype)[:, :, None]
+            out[name] = np.concatenate([col, w], axis=2)
+        out["o"] = self.o
+        out["o_bias"] = self.o_bias
+        return out
+
+    # -- forward ------------------------------------------------------------------------
+    def _forward(self, x):
+        if x.ndim != 3:
+            raise ValueError(f"x: BilinearAttention expects a batch of sequences (n, n_ctx, "
+                             f"{self.in_features}), got {tuple(x.shape)}")
+        n_ctx = x.shape[1]
+        ein = _einsum(x)
+        rot = self.rotations(n_ctx)
+        rot = None if rot is None else _numeric(rot, x)
+
+        def proj(name):
+            y = ein("ntd,hed->nhte", x, _numeric(getattr(self, name), x))
+            b = getattr(self, name + "_bias")
+            if b is not None:
+                y = y + _numeric(b, x)[None, :, None, :]
+            if rot is not None and name != "v":
+                y = ein("tef,nhtf->nhte", rot, y)
+            return y
+
+        s1 = ein("nhte,nhse->nhts", proj("q1"), proj("k1"))
+        s2 = ein("nhte,nhse->nhts", proj("q2"), proj("k2"))
+        scale = _numeric(np.array(self.scale, dtype=object if isinstance(self.scale, Fraction)
+                                  else np.float64), x)
+        m = _numeric(self.mask_matrix(n_ctx), x) * scale
+        pattern = s1 * s2 * m[None, None]
+        z = ein("nhts,nhsv->nhtv", pattern, proj("v"))
+        y = ein("nhtv,ohv->nto", z, _numeric(self.o, x))
+        if self.o_bias is not None:
+            y = y + _numeric(self.o_bias, x)
+        return y
+
+    # -- specs and copies ---------------------------------------------------------------
+    def to_spec(self):
+        spec = {"type": "bilinear_attention"}
+        for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES:
+            spec[name] = _spec_array(getattr(self, name))
+        spec["mask"] = self.mask if isinstance(self.mask, str) else _spec_array(self.mask)
+        spec["scale"] = str(self.scale) if isinstance(self.scale, Fraction) else float(self.scale)
+        spec["rope"] = self.rope
+        return spec
+
+    def _map(self, fn):
+        kw = {name: None if getattr(self, name) is None else fn(getattr(self, name))
+              for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES}
+        mask = self.mask if isinstance(self.mask, str) else fn(self.mask)
+        out = BilinearAttention(**kw, mask=mask, scale=self.scale, rope=self.rope)
+        return out
+
+    def scaled_output(self, factor):
+        kw = {name: getattr(self, name) for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES}
+        kw["o"] = self.o * factor
+        kw["o_bias"] = None if self.o_bias is None else self.o_bias * factor
+        return BilinearAttention(**kw, mask=self.mask, scale=self.scale, rope=self.rope)
+
+    def __repr__(self):
+        extra = "" if self.rope is None else f", rope={self.rope:g}"
+        mask = self.mask if isinstance(self.mask, str) else f"array{self.mask.shape}"
+        return (f"BilinearAttention({self.in_features} -> {self.out_features}, "
+                f"heads={self.n_heads}, d_head={self.d_head}, d_v={self.d_v}, mask={mask}{extra})")

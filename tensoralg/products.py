@@ -108,12 +108,59 @@ _DOC_KW = """
 
 
 
+def _is_sequence(*nets) -> bool:
+    return any(getattr(n, "is_sequence_model", False) for n in nets)
+
+
+def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, kw):
+    """Sequence models (bilinear attention, DESIGN §3.7) through :mod:`tensoralg.attention`:
+    exact for one attention layer, Monte Carlo at any depth; refusals name the alternatives."""
+    from . import attention
+
+    if not (na.is_sequence_model and nb.is_sequence_model) and not all(
+            getattr(n, "is_sequence_model", False) or n.degree <= 1 for n in (na, nb)):
+        raise ValueError("a and b: a sequence model (with attention) compared with a "
+                         "position-free network of degree > 1; compare two sequence models (a "
+                         "per-position affine map is accepted)")
+    if metric != "gaussian":
+        raise ValueError("sequence models: only metric='gaussian' is implemented")
+    n_ctx, position = kw.pop("n_ctx", None), kw.pop("position", None)
+    if method == "closure":
+        raise ValueError("method='closure' is not implemented for sequence models yet; use "
+                         "method='exact' (one attention layer) or method='montecarlo'")
+    if method == "montecarlo":
+        if backend == "exact":
+            raise ValueError("method='montecarlo' samples in floating point: use "
+                             "backend='numpy'")
+        fn = attention.montecarlo_inner if kind == "inner" else attention.montecarlo_similarity
+        return fn(na, nb, n_ctx=n_ctx, output=output, position=position,
+                  n_samples=kw.get("n_samples", 20_000), seed=kw.get("seed", 0))
+    if backend == "torch":
+        raise ValueError("sequence models: the exact strategy runs on backend='numpy' or "
+                         "'exact' (no torch backend yet)")
+    args = dict(n_ctx=n_ctx, output=output, position=position, backend=backend,
+                max_configurations=kw.get("max_configurations", DEFAULT_MAX_CONFIGURATIONS))
+    try:
+        if kind == "inner":
+            return attention.exact_inner(na, nb, **args)
+        return attention.exact_similarity(na, nb, **args)
+    except attention.AttentionNotSupported as exc:
+        raise CostTooHigh(f"exact inner product of sequence models: {exc}. Alternatives: "
+                          f"method='montecarlo' (unbiased, with a standard error)") from None
+
+
 def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           backend: str = "numpy", output: Any = None, *, strategy: str = "auto",
           n_samples: int = 100_000, seed: int = 0, device: Any = None, dtype: Any = None,
           max_flops: float | None = None, max_memory: float | None = None,
-          max_configurations: int = DEFAULT_MAX_CONFIGURATIONS):
+          max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
+          position: Any = None):
     """Inner product ``<f_a, f_b>`` of two networks with the same input and output sizes.
+
+    Sequence models (with :class:`~tensoralg.BilinearAttention`; inputs ``(n, n_ctx, d)``) go
+    through :mod:`tensoralg.attention`: the sum runs over query positions too (``position=t``
+    slices one, ``"each"`` keeps them), ``n_ctx`` is the sequence length (optional when a mask
+    array fixes it).
 
     Returns a float (numpy/torch backends), a :class:`fractions.Fraction` (exact backend), a
     NumPy vector for ``output="each"``, or a :class:`MonteCarloEstimate` for
@@ -122,6 +169,12 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     check_options(metric, method, backend, strategy)
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
+    if _is_sequence(na, nb):
+        return _sequence("inner", na, nb, metric, method, backend, output,
+                         dict(n_ctx=n_ctx, position=position, n_samples=n_samples, seed=seed,
+                              max_configurations=max_configurations))
+    if n_ctx is not None or position is not None:
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
     U, keep = output_matrix(output, na.out_features, backend == "exact")
     converter(backend, device, dtype)  # validate dtype/device names early
     if method == "montecarlo":
@@ -216,7 +269,8 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                backend: str = "numpy", output: Any = None, *, strategy: str = "auto",
                n_samples: int = 100_000, seed: int = 0, device: Any = None, dtype: Any = None,
                max_flops: float | None = None, max_memory: float | None = None,
-               max_configurations: int = DEFAULT_MAX_CONFIGURATIONS):
+               max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
+               position: Any = None):
     """Tensor similarity ``<a, b> / (||a|| ||b||)`` in [-1, 1] (cosine of the two functions under
     the chosen metric). ``sim(a, a) = 1``; symmetric; invariant to reparametrizations that keep
     the functions (exact method). Computed in a normalized gauge so that output scales of
@@ -227,6 +281,12 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     check_options(metric, method, backend, strategy)
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
+    if _is_sequence(na, nb):
+        return _sequence("similarity", na, nb, metric, method, backend, output,
+                         dict(n_ctx=n_ctx, position=position, n_samples=n_samples, seed=seed,
+                              max_configurations=max_configurations))
+    if n_ctx is not None or position is not None:
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
     U, keep = output_matrix(output, na.out_features, backend == "exact")
     conv = converter(backend, device, dtype)
     if method == "montecarlo":

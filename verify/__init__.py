@@ -10,6 +10,8 @@ network or Wick code). Everything is recomputed from definitions:
   networks by polynomial expansion (:mod:`verify.certify`).
 * :mod:`verify.montecarlo` — sampling estimates with standard errors, convergence reports and
   z-score agreement checks.
+* :mod:`verify.attention` — brute-force rational polynomial expansion of small sequence models
+  (bilinear attention) and their exact Gaussian inner products.
 
 ``import verify`` is cheap: it loads only :mod:`verify.certify` (numpy); ``symbolic`` (sympy)
 and ``montecarlo`` load on first use, and ``verify.identifiability`` is never imported here.
@@ -27,6 +29,6 @@ from .certify import Certificate, certify, expand, gaussian_inner_exact  # binds
 
 
 def __getattr__(name: str):
-    if name in ("symbolic", "montecarlo", "identifiability"):
+    if name in ("symbolic", "montecarlo", "identifiability", "attention"):
         return importlib.import_module(f"verify.{name}")
     raise AttributeError(f"module 'verify' has no attribute {name!r}")

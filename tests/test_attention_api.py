@@ -1,0 +1,56 @@
+"""Sequence models through the public API (ta.inner / ta.similarity dispatch to
+tensoralg.attention), checked against verify's independent brute-force expansion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensoralg as ta
+from tensoralg import attention
+
+
+def _attn_model(rng, d=2, heads=1, d_head=2, out=2, residual=True):
+    g = lambda *s: rng.standard_normal(s) / 2  # noqa: E731
+    attn = ta.BilinearAttention(g(heads, d_head, d), g(heads, d_head, d), g(heads, d_head, d),
+                                g(heads, d_head, d), g(heads, d_head, d), g(d, heads, d_head),
+                                mask="causal")
+    return ta.Sequential([ta.Residual(attn) if residual else attn,
+                          ta.Linear(rng.standard_normal((out, d)))])
+
+
+def test_inner_and_similarity_dispatch_to_the_attention_module():
+    from verify.attention import sequence_inner_exact as brute
+
+    rng = np.random.default_rng(0)
+    a, b = _attn_model(rng), _attn_model(rng, heads=2)
+    want = brute(a, b, n_ctx=2)
+    got = ta.inner(a, b, n_ctx=2, backend="exact")
+    assert got == want
+    assert abs(ta.inner(a, b, n_ctx=2) - float(want)) <= 1e-10 * abs(float(want))
+    s = ta.similarity(a, b, n_ctx=2)
+    assert s == pytest.approx(attention.exact_similarity(a, b, n_ctx=2), rel=1e-12)
+    assert abs(ta.similarity(b, a, n_ctx=2) - s) <= 1e-14
+    each = ta.inner(a, b, n_ctx=2, position="each")
+    assert np.asarray(each).shape == (2,) and float(np.sum(each)) == pytest.approx(float(want))
+    mc = ta.inner(a, b, n_ctx=2, method="montecarlo", n_samples=20_000, seed=1)
+    assert abs(float(mc) - float(want)) <= 4 * mc.stderr
+
+
+def test_sequence_model_errors_are_clear():
+    rng = np.random.default_rng(1)
+    a = _attn_model(rng)
+    flat = ta.Sequential([ta.Bilinear(rng.standard_normal((3, 2)), rng.standard_normal((3, 2)),
+                                      rng.standard_normal((2, 3)))])
+    with pytest.raises(ValueError, match="position-free network of degree > 1"):
+        ta.inner(a, flat, n_ctx=2)
+    with pytest.raises(ValueError, match="n_ctx / position: only for sequence models"):
+        ta.inner(flat, flat, n_ctx=2)
+    with pytest.raises(ValueError, match="closure' is not implemented for sequence models"):
+        ta.similarity(a, a, n_ctx=2, method="closure")
+    with pytest.raises(ValueError, match="n_ctx: required"):
+        ta.inner(a, a)
+    deep = ta.Sequential([ta.Residual(a.layers[0].inner), ta.Residual(a.layers[0].inner),
+                          a.layers[1]])
+    with pytest.raises(ta.CostTooHigh, match="method='montecarlo'"):
+        ta.inner(deep, deep, n_ctx=2)
