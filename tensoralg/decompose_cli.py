@@ -32,11 +32,14 @@ def _nonneg_int(text: str) -> int:
 
 
 def add_parsers(sub) -> None:
+    from .threads import add_threads_option
+
     p = sub.add_parser("decompose", help="eigen-components / residual paths of a checkpoint",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="checkpoint folder (weights.safetensors + cfg.json)")
     p.add_argument("--diff", metavar="CKPT2", default=None,
-                   help="decompose the change CKPT2 - CKPT instead (a difference network)")
+                   help="decompose the change CKPT2 - CKPT instead (a difference network; "
+                        "default: none)")
     p.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="the output (class) whose eigenvectors are drawn (default: all outputs "
                         "in the table, the largest in the figure)")
@@ -44,7 +47,9 @@ def add_parsers(sub) -> None:
                    help="eigen-components kept / drawn (default 4)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default runs/decompose)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the JSON to PATH")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the JSON to PATH (default: none)")
+    add_threads_option(p)
     p.set_defaults(func=cmd_decompose)
 
 
