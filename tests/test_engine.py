@@ -245,3 +245,15 @@ def test_fraction_weights_exact_through_chaos():
     b = to_fractions(rand_network(rng, "residual", d=2))
     assert ta.inner(a, b, backend="exact", strategy="chaos") == brute_inner(a, b)
     assert isinstance(ta.inner(a, b, backend="exact", strategy="chaos"), Fraction)
+
+
+def test_chaos_gram_expands_models_in_chunks_and_matches_wick():
+    from tensoralg.nn import BilinearNet
+    from tensoralg.strategies import chaos
+
+    n = chaos.FEATURE_CHUNK * 2 + 3  # three chunks
+    models = [BilinearNet(5, 3, d_model=3, d_hidden=4, seed=s) for s in range(n)]
+    G = ta.gram(models, strategy="chaos")
+    W = ta.gram(models, strategy="wick")
+    dg = np.sqrt(np.diag(W))
+    assert np.all(np.abs(G - W) <= 1e-12 * np.outer(dg, dg))

@@ -366,10 +366,28 @@ def _metric_triple(ca: Canonical, cb: Canonical, U, keep: bool, conv, want_self:
     return [None if x is None else fin(x) for x in out]
 
 
+#: Models expanded together: the work arrays of one chunk stay at a few hundred MB at the
+#: widths of real checkpoints, while the features of all models are kept.
+FEATURE_CHUNK = 32
+
+
 def _features_on(cans: list[Canonical], U: np.ndarray, r: int, conv) -> list[list]:
-    if conv is None:
-        return [features(c, U, r) for c in cans]
-    return [features(c.map(conv), conv(U), r) for c in cans]
+    out = []
+    for c in cans:
+        N = c.arrays()[0].shape[0]
+        parts = []
+        for i0 in range(0, N, FEATURE_CHUNK):
+            sub = c.sub(slice(i0, min(N, i0 + FEATURE_CHUNK))) if N > FEATURE_CHUNK else c
+            parts.append(features(sub, U, r) if conv is None else
+                         features(sub.map(conv), conv(U), r))
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        cat = (lambda xs: np.concatenate(xs, axis=0)) if conv is None else (
+            lambda xs: __import__("torch").cat(xs, dim=0))
+        out.append([None if parts[0][k] is None else cat([p[k] for p in parts])
+                    for k in range(len(parts[0]))])
+    return out
 
 
 def _result(X, shape, exact):
@@ -432,6 +450,7 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
     pair_flops = 0.0
     for c in cans:
         N = c.arrays()[0].shape[0]
+        Nw = min(N, FEATURE_CHUNK)  # models expanded together (work arrays)
         rc = r
         if metric:
             rc = r = c.embed.shape[-2] - 1
@@ -450,17 +469,17 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
                 if s > 0:  # forms applied to the previous polynomial vector
                     for j in range(n_in + 1):
                         flops += 2 * 2.0 * N * H * w * r ** j
-                        peak = max(peak, 2 * N * H * sum(r ** jj for jj in range(n_in + 1)))
+                        peak = max(peak, 2 * Nw * H * sum(r ** jj for jj in range(n_in + 1)))
                 for i in range(n_in + 1):
                     for j in range(n_in + 1):
                         flops += 2.0 * N * u * H * r ** (i + j) + N * u * H * r ** i
-                        peak = max(peak, N * u * H * r ** i + N * u * r ** (i + j)
-                                   + 2 * N * H * sum(r ** jj for jj in range(n_in + 1)))
+                        peak = max(peak, Nw * u * H * r ** i + Nw * u * r ** (i + j)
+                                   + 2 * Nw * H * sum(r ** jj for jj in range(n_in + 1)))
                 n_in *= 2
                 degs = list(range(n_in + 1))
-            out_elems = N * K * sum(r ** n for n in degs)
+            out_elems = Nw * K * sum(r ** n for n in degs)
             flops += sum(n * (n + 1) // 2 * N * K * r ** n for n in degs)
-            peak = max(peak, 2 * out_elems + N * K * r ** n_in)
+            peak = max(peak, 2 * out_elems + Nw * K * r ** n_in)
             feats = K * sum(r ** n for n in degs)
         feats_total += N * feats
         n_features = max(n_features, feats)
