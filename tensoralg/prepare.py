@@ -99,11 +99,23 @@ def output_matrix(output: Any, O: int, exact: bool) -> tuple[np.ndarray, bool]:
     return U, keep
 
 
+def _load(m: Any, name: str) -> Layer:
+    """A model, or a checkpoint folder (str or path) loaded when its turn comes."""
+    import os
+
+    if isinstance(m, (str, os.PathLike)):
+        from .checkpoint import load_network
+
+        return load_network(m)
+    return as_network(m, name)
+
+
 def networks(models: Any, name: str) -> list[Layer]:
-    """A list of tensoralg networks from a sequence (or iterable) of models."""
+    """A list of tensoralg networks from a sequence (or iterable) of models, specs or
+    checkpoint folders."""
     if isinstance(models, Layer) or hasattr(models, "to_network"):
         raise TypeError(f"{name}: expected a sequence of models, got a single model")
-    nets = [as_network(m, f"{name}[{i}]") for i, m in enumerate(models)]
+    nets = [_load(m, f"{name}[{i}]") for i, m in enumerate(models)]
     if not nets:
         raise ValueError(f"{name}: empty sequence of models")
     return nets

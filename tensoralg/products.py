@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -40,17 +40,6 @@ __all__ = ["inner", "norm", "similarity", "gram", "cross_gram", "similarity_matr
            "ExactSimilarity", "MC_MIN_DIRECTIONS"]
 
 _MAX_INTERMEDIATE = 1 << 27  # elements; Wick gram blocks are split to stay under it
-
-
-def _load(m: Any, name: str) -> Layer:
-    """A model, or a checkpoint folder (str or path) loaded lazily."""
-    import os
-
-    if isinstance(m, (str, os.PathLike)):
-        from .checkpoint import load_network
-
-        return load_network(m)
-    return as_network(m, name)
 
 
 def _engine(ca: Canonical, cb: Canonical, U, keep, metric, method, backend, device, dtype,
@@ -149,6 +138,22 @@ def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, 
                           f"method='montecarlo' (unbiased, with a standard error)") from None
 
 
+_POSITION_FREE = object()
+
+
+def _checked_pair(kind, a, b, metric, method, backend, strategy, output, seq_kw):
+    """Options and the pair checked; sequence models answered through
+    :mod:`tensoralg.attention` (returned as the third item), else ``_POSITION_FREE``."""
+    check_options(metric, method, backend, strategy)
+    na, nb = as_network(a, "a"), as_network(b, "b")
+    check_pair(na, nb)
+    if _is_sequence(na, nb):
+        return na, nb, _sequence(kind, na, nb, metric, method, backend, output, seq_kw)
+    if seq_kw.get("n_ctx") is not None or seq_kw.get("position") is not None:
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
+    return na, nb, _POSITION_FREE
+
+
 def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           backend: str = "numpy", output: Any = None, *, strategy: str = "auto",
           n_samples: int = 100_000, seed: int = 0, device: Any = None, dtype: Any = None,
@@ -166,15 +171,11 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     NumPy vector for ``output="each"``, or a :class:`MonteCarloEstimate` for
     ``method="montecarlo"``.
     """
-    check_options(metric, method, backend, strategy)
-    na, nb = as_network(a, "a"), as_network(b, "b")
-    check_pair(na, nb)
-    if _is_sequence(na, nb):
-        return _sequence("inner", na, nb, metric, method, backend, output,
-                         dict(n_ctx=n_ctx, position=position, n_samples=n_samples, seed=seed,
-                              max_configurations=max_configurations))
-    if n_ctx is not None or position is not None:
-        raise ValueError("n_ctx / position: only for sequence models (with attention)")
+    na, nb, seq = _checked_pair("inner", a, b, metric, method, backend, strategy, output,
+                                dict(n_ctx=n_ctx, position=position, n_samples=n_samples,
+                                     seed=seed, max_configurations=max_configurations))
+    if seq is not _POSITION_FREE:
+        return seq
     U, keep = output_matrix(output, na.out_features, backend == "exact")
     converter(backend, device, dtype)  # validate dtype/device names early
     if method == "montecarlo":
@@ -244,8 +245,6 @@ class ExactSimilarity(float):
 
 def _sim_from(Xab, Xaa, Xbb, backend, what: str):
     if backend == "exact":
-        import sympy
-
         def one(ab, aa, bb, where):
             if aa == 0 or bb == 0:
                 raise ValueError(f"similarity{where}: a network has norm zero (||a||^2 = {aa}, "
@@ -278,15 +277,11 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     (``output="each"``) or a :class:`MonteCarloEstimate` (delta-method standard error).
     With the chaos strategy the three inner products come from one expansion of each model.
     """
-    check_options(metric, method, backend, strategy)
-    na, nb = as_network(a, "a"), as_network(b, "b")
-    check_pair(na, nb)
-    if _is_sequence(na, nb):
-        return _sequence("similarity", na, nb, metric, method, backend, output,
-                         dict(n_ctx=n_ctx, position=position, n_samples=n_samples, seed=seed,
-                              max_configurations=max_configurations))
-    if n_ctx is not None or position is not None:
-        raise ValueError("n_ctx / position: only for sequence models (with attention)")
+    na, nb, seq = _checked_pair("similarity", a, b, metric, method, backend, strategy, output,
+                                dict(n_ctx=n_ctx, position=position, n_samples=n_samples,
+                                     seed=seed, max_configurations=max_configurations))
+    if seq is not _POSITION_FREE:
+        return seq
     U, keep = output_matrix(output, na.out_features, backend == "exact")
     conv = converter(backend, device, dtype)
     if method == "montecarlo":
@@ -359,15 +354,6 @@ def _gram_blocks(ca, cb, U, keep, metric, method, backend, device, dtype, strate
     return np.concatenate(rows, axis=0)
 
 
-def _model_list(models: Any, name: str) -> list[Layer]:
-    if isinstance(models, Layer) or hasattr(models, "to_network"):
-        raise TypeError(f"{name}: expected a sequence of models, got a single model")
-    nets = [_load(m, f"{name}[{i}]") for i, m in enumerate(models)]
-    if not nets:
-        raise ValueError(f"{name}: empty sequence of models")
-    return nets
-
-
 def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "gaussian",
                method: str = "exact", backend: str = "numpy", output: Any = None, *,
                strategy: str = "auto", n_samples: int = 100_000, seed: int = 0,
@@ -384,8 +370,8 @@ def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "
     check_options(metric, method, backend, strategy)
     same = models_a is models_b
     name_a, name_b = ("models", "models") if same else ("models_a", "models_b")
-    nets_a = _model_list(models_a, name_a)
-    nets_b = nets_a if same else _model_list(models_b, name_b)
+    nets_a = networks(models_a, name_a)
+    nets_b = nets_a if same else networks(models_b, name_b)
     check_pair(nets_a[0], nets_b[0])
     U, keep = output_matrix(output, nets_a[0].out_features, backend == "exact")
     converter(backend, device, dtype)
@@ -469,7 +455,7 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
         if np.any(dg <= 0):
             raise ValueError("similarity_matrix: a model has (sampled) norm zero")
         return np.clip(np.asarray(G) / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1, 1)
-    nets = _model_list(models, "models")
+    nets = networks(models, "models")
     for n in nets[1:]:
         check_pair(nets[0], n)
     U, keep = output_matrix(output, nets[0].out_features, backend == "exact")

@@ -447,13 +447,11 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
     peak = 0
     feats_total = 0
     n_features = 0
-    pair_flops = 0.0
     for c in cans:
         N = c.arrays()[0].shape[0]
         Nw = min(N, FEATURE_CHUNK)  # models expanded together (work arrays)
-        rc = r
         if metric:
-            rc = r = c.embed.shape[-2] - 1
+            r = c.embed.shape[-2] - 1
         if c.embed is not None and not metric:
             flops += 2.0 * N * c.embed.shape[-2] * (r + 1) * max(c.stages[0].L.shape[1], 1) * 2
         if not c.stages:
