@@ -362,8 +362,8 @@ def _need_distributed():
     try:
         import distributed
     except ImportError:
-        raise ImportError("client/workers (--scheduler/--workers) need dask.distributed: "
-                          "pip install 'tensoralg[dask]'") from None
+        raise ValueError("client/workers (--scheduler/--workers) need dask.distributed, which is "
+                         "not installed: pip install 'tensoralg[dask]'") from None
     return distributed
 
 

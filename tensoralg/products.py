@@ -255,6 +255,11 @@ def _sim_from(Xab, Xaa, Xbb, backend, what: str):
                     enumerate(zip(Xab, Xaa, Xbb))]
         return one(Xab, Xaa, Xbb, "")
     Xaa, Xbb = np.asarray(Xaa, dtype=np.float64), np.asarray(Xbb, dtype=np.float64)
+    if not (np.all(np.isfinite(Xaa)) and np.all(np.isfinite(Xbb))
+            and np.all(np.isfinite(np.asarray(Xab, dtype=np.float64)))):
+        raise ValueError(f"similarity{'' if np.ndim(Xaa) == 0 else ' (per output)'}: an inner "
+                         f"product overflowed float64 (||a||^2 = {Xaa}, ||b||^2 = {Xbb}); "
+                         f"internal activations beyond 1e154 — use backend='exact'")
     bad = (Xaa <= 0) | (Xbb <= 0)
     if np.any(bad):
         where = "" if np.ndim(Xaa) == 0 else f" (outputs {np.flatnonzero(bad).tolist()})"

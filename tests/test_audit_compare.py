@@ -198,3 +198,33 @@ def test_compare_montecarlo_with_one_sample_is_refused_up_front(ckpts, capsys):
     # without Monte Carlo the sample count is irrelevant
     assert main(["compare", a, b, "--methods", "exact", "--metrics", "gaussian",
                  "--n-samples", "1"]) == 0
+
+
+def test_matrix_refuses_mixed_architectures_whatever_the_method(tmp_path, capsys):
+    save_checkpoint(tmp_path / "one", BilinearNet(6, 3, d_model=4, d_hidden=5, seed=0))
+    save_checkpoint(tmp_path / "two", BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=2,
+                                                  seed=1))
+    ck = [str(tmp_path / "one"), str(tmp_path / "two")]
+    for method in ("auto", "exact", "montecarlo"):
+        assert main(["matrix", *ck, "--method", method, "--out", str(tmp_path / "m")]) == 2
+        assert "needs one architecture" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_matrix_workers_without_dask_is_one_line(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_dask(name, *a, **k):
+        if name == "distributed" or name.startswith("distributed."):
+            raise ImportError("no distributed here")
+        return real(name, *a, **k)
+
+    for i in range(2):
+        save_checkpoint(tmp_path / f"c{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, seed=i))
+    monkeypatch.setattr(builtins, "__import__", no_dask)
+    rc = main(["matrix", str(tmp_path / "c0"), str(tmp_path / "c1"), "--workers", "2",
+               "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "pip install 'tensoralg[dask]'" in err and "Traceback" not in err

@@ -257,3 +257,12 @@ def test_chaos_gram_expands_models_in_chunks_and_matches_wick():
     W = ta.gram(models, strategy="wick")
     dg = np.sqrt(np.diag(W))
     assert np.all(np.abs(G - W) <= 1e-12 * np.outer(dg, dg))
+
+
+def test_similarity_that_overflows_float64_is_an_error_not_nan():
+    rng = np.random.default_rng(12)
+    R = rng.standard_normal
+    net = ta.Sequential([ta.Linear(R((2, 3))), ta.Linear(R((2, 2)) * 1e200),
+                         ta.Residual(ta.Bilinear(R((3, 2)), R((3, 2)), R((2, 3)) * 1e200))])
+    with np.errstate(all="ignore"), pytest.raises(ValueError, match="overflowed float64"):
+        ta.similarity(net, net)

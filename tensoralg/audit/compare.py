@@ -192,6 +192,13 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     loaded = [_load(p) for p in paths]
     cfgs = [c for _, c in loaded]
     _same_shape(cfgs, paths)
+    keys = ("n_layers", "d_model", "d_hidden", "residual", "bias")
+    arch = [tuple(c.get(k) for k in keys) for c in cfgs]
+    for p, a in zip(paths[1:], arch[1:]):
+        if a != arch[0]:
+            raise ValueError(f"checkpoints: a similarity matrix needs one architecture; {p} has "
+                             f"{dict(zip(keys, a))}, {paths[0]} has {dict(zip(keys, arch[0]))} "
+                             f"(compare mixed pairs with `tensoralg compare`)")
     d_out = cfgs[0]["d_out"]
     if output is not None and not (0 <= output < d_out):
         raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
