@@ -103,7 +103,8 @@ def _is_sequence(*nets) -> bool:
 
 def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, kw):
     """Sequence models (bilinear attention, DESIGN §3.7) through :mod:`tensoralg.attention`:
-    exact for one attention layer, Monte Carlo at any depth; refusals name the alternatives."""
+    exact for one attention layer, Monte Carlo and the (approximate) closure at any depth;
+    refusals name the alternatives."""
     from . import attention
 
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
@@ -114,9 +115,12 @@ def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, 
     if metric != "gaussian":
         raise ValueError("sequence models: only metric='gaussian' is implemented")
     n_ctx, position = kw.pop("n_ctx", None), kw.pop("position", None)
-    if method == "closure":
-        raise ValueError("method='closure' is not implemented for sequence models yet; use "
-                         "method='exact' (one attention layer) or method='montecarlo'")
+    if method == "closure":  # APPROXIMATE at depth >= 2 (attention.closure_inner)
+        if backend != "numpy":
+            raise ValueError("method='closure' for sequence models runs in float64: use "
+                             "backend='numpy'")
+        fn = attention.closure_inner if kind == "inner" else attention.closure_similarity
+        return fn(na, nb, n_ctx=n_ctx, output=output, position=position)
     if method == "montecarlo":
         if backend == "exact":
             raise ValueError("method='montecarlo' samples in floating point: use "
@@ -135,7 +139,8 @@ def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, 
         return attention.exact_similarity(na, nb, **args)
     except attention.AttentionNotSupported as exc:
         raise CostTooHigh(f"exact inner product of sequence models: {exc}. Alternatives: "
-                          f"method='montecarlo' (unbiased, with a standard error)") from None
+                          f"method='montecarlo' (unbiased, with a standard error) or "
+                          f"method='closure' (approximate at depth >= 2)") from None
 
 
 _POSITION_FREE = object()

@@ -46,8 +46,8 @@ def test_sequence_model_errors_are_clear():
         ta.inner(a, flat, n_ctx=2)
     with pytest.raises(ValueError, match="n_ctx / position: only for sequence models"):
         ta.inner(flat, flat, n_ctx=2)
-    with pytest.raises(ValueError, match="closure' is not implemented for sequence models"):
-        ta.similarity(a, a, n_ctx=2, method="closure")
+    with pytest.raises(ValueError, match="closure' for sequence models runs in float64"):
+        ta.similarity(a, a, n_ctx=2, method="closure", backend="exact")
     with pytest.raises(ValueError, match="n_ctx: required"):
         ta.inner(a, a)
     deep = ta.Sequential([ta.Residual(a.layers[0].inner), ta.Residual(a.layers[0].inner),

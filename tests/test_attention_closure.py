@@ -1,0 +1,122 @@
+"""Gaussian closure over (position, feature) second moments for sequence models
+(tensoralg.attention.closure_inner): exact at depth 1 (checked against the exact strategy,
+itself checked against verify's brute force in test_attention_exact.py), approximate deeper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensoralg as ta
+from tensoralg import attention
+
+
+_ALL_BIASES = ("q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias")
+
+
+def _attn(rng, d, heads=1, d_head=2, bias=False, rope=None, mask="causal", scale=0.5):
+    """``bias``: False, True (every bias) or a tuple of bias names (o_bias always with True)."""
+    g = lambda *s: rng.standard_normal(s) * scale  # noqa: E731
+    names = _ALL_BIASES if bias is True else (bias or ())
+    kw = {k: g(heads, d_head) for k in names}
+    if bias is True:
+        kw["o_bias"] = g(d)
+    return ta.BilinearAttention(g(heads, d_head, d), g(heads, d_head, d), g(heads, d_head, d),
+                                g(heads, d_head, d), g(heads, d_head, d), g(d, heads, d_head),
+                                mask=mask, rope=rope, **kw)
+
+
+def _rel(x, y):
+    return abs(x - y) / max(abs(y), 1e-300)
+
+
+def test_closure_equals_exact_at_depth_one_without_biases():
+    rng = np.random.default_rng(0)
+    d = 3
+    a = ta.Sequential([ta.Linear(rng.standard_normal((d, d))), ta.Residual(_attn(rng, d, 2)),
+                       ta.Linear(rng.standard_normal((2, d)))])
+    b = ta.Sequential([_attn(rng, d, 1, mask="none"), ta.Linear(rng.standard_normal((2, d)))])
+    for x, y in ((a, b), (a, a), (b, b), (b, a)):
+        want = attention.exact_inner(x, y, n_ctx=3)
+        assert _rel(attention.closure_inner(x, y, n_ctx=3), want) <= 1e-10
+    s = attention.closure_similarity(a, b, n_ctx=3)
+    assert _rel(s, attention.exact_similarity(a, b, n_ctx=3)) <= 1e-10
+    assert abs(attention.closure_similarity(b, a, n_ctx=3) - s) <= 1e-14
+
+
+# Every bias (and an embedding bias) makes every leg cappable: 9 496 matchings per attention
+# pair, ~30 s on the loaded 2-core machine; the default suite caps two legs per model.
+@pytest.mark.parametrize("biases", [
+    pytest.param("all", marks=pytest.mark.slow), ("q1_bias", "v_bias")])
+def test_closure_equals_exact_at_depth_one_with_biases_rope_mask_and_slices(biases):
+    rng = np.random.default_rng(1)
+    d, n = 2, 3
+    every = biases == "all"
+    mask = rng.standard_normal((n, n))
+    a = ta.Sequential([ta.Linear(rng.standard_normal((d, d)),
+                                 rng.standard_normal(d) if every else None),
+                       ta.Residual(_attn(rng, d, 1, bias=True if every else biases, rope=100.0,
+                                         mask=mask)),
+                       ta.Linear(rng.standard_normal((2, d)), rng.standard_normal(2))])
+    b = ta.Sequential([ta.Residual(_attn(rng, d, 1, bias=True if every else biases[::-1])),
+                       ta.Linear(rng.standard_normal((2, d)))])
+    for kw in (dict(position=1, output=[0.5, -2.0]), dict(position="each", output="each")):
+        want = np.asarray(attention.exact_inner(a, b, n_ctx=n, **kw), dtype=np.float64)
+        got = np.asarray(attention.closure_inner(a, b, n_ctx=n, **kw))
+        assert got.shape == want.shape
+        assert np.all(np.abs(got - want) <= 1e-10 * np.abs(want).max())
+
+
+def test_a_second_layer_that_writes_nothing_keeps_the_depth_one_value():
+    # Residual(attn2) with o = 0 is the identity: the closure must carry the depth-1 moments
+    # (the constant, the residual stream's mean -- nonzero through o_bias -- and covariance
+    # over positions) through a second attention node unchanged.
+    rng = np.random.default_rng(2)
+    d = 2
+    at1, at2 = _attn(rng, d, bias=("k1_bias",)), _attn(rng, d)
+    at1 = ta.BilinearAttention(at1.q1, at1.k1, at1.q2, at1.k2, at1.v, at1.o,
+                               k1_bias=at1.k1_bias, o_bias=rng.standard_normal(d))
+    silent = ta.BilinearAttention(at2.q1, at2.k1, at2.q2, at2.k2, at2.v, np.zeros_like(at2.o))
+    U = ta.Linear(rng.standard_normal((2, d)), rng.standard_normal(2))
+    one = ta.Sequential([ta.Residual(at1), U])
+    deep = ta.Sequential([ta.Residual(at1), ta.Residual(silent), U])
+    want = attention.exact_inner(one, one, n_ctx=3)
+    assert _rel(attention.closure_inner(deep, one, n_ctx=3), want) <= 1e-10
+
+
+def test_closure_through_the_public_api_at_depth_two():
+    rng = np.random.default_rng(3)
+    d = 2
+    a = ta.Sequential([ta.Residual(_attn(rng, d)), ta.Residual(_attn(rng, d)),
+                       ta.Linear(rng.standard_normal((2, d)))])
+    b = ta.Sequential([ta.Residual(_attn(rng, d)), ta.Linear(rng.standard_normal((2, d)))])
+    with pytest.raises(ta.CostTooHigh, match="method='closure' \\(approximate"):
+        ta.similarity(a, b, n_ctx=2)
+    s = ta.similarity(a, b, n_ctx=2, method="closure")
+    assert s == attention.closure_similarity(a, b, n_ctx=2)
+    assert abs(ta.similarity(b, a, n_ctx=2, method="closure") - s) <= 1e-14
+    assert abs(s) <= 1 + 1e-12
+    assert ta.similarity(a, a, n_ctx=2, method="closure") == pytest.approx(1.0, abs=1e-12)
+    assert ta.inner(a, b, n_ctx=2, method="closure") == attention.closure_inner(a, b, n_ctx=2)
+    # b is depth 1: its closure norm is exact
+    assert _rel(ta.inner(b, b, n_ctx=2, method="closure"),
+                attention.exact_inner(b, b, n_ctx=2)) <= 1e-10
+
+
+def test_closure_bad_input_is_refused_before_work():
+    rng = np.random.default_rng(4)
+    d = 2
+    at = _attn(rng, d)
+    bil = ta.Bilinear(rng.standard_normal((3, d)), rng.standard_normal((3, d)),
+                      rng.standard_normal((d, 3)))
+    a = ta.Sequential([ta.Residual(at), ta.Linear(rng.standard_normal((2, d)))])
+    two = ta.Sequential([ta.Residual(ta.Sequential([at, bil])),
+                         ta.Linear(rng.standard_normal((2, d)))])
+    with pytest.raises(ValueError, match="Residual block holding 2 non-linear layers"):
+        attention.closure_inner(two, a, n_ctx=2)
+    with pytest.raises(ValueError, match="closure' for sequence models runs in float64"):
+        ta.similarity(a, a, n_ctx=2, method="closure", backend="exact")
+    with pytest.raises(ValueError, match="position: expected"):
+        attention.closure_inner(a, a, n_ctx=2, position=5)
+    with pytest.raises(ValueError, match="n_ctx: required"):
+        attention.closure_inner(a, a)
