@@ -14,25 +14,14 @@ earlier decompose output, replaced as a whole only by a complete run).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 JSON_NAME = "decompose.json"
 FIG_NAME = "decompose_eigenvectors.png"
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
 def add_parsers(sub) -> None:
-    from .threads import add_threads_option
+    from .threads import add_threads_option, nonneg_int
 
     p = sub.add_parser("decompose", help="eigen-components / residual paths of a checkpoint",
                        description=__doc__.split("\n\n")[0])
@@ -43,7 +32,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="the output (class) whose eigenvectors are drawn (default: all outputs "
                         "in the table, the largest in the figure)")
-    p.add_argument("--k", type=_nonneg_int, default=4,
+    p.add_argument("--k", type=nonneg_int, default=4,
                    help="eigen-components kept / drawn (default 4)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default runs/decompose)")

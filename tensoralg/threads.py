@@ -51,7 +51,8 @@ def set_threads(n: int = DEFAULT_THREADS) -> None:
     threadpool_limits(limits=int(n))
 
 
-def _threads_arg(text: str) -> int:
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0 (``--threads``, ``--k``)."""
     try:
         value = int(text)
     except ValueError:
@@ -63,7 +64,7 @@ def _threads_arg(text: str) -> int:
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     """Add ``--threads N`` (applied by :func:`tensoralg.cli.main` before the command runs)."""
-    parser.add_argument("--threads", type=_threads_arg, default=DEFAULT_THREADS, metavar="N",
+    parser.add_argument("--threads", type=nonneg_int, default=DEFAULT_THREADS, metavar="N",
                         help=f"CPU threads for torch and BLAS (default {DEFAULT_THREADS}: fastest "
                              f"for these small models on shared machines; 0: the libraries' "
                              f"defaults, one per core)")
