@@ -104,6 +104,9 @@ def itemsize(backend: str, dtype: Any = None) -> int:
     return 8
 
 
+_HOST_MEMORY: list = [0.0, 0]  # (time read, bytes): /proc/meminfo read at most once a second
+
+
 def available_memory(backend: str = "numpy", device: Any = None) -> int:
     """Bytes that a computation may safely use: half of the free memory of the device that
     computes (CUDA: ``torch.cuda.mem_get_info``; otherwise the host's available RAM, from
@@ -115,6 +118,11 @@ def available_memory(backend: str = "numpy", device: Any = None) -> int:
 
             free, _ = torch.cuda.mem_get_info(dev)
             return int(free) // 2
+    import time
+
+    now = time.monotonic()
+    if now - _HOST_MEMORY[0] < 1.0:
+        return _HOST_MEMORY[1]
     avail = None
     try:
         with open("/proc/meminfo") as fh:
@@ -129,4 +137,5 @@ def available_memory(backend: str = "numpy", device: Any = None) -> int:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             avail = 8 << 30
+    _HOST_MEMORY[:] = [now, int(avail) // 2]
     return int(avail) // 2

@@ -127,7 +127,7 @@ def networks(models: Any, name: str) -> list[Layer]:
 
 def _exp2(maxabs: np.ndarray) -> np.ndarray:
     """Integer e with maxabs = m 2**e, m in [0.5, 1); 0 where maxabs is 0."""
-    return np.frexp(maxabs)[1].astype(np.int64)
+    return np.frexp(maxabs)[1].astype(np.int32)  # int32: numpy's ldexp loop takes it directly
 
 
 def normalize(can: Canonical) -> tuple[Canonical, np.ndarray]:
@@ -140,7 +140,7 @@ def normalize(can: Canonical) -> tuple[Canonical, np.ndarray]:
     never scaled). The output's exponent ``k`` is returned per model: ``f = 2**k f_normalized``.
     """
     if can.exact:
-        return can, np.zeros(can.arrays()[0].shape[0], dtype=np.int64)
+        return can, np.zeros(can.arrays()[0].shape[0], dtype=np.int32)
     if not can.stages:
         W = can.linear.copy()
         k = _exp2(np.abs(W[:, 1:, :]).max(axis=(1, 2)))
@@ -153,7 +153,7 @@ def normalize(can: Canonical) -> tuple[Canonical, np.ndarray]:
         carry = _exp2(np.abs(embed[:, 1:, :]).max(axis=(1, 2)))
         embed[:, 1:, :] = np.ldexp(embed[:, 1:, :], -carry[:, None, None])
     else:
-        carry = np.zeros(can.stages[0].L.shape[0], dtype=np.int64)
+        carry = np.zeros(can.stages[0].L.shape[0], dtype=np.int32)
     for st in can.stages:
         L, R, D = st.L.copy(), st.R.copy(), st.D.copy()
         L[:, :, 1:] = np.ldexp(L[:, :, 1:], carry[:, None, None])
@@ -200,7 +200,7 @@ def scaled(X, ka, kb, backend):
     """Undo the normalizing gauge: entry (i, j) times 2**(ka_i + kb_j)."""
     if backend == "exact":
         return X
-    e = ka[:, None] + kb[None, :]
+    e = ka.astype(np.int64)[:, None] + kb.astype(np.int64)[None, :]
     if X.ndim == 3:
         e = e[:, :, None]
     return np.ldexp(X, e)
