@@ -10,10 +10,12 @@ triangle is the transpose of the upper (``G`` is symmetric). Similarities are
 
 Store (``out=``): a folder holding ``manifest.json`` (format, sizes, options, and every
 checkpoint's path with the SHA-256 of its ``cfg.json`` and ``weights.safetensors``) and one
-``G_<I>_<J>.npy`` file per finished block, each written to a temporary file and renamed into
-place (:func:`tensoralg.io.atomic_write_bytes`). The store is therefore consistent at every
-instant — after a crash, a killed worker or Ctrl-C — and ``resume=True`` continues from the
-finished blocks, refusing a store made from different checkpoints or options.
+``G_<I>_<J>_<sha>.npy`` file per finished block, each written to a temporary file and renamed
+into place (:func:`tensoralg.io.atomic_write_bytes`); ``<sha>`` is the first 16 hex digits of the
+SHA-256 of the file's bytes. The store is therefore consistent at every instant — after a crash,
+a killed worker or Ctrl-C — and ``resume=True`` continues from the finished blocks, refusing a
+store made from different checkpoints or options, and a block file whose bytes no longer match
+its name (edited or damaged since it was written).
 
 Execution: in this process, block after block (default); on a Dask cluster with ``client=``
 (a ``dask.distributed.Client``) or ``workers=N`` (a ``LocalCluster`` of N single-threaded
@@ -51,7 +53,7 @@ from .io import CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_json
 __all__ = ["gram", "similarity_matrix", "validate_checkpoints", "BlockStore", "DEFAULT_BLOCK_SIZE",
            "FORMAT"]
 
-FORMAT = "tensoralg.blocks/1"
+FORMAT = "tensoralg.blocks/2"   # 2: block files named by the SHA-256 of their bytes
 MANIFEST = "manifest.json"
 DEFAULT_BLOCK_SIZE = 64
 _ARCH_KEYS = ("architecture", "d_in", "d_out", "d_model", "d_hidden", "n_layers", "bias",
@@ -293,21 +295,37 @@ class BlockStore:
             atomic_write_json(path, manifest)
         self.manifest = manifest
 
-    def block_path(self, I: int, J: int) -> Path:
-        return self.folder / f"G_{I:05d}_{J:05d}.npy"
+    def _paths(self, I: int, J: int) -> list[Path]:
+        return sorted(self.folder.glob(f"G_{I:05d}_{J:05d}_*.npy"))
 
     def finished(self) -> list[tuple[int, int]]:
-        done = []
-        for p in self.folder.glob("G_*_*.npy"):
+        done = set()
+        for p in self.folder.glob("G_*_*_*.npy"):
             parts = p.stem.split("_")
-            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-                done.append((int(parts[1]), int(parts[2])))
+            if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit():
+                done.add((int(parts[1]), int(parts[2])))
         return sorted(done)
 
     def read(self, I: int, J: int, shape: tuple) -> np.ndarray:
-        p = self.block_path(I, J)
+        """The finished block ``(I, J)``, after checking that its bytes still hash to its name.
+
+        Raises:
+            ValueError: several files for one block, a file whose SHA-256 does not match its name
+                (edited or damaged), an unreadable file, or a block of the wrong shape or dtype.
+        """
+        paths = self._paths(I, J)
+        if len(paths) != 1:
+            raise ValueError(f"{self.folder}: {len(paths)} files for block ({I}, {J}): "
+                             f"{[p.name for p in paths]}; delete them and resume")
+        p = paths[0]
+        data = p.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        if p.stem.split("_")[3] != digest:
+            raise ValueError(f"{p}: the file's SHA-256 starts {digest}, its name says "
+                             f"{p.stem.split('_')[3]}: it was changed after it was written; "
+                             f"delete it and resume")
         try:
-            arr = np.load(p, allow_pickle=False)
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise ValueError(f"{p}: unreadable block file ({exc}); delete it and resume") from None
         if arr.shape != shape or arr.dtype != np.float64:
@@ -318,7 +336,9 @@ class BlockStore:
     def write(self, I: int, J: int, block: np.ndarray) -> Path:
         buf = io.BytesIO()
         np.save(buf, np.ascontiguousarray(block, dtype=np.float64), allow_pickle=False)
-        return atomic_write_bytes(self.block_path(I, J), buf.getvalue())
+        data = buf.getvalue()
+        name = f"G_{I:05d}_{J:05d}_{hashlib.sha256(data).hexdigest()[:16]}.npy"
+        return atomic_write_bytes(self.folder / name, data)
 
 
 def _manifest_diff(old: dict, new: dict) -> str:

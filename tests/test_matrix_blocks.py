@@ -11,6 +11,8 @@ near-orthogonal pair (``|S_ij|`` of 1e-7, as among 128 random checkpoints) carri
 observed gap here is ~1e-17 of the scale.
 """
 
+import hashlib
+import io
 import json
 import os
 import signal
@@ -155,6 +157,35 @@ def test_resume_refuses_a_store_of_other_checkpoints_or_options(ckpts, tmp_path)
     (tmp_path / "busy" / "x.txt").write_text("x")
     with pytest.raises(ValueError, match="not a block store"):
         blocks.gram(paths[:2], tmp_path / "busy")
+
+
+def test_resume_refuses_a_block_file_changed_after_it_was_written(ckpts, tmp_path):
+    paths, _, S_ref, _ = ckpts
+    store = tmp_path / "store"
+    blocks.similarity_matrix(paths[:4], store, block_size=2)
+    files = _block_files(store)
+    assert len(files) == 3
+    # every block file is named by the SHA-256 of its bytes
+    for f in files:
+        assert f.split("_")[3][:-4] == hashlib.sha256((store / f).read_bytes()).hexdigest()[:16]
+    # a valid .npy with one entry changed: still loadable, so only the hash can catch it
+    victim = store / files[1]
+    arr = np.load(victim)
+    arr[0, 0] += 1.0
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    victim.write_bytes(buf.getvalue())
+    with pytest.raises(ValueError, match=rf"{files[1]}: the file's SHA-256 starts .* changed "
+                                         rf"after it was written"):
+        blocks.similarity_matrix(paths[:4], store, block_size=2)
+    victim.unlink()                     # as the message says: delete it and resume
+    S = blocks.similarity_matrix(paths[:4], store, block_size=2)
+    assert _rel(S, S_ref[:4, :4]) < 1e-12
+    # two files for one block (e.g. copied in by hand) are refused, naming both
+    extra = store / (files[0][:-20] + "0" * 16 + ".npy")
+    extra.write_bytes((store / files[0]).read_bytes())
+    with pytest.raises(ValueError, match=r"2 files for block \(0, 0\)"):
+        blocks.similarity_matrix(paths[:4], store, block_size=2)
 
 
 def _corrupt_variants(good, tmp_path):
