@@ -101,6 +101,7 @@ def test_checkpoint_count_is_exact_and_chance_is_not_saturation(tmp_path, capsys
     assert f["keeps_changing"] is None
     assert "chance" in f["saturation_criterion"] and "saturates at step" not in text
     assert "never rises clearly above chance" in text
+    assert "not grokked" in text and f["grokked"] is False and f["grokking_step"] is None
     assert main(["audit", "grokking", "--quick", "--steps", "5", "--checkpoints", "7",
                  "--out", str(tmp_path / "h")]) == 2
     assert "--checkpoints" in capsys.readouterr().err

@@ -135,6 +135,11 @@ def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = Tru
     """Train, checkpoint on a log schedule, compute the similarity matrix, write outputs under
     ``out`` (``grokking.json``, CSVs, PNG, ``checkpoints/step*``); return the JSON dictionary.
 
+    Accuracies are recorded at the checkpoints (``train_accuracy``/``val_accuracy``) and on a
+    denser grid (``accuracy_curve``, every ``steps // 200`` steps); the finding's
+    ``memorisation_step`` (train accuracy >= 0.99), ``grokking_step`` (validation accuracy
+    >= 0.95; ``grokked``) and ``grokking_delay`` are read off the dense curve.
+
     Checks (``out``, the exact cost) happen before training, and the run is written into a
     fresh folder that replaces ``out`` as a whole only when complete, so ``out/checkpoints``
     never mixes runs; see :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are
@@ -287,18 +292,18 @@ def grokking_table(result: dict) -> str:
                f"the final checkpoint there: {f['similarity_to_final_at_saturation']:.3f} "
                f"(keeps changing: {f['keeps_changing']})")
     if f.get("memorisation_step") is None:
-        grok = f"the training pairs are never memorised (train accuracy < {MEMORISED})"
+        grok = f"never memorised (train accuracy stays below {MEMORISED}); "
     else:
         grok = (f"memorised (train accuracy >= {MEMORISED}) at step {f['memorisation_step']} "
                 f"with val accuracy {f['val_acc_at_memorisation']:.3f}; ")
     if f.get("grokking_step") is None:
         best = max(result["accuracy_curve"]["val_accuracy"])
         grok += f"not grokked: val accuracy never reaches {GROKKED} (best {best:.3f})"
-    elif f.get("memorisation_step") is not None:
+    elif f.get("grokking_delay") is None:
+        grok += f"val accuracy >= {GROKKED} at step {f['grokking_step']}"
+    else:
         grok += (f"grokked (val accuracy >= {GROKKED}) at step {f['grokking_step']}, "
                  f"{f['grokking_delay']} steps later")
-    else:
-        grok += f"; val accuracy reaches {GROKKED} at step {f['grokking_step']}"
     return "\n".join([
         f"grokking audit: modular addition mod {cfg['P']}, {len(result['steps'])} checkpoints "
         f"({method} {result['metric']} similarity, {result['seconds']['total']:.1f} s)",
