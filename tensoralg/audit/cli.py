@@ -173,7 +173,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--checkpoints", type=_positive_int, default=None,
                    help="number of checkpoints on the log schedule (default 24; 12 with --quick)")
     g.add_argument("--train-fraction", type=_fraction, default=None,
-                   help="fraction of the P^2 pairs used for training (default 0.7; 0.8 with --quick)")
+                   help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
     g.set_defaults(func=cmd_grokking)
 
     c = sub.add_parser("compare", help="similarity of two checkpoints (all metrics and methods)")
