@@ -166,14 +166,14 @@ def add_parsers(sub) -> None:
     g = asub.add_parser("grokking", help="modular addition: checkpoint similarity matrix")
     _common(g, "runs/grokking")
     g.add_argument("--P", dest="P", type=_positive_int, default=None,
-                   help="modulus (default 31; 13 with --quick; 113 is reachable but slow on "
+                   help="modulus (default 31; 31 with --quick; 113 is reachable but slow on "
                         "CPU; at most 256, and at least 30 validation pairs)")
     g.add_argument("--steps", type=_positive_int, default=None,
-                   help="full-batch training steps (default 5000; 800 with --quick)")
+                   help="full-batch training steps (default 5000; 1000 with --quick)")
     g.add_argument("--checkpoints", type=_positive_int, default=None,
-                   help="number of checkpoints on the log schedule (default 24; 8 with --quick)")
+                   help="number of checkpoints on the log schedule (default 24; 12 with --quick)")
     g.add_argument("--train-fraction", type=_fraction, default=None,
-                   help="fraction of the P^2 pairs used for training (default 0.7)")
+                   help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
     g.set_defaults(func=cmd_grokking)
 
     c = sub.add_parser("compare", help="similarity of two checkpoints (all metrics and methods)")

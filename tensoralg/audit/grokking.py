@@ -41,12 +41,18 @@ MAX_P = 256
 # "grokked" is read off the validation accuracy: with fewer than 30 held-out pairs one example
 # moves it by more than 3 points (P = 2 had a single validation example), so refuse those sizes.
 MIN_VALIDATION = 30
+MEMORISED = 0.99   # train accuracy at which the training pairs count as memorised
+GROKKED = 0.95     # val accuracy at which the run counts as grokked
+CURVE_POINTS = 200  # accuracy is evaluated about this many times over a run (plus checkpoints)
 
 
 @dataclass
 class GrokkingConfig:
     P: int = 31
-    train_fraction: float = 0.7
+    # 0.8 rather than 0.7: seeds 0, 1, 2 at 0.7 reached validation 0.95 but ended at 0.997,
+    # 0.955, 0.927 after 5000 steps; at 0.8 seeds 0, 1, 2 grokked at steps 400, 450, 400 and
+    # ended at 1.000, 0.984, 0.995 (see quick() for why this model needs the larger fraction)
+    train_fraction: float = 0.8
     steps: int = 5000
     checkpoints: int = 24
     d_model: int = 64
@@ -59,12 +65,18 @@ class GrokkingConfig:
 
     @classmethod
     def quick(cls, **kw) -> "GrokkingConfig":
-        # Measured (P = 13, seed 0): training accuracy 1.0 by step 50 while validation stays at
-        # chance (0.06), then validation climbs to 0.47 at step 200 and 0.76 at step 800 — the
-        # phenomenon in about 6 s of CPU. lr 3e-3 / weight decay 1.0 at 400 steps never left
-        # chance (0.098), hence the faster schedule and stronger decay here.
-        base = dict(P=13, steps=800, checkpoints=8, d_model=32, d_hidden=32, lr=1e-2,
-                    weight_decay=2.0)
+        # Chosen by a sweep (issue 12; one thread, a loaded 2-core machine). Seeds 0-4:
+        # training accuracy >= 0.99 at step 45 with validation at 0.01-0.05 (chance 1/31 =
+        # 0.032), validation >= 0.95 at steps 225-370, final validation 0.98-1.00. The model's
+        # one bilinear layer sees embed(onehot(a) ++ onehot(b)), so besides the a-b cross terms
+        # it computes terms in a alone and in b alone; with training fractions 0.5-0.7 those
+        # stayed partly uncancelled (validation stuck at 0.8-0.95; removing the additive a-only
+        # and b-only logit terms of such a model raised its accuracy on all pairs from 0.91 to
+        # 0.98), hence the training fraction 0.8 (the default's), and the lr 3e-3 / weight decay
+        # 1.0 regime of the default preset, sped up to lr 5e-3.
+        # lr 1e-2 with weight decay 2-3 plateaued at 0.7-0.9; weight decay 10 never memorised.
+        base = dict(P=31, steps=1000, checkpoints=12, d_model=64,
+                    d_hidden=64, lr=5e-3, weight_decay=1.0)
         base.update(kw)
         return cls(**base)
 
@@ -126,6 +138,11 @@ def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = Tru
     """Train, checkpoint on a log schedule, compute the similarity matrix, write outputs under
     ``out`` (``grokking.json``, CSVs, PNG, ``checkpoints/step*``); return the JSON dictionary.
 
+    Accuracies are recorded at the checkpoints (``train_accuracy``/``val_accuracy``) and on a
+    denser grid (``accuracy_curve``, every ``steps // 200`` steps); the finding's
+    ``memorisation_step`` (train accuracy >= 0.99), ``grokking_step`` (validation accuracy
+    >= 0.95; ``grokked``) and ``grokking_delay`` are read off the dense curve.
+
     Checks (``out``, the exact cost) happen before training, and the run is written into a
     fresh folder that replaces ``out`` as a whole only when complete, so ``out/checkpoints``
     never mixes runs; see :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are
@@ -145,9 +162,16 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     data = modular_addition(cfg.P, cfg.train_fraction, seed=cfg.seed)
     model = _model(cfg)
     schedule = log_schedule(cfg.steps, cfg.checkpoints)
+    # accuracy is evaluated on a dense grid too (every steps / CURVE_POINTS steps; forward
+    # passes only), so that the memorisation and grokking steps are read off to that
+    # resolution rather than off the log-spaced checkpoints
+    every = max(1, cfg.steps // CURVE_POINTS)
+    on_schedule = set(schedule)
     snaps, names = [], []
 
     def keep(step, m):
+        if step not in on_schedule:
+            return
         snap = copy.deepcopy(m)
         snaps.append(snap)
         names.append(f"checkpoints/step{step:07d}")
@@ -158,7 +182,8 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                             weight_decay=cfg.weight_decay, batch_size=None, seed=cfg.seed,
                             eval_sets={"train": (data.X_train, data.y_train),
                                        "val": (data.X_test, data.y_test)},
-                            eval_at=schedule, callback=keep,
+                            eval_at=sorted(on_schedule | set(range(0, cfg.steps + 1, every))),
+                            callback=keep,
                             progress="grokking training" if show_progress else False)
     t_train = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -170,8 +195,13 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     bar.close()
     t_sim = time.perf_counter() - t1
 
-    steps = hist["step"]
-    train_acc, val_acc = hist["train_acc"], hist["val_acc"]
+    curve = {"step": hist["step"], "train_accuracy": hist["train_acc"],
+             "val_accuracy": hist["val_acc"], "train_loss": hist["loss"]}
+    at = [hist["step"].index(s) for s in schedule]
+    steps = schedule
+    train_acc = [hist["train_acc"][i] for i in at]
+    val_acc = [hist["val_acc"][i] for i in at]
+    loss = [hist["loss"][i] for i in at]
     to_final = sim[-1].tolist()
     vmax = max(val_acc)
     chance = 1.0 / cfg.P
@@ -179,10 +209,21 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     saturates = bool(vmax >= floor)
     i_sat = (next(i for i, v in enumerate(val_acc) if v >= vmax - SATURATION_TOL)
              if saturates else None)
-    i_mem = next((i for i, v in enumerate(train_acc) if v >= 0.99), None)
+    i_mem = next((i for i, v in enumerate(train_acc) if v >= MEMORISED), None)
+    # memorisation and grokking steps off the dense accuracy curve
+    j_mem = next((i for i, v in enumerate(curve["train_accuracy"]) if v >= MEMORISED), None)
+    j_grok = next((i for i, v in enumerate(curve["val_accuracy"]) if v >= GROKKED), None)
     neighbour = [float(sim[i, i + 1]) for i in range(len(steps) - 1)]
     finding = {
-        "memorisation_step": None if i_mem is None else steps[i_mem],
+        "memorisation_step": None if j_mem is None else curve["step"][j_mem],
+        "val_acc_at_memorisation": None if j_mem is None else curve["val_accuracy"][j_mem],
+        "grokking_step": None if j_grok is None else curve["step"][j_grok],
+        "grokking_delay": (None if j_mem is None or j_grok is None
+                           else curve["step"][j_grok] - curve["step"][j_mem]),
+        "memorisation_criterion": (f"first step with train accuracy >= {MEMORISED} on the "
+                                   f"accuracy curve (evaluated every {every} steps)"),
+        "grokking_criterion": (f"first step with val accuracy >= {GROKKED} on the accuracy "
+                               f"curve (evaluated every {every} steps)"),
         "saturates": saturates,
         "saturation_step": None if i_sat is None else steps[i_sat],
         "saturation_criterion": (f"first checkpoint with val accuracy >= max - {SATURATION_TOL}, "
@@ -199,7 +240,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                                                       and i_sat < len(neighbour) else None),
         "keeps_changing": None if i_sat is None else bool(to_final[i_sat] < 1 - CHANGE_THRESHOLD),
         "keeps_changing_criterion": f"similarity to final at saturation < {1 - CHANGE_THRESHOLD}",
-        "grokked": bool(vmax >= 0.95),
+        "grokked": j_grok is not None,
     }
     result = {
         **stamp("audit grokking", asdict(cfg)),
@@ -207,7 +248,8 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "n_checkpoints": len(steps),
         "train_accuracy": train_acc,
         "val_accuracy": val_acc,
-        "train_loss": hist["loss"],
+        "train_loss": loss,
+        "accuracy_curve": curve,
         "similarity_matrix": sim,
         "similarity_to_final": to_final,
         "neighbour_similarity": neighbour,
@@ -223,7 +265,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     }
     write_csv(out / CSV_NAME, ["step", "train_accuracy", "val_accuracy", "train_loss",
                                "similarity_to_final"],
-              zip(steps, train_acc, val_acc, hist["loss"], to_final))
+              zip(steps, train_acc, val_acc, loss, to_final))
     write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
               ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
     grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method)
@@ -252,7 +294,20 @@ def grokking_table(result: dict) -> str:
                f"({f['val_acc_at_saturation']:.3f}; final {f['final_val_acc']:.3f}); similarity to "
                f"the final checkpoint there: {f['similarity_to_final_at_saturation']:.3f} "
                f"(keeps changing: {f['keeps_changing']})")
+    if f.get("memorisation_step") is None:
+        grok = f"never memorised (train accuracy stays below {MEMORISED}); "
+    else:
+        grok = (f"memorised (train accuracy >= {MEMORISED}) at step {f['memorisation_step']} "
+                f"with val accuracy {f['val_acc_at_memorisation']:.3f}; ")
+    if f.get("grokking_step") is None:
+        best = max(result["accuracy_curve"]["val_accuracy"])
+        grok += f"not grokked: val accuracy never reaches {GROKKED} (best {best:.3f})"
+    elif f.get("grokking_delay") is None:
+        grok += f"val accuracy >= {GROKKED} at step {f['grokking_step']}"
+    else:
+        grok += (f"grokked (val accuracy >= {GROKKED}) at step {f['grokking_step']}, "
+                 f"{f['grokking_delay']} steps later")
     return "\n".join([
         f"grokking audit: modular addition mod {cfg['P']}, {len(result['steps'])} checkpoints "
         f"({method} {result['metric']} similarity, {result['seconds']['total']:.1f} s)",
-        format_table(["step", "train acc", "val acc", "sim to final"], rows), "", sat])
+        format_table(["step", "train acc", "val acc", "sim to final"], rows), "", grok, sat])
