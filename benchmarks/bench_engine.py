@@ -9,11 +9,15 @@ runs in a fresh subprocess, the implementations interleaved, and medians are quo
     python benchmarks/bench_engine.py --only matrix1000                     # N = 1000, new only
 
 Cases (issue 8's targets): ``first`` — one bilinear layer (embed 64->64, H=256, head 10),
-similarity of a warm pair; ``image`` — behind an image embedding (784->128, H=512, head 10),
+similarity of a warm pair (the same two model objects every call: from the second call on their
+prepared stacks and chaos coefficients come from ``tensoralg.prepare.PREPARED``, validated
+against the weights); ``first_cold`` — the same architecture, a new pair of models (new weights)
+every call, so nothing is reused; ``image`` — behind an image embedding (784->128, H=512, head 10),
 time and peak memory; ``matrix`` — 50x50 similarity matrix of the first model;
 ``matrix1000`` — 1000x1000; ``depth2`` — embed, two residual bilinear layers, head 10 at
 (d_model, H) = (32, 64), (64, 128), (64, 256) (plan, then a run when the plan is under
-``--max-seconds`` at 1 GFLOP/s), and (128, 512) planned only; ``closure`` — the first pair.
+``--max-seconds`` at 1 GFLOP/s), and (128, 512) planned only; ``closure`` — the first pair;
+``closure_cold`` — a new pair every call.
 """
 
 from __future__ import annotations
@@ -71,6 +75,19 @@ CASES = {
         a, b = one_layer(1, 64, 64, 256, 10), one_layer(2, 64, 64, 256, 10)
         t, s = timed(lambda: ta.similarity(a, b, **KW), REPS)
     """,
+    "first_cold": """
+        pairs = [(one_layer(2 * i + 1, 64, 64, 256, 10), one_layer(2 * i + 2, 64, 64, 256, 10))
+                 for i in range(REPS + 1)]
+        it = iter(pairs)
+        t, s = timed(lambda: (lambda p: ta.similarity(p[0], p[1], **KW))(next(it)), REPS)
+    """,
+    "closure_cold": """
+        pairs = [(one_layer(2 * i + 1, 64, 64, 256, 10), one_layer(2 * i + 2, 64, 64, 256, 10))
+                 for i in range(REPS + 1)]
+        it = iter(pairs)
+        t, s = timed(lambda: (lambda p: ta.similarity(p[0], p[1], method="closure"))(next(it)),
+                     REPS)
+    """,
     "image": """
         a, b = one_layer(1, 784, 128, 512, 10), one_layer(2, 784, 128, 512, 10)
         t, s = timed(lambda: ta.similarity(a, b, **KW), REPS)
@@ -107,7 +124,7 @@ def run(src: Path, case: str, kw: str, reps: int) -> dict:
 
 def compare(case: str, baseline: Path | None, reps: int, rounds: int) -> None:
     impls = [("auto", ROOT, "{}"), ("wick", ROOT, "{'strategy': 'wick'}")]
-    if case == "closure":
+    if case in ("closure", "closure_cold"):
         impls = [("closure", ROOT, "{}")]
     if case == "matrix1000":
         impls = [("auto", ROOT, "{}")]
@@ -164,9 +181,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", type=Path, default=None,
                     help="checkout of an earlier tensoralg to compare with (default: none)")
-    ap.add_argument("--only", default="first,image,matrix,closure,depth2",
-                    help="comma-separated cases (default: first,image,matrix,closure,depth2; "
-                         "also matrix1000)")
+    ap.add_argument("--only", default="first,first_cold,image,matrix,closure,closure_cold,depth2",
+                    help="comma-separated cases (default: first,first_cold,image,matrix,closure,"
+                         "closure_cold,depth2; also matrix1000)")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per subprocess (default 5)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved subprocess rounds per implementation (default 3)")

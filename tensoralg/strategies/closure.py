@@ -151,7 +151,8 @@ def _project(M, U, keep: bool):
     return v if keep else v.sum(-1)
 
 
-def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str):
+def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str,
+           _general: bool = False):
     """Gaussian closure (DESIGN §3.2): propagate the joint second moments of the lifted
     activations as if each layer's input were Gaussian; exact at depth 1 (an embedding in front
     is a linear op, exact too). APPROXIMATE at depth >= 2; see the module docstring for its
@@ -162,7 +163,8 @@ def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str
     A step with bilinear ops on both sides is a handful of batched matrix products: the
     covariances of the forms (Grams of the weights at a standard Gaussian input, one product
     for all pairs of a Gram), and the Isserlis terms with a mean on each side as products with
-    column-scaled output maps; only the pair-pair terms are elementwise."""
+    column-scaled output maps; only the pair-pair terms are elementwise. (``_general``: every
+    step through the partial-matching sum of :func:`_cross_step` instead, for tests)."""
     exact = backend == "exact"
     Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
     if ca.embed is not None and cb.embed is not None:
@@ -194,7 +196,7 @@ def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str
     for t in range(depth):
         op_a = ops_a[t] if t < len(ops_a) else None
         op_b = ops_b[t] if t < len(ops_b) else None
-        if op_a is not None and op_b is not None and op_a[0] == op_b[0] == "bil":
+        if not _general and op_a is not None and op_b is not None and op_a[0] == op_b[0] == "bil":
             sa = _Side(op_a[1], mua, Caa, white)
             sb = _Side(op_b[1], mub, Cbb, white)
             Mab = _cross_bil(sa, sb, Cab)
@@ -206,10 +208,11 @@ def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str
                 Cab = Mab - mua[:, None, :, None] * mub[None, :, None, :]
             es = (lambda *args: np.einsum(*args)) if exact else _einsum_cached
             Mab = _cross_step(op_a, op_b, Mab, mua, mub, Caa, Cbb, Cab, es)
+            adv = _advance_self_general if _general else _advance_self
             if op_a is not None:
-                Maa = _advance_self(op_a, Maa, mua, Caa)
+                Maa = adv(op_a, Maa, mua, Caa, es)
             if op_b is not None:
-                Mbb = _advance_self(op_b, Mbb, mub, Cbb)
+                Mbb = adv(op_b, Mbb, mub, Cbb, es)
         white = False
         (mua, Caa), (mub, Cbb) = stats(Maa), stats(Mbb)
         if t + 1 < depth:
@@ -217,12 +220,25 @@ def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str
     return _project(Maa, U, keep), _project(Mab, U, keep), _project(Mbb, U, keep)
 
 
-def _advance_self(op, M, mu, C):
+def _advance_self(op, M, mu, C, es=None):
     """One closure step of a side's own second moment (general op)."""
     kind, val = op
     if kind == "lin":
         return val @ M @ _T(val)
     return _Side(val, mu, C, False).self_moment()
+
+
+def _advance_self_general(op, M, mu, C, es):
+    """The same through the partial-matching sum of :func:`_cross_step` (each model paired with
+    itself; for tests)."""
+    kind, val = op
+    out = []
+    for i in range(M.shape[0]):
+        s = slice(i, i + 1)
+        opi = (kind, val[s] if kind == "lin" else type(val)(val.L[s], val.R[s], val.D[s]))
+        out.append(_cross_step(opi, opi, M[s][:, None], mu[s], mu[s], C[s], C[s], C[s][:, None],
+                               es)[0, 0])
+    return np.stack(out)
 
 
 def _forms(op):
