@@ -1,7 +1,8 @@
 """Engine v2 benchmarks (not run in CI): the planner's choice against the Wick strategy, against
 an earlier checkout of tensoralg (``--baseline DIR``, e.g. a ``git worktree`` of the commit
 before engine v2), and against the FLOP estimate. One thread (torch and BLAS); each measurement
-runs in a fresh subprocess, the implementations interleaved, and medians are quoted.
+runs in a fresh subprocess, the implementations interleaved, and medians are quoted (wall
+time, and the calling thread's CPU time, which a loaded machine inflates less).
 
     git worktree add /tmp/ta-baseline 15ea9a9
     python benchmarks/bench_engine.py --baseline /tmp/ta-baseline          # all cases
@@ -62,11 +63,15 @@ SETUP = textwrap.dedent("""
                               ta.Residual(bil(rng, dm, H, dm)), ta.Residual(bil(rng, dm, H, dm)),
                               ta.Linear(rng.standard_normal((O, dm)) / np.sqrt(dm))])
 
+    CPU = []
+
     def timed(fn, reps):
         fn()  # warm: paths found once per topology, as in real use
         ts = []
         for _ in range(reps):
+            c = time.thread_time()
             t = time.perf_counter(); out = fn(); ts.append(time.perf_counter() - t)
+            CPU.append(time.thread_time() - c)
         return float(np.median(ts)), out
 """)
 
@@ -111,7 +116,7 @@ CASES = {
 
 def run(src: Path, case: str, kw: str, reps: int) -> dict:
     code = SETUP + f"\nKW = {kw}\nREPS = {reps}\n" + textwrap.dedent(CASES[case]) + \
-        "\nprint(json.dumps({'t': t, 's': float(s), " \
+        "\nprint(json.dumps({'t': t, 's': float(s), 'cpu': float(np.median(CPU)), " \
         "'peak_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n"
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", TENSORALG_CACHE_DIR="")
@@ -122,7 +127,8 @@ def run(src: Path, case: str, kw: str, reps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare(case: str, baseline: Path | None, reps: int, rounds: int) -> None:
+def compare(case: str, baseline: Path | None, reps: int, rounds: int,
+            before: Path | None = None) -> None:
     impls = [("auto", ROOT, "{}"), ("wick", ROOT, "{'strategy': 'wick'}")]
     if case in ("closure", "closure_cold"):
         impls = [("closure", ROOT, "{}")]
@@ -130,27 +136,38 @@ def compare(case: str, baseline: Path | None, reps: int, rounds: int) -> None:
         impls = [("auto", ROOT, "{}")]
     if baseline is not None and case != "matrix1000":
         impls.append(("baseline", baseline, "{}"))
+    if before is not None:  # another checkout run with this one's default options
+        impls.append(("before", before, "{}"))
     res: dict[str, list] = {name: [] for name, _, _ in impls}
     for _ in range(rounds):  # interleaved
         for name, src, kw in impls:
             res[name].append(run(src, case, kw, reps))
     print(f"== {case} ==")
-    med = {}
+    med, cpu = {}, {}
     for name, rs in res.items():
         good = [r for r in rs if "error" not in r]
         if not good:
             print(f"  {name:<9} error: {rs[0]['error']}")
             continue
         med[name] = float(np.median([r["t"] for r in good]))
+        cpu[name] = float(np.median([r["cpu"] for r in good]))
         peak = max(r["peak_mb"] for r in good)
-        print(f"  {name:<9} {med[name] * 1e3:10.2f} ms   peak RSS {peak:8.1f} MB   "
-              f"value {good[0]['s']:.15g}")
+        print(f"  {name:<9} {med[name] * 1e3:10.2f} ms  (thread CPU {cpu[name] * 1e3:9.2f} ms)   "
+              f"peak RSS {peak:8.1f} MB   value {good[0]['s']:.15g}")
+    def ratio(num, den):
+        return (f"  {num} / {den}: {med[num] / med[den]:.1f}x wall, "
+                f"{cpu[num] / cpu[den]:.1f}x thread CPU")
+
     if "baseline" in med:
         for name in med:
             if name != "baseline":
-                print(f"  baseline / {name}: {med['baseline'] / med[name]:.1f}x")
+                print(ratio("baseline", name))
+    if "before" in med:
+        for name in med:
+            if name not in ("before", "baseline"):
+                print(ratio("before", name))
     if "wick" in med and "auto" in med:
-        print(f"  wick / auto: {med['wick'] / med['auto']:.1f}x")
+        print(ratio("wick", "auto"))
 
 
 def depth2(max_seconds: float) -> None:
@@ -181,6 +198,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", type=Path, default=None,
                     help="checkout of an earlier tensoralg to compare with (default: none)")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="a second checkout measured alongside with default options (label "
+                         "'before'; e.g. the commit before a change; default: none)")
     ap.add_argument("--only", default="first,first_cold,image,matrix,closure,closure_cold,depth2",
                     help="comma-separated cases (default: first,first_cold,image,matrix,closure,"
                          "closure_cold,depth2; also matrix1000)")
@@ -195,7 +215,7 @@ def main() -> None:
         if case == "depth2":
             depth2(args.max_seconds)
         else:
-            compare(case, args.baseline, args.reps, args.rounds)
+            compare(case, args.baseline, args.reps, args.rounds, args.before)
 
 
 if __name__ == "__main__":
