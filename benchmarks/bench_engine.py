@@ -1,7 +1,8 @@
 """Engine v2 benchmarks (not run in CI): the planner's choice against the Wick strategy, against
 an earlier checkout of tensoralg (``--baseline DIR``, e.g. a ``git worktree`` of the commit
 before engine v2), and against the FLOP estimate. One thread (torch and BLAS); each measurement
-runs in a fresh subprocess, the implementations interleaved, and medians are quoted.
+runs in a fresh subprocess, the implementations interleaved, and medians are quoted (wall
+time, and the calling thread's CPU time, which a loaded machine inflates less).
 
     git worktree add /tmp/ta-baseline 15ea9a9
     python benchmarks/bench_engine.py --baseline /tmp/ta-baseline          # all cases
@@ -9,11 +10,15 @@ runs in a fresh subprocess, the implementations interleaved, and medians are quo
     python benchmarks/bench_engine.py --only matrix1000                     # N = 1000, new only
 
 Cases (issue 8's targets): ``first`` — one bilinear layer (embed 64->64, H=256, head 10),
-similarity of a warm pair; ``image`` — behind an image embedding (784->128, H=512, head 10),
+similarity of a warm pair (the same two model objects every call: from the second call on their
+prepared stacks and chaos coefficients come from ``tensoralg.prepare.PREPARED``, validated
+against the weights); ``first_cold`` — the same architecture, a new pair of models (new weights)
+every call, so nothing is reused; ``image`` — behind an image embedding (784->128, H=512, head 10),
 time and peak memory; ``matrix`` — 50x50 similarity matrix of the first model;
 ``matrix1000`` — 1000x1000; ``depth2`` — embed, two residual bilinear layers, head 10 at
 (d_model, H) = (32, 64), (64, 128), (64, 256) (plan, then a run when the plan is under
-``--max-seconds`` at 1 GFLOP/s), and (128, 512) planned only; ``closure`` — the first pair.
+``--max-seconds`` at 1 GFLOP/s), and (128, 512) planned only; ``closure`` — the first pair;
+``closure_cold`` — a new pair every call.
 """
 
 from __future__ import annotations
@@ -58,11 +63,15 @@ SETUP = textwrap.dedent("""
                               ta.Residual(bil(rng, dm, H, dm)), ta.Residual(bil(rng, dm, H, dm)),
                               ta.Linear(rng.standard_normal((O, dm)) / np.sqrt(dm))])
 
+    CPU = []
+
     def timed(fn, reps):
         fn()  # warm: paths found once per topology, as in real use
         ts = []
         for _ in range(reps):
+            c = time.thread_time()
             t = time.perf_counter(); out = fn(); ts.append(time.perf_counter() - t)
+            CPU.append(time.thread_time() - c)
         return float(np.median(ts)), out
 """)
 
@@ -70,6 +79,19 @@ CASES = {
     "first": """
         a, b = one_layer(1, 64, 64, 256, 10), one_layer(2, 64, 64, 256, 10)
         t, s = timed(lambda: ta.similarity(a, b, **KW), REPS)
+    """,
+    "first_cold": """
+        pairs = [(one_layer(2 * i + 1, 64, 64, 256, 10), one_layer(2 * i + 2, 64, 64, 256, 10))
+                 for i in range(REPS + 1)]
+        it = iter(pairs)
+        t, s = timed(lambda: (lambda p: ta.similarity(p[0], p[1], **KW))(next(it)), REPS)
+    """,
+    "closure_cold": """
+        pairs = [(one_layer(2 * i + 1, 64, 64, 256, 10), one_layer(2 * i + 2, 64, 64, 256, 10))
+                 for i in range(REPS + 1)]
+        it = iter(pairs)
+        t, s = timed(lambda: (lambda p: ta.similarity(p[0], p[1], method="closure"))(next(it)),
+                     REPS)
     """,
     "image": """
         a, b = one_layer(1, 784, 128, 512, 10), one_layer(2, 784, 128, 512, 10)
@@ -94,7 +116,7 @@ CASES = {
 
 def run(src: Path, case: str, kw: str, reps: int) -> dict:
     code = SETUP + f"\nKW = {kw}\nREPS = {reps}\n" + textwrap.dedent(CASES[case]) + \
-        "\nprint(json.dumps({'t': t, 's': float(s), " \
+        "\nprint(json.dumps({'t': t, 's': float(s), 'cpu': float(np.median(CPU)), " \
         "'peak_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n"
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", TENSORALG_CACHE_DIR="")
@@ -105,35 +127,47 @@ def run(src: Path, case: str, kw: str, reps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare(case: str, baseline: Path | None, reps: int, rounds: int) -> None:
+def compare(case: str, baseline: Path | None, reps: int, rounds: int,
+            before: Path | None = None) -> None:
     impls = [("auto", ROOT, "{}"), ("wick", ROOT, "{'strategy': 'wick'}")]
-    if case == "closure":
+    if case in ("closure", "closure_cold"):
         impls = [("closure", ROOT, "{}")]
     if case == "matrix1000":
         impls = [("auto", ROOT, "{}")]
     if baseline is not None and case != "matrix1000":
         impls.append(("baseline", baseline, "{}"))
+    if before is not None:  # another checkout run with this one's default options
+        impls.append(("before", before, "{}"))
     res: dict[str, list] = {name: [] for name, _, _ in impls}
     for _ in range(rounds):  # interleaved
         for name, src, kw in impls:
             res[name].append(run(src, case, kw, reps))
     print(f"== {case} ==")
-    med = {}
+    med, cpu = {}, {}
     for name, rs in res.items():
         good = [r for r in rs if "error" not in r]
         if not good:
             print(f"  {name:<9} error: {rs[0]['error']}")
             continue
         med[name] = float(np.median([r["t"] for r in good]))
+        cpu[name] = float(np.median([r["cpu"] for r in good]))
         peak = max(r["peak_mb"] for r in good)
-        print(f"  {name:<9} {med[name] * 1e3:10.2f} ms   peak RSS {peak:8.1f} MB   "
-              f"value {good[0]['s']:.15g}")
+        print(f"  {name:<9} {med[name] * 1e3:10.2f} ms  (thread CPU {cpu[name] * 1e3:9.2f} ms)   "
+              f"peak RSS {peak:8.1f} MB   value {good[0]['s']:.15g}")
+    def ratio(num, den):
+        return (f"  {num} / {den}: {med[num] / med[den]:.1f}x wall, "
+                f"{cpu[num] / cpu[den]:.1f}x thread CPU")
+
     if "baseline" in med:
         for name in med:
             if name != "baseline":
-                print(f"  baseline / {name}: {med['baseline'] / med[name]:.1f}x")
+                print(ratio("baseline", name))
+    if "before" in med:
+        for name in med:
+            if name not in ("before", "baseline"):
+                print(ratio("before", name))
     if "wick" in med and "auto" in med:
-        print(f"  wick / auto: {med['wick'] / med['auto']:.1f}x")
+        print(ratio("wick", "auto"))
 
 
 def depth2(max_seconds: float) -> None:
@@ -164,9 +198,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", type=Path, default=None,
                     help="checkout of an earlier tensoralg to compare with (default: none)")
-    ap.add_argument("--only", default="first,image,matrix,closure,depth2",
-                    help="comma-separated cases (default: first,image,matrix,closure,depth2; "
-                         "also matrix1000)")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="a second checkout measured alongside with default options (label "
+                         "'before'; e.g. the commit before a change; default: none)")
+    ap.add_argument("--only", default="first,first_cold,image,matrix,closure,closure_cold,depth2",
+                    help="comma-separated cases (default: first,first_cold,image,matrix,closure,"
+                         "closure_cold,depth2; also matrix1000)")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per subprocess (default 5)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved subprocess rounds per implementation (default 3)")
@@ -178,7 +215,7 @@ def main() -> None:
         if case == "depth2":
             depth2(args.max_seconds)
         else:
-            compare(case, args.baseline, args.reps, args.rounds)
+            compare(case, args.baseline, args.reps, args.rounds, args.before)
 
 
 if __name__ == "__main__":

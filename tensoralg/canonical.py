@@ -57,6 +57,10 @@ class Canonical:
     linear: np.ndarray | None = None
     exact: bool = False
     embed: np.ndarray | None = None
+    #: Results derived from this exact object (e.g. chaos coefficients per output projection),
+    #: set only on the read-only stacks of :mod:`tensoralg.prepare`'s cache; ``replace``,
+    #: ``map``, ``sub`` and ``folded`` start without one.
+    memo: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def leg_width(self) -> int:
@@ -257,6 +261,8 @@ def stack(cans: list[Canonical], name: str = "models") -> Canonical:
     def st(arrs):
         if exact:
             return np.stack(arrs).astype(object)
+        if len(arrs) == 1:  # one model: a view (canonical forms own their arrays)
+            return np.asarray(arrs[0], dtype=np.float64)[None]
         return np.stack([np.asarray(a, dtype=np.float64) for a in arrs])
 
     if not ref.stages:

@@ -35,9 +35,8 @@ import os
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 import opt_einsum as oe
 
@@ -45,6 +44,9 @@ from .canonical import Canonical
 from .errors import CostTooHigh
 from .io import atomic_write_json
 from .wick import bijections, group_closure, orbits, partial_matchings, telephone
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["CostTooHigh", "WickPlan", "JoinedNetwork", "to_graph", "DEFAULT_MAX_FLOPS",
            "DEFAULT_MAX_CONFIGURATIONS", "n_wick_configurations"]
@@ -639,6 +641,8 @@ def to_graph(a: Any, b: Any = None, output: Any = None) -> nx.Graph:
                              f"{net_a.out_features}")
         sides.append(("b", _build_side(stack([canonicalize(net_b, keep_embed=False)]), U, labels, out, "b",
                                        precontract=False)))
+    import networkx as nx  # only here: its import costs about a second on a loaded machine
+
     g = nx.Graph()
     for name, side in sides:
         for arr, labs, node in side.tensors:

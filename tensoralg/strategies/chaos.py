@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..canonical import Canonical, Stage
+from . import chaos_depth1
 
 __all__ = ["ChaosEstimate", "estimate", "whiten", "features", "inner_from_features",
            "cross"]
@@ -374,6 +375,9 @@ FEATURE_CHUNK = 32
 def _features_on(cans: list[Canonical], U: np.ndarray, r: int, conv) -> list[list]:
     out = []
     for c in cans:
+        if conv is None and chaos_depth1.applies(c):  # closed form, no work arrays
+            out.append(chaos_depth1.features(c, U))
+            continue
         N = c.arrays()[0].shape[0]
         parts = []
         for i0 in range(0, N, FEATURE_CHUNK):
