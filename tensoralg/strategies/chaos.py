@@ -366,32 +366,44 @@ def _combos(M: int, s: int) -> np.ndarray:
 BLOCK_ROWS = 1 << 16
 
 
+def _block_bounds(r: int, n: int):
+    """Yield ``(lo, hi)``: the blocks of :func:`_multiset_blocks` hold the multisets whose
+    largest element lies in ``[lo, hi)`` (about :data:`BLOCK_ROWS` multisets, at least one
+    value of the largest element per block)."""
+    if n == 0:
+        yield 0, r
+        return
+    lo = 0
+    while lo < r:
+        hi, rows = lo, 0
+        while hi < r and (rows == 0 or rows + math.comb(hi + n - 1, n - 1) <= BLOCK_ROWS):
+            rows += math.comb(hi + n - 1, n - 1)  # multisets whose largest element is hi
+            hi += 1
+        yield lo, hi
+        lo = hi
+
+
 def _multiset_blocks(r: int, n: int):
     """Yield ``(start, alpha)``: the sorted multisets of size ``n`` over ``r`` coordinates in
-    packed order, in blocks of about :data:`BLOCK_ROWS` rows (``alpha (rows, n)`` int32)."""
+    packed order, in the blocks of :func:`_block_bounds` (``alpha (rows, n)`` int32).
+
+    In colexicographic order the multisets whose largest element is ``m`` are the
+    ``C(m+n-1, n-1)`` first multisets of size ``n-1``, followed by ``m``."""
     if n == 0:
         yield 0, np.zeros((1, 0), dtype=np.int32)
         return
-    M = r + n - 1
-    prev = _combos(M - 1, n - 1) if n > 1 else np.zeros((1, 0), dtype=np.int32)
+    prev = _combos(r + n - 2, n - 1) if n > 1 else np.zeros((1, 0), dtype=np.int32)
     shift = np.arange(n, dtype=np.int32)
-    m = n - 1
-    while m < M:
-        m1 = m
-        rows = 0
-        while m1 < M and (rows == 0 or rows + math.comb(m1, n - 1) <= BLOCK_ROWS):
-            rows += math.comb(m1, n - 1)
-            m1 += 1
+    for lo, hi in _block_bounds(r, n):
         parts = []
-        for mm in range(m, m1):
-            c = math.comb(mm, n - 1)
+        for m in range(lo, hi):
+            c = math.comb(m + n - 1, n - 1)
             blk = np.empty((c, n), dtype=np.int32)
             blk[:, :n - 1] = prev[:c]
-            blk[:, n - 1] = mm
+            blk[:, n - 1] = m + n - 1
             parts.append(blk)
         b = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        yield math.comb(m, n), b - shift
-        m = m1
+        yield n_packed(lo, n), b - shift
 
 
 def multiset_weights(r: int, n: int) -> np.ndarray:
@@ -417,27 +429,70 @@ def _take(X, idx):
     return np.take(X, idx, axis=-1)
 
 
+#: Gather indices kept between calls (bytes, all entries together): the products of every
+#: stage and model of a call, and of later calls at the same width, reuse them.
+INDEX_CACHE_BYTES = 64 << 20
+_index_cache: dict = {}
+
+
 def _gather_index(r: int, i: int, j: int, half: bool) -> list:
-    """Where the symmetrization of a product block reads: ``[(start, flat)]`` per block of
-    multisets ``alpha`` of size ``n = i + j``, ``flat (n_sets, rows)`` the flattened
-    ``(pk(i), pk(j))`` positions ``(alpha_S, alpha_{S^c})`` for each set ``S`` of ``i``
-    positions (only those containing position 0 with ``half``: a symmetric block, ``i == j``).
+    """:func:`_build_gather_index`, kept in a small cache (:data:`INDEX_CACHE_BYTES`)."""
+    key = (r, i, j, bool(half), BLOCK_ROWS)
+    hit = _index_cache.get(key)
+    if hit is not None:
+        return hit
+    idx = _build_gather_index(r, i, j, half)
+    size = sum(f.nbytes for _, f, _ in idx)
+    if size <= INDEX_CACHE_BYTES:
+        while _index_cache and size + sum(sum(f.nbytes for _, f, _ in v)
+                                          for v in _index_cache.values()) > INDEX_CACHE_BYTES:
+            _index_cache.pop(next(iter(_index_cache)))  # oldest first
+        _index_cache[key] = idx
+    return idx
+
+
+def _build_gather_index(r: int, i: int, j: int, half: bool) -> list:
+    """Where the symmetrization of a product block reads: ``[(start, flat, window)]`` per
+    block of multisets ``alpha`` of size ``n = i + j``, ``flat (n_sets, rows)`` the flattened
+    positions ``(alpha_S, alpha_{S^c})`` of a ``(pk(i), pk(j))`` block for each set ``S`` of
+    ``i`` positions.
 
     ``Sym(A (x) B)`` at a sorted multiset ``alpha`` is the mean over the ``C(n, i)`` sets ``S``
     of ``A[alpha_S] B[alpha_{S^c}]`` (each permutation of the ``n`` positions gives one split,
-    ``i! j!`` times), and sub-multisets of a sorted tuple are sorted."""
+    ``i! j!`` times), and sub-multisets of a sorted tuple are sorted.
+
+    ``half`` (a symmetric block, ``i == j``): only the sets that contain the last position are
+    read, so ``alpha_S`` holds the largest element of ``alpha``; a block of multisets whose
+    largest element lies in ``[lo, hi)`` then reads only the rows of ``window = (row0, rows,
+    cols)``: ``alpha_S`` with largest element in ``[lo, hi)``, ``alpha_{S^c}`` below ``hi``,
+    and ``flat`` indexes that window. ``window`` is None otherwise (the whole block)."""
     n = i + j
     pj = n_packed(r, j)
-    subsets = [S for S in itertools.combinations(range(n), i) if not half or n == 0 or 0 in S]
+    half = half and n > 0
+    subsets = [S for S in itertools.combinations(range(n), i) if not half or (n - 1) in S]
     dt = np.int32 if n_packed(r, i) * pj < 2 ** 31 else np.int64
     out = []
-    for start, a in _multiset_blocks(r, n):
+    bounds = list(_block_bounds(r, n))
+    for (start, a), (lo, hi) in zip(_multiset_blocks(r, n), bounds):
         flat = np.empty((len(subsets), len(a)), dtype=dt)
+        window = None
+        if half:
+            row0 = n_packed(lo, i)
+            window = (row0, n_packed(hi, i) - row0, n_packed(hi, j))
         for q, S in enumerate(subsets):
             Sc = [p for p in range(n) if p not in S]
-            flat[q] = _rank(a[:, list(S)], r) * pj + _rank(a[:, Sc], r)
-        out.append((start, flat))
+            if half:
+                flat[q] = (_rank(a[:, list(S)], r) - window[0]) * window[2] + _rank(a[:, Sc], r)
+            else:
+                flat[q] = _rank(a[:, list(S)], r) * pj + _rank(a[:, Sc], r)
+        out.append((start, flat, window))
     return out
+
+
+def _windows(r: int, n: int, i: int) -> list[tuple[int, int, int]]:
+    """The ``window``s of :func:`_gather_index` with ``half`` (from the sizes alone)."""
+    return [(n_packed(lo, i), n_packed(hi, i) - n_packed(lo, i), n_packed(hi, n - i))
+            for lo, hi in _block_bounds(r, n)]
 
 
 def _sym_product(Y, index: list, scale, out) -> None:
@@ -445,7 +500,7 @@ def _sym_product(Y, index: list, scale, out) -> None:
     block ``Y (..., pk(i), pk(j))`` to the packed ``out (..., pk(i+j))``, in place (``scale``
     ``1/n_sets`` gives the symmetrization)."""
     Yf = Y.reshape(Y.shape[:-2] + (-1,))
-    for start, flat in index:
+    for start, flat, _ in index:
         acc = None
         for q in range(len(flat)):
             v = _take(Yf, flat[q])
@@ -518,6 +573,15 @@ def _max_block(r: int, n: int) -> int:
     return min(n_packed(r, n), max(BLOCK_ROWS, math.comb(r + n - 2, n - 1)))
 
 
+def _block_elems(r: int, i: int, j: int, largest: bool = False) -> int:
+    """Elements of the T-form product block ``(i, j)``, ``i <= j``: all of it, or its windows
+    for ``i = j`` (the largest window with ``largest``)."""
+    if i != j or i == 0:
+        return n_packed(r, i) * n_packed(r, j)
+    sizes = [rows * cols for _, rows, cols in _windows(r, i + j, i)]
+    return max(sizes) if largest else sum(sizes)
+
+
 def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: int,
                 first: bool) -> _StagePlan:
     """Cost model of :func:`_packed_stage` (the computation follows it; the planner sums it).
@@ -530,7 +594,8 @@ def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: in
     ``T_o = Sym(L^T diag(D_o) R)`` ``(u_in, u_in)`` and ``Y_o = P_i^T T_o P_j``
     (``2 u_in pk_i pk_j`` per output); with ``T_o`` symmetric the blocks ``(i, j)`` and
     ``(j, i)`` symmetrize to the same tensor and ``Y_o`` is symmetric for ``i = j``, so only
-    ``i <= j`` is formed and half of the index sets are read."""
+    ``i <= j`` is formed, and for ``i = j`` only the windows of :func:`_gather_index` (about
+    half of the block, a few rows at a time)."""
     pk = {i: n_packed(r, i) for i in degs_in}
     degs_out = sorted({i + j for i in degs_in for j in degs_in})
     out_elems = N * u_out * sum(n_packed(r, n) for n in degs_out)
@@ -548,7 +613,7 @@ def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: in
     if not first:
         fl_T = 2.0 * N * u_out * H * u_in ** 2 + N * u_out * H * u_in + N * u_out * u_in ** 2
         fl_T += sum(2.0 * N * u_out * u_in ** 2 * pk[j] for j in degs_in)
-        fl_T += sum(2.0 * N * u_out * u_in * pk[i] * pk[j] for i, j in half_pairs)
+        fl_T += sum(2.0 * N * u_out * u_in * _block_elems(r, i, j) for i, j in half_pairs)
         fl_T += 2.0 * N * u_out * gathers(half_pairs, True)
     form = "T" if fl_T < fl_H else "H"
     if _FORCE_FORM is not None and not first:
@@ -558,8 +623,8 @@ def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: in
         per_out = N * max(pk[i] * pk[j] + H * min(pk[i], pk[j]) for i, j in pairs)
         forms = 0 if first else 2 * N * H * sum(pk.values())
     else:
-        per_out = N * (max(pk[i] * pk[j] for i, j in pairs) + u_in * H + 2 * u_in ** 2
-                       + u_in * sum(pk.values()))
+        per_out = N * (max(_block_elems(r, i, j, largest=True) for i, j in pairs)
+                       + u_in * H + 2 * u_in ** 2 + u_in * sum(pk.values()))
         forms = 0
     chunk = max(1, min(u_out, WORK_ELEMENTS // max(1, per_out)))
     index = sum(_n_sets(i, j, form == "T" and i == j) * n_packed(r, i + j)
@@ -607,8 +672,8 @@ def _packed_stage(st: Stage, P, D, r: int, exact: bool, n_in: int):
     if _is_torch(st.L):
         import torch
 
-        index = {k: [(s0, torch.as_tensor(f.astype(np.int64), device=st.L.device))
-                     for s0, f in v] for k, v in index.items()}
+        index = {k: [(s0, torch.as_tensor(f.astype(np.int64), device=st.L.device), w)
+                     for s0, f, w in v] for k, v in index.items()}
     one = Fraction(1) if exact else 1.0
     for o0 in range(0, u_out, plan.chunk):
         Dc = D[:, o0:o0 + plan.chunk, :]  # (N, c, H)
@@ -618,6 +683,16 @@ def _packed_stage(st: Stage, P, D, r: int, exact: bool, n_in: int):
             TP = {j: _mm(T, P[j][:, None, :, :]) for j in degs}  # (N, c, u_in, pk_j)
             del T
         for i, j in plan.pairs:
+            n_sets = index[(i, j)][0][1].shape[0]
+            scale = one * (2 if half and i != j else 1) / n_sets
+            if index[(i, j)][0][2] is not None:  # symmetric block: window by window
+                Pt = _tr(P[i])[:, None, :, :]
+                for blk in index[(i, j)]:
+                    row0, rows, cols = blk[2]
+                    Y = _mm(Pt[:, :, row0:row0 + rows, :], TP[j][..., :cols])
+                    _sym_product(Y, [blk], scale, out[i + j][:, o0:o0 + Y.shape[1]])
+                    del Y
+                continue
             if plan.form == "T":
                 Y = _mm(_tr(P[i])[:, None, :, :], TP[j])
             else:
@@ -627,8 +702,6 @@ def _packed_stage(st: Stage, P, D, r: int, exact: bool, n_in: int):
                     Y = _mm(Ai * Dc[:, :, None, :], Bj)
                 else:
                     Y = _mm(Ai, Bj * Dc[:, :, :, None])
-            n_sets = index[(i, j)][0][1].shape[0]
-            scale = one * (2 if half and i != j else 1) / n_sets
             _sym_product(Y, index[(i, j)], scale, out[i + j][:, o0:o0 + Y.shape[1]])
             del Y
         if plan.form == "T":
