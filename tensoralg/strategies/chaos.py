@@ -90,7 +90,9 @@ class ChaosEstimate:
         if self.metric:
             w = (f"each model in its embedded coordinates (m = {self.r}), paired through "
                  f"E_a E_b^T")
-        return (f"chaos: degree {self.degree}, {w}, {self.n_features:,} coefficients per model, "
+        kind = "dense" if self.metric else "packed"
+        return (f"chaos: degree {self.degree}, {w}, {self.n_features:,} {kind} coefficients per "
+                f"model, "
                 f"{self.flops:.3g} FLOPs, peak about {self.memory_elements:,} elements")
 
 
@@ -632,7 +634,11 @@ def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: in
     blk = max(_max_block(r, n) for n in degs_out)
     gather = 4 * N * chunk * blk + 4 * blk * max(degs_out)
     peak = forms + chunk * per_out + gather + index + out_elems
-    return _StagePlan(form, pairs, chunk, fl_T if form == "T" else fl_H, peak, out_elems)
+    # building the gather indices (ranks of every index set; cached between calls when small)
+    build = sum(8.0 * (i + j) * _n_sets(i, j, form == "T" and i == j) * n_packed(r, i + j)
+                for i, j in pairs)
+    return _StagePlan(form, pairs, chunk, (fl_T if form == "T" else fl_H) + build, peak,
+                      out_elems)
 
 
 def _mm(X, Y):
@@ -771,8 +777,18 @@ def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
         A, B = Ca[k], Cb[k]
         if A is None or B is None:
             continue
-        Aw = A * _weights_like(A, r, k)
-        if keep:
+        w = _weights_like(A, r, k)
+        if not keep and not _is_torch(A) and A.dtype != object:
+            # weights split as sqrt(w) on both sides: A's Gram with itself is then one X X^T
+            # product, which NumPy computes exactly symmetric (syrk)
+            sw = np.sqrt(w)
+            Aw = A * sw
+            Bw = Aw if B is A else B * sw
+            Na, Nb = A.shape[0], B.shape[0]
+            X = Aw.reshape(Na, -1)
+            t = X @ (X if B is A else Bw.reshape(Nb, -1)).T
+        elif keep:
+            Aw = A * w
             if _is_torch(A):
                 import torch
 
@@ -781,7 +797,7 @@ def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
                 t = np.einsum("akI,bkI->abk", Aw, B)
         else:
             Na, Nb = A.shape[0], B.shape[0]
-            t = Aw.reshape(Na, -1) @ B.reshape(Nb, -1).T
+            t = (A * w).reshape(Na, -1) @ B.reshape(Nb, -1).T
         total = t if total is None else total + t
     return total
 
@@ -964,7 +980,7 @@ def _packed_cost(c: Canonical, K: int, r: int) -> tuple[float, int, int]:
     n = 2 ** len(c.stages)
     feats = K * sum(n_packed(r, k) for k in range(n + 1))
     trace = sum(r * n_packed(r, k) for k in range(n - 1))
-    flops += 2.0 * N * K * n * trace
+    flops += 2.0 * N * K * n * trace + 16.0 * n * n * trace  # sums, and sorted-index ranks
     # chaos coefficients next to the monomial ones, trace temporaries, sorted-index scratch
     peak = max(peak, P_in + Nw * feats + 4 * Nw * K * n_packed(r, max(n - 2, 0))
                + 8 * n * _max_block(r, max(n - 2, 0)))
@@ -1002,7 +1018,7 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
     # pair products (three with a similarity's triple), per chunk of outputs
     pair = sum(2.0 * Na * Nb * kc * n_packed(r, k) for k in range(n_max + 1))
     flops += 3 * pair * n_chunks
-    weights = 3 * n_packed(r, n_max) + Na * kc * n_packed(r, n_max)
+    weights = 3 * n_packed(r, n_max) + (Na + Nb) * kc * n_packed(r, n_max)
     result = 3 * Na * Nb * (K if keep else 1) * (2 if n_chunks > 1 else 1)
     memory = stored + peak + weights + result
     return ChaosEstimate(r=r, degree=deg, n_features=n_features, flops=flops,
