@@ -217,9 +217,10 @@ def test_paths_three_blocks_sum_exactly():
 
 def test_paths_three_blocks_list_costs():
     rng = np.random.default_rng(9)
-    # width 16: the depth-3 path has 46 206 736 Wick configurations and a degree-8 chaos
-    # expansion of 16**8 coefficients per output (at width 2 the chaos strategy computes it)
-    net = rational_residual(rng, n_blocks=3, d=16, m=16, H=1, O=1)
+    # width 48: the depth-3 path has 46 206 736 Wick configurations and its degree-8 chaos
+    # expansion needs about 1.7e12 FLOPs even in packed storage (at width 16 the chaos
+    # strategy now computes it, in about a minute; at width 2 in milliseconds)
+    net = rational_residual(rng, n_blocks=3, d=48, m=48, H=1, O=1)
     pd = dc.paths(net.astype_float(), check=False)
     assert pd.over_budget == ["1+2+3"]           # depth 3: refused by the planner
     assert "REFUSED" in pd.cost[-1]

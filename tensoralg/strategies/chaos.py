@@ -16,25 +16,38 @@ So the Gaussian inner product is the Euclidean inner product of per-model featur
 ``k+2m`` indices, since ``z^{(x)n}`` has Hermite expansion over partial pairings).
 
 The monomial coefficients are built from the weights by propagating each lifted activation as a
-polynomial (lists of coefficient arrays ``(N, units, r**j)``, unsymmetrized) through the bilinear
-stages; only the output is symmetrized. Never sampled.
+polynomial through the bilinear stages, never sampled. Every coefficient is stored in packed
+symmetric form (its values at sorted index tuples, ``C(r+k-1, k)`` of them instead of ``r**k``)
+and symmetrized as it is formed: a stage's output unit ``o`` is ``sum_h D[o,h] (L P)_h (R P)_h``,
+whose order-``(i+j)`` coefficient is ``Sym`` of a product block ``Y_o (pk_i, pk_j)``, gathered at
+the packed positions (:func:`_gather_index`). A later stage whose input (width ``u``) is narrower
+than its hidden layer (``H``, e.g. behind a residual) forms ``Y_o = P_i^T T_o P_j`` with the
+``u x u`` matrix ``T_o = Sym(L^T diag(D_o) R)`` instead of a sum over ``H`` hidden units.
 
 Inputs behind embeddings: the joint input ``(E_a x, E_b x, ...)`` of all models is Gaussian with
 covariance ``G = [E_a; E_b; ...][E_a; E_b; ...]^T`` of rank ``r <= min(d, sum m)``; writing
 ``G = K K^T`` (eigendecomposition) the models' embeddings ``E_i`` are replaced by the rows ``K_i``
 of ``K`` and every network is expanded in ``z ~ N(0, I_r)``: the joint law, hence every inner
 product, is unchanged. Whitening needs square roots, so the exact (rational) backend expands in
-``x`` itself (``r = d``).
+``x`` itself (``r = d``). One model per side behind narrow embeddings is expanded densely in its
+own embedded coordinates and paired through ``E_a E_b^T`` (:func:`features`,
+:func:`inner_metric`).
 
-Costs (dense storage; symmetric tensors are stored in full, ``r**k`` entries):
-depth 1: ``O(K H r^2)`` per model, ``O(K r^2)`` per pair; depth 2: ``O(K H r^4)`` per model.
-The planner compares them with the Wick strategy (polynomial in the hidden widths instead).
+Costs (packed): depth 1 ``O(K H r^2)`` per model and ``O(K r^2 / 2)`` per pair; depth 2 (input
+width ``u`` of the second stage) ``O(K u r^4 / 4)`` per model (the ``pk(2) x pk(2)`` product
+block, ``pk(2) = r(r+1)/2``) and ``O(K r^4 / 24)`` per pair. Outputs are expanded in chunks, so
+a pair never holds more than a few hundred MB of coefficients (:data:`FEATURE_ELEMENTS`,
+:data:`WORK_ELEMENTS`). The planner compares this with the Wick strategy (polynomial in the
+hidden widths instead) from the same cost model (:func:`_stage_plan`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
+from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -42,8 +55,8 @@ import numpy as np
 from ..canonical import Canonical, Stage
 from . import chaos_depth1
 
-__all__ = ["ChaosEstimate", "estimate", "whiten", "features", "inner_from_features",
-           "cross"]
+__all__ = ["ChaosEstimate", "estimate", "whiten", "features", "packed_features",
+           "inner_packed", "inner_metric", "n_packed", "multiset_weights", "cross", "triple"]
 
 
 @dataclass
@@ -53,7 +66,8 @@ class ChaosEstimate:
     Attributes:
         r: dimension of the (whitened) Gaussian input the expansion lives in.
         degree: the highest chaos order (``2**depth``).
-        n_features: coefficients per model (all outputs, dense symmetric storage).
+        n_features: coefficients per model (all outputs; packed symmetric storage, dense
+            ``m**k`` per order on the metric path).
         flops: floating-point operations (features of every model plus all pair products).
         memory_elements: upper bound on the elements alive at once.
         whitened: whether the joint input covariance was whitened (``r < d``).
@@ -77,7 +91,9 @@ class ChaosEstimate:
         if self.metric:
             w = (f"each model in its embedded coordinates (m = {self.r}), paired through "
                  f"E_a E_b^T")
-        return (f"chaos: degree {self.degree}, {w}, {self.n_features:,} coefficients per model, "
+        kind = "dense" if self.metric else "packed"
+        return (f"chaos: degree {self.degree}, {w}, {self.n_features:,} {kind} coefficients per "
+                f"model, "
                 f"{self.flops:.3g} FLOPs, peak about {self.memory_elements:,} elements")
 
 
@@ -291,25 +307,498 @@ def features(can: Canonical, U, r: int) -> list:
     return C
 
 
-def inner_from_features(Ca: list, Cb: list, keep: bool, exact: bool):
-    """``sum_k k! <C_k^a, C_k^b>`` for every pair of models: ``(N_a, N_b)`` or
-    ``(N_a, N_b, K)`` with ``keep``."""
+# ----------------------------------------------------------------------------------------
+# packed symmetric storage
+# ----------------------------------------------------------------------------------------
+#
+# A symmetric order-n tensor over r coordinates is stored by its values at the sorted index
+# tuples a_0 <= a_1 <= ... <= a_{n-1} (multisets), C(r+n-1, n) of them instead of r**n. The
+# multisets are ordered by the combinatorial number system: a multiset maps to the strictly
+# increasing b_t = a_t + t, whose colexicographic rank is sum_t C(b_t, t+1) (Knuth, TAOCP
+# 7.2.1.3, Theorem L). Frobenius products of symmetric tensors weight each stored value by the
+# number of index tuples it stands for, n! / prod(multiplicity!).
+
+def n_packed(r: int, n: int) -> int:
+    """Number of multisets of size ``n`` over ``r`` coordinates, ``C(r+n-1, n)``."""
+    return math.comb(r + n - 1, n)
+
+
+@lru_cache(maxsize=16)
+def _binom_table(M: int, s: int) -> np.ndarray:
+    """``C(x, t)`` for ``0 <= x < M``, ``0 <= t <= s`` (int64)."""
+    T = np.zeros((M, s + 1), dtype=np.int64)
+    for x in range(M):
+        for t in range(min(x, s) + 1):
+            T[x, t] = math.comb(x, t)
+    return T
+
+
+def _rank(alpha: np.ndarray, r: int) -> np.ndarray:
+    """Packed index of each sorted row of ``alpha (rows, s)`` over ``r`` coordinates (int64)."""
+    rows, s = alpha.shape
+    if s == 0:
+        return np.zeros(rows, dtype=np.int64)
+    T = _binom_table(r + s, s)
+    out = T[alpha[:, 0], 1].copy()
+    for t in range(1, s):
+        out += T[alpha[:, t] + t, t + 1]
+    return out
+
+
+@lru_cache(maxsize=32)
+def _combos(M: int, s: int) -> np.ndarray:
+    """All ``b_0 < ... < b_{s-1}`` in ``[0, M)`` in colexicographic order, ``(C(M, s), s)``.
+
+    The combinations with largest element ``m`` are the ``C(m, s-1)`` first combinations of
+    size ``s-1`` followed by ``m``."""
+    if s == 0:
+        return np.zeros((1, 0), dtype=np.int32)
+    prev = _combos(M, s - 1)
+    ms = np.arange(s - 1, M)
+    counts = np.array([math.comb(int(m), s - 1) for m in ms], dtype=np.int64)
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    rows = np.arange(total, dtype=np.int64) - starts
+    out = np.empty((total, s), dtype=np.int32)
+    out[:, :s - 1] = prev[rows]
+    out[:, s - 1] = np.repeat(ms, counts)
+    return out
+
+
+#: Multisets handled per gather block (bounds the index arrays of a symmetrization).
+BLOCK_ROWS = 1 << 16
+
+
+def _block_bounds(r: int, n: int):
+    """Yield ``(lo, hi)``: the blocks of :func:`_multiset_blocks` hold the multisets whose
+    largest element lies in ``[lo, hi)`` (about :data:`BLOCK_ROWS` multisets, at least one
+    value of the largest element per block)."""
+    if n == 0:
+        yield 0, r
+        return
+    lo = 0
+    while lo < r:
+        hi, rows = lo, 0
+        while hi < r and (rows == 0 or rows + math.comb(hi + n - 1, n - 1) <= BLOCK_ROWS):
+            rows += math.comb(hi + n - 1, n - 1)  # multisets whose largest element is hi
+            hi += 1
+        yield lo, hi
+        lo = hi
+
+
+def _multiset_blocks(r: int, n: int):
+    """Yield ``(start, alpha)``: the sorted multisets of size ``n`` over ``r`` coordinates in
+    packed order, in the blocks of :func:`_block_bounds` (``alpha (rows, n)`` int32).
+
+    In colexicographic order the multisets whose largest element is ``m`` are the
+    ``C(m+n-1, n-1)`` first multisets of size ``n-1``, followed by ``m``."""
+    if n == 0:
+        yield 0, np.zeros((1, 0), dtype=np.int32)
+        return
+    prev = _combos(r + n - 2, n - 1) if n > 1 else np.zeros((1, 0), dtype=np.int32)
+    shift = np.arange(n, dtype=np.int32)
+    for lo, hi in _block_bounds(r, n):
+        parts = []
+        for m in range(lo, hi):
+            c = math.comb(m + n - 1, n - 1)
+            blk = np.empty((c, n), dtype=np.int32)
+            blk[:, :n - 1] = prev[:c]
+            blk[:, n - 1] = m + n - 1
+            parts.append(blk)
+        b = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        yield n_packed(lo, n), b - shift
+
+
+def multiset_weights(r: int, n: int) -> np.ndarray:
+    """``n! / prod(multiplicity!)`` for every multiset of size ``n`` (packed order, int64):
+    the number of index tuples a packed value stands for."""
+    out = np.empty(n_packed(r, n), dtype=np.int64)
+    for start, a in _multiset_blocks(r, n):
+        denom = np.ones(len(a), dtype=np.int64)
+        run = np.ones(len(a), dtype=np.int64)
+        for t in range(1, n):
+            run = np.where(a[:, t] == a[:, t - 1], run + 1, 1)
+            denom *= run
+        out[start:start + len(a)] = math.factorial(n) // denom
+    return out
+
+
+def _take(X, idx):
+    """``X[..., idx]`` on NumPy or torch."""
+    if _is_torch(X):
+        import torch
+
+        return X[..., torch.as_tensor(idx, device=X.device)]
+    return np.take(X, idx, axis=-1)
+
+
+#: Gather indices kept between calls (bytes, all entries together): the products of every
+#: stage and model of a call, and of later calls at the same width, reuse them.
+INDEX_CACHE_BYTES = 64 << 20
+_index_cache: dict = {}
+
+
+def _gather_index(r: int, i: int, j: int, half: bool) -> list:
+    """:func:`_build_gather_index`, kept in a small cache (:data:`INDEX_CACHE_BYTES`)."""
+    key = (r, i, j, bool(half), BLOCK_ROWS)
+    hit = _index_cache.get(key)
+    if hit is not None:
+        return hit
+    idx = _build_gather_index(r, i, j, half)
+    size = sum(f.nbytes for _, f, _ in idx)
+    if size <= INDEX_CACHE_BYTES:
+        while _index_cache and size + sum(sum(f.nbytes for _, f, _ in v)
+                                          for v in _index_cache.values()) > INDEX_CACHE_BYTES:
+            _index_cache.pop(next(iter(_index_cache)))  # oldest first
+        _index_cache[key] = idx
+    return idx
+
+
+def _build_gather_index(r: int, i: int, j: int, half: bool) -> list:
+    """Where the symmetrization of a product block reads: ``[(start, flat, window)]`` per
+    block of multisets ``alpha`` of size ``n = i + j``, ``flat (n_sets, rows)`` the flattened
+    positions ``(alpha_S, alpha_{S^c})`` of a ``(pk(i), pk(j))`` block for each set ``S`` of
+    ``i`` positions.
+
+    ``Sym(A (x) B)`` at a sorted multiset ``alpha`` is the mean over the ``C(n, i)`` sets ``S``
+    of ``A[alpha_S] B[alpha_{S^c}]`` (each permutation of the ``n`` positions gives one split,
+    ``i! j!`` times), and sub-multisets of a sorted tuple are sorted.
+
+    ``half`` (a symmetric block, ``i == j``): only the sets that contain the last position are
+    read, so ``alpha_S`` holds the largest element of ``alpha``; a block of multisets whose
+    largest element lies in ``[lo, hi)`` then reads only the rows of ``window = (row0, rows,
+    cols)``: ``alpha_S`` with largest element in ``[lo, hi)``, ``alpha_{S^c}`` below ``hi``,
+    and ``flat`` indexes that window. ``window`` is None otherwise (the whole block)."""
+    n = i + j
+    pj = n_packed(r, j)
+    half = half and n > 0
+    subsets = [S for S in itertools.combinations(range(n), i) if not half or (n - 1) in S]
+    dt = np.int32 if n_packed(r, i) * pj < 2 ** 31 else np.int64
+    out = []
+    bounds = list(_block_bounds(r, n))
+    for (start, a), (lo, hi) in zip(_multiset_blocks(r, n), bounds):
+        flat = np.empty((len(subsets), len(a)), dtype=dt)
+        window = None
+        if half:
+            row0 = n_packed(lo, i)
+            window = (row0, n_packed(hi, i) - row0, n_packed(hi, j))
+        for q, S in enumerate(subsets):
+            Sc = [p for p in range(n) if p not in S]
+            if half:
+                flat[q] = (_rank(a[:, list(S)], r) - window[0]) * window[2] + _rank(a[:, Sc], r)
+            else:
+                flat[q] = _rank(a[:, list(S)], r) * pj + _rank(a[:, Sc], r)
+        out.append((start, flat, window))
+    return out
+
+
+def _windows(r: int, n: int, i: int) -> list[tuple[int, int, int]]:
+    """The ``window``s of :func:`_gather_index` with ``half`` (from the sizes alone)."""
+    return [(n_packed(lo, i), n_packed(hi, i) - n_packed(lo, i), n_packed(hi, n - i))
+            for lo, hi in _block_bounds(r, n)]
+
+
+def _sym_product(Y, index: list, scale, out) -> None:
+    """Add ``scale`` times the sum over the index sets of :func:`_gather_index` of the product
+    block ``Y (..., pk(i), pk(j))`` to the packed ``out (..., pk(i+j))``, in place (``scale``
+    ``1/n_sets`` gives the symmetrization)."""
+    Yf = Y.reshape(Y.shape[:-2] + (-1,))
+    for start, flat, _ in index:
+        acc = None
+        for q in range(len(flat)):
+            v = _take(Yf, flat[q])
+            acc = v if acc is None else acc + v
+        out[..., start:start + flat.shape[1]] += acc * scale
+
+
+def _trace_packed(M, n: int, r: int):
+    """Contract one pair of indices of the packed symmetric ``M (..., pk(n))``:
+    ``(..., pk(n-2))`` with ``tr(M)[beta] = sum_t M[sort(beta + (t, t))]``."""
+    out = None
+    for start, beta in _multiset_blocks(r, n - 2):
+        acc = None
+        for t in range(r):
+            tt = np.full((len(beta), 2), t, dtype=np.int32)
+            g = np.sort(np.concatenate([beta, tt], axis=1), axis=1)
+            v = _take(M, _rank(g, r))
+            acc = v if acc is None else acc + v
+        if out is None:
+            if start == 0 and len(beta) == n_packed(r, n - 2):
+                out = acc
+                continue
+            out = _alloc_like(M, M.shape[:-1] + (n_packed(r, n - 2),))
+        out[..., start:start + len(beta)] = acc
+    return out
+
+
+def _alloc_like(X, shape):
+    if _is_torch(X):
+        import torch
+
+        return torch.zeros(shape, dtype=X.dtype, device=X.device)
+    if X.dtype == object:
+        z = np.empty(shape, dtype=object)
+        z.fill(Fraction(0))
+        return z
+    return np.zeros(shape, dtype=X.dtype)
+
+
+#: Elements of one product block ``(N, outputs, pk(i), pk(j))``: outputs are taken in chunks
+#: that keep it near this size (64 MB in float64), one output at a time at least.
+WORK_ELEMENTS = 1 << 23
+
+
+@dataclass
+class _StagePlan:
+    """How one bilinear stage is expanded in packed form, and what it costs."""
+
+    form: str          # "H": products over hidden units; "T": over pairs of input units
+    pairs: list        # (i, j) degree pairs whose product blocks are formed
+    chunk: int         # outputs per product block
+    flops: float
+    peak: int          # elements alive at once during the stage (its input excluded)
+    out_elems: int     # elements of its output polynomial vector
+
+
+#: Force the form of every later stage ("H" or "T"; tests of both code paths). None: cheaper.
+_FORCE_FORM: str | None = None
+
+
+def _n_sets(i: int, j: int, half: bool) -> int:
+    n = i + j
+    return math.comb(n, i) // 2 if half and n > 0 else math.comb(n, i)
+
+
+def _max_block(r: int, n: int) -> int:
+    """Rows of the largest block of :func:`_multiset_blocks`."""
+    if n == 0:
+        return 1
+    return min(n_packed(r, n), max(BLOCK_ROWS, math.comb(r + n - 2, n - 1)))
+
+
+def _block_elems(r: int, i: int, j: int, largest: bool = False) -> int:
+    """Elements of the T-form product block ``(i, j)``, ``i <= j``: all of it, or its windows
+    for ``i = j`` (the largest window with ``largest``)."""
+    if i != j or i == 0:
+        return n_packed(r, i) * n_packed(r, j)
+    sizes = [rows * cols for _, rows, cols in _windows(r, i + j, i)]
+    return max(sizes) if largest else sum(sizes)
+
+
+def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: int,
+                first: bool) -> _StagePlan:
+    """Cost model of :func:`_packed_stage` (the computation follows it; the planner sums it).
+
+    Output unit ``o`` of the stage is ``sum_h D[o,h] (L P)_h (R P)_h``, whose order-``(i+j)``
+    coefficient is the symmetrization of a product block ``Y_o (pk_i, pk_j)``.
+    H-form: apply the forms, ``A_i = L P_i``, ``B_j = R P_j`` ``(H, pk)``, and
+    ``Y_o = A_i^T diag(D_o) B_j`` (``2 H pk_i pk_j`` per output and ordered pair).
+    T-form (a later stage whose input is narrower than its hidden layer):
+    ``T_o = Sym(L^T diag(D_o) R)`` ``(u_in, u_in)`` and ``Y_o = P_i^T T_o P_j``
+    (``2 u_in pk_i pk_j`` per output); with ``T_o`` symmetric the blocks ``(i, j)`` and
+    ``(j, i)`` symmetrize to the same tensor and ``Y_o`` is symmetric for ``i = j``, so only
+    ``i <= j`` is formed, and for ``i = j`` only the windows of :func:`_gather_index` (about
+    half of the block, a few rows at a time)."""
+    pk = {i: n_packed(r, i) for i in degs_in}
+    degs_out = sorted({i + j for i in degs_in for j in degs_in})
+    out_elems = N * u_out * sum(n_packed(r, n) for n in degs_out)
+    all_pairs = [(i, j) for i in degs_in for j in degs_in]
+    half_pairs = [(i, j) for i, j in all_pairs if i <= j]
+
+    def gathers(pairs, half):
+        return sum(_n_sets(i, j, half and i == j) * n_packed(r, i + j) for i, j in pairs)
+
+    fl_H = (0.0 if first else 2 * 2.0 * N * H * u_in * sum(pk.values()))
+    fl_H += sum(N * u_out * (H * min(pk[i], pk[j]) + 2.0 * H * pk[i] * pk[j])
+                for i, j in all_pairs)
+    fl_H += 2.0 * N * u_out * gathers(all_pairs, False)
+    fl_T = float("inf")
+    if not first:
+        fl_T = 2.0 * N * u_out * H * u_in ** 2 + N * u_out * H * u_in + N * u_out * u_in ** 2
+        fl_T += sum(2.0 * N * u_out * u_in ** 2 * pk[j] for j in degs_in)
+        fl_T += sum(2.0 * N * u_out * u_in * _block_elems(r, i, j) for i, j in half_pairs)
+        fl_T += 2.0 * N * u_out * gathers(half_pairs, True)
+    form = "T" if fl_T < fl_H else "H"
+    if _FORCE_FORM is not None and not first:
+        form = _FORCE_FORM
+    pairs = half_pairs if form == "T" else all_pairs
+    if form == "H":
+        per_out = N * max(pk[i] * pk[j] + H * min(pk[i], pk[j]) for i, j in pairs)
+        forms = 0 if first else 2 * N * H * sum(pk.values())
+    else:
+        per_out = N * (max(_block_elems(r, i, j, largest=True) for i, j in pairs)
+                       + u_in * H + 2 * u_in ** 2 + u_in * sum(pk.values()))
+        forms = 0
+    chunk = max(1, min(u_out, WORK_ELEMENTS // max(1, per_out)))
+    index = sum(_n_sets(i, j, form == "T" and i == j) * n_packed(r, i + j)
+                for i, j in pairs)  # int32 or int64: counted as 8 bytes each
+    blk = max(_max_block(r, n) for n in degs_out)
+    gather = 4 * N * chunk * blk + 4 * blk * max(degs_out)
+    peak = forms + chunk * per_out + gather + index + out_elems
+    # building the gather indices (ranks of every index set; cached between calls when small)
+    build = sum(8.0 * (i + j) * _n_sets(i, j, form == "T" and i == j) * n_packed(r, i + j)
+                for i, j in pairs)
+    return _StagePlan(form, pairs, chunk, (fl_T if form == "T" else fl_H) + build, peak,
+                      out_elems)
+
+
+def _mm(X, Y):
+    return X @ Y
+
+
+def _tr(X):
+    """Swap the last two axes (NumPy or torch)."""
+    return X.transpose(-1, -2) if _is_torch(X) else X.swapaxes(-1, -2)
+
+
+def _packed_stage(st: Stage, P, D, r: int, exact: bool, n_in: int):
+    """One bilinear stage on a packed polynomial vector ``P = [(N, u_in, pk(i))]_i`` (None: the
+    lifted input ``(1, z)``) of degree at most ``n_in``; ``D (N, u_out, H)``. Returns
+    ``[(N, u_out, pk(n))]_n`` (None: a coefficient that vanishes identically), following
+    :func:`_stage_plan` (planned for every degree up to ``n_in``, as the planner does)."""
+    N, u_out, H = D.shape
+    first = P is None
+    u_in = st.L.shape[2]
+    plan = _stage_plan(N, H, u_in, u_out, list(range(n_in + 1)), r, first)
+    degs = [0, 1] if first else [i for i, Pi in enumerate(P) if Pi is not None]
+    pairs = [(i, j) for i, j in plan.pairs if i in degs and j in degs]
+    plan.pairs = pairs
+    out: list = [None] * (2 * max(degs) + 1)
+    for i, j in plan.pairs:
+        if out[i + j] is None:
+            out[i + j] = _alloc_like(st.L, (N, u_out, n_packed(r, i + j)))
+    if plan.form == "H":
+        if first:
+            A = {0: st.L[..., :1], 1: st.L[..., 1:]}
+            B = {0: st.R[..., :1], 1: st.R[..., 1:]}
+        else:
+            A = {i: _mm(st.L, P[i]) for i in degs}
+            B = {i: _mm(st.R, P[i]) for i in degs}
+    half = plan.form == "T"
+    index = {(i, j): _gather_index(r, i, j, half and i == j) for i, j in plan.pairs}
+    if _is_torch(st.L):
+        import torch
+
+        index = {k: [(s0, torch.as_tensor(f.astype(np.int64), device=st.L.device), w)
+                     for s0, f, w in v] for k, v in index.items()}
+    one = Fraction(1) if exact else 1.0
+    for o0 in range(0, u_out, plan.chunk):
+        Dc = D[:, o0:o0 + plan.chunk, :]  # (N, c, H)
+        if plan.form == "T":
+            T = _mm(_tr(st.L)[:, None, :, :] * Dc[:, :, None, :], st.R[:, None, :, :])
+            T = (T + _tr(T)) * (one / 2)                         # (N, c, u_in, u_in)
+            TP = {j: _mm(T, P[j][:, None, :, :]) for j in degs}  # (N, c, u_in, pk_j)
+            del T
+        for i, j in plan.pairs:
+            n_sets = index[(i, j)][0][1].shape[0]
+            scale = one * (2 if half and i != j else 1) / n_sets
+            if index[(i, j)][0][2] is not None:  # symmetric block: window by window
+                Pt = _tr(P[i])[:, None, :, :]
+                for blk in index[(i, j)]:
+                    row0, rows, cols = blk[2]
+                    Y = _mm(Pt[:, :, row0:row0 + rows, :], TP[j][..., :cols])
+                    _sym_product(Y, [blk], scale, out[i + j][:, o0:o0 + Y.shape[1]])
+                    del Y
+                continue
+            if plan.form == "T":
+                Y = _mm(_tr(P[i])[:, None, :, :], TP[j])
+            else:
+                Ai = _tr(A[i])[:, None, :, :]  # (N, 1, pk_i, H)
+                Bj = B[j][:, None, :, :]       # (N, 1, H, pk_j)
+                if A[i].shape[-1] <= B[j].shape[-1]:
+                    Y = _mm(Ai * Dc[:, :, None, :], Bj)
+                else:
+                    Y = _mm(Ai, Bj * Dc[:, :, :, None])
+            _sym_product(Y, index[(i, j)], scale, out[i + j][:, o0:o0 + Y.shape[1]])
+            del Y
+        if plan.form == "T":
+            del TP
+    return out
+
+
+def packed_features(can: Canonical, U, r: int) -> list:
+    """Chaos coefficients ``[C_0, ..., C_n]`` of every model of a (folded) stack in packed
+    symmetric storage, each ``(N, K, C(r+k-1, k))``, for the outputs projected by ``U (K, O)``;
+    ``None`` for an order that vanishes identically. Pair them with :func:`inner_packed`.
+
+    The lifted polynomial vector is propagated stage by stage with every coefficient
+    symmetrized as it is formed (:func:`_packed_stage`), so nothing of size ``r**n`` is built;
+    then ``C_k = sum_m (k+2m)!/(k! m! 2^m) tr^m(M_{k+2m})`` (DESIGN §3.6) with packed traces.
+    Source: as :func:`features`.
+    """
+    exact = can.exact
+    Ucast = U if not exact else np.asarray(U, dtype=object)
+    if not can.stages:
+        W = Ucast[None] @ can.linear[:, 1:, :]
+        return [W[..., :1], W[..., 1:]]
+    if can.embed is not None:
+        raise ValueError("packed_features expands a folded stack (call whiten first)")
+    P = None
+    for s, st in enumerate(can.stages):
+        D = st.D
+        if s == len(can.stages) - 1:
+            D = Ucast[None] @ D[:, 1:, :]
+        P = _packed_stage(st, P, D, r, exact, 2 ** s)
+    n_max = len(P) - 1
+    C: list = []
+    for k in range(n_max + 1):
+        acc = None
+        for m in range((n_max - k) // 2 + 1):
+            t = P[k + 2 * m]
+            if t is None:
+                continue
+            for step in range(m):
+                t = _trace_packed(t, k + 2 * (m - step), r)
+            coef = math.factorial(k + 2 * m) // (math.factorial(k) * math.factorial(m) * 2 ** m)
+            if coef != 1:
+                t = t * coef
+            acc = t if acc is None else acc + t
+        C.append(acc)
+    return C
+
+
+def _weights_like(X, r: int, k: int):
+    """``k! * k!/prod(mult!)`` per packed coefficient of order ``k``, as ``X``'s kind."""
+    w = multiset_weights(r, k) * math.factorial(k)
+    if _is_torch(X):
+        import torch
+
+        return torch.as_tensor(w, dtype=X.dtype, device=X.device)
+    if X.dtype == object:
+        return np.array([int(v) for v in w], dtype=object)
+    return w.astype(np.float64)
+
+
+def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
+    """``sum_k k! <C_k^a, C_k^b>_F`` from packed coefficients: ``(N_a, N_b)`` or
+    ``(N_a, N_b, K)`` with ``keep`` (each packed value weighted by the index tuples it stands
+    for)."""
     total = None
     for k in range(min(len(Ca), len(Cb))):
         A, B = Ca[k], Cb[k]
         if A is None or B is None:
             continue
-        if keep:
+        w = _weights_like(A, r, k)
+        if not keep and not _is_torch(A) and A.dtype != object:
+            # weights split as sqrt(w) on both sides: A's Gram with itself is then one X X^T
+            # product, which NumPy computes exactly symmetric (syrk)
+            sw = np.sqrt(w)
+            Aw = A * sw
+            Bw = Aw if B is A else B * sw
+            Na, Nb = A.shape[0], B.shape[0]
+            X = Aw.reshape(Na, -1)
+            t = X @ (X if B is A else Bw.reshape(Nb, -1)).T
+        elif keep:
+            Aw = A * w
             if _is_torch(A):
                 import torch
 
-                t = torch.einsum("akI,bkI->abk", A, B)
+                t = torch.einsum("akI,bkI->abk", Aw, B)
             else:
-                t = np.einsum("akI,bkI->abk", A, B)
+                t = np.einsum("akI,bkI->abk", Aw, B)
         else:
             Na, Nb = A.shape[0], B.shape[0]
-            t = A.reshape(Na, -1) @ B.reshape(Nb, -1).T
-        t = t * math.factorial(k)
+            t = (A * w).reshape(Na, -1) @ B.reshape(Nb, -1).T
         total = t if total is None else total + t
     return total
 
@@ -371,26 +860,48 @@ def _metric_triple(ca: Canonical, cb: Canonical, U, keep: bool, conv, want_self:
 #: widths of real checkpoints, while the features of all models are kept.
 FEATURE_CHUNK = 32
 
+#: Stored chaos coefficients of all models of one call (elements): outputs are expanded in
+#: chunks that keep them under this (256 MB in float64), one output at a time at least, and
+#: the pair products are summed over the chunks.
+FEATURE_ELEMENTS = 1 << 25
 
-def _features_on(cans: list[Canonical], U: np.ndarray, r: int, conv) -> list[list]:
+
+def _degrees(c: Canonical) -> int:
+    return 2 ** c.depth if c.stages else 1
+
+
+def _output_chunk(cans: list[Canonical], K: int, r: int) -> int:
+    """Outputs expanded together (:data:`FEATURE_ELEMENTS`)."""
+    per = sum(c.arrays()[0].shape[0] * sum(n_packed(r, k) for k in range(_degrees(c) + 1))
+              for c in cans)
+    return max(1, min(K, FEATURE_ELEMENTS // max(1, per)))
+
+
+def _features_on(cans: list[Canonical], U, r: int, conv) -> list[list]:
+    """Packed chaos coefficients of every model of every (folded) stack for the outputs
+    ``U``, expanded :data:`FEATURE_CHUNK` models at a time into preallocated arrays."""
     out = []
     for c in cans:
         if conv is None and chaos_depth1.applies(c):  # closed form, no work arrays
             out.append(chaos_depth1.features(c, U))
             continue
         N = c.arrays()[0].shape[0]
-        parts = []
-        for i0 in range(0, N, FEATURE_CHUNK):
-            sub = c.sub(slice(i0, min(N, i0 + FEATURE_CHUNK))) if N > FEATURE_CHUNK else c
-            parts.append(features(sub, U, r) if conv is None else
-                         features(sub.map(conv), conv(U), r))
-        if len(parts) == 1:
-            out.append(parts[0])
+        if N <= FEATURE_CHUNK:
+            out.append(packed_features(c if conv is None else c.map(conv),
+                                       U if conv is None else conv(U), r))
             continue
-        cat = (lambda xs: np.concatenate(xs, axis=0)) if conv is None else (
-            lambda xs: __import__("torch").cat(xs, dim=0))
-        out.append([None if parts[0][k] is None else cat([p[k] for p in parts])
-                    for k in range(len(parts[0]))])
+        full: list = []
+        for i0 in range(0, N, FEATURE_CHUNK):
+            sub = c.sub(slice(i0, min(N, i0 + FEATURE_CHUNK)))
+            part = packed_features(sub if conv is None else sub.map(conv),
+                                   U if conv is None else conv(U), r)
+            if not full:
+                full = [None if x is None else _alloc_like(x, (N,) + tuple(x.shape[1:]))
+                        for x in part]
+            for k, x in enumerate(part):
+                if x is not None:
+                    full[k][i0:i0 + x.shape[0]] = x
+        out.append(full)
     return out
 
 
@@ -402,6 +913,27 @@ def _result(X, shape, exact):
     return X
 
 
+def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list):
+    """``sum_k k! <C_k^x, C_k^y>`` for each pair ``(x, y)`` of stack indices in ``pairs``,
+    with the outputs expanded in chunks (:func:`_output_chunk`): summed over the chunks, or
+    joined along the output axis with ``keep``."""
+    K = U.shape[0]
+    kc = _output_chunk(cans, K, r)
+    exact = cans[0].exact
+    res: list = [[] for _ in pairs]
+    for k0 in range(0, K, kc):
+        F = _features_on(cans, U[k0:k0 + kc], r, conv)
+        for q, (x, y) in enumerate(pairs):
+            shape = (cans[x].arrays()[0].shape[0], cans[y].arrays()[0].shape[0]) + (
+                (min(K, k0 + kc) - k0,) if keep else ())
+            res[q].append(_result(inner_packed(F[x], F[y], r, keep), shape, exact))
+        del F
+    if keep:
+        return [np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+                for parts in res]
+    return [sum(parts[1:], parts[0]) for parts in res]
+
+
 def cross(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, same: bool = False,
           conv=None):
     """Exact cross Gram ``<a_i, b_j>`` ``(N_a, N_b[, K])`` of two stacks through their chaos
@@ -411,42 +943,98 @@ def cross(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, same: bool = 
     if not same and metric_applies(ca, cb):
         return _metric_triple(ca, cb, U, keep, conv, False)[1]
     cans, r = whiten([ca] if same else [ca, cb], exact)
-    F = _features_on(cans, U, r, conv)
-    Ca = F[0]
-    Cb = Ca if same else F[1]
-    shape = (ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]) + ((U.shape[0],) if keep else ())
-    return _result(inner_from_features(Ca, Cb, keep, exact), shape, exact)
+    return _chunked(cans, U, keep, r, conv, [(0, 0)] if same else [(0, 1)])[0]
 
 
 def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, conv=None):
     """``(<a,a>, <a,b>, <b,b>)`` of two stacks from one expansion of each (one joint
     whitening), for similarities."""
-    exact = ca.exact
     if metric_applies(ca, cb):
         return tuple(_metric_triple(ca, cb, U, keep, conv, True))
-    cans, r = whiten([ca, cb], exact)
-    Ca, Cb = _features_on(cans, U, r, conv)
-    Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
-    K = (U.shape[0],) if keep else ()
-    return (_result(inner_from_features(Ca, Ca, keep, exact), (Na, Na) + K, exact),
-            _result(inner_from_features(Ca, Cb, keep, exact), (Na, Nb) + K, exact),
-            _result(inner_from_features(Cb, Cb, keep, exact), (Nb, Nb) + K, exact))
+    cans, r = whiten([ca, cb], ca.exact)
+    return tuple(_chunked(cans, U, keep, r, conv, [(0, 0), (0, 1), (1, 1)]))
 
 
 # ----------------------------------------------------------------------------------------
 # cost estimate (from shapes alone)
 # ----------------------------------------------------------------------------------------
 
+def _packed_cost(c: Canonical, K: int, r: int) -> tuple[float, int, int]:
+    """``(flops, peak, coefficients per model)`` of :func:`packed_features` on the folded
+    stack ``c`` (all models, in chunks of :data:`FEATURE_CHUNK`) for ``K`` outputs; ``peak``
+    in elements for one chunk of models, the features it returns included."""
+    N = c.arrays()[0].shape[0]
+    Nw = min(N, FEATURE_CHUNK)
+    if not c.stages:
+        feats = K * (r + 1)
+        return 2.0 * N * K * c.linear.shape[1] * (r + 1), 2 * Nw * feats, feats
+    flops, peak, P_in = 0.0, 0, 0
+    for s, st in enumerate(c.stages):
+        last = s == len(c.stages) - 1
+        H, u_in = st.L.shape[-2], st.L.shape[-1]
+        if c.embed is not None and s == 0:  # folded by whiten: the first stage reads r + 1
+            u_in = r + 1
+        u_out = K if last else st.D.shape[-2]
+        if last:
+            flops += 2.0 * N * K * st.D.shape[-2] * H
+        sp = _stage_plan(Nw, H, u_in, u_out, list(range(2 ** s + 1)), r, s == 0)
+        flops += sp.flops * (N / Nw)
+        peak = max(peak, P_in + sp.peak + (Nw * K * H if last else 0))
+        P_in = sp.out_elems
+    n = 2 ** len(c.stages)
+    feats = K * sum(n_packed(r, k) for k in range(n + 1))
+    trace = sum(r * n_packed(r, k) for k in range(n - 1))
+    flops += 2.0 * N * K * n * trace + 16.0 * n * n * trace  # sums, and sorted-index ranks
+    # chaos coefficients next to the monomial ones, trace temporaries, sorted-index scratch
+    peak = max(peak, P_in + Nw * feats + 4 * Nw * K * n_packed(r, max(n - 2, 0))
+               + 8 * n * _max_block(r, max(n - 2, 0)))
+    return flops, peak, feats
+
+
 def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
              exact: bool) -> ChaosEstimate:
-    """FLOPs and peak memory of :func:`cross`, from the shapes alone (nothing allocated)."""
+    """FLOPs and peak memory of :func:`cross` (and :func:`triple`), from the shapes alone
+    (nothing allocated)."""
     cans = [ca] if same else [ca, cb]
-    metric = not same and metric_applies(ca, cb)
+    Na = ca.arrays()[0].shape[0]
+    Nb = cb.arrays()[0].shape[0]
+    deg = 2 ** max(ca.depth, cb.depth)
+    if not same and metric_applies(ca, cb):
+        return _estimate_metric(ca, cb, K, keep)
     r, whitened = _joint_rank_bound(cans)
     if exact:
         r, whitened = ca.d, False
-    if metric:
-        whitened = False
+    kc = max(1, min(K, FEATURE_ELEMENTS // max(1, sum(
+        c.arrays()[0].shape[0] * sum(n_packed(r, k) for k in range(_degrees(c) + 1))
+        for c in cans))))
+    n_chunks = -(-K // kc)
+    flops, peak, n_features, stored = 0.0, 0, 0, 0
+    for c in cans:
+        N = c.arrays()[0].shape[0]
+        if c.embed is not None:  # whitening / folding the embedding
+            flops += 2.0 * N * c.embed.shape[-2] * (r + 1) * max(c.stages[0].L.shape[-2], 1) * 2
+        f, p, feats = _packed_cost(c, kc, r)
+        flops += f * n_chunks
+        peak = max(peak, p)
+        stored += N * feats
+        n_features = max(n_features, feats * K // kc)
+    n_max = max(_degrees(c) for c in cans)
+    # pair products (three with a similarity's triple), per chunk of outputs
+    pair = sum(2.0 * Na * Nb * kc * n_packed(r, k) for k in range(n_max + 1))
+    flops += 3 * pair * n_chunks
+    weights = 3 * n_packed(r, n_max) + (Na + Nb) * kc * n_packed(r, n_max)
+    result = 3 * Na * Nb * (K if keep else 1) * (2 if n_chunks > 1 else 1)
+    memory = stored + peak + weights + result
+    return ChaosEstimate(r=r, degree=deg, n_features=n_features, flops=flops,
+                         memory_elements=int(memory), whitened=whitened)
+
+
+def _estimate_metric(ca: Canonical, cb: Canonical, K: int, keep: bool) -> ChaosEstimate:
+    """The dense expansion in each model's embedded coordinates, paired through
+    ``E_a E_b^T`` (one model per side)."""
+    cans = [ca, cb]
+    metric = True
+    whitened = False
     flops = 0.0
     peak = 0
     feats_total = 0
