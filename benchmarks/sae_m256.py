@@ -19,10 +19,12 @@ from tensoralg.sae.presets import make_config
 from tensoralg.sae.pursuit import omp
 from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import TrainConfig, train
-from verify.identifiability import compare
+from verify.identifiability import compare, match_atoms
 
 D, M, K = 64, 256, 8
 
+_RS = {"resample_every": 250, "resample_until_frac": 0.8}
+_RSD = {**_RS, "resample_duplicates": 0.9}
 VARIANTS = {
     # name: (preset, SAEConfig overrides, TrainConfig overrides)
     "abstopk": ("abstopk", {}, {}),
@@ -33,12 +35,34 @@ VARIANTS = {
     "isae-me cosine lr, warmup": ("isae-me", {}, {"lr_warmup_steps": 100, "lr_decay": "cosine",
                                                   "lr_end": 1e-4}),
     "isae-me batch 1024": ("isae-me", {}, {"batch_size": 1024}),
+    # dictionary learning: data init, resampling (Bricken et al. 2023), duplicates, lr decay
+    "abstopk data init": ("abstopk", {}, {"decoder_init": "data"}),
+    "abstopk resample dead": ("abstopk", {}, _RS),
+    "abstopk resample dead+dup": ("abstopk", {}, _RSD),
+    "abstopk data init, resample dead+dup": ("abstopk", {}, {**_RSD, "decoder_init": "data"}),
+    "abstopk resample dead+dup, cosine lr": ("abstopk", {}, {**_RSD, "lr_decay": "cosine",
+                                                             "lr_end": 1e-4}),
+    "isae-me resample dead+dup": ("isae-me", {}, _RSD),
+    "isae-me resample dead+dup, cosine lr": ("isae-me", {}, {**_RSD, "lr_decay": "cosine",
+                                                             "lr_end": 1e-4}),
+    "isae-me rip_beta=0 resample dead+dup, cosine lr": ("isae-me", {"rip_beta": 0.0},
+                                                        {**_RSD, "lr_decay": "cosine",
+                                                         "lr_end": 1e-4}),
 }
+
+
+def atoms_recovered(D_true, W_dec, threshold=0.95):
+    """Fraction of true atoms whose Hungarian-matched learned atom has |cos| > threshold."""
+    cos = match_atoms(D_true, W_dec).cos
+    return float((abs(cos) > threshold).mean())
 
 
 def run(name, x_train, x_eval, D_true, Z_true, steps, lr):
     preset, sae_over, tr_over = VARIANTS[name]
     cfg = make_config(preset, D, M, K, **sae_over)
+    tr_over = dict(tr_over)
+    if "resample_until_frac" in tr_over:
+        tr_over["resample_until"] = int(tr_over.pop("resample_until_frac") * steps)
     tc = {"steps": steps, "batch_size": 256, "lr": lr, "seed": 0, "log_every": max(1, steps // 10),
           **tr_over}
     t = time.perf_counter()
@@ -52,6 +76,8 @@ def run(name, x_train, x_eval, D_true, Z_true, steps, lr):
     learned_omp = compare(D_true, model.W_dec, Z_true, zo)
     return {"variant": name, "fvu": fvu, "gt_dcs": enc["dcs"], "gt_code_iou": enc["code_iou"],
             "omp_learned_D_gt_iou": learned_omp["code_iou"],
+            "atoms_recovered_095": atoms_recovered(D_true, model.W_dec),
+            "resampled": hist[-1].get("resampled", 0),
             "dead_latents": hist[-1]["dead_latents"], "seconds": secs, "steps": tc["steps"],
             "batch_size": tc["batch_size"]}
 
@@ -118,8 +144,9 @@ def main():
     oracle = compare(ev.W_dec, ev.W_dec, ev.z, z_or)["code_iou"]
     print(f"d={D} m={M} k={K}, n_train={args.n_train}, steps={args.steps}; OMP oracle code IoU "
           f"{oracle:.3f}", flush=True)
-    print("| variant | FVU | gt DCS | gt code IoU (encoder) | gt code IoU (OMP, learned D) | dead | s |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| variant | FVU | gt DCS | atoms |cos|>0.95 | gt code IoU (encoder) | "
+          "gt code IoU (OMP, learned D) | dead | resampled | s |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     if args.diagnostics:
         print("\nthe encoder alone, TRUE dictionary:")
         for T in (5, 10, 20, 50):
@@ -132,8 +159,9 @@ def main():
     for name in args.only or VARIANTS:
         r = run(name, tr.x, ev.x, ev.W_dec, ev.z, args.steps, args.lr)
         rows.append(r)
-        print(f"| {name} | {r['fvu']:.3f} | {r['gt_dcs']:.3f} | {r['gt_code_iou']:.3f} | "
-              f"{r['omp_learned_D_gt_iou']:.3f} | {r['dead_latents']} | {r['seconds']:.0f} |", flush=True)
+        print(f"| {name} | {r['fvu']:.3f} | {r['gt_dcs']:.3f} | {r['atoms_recovered_095']:.3f} | "
+              f"{r['gt_code_iou']:.3f} | {r['omp_learned_D_gt_iou']:.3f} | {r['dead_latents']} | "
+              f"{r['resampled']} | {r['seconds']:.0f} |", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"oracle_code_iou": oracle, "rows": rows, "args": vars(args)}, fh, indent=2)

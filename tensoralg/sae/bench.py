@@ -121,6 +121,10 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if seeds is not None:
         cfg["seeds"] = seeds
+    if isinstance(cfg["steps"], bool) or not isinstance(cfg["steps"], int) or cfg["steps"] < 1:
+        raise ValueError(f"steps: expected an int >= 1 (the bench compares trained SAEs; with 0 "
+                         f"steps nothing is trained and there is nothing to compare), got "
+                         f"{cfg['steps']!r}")
     if cfg["seeds"] < 2:
         raise ValueError(f"seeds: need >= 2 seeds for run-to-run stability, got {cfg['seeds']}")
     for name, v in (("seed", seed), ("data_seed", data_seed)):

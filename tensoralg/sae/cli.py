@@ -281,6 +281,7 @@ def _cmd_bench(args) -> int:
                  if getattr(args, k) is not None}
     for flag, value in (("--seed", args.seed), ("--data-seed", args.data_seed)):
         _check_int(value, flag, 0)
+    _check_int(args.steps, "--steps", 1, " (the bench compares trained SAEs; 0 trains nothing)")
     if args.out:   # the audits' rules: new, empty, or an earlier `sae bench` output; before any work
         from ..audit.common import check_output_folder
         check_output_folder(args.out, "bench.json")
