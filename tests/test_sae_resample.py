@@ -103,3 +103,18 @@ def test_resume_with_resampling_is_bit_identical(syn, tmp_path):
                        resume=tmp_path / "half")
     for k, v in full.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+def test_multistep_start_trains_the_single_step_encoder_first(syn):
+    cfg = make_config("isae-me", 8, 12, 2, n_steps=2)
+    init = SparseAutoencoder(cfg, seed=0)
+    late, _ = train(syn.x, cfg, TrainConfig(steps=6, batch_size=64, multistep_start=6))
+    on, _ = train(syn.x, cfg, TrainConfig(steps=6, batch_size=64))
+    assert torch.equal(late.W_step, init.W_step)          # no refinement ran: Γ got no gradient
+    assert not torch.equal(on.W_step, init.W_step)
+    assert late.refine_steps is None                       # the returned SAE runs its T steps
+    # before multistep_start the training is exactly that of the single-step encoder
+    single = make_config("isae-me", 8, 12, 2, n_steps=0)
+    s, _ = train(syn.x, single, TrainConfig(steps=6, batch_size=64))
+    for k in ("W_enc", "b_enc", "W_dec", "b_dec"):
+        assert torch.equal(getattr(late, k), getattr(s, k)), k

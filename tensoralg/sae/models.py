@@ -362,6 +362,9 @@ class SparseAutoencoder(nn.Module):
     def __init__(self, cfg: SAEConfig, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
+        # refinement steps actually run (None: cfg.n_steps); the trainer sets 0 before
+        # TrainConfig.multistep_start
+        self.refine_steps: int | None = None
         dtype = _DTYPES[cfg.dtype]
         # the "init" stream: independent of make_synthetic's "data" stream for the same seed
         gen = stream_generator(seed, "init") if seed is not None else None
@@ -438,10 +441,11 @@ class SparseAutoencoder(nn.Module):
         ``act(scatter_add((x - b_dec - decode_sparse(z_{t-1})) Γ, z_{t-1}))``."""
         pre = self.pre_activation(x)
         idx, vals = self._select(pre)
-        if self.cfg.encoder == "multistep" and self.cfg.n_steps > 0:
+        n_steps = self.cfg.n_steps if self.refine_steps is None else self.refine_steps
+        if self.cfg.encoder == "multistep" and n_steps > 0:
             gamma = self.step_matrix()
             xc = x - self.b_dec
-            for _ in range(self.cfg.n_steps):
+            for _ in range(n_steps):
                 step = (xc - self._decode_sparse(idx, vals)) @ gamma
                 idx, vals = self._select(step.scatter_add(-1, idx, vals))
         return idx, vals, pre

@@ -98,6 +98,9 @@ class TrainConfig:
         resample_duplicates: also resample the rarer latent of every pair whose atoms have
             ``|cos| >`` this (0: off), so that two latents never keep one ground-truth atom.
         resample_until: no resampling after this step (0: until the end).
+        multistep_start: a multi-step encoder runs no refinement step (it is the single-step
+            encoder ``act(W_enc(x - b_dec) + b_enc)``) before this step, its ``T`` steps from
+            it on (0: from the start), so the dictionary can first be learned cheaply.
     """
 
     steps: int = 2000
@@ -124,6 +127,7 @@ class TrainConfig:
     resample_until: int = 0
     resample_pool: int = 8192
     resample_enc_scale: float = 1.0
+    multistep_start: int = 0
 
     def __post_init__(self) -> None:
         check_device(self.device, "device")
@@ -140,7 +144,7 @@ class TrainConfig:
             raise ValueError(f"resample_pool: expected >= 1, got {self.resample_pool!r}")
         for name in ("steps", "batch_size", "seed", "ckpt_every", "log_every", "lr_warmup_steps",
                      "rip_warmup_steps", "auxk_warmup_steps", "resample_every", "resample_until",
-                     "resample_pool"):
+                     "resample_pool", "multistep_start"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
@@ -420,6 +424,8 @@ class _Stepper:
             x = x * self.scale
         dead = self.dead
         dead_mask = (dead >= sae_cfg.dead_tokens).to(x.device) if sae_cfg.auxk_alpha > 0 else None
+        if train_cfg.multistep_start:
+            model.refine_steps = 0 if step < train_cfg.multistep_start else None
         self.lr = lr = train_cfg.lr_at(step)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -611,6 +617,7 @@ def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None)
     seconds = time.perf_counter() - t0
     out = []
     for run, hist in zip(runs, histories):
+        run.model.refine_steps = None
         model = _folded(run.model, run.scale)
         model.eval()
         summary = dict(hist[-1]) if hist else {}
@@ -752,6 +759,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     seconds = time.perf_counter() - t0
     if out is not None and density_recs and start < train_cfg.steps:
         plot_density(density_recs[-5:], out / DENSITY_PLOT)
+    model.refine_steps = None
     model = _folded(model, scale)
     model.eval()
     summary = dict(history[-1]) if history else {}
