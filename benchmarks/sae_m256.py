@@ -19,7 +19,7 @@ import time
 import torch
 
 from tensoralg.sae.models import SAEConfig, SparseAutoencoder
-from tensoralg.sae.presets import make_config
+from tensoralg.sae.presets import make_config, schedule
 from tensoralg.sae.pursuit import omp
 from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import TrainConfig, train
@@ -55,6 +55,7 @@ VARIANTS = {
     "isae-me, multistep from 50 %, resample dead": (
         "isae-me", {}, {**_RS, "multistep_start_frac": 0.5}),
     "abstopk resample dead, lr 4e-3": ("abstopk", {}, {**_RS, "lr": 4e-3}),
+    "isae-me-dl (preset and its schedule)": ("isae-me-dl", {}, {"preset_schedule": True}),
 }
 
 
@@ -70,6 +71,8 @@ def run(name, x_train, x_eval, D_true, Z_true, steps, lr, then_encoder=0):
     tr_over = dict(tr_over)
     if "resample_until_frac" in tr_over:
         tr_over["resample_until"] = int(tr_over.pop("resample_until_frac") * steps)
+    if tr_over.pop("preset_schedule", False):
+        tr_over.update(schedule(preset, steps))
     if "multistep_start_frac" in tr_over:
         tr_over["multistep_start"] = int(tr_over.pop("multistep_start_frac") * steps)
     tc = {"steps": steps, "batch_size": 256, "lr": lr, "seed": 0, "log_every": max(1, steps // 10),
@@ -145,6 +148,8 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--only", nargs="+", choices=list(VARIANTS))
     ap.add_argument("--json")
+    ap.add_argument("--data-seed", type=int, default=12345,
+                    help="seed of the synthetic training data (held-out: this + 1)")
     ap.add_argument("--then-encoder", type=int, default=0,
                     help="also train a T=5 encoder for this many steps on each learned "
                          "dictionary, frozen (default 0: no)")
@@ -153,11 +158,12 @@ def main():
                          "T, and trained for 600 steps)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    tr = make_synthetic(args.n_train, D, M, K, seed=12345)
-    ev = make_synthetic(4096, D, M, K, seed=12346, dictionary=tr.W_dec)
+    tr = make_synthetic(args.n_train, D, M, K, seed=args.data_seed)
+    ev = make_synthetic(4096, D, M, K, seed=args.data_seed + 1, dictionary=tr.W_dec)
     z_or = omp(ev.x, ev.W_dec, K)
     oracle = compare(ev.W_dec, ev.W_dec, ev.z, z_or)["code_iou"]
-    print(f"d={D} m={M} k={K}, n_train={args.n_train}, steps={args.steps}; OMP oracle code IoU "
+    print(f"d={D} m={M} k={K}, n_train={args.n_train}, data seed {args.data_seed}, "
+          f"steps={args.steps}; OMP oracle code IoU "
           f"{oracle:.3f}", flush=True)
     print("| variant | FVU | gt DCS | atoms |cos|>0.95 | gt code IoU (encoder) | "
           "gt code IoU (OMP, learned D) | dead | resampled | s |")
