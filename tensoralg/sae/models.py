@@ -423,9 +423,9 @@ class SparseAutoencoder(nn.Module):
         ``activation(pre) == zeros.scatter(-1, idx, vals)`` (same selection and tie rule)."""
         k = self.cfg.k
         if self.cfg.activation == "abstopk":
-            idx = select_topk(pre.abs(), k, ordered=False)
+            idx = select_topk(pre.detach().abs(), k, ordered=False)   # no autograd node for |pre|
             return idx, pre.gather(-1, idx)
-        idx = select_topk(pre, k, ordered=False)
+        idx = select_topk(pre.detach(), k, ordered=False)
         return idx, torch.relu(pre.gather(-1, idx))
 
     def _decode_sparse(self, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -491,7 +491,9 @@ class SparseAutoencoder(nn.Module):
         rip_coef = cfg.rip_beta if rip_coef is None else rip_coef
         aux_coef = cfg.auxk_alpha if aux_coef is None else aux_coef
         if cfg.rip != "none" and cfg.rip_beta > 0:
-            supports = code_supports(z, cfg.k)
+            # the selected indices are the support whenever every selected value is non-zero
+            # (then equal to code_supports(z) as sets per row, which is all rip_penalty uses)
+            supports = idx if bool((vals != 0).all()) else code_supports(z, cfg.k)
             rip = rip_penalty(self.W_dec, supports, cfg.rip, cfg.rip_delta, cfg.rip_max_supports)
             total = total + rip_coef * rip
         aux = zero

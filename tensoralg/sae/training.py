@@ -646,7 +646,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         ``loss``, ``recon`` (the batch FVU, also as ``fvu``), ``explained_variance``
         (``1 - fvu``), ``l0`` (mean active latents per sample), ``dead_latents`` (not fired on
         ``dead_tokens`` samples), ``lr``, ``grad_norm`` (before clipping), ``rip``, ``aux``,
-        ``rip_coef``, ``aux_coef``, ``seconds`` — averages over the ``log_every`` steps. The
+        ``rip_coef``, ``aux_coef``, ``seconds`` — averages over the ``log_every`` steps — and
+        ``resampled`` (latents resampled so far in this call, see ``resample_every``). The
         model is returned in raw-activation space (any ``normalize`` scale folded in), and
         ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
