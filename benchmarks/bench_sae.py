@@ -3,8 +3,9 @@
     python benchmarks/bench_sae.py            # full synthetic sizes (several minutes on CPU)
     python benchmarks/bench_sae.py --quick    # about a minute
     python benchmarks/bench_sae.py --data acts.npy --m 768 --k 16   # real activations
-    python benchmarks/bench_sae.py --speed    # training samples/s: torch.topk selection vs the
-                                              # full stable sort it replaced, side by side
+    python benchmarks/bench_sae.py --speed    # training samples/s: today's model code vs that
+                                              # of commit 15ea9a9 (full stable-sort selection),
+                                              # imported from git history, side by side
 
 Prints, side by side per preset, the ratios the iSAE claims are about: FVU relative to TopK,
 cross-seed code IoU relative to the OMP-with-learned-dictionary IoU, ground-truth code IoU
@@ -12,12 +13,18 @@ relative to the OMP oracle's, and rip_delta relative to AbsTopK's.
 """
 
 import argparse
+import importlib.util
+import io
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-import _sae_models_before as _before
 from tensoralg.sae import models, training
 from tensoralg.sae.bench import format_table, run_bench
 from tensoralg.sae.presets import make_config
@@ -25,12 +32,47 @@ from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import TrainConfig, train
 
 
-def _samples_per_s(x, preset, d, m, k, steps, batch_size, before: bool) -> float:
-    """Samples/s of ``steps`` training steps of ``preset``; ``before``: with the model code as
-    it was before the speed-up (``_sae_models_before.py``, commit 15ea9a9)."""
+BASE_REV = "15ea9a9"   # the last commit before the top-k speed-up (013aca4)
+_SRC = ("tensoralg/sae/models.py", "tensoralg/sae/_seeds.py")
+
+
+def load_before(rev: str = BASE_REV, tmp: str | None = None):
+    """``tensoralg/sae/models.py`` as of commit ``rev``, imported from that commit's files.
+
+    ``git archive`` (read-only: no worktree or ref is added to the repository) writes the old
+    ``models.py`` and the ``_seeds.py`` it imports into a temporary folder as a package
+    ``_sae_before``; nothing of the old code is kept in the tree.
+    """
+    root = Path(__file__).resolve().parent.parent
+    try:
+        blob = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", rev, *_SRC],
+                              check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        raise SystemExit(f"--speed needs the git history of this checkout (commit {rev}): "
+                         f"{err.decode(errors='replace').strip() or exc}") from None
+    folder = Path(tmp or tempfile.mkdtemp(prefix="sae_before_")) / "_sae_before"   # tmp: caller cleans
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
+        for member in tf.getmembers():
+            if member.isfile():
+                (folder / Path(member.name).name).write_bytes(tf.extractfile(member).read())
+    (folder / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("_sae_before", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["_sae_before"] = pkg
+    spec.loader.exec_module(pkg)
+    import _sae_before.models as before  # noqa: E402  (the package registered just above)
+    return before
+
+
+def _samples_per_s(x, preset, d, m, k, steps, batch_size, before) -> float:
+    """Samples/s of ``steps`` training steps of ``preset``; ``before``: the old models module
+    (:func:`load_before`) to train with instead of today's, or None."""
     saved = training.SparseAutoencoder
-    if before:
-        training.SparseAutoencoder = _before.SparseAutoencoder
+    if before is not None:
+        training.SparseAutoencoder = before.SparseAutoencoder
     try:
         cfg = make_config(preset, d, m, k)
         t = time.perf_counter()
@@ -41,16 +83,18 @@ def _samples_per_s(x, preset, d, m, k, steps, batch_size, before: bool) -> float
 
 
 def speed(reps: int = 5, steps: int = 20, d: int = 64, m: int = 256, k: int = 8,
-          batch_size: int = 1024) -> dict:
-    """Samples/s of training with today's selection (torch.topk + tie check) and with the full
-    stable sort it replaced, interleaved ``reps`` times; medians and their ratio per preset."""
+          batch_size: int = 1024, rev: str = BASE_REV) -> dict:
+    """Samples/s of training with today's model code and with that of commit ``rev`` (full
+    stable-sort selection), interleaved ``reps`` times; medians and their ratio per preset."""
+    with tempfile.TemporaryDirectory() as tmp:   # imported modules need no files afterwards
+        _before = load_before(rev, tmp)
     x = make_synthetic(8 * batch_size, d, m, k, seed=0).x
     out = {}
     for preset in ("topk", "abstopk", "isae-me"):
         new, old = [], []
         for _ in range(reps):
-            new.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, False))
-            old.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, True))
+            new.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, None))
+            old.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, _before))
         out[preset] = {"new": statistics.median(new), "old": statistics.median(old)}
         out[preset]["ratio"] = out[preset]["new"] / out[preset]["old"]
     # the selection alone, on one (batch, m) score matrix
@@ -78,13 +122,16 @@ def main() -> None:
     ap.add_argument("--speed", action="store_true",
                     help="only the training-throughput comparison of the top-k selection")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (--speed)")
+    ap.add_argument("--base-rev", default=BASE_REV,
+                    help=f"commit whose tensoralg/sae/models.py is the 'before' arm (--speed; "
+                         f"default {BASE_REV})")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.speed:
-        r = speed(reps=args.reps)
+        r = speed(reps=args.reps, rev=args.base_rev)
         print("training samples/s, d=64 m=256 k=8 batch 1024, one thread, medians of "
               f"{args.reps} interleaved runs")
-        print("preset     now (torch.topk+tie check)   before (full sort)   ratio")
+        print(f"preset     now (topk + embedding_bag)   before ({args.base_rev}, full sort)   ratio")
         for p in ("topk", "abstopk", "isae-me"):
             print(f"{p:9s}  {r[p]['new']:26.0f}   {r[p]['old']:18.0f}   {r[p]['ratio']:.2f}x")
         sm = r["select_ms"]

@@ -186,7 +186,7 @@ def test_config_errors():
 
 
 def test_presets():
-    assert set(PRESETS) == {"topk", "abstopk", "isae", "isae-me"}
+    assert set(PRESETS) == {"topk", "abstopk", "isae", "isae-me", "isae-me-dl"}
     assert make_config("topk", 4, 8, 2).activation == "topk"
     c = make_config("isae-me", 4, 8, 2)
     assert (c.activation, c.rip, c.encoder, c.n_steps) == ("abstopk", "eig", "multistep", 5)

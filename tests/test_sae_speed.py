@@ -87,3 +87,55 @@ def test_training_loss_identical_to_the_reference_paths(preset, monkeypatch):
         assert torch.equal(fast[key], ref[key]), key
     for n in g_fast:
         assert torch.equal(g_fast[n], g_ref[n]), n
+
+
+def _dense_reference_loss(sae, x, dead):
+    """The loss written with dense codes (``activation(pre)`` and ``z @ W_dec``), the form the
+    sparse ``embedding_bag`` path replaces."""
+    cfg = sae.cfg
+    pre = (x - sae.b_dec) @ sae.W_enc + sae.b_enc
+    z = sae.activation(pre)
+    if cfg.encoder == "multistep":
+        for _ in range(cfg.n_steps):
+            z = sae.activation(z + (x - sae.b_dec - z @ sae.W_dec) @ sae.step_matrix())
+    x_hat = z @ sae.W_dec + sae.b_dec
+    recon = ((x - x_hat) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+    total = recon
+    if cfg.rip != "none":
+        total = total + cfg.rip_beta * models.rip_penalty(
+            sae.W_dec, select_topk_sort(z.detach().abs(), cfg.k), cfg.rip, cfg.rip_delta,
+            cfg.rip_max_supports)
+    score = (pre.abs() if cfg.activation == "abstopk" else pre).masked_fill(~dead, float("-inf"))
+    idx = select_topk_sort(score, min(cfg.k_aux, int(dead.sum())))
+    vals = pre.gather(-1, idx)
+    vals = torch.relu(vals) if cfg.activation == "topk" else vals
+    z_aux = torch.zeros_like(pre).scatter(-1, idx, vals)
+    resid = (x - x_hat).detach()
+    aux = ((resid - z_aux @ sae.W_dec) ** 2).sum() / (resid ** 2).sum()
+    return total + cfg.auxk_alpha * aux, z
+
+
+@pytest.mark.parametrize("preset", ["topk", "abstopk", "isae-me"])
+def test_sparse_decoding_path_equals_the_dense_codes(preset):
+    """embedding_bag decoding (k atoms per row) = dense ``z @ W_dec``: loss, codes and every
+    gradient to 1e-12 relative in float64."""
+    cfg = make_config(preset, 8, 24, 3, dtype="float64")
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    dead = torch.zeros(24, dtype=torch.bool)
+    dead[1::4] = True
+    a, b = SparseAutoencoder(cfg, seed=7), SparseAutoencoder(cfg, seed=7)
+    with torch.no_grad():              # non-trivial biases so that every term is exercised
+        for m in (a, b):
+            m.b_dec.copy_(0.1 * x.mean(0))
+            m.b_enc.copy_(0.01 * torch.arange(24, dtype=torch.float64))
+    parts = a.loss(x, dead)
+    parts["loss"].backward()
+    ref_loss, ref_z = _dense_reference_loss(b, x, dead)
+    ref_loss.backward()
+    assert torch.equal(parts["z"] != 0, ref_z != 0)
+    torch.testing.assert_close(parts["z"], ref_z, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(parts["loss"], ref_loss, rtol=1e-12, atol=0)
+    assert float(parts["aux"]) > 0
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-14, msg=n)
+    torch.testing.assert_close(a.encode(x), ref_z.detach(), rtol=1e-12, atol=1e-14)

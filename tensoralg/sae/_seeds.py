@@ -2,7 +2,7 @@
 
 Every random draw in :mod:`tensoralg.sae` goes through a private ``torch.Generator`` seeded by
 :func:`stream_seed`, which mixes the user's seed with a *stream name* (``"data"``, ``"init"``,
-``"batches"``, ``"b_dec"``) through :class:`numpy.random.SeedSequence` (its hash-based entropy
+``"batches"``, ``"b_dec"``, ``"resample"``, ``"resample_pool"``) through :class:`numpy.random.SeedSequence` (its hash-based entropy
 mixing, O'Neill's PCG seeding scheme). Two streams with the same user seed are therefore
 unrelated: ``make_synthetic(seed=s)`` and ``SparseAutoencoder(cfg, seed=s)`` no longer draw the
 same Gaussian matrix (which made an untrained SAE *be* the ground-truth dictionary).
@@ -17,7 +17,7 @@ __all__ = ["STREAMS", "stream_seed", "stream_generator"]
 
 # fixed salts, one per stream (ASCII of the name); never reuse one for another purpose
 STREAMS = {name: int.from_bytes(name.encode(), "big")
-           for name in ("data", "init", "batches", "b_dec")}
+           for name in ("data", "init", "batches", "b_dec", "resample", "resample_pool")}
 
 
 def stream_seed(seed: int, stream: str, *extra: int) -> int:

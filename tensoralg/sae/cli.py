@@ -12,7 +12,7 @@ from ..threads import add_threads_option
 
 __all__ = ["add_parsers"]
 
-PRESET_NAMES = ("topk", "abstopk", "isae", "isae-me")
+PRESET_NAMES = ("topk", "abstopk", "isae", "isae-me", "isae-me-dl")
 
 
 def _stamp(payload: dict, args: argparse.Namespace) -> dict:
@@ -195,6 +195,10 @@ def _cmd_train(args) -> int:
             overrides["normalize_activations"] = "layer_norm"
         sae_cfg = make_config(preset, d_in, d_sae, k, **overrides)
     meta["preset"] = preset
+    from dataclasses import replace
+    from .presets import PRESETS, schedule
+    if preset in PRESETS:   # the preset's training schedule (resampling, encoder phases), if any
+        tcfg = replace(tcfg, **schedule(preset, tcfg.steps))
     try:
         model, hist = train(data, sae_cfg, tcfg, out=args.out, resume=args.resume, meta=meta)
     except TrainingDiverged as exc:
@@ -281,6 +285,7 @@ def _cmd_bench(args) -> int:
                  if getattr(args, k) is not None}
     for flag, value in (("--seed", args.seed), ("--data-seed", args.data_seed)):
         _check_int(value, flag, 0)
+    _check_int(args.steps, "--steps", 1, " (the bench compares trained SAEs; 0 trains nothing)")
     if args.out:   # the audits' rules: new, empty, or an earlier `sae bench` output; before any work
         from ..audit.common import check_output_folder
         check_output_folder(args.out, "bench.json")
@@ -326,7 +331,9 @@ def add_parsers(sub) -> None:
 
     t = ss.add_parser("train", help="train an SAE on a .npy of activations or synthetic data")
     t.add_argument("--preset", choices=PRESET_NAMES, default=None,
-                   help="architecture preset (default isae-me; with --resume: the resumed run's)")
+                   help="architecture preset (default isae-me; with --resume: the resumed run's); "
+                        "isae-me-dl also brings its training schedule (dead-latent resampling, "
+                        "single-step encoder for the first 88 %% of --steps)")
     t.add_argument("--data", help="(n, d) float .npy of activations (memory-mapped); default: none, "
                                   "give this or --synthetic")
     t.add_argument("--synthetic", type=_synthetic_spec, metavar="d,m,k[,n[,noise]]",
@@ -406,7 +413,8 @@ def add_parsers(sub) -> None:
     b = ss.add_parser("bench", help="train every preset with several seeds and report stability")
     b.add_argument("--quick", action="store_true",
                    help="small sizes, about a minute on CPU (default: the full sizes)")
-    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES, help="presets to train (default: all)")
+    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES, help="presets to train (default: the four ablation arms topk, abstopk, "
+                        "isae, isae-me)")
     b.add_argument("--seeds", type=int, help="seeds per preset (default 3 quick / 5 full)")
     b.add_argument("--data", help="real activations .npy instead of synthetic data (default: "
                                   "synthetic; the last --eval-fraction rows are held out)")

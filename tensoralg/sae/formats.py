@@ -152,6 +152,28 @@ def sae_config_from_cfg(cfg: dict, where: str = "cfg.json") -> SAEConfig:
     return SAEConfig.from_dict(fields)
 
 
+def check_device(device, name: str = "device") -> torch.device:
+    """``torch.device(device)`` after checking it exists here: a CUDA (or MPS) device without
+    CUDA (MPS) in this torch build / machine, or a CUDA index past the device count, is a
+    ``ValueError`` naming ``name``, raised before any file is read or tensor allocated."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}: not a torch device: {device!r} ({exc})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: {device!r} requested but CUDA is not available here "
+                             f"(torch {torch.__version__}, built with CUDA "
+                             f"{torch.version.cuda or 'none'}); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}: {device!r} requested but only "
+                             f"{torch.cuda.device_count()} CUDA device(s) exist")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name}: {device!r} requested but MPS is not available here; "
+                         f"use device='cpu'")
+    return dev
+
+
 def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
     """Load an SAE folder written by :func:`save_sae`, by SAELens (TopK, AbsTopK), or by an
     earlier tensoralg (``weights.safetensors``). Half-precision SAELens weights are upcast to
@@ -160,10 +182,12 @@ def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or weights file.
         ValueError: see :func:`sae_config_from_cfg`; corrupt files; missing, unexpected or
-            mis-shaped tensors; NaN/inf weights.
+            mis-shaped tensors; NaN/inf weights; a ``device`` that does not exist here (e.g.
+            ``"cuda"`` without CUDA; :func:`check_device`), before any file is read.
     """
     from safetensors.torch import load_file
 
+    device = str(check_device(device))
     path = Path(path)
     cfg = tio.read_config(path)
     sae_cfg = sae_config_from_cfg(cfg, str(path / CONFIG_FILE))

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._seeds import stream_generator
@@ -204,6 +205,11 @@ def abstopk(pre: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(pre).scatter_(-1, idx, pre.gather(-1, idx))
 
 
+def _dense(idx: torch.Tensor, vals: torch.Tensor, m: int) -> torch.Tensor:
+    """The ``(n, m)`` code with ``vals (n, k)`` at ``idx (n, k)`` and zeros elsewhere."""
+    return torch.zeros(idx.shape[0], m, dtype=vals.dtype, device=vals.device).scatter(-1, idx, vals)
+
+
 # --------------------------------------------------------------------------- aRIP
 
 def _gram_of_supports(W_dec: torch.Tensor, supports: torch.Tensor) -> torch.Tensor:
@@ -356,6 +362,9 @@ class SparseAutoencoder(nn.Module):
     def __init__(self, cfg: SAEConfig, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
+        # refinement steps actually run (None: cfg.n_steps); the trainer sets 0 before
+        # TrainConfig.multistep_start
+        self.refine_steps: int | None = None
         dtype = _DTYPES[cfg.dtype]
         # the "init" stream: independent of make_synthetic's "data" stream for the same seed
         gen = stream_generator(seed, "init") if seed is not None else None
@@ -406,14 +415,40 @@ class SparseAutoencoder(nn.Module):
         """``(codes, first pre-activation)``; the loss reuses the latter for AuxK."""
         if not normalized:
             x = self.normalize_input(x)[0]
+        idx, vals, pre = self._encode_sparse(x)
+        return _dense(idx, vals, self.cfg.d_sae), pre
+
+    def _select(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The activation in sparse form: ``(idx, vals)``, both ``(n, k)``, with
+        ``activation(pre) == zeros.scatter(-1, idx, vals)`` (same selection and tie rule)."""
+        k = self.cfg.k
+        if self.cfg.activation == "abstopk":
+            idx = select_topk(pre.detach().abs(), k, ordered=False)   # no autograd node for |pre|
+            return idx, pre.gather(-1, idx)
+        idx = select_topk(pre.detach(), k, ordered=False)
+        return idx, torch.relu(pre.gather(-1, idx))
+
+    def _decode_sparse(self, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """``zeros.scatter(-1, idx, vals) @ W_dec`` (no ``b_dec``) without the dense code:
+        ``embedding_bag`` sums the ``k`` selected atoms per row (``n k d`` multiply-adds
+        instead of ``n m d``); differentiable in ``vals`` and ``W_dec``."""
+        return F.embedding_bag(idx, self.W_dec, per_sample_weights=vals, mode="sum")
+
+    def _encode_sparse(self, x: torch.Tensor):
+        """``(idx, vals, pre)`` of already normalized ``x``: the code in sparse form and the
+        first pre-activation. The multi-step refinement
+        ``z_t = act(z_{t-1} + (x - b_dec - z_{t-1} W_dec) Γ)`` is computed as
+        ``act(scatter_add((x - b_dec - decode_sparse(z_{t-1})) Γ, z_{t-1}))``."""
         pre = self.pre_activation(x)
-        z = self.activation(pre)
-        if self.cfg.encoder == "multistep" and self.cfg.n_steps > 0:
+        idx, vals = self._select(pre)
+        n_steps = self.cfg.n_steps if self.refine_steps is None else self.refine_steps
+        if self.cfg.encoder == "multistep" and n_steps > 0:
             gamma = self.step_matrix()
             xc = x - self.b_dec
-            for _ in range(self.cfg.n_steps):
-                z = self.activation(z + (xc - z @ self.W_dec) @ gamma)
-        return z, pre
+            for _ in range(n_steps):
+                step = (xc - self._decode_sparse(idx, vals)) @ gamma
+                idx, vals = self._select(step.scatter_add(-1, idx, vals))
+        return idx, vals, pre
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """``z @ W_dec + b_dec`` (in the normalized space when ``normalize_activations`` is
@@ -445,8 +480,9 @@ class SparseAutoencoder(nn.Module):
         """
         cfg = self.cfg
         x = self.normalize_input(x)[0]
-        z, pre = self._encode(x, normalized=True)
-        x_hat = self.decode(z)
+        idx, vals, pre = self._encode_sparse(x)
+        z = _dense(idx, vals, cfg.d_sae)
+        x_hat = self._decode_sparse(idx, vals) + self.b_dec
         var = ((x - x.mean(dim=0)) ** 2).sum().clamp_min(1e-12)
         recon = ((x - x_hat) ** 2).sum() / var
         total = recon
@@ -455,7 +491,9 @@ class SparseAutoencoder(nn.Module):
         rip_coef = cfg.rip_beta if rip_coef is None else rip_coef
         aux_coef = cfg.auxk_alpha if aux_coef is None else aux_coef
         if cfg.rip != "none" and cfg.rip_beta > 0:
-            supports = code_supports(z, cfg.k)
+            # the selected indices are the support whenever every selected value is non-zero
+            # (then equal to code_supports(z) as sets per row, which is all rip_penalty uses)
+            supports = idx if bool((vals != 0).all()) else code_supports(z, cfg.k)
             rip = rip_penalty(self.W_dec, supports, cfg.rip, cfg.rip_delta, cfg.rip_max_supports)
             total = total + rip_coef * rip
         aux = zero
@@ -463,13 +501,13 @@ class SparseAutoencoder(nn.Module):
             score = pre.abs() if cfg.activation == "abstopk" else pre
             score = score.masked_fill(~dead_mask, float("-inf"))
             k_aux = min(cfg.k_aux, int(dead_mask.sum()))
-            idx = select_topk(score, k_aux, ordered=False)
-            vals = pre.gather(-1, idx)
+            aidx = select_topk(score, k_aux, ordered=False)
+            avals = pre.gather(-1, aidx)
             if cfg.activation == "topk":
-                vals = torch.relu(vals)
-            z_aux = torch.zeros_like(pre).scatter(-1, idx, vals)
+                avals = torch.relu(avals)
             resid = (x - x_hat).detach()
-            aux = ((resid - z_aux @ self.W_dec) ** 2).sum() / (resid ** 2).sum().clamp_min(1e-12)
+            aux = (((resid - self._decode_sparse(aidx, avals)) ** 2).sum() /
+                   (resid ** 2).sum().clamp_min(1e-12))
             total = total + aux_coef * aux
         return {"loss": total, "recon": recon.detach(), "rip": rip.detach(), "aux": aux.detach(), "z": z}
 
@@ -496,3 +534,34 @@ class SparseAutoencoder(nn.Module):
             self.b_dec.copy_(x.mean(dim=0))
         elif self.cfg.b_dec_init == "geometric_median":
             self.b_dec.copy_(geometric_median(x.double()).to(self.b_dec.dtype))
+
+    @torch.no_grad()
+    def init_from_samples_(self, x: torch.Tensor) -> None:
+        """Decoder initialization from data: atom ``j`` = normalized ``x_j - b_dec`` for the
+        first ``d_sae`` rows of ``x (n, d_in)`` (``n >= d_sae``, rows already normalized as
+        the encoder sees them); ``W_enc = W_dec^T``, a free ``Γ`` = ``step_size W_dec^T``.
+
+        Raises:
+            ValueError: fewer rows than latents, or a row equal to ``b_dec`` (zero direction).
+        """
+        self.check_input(x)
+        m = self.cfg.d_sae
+        if x.shape[0] < m:
+            raise ValueError(f"x: decoder initialization from samples needs at least d_sae={m} "
+                             f"rows, got {x.shape[0]}")
+        dirs = (x[:m] - self.b_dec).to(self.W_dec.dtype)
+        norms = dirs.norm(dim=1, keepdim=True)
+        if not bool((norms > 0).all()):
+            raise ValueError("x: a sample equals b_dec (zero direction); cannot initialize an atom")
+        self.set_latents_(torch.arange(m, device=self.W_dec.device), dirs / norms, 1.0)
+
+    @torch.no_grad()
+    def set_latents_(self, latents: torch.Tensor, atoms: torch.Tensor, enc_norm: float) -> None:
+        """Point latents ``latents (r,)`` at unit ``atoms (r, d_in)``: decoder rows = atoms,
+        encoder columns = ``enc_norm`` × atoms, ``b_enc = 0``, a free ``Γ``'s columns =
+        ``step_size`` × atoms (the initialization of a fresh latent)."""
+        self.W_dec[latents] = atoms
+        self.W_enc[:, latents] = enc_norm * atoms.T
+        self.b_enc[latents] = 0.0
+        if self.cfg.encoder == "multistep" and self.cfg.gamma == "free":
+            self.W_step[:, latents] = self.cfg.step_size * atoms.T

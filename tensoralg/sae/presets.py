@@ -3,16 +3,22 @@
 * ``topk``    — TopK baseline (ReLU pre-activations, keep the top k; Gao et al. 2024);
 * ``abstopk`` — AbsTopK (signed codes: keep the k largest magnitudes);
 * ``isae``    — AbsTopK + approximate-RIP regularizer (``rip="eig"``);
-* ``isae-me`` — AbsTopK + aRIP + multi-step (LISTA-style) encoder, ``T = 5``.
+* ``isae-me`` — AbsTopK + aRIP + multi-step (LISTA-style) encoder, ``T = 5``;
+* ``isae-me-dl`` — AbsTopK + multi-step encoder (``T = 5``, no aRIP) with a dictionary-learning
+  training schedule (:data:`SCHEDULES`, applied by :func:`schedule`): dead latents resampled
+  every 250 steps for the first 70 % of the steps, the single-step encoder until 88 %, the
+  ``T`` refinement steps after. Measured at d=64, m=256, k=8 (``benchmarks/sae_m256.py``):
+  see the README.
 
-All presets use the AuxK dead-latent loss (``auxk_alpha = 1/32``) and unit-norm atoms.
+All presets use the AuxK dead-latent loss (``auxk_alpha = 1/32``) and unit-norm atoms. The
+first four are the arms of the iSAE ablation (:data:`ABLATION`, what ``sae bench`` trains).
 """
 
 from __future__ import annotations
 
 from .models import SAEConfig
 
-__all__ = ["PRESETS", "make_config"]
+__all__ = ["PRESETS", "ABLATION", "SCHEDULES", "make_config", "schedule"]
 
 _COMMON = {"auxk_alpha": 1 / 32, "dead_tokens": 10_000}
 
@@ -22,7 +28,26 @@ PRESETS: dict[str, dict] = {
     "isae": {"activation": "abstopk", "rip": "eig", "rip_beta": 0.1, "rip_delta": 0.1},
     "isae-me": {"activation": "abstopk", "rip": "eig", "rip_beta": 0.1, "rip_delta": 0.1,
                 "encoder": "multistep", "n_steps": 5, "gamma": "free", "step_size": 0.5},
+    "isae-me-dl": {"activation": "abstopk", "encoder": "multistep", "n_steps": 5,
+                   "gamma": "free", "step_size": 0.5},
 }
+
+ABLATION = ("topk", "abstopk", "isae", "isae-me")
+
+# training schedules of a preset: TrainConfig fields; a float in (0, 1) is a fraction of the steps
+SCHEDULES: dict[str, dict] = {
+    "isae-me-dl": {"resample_every": 250, "resample_until": 0.7, "multistep_start": 0.88},
+}
+
+
+def schedule(preset: str, steps: int) -> dict:
+    """The :class:`~tensoralg.sae.training.TrainConfig` fields of ``preset``'s training schedule
+    for a run of ``steps`` steps (fractions resolved to step numbers; ``{}`` for a preset without
+    one). Raises ValueError for an unknown preset."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {list(PRESETS)}, got {preset!r}")
+    return {k: (int(v * steps) if isinstance(v, float) else v)
+            for k, v in SCHEDULES.get(preset, {}).items()}
 
 
 def make_config(preset: str, d_in: int, d_sae: int, k: int, **overrides) -> SAEConfig:

@@ -32,7 +32,7 @@ import torch
 from .. import io as tio
 from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
 from ._seeds import stream_generator
-from .formats import load_sae, save_sae
+from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae", "as_activations"]
@@ -45,6 +45,7 @@ DENSITY_PLOT = "feature_density.png"
 DEAD_TOKENS_DEFAULT = 10_000_000       # Gao et al. (2024): dead = not fired in 10M tokens
 _LR_DECAYS = ("constant", "linear", "cosine")
 _NORMALIZE = ("none", "expected_norm")
+_DECODER_INITS = ("random", "data")
 
 
 @dataclass
@@ -84,6 +85,22 @@ class TrainConfig:
             them (in ``history``, the progress bar and ``OUT/train_log.jsonl``).
         progress: show a tqdm progress bar (only when stderr is a terminal).
         device: torch device for the model and batches.
+        decoder_init: ``"random"`` (Gaussian directions, seeded by ``init_seed``) or
+            ``"data"`` (atom ``j`` = the normalized ``j``-th row of the ``b_dec`` sample minus
+            ``b_dec``; :meth:`SparseAutoencoder.init_from_samples_`).
+        resample_every: every this many steps (0: never), latents that did not fire since the
+            last resampling are pointed at the residual ``x - x_hat`` of samples drawn from a
+            pool of ``resample_pool`` training rows with probability proportional to the
+            squared loss ``‖x - x_hat‖⁴`` (Bricken et al., "Towards Monosemanticity", 2023:
+            decoder row = the normalized residual, encoder column = that times
+            ``resample_enc_scale`` × the mean norm of the live encoder columns, ``b_enc = 0``,
+            their AdamW moments reset).
+        resample_duplicates: also resample the rarer latent of every pair whose atoms have
+            ``|cos| >`` this (0: off), so that two latents never keep one ground-truth atom.
+        resample_until: no resampling after this step (0: until the end).
+        multistep_start: a multi-step encoder runs no refinement step (it is the single-step
+            encoder ``act(W_enc(x - b_dec) + b_enc)``) before this step, its ``T`` steps from
+            it on (0: from the start), so the dictionary can first be learned cheaply.
     """
 
     steps: int = 2000
@@ -104,10 +121,30 @@ class TrainConfig:
     log_every: int = 50
     progress: bool = False
     device: str = "cpu"
+    decoder_init: str = "random"
+    resample_every: int = 0
+    resample_duplicates: float = 0.0
+    resample_until: int = 0
+    resample_pool: int = 8192
+    resample_enc_scale: float = 1.0
+    multistep_start: int = 0
 
     def __post_init__(self) -> None:
+        check_device(self.device, "device")
+        if self.decoder_init not in _DECODER_INITS:
+            raise ValueError(f"decoder_init: expected one of {list(_DECODER_INITS)}, got "
+                             f"{self.decoder_init!r}")
+        if not (0 <= self.resample_duplicates < 1):
+            raise ValueError(f"resample_duplicates: expected a cosine in [0, 1) (0: off), got "
+                             f"{self.resample_duplicates!r}")
+        if not (self.resample_enc_scale > 0 and math.isfinite(self.resample_enc_scale)):
+            raise ValueError(f"resample_enc_scale: expected a finite number > 0, got "
+                             f"{self.resample_enc_scale!r}")
+        if self.resample_pool < 1:
+            raise ValueError(f"resample_pool: expected >= 1, got {self.resample_pool!r}")
         for name in ("steps", "batch_size", "seed", "ckpt_every", "log_every", "lr_warmup_steps",
-                     "rip_warmup_steps", "auxk_warmup_steps"):
+                     "rip_warmup_steps", "auxk_warmup_steps", "resample_every", "resample_until",
+                     "resample_pool", "multistep_start"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
@@ -242,7 +279,7 @@ def _folded(model: SparseAutoencoder, scale: float) -> SparseAutoencoder:
 
 
 def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta, scale,
-                     dead_tokens) -> None:
+                     dead_tokens, fires_since_resample=None) -> None:
     extra = {f"train_{k}": v for k, v in asdict(train_cfg).items()}
     extra.update(meta)
     extra["train_step"] = step
@@ -252,6 +289,8 @@ def _save_checkpoint(out: Path, model, opt, step, dead, train_cfg, meta, scale,
     save_sae(out, _folded(model, scale), extra)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {"tokens_since_fired": dead}
+    if fires_since_resample is not None:   # so that a resumed run resamples the same latents
+        state["fires_since_resample"] = fires_since_resample
     if scale != 1.0:   # the unfolded biases, so that a resumed run continues bit-identically
         state.update({"unfolded.b_enc": model.b_enc.detach(), "unfolded.b_dec": model.b_dec.detach()})
     for p, s in opt.state.items():
@@ -277,7 +316,8 @@ def _load_trainer_state(path: Path, model, opt):
         with torch.no_grad():
             model.b_enc.copy_(tensors["unfolded.b_enc"])
             model.b_dec.copy_(tensors["unfolded.b_dec"])
-    return int(cfg["step"]), tensors["tokens_since_fired"], float(cfg.get("activation_scale", 1.0))
+    return (int(cfg["step"]), tensors["tokens_since_fired"], float(cfg.get("activation_scale", 1.0)),
+            tensors.get("fires_since_resample"))
 
 
 def density_histogram(fires: torch.Tensor, tokens: int, n_bins: int = 20) -> dict:
@@ -341,16 +381,38 @@ def _init_seed(train_cfg: TrainConfig) -> int:
     return train_cfg.seed if train_cfg.init_seed is None else train_cfg.init_seed
 
 
+def _init_decoder(model, train_cfg: TrainConfig, sample: torch.Tensor, scale: float) -> None:
+    if train_cfg.decoder_init == "data":
+        model.init_from_samples_(model.normalize_input(sample * scale if scale != 1.0 else sample)[0])
+
+
+def _pool(data, train_cfg: TrainConfig, dtype, device):
+    """The resampling pool of step ``step``: ``resample_pool`` rows drawn without replacement
+    from the ``"resample_pool"`` stream (deterministic, so a resumed run resamples alike)."""
+    if not train_cfg.resample_every:
+        return None
+    n = data.shape[0]
+
+    def rows(step: int) -> torch.Tensor:
+        gen = stream_generator(train_cfg.seed, "resample_pool", step)
+        return _rows(data, torch.randperm(n, generator=gen)[:min(n, train_cfg.resample_pool)],
+                     dtype, device)
+    return rows
+
+
 class _Stepper:
     """One SAE's optimizer step and its log window (shared by :func:`train` and
     :func:`train_many`)."""
 
     KEYS = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
 
-    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0):
+    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0, pool=None):
         self.model, self.opt, self.sae_cfg, self.train_cfg = model, opt, sae_cfg, train_cfg
         self.dead, self.dead_tokens, self.scale, self.t0 = dead, dead_tokens, scale, t0
         self.fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
+        self.fires_since_resample = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
+        self.pool = pool            # step -> (rows, d_in) raw training rows, for resampling
+        self.resampled = 0
         self.params = list(model.parameters())
         self.window = {k: 0.0 for k in self.KEYS}
         self.n_window = 0
@@ -362,6 +424,8 @@ class _Stepper:
             x = x * self.scale
         dead = self.dead
         dead_mask = (dead >= sae_cfg.dead_tokens).to(x.device) if sae_cfg.auxk_alpha > 0 else None
+        if train_cfg.multistep_start:
+            model.refine_steps = 0 if step < train_cfg.multistep_start else None
         self.lr = lr = train_cfg.lr_at(step)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -390,7 +454,9 @@ class _Stepper:
         with torch.no_grad():
             active = parts["z"] != 0
             fired = active.any(dim=0).cpu()
-            self.fires += active.sum(dim=0).cpu()
+            counts = active.sum(dim=0).cpu()
+            self.fires += counts
+            self.fires_since_resample += counts
             dead += x.shape[0]
             dead[fired] = 0
             for k in ("loss", "recon", "rip", "aux"):
@@ -398,7 +464,62 @@ class _Stepper:
             self.window["l0"] += float(active.sum(dim=1).double().mean())
             self.window["grad_norm"] += float(gnorm)
             self.n_window += 1
+        tc = train_cfg
+        if (tc.resample_every and (step + 1) % tc.resample_every == 0 and step + 1 < tc.steps
+                and (tc.resample_until == 0 or step + 1 <= tc.resample_until)):
+            self.resample(step)
         return parts
+
+    @torch.no_grad()
+    def resample(self, step: int) -> int:
+        """Resample dead (and, if configured, duplicate) latents; returns how many."""
+        model, tc = self.model, self.train_cfg
+        latents = self.fires_since_resample == 0
+        if tc.resample_duplicates > 0:
+            W = model.W_dec.detach()
+            cos = (W @ W.T).abs().cpu()
+            cos.fill_diagonal_(0.0)
+            i, j = torch.nonzero(torch.triu(cos, 1) > tc.resample_duplicates, as_tuple=True)
+            rarer = torch.where(self.fires_since_resample[i] <= self.fires_since_resample[j], i, j)
+            latents[rarer] = True
+        self.fires_since_resample.zero_()
+        idx = torch.nonzero(latents).squeeze(-1)
+        if idx.numel() == 0 or self.pool is None:
+            return 0
+        x = self.pool(step)
+        if self.scale != 1.0:
+            x = x * self.scale
+        xn = model.normalize_input(x)[0]
+        resid = xn - model.decode(model._encode(xn, normalized=True)[0])
+        w = (resid ** 2).sum(dim=1) ** 2
+        r = min(idx.numel(), int((w > 0).sum()))
+        if r == 0:
+            return 0
+        idx = idx[:r]
+        gen = stream_generator(_init_seed(tc), "resample", step)
+        rows = torch.multinomial(w.cpu().double(), r, replacement=False, generator=gen)
+        atoms = resid[rows.to(resid.device)]
+        atoms = atoms / atoms.norm(dim=1, keepdim=True)
+        alive = torch.ones(model.cfg.d_sae, dtype=torch.bool)
+        alive[idx] = False
+        norms = model.W_enc.detach().norm(dim=0).cpu()
+        enc_norm = float(norms[alive].mean()) if bool(alive.any()) else 1.0
+        idx_dev = idx.to(model.W_dec.device)
+        model.set_latents_(idx_dev, atoms, tc.resample_enc_scale * enc_norm)
+        # AdamW moments of the resampled rows/columns start afresh
+        for name, p in model.named_parameters():
+            st = self.opt.state.get(p)
+            if not st:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                if name in ("W_dec",):
+                    st[key][idx_dev] = 0.0
+                elif name in ("W_enc", "W_step"):
+                    st[key][:, idx_dev] = 0.0
+                elif name == "b_enc":
+                    st[key][idx_dev] = 0.0
+        self.resampled += r
+        return r
 
     def record(self, done: int) -> dict | None:
         """The averaged log record when step ``done`` ends a log window, else None."""
@@ -412,6 +533,7 @@ class _Stepper:
                     "dead_tokens": self.dead_tokens, "lr": self.lr,
                     "rip_coef": self.rip_ramp * sae_cfg.rip_beta,
                     "aux_coef": self.aux_ramp * sae_cfg.auxk_alpha,
+                    "resampled": self.resampled,
                     "seconds": time.perf_counter() - self.t0})
         self.window = {k: 0.0 for k in self.KEYS}
         self.n_window = 0
@@ -470,8 +592,9 @@ def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None)
         sample = _rows(data, sample_idx, dtype, device)
         scale = _expected_norm_scale(sample, d) if tc.normalize == "expected_norm" else 1.0
         model.init_b_dec(sample * scale if scale != 1.0 else sample)
+        _init_decoder(model, tc, sample, scale)
         runs.append(_Stepper(model, opt, c, tc, torch.zeros(c.d_sae, dtype=torch.long),
-                             dead_tokens, scale, t0))
+                             dead_tokens, scale, t0, _pool(data, tc, dtype, device)))
         cfgs.append(dtype)
     histories = [[] for _ in runs]
     steps = range(train_cfg.steps)
@@ -494,6 +617,7 @@ def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None)
     seconds = time.perf_counter() - t0
     out = []
     for run, hist in zip(runs, histories):
+        run.model.refine_steps = None
         model = _folded(run.model, run.scale)
         model.eval()
         summary = dict(hist[-1]) if hist else {}
@@ -522,7 +646,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         ``loss``, ``recon`` (the batch FVU, also as ``fvu``), ``explained_variance``
         (``1 - fvu``), ``l0`` (mean active latents per sample), ``dead_latents`` (not fired on
         ``dead_tokens`` samples), ``lr``, ``grad_norm`` (before clipping), ``rip``, ``aux``,
-        ``rip_coef``, ``aux_coef``, ``seconds`` — averages over the ``log_every`` steps. The
+        ``rip_coef``, ``aux_coef``, ``seconds`` — averages over the ``log_every`` steps — and
+        ``resampled`` (latents resampled so far in this call, see ``resample_every``). The
         model is returned in raw-activation space (any ``normalize`` scale folded in), and
         ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
@@ -544,7 +669,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
     dead = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
     dead_tokens = train_cfg.dead_tokens or min(DEAD_TOKENS_DEFAULT, n)
-    start, scale = 0, 1.0
+    start, scale, fires_since_resample = 0, 1.0, None
     if resume is not None:
         resume = Path(resume)
         saved = tio.read_config(resume)
@@ -555,7 +680,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                              f"(saved, requested): {diff}")
         loaded = load_sae(resume, device=str(device))
         model.load_state_dict(loaded.state_dict())
-        start, dead, scale = _load_trainer_state(resume, model, opt)
+        start, dead, scale, fires_since_resample = _load_trainer_state(resume, model, opt)
         dead = dead.to(torch.long)
     else:
         gen = stream_generator(train_cfg.seed, "b_dec")
@@ -563,11 +688,13 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         if train_cfg.normalize == "expected_norm":
             scale = _expected_norm_scale(sample, d)
         model.init_b_dec(sample * scale if scale != 1.0 else sample)
+        _init_decoder(model, train_cfg, sample, scale)
     meta = dict(meta or {})
     out = Path(out) if out is not None else None
     last_good = str(out) if (out is not None and (out / tio.CONFIG_FILE).exists()) else None
     log_path = out / LOG_FILE if out is not None else None
     old_log = _read_log(log_path, start) if (log_path is not None and resume is not None) else []
+    created_out = out is not None and not out.exists()
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         tio.atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in old_log))
@@ -580,11 +707,30 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         steps = tqdm(steps, desc="sae train", unit="step", disable=None)
     t0 = time.perf_counter()
     last_ckpt = start
-    run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0)
+    run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0,
+                   _pool(data, train_cfg, dtype, device))
+    if fires_since_resample is not None:
+        run.fires_since_resample.copy_(fires_since_resample)
     for step in steps:
         x = _rows(data, batches.indices(step), dtype, device)
         where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-        run.step(x, step, where, last_good)
+        try:
+            run.step(x, step, where, last_good)
+        except TrainingDiverged as exc:
+            if out is None or last_good is not None:
+                raise
+            # no checkpoint in OUT: remove what this run wrote (its log), so that OUT is as
+            # before (missing or empty) instead of a folder with a log and no SAE
+            log_path.unlink(missing_ok=True)
+            if created_out:
+                try:
+                    out.rmdir()
+                except OSError:
+                    pass
+            last = (f"; the last logged record before it: step {history[-1]['step']}, fvu "
+                    f"{history[-1]['fvu']:.4g}" if history else "")
+            raise TrainingDiverged(f"{exc}{last}; nothing was kept in {out} (no SAE, no log)",
+                                   exc.step, None) from None
         dead = run.dead
         done = step + 1
         rec = run.record(done)
@@ -606,13 +752,15 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                     fh.write(json.dumps(dens) + "\n")
                 run.fires.zero_()
                 last_ckpt = done
-                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale, dead_tokens)
+                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale, dead_tokens,
+                                 run.fires_since_resample)
                 last_good = str(out)
     if out is not None and start >= train_cfg.steps and not (out / tio.CONFIG_FILE).exists():
         _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
     seconds = time.perf_counter() - t0
     if out is not None and density_recs and start < train_cfg.steps:
         plot_density(density_recs[-5:], out / DENSITY_PLOT)
+    model.refine_steps = None
     model = _folded(model, scale)
     model.eval()
     summary = dict(history[-1]) if history else {}
