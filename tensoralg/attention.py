@@ -51,7 +51,7 @@ from .wick import partial_matchings
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_network)
 
-__all__ = ["exact_inner", "exact_similarity", "closure_inner", "closure_similarity", "head_gram", "count_configurations", "canonicalize",
+__all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity", "closure_gram", "head_gram", "count_configurations", "canonicalize",
            "montecarlo_inner", "montecarlo_similarity", "AttentionNotSupported",
            "DEFAULT_MAX_CONFIGURATIONS"]
 
@@ -1125,7 +1125,9 @@ def _ein(sub: str, *ops):
         if len(ops) == 1:
             fn = (lambda s: (lambda x: np.einsum(s, x)))(sub)
         else:
-            fn = oe.contract_expression(sub, *(o.shape for o in ops), optimize="greedy")
+            expr = oe.contract_expression(sub, *(o.shape for o in ops), optimize="greedy")
+            import torch
+            fn = (lambda e: (lambda *xs: e(*[torch.from_numpy(np.ascontiguousarray(x)) for x in xs], backend="torch").numpy()))(expr)
         _CLOSURE_EXPRS[key] = fn
     return fn(*ops)
 
@@ -1160,6 +1162,61 @@ def _schedule(nodes):
     return stages, pending
 
 
+def _pos_diagonal(C) -> bool:
+    """Whether ``C`` ``(n, d, n, d')`` vanishes between different positions (the Gaussian input
+    of a first stage: iid positions)."""
+    n = C.shape[0]
+    return not np.any(C * (1.0 - np.eye(n))[:, None, :, None])
+
+
+def _form_cov_merged(Wi, li: str, Wj, lj: str, C, diag: bool):
+    """:func:`_form_cov` reduced over repeated labels, as ``(array, labels, merge)``: with a
+    position-diagonal ``C`` (``diag``) and different position labels the covariance is taken
+    at equal positions, over ``li + lj[1:]``, and ``merge = (li[0], lj[0])`` says the
+    contraction must identify the two position labels; else ``merge`` is None."""
+    if diag and li[0] != lj[0]:
+        c, lab = _diag(*_form_cov(Wi, li, Wj, li[0] + lj[1:], C))
+        return c, lab, (li[0], lj[0])
+    c, lab = _diag(*_form_cov(Wi, li, Wj, lj, C))
+    return c, lab, None
+
+
+def _merged_contract(ops, subs, out: str, merges):
+    """``einsum(subs -> out)`` after identifying the position labels of ``merges`` (pairs):
+    the contraction runs over one label per merged class; output labels merged into an earlier
+    output label are restored through a Kronecker delta."""
+    if not merges:
+        return _ein(",".join(subs) + "->" + out, *ops)
+    parent = {}
+
+    def find(x):
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    for p, q in merges:
+        rp, rq = find(p), find(q)
+        if rp == rq:
+            continue
+        ip, iq = out.find(rp), out.find(rq)
+        if iq != -1 and (ip == -1 or iq < ip):
+            rp, rq = rq, rp
+        parent[rq] = rp
+    m = lambda lab: "".join(find(x) for x in lab)  # noqa: E731
+    pairs = [_diag(o, m(s_)) for o, s_ in zip(ops, subs)]
+    out_m = _unique(m(out))
+    val = _ein(",".join(s_ for _, s_ in pairs) + "->" + out_m, *[o for o, _ in pairs])
+    if out_m == out:
+        return val
+    eops, esubs = [val], [out_m]
+    for x in out:
+        r = find(x)
+        if r != x:
+            eops.append(np.eye(val.shape[out_m.index(r)]))
+            esubs.append(r + x)
+    return np.einsum(",".join(esubs) + "->" + out, *eops)
+
+
 def _form_cov(Wi, li: str, Wj, lj: str, C):
     """``cov(form i, form j)`` of two forms read against inputs with cross covariance ``C``
     ``(n, d_i, n, d_j)``: an array over ``li + lj`` (position labels first in each), or over
@@ -1188,6 +1245,7 @@ class _ChaosSide:
     the term's (lower case); the output cores (those holding ``o``) are kept apart."""
 
     def __init__(self, term, mu, C):
+        diag = _pos_diagonal(C)
         self.forms = [(f.W, f.labels) for f in term.forms]
         self.outer = [(a, lab) for a, lab in term.cores if "o" in lab]
         self.inner = [(a, lab) for a, lab in term.cores if "o" not in lab]
@@ -1201,9 +1259,9 @@ class _ChaosSide:
         self.cov = {}
         for i in range(n):
             for j in range(i + 1, n):
-                c, lab = _diag(*_form_cov(self.forms[i][0], self.forms[i][1],
-                                          self.forms[j][0], self.forms[j][1], C))
-                self.cov[(i, j)] = (c, lab) if np.any(c != 0) else None
+                c, lab, mg = _form_cov_merged(self.forms[i][0], self.forms[i][1],
+                                              self.forms[j][0], self.forms[j][1], C, diag)
+                self.cov[(i, j)] = (c, lab, mg) if np.any(c != 0) else None
         self.R = {}
         for S in range(1 << n):
             self._chaos(S)
@@ -1226,6 +1284,7 @@ class _ChaosSide:
             any_matching = True
             ops = [a for a, _ in self.inner]
             subs = [lab for _, lab in self.inner]
+            merges = []
             for part in m:
                 if len(part) == 1:
                     i = closed[part[0]]
@@ -1233,12 +1292,14 @@ class _ChaosSide:
                     subs.append(self.forms[i][1])
                 else:
                     i, j = sorted((closed[part[0]], closed[part[1]]))
-                    c, lab = self.cov[(i, j)]
+                    c, lab, mg = self.cov[(i, j)]
                     ops.append(c)
                     subs.append(lab)
+                    if mg is not None:
+                        merges.append(mg)
             if not ops:
                 break
-            val = _ein(",".join(subs) + "->" + out, *ops)
+            val = _merged_contract(ops, subs, out, merges)
             total = val if total is None else total + val
         if any_matching:
             self.R[S] = (total, out if total is not None else "")
@@ -1252,22 +1313,36 @@ def _relabel(labels: str, upper: bool, readout: bool) -> str:
     return lab.replace("T", "t") if readout else lab
 
 
-def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool):
+def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
     """``sum over (S_a, S_b, bijections)`` of ``R_a[S_a] R_b[S_b] prod cov(cross pairs)`` with
     the cross covariance ``C`` of the two inputs: ``E[term_x[t, carry] term_y[T, carry']]``
     before the output cores, as ``(array, labels)``; labels ``t + x.carry + T + Y.carry``
-    (``T`` identified with ``t`` for a readout)."""
+    (``T`` identified with ``t`` for a readout). With ``K`` ``(k, d_o, d_O)`` (a readout) the
+    output cores and ``K`` are folded into one operand of every contraction and the result is
+    ``sum K[k] E[y_x[t] y_y[t]]`` over labels ``tk``."""
     ra = lambda lab: lab  # noqa: E731
     rb = lambda lab: _relabel(lab, True, readout)  # noqa: E731
     out = "t" + x.carry + ("" if readout else "T") + rb(y.carry)
+    fold = None
+    if K is not None:
+        ops, subs = [K], ["koO"]
+        for a, l_ in x.outer:
+            ops.append(a)
+            subs.append(l_)
+        for a, l_ in y.outer:
+            ops.append(a)
+            subs.append(_relabel(l_, True, readout))
+        flab = "k" + x.carry + rb(y.carry)
+        fold = (_ein(",".join(subs) + "->" + flab, *ops) if len(ops) > 1 else K, flab)
+        out = "tk"
     covs = {}
+    diag = _pos_diagonal(C)
 
     def cross(i, j):
         if (i, j) not in covs:
-            c, lab = _form_cov(x.forms[i][0], ra(x.forms[i][1]), y.forms[j][0],
-                               rb(y.forms[j][1]), C)
-            c, lab = _diag(c, lab)
-            covs[(i, j)] = (c, lab) if np.any(c != 0) else None
+            c, lab, mg = _form_cov_merged(x.forms[i][0], ra(x.forms[i][1]), y.forms[j][0],
+                                          rb(y.forms[j][1]), C, diag)
+            covs[(i, j)] = (c, lab, mg) if np.any(c != 0) else None
         return covs[(i, j)]
 
     total = None
@@ -1289,11 +1364,17 @@ def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool):
                 if Rb is not None:
                     ops.append(Rb)
                     subs.append(rb(lb))
-                for c, lab in pairs:
+                merges = []
+                for c, lab, mg in pairs:
                     ops.append(c)
                     subs.append(lab)
+                    if mg is not None:
+                        merges.append(mg)
+                if fold is not None:
+                    ops.append(fold[0])
+                    subs.append(fold[1])
                 ops, subs = zip(*[_diag(o, s) for o, s in zip(ops, subs)])
-                val = _ein(",".join(subs) + "->" + out, *ops)
+                val = _merged_contract(ops, subs, out, merges)
                 total = val if total is None else total + val
     return total, out
 
@@ -1433,9 +1514,9 @@ def _closure_pair_value(ma: _ClosureModel, mb: _ClosureModel, U, keep: bool, sel
     Kin = np.ascontiguousarray(K[:, 1:, 1:])
     for x in ma.sides[last]:
         for y in mb.sides[last]:
-            X, lab = _chaos_cross(x, y, C, True)
+            X, _ = _chaos_cross(x, y, C, True, Kin)
             if X is not None:
-                val = val + _outer_apply(X, lab, x, y, True, Kin)
+                val = val + X
     val = val * sel[:, None]
     if not each_t:
         val = val.sum(axis=0)
@@ -1550,3 +1631,84 @@ def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     if aa <= 0 or bb <= 0:
         raise ValueError("similarity: a model with zero closure norm has no direction")
     return float(ab / math.sqrt(aa * bb))
+
+
+# ----------------------------------------------------------------------------------------
+# Gram / similarity matrices over many sequence models
+# ----------------------------------------------------------------------------------------
+
+def _check_models(models, n_ctx):
+    nets = [as_network(m, f"models[{i}]") for i, m in enumerate(models)]
+    if len(nets) < 1:
+        raise ValueError("models: expected at least one model")
+    for i, net in enumerate(nets[1:], 1):
+        _check_pair(nets[0], net, n_ctx)
+    return nets, _check_pair(nets[0], nets[-1], n_ctx)[2]
+
+
+def _gram_to_similarity(G):
+    dg = np.einsum("ii...->i...", G)
+    if np.any(dg <= 0):
+        raise ValueError(f"similarity_matrix: models "
+                         f"{np.flatnonzero(np.atleast_1d(dg <= 0).reshape(len(dg), -1).any(1)).tolist()}"
+                         f" have norm zero; similarity is undefined")
+    return np.clip(G / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1.0, 1.0)
+
+
+def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,
+                 similarity: bool = False) -> np.ndarray:
+    """Closure Gram matrix ``G[i, j] = closure_inner(models[i], models[j])`` (APPROXIMATE at
+    depth >= 2, exact at depth 1; see :func:`closure_inner`), shape ``(N, N)`` (plus the
+    position / output axes for ``"each"``); with ``similarity=True`` the matrix
+    ``G_ij / sqrt(G_ii G_jj)`` (clipped to [-1, 1]).
+
+    Everything that depends on one model only -- its moments ``(mu, C_aa)`` at every stage,
+    its terms in chaos form and its self readout ``G_ii`` -- is computed once per model; a pair
+    only propagates its cross covariance and reads it out. Models of different depths are
+    padded with identity stages, as in :func:`closure_inner`, so ``G[i, j]`` equals
+    ``closure_inner(models[i], models[j])`` exactly (same operations).
+
+    Raises:
+        ValueError: as :func:`closure_inner` for any pair; an empty list; a zero closure norm
+            with ``similarity=True``.
+    """
+    nets, n_ctx = _check_models(models, n_ctx)
+    _check_slices(output, position, nets[0].out_features, n_ctx)
+    nets = [m.astype_float() for m in nets]
+    U, keep = _closure_output(output, nets[0].out_features)
+    sel = _selector(n_ctx, position, False)
+    each_t = isinstance(position, str)
+    depth = max(_n_stages(m, n_ctx, f"models[{i}]") for i, m in enumerate(nets))
+    cm = [_ClosureModel(m, n_ctx, f"models[{i}]", depth) for i, m in enumerate(nets)]
+    vals = {}
+    for i in range(len(cm)):
+        for j in range(i, len(cm)):
+            vals[(i, j)] = _closure_pair_value(cm[i], cm[j] if i != j else cm[i], U, keep, sel,
+                                               each_t)
+    shape = np.shape(vals[(0, 0)])
+    G = np.empty((len(cm), len(cm)) + shape)
+    for (i, j), v in vals.items():
+        G[i, j] = v
+        G[j, i] = v
+    return _gram_to_similarity(G) if similarity else G
+
+
+def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,
+               similarity: bool = False, **kw) -> np.ndarray:
+    """Exact Gram (or similarity, ``similarity=True``) matrix of sequence models with at most
+    one attention layer each: :func:`exact_inner` once per unordered pair, the self terms once
+    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` only)."""
+    nets, n_ctx = _check_models(models, n_ctx)
+    if kw.get("backend", "numpy") != "numpy":
+        raise ValueError("exact_gram: backend='numpy' only (use exact_inner per pair for "
+                         "rationals)")
+    vals = {}
+    for i in range(len(nets)):
+        for j in range(i, len(nets)):
+            vals[(i, j)] = np.asarray(exact_inner(nets[i], nets[j], n_ctx=n_ctx, output=output,
+                                                  position=position, **kw), dtype=np.float64)
+    G = np.empty((len(nets), len(nets)) + vals[(0, 0)].shape)
+    for (i, j), v in vals.items():
+        G[i, j] = v
+        G[j, i] = v
+    return _gram_to_similarity(G) if similarity else G

@@ -171,3 +171,33 @@ def test_fast_closure_equals_the_previous_implementation_at_depth_two(case):
         x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
         assert x.shape == y.shape
         assert np.all(np.abs(x - y) <= 1e-10 * np.abs(y).max()), (x, y)
+
+
+def test_gram_and_similarity_matrix_of_sequence_models():
+    # closure_gram reuses each model's moments; every entry must be the pair's closure value
+    rng = np.random.default_rng(11)
+    d = 2
+    g = lambda *s: rng.standard_normal(s) * 0.6  # noqa: E731
+    two = lambda: ta.Sequential([ta.Residual(_attn(rng, d)), ta.Residual(_attn(rng, d)),  # noqa: E731
+                                 ta.Linear(g(2, d))])
+    models = [two(), two(), ta.Sequential([ta.Residual(_attn(rng, d, 2)), ta.Linear(g(2, d))])]
+    G = ta.gram(models, n_ctx=2, method="closure")
+    S = ta.similarity_matrix(models, n_ctx=2, method="closure")
+    assert G.shape == S.shape == (3, 3)
+    for i, x in enumerate(models):
+        for j, y in enumerate(models):
+            assert _rel(G[i, j], attention.closure_inner(x, y, n_ctx=2)) <= 1e-12
+            assert abs(S[i, j] - attention.closure_similarity(x, y, n_ctx=2)) <= 1e-12
+    each = attention.closure_gram(models, n_ctx=2, position="each", output="each")
+    assert each.shape == (3, 3, 2, 2)
+    assert np.allclose(each.sum(axis=(2, 3)), G, rtol=1e-12, atol=0)
+    # exact at depth 1: the self terms once per model, the same values as exact_inner
+    one = [models[2], ta.Sequential([ta.Residual(_attn(rng, d)), ta.Linear(g(2, d))])]
+    E = ta.gram(one, n_ctx=2)
+    assert _rel(E[0, 1], attention.exact_inner(one[0], one[1], n_ctx=2)) <= 1e-12
+    assert _rel(ta.similarity_matrix(one, n_ctx=2)[0, 1],
+                attention.exact_similarity(one[0], one[1], n_ctx=2)) <= 1e-12
+    with pytest.raises(ValueError, match="method='closure' or 'exact'"):
+        ta.gram(one, n_ctx=2, method="montecarlo")
+    with pytest.raises(ValueError, match="at least one model"):
+        attention.closure_gram([], n_ctx=2)
