@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 import opt_einsum as oe
 
-from .wick import partial_matchings
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_network)
 
@@ -1508,6 +1507,8 @@ def _closure_pair_value(ma: _ClosureModel, mb: _ClosureModel, U, keep: bool, sel
     # readout through the tails: K[k] = A_a^T u_k u_k^T A_b over the lifted last activations
     Ua, Ub = U @ ma.tail[1:], U @ mb.tail[1:]
     K = np.einsum("ki,kj->kij", Ua, Ub)
+    if not keep:  # one readout matrix sum_k u_k u_k^T: no output axis in the contractions
+        K = K.sum(axis=0, keepdims=True)
     mu_a, mu_b = ma.means[last], mb.means[last]
     val = (K[:, 0, 0][None, :] + np.einsum("kj,tj->tk", K[:, 0, 1:], mu_b)
            + np.einsum("ki,ti->tk", K[:, 1:, 0], mu_a))
