@@ -1114,19 +1114,46 @@ def _closure_nodes(net: Layer, n_ctx: int, name: str):
 
 _CLOSURE_EXPRS: dict = {}
 
+# contractions with a path cost (flops) above this run in torch (batched matrix products);
+# smaller ones in numpy's C einsum, step by step, where torch's per-call overhead dominates
+_TORCH_FLOPS = 2e5
+
+
+class _Plan:
+    """A contraction along the ``opt_einsum`` greedy path, found once per (subscripts, shapes),
+    executed pairwise by ``numpy.einsum`` (small) or ``torch.einsum`` (large) without
+    ``opt_einsum``'s per-call parsing."""
+
+    def __init__(self, sub: str, shapes):
+        _, info = oe.contract_path(sub, *shapes, shapes=True, optimize="greedy")
+        self.steps = [(inds, es) for inds, _, es, *_ in info.contraction_list]
+        self.torch = float(info.opt_cost) > _TORCH_FLOPS
+
+    def __call__(self, *ops):
+        if self.torch:
+            import torch
+            ops = [torch.from_numpy(np.ascontiguousarray(x)) for x in ops]
+            ein = torch.einsum
+        else:
+            ops = list(ops)
+            ein = np.einsum
+        for inds, es in self.steps:
+            tmp = [ops.pop(x) for x in inds]
+            ops.append(ein(es, *tmp))
+        out = ops[0]
+        return out.numpy() if self.torch else out
+
 
 def _ein(sub: str, *ops):
-    """Contraction ``sub`` of ``ops``: one ``opt_einsum`` expression (path) per (subscripts,
-    shapes), built on first use; a single operand goes to ``numpy.einsum``."""
+    """Contraction ``sub`` of ``ops`` (float64) along a path found once per (subscripts,
+    shapes); a single operand goes to ``numpy.einsum``."""
     key = (sub,) + tuple(o.shape for o in ops)
     fn = _CLOSURE_EXPRS.get(key)
     if fn is None:
         if len(ops) == 1:
             fn = (lambda s: (lambda x: np.einsum(s, x)))(sub)
         else:
-            expr = oe.contract_expression(sub, *(o.shape for o in ops), optimize="greedy")
-            import torch
-            fn = (lambda e: (lambda *xs: e(*[torch.from_numpy(np.ascontiguousarray(x)) for x in xs], backend="torch").numpy()))(expr)
+            fn = _Plan(sub, [o.shape for o in ops])
         _CLOSURE_EXPRS[key] = fn
     return fn(*ops)
 
