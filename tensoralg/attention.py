@@ -469,8 +469,7 @@ def _compile_sum(key, build):
         if len(specs) == 1:
             expr = (lambda sub_: (lambda x: oe.contract(sub_, x)))(sub)
         else:
-            expr = oe.contract_expression(sub, *ushapes,
-                                          optimize="greedy")
+            expr = _Plan(sub, ushapes)
         compiled.append((specs, expr))
     _COMPILED[key] = compiled
     return compiled
@@ -1130,7 +1129,8 @@ class _Plan:
         self.torch = float(info.opt_cost) > _TORCH_FLOPS
 
     def __call__(self, *ops):
-        if self.torch:
+        use_torch = self.torch and ops[0].dtype != object  # rationals stay in numpy
+        if use_torch:
             import torch
             ops = [torch.from_numpy(np.ascontiguousarray(x)) for x in ops]
             ein = torch.einsum
@@ -1140,8 +1140,7 @@ class _Plan:
         for inds, es in self.steps:
             tmp = [ops.pop(x) for x in inds]
             ops.append(ein(es, *tmp))
-        out = ops[0]
-        return out.numpy() if self.torch else out
+        return ops[0].numpy() if use_torch else ops[0]
 
 
 def _ein(sub: str, *ops):
