@@ -85,6 +85,47 @@ def bench_small():
               f"{t_mc / statistics.median(warm):.1f}")
 
 
+_CHILD_EXACT = r"""
+import os, sys, json, time, statistics
+for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[v] = "1"
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+torch.set_num_threads(1)
+from tensoralg import attention as A
+sys.path.insert(0, sys.argv[2])
+from bench_attention import model
+rng = np.random.default_rng(0)
+a, b = model(rng, 8, 2, 4, False), model(rng, 8, 2, 4, False)
+v = A.exact_inner(a, b, n_ctx=2)
+ts = []
+for _ in range(5):
+    t = time.perf_counter(); A.exact_inner(a, b, n_ctx=2); ts.append(time.perf_counter() - t)
+print(json.dumps(dict(value=float(v), warm=statistics.median(ts))))
+"""
+
+
+def bench_small_vs_base(base, repeat):
+    """Warm exact pair (d_model=8, n_ctx=2, 2 heads, no biases), this checkout vs 942dfb0, each
+    in its own subprocess, interleaved; medians."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if not os.path.isdir(base):
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", base, "942dfb0"],
+                       check=True)
+    new, old = [], []
+    for _ in range(repeat):
+        for r, acc in ((base, old), (root, new)):
+            out = subprocess.run([sys.executable, "-c", _CHILD_EXACT, r, here], check=True,
+                                 capture_output=True, text=True).stdout
+            acc.append(json.loads(out.strip().splitlines()[-1]))
+    mn = statistics.median(x["warm"] for x in new)
+    mo = statistics.median(x["warm"] for x in old)
+    print(f"   exact warm pair, new vs 942dfb0 (interleaved subprocesses, median of {repeat}): "
+          f"{mn:.3f} s vs {mo:.3f} s, ratio old/new {mo / mn:.1f}; values agree to 1e-10: "
+          f"{abs(new[0]['value'] - old[0]['value']) <= 1e-10 * abs(old[0]['value'])}")
+
+
 def bench_large():
     print("== 2. d_model=64, n_ctx=8, 4 heads, d_head=16 (report) ==")
     rng = np.random.default_rng(1)
@@ -226,6 +267,7 @@ def main():
     args = p.parse_args()
     if args.only in (None, "small"):
         bench_small()
+        bench_small_vs_base(args.base, args.repeat)
     if args.only in (None, "large"):
         bench_large()
     if args.only in (None, "closure"):
