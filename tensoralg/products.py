@@ -429,8 +429,8 @@ def _blocked(kind: str, models, metric, method, backend, output, kwargs):
 def _sequence_matrix(kind: str, models: list, metric, method, backend, output, kwargs):
     """Gram / similarity matrices of sequence models (with attention) through
     :mod:`tensoralg.attention` (per-model work once); None for position-free models."""
-    if not any(getattr(as_network(m, "models"), "is_sequence_model", False) for m in models):
-        return None
+    if not any(getattr(m, "is_sequence_model", False) for m in models):
+        return None  # (specs, folders and modules go the position-free way, unchanged)
     from . import attention
 
     kw = dict(kwargs)
