@@ -1638,7 +1638,8 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     ``benchmarks/bench_attention.py --only closure``). At d_model=64, n_ctx=8, 4 heads,
     d_head=16 the contractions total 2.4e11 flops (opt_einsum path cost, 4 651 contractions),
     ~70 % of it in the last stage's chaos terms with three open forms per side, each of cost
-    ~n_ctx^3 heads^2 d_head^3: the 1 s target is NOT met on a CPU (TARGET_TIME).
+    ~n_ctx^3 heads^2 d_head^3: the 1 s target is NOT met on a CPU
+    (tens of seconds at 10-20 GFlop/s; table in ``docs/attention.md``).
 
     Args:
         a, b: sequence models (Sequential of Linear, Bilinear, BilinearAttention and Residual
