@@ -10,6 +10,16 @@
    from 100 000 samples timed in the same run);
 2. large: d_model = 64, n_ctx = 8, 4 heads, d_head = 16: the number of Wick configurations and
    the wall time of one exact inner product (no biases).
+3. closure (``--only closure``): ``closure_similarity`` of a pair of two-layer attention-only
+   models ``[Linear embed, Residual(attn), Residual(attn), Linear unembed]`` (no biases), this
+   checkout against the implementation at commit 942dfb0 (one contraction per partial matching,
+   full moments at every stage), each run in its own subprocess, interleaved, medians of cold
+   and warm times and their ratio; the values must agree to 1e-10. The old code is imported from
+   a ``git worktree`` at ``BASE`` (default /tmp/attn-base; created with ``git worktree add
+   --detach /tmp/attn-base 942dfb0`` when missing). Then, for this checkout only: a 12 x 12
+   closure similarity matrix (``ta.similarity_matrix(..., method="closure")``) and the
+   contraction flop count (opt_einsum's path cost, nothing contracted) at the issue's target
+   size d_model = 64, n_ctx = 8, 4 heads, d_head = 16.
 
 BLAS and torch run on one thread.
 """
@@ -22,7 +32,10 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -72,6 +85,47 @@ def bench_small():
               f"{t_mc / statistics.median(warm):.1f}")
 
 
+_CHILD_EXACT = r"""
+import os, sys, json, time, statistics
+for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[v] = "1"
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+torch.set_num_threads(1)
+from tensoralg import attention as A
+sys.path.insert(0, sys.argv[2])
+from bench_attention import model
+rng = np.random.default_rng(0)
+a, b = model(rng, 8, 2, 4, False), model(rng, 8, 2, 4, False)
+v = A.exact_inner(a, b, n_ctx=2)
+ts = []
+for _ in range(5):
+    t = time.perf_counter(); A.exact_inner(a, b, n_ctx=2); ts.append(time.perf_counter() - t)
+print(json.dumps(dict(value=float(v), warm=statistics.median(ts))))
+"""
+
+
+def bench_small_vs_base(base, repeat):
+    """Warm exact pair (d_model=8, n_ctx=2, 2 heads, no biases), this checkout vs 942dfb0, each
+    in its own subprocess, interleaved; medians."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if not os.path.isdir(base):
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", base, "942dfb0"],
+                       check=True)
+    new, old = [], []
+    for _ in range(repeat):
+        for r, acc in ((base, old), (root, new)):
+            out = subprocess.run([sys.executable, "-c", _CHILD_EXACT, r, here], check=True,
+                                 capture_output=True, text=True).stdout
+            acc.append(json.loads(out.strip().splitlines()[-1]))
+    mn = statistics.median(x["warm"] for x in new)
+    mo = statistics.median(x["warm"] for x in old)
+    print(f"   exact warm pair, new vs 942dfb0 (interleaved subprocesses, median of {repeat}): "
+          f"{mn:.3f} s vs {mo:.3f} s, ratio old/new {mo / mn:.1f}; values agree to 1e-10: "
+          f"{abs(new[0]['value'] - old[0]['value']) <= 1e-10 * abs(old[0]['value'])}")
+
+
 def bench_large():
     print("== 2. d_model=64, n_ctx=8, 4 heads, d_head=16 (report) ==")
     rng = np.random.default_rng(1)
@@ -86,15 +140,148 @@ def bench_large():
     print(f"no biases: {n_conf} matchings; exact inner {val:.6g}: cold {cold:.1f} s, warm {warm:.1f} s")
 
 
+def two_layer(rng, d, H, dh):
+    g = lambda *s: rng.standard_normal(s) / np.sqrt(s[-1])  # noqa: E731
+    return ta.Sequential([ta.Linear(g(d, d)), model(rng, d, H, dh, False),
+                          model(rng, d, H, dh, False), ta.Linear(g(d, d))])
+
+
+# run in a subprocess: sys.argv = [root, d, n_ctx, H, d_head]; prints one JSON line
+_CHILD = r"""
+import os, sys, json, time
+for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[v] = "1"
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+torch.set_num_threads(1)
+import tensoralg as ta
+from tensoralg import attention as A
+sys.path.insert(0, sys.argv[6])
+from bench_attention import two_layer
+d, n, H, dh = map(int, sys.argv[2:6])
+rng = np.random.default_rng(0)
+a, b = two_layer(rng, d, H, dh), two_layer(rng, d, H, dh)
+t = time.perf_counter(); s = A.closure_similarity(a, b, n_ctx=n); cold = time.perf_counter() - t
+t = time.perf_counter(); A.closure_similarity(a, b, n_ctx=n); warm = time.perf_counter() - t
+print(json.dumps(dict(sim=s, cold=cold, warm=warm)))
+"""
+
+
+def _child(root, size, timeout):
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHILD, root, *map(str, size), here],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_closure(base, repeat, timeout):
+    print("== 3. closure_similarity, two-layer attention-only pair, new vs 942dfb0 "
+          "(subprocesses, interleaved) ==")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(base):
+        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", base, "942dfb0"],
+                       check=True)
+    for size in ((3, 3, 1, 2), (4, 3, 2, 2), (8, 4, 2, 4)):
+        new, old = [], []
+        for _ in range(repeat):
+            old.append(_child(base, size, timeout))
+            new.append(_child(here, size, timeout))
+        med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+        line = (f"d={size[0]} n_ctx={size[1]} heads={size[2]} d_head={size[3]}: new cold "
+                f"{med(new, 'cold'):.2f} s, warm {med(new, 'warm'):.2f} s")
+        if any(x is None for x in old):
+            print(line + f"; old: did not finish within {timeout} s")
+            continue
+        agree = abs(new[0]["sim"] - old[0]["sim"]) <= 1e-10 * abs(old[0]["sim"])
+        print(line + f"; old cold {med(old, 'cold'):.2f} s, warm {med(old, 'warm'):.2f} s; "
+              f"ratio old/new cold {med(old, 'cold') / med(new, 'cold'):.1f}, warm "
+              f"{med(old, 'warm') / med(new, 'warm'):.1f}; values agree to 1e-10: {agree}")
+
+
+def bench_closure_matrix(size=(8, 4, 2, 4), n_models=12):
+    import torch
+    torch.set_num_threads(1)
+    d, n, H, dh = size
+    print(f"== 3b. closure similarity matrix of {n_models} two-layer models, d={d} n_ctx={n} "
+          f"heads={H} d_head={dh} ==")
+    rng = np.random.default_rng(2)
+    models = [two_layer(rng, d, H, dh) for _ in range(n_models)]
+    t = time.perf_counter()
+    S = ta.similarity_matrix(models, n_ctx=n, method="closure")
+    total = time.perf_counter() - t
+    t = time.perf_counter()
+    A.closure_similarity(models[0], models[1], n_ctx=n)
+    pair = time.perf_counter() - t
+    print(f"{n_models}x{n_models} matrix {total:.1f} s ({n_models * (n_models + 1) // 2} entries; "
+          f"one closure_similarity pair {pair:.2f} s, i.e. {pair * n_models * (n_models - 1) / 2:.0f}"
+          f" s for the pairs one by one); S[0, 1] = {S[0, 1]:.6f}")
+
+
+def closure_flops(size=(64, 8, 4, 16), contract=False):
+    """Sum of opt_einsum's path costs (flops) of the contractions ``closure_similarity`` does
+    at ``size`` and their number. ``contract=False``: nothing is contracted; each result is an
+    array of ones of the right shape, except the node means (output ``to``), which are zeros as
+    they are exactly without biases -- so the same contractions are enumerated as in a real run
+    (the covariances are products of the weights with these stand-in moments)."""
+    import opt_einsum as oe
+    d, n, H, dh = size
+    rng = np.random.default_rng(0)
+    a, b = two_layer(rng, d, H, dh), two_layer(rng, d, H, dh)
+    total, count = [0], [0]
+    real = A._ein
+
+    def counting(sub, *ops):
+        if len(ops) > 1:
+            total[0] += int(oe.contract_path(sub, *ops, optimize="greedy",
+                                             shapes=False)[1].opt_cost)
+            count[0] += 1
+        if contract:
+            return real(sub, *ops)
+        lhs, out = sub.split("->")
+        size = {}
+        for lab, o in zip(lhs.split(","), ops):
+            size.update(zip(lab, o.shape))
+        return (np.zeros if out == "to" else np.ones)(tuple(size[x] for x in out))
+    A._ein = counting
+    try:
+        t = time.perf_counter()
+        A.closure_similarity(a, b, n_ctx=n)
+        wall = time.perf_counter() - t
+    finally:
+        A._ein = real
+    return total[0], count[0], wall
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=["small", "large"])
+    p.add_argument("--only", choices=["small", "large", "closure"])
+    p.add_argument("--base", default="/tmp/attn-base", help="worktree of commit 942dfb0")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds per subprocess (the old closure is slow)")
     args = p.parse_args()
     if args.only in (None, "small"):
         bench_small()
+        bench_small_vs_base(args.base, args.repeat)
     if args.only in (None, "large"):
         bench_large()
-    print("(the closure for two-layer attention stacks is not implemented yet: no timing)")
+    if args.only in (None, "closure"):
+        bench_closure(args.base, args.repeat, args.timeout)
+        bench_closure_matrix()
+        for size in ((8, 4, 2, 4), (64, 8, 4, 16)):
+            if size[0] < 64:
+                fl, cnt, wall = closure_flops(size, contract=True)
+                print(f"d={size[0]} n_ctx={size[1]} heads={size[2]} d_head={size[3]}: {cnt} "
+                      f"contractions, {fl / 1e9:.2f} GFlop (path cost), {wall:.1f} s measured")
+            fl, cnt, wall = closure_flops(size)
+            print(f"d={size[0]} n_ctx={size[1]} heads={size[2]} d_head={size[3]}: {cnt} "
+                  f"contractions, {fl / 1e9:.1f} GFlop (path cost; counted without contracting "
+                  f"in {wall:.0f} s)")
 
 
 if __name__ == "__main__":

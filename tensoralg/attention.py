@@ -47,11 +47,10 @@ from typing import Any
 import numpy as np
 import opt_einsum as oe
 
-from .wick import partial_matchings
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_network)
 
-__all__ = ["exact_inner", "exact_similarity", "closure_inner", "closure_similarity", "head_gram", "count_configurations", "canonicalize",
+__all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity", "closure_gram", "head_gram", "count_configurations", "canonicalize",
            "montecarlo_inner", "montecarlo_similarity", "AttentionNotSupported",
            "DEFAULT_MAX_CONFIGURATIONS"]
 
@@ -470,8 +469,7 @@ def _compile_sum(key, build):
         if len(specs) == 1:
             expr = (lambda sub_: (lambda x: oe.contract(sub_, x)))(sub)
         else:
-            expr = oe.contract_expression(sub, *ushapes,
-                                          optimize="greedy")
+            expr = _Plan(sub, ushapes)
         compiled.append((specs, expr))
     _COMPILED[key] = compiled
     return compiled
@@ -1113,17 +1111,49 @@ def _closure_nodes(net: Layer, n_ctx: int, name: str):
     return [_node_terms(layer, n_ctx, name, i) for i, layer in enumerate(_flatten_layers(net))]
 
 
-_CLOSURE_PATHS: dict = {}
+_CLOSURE_EXPRS: dict = {}
+
+# contractions with a path cost (flops) above this run in torch (batched matrix products);
+# smaller ones in numpy's C einsum, step by step, where torch's per-call overhead dominates
+_TORCH_FLOPS = 2e5
 
 
-def _contract(expr: str, *ops):
-    """``opt_einsum`` contraction with its expression (path) built once per (subscripts,
-    shapes)."""
-    key = (expr,) + tuple(o.shape for o in ops)
-    fn = _CLOSURE_PATHS.get(key)
+class _Plan:
+    """A contraction along the ``opt_einsum`` greedy path, found once per (subscripts, shapes),
+    executed pairwise by ``numpy.einsum`` (small) or ``torch.einsum`` (large) without
+    ``opt_einsum``'s per-call parsing."""
+
+    def __init__(self, sub: str, shapes):
+        _, info = oe.contract_path(sub, *shapes, shapes=True, optimize="greedy")
+        self.steps = [(inds, es) for inds, _, es, *_ in info.contraction_list]
+        self.torch = float(info.opt_cost) > _TORCH_FLOPS
+
+    def __call__(self, *ops):
+        use_torch = self.torch and ops[0].dtype != object  # rationals stay in numpy
+        if use_torch:
+            import torch
+            ops = [torch.from_numpy(np.ascontiguousarray(x)) for x in ops]
+            ein = torch.einsum
+        else:
+            ops = list(ops)
+            ein = np.einsum
+        for inds, es in self.steps:
+            tmp = [ops.pop(x) for x in inds]
+            ops.append(ein(es, *tmp))
+        return ops[0].numpy() if use_torch else ops[0]
+
+
+def _ein(sub: str, *ops):
+    """Contraction ``sub`` of ``ops`` (float64) along a path found once per (subscripts,
+    shapes); a single operand goes to ``numpy.einsum``."""
+    key = (sub,) + tuple(o.shape for o in ops)
+    fn = _CLOSURE_EXPRS.get(key)
     if fn is None:
-        fn = oe.contract_expression(expr, *(o.shape for o in ops), optimize="greedy")
-        _CLOSURE_PATHS[key] = fn
+        if len(ops) == 1:
+            fn = (lambda s: (lambda x: np.einsum(s, x)))(sub)
+        else:
+            fn = _Plan(sub, [o.shape for o in ops])
+        _CLOSURE_EXPRS[key] = fn
     return fn(*ops)
 
 
@@ -1131,101 +1161,10 @@ def _unique(labels: str) -> str:
     return "".join(dict.fromkeys(labels))
 
 
-def _isserlis_moment(t1: _Term, t2: _Term | None, mu1, mu2, C11, C12, C22):
-    """``E[y1[t, o] y2[T, O]]`` (or ``E[y1[t, o]]`` when ``t2`` is None) with the layer input
-    taken as jointly Gaussian: side 1 with mean ``mu1`` ``(n, d1)`` and covariance ``C11``
-    ``(n, d1, n, d1)``, side 2 likewise, cross covariance ``C12`` ``(n, d1, n, d2)``. The
-    lifted constant is exactly 1 at every position (a deterministic coordinate: mean 1,
-    variance 0, so fully correlated across positions). Non-centred Isserlis: the sum over
-    partial matchings of all the forms of both terms, pairs bridged by the covariance of the
-    two forms, singletons by their mean (Isserlis 1918)."""
-    forms = [(f.W, f.labels, 1) for f in t1.forms]
-    cores = list(t1.cores)
-    out = t1.out
-    if t2 is not None:
-        forms += [(f.W, _upper(f.labels), 2) for f in t2.forms]
-        cores += [(a, _upper(lab)) for a, lab in t2.cores]
-        out = t1.out + _upper(t2.out)
-    mus = {1: mu1, 2: mu2}
-    covs = {(1, 1): C11, (1, 2): C12, (2, 2): C22}
-    means, pairs = {}, {}
-    for i, (W, lab, side) in enumerate(forms):
-        m = np.einsum(f"{lab}i,{lab[0]}i->{lab}", W[..., 1:], mus[side]) + W[..., 0]
-        means[i] = (m, lab) if np.any(m != 0) else None
-    for i in range(len(forms)):
-        for j in range(i + 1, len(forms)):
-            Wi, li, si = forms[i]
-            Wj, lj, sj = forms[j]
-            C = covs[(si, sj)]
-            res = _unique(li + lj)
-            c = _cov_same_pos(Wi, li, Wj, lj, C, res)
-            pairs[(i, j)] = (c, res) if np.any(c != 0) else None
-    total = None
-    for match, singles in partial_matchings(len(forms)):
-        ops, subs = [], []
-        skip = False
-        for i in singles:
-            if means[i] is None:
-                skip = True
-                break
-            ops.append(means[i][0])
-            subs.append(means[i][1])
-        if skip:
-            continue
-        for i, j in match:
-            if pairs[(i, j)] is None:
-                skip = True
-                break
-            ops.append(pairs[(i, j)][0])
-            subs.append(pairs[(i, j)][1])
-        if skip:
-            continue
-        for a, lab in cores:
-            ops.append(a)
-            subs.append(lab)
-        val = _contract(",".join(subs) + "->" + out, *ops)
-        total = val if total is None else total + val
-    return total
-
-
-def _cov_same_pos(Wi, li, Wj, lj, C, res):
-    """``cov(form i, form j)`` over the labels ``res``; the two forms may read the same
-    position label (then the covariance is taken at equal positions)."""
-    if li[0] != lj[0]:
-        return np.einsum(f"{li}i,{li[0]}i{lj[0]}j,{lj}j->{res}", Wi[..., 1:], C, Wj[..., 1:],
-                         optimize=True)
-    Cd = np.einsum("titj->tij", C)
-    return np.einsum(f"{li}i,{li[0]}ij,{lj}j->{res}", Wi[..., 1:], Cd, Wj[..., 1:],
-                     optimize=True)
-
-
-def _term_dout(t: _Term) -> int:
-    for arr, lab in t.cores:
-        if "o" in lab:
-            return arr.shape[lab.index("o")]
-    return t.forms[0].W.shape[1]
-
-
-def _node_moments(terms1, terms2, mu1, mu2, C11, C12, C22):
-    """``E[y1[t, o] y2[T, O]]`` ``(n_ctx, d1, n_ctx, d2)`` of two nodes (sums of terms)."""
-    n = mu1.shape[0]
-    total = np.zeros((n, _term_dout(terms1[0]), n, _term_dout(terms2[0])))
-    for x in terms1:
-        for y in terms2:
-            v = _isserlis_moment(x, y, mu1, mu2, C11, C12, C22)
-            if v is not None:
-                total = total + v
-    return total
-
-
-def _node_mean(terms, mu, C):
-    """``E[y[t, o]]`` ``(n_ctx, d_out)`` of a node."""
-    total = np.zeros((mu.shape[0], _term_dout(terms[0])))
-    for x in terms:
-        v = _isserlis_moment(x, None, mu, None, C, None, None)
-        if v is not None:
-            total = total + v
-    return total
+def _diag(arr, labels: str):
+    """``(array, unique labels)``: the diagonal over repeated labels."""
+    u = _unique(labels)
+    return (arr, labels) if u == labels else (np.einsum(f"{labels}->{u}", arr), u)
 
 
 def _linear_W(terms):
@@ -1248,65 +1187,364 @@ def _schedule(nodes):
     return stages, pending
 
 
-def _closure_state(a: Layer, b: Layer, n_ctx: int, need_self: bool = True):
-    """Propagate ``(mu_a, mu_b, C_aa, C_ab, C_bb)`` through both models (see closure_inner).
-
-    Affine nodes are applied on their own (exact for any distribution: moments of an affine
-    map are affine in the moments); the k-th non-linear node of ``a`` and of ``b`` advance
-    together, so at depth 1 both read the exactly Gaussian input. A model with fewer
-    non-linear nodes keeps its activation (the identity) while the other advances. With
-    ``need_self=False`` the self moments of the last stage are skipped (returned as None)."""
-    d = a.in_features
-    mu_a = mu_b = np.zeros((n_ctx, d))
-    # the input: iid N(0, 1) entries; the lifted constant is kept apart (exactly 1)
-    Caa = Cab = Cbb = np.eye(n_ctx)[:, None, :, None] * np.eye(d)[None, :, None, :]
-    st_a, tail_a = _schedule(_closure_nodes(a, n_ctx, "a"))
-    st_b, tail_b = _schedule(_closure_nodes(b, n_ctx, "b"))
-
-    def affine(W, mu, Cxx, Cxy, side):
-        mu2 = mu @ W[:, 1:].T + W[:, 0]
-        Cxx2 = None if Cxx is None else np.einsum("oi,tiuj,pj->toup", W[:, 1:], Cxx, W[:, 1:])
-        Cxy2 = np.einsum("oi,tiuj->touj", W[:, 1:], Cxy) if side == "a" else \
-            np.einsum("tiuj,pj->tiup", Cxy, W[:, 1:])
-        return mu2, Cxx2, Cxy2
-
-    def ident(mu):
-        d_ = mu.shape[1]
-        return [_lin_term(np.concatenate([np.zeros((d_, 1)), np.eye(d_)], 1), n_ctx)]
-
-    n_stages = max(len(st_a), len(st_b))
-    for k in range(n_stages):
-        last = k == n_stages - 1 and not need_self
-        pre_a, ta_ = st_a[k] if k < len(st_a) else ([], None)
-        pre_b, tb_ = st_b[k] if k < len(st_b) else ([], None)
-        for W in pre_a:
-            mu_a, Caa, Cab = affine(W, mu_a, Caa, Cab, "a")
-        for W in pre_b:
-            mu_b, Cbb, Cab = affine(W, mu_b, Cbb, Cab, "b")
-        ta_ = ident(mu_a) if ta_ is None else ta_
-        tb_ = ident(mu_b) if tb_ is None else tb_
-        na_, nb_ = _node_mean(ta_, mu_a, Caa), _node_mean(tb_, mu_b, Cbb)
-        Mab = _node_moments(ta_, tb_, mu_a, mu_b, Caa, Cab, Cbb)
-        Cab = Mab - np.einsum("ti,uj->tiuj", na_, nb_)
-        if last:
-            Caa = Cbb = None
-        else:
-            Maa = _node_moments(ta_, ta_, mu_a, mu_a, Caa, Caa, Caa)
-            Mbb = _node_moments(tb_, tb_, mu_b, mu_b, Cbb, Cbb, Cbb)
-            Caa = Maa - np.einsum("ti,uj->tiuj", na_, na_)
-            Cbb = Mbb - np.einsum("ti,uj->tiuj", nb_, nb_)
-        mu_a, mu_b = na_, nb_
-    for W in tail_a:
-        mu_a, Caa, Cab = affine(W, mu_a, Caa, Cab, "a")
-    for W in tail_b:
-        mu_b, Cbb, Cab = affine(W, mu_b, Cbb, Cab, "b")
-    return mu_a, mu_b, Caa, Cab, Cbb
+def _pos_diagonal(C) -> bool:
+    """Whether ``C`` ``(n, d, n, d')`` vanishes between different positions (the Gaussian input
+    of a first stage: iid positions)."""
+    n = C.shape[0]
+    return not np.any(C * (1.0 - np.eye(n))[:, None, :, None])
 
 
-def _closure_readout(mu1, mu2, C12, U, keep: bool, sel, each_t: bool):
-    """``sum_t sel[t] sum_k (U f1[t]) (U f2[t])`` from the moments (arrays for 'each')."""
-    E = np.einsum("titj->tij", C12) + np.einsum("ti,tj->tij", mu1, mu2)
-    val = np.einsum("ko,top,kp->tk", U, E, U) * sel[:, None]
+def _form_cov_merged(Wi, li: str, Wj, lj: str, C, diag: bool):
+    """:func:`_form_cov` reduced over repeated labels, as ``(array, labels, merge)``: with a
+    position-diagonal ``C`` (``diag``) and different position labels the covariance is taken
+    at equal positions, over ``li + lj[1:]``, and ``merge = (li[0], lj[0])`` says the
+    contraction must identify the two position labels; else ``merge`` is None."""
+    if diag and li[0] != lj[0]:
+        c, lab = _diag(*_form_cov(Wi, li, Wj, li[0] + lj[1:], C))
+        return c, lab, (li[0], lj[0])
+    c, lab = _diag(*_form_cov(Wi, li, Wj, lj, C))
+    return c, lab, None
+
+
+def _merged_contract(ops, subs, out: str, merges):
+    """``einsum(subs -> out)`` after identifying the position labels of ``merges`` (pairs):
+    the contraction runs over one label per merged class; output labels merged into an earlier
+    output label are restored through a Kronecker delta."""
+    if not merges:
+        return _ein(",".join(subs) + "->" + out, *ops)
+    parent = {}
+
+    def find(x):
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    for p, q in merges:
+        rp, rq = find(p), find(q)
+        if rp == rq:
+            continue
+        ip, iq = out.find(rp), out.find(rq)
+        if iq != -1 and (ip == -1 or iq < ip):
+            rp, rq = rq, rp
+        parent[rq] = rp
+    m = lambda lab: "".join(find(x) for x in lab)  # noqa: E731
+    pairs = [_diag(o, m(s_)) for o, s_ in zip(ops, subs)]
+    out_m = _unique(m(out))
+    val = _ein(",".join(s_ for _, s_ in pairs) + "->" + out_m, *[o for o, _ in pairs])
+    if out_m == out:
+        return val
+    eops, esubs = [val], [out_m]
+    for x in out:
+        r = find(x)
+        if r != x:
+            eops.append(np.eye(val.shape[out_m.index(r)]))
+            esubs.append(r + x)
+    return np.einsum(",".join(esubs) + "->" + out, *eops)
+
+
+def _form_cov(Wi, li: str, Wj, lj: str, C):
+    """``cov(form i, form j)`` of two forms read against inputs with cross covariance ``C``
+    ``(n, d_i, n, d_j)``: an array over ``li + lj`` (position labels first in each), or over
+    ``li + lj[1:]`` when both forms read the same position label (equal positions). Repeated
+    labels are not yet reduced (see :func:`_diag`)."""
+    n = Wi.shape[0]
+    A = Wi[..., 1:].reshape(n, -1, Wi.shape[-1] - 1)
+    B = Wj[..., 1:].reshape(n, -1, Wj.shape[-1] - 1)
+    ri, rj = Wi.shape[1:-1], Wj.shape[1:-1]
+    if li[0] == lj[0]:
+        Cd = np.einsum("titj->tij", C)
+        return (A @ Cd @ B.transpose(0, 2, 1)).reshape((n,) + ri + rj), li + lj[1:]
+    tmp = (A @ C.reshape(n, C.shape[1], -1)).reshape(n, A.shape[1], n, C.shape[3])
+    tmp = tmp.transpose(2, 0, 1, 3).reshape(n, -1, C.shape[3]) @ B.transpose(0, 2, 1)
+    out = tmp.reshape((n, n) + ri + rj)  # (s, t, ri, rj)
+    out = np.moveaxis(out, 0, 1 + len(ri))  # (t, ri, s, rj)
+    return out, li + lj
+
+
+class _ChaosSide:
+    """One term of one closure node in Wiener chaos form with respect to the Gaussian input
+    ``(mu, C)`` of the node: the term's forms ``g_i`` (centred: ``form_i = m_i + g_i``) and,
+    for every set ``S`` of open forms, ``R[S]`` = the sum over partial matchings of the other
+    forms (pairs: ``cov``, singletons: the mean ``m``) contracted with the term's inner cores,
+    so that ``term = sum_S R[S] :prod_{i in S} g_i:`` (Wick products; Isserlis 1918). Labels are
+    the term's (lower case); the output cores (those holding ``o``) are kept apart."""
+
+    def __init__(self, term, mu, C):
+        diag = _pos_diagonal(C)
+        self.forms = [(f.W, f.labels) for f in term.forms]
+        self.outer = [(a, lab) for a, lab in term.cores if "o" in lab]
+        self.inner = [(a, lab) for a, lab in term.cores if "o" not in lab]
+        self.carry = _unique("".join(lab for _, lab in self.outer)).replace("o", "") \
+            if self.outer else "o"
+        n = len(self.forms)
+        self.means = []
+        for W, lab in self.forms:
+            m = np.einsum(f"{lab}i,{lab[0]}i->{lab}", W[..., 1:], mu) + W[..., 0]
+            self.means.append(m if np.any(m != 0) else None)
+        self.cov = {}
+        for i in range(n):
+            for j in range(i + 1, n):
+                c, lab, mg = _form_cov_merged(self.forms[i][0], self.forms[i][1],
+                                              self.forms[j][0], self.forms[j][1], C, diag)
+                self.cov[(i, j)] = (c, lab, mg) if np.any(c != 0) else None
+        self.R = {}
+        for S in range(1 << n):
+            self._chaos(S)
+
+    def _chaos(self, S: int):
+        n = len(self.forms)
+        opened = [i for i in range(n) if S >> i & 1]
+        closed = [i for i in range(n) if not S >> i & 1]
+        present = set("".join(lab for _, lab in self.inner))
+        for i in closed:
+            present |= set(self.forms[i][1])
+        want = "t" + self.carry + "".join(self.forms[i][1] for i in opened)
+        out = "".join(x for x in _unique(want) if x in present)
+        can_cap = [self.means[i] is not None for i in closed]
+        can_pair = [[self.cov.get((min(i, j), max(i, j))) is not None for j in closed]
+                    for i in closed]
+        total = None
+        any_matching = False
+        for m in _partial_matchings(len(closed), can_cap, can_pair):
+            any_matching = True
+            ops = [a for a, _ in self.inner]
+            subs = [lab for _, lab in self.inner]
+            merges = []
+            for part in m:
+                if len(part) == 1:
+                    i = closed[part[0]]
+                    ops.append(self.means[i])
+                    subs.append(self.forms[i][1])
+                else:
+                    i, j = sorted((closed[part[0]], closed[part[1]]))
+                    c, lab, mg = self.cov[(i, j)]
+                    ops.append(c)
+                    subs.append(lab)
+                    if mg is not None:
+                        merges.append(mg)
+            if not ops:
+                break
+            val = _merged_contract(ops, subs, out, merges)
+            total = val if total is None else total + val
+        if any_matching:
+            self.R[S] = (total, out if total is not None else "")
+
+
+def _relabel(labels: str, upper: bool, readout: bool) -> str:
+    """Side ``b``'s labels in upper case; in a readout its query position ``T`` is ``t``."""
+    if not upper:
+        return labels
+    lab = labels.upper()
+    return lab.replace("T", "t") if readout else lab
+
+
+def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
+    """``sum over (S_a, S_b, bijections)`` of ``R_a[S_a] R_b[S_b] prod cov(cross pairs)`` with
+    the cross covariance ``C`` of the two inputs: ``E[term_x[t, carry] term_y[T, carry']]``
+    before the output cores, as ``(array, labels)``; labels ``t + x.carry + T + Y.carry``
+    (``T`` identified with ``t`` for a readout). With ``K`` ``(k, d_o, d_O)`` (a readout) the
+    output cores and ``K`` are folded into one operand of every contraction and the result is
+    ``sum K[k] E[y_x[t] y_y[t]]`` over labels ``tk``."""
+    ra = lambda lab: lab  # noqa: E731
+    rb = lambda lab: _relabel(lab, True, readout)  # noqa: E731
+    out = "t" + x.carry + ("" if readout else "T") + rb(y.carry)
+    fold = None
+    if K is not None:
+        ops, subs = [K], ["koO"]
+        for a, l_ in x.outer:
+            ops.append(a)
+            subs.append(l_)
+        for a, l_ in y.outer:
+            ops.append(a)
+            subs.append(_relabel(l_, True, readout))
+        flab = "k" + x.carry + rb(y.carry)
+        fold = (_ein(",".join(subs) + "->" + flab, *ops) if len(ops) > 1 else K, flab)
+        out = "tk"
+    covs = {}
+    diag = _pos_diagonal(C)
+
+    def cross(i, j):
+        if (i, j) not in covs:
+            c, lab, mg = _form_cov_merged(x.forms[i][0], ra(x.forms[i][1]), y.forms[j][0],
+                                          rb(y.forms[j][1]), C, diag)
+            covs[(i, j)] = (c, lab, mg) if np.any(c != 0) else None
+        return covs[(i, j)]
+
+    total = None
+    nx, ny = len(x.forms), len(y.forms)
+    for Sa, (Ra, la) in x.R.items():
+        open_a = [i for i in range(nx) if Sa >> i & 1]
+        for Sb, (Rb, lb) in y.R.items():
+            open_b = [j for j in range(ny) if Sb >> j & 1]
+            if len(open_a) != len(open_b):
+                continue
+            for perm in itertools.permutations(open_b):
+                pairs = [cross(i, j) for i, j in zip(open_a, perm)]
+                if any(p is None for p in pairs):
+                    continue
+                ops, subs = [], []
+                if Ra is not None:
+                    ops.append(Ra)
+                    subs.append(la)
+                if Rb is not None:
+                    ops.append(Rb)
+                    subs.append(rb(lb))
+                merges = []
+                for c, lab, mg in pairs:
+                    ops.append(c)
+                    subs.append(lab)
+                    if mg is not None:
+                        merges.append(mg)
+                if fold is not None:
+                    ops.append(fold[0])
+                    subs.append(fold[1])
+                ops, subs = zip(*[_diag(o, s) for o, s in zip(ops, subs)])
+                val = _merged_contract(ops, subs, out, merges)
+                total = val if total is None else total + val
+    return total, out
+
+
+def _ident_terms(d: int, n_ctx: int):
+    return [_lin_term(np.concatenate([np.zeros((d, 1)), np.eye(d)], 1), n_ctx)]
+
+
+def _side_mean(side: _ChaosSide):
+    """``E[term[t, o]]`` ``(n_ctx, d_out)``: ``R[{}]`` through the output cores."""
+    if 0 not in side.R:
+        return None
+    R, lab = side.R[0]
+    ops, subs = [R], [lab]
+    for a, l_ in side.outer:
+        ops.append(a)
+        subs.append(l_)
+    return _ein(",".join(subs) + "->to", *ops)
+
+
+def _outer_apply(X, lab: str, x: _ChaosSide, y: _ChaosSide, readout: bool, K=None):
+    """The output cores of both sides applied to a cross sum ``X``: ``(t, o, T, O)`` moments,
+    or for a readout (``K``: ``(k, d_o, d_O)``) the ``(t, k)`` values ``sum K[k] E[...]``."""
+    ops, subs = [X], [lab]
+    for a, l_ in x.outer:
+        ops.append(a)
+        subs.append(l_)
+    for a, l_ in y.outer:
+        ops.append(a)
+        subs.append(_relabel(l_, True, readout))
+    if readout:
+        ops.append(K)
+        subs.append("koO")
+        return _ein(",".join(subs) + "->tk", *ops)
+    return _ein(",".join(subs) + "->toTO", *ops)
+
+
+class _ClosureModel:
+    """The per-model part of the closure (everything that does not depend on the other model):
+    for every stage, the Gaussian input ``(mu, C)`` of the non-linear node (after the affine
+    nodes before it), the node's terms in chaos form (:class:`_ChaosSide`) and the node's
+    mean; the composed lifted tail ``A`` (the affine nodes after the last non-linear node)."""
+
+    def __init__(self, net: Layer, n_ctx: int, name: str, n_stages: int | None = None):
+        stages, tail = _schedule(_closure_nodes(net, n_ctx, name))
+        n_stages = len(stages) if n_stages is None else n_stages
+        stages = stages + [([], None)] * (n_stages - len(stages))
+        d = self.d_in = net.in_features
+        mu = np.zeros((n_ctx, d))
+        C = np.eye(n_ctx)[:, None, :, None] * np.eye(d)[None, :, None, :]
+        self.n_ctx, self.pre, self.sides, self.means = n_ctx, [], [], []
+        for k, (pre, terms) in enumerate(stages):
+            for W in pre:
+                mu, C = _affine_self(W, mu, C)
+            self.pre.append(pre)
+            terms = _ident_terms(mu.shape[1], n_ctx) if terms is None else terms
+            sides = [_ChaosSide(t, mu, C) for t in terms]
+            mean = _node_mean_sides(sides, n_ctx)
+            self.sides.append(sides)
+            self.means.append(mean)
+            self.last_C = C
+            if k < n_stages - 1:
+                C = _node_cross(sides, sides, C) - np.einsum("ti,uj->tiuj", mean, mean)
+                mu = mean
+        d_last = self.means[-1].shape[1]
+        A = np.eye(d_last + 1)
+        for W in tail:
+            L = np.zeros((W.shape[0] + 1, W.shape[1]))
+            L[0, 0] = 1.0
+            L[1:] = W
+            A = L @ A
+        self.tail = A  # (d_out + 1, d_last + 1), row 0 = e0
+
+
+def _affine_self(W, mu, C):
+    return mu @ W[:, 1:].T + W[:, 0], np.einsum("oi,tiuj,pj->toup", W[:, 1:], C, W[:, 1:])
+
+
+def _node_mean_sides(sides, n_ctx):
+    total = None
+    for s in sides:
+        m = _side_mean(s)
+        if m is not None:
+            total = m if total is None else total + m
+    d = _term_dout_side(sides[0])
+    return np.zeros((n_ctx, d)) if total is None else total
+
+
+def _term_dout_side(side: _ChaosSide) -> int:
+    for a, lab in side.outer:
+        return a.shape[lab.index("o")]
+    W, lab = side.forms[0]
+    return W.shape[lab.index("o")]
+
+
+def _node_cross(sides_a, sides_b, C):
+    """Raw second moments ``E[y_a[t, o] y_b[T, O]]`` ``(n, d_a, n, d_b)`` of two nodes."""
+    total = None
+    for x in sides_a:
+        for y in sides_b:
+            X, lab = _chaos_cross(x, y, C, False)
+            if X is None:
+                continue
+            v = _outer_apply(X, lab, x, y, False)
+            total = v if total is None else total + v
+    if total is None:
+        n = C.shape[0]
+        total = np.zeros((n, _term_dout_side(sides_a[0]), n, _term_dout_side(sides_b[0])))
+    return total
+
+
+def _closure_pair_value(ma: _ClosureModel, mb: _ClosureModel, U, keep: bool, sel, each_t: bool,
+                        Cab=None):
+    """The closure readout ``sum_t sel[t] sum_k (U f_a[t])_k (U f_b[t])_k`` of two models
+    (``ma is mb`` for a self term: the per-model covariance is the cross one)."""
+    n = ma.n_ctx
+    last = len(ma.sides) - 1
+    if ma is mb:
+        C = ma.last_C
+    else:
+        d = ma.d_in
+        C = np.eye(n)[:, None, :, None] * np.eye(d)[None, :, None, :] if Cab is None else Cab
+        for k in range(last + 1):
+            for W in ma.pre[k]:
+                C = np.einsum("oi,tiuj->touj", W[:, 1:], C)
+            for W in mb.pre[k]:
+                C = np.einsum("tiuj,pj->tiup", C, W[:, 1:])
+            if k < last:
+                C = _node_cross(ma.sides[k], mb.sides[k], C) - \
+                    np.einsum("ti,uj->tiuj", ma.means[k], mb.means[k])
+    # readout through the tails: K[k] = A_a^T u_k u_k^T A_b over the lifted last activations
+    Ua, Ub = U @ ma.tail[1:], U @ mb.tail[1:]
+    K = np.einsum("ki,kj->kij", Ua, Ub)
+    if not keep:  # one readout matrix sum_k u_k u_k^T: no output axis in the contractions
+        K = K.sum(axis=0, keepdims=True)
+    mu_a, mu_b = ma.means[last], mb.means[last]
+    val = (K[:, 0, 0][None, :] + np.einsum("kj,tj->tk", K[:, 0, 1:], mu_b)
+           + np.einsum("ki,ti->tk", K[:, 1:, 0], mu_a))
+    Kin = np.ascontiguousarray(K[:, 1:, 1:])
+    for x in ma.sides[last]:
+        for y in mb.sides[last]:
+            X, _ = _chaos_cross(x, y, C, True, Kin)
+            if X is not None:
+                val = val + X
+    val = val * sel[:, None]
     if not each_t:
         val = val.sum(axis=0)
     if not keep:
@@ -1324,6 +1562,10 @@ def _closure_output(output: Any, d_out: int):
     return u[None], False
 
 
+def _n_stages(net: Layer, n_ctx: int, name: str) -> int:
+    return len(_schedule(_closure_nodes(net, n_ctx, name))[0])
+
+
 def _closure_triple(a, b, n_ctx, output, position, need_self=True):
     a, b, n_ctx = _check_pair(a, b, n_ctx)
     _check_slices(output, position, a.out_features, n_ctx)
@@ -1331,12 +1573,14 @@ def _closure_triple(a, b, n_ctx, output, position, need_self=True):
     U, keep = _closure_output(output, a.out_features)
     sel = _selector(n_ctx, position, False)
     each_t = isinstance(position, str)
-    mu_a, mu_b, Caa, Cab, Cbb = _closure_state(a, b, n_ctx, need_self)
-    ab = _closure_readout(mu_a, mu_b, Cab, U, keep, sel, each_t)
+    depth = max(_n_stages(a, n_ctx, "a"), _n_stages(b, n_ctx, "b"))
+    ma = _ClosureModel(a, n_ctx, "a", depth)
+    mb = _ClosureModel(b, n_ctx, "b", depth)
+    ab = _closure_pair_value(ma, mb, U, keep, sel, each_t)
     if not need_self:
         return None, ab, None
-    return (_closure_readout(mu_a, mu_a, Caa, U, keep, sel, each_t), ab,
-            _closure_readout(mu_b, mu_b, Cbb, U, keep, sel, each_t))
+    return (_closure_pair_value(ma, ma, U, keep, sel, each_t), ab,
+            _closure_pair_value(mb, mb, U, keep, sel, each_t))
 
 
 def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
@@ -1378,14 +1622,24 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     unchecked there. Use it for a quick look or where exact is refused, never as a
     certificate.
 
-    Cost: for each attention-attention term pair, a sum over the partial matchings of up to
-    10 forms (945 without means, 9 496 with), each one cached ``opt_einsum`` contraction; the
-    first call for new shapes also searches a path per matching. Measured (loaded 2-core
-    machine, one thread): a d=3, n_ctx=3 two-layer pair in 2.5-4.3 s cold; a pair of two-layer
-    attention-only models at d_model=64, n_ctx=8, 4 heads, d_head=16 did NOT finish
-    ``closure_similarity`` within 400 s -- far from the 1 s target (the matchings are
-    contracted one by one; grouping them by Wiener chaos as :func:`exact_inner` does is the
-    obvious next step).
+    How (same value as summing every partial matching, to 1e-10 relative in the tests): the
+    sum is grouped by Wiener chaos. Per model and stage each term's chaos coefficients ``R[S]``
+    (sums over the internal matchings of the forms outside the open set ``S``) are computed
+    once and reused by the self and cross moments; a cross moment is a sum over ``(S_a, S_b,
+    bijection)`` of one contraction (745 per attention-attention term pair without means, 1 546
+    with, instead of 945 / 9 496 matchings). At the first stage the input is iid over positions
+    and forms at different position labels identify them. At the last stage only the readout is
+    contracted, with the output maps, unembedding and output slice folded into one operand.
+
+    Cost (measured on the shared 2-core machine under a load average of ~12, one thread, so
+    every time is several times an idle machine's): a two-layer attention-only pair at d=3,
+    n_ctx=3, 1 head, d_head=2: ``closure_similarity`` 13.7 s cold / 5.9 s warm against 27.2 s /
+    18.2 s for the previous implementation (ratio 2.0 / 3.1, medians of 3 interleaved runs,
+    ``benchmarks/bench_attention.py --only closure``). At d_model=64, n_ctx=8, 4 heads,
+    d_head=16 the contractions total 2.4e11 flops (opt_einsum path cost, 4 651 contractions),
+    ~70 % of it in the last stage's chaos terms with three open forms per side, each of cost
+    ~n_ctx^3 heads^2 d_head^3: the 1 s target is NOT met on a CPU
+    (tens of seconds at 10-20 GFlop/s; table in ``docs/attention.md``).
 
     Args:
         a, b: sequence models (Sequential of Linear, Bilinear, BilinearAttention and Residual
@@ -1414,3 +1668,84 @@ def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     if aa <= 0 or bb <= 0:
         raise ValueError("similarity: a model with zero closure norm has no direction")
     return float(ab / math.sqrt(aa * bb))
+
+
+# ----------------------------------------------------------------------------------------
+# Gram / similarity matrices over many sequence models
+# ----------------------------------------------------------------------------------------
+
+def _check_models(models, n_ctx):
+    nets = [as_network(m, f"models[{i}]") for i, m in enumerate(models)]
+    if len(nets) < 1:
+        raise ValueError("models: expected at least one model")
+    for i, net in enumerate(nets[1:], 1):
+        _check_pair(nets[0], net, n_ctx)
+    return nets, _check_pair(nets[0], nets[-1], n_ctx)[2]
+
+
+def _gram_to_similarity(G):
+    dg = np.einsum("ii...->i...", G)
+    if np.any(dg <= 0):
+        raise ValueError(f"similarity_matrix: models "
+                         f"{np.flatnonzero(np.atleast_1d(dg <= 0).reshape(len(dg), -1).any(1)).tolist()}"
+                         f" have norm zero; similarity is undefined")
+    return np.clip(G / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1.0, 1.0)
+
+
+def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,
+                 similarity: bool = False) -> np.ndarray:
+    """Closure Gram matrix ``G[i, j] = closure_inner(models[i], models[j])`` (APPROXIMATE at
+    depth >= 2, exact at depth 1; see :func:`closure_inner`), shape ``(N, N)`` (plus the
+    position / output axes for ``"each"``); with ``similarity=True`` the matrix
+    ``G_ij / sqrt(G_ii G_jj)`` (clipped to [-1, 1]).
+
+    Everything that depends on one model only -- its moments ``(mu, C_aa)`` at every stage,
+    its terms in chaos form and its self readout ``G_ii`` -- is computed once per model; a pair
+    only propagates its cross covariance and reads it out. Models of different depths are
+    padded with identity stages, as in :func:`closure_inner`, so ``G[i, j]`` equals
+    ``closure_inner(models[i], models[j])`` exactly (same operations).
+
+    Raises:
+        ValueError: as :func:`closure_inner` for any pair; an empty list; a zero closure norm
+            with ``similarity=True``.
+    """
+    nets, n_ctx = _check_models(models, n_ctx)
+    _check_slices(output, position, nets[0].out_features, n_ctx)
+    nets = [m.astype_float() for m in nets]
+    U, keep = _closure_output(output, nets[0].out_features)
+    sel = _selector(n_ctx, position, False)
+    each_t = isinstance(position, str)
+    depth = max(_n_stages(m, n_ctx, f"models[{i}]") for i, m in enumerate(nets))
+    cm = [_ClosureModel(m, n_ctx, f"models[{i}]", depth) for i, m in enumerate(nets)]
+    vals = {}
+    for i in range(len(cm)):
+        for j in range(i, len(cm)):
+            vals[(i, j)] = _closure_pair_value(cm[i], cm[j] if i != j else cm[i], U, keep, sel,
+                                               each_t)
+    shape = np.shape(vals[(0, 0)])
+    G = np.empty((len(cm), len(cm)) + shape)
+    for (i, j), v in vals.items():
+        G[i, j] = v
+        G[j, i] = v
+    return _gram_to_similarity(G) if similarity else G
+
+
+def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,
+               similarity: bool = False, **kw) -> np.ndarray:
+    """Exact Gram (or similarity, ``similarity=True``) matrix of sequence models with at most
+    one attention layer each: :func:`exact_inner` once per unordered pair, the self terms once
+    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` only)."""
+    nets, n_ctx = _check_models(models, n_ctx)
+    if kw.get("backend", "numpy") != "numpy":
+        raise ValueError("exact_gram: backend='numpy' only (use exact_inner per pair for "
+                         "rationals)")
+    vals = {}
+    for i in range(len(nets)):
+        for j in range(i, len(nets)):
+            vals[(i, j)] = np.asarray(exact_inner(nets[i], nets[j], n_ctx=n_ctx, output=output,
+                                                  position=position, **kw), dtype=np.float64)
+    G = np.empty((len(nets), len(nets)) + vals[(0, 0)].shape)
+    for (i, j), v in vals.items():
+        G[i, j] = v
+        G[j, i] = v
+    return _gram_to_similarity(G) if similarity else G

@@ -426,6 +426,31 @@ def _blocked(kind: str, models, metric, method, backend, output, kwargs):
     return fn(list(models), metric=metric, method=method, output=output, device=dev, **opts)
 
 
+def _sequence_matrix(kind: str, models: list, metric, method, backend, output, kwargs):
+    """Gram / similarity matrices of sequence models (with attention) through
+    :mod:`tensoralg.attention` (per-model work once); None for position-free models."""
+    if not any(getattr(m, "is_sequence_model", False) for m in models):
+        return None  # (specs, folders and modules go the position-free way, unchanged)
+    from . import attention
+
+    kw = dict(kwargs)
+    n_ctx, position = kw.pop("n_ctx", None), kw.pop("position", None)
+    if metric != "gaussian":
+        raise ValueError("sequence models: only metric='gaussian' is implemented")
+    if method not in ("closure", "exact"):
+        raise ValueError(f"gram / similarity_matrix of sequence models: method='closure' or "
+                         f"'exact', got {method!r} (Monte Carlo: montecarlo_inner per pair)")
+    if backend != "numpy":
+        raise ValueError("gram / similarity_matrix of sequence models: backend='numpy' only")
+    fn = attention.closure_gram if method == "closure" else attention.exact_gram
+    if method == "exact" and "max_configurations" in kw:
+        kw = {"max_configurations": kw["max_configurations"]}
+    elif kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)} for sequence models")
+    return fn(models, n_ctx=n_ctx, output=output, position=position,
+              similarity=kind == "similarity_matrix", **kw)
+
+
 def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
          backend: str = "numpy", output: Any = None, **kwargs):
     """Gram matrix ``G[i, j] = <m_i, m_j>`` of N same-architecture models, shape ``(N, N)``
@@ -440,6 +465,9 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
     if isinstance(models, Layer) or hasattr(models, "to_network"):
         raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models)
+    seq = _sequence_matrix("gram", models, metric, method, backend, output, kwargs)
+    if seq is not None:
+        return seq
     if any(kwargs.get(k) is not None for k in _BLOCK_KEYS if k != "resume"):
         return _blocked("gram", models, metric, method, backend, output, dict(kwargs))
     return cross_gram(models, models, metric=metric, method=method, backend=backend,
@@ -456,6 +484,9 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
     if isinstance(models, Layer) or hasattr(models, "to_network"):
         raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models)
+    seq = _sequence_matrix("similarity_matrix", models, metric, method, backend, output, kwargs)
+    if seq is not None:
+        return seq
     if any(kwargs.get(k) is not None for k in _BLOCK_KEYS if k != "resume"):
         return _blocked("similarity_matrix", models, metric, method, backend, output,
                         dict(kwargs))

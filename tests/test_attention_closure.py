@@ -120,3 +120,92 @@ def test_closure_bad_input_is_refused_before_work():
         attention.closure_inner(a, a, n_ctx=2, position=5)
     with pytest.raises(ValueError, match="n_ctx: required"):
         attention.closure_inner(a, a)
+
+
+# ---- the fast closure (chaos form, readout at the last stage) against the previous
+# implementation (tests/_closure_oracle.py: every partial matching of all forms contracted
+# separately, full moments at every stage), both computed in this run ----
+
+def _bilinear(rng, d, hidden=3, bias=False):
+    g = lambda *s: rng.standard_normal(s) * 0.5  # noqa: E731
+    return ta.Bilinear(g(hidden, d), g(hidden, d), g(d, hidden),
+                       *((g(hidden), g(hidden), g(d)) if bias else ()))
+
+
+def _depth_two_cases():
+    rng = np.random.default_rng(7)
+    d, n = 3, 3
+    g = lambda *s: rng.standard_normal(s) * 0.6  # noqa: E731
+    two = lambda **kw: ta.Sequential([  # noqa: E731
+        ta.Linear(g(d, 2)), ta.Residual(_attn(rng, d, **kw)), ta.Residual(_attn(rng, d, **kw)),
+        ta.Linear(g(2, d))])
+    yield "attention-only, 2 heads", two(heads=2), two(heads=2), {}, n
+    yield "different heads, mask, rope", two(heads=1, rope=50.0), ta.Sequential([
+        ta.Linear(g(d, 2)), ta.Residual(_attn(rng, d, 2, mask="none")),
+        ta.Residual(_attn(rng, d, 1, mask=g(n, n))), ta.Linear(g(2, d), g(2))]), \
+        dict(position="each", output="each"), n
+    yield "attention + bilinear MLP blocks", ta.Sequential([
+        ta.Linear(g(d, 2)), ta.Residual(_attn(rng, d)), ta.Residual(_bilinear(rng, d, bias=True)),
+        ta.Linear(g(2, d))]), ta.Sequential([
+            ta.Linear(g(d, 2)), ta.Residual(_attn(rng, d)), ta.Residual(_bilinear(rng, d)),
+            ta.Linear(g(2, d))]), dict(position=1, output=[0.3, -1.0]), n
+    yield "depth 2 vs depth 1", two(heads=1), ta.Sequential([
+        ta.Linear(g(d, 2)), ta.Residual(_attn(rng, d)), ta.Linear(g(2, d))]), dict(output=0), n
+    d = 2
+    yield "some biases (nonzero means, odd chaoses)", ta.Sequential([
+        ta.Residual(_attn(rng, d, d_head=1, bias=("k1_bias", "v_bias"))),
+        ta.Residual(_attn(rng, d, d_head=1, bias=("q2_bias",))), ta.Linear(g(2, d))]), \
+        ta.Sequential([ta.Linear(g(d, 2), g(d)), ta.Residual(_attn(rng, d, d_head=1)),
+                       ta.Residual(_attn(rng, d, d_head=1)), ta.Linear(g(2, d))]), {}, 2
+    # every leg cappable: 9 496 matchings per attention pair in the old code (~80 s loaded)
+    yield "biases (every leg cappable)", ta.Sequential([
+        ta.Linear(g(d, 2), g(d)), ta.Residual(_attn(rng, d, d_head=1, bias=True)),
+        ta.Residual(_attn(rng, d, d_head=1, bias=("q1_bias", "k2_bias", "v_bias"))),
+        ta.Linear(g(2, d))]), ta.Sequential([
+            ta.Residual(_attn(rng, d, d_head=1, bias=("k1_bias",))),
+            ta.Residual(_attn(rng, d, d_head=1, bias=True)), ta.Linear(g(2, d))]), {}, 2
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.slow) if c[0].startswith("biases (every") else c
+    for c in _depth_two_cases()], ids=lambda c: c[0])
+def test_fast_closure_equals_the_previous_implementation_at_depth_two(case):
+    from _closure_oracle import _closure_triple as old_triple
+
+    _, a, b, kw, n = case
+    new = attention._closure_triple(a, b, n, kw.get("output"), kw.get("position"))
+    old = old_triple(a, b, n, kw.get("output"), kw.get("position"))
+    for x, y in zip(new, old):
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        assert x.shape == y.shape
+        assert np.all(np.abs(x - y) <= 1e-10 * np.abs(y).max()), (x, y)
+
+
+def test_gram_and_similarity_matrix_of_sequence_models():
+    # closure_gram reuses each model's moments; every entry must be the pair's closure value
+    rng = np.random.default_rng(11)
+    d = 2
+    g = lambda *s: rng.standard_normal(s) * 0.6  # noqa: E731
+    two = lambda: ta.Sequential([ta.Residual(_attn(rng, d)), ta.Residual(_attn(rng, d)),  # noqa: E731
+                                 ta.Linear(g(2, d))])
+    models = [two(), two(), ta.Sequential([ta.Residual(_attn(rng, d, 2)), ta.Linear(g(2, d))])]
+    G = ta.gram(models, n_ctx=2, method="closure")
+    S = ta.similarity_matrix(models, n_ctx=2, method="closure")
+    assert G.shape == S.shape == (3, 3)
+    for i, x in enumerate(models):
+        for j, y in enumerate(models):
+            assert _rel(G[i, j], attention.closure_inner(x, y, n_ctx=2)) <= 1e-12
+            assert abs(S[i, j] - attention.closure_similarity(x, y, n_ctx=2)) <= 1e-12
+    each = attention.closure_gram(models, n_ctx=2, position="each", output="each")
+    assert each.shape == (3, 3, 2, 2)
+    assert np.allclose(each.sum(axis=(2, 3)), G, rtol=1e-12, atol=0)
+    # exact at depth 1: the self terms once per model, the same values as exact_inner
+    one = [models[2], ta.Sequential([ta.Residual(_attn(rng, d)), ta.Linear(g(2, d))])]
+    E = ta.gram(one, n_ctx=2)
+    assert _rel(E[0, 1], attention.exact_inner(one[0], one[1], n_ctx=2)) <= 1e-12
+    assert _rel(ta.similarity_matrix(one, n_ctx=2)[0, 1],
+                attention.exact_similarity(one[0], one[1], n_ctx=2)) <= 1e-12
+    with pytest.raises(ValueError, match="method='closure' or 'exact'"):
+        ta.gram(one, n_ctx=2, method="montecarlo")
+    with pytest.raises(ValueError, match="at least one model"):
+        attention.closure_gram([], n_ctx=2)
