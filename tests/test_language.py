@@ -321,3 +321,27 @@ def test_transitions_finding_by_hand():
     top = fin["metrics"]["tensor similarity"]["sharpest"][0]
     assert top["steps"] == [1, 10] and top["ngram_orders_fastest_same_interval"] == [2]
     assert fin["chance_same_interval"] == 0.25
+
+
+def test_montecarlo_matrix_agrees_with_exact():
+    from tensoralg.audit.language import montecarlo_similarity_matrix, sequence_similarity_matrix
+
+    nets = [_model(n_layers=1, d_mlp=None, n_heads=1, d_head=2, d_model=3, n_ctx=3,
+                   seed=s).to_network() for s in range(3)]
+    S, se = montecarlo_similarity_matrix(nets, 3, 4000, seed=0)
+    exact, info = sequence_similarity_matrix(nets, "exact", 3)
+    assert "loop" in info["path"] or "batched" in info["path"]
+    off = ~np.eye(3, dtype=bool)
+    assert np.all(se[off] > 0)
+    assert np.all(np.abs(S - exact)[off] <= 5 * se[off])
+
+
+@pytest.mark.slow
+def test_two_layer_audit_with_closure(tmp_path):
+    from tensoralg.audit.language import LanguageConfig, run_language
+
+    cfg = LanguageConfig(**{**TINY, "n_layers": 2, "d_model": 3, "n_ctx": 4, "checkpoints": 2,
+                            "steps": 5})
+    r = run_language(cfg, tmp_path / "run")
+    assert r["config"]["resolved_method"] == "closure" and r["tensor_similarity"]["approximate"]
+    assert np.isfinite(np.array(r["matrices"]["tensor similarity"])).all()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -283,6 +283,11 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
     kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
     t0 = time.perf_counter()
     info: dict = {"method": method, "n_ctx": n_ctx}
+    if method == "montecarlo":
+        S, se = montecarlo_similarity_matrix(nets, n_ctx, n_samples, seed)
+        info.update(path="shared-sample Monte Carlo Gram matrix (jackknife standard errors)",
+                    seconds=time.perf_counter() - t0, stderr=se, n_samples=n_samples, seed=seed)
+        return S, info
     try:
         S = np.asarray(ta.similarity_matrix(list(nets), method=method, n_ctx=n_ctx, **kw),
                        dtype=np.float64)
@@ -336,6 +341,40 @@ def montecarlo_similarity(a: Any, b: Any, n_ctx: int, n_samples: int, seed: int,
     return float(r), se
 
 
+def montecarlo_similarity_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed: int,
+                                 n_batches: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """Monte Carlo similarity matrix of sequence models from ONE set of Gaussian inputs (every
+    model is evaluated once per sample, so the cost is ``N`` forward passes, not ``N²``).
+
+    ``X`` ``(n_ctx, d)`` iid ``N(0, 1)`` (numpy ``default_rng(seed)``); ``G_ij`` is the sample
+    mean of ``Σ_{t,o} f_i(X)[t,o] f_j(X)[t,o]`` and ``S = G_ij / sqrt(G_ii G_jj)``. Standard
+    errors: delete-one-batch jackknife over ``n_batches`` equal batches (the ratio's bias and
+    the covariance of numerator and denominators are included). An estimate: polynomials of
+    high degree have heavy tails, so check the standard errors.
+
+    Returns ``(S, stderr)``, both ``(N, N)``.
+    """
+    N = len(nets)
+    size = max(n_samples // n_batches, 1)
+    rng = np.random.default_rng(int(seed))
+    sums = np.zeros((n_batches, N, N))
+    for k in range(n_batches):
+        X = rng.standard_normal((size, n_ctx, nets[0].in_features))
+        F = np.stack([np.asarray(n(X)).reshape(size, -1) for n in nets])   # (N, m, n_ctx*V)
+        sums[k] = np.einsum("imk,jmk->ij", F, F, optimize=True)
+
+    def sim(G):
+        d = np.diag(G)
+        return G / np.sqrt(np.outer(d, d))
+
+    full = sums.sum(0) / (size * n_batches)
+    S = sim(full)
+    loo = np.stack([sim((sums.sum(0) - sums[k]) / (size * (n_batches - 1)))
+                    for k in range(n_batches)])
+    se = np.sqrt((n_batches - 1) / n_batches * ((loo - loo.mean(0)) ** 2).sum(0))
+    return np.clip(S, -1.0, 1.0), se
+
+
 # ----------------------------------------------------------------------------------------
 # transitions and the finding
 # ----------------------------------------------------------------------------------------
@@ -368,6 +407,12 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
     dA = {n: np.diff(np.asarray(a, float)) for n, a in agreement.items()}
     total = np.sum([np.abs(v) for v in dA.values()], axis=0)
     fastest = {n: int(np.argmax(v)) for n, v in dA.items()}
+    # order-specific learning: what order n adds over order n - 1 (all orders agree on the most
+    # common next characters, so their raw curves jump together early in training)
+    orders = sorted(agreement)
+    dX = {n: np.diff(np.asarray(agreement[n], float) - np.asarray(agreement[p], float))
+          for p, n in zip(orders, orders[1:])}
+    fastest_x = {n: int(np.argmax(v)) for n, v in dX.items()}
     out: dict = {"intervals": [[steps[i], steps[i + 1]] for i in range(N - 1)],
                  "ngram_fastest_interval": {n: {"interval": i, "steps": [steps[i], steps[i + 1]],
                                                 "agreement_gain": float(dA[n][i])}
@@ -381,9 +426,11 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
         for i in order:
             near = sorted(n for n, j in fastest.items() if abs(j - i) <= 1)
             same = sorted(n for n, j in fastest.items() if j == i)
+            near_x = sorted(n for n, j in fastest_x.items() if abs(j - i) <= 1)
             tops.append({"interval": i, "steps": [steps[i], steps[i + 1]], "change": float(ch[i]),
                          "ngram_orders_fastest_same_interval": same,
-                         "ngram_orders_fastest_within_1_interval": near})
+                         "ngram_orders_fastest_within_1_interval": near,
+                         "order_specific_fastest_within_1_interval": near_x})
         out["metrics"][name] = {
             "change": ch.tolist(),
             "sharpest": tops,
@@ -394,12 +441,19 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
                                                  for t in tops),
             "n_sharpest_same_interval_as_ngram": sum(bool(t["ngram_orders_fastest_same_interval"])
                                                      for t in tops),
+            "n_sharpest_within_1_of_order_specific": sum(
+                bool(t["order_specific_fastest_within_1_interval"]) for t in tops),
         }
     # chance level: the fraction of intervals that are within one of some fastest interval
     n_int = N - 1
     covered = {j + d for j in fastest.values() for d in (-1, 0, 1) if 0 <= j + d < n_int}
     out["chance_within_1_interval"] = len(covered) / n_int if n_int else None
     out["chance_same_interval"] = len(set(fastest.values())) / n_int if n_int else None
+    out["order_specific_fastest_interval"] = {
+        n: {"interval": i, "steps": [steps[i], steps[i + 1]],
+            "gain_over_lower_order": float(dX[n][i])} for n, i in fastest_x.items()}
+    cov_x = {j + d for j in fastest_x.values() for d in (-1, 0, 1) if 0 <= j + d < n_int}
+    out["chance_within_1_of_order_specific"] = len(cov_x) / n_int if n_int else None
     return out
 
 
@@ -433,6 +487,15 @@ def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
     lines.append(f"{verdict}: {n_same} of the {k} sharpest tensor-similarity transitions fall in "
                  f"the interval where some n-gram order learns fastest (chance {c0:.2f} each), "
                  f"{n_al} within one interval (chance {c1:.2f} each)")
+    if fin.get("order_specific_fastest_interval"):
+        nx = ts["n_sharpest_within_1_of_order_specific"]
+        spec = "; ".join(f"{n}-gram over {n - 1}-gram: steps {v['steps'][0]}->{v['steps'][1]} "
+                         f"(+{v['gain_over_lower_order']:.3f})"
+                         for n, v in fin["order_specific_fastest_interval"].items())
+        lines.append(f"order-specific learning (agreement[n] - agreement[n-1]) fastest at: {spec}; "
+                     f"{nx} of the {k} sharpest tensor-similarity transitions lie within one "
+                     f"interval of one of these (chance "
+                     f"{fin['chance_within_1_of_order_specific']:.2f} each)")
     lines.append("final n-gram agreement: " + ", ".join(f"{n}-gram {v:.3f}"
                                                         for n, v in ngram_final.items()))
     return lines
@@ -482,7 +545,6 @@ def run_language(cfg: LanguageConfig, out: str | Path, show_progress: bool = Fal
 def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     import torch
 
-    import tensoralg as ta
     from ..baselines import linear_cka, output_cosine, weight_cosine
     from ..checkpoint import save_checkpoint
     from ..corpus import VOCAB, load_corpus, ngram_scores
@@ -563,6 +625,12 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     agreement = {n: [s["agreement"][n] for s in scores] for n in ORDERS}
     fin = transitions_finding(steps, mats, agreement)
     text = finding_text(fin, method, {n: agreement[n][-1] for n in ORDERS})
+    if "stderr" in sim_info:
+        se_c = np.array([sim_info["stderr"][i][i + 1] for i in range(N - 1)])
+        text.append(f"the tensor-similarity matrix is a Monte Carlo estimate: standard errors of "
+                    f"the consecutive entries median {np.median(se_c):.3g}, max {se_c.max():.3g} "
+                    f"({cfg.mc_samples} shared samples); transitions smaller than ~2 standard "
+                    f"errors are noise")
     if mc:
         worst = max(abs(r["z"]) for r in mc if r["z"] is not None) if any(
             r["z"] is not None for r in mc) else None
@@ -622,7 +690,8 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
                              "predictor (train-split counts, back-off to shorter contexts when "
                              "unseen); kl[n] = mean KL(P_n || softmax(logits)) in nats"),
         "times": times,
-        "threads_note": "torch and BLAS threads as set by --threads",
+        "threads": {"torch": torch.get_num_threads(),
+                    "note": "torch and BLAS threads as set by --threads (default 1)"},
         "files": [JSON_NAME, CSV_NAME, PAIRS_CSV, MATRIX_FIG, NGRAM_FIG, "checkpoints/"],
         "paths": PATHS_NOTE,
     }
