@@ -33,5 +33,14 @@ __all__ = [
     "Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate",
-    "to_graph", "plan", "Plan", "CostTooHigh", "set_threads",
+    "to_graph", "plan", "Plan", "CostTooHigh", "set_threads", "BilinearTransformer",
 ]
+
+
+def __getattr__(name: str):
+    # torch is imported only when the trainable transformer is asked for
+    if name == "BilinearTransformer":
+        from .transformer import BilinearTransformer
+
+        return BilinearTransformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,9 +51,13 @@ import torch
 
 from .io import load_folder, read_config, save_folder
 from .nn import ARCHITECTURE, BilinearNet
+from .transformer import ARCHITECTURE as TRANSFORMER, BilinearTransformer
+
+_MODELS = {ARCHITECTURE: BilinearNet, TRANSFORMER: BilinearTransformer}
+TRANSFORMER_PROBE_ROWS = 2
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_network", "from_state_dict",
-           "check_export", "probe_input", "read_checkpoint_config", "FORMAT"]
+           "check_export", "probe_input", "probe_tokens", "read_checkpoint_config", "FORMAT"]
 
 FORMAT = "tensoralg.checkpoint/1"
 _RESERVED = {"format", "architecture", "step", "tensoralg_version", "probe_rows", "probe_output"}
@@ -73,10 +77,24 @@ def probe_input(d_in: int, rows: int = PROBE_ROWS) -> np.ndarray:
     return math.sqrt(2.0) * np.sin(k * (1 + math.sqrt(5)) / 2)
 
 
+def probe_tokens(vocab: int, n_ctx: int, rows: int = 2) -> np.ndarray:
+    """The fixed token probe ``(rows, n_ctx)`` of a :class:`~tensoralg.transformer.BilinearTransformer`:
+    ``ids[i, t] = floor(vocab · frac(φ (i n_ctx + t + 1)))`` with ``φ`` the golden ratio (no
+    random generator)."""
+    k = np.arange(1, rows * n_ctx + 1, dtype=np.float64).reshape(rows, n_ctx)
+    return np.minimum(np.floor(vocab * np.mod(k * (1 + math.sqrt(5)) / 2, 1.0)),
+                      vocab - 1).astype(np.int64)
+
+
 def _probe(model: "BilinearNet", rows: int = PROBE_ROWS) -> np.ndarray:
-    """``model``'s float64 outputs on :func:`probe_input` (computed on a float64 copy on the CPU)."""
+    """``model``'s float64 outputs on :func:`probe_input` (computed on a float64 copy on the CPU);
+    a transformer's logits on :func:`probe_tokens`, flattened per row."""
     m = copy.deepcopy(model).to(device="cpu", dtype=torch.float64).eval()
     with torch.no_grad():
+        if isinstance(model, BilinearTransformer):
+            hp = model.hparams
+            return m(torch.from_numpy(probe_tokens(hp["vocab"], hp["n_ctx"], rows))).reshape(
+                rows, -1).numpy()
         x = torch.from_numpy(probe_input(model.hparams["d_in"], rows))
         return m(x).numpy()
 
@@ -91,13 +109,15 @@ def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 
             be JSON scalars or lists; keys must not shadow the architecture keys.
 
     Raises:
-        TypeError: ``model`` is not a :class:`BilinearNet`.
+        TypeError: ``model`` is not a :class:`BilinearNet` or a
+            :class:`~tensoralg.transformer.BilinearTransformer`.
         ValueError: a weight with NaN/inf entries (naming the tensor; nothing is written),
             nested provenance values or a key that shadows the architecture config.
     """
-    if not isinstance(model, BilinearNet):
-        raise TypeError(f"model: expected a tensoralg.nn.BilinearNet, got {type(model).__name__} "
-                        f"(wrap a state_dict with tensoralg.checkpoint.from_state_dict first)")
+    if not isinstance(model, (BilinearNet, BilinearTransformer)):
+        raise TypeError(f"model: expected a tensoralg.nn.BilinearNet or BilinearTransformer, got "
+                        f"{type(model).__name__} (wrap a state_dict with "
+                        f"tensoralg.checkpoint.from_state_dict first)")
     arch = model.config()
     cfg = {"format": FORMAT, **arch, "step": int(step)}
     for key, value in dict(provenance or {}).items():
@@ -113,8 +133,9 @@ def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 
             bad = int((~torch.isfinite(t)).sum())
             raise ValueError(f"model: tensor {name!r} has {bad} non-finite (NaN/inf) entries of "
                              f"{t.numel()}; refusing to write {path} (did training diverge?)")
-    cfg["probe_rows"] = PROBE_ROWS
-    cfg["probe_output"] = [float(v) for v in _probe(model).ravel()]  # repr round-trips exactly
+    rows = TRANSFORMER_PROBE_ROWS if isinstance(model, BilinearTransformer) else PROBE_ROWS
+    cfg["probe_rows"] = rows
+    cfg["probe_output"] = [float(v) for v in _probe(model, rows).ravel()]  # repr round-trips exactly
     return save_folder(path, tensors, cfg)
 
 
@@ -124,7 +145,9 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict:
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
-    """Load ``(model, cfg)`` from a folder written by :func:`save_checkpoint`.
+    """Load ``(model, cfg)`` from a folder written by :func:`save_checkpoint` (a
+    :class:`BilinearNet` or a :class:`~tensoralg.transformer.BilinearTransformer`, by the
+    ``architecture`` entry).
 
     The forward probe stored by :func:`save_checkpoint` is recomputed and compared (relative
     tolerance ``PROBE_RTOL`` of the largest probe output); a checkpoint written before probes
@@ -138,11 +161,12 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
             ``cfg.json``: ``residual``, ``bias``, ...).
     """
     tensors, cfg = load_folder(path)
-    if cfg.get("architecture") != ARCHITECTURE:
+    cls = _MODELS.get(cfg.get("architecture"))
+    if cls is None:
         raise ValueError(f"{path}: cfg.json architecture {cfg.get('architecture')!r} is not "
-                         f"{ARCHITECTURE!r}")
+                         f"one of {sorted(_MODELS)}")
     try:
-        model = BilinearNet.from_config(cfg)
+        model = cls.from_config(cfg)
     except ValueError as exc:
         raise ValueError(f"{path}: cfg.json does not describe a model: {exc}") from exc
     expected = model.state_dict()

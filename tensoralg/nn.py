@@ -28,7 +28,16 @@ from torch import nn
 from .errors import TrainingDiverged  # noqa: F401  (re-exported)
 
 __all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE",
-           "TrainingDiverged"]
+           "TrainingDiverged", "BilinearTransformer"]
+
+
+def __getattr__(name: str):
+    # the bilinear transformer lives in tensoralg.transformer (which imports this module)
+    if name == "BilinearTransformer":
+        from .transformer import BilinearTransformer
+
+        return BilinearTransformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 ARCHITECTURE = "bilinear_net"
 

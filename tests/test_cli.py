@@ -16,7 +16,7 @@ def test_commands_are_registered():
         assert cmd in sub.choices
     audit = sub.choices["audit"]
     asub = next(a for a in audit._actions if a.__class__.__name__ == "_SubParsersAction")
-    assert set(asub.choices) == {"backdoor", "forgetting", "grokking"}
+    assert set(asub.choices) == {"backdoor", "forgetting", "grokking", "language"}
 
 
 def test_demo_prints_a_readable_table(tmp_path, capsys):

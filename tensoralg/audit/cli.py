@@ -113,6 +113,12 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     _shared(p, "seed for data split, init, batches and Monte Carlo samples")
 
 
+def _n_ctx(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n-ctx", type=_positive_int, default=None,
+                   help="bilinear-transformer checkpoints: positions compared (default: the "
+                        "shortest trained context; longer is refused)")
+
+
 def _n_samples(p: argparse.ArgumentParser) -> None:
     from .common import MC_SAMPLES
 
@@ -131,7 +137,8 @@ def add_parsers(sub) -> None:
     _common(p, "runs/demo")
     p.set_defaults(func=cmd_demo)
 
-    audit = sub.add_parser("audit", help="checkpoint audits: backdoor, forgetting, grokking")
+    audit = sub.add_parser("audit", help="checkpoint audits: backdoor, forgetting, grokking, "
+                                         "language")
     asub = audit.add_subparsers(dest="audit_command", metavar="AUDIT")
     asub.required = True
 
@@ -176,6 +183,8 @@ def add_parsers(sub) -> None:
                    help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
     g.set_defaults(func=cmd_grokking)
 
+    _add_language(asub)
+
     c = sub.add_parser("compare", help="similarity of two checkpoints (all metrics and methods)")
     c.add_argument("a", help="checkpoint folder")
     c.add_argument("b", help="checkpoint folder")
@@ -188,6 +197,7 @@ def add_parsers(sub) -> None:
                    help="comma-separated metrics (default gaussian,frobenius)")
     c.add_argument("--n-samples", type=_positive_int, default=100_000,
                    help="Monte Carlo directions (default 100000; at least 2)")
+    _n_ctx(c)
     _shared(c, "Monte Carlo seed and the digits split seed for --data digits")
     c.set_defaults(func=cmd_compare)
 
@@ -202,11 +212,67 @@ def add_parsers(sub) -> None:
     m.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="compare one output slice instead of all outputs (default: all)")
     _n_samples(m)
+    _n_ctx(m)
     _shared(m, "Monte Carlo seed")
     from .matrix_blocks import add_options as _block_options
 
     _block_options(m)  # --block-size, --resume, --scheduler, --workers (tensoralg.blocks)
     m.set_defaults(func=cmd_matrix)
+
+
+def _add_language(asub) -> None:
+    from .language import METHODS as LANG_METHODS
+
+    p = asub.add_parser("language", help="bilinear transformer on stdlib text: checkpoint "
+                                         "similarity vs n-gram learning")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output folder (default runs/language); must be new, empty or an earlier "
+                        "run of this audit, which a completed run replaces")
+    p.add_argument("--quick", action="store_true",
+                   help="small size: 500 steps, 12 checkpoints, 60k characters (default off)")
+    p.add_argument("--method", choices=LANG_METHODS, default="auto",
+                   help="tensor similarity method (default auto: exact for one layer, closure "
+                        "(approximate) for two or more)")
+    p.add_argument("--layers", type=_positive_int, default=None, help="blocks (default 1)")
+    p.add_argument("--d-model", type=_positive_int, default=None, help="residual width (default 16)")
+    p.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default 2)")
+    p.add_argument("--d-head", type=_positive_int, default=None, help="head size (default 4)")
+    p.add_argument("--n-ctx", type=_positive_int, default=None, help="context length (default 8)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="training steps (default 3000; 500 with --quick)")
+    p.add_argument("--checkpoints", type=_positive_int, default=None,
+                   help="checkpoints on the log schedule (default 32; 12 with --quick)")
+    p.add_argument("--chars", type=_positive_int, default=None,
+                   help="corpus size in characters (default 200000; 60000 with --quick)")
+    p.add_argument("--mc-pairs", type=int, default=None,
+                   help="pairs re-estimated by Monte Carlo (default 3; 2 with --quick)")
+    p.add_argument("--mc-samples", type=_positive_int, default=None,
+                   help="Monte Carlo samples per checked pair (default 20000; 4000 with --quick)")
+    _shared(p, "seed for initialisation, batches and Monte Carlo samples")
+    p.set_defaults(func=cmd_language)
+
+
+def cmd_language(args) -> int:
+    from .language import LanguageConfig, language_table, run_language
+
+    kw = dict(seed=args.seed, method=args.method)
+    for opt, key in (("layers", "n_layers"), ("d_model", "d_model"), ("heads", "n_heads"),
+                     ("d_head", "d_head"), ("n_ctx", "n_ctx"), ("steps", "steps"),
+                     ("checkpoints", "checkpoints"), ("chars", "n_chars"),
+                     ("mc_pairs", "mc_pairs"), ("mc_samples", "mc_samples")):
+        if getattr(args, opt) is not None:
+            kw[key] = getattr(args, opt)
+    cfg = LanguageConfig.quick(**kw) if args.quick else LanguageConfig(**kw)
+    cfg.validate()
+    out = _check_paths(args, "runs/language")
+    _threads(args)
+    t0 = time.perf_counter()
+    result = _run(args, "audit language",
+                  lambda: run_language(cfg, out, show_progress=not args.no_progress,
+                                       json_copy=args.json))
+    header = (f"tensoralg audit language: bilinear transformer on Python stdlib text "
+              f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
+    return _report(args, result, language_table, header, json_written=True)
 
 
 def _write_extra_json(path: str | None, result: dict) -> None:
@@ -292,7 +358,8 @@ def cmd_compare(args) -> int:
     _threads(args)
     result = _run(args, "compare", lambda: run_compare(
         args.a, args.b, methods=methods, metrics=metrics, data=args.data,
-        n_samples=args.n_samples, seed=args.seed, show_progress=not args.no_progress))
+        n_samples=args.n_samples, seed=args.seed, show_progress=not args.no_progress,
+        n_ctx=args.n_ctx))
     return _report(args, result, compare_table, wrote=False)
 
 
@@ -307,7 +374,8 @@ def cmd_matrix(args) -> int:
     _threads(args)
     result = _run(args, "matrix", lambda: run_matrix(args.checkpoints, out, method=args.method,
                                                      output=args.output, seed=args.seed,
-                                                     n_samples=args.n_samples, json_copy=args.json))
+                                                     n_samples=args.n_samples, json_copy=args.json,
+                                                     n_ctx=args.n_ctx))
     return _report(args, result, matrix_table, json_written=True)
 
 

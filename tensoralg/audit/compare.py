@@ -33,10 +33,25 @@ def _load(path: str | Path):
     return load_checkpoint(path)
 
 
+def _io(c: dict) -> tuple:
+    """(inputs, outputs) of a checkpoint config; a transformer reads its residual stream."""
+    from .language import is_transformer_cfg
+
+    return (c["d_model"], c["vocab"]) if is_transformer_cfg(c) else (c["d_in"], c["d_out"])
+
+
 def _same_shape(cfgs: Sequence[dict], paths: Sequence[str]) -> None:
-    shapes = {(c["d_in"], c["d_out"]) for c in cfgs}
+    from .language import check_transformer_cfgs, is_transformer_cfg
+
+    kinds = {is_transformer_cfg(c) for c in cfgs}
+    if len(kinds) > 1:
+        raise ValueError(f"checkpoints: a bilinear transformer cannot be compared with a "
+                         f"bilinear classifier; got {', '.join(str(p) for p in paths)}")
+    if kinds == {True}:
+        check_transformer_cfgs(cfgs, paths)
+    shapes = {_io(c) for c in cfgs}
     if len(shapes) > 1:
-        desc = ", ".join(f"{p}: {c['d_in']} -> {c['d_out']}" for p, c in zip(paths, cfgs))
+        desc = ", ".join(f"{p}: {_io(c)[0]} -> {_io(c)[1]}" for p, c in zip(paths, cfgs))
         raise ValueError(f"checkpoints: tensor similarity needs the same input and output sizes; "
                          f"got {desc}")
 
@@ -59,16 +74,20 @@ def valid_pairs(metrics: Sequence[str], methods: Sequence[str]
 
 def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "montecarlo"),
                 metrics: Sequence[str] = ("gaussian", "frobenius"), data: str = "none",
-                n_samples: int = 100_000, seed: int = 0, show_progress: bool = False) -> dict:
+                n_samples: int = 100_000, seed: int = 0, show_progress: bool = False,
+                n_ctx: int | None = None) -> dict:
     """Every valid (metric, method) similarity of checkpoints ``a`` and ``b``.
 
     Combinations that do not exist (``frobenius`` with ``closure``/``montecarlo``) are skipped
     and listed under ``skipped``; a combination the core refuses at run time (too costly) is
     recorded with its full error instead of failing the rest. ``seed``: the Monte Carlo seed
-    and the digits split seed for ``data="digits"``.
+    and the digits split seed for ``data="digits"``. Bilinear-transformer checkpoints are
+    compared as residual stream -> logits maps over ``n_ctx`` positions (default: the shorter
+    trained context of the two; longer is refused); only the Gaussian metric exists for them.
 
     Raises:
-        FileNotFoundError / ValueError: missing or corrupt checkpoints, mismatched sizes,
+        FileNotFoundError / ValueError: missing or corrupt checkpoints, mismatched sizes or
+            vocabularies, ``n_ctx`` beyond a trained context,
             ``data="digits"`` for a model that is not a 64 -> 10 digit classifier, or only
             invalid combinations requested.
     """
@@ -85,20 +104,45 @@ def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "m
     _same_shape([ca, cb], [a, b])
     if data not in ("none", "digits"):
         raise ValueError(f"--data: expected 'digits' or 'none', got {data!r}")
-    if data == "digits" and (ca["d_in"], ca["d_out"]) != (64, 10):
+    if data == "digits" and _io(ca) != (64, 10):
         raise ValueError(f"--data digits: needs 64 -> 10 classifiers, these are "
-                         f"{ca['d_in']} -> {ca['d_out']}")
-    na, nb = ma.to_network(), mb.to_network()
+                         f"{_io(ca)[0]} -> {_io(ca)[1]}")
+    from .language import is_transformer_cfg, sequence_networks
+
+    seq = is_transformer_cfg(ca)
+    if seq:
+        (na, nb), n_ctx = sequence_networks([ma, mb], [ca, cb], [a, b], n_ctx)
+        pairs, more = [p for p in pairs if p[0] == "gaussian"], \
+            [{"metric": m, "method": me, "reason": "sequence models: only the Gaussian metric"}
+             for m, me in pairs if m != "gaussian"]
+        skipped += more
+        if not pairs:
+            raise ValueError("--metrics: bilinear-transformer checkpoints have only the gaussian "
+                             "metric")
+    else:
+        if n_ctx is not None:
+            raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
+        na, nb = ma.to_network(), mb.to_network()
     rows = []
     for metric, method in progress(pairs, "compare", show_progress):
         entry = {"metric": metric, "method": method}
         kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
+        if seq:
+            kw["n_ctx"] = n_ctx
         t = time.perf_counter()
         try:
             g = ta.similarity(na, nb, metric=metric, method=method, **kw)
-            each = ta.similarity(na, nb, metric=metric, method=method, output="each", **kw)
+            if seq and method == "montecarlo":   # no output="each" for sequence Monte Carlo
+                from .language import montecarlo_similarity
+
+                est, se = montecarlo_similarity(na, nb, n_ctx, n_samples, seed)
+                g = ta.MonteCarloEstimate(est, se, n_samples)
+                each = None
+            else:
+                each = ta.similarity(na, nb, metric=metric, method=method, output="each", **kw)
             entry["global"] = float(g)
-            entry["each"] = [float(v) for v in np.asarray(each, dtype=np.float64)]
+            if each is not None:
+                entry["each"] = [float(v) for v in np.asarray(each, dtype=np.float64)]
             if getattr(g, "stderr", None) is not None:
                 entry["global_stderr"] = float(g.stderr)
             if getattr(each, "stderr", None) is not None:
@@ -110,7 +154,7 @@ def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "m
     result = {
         **stamp("compare", {"a": str(a), "b": str(b), "methods": list(methods),
                             "metrics": list(metrics), "data": data, "n_samples": n_samples,
-                            "seed": seed}),
+                            "seed": seed, "n_ctx": n_ctx}),
         "a": {"path": str(a), "step": ca.get("step"), "n_layers": ca.get("n_layers")},
         "b": {"path": str(b), "step": cb.get("step"), "n_layers": cb.get("n_layers")},
         "depth": max(ca["n_layers"], cb["n_layers"]),
@@ -137,9 +181,12 @@ def compare_table(result: dict) -> str:
             notes.append(f"[{len(notes) + 1}] {r['metric']}/{r['method']}: {r['error']}")
             rows.append([r["metric"], r["method"], "-", "-", "-", f"refused, see [{len(notes)}]"])
             continue
-        each = r["each"]
-        n_out = len(each)
         stderr = f"±{r['global_stderr']:.1e}" if "global_stderr" in r else ""
+        each = r.get("each")
+        if each is None:   # sequence-model Monte Carlo: global only
+            rows.append([r["metric"], r["method"], r["global"], "-", "-", stderr])
+            continue
+        n_out = len(each)
         rows.append([r["metric"], r["method"], r["global"], min(each),
                      int(np.argmin(each)), stderr])
     out.append(format_table(["metric", "method", "global", "min slice", "argmin", "note"], rows))
@@ -164,7 +211,7 @@ def compare_table(result: dict) -> str:
 
 def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
                output: int | None = None, seed: int = 0, n_samples: int = MC_SAMPLES,
-               json_copy: str | Path | None = None) -> dict:
+               json_copy: str | Path | None = None, n_ctx: int | None = None) -> dict:
     """Similarity matrix of the checkpoints at ``paths`` (heatmap ``matrix.png``, ``matrix.csv``,
     ``matrix.json`` under ``out``). ``seed``, ``n_samples``: Monte Carlo seed and sample count
     (a Monte Carlo matrix is recorded as an estimate without per-entry standard errors, under
@@ -192,23 +239,36 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     loaded = [_load(p) for p in paths]
     cfgs = [c for _, c in loaded]
     _same_shape(cfgs, paths)
-    keys = ("n_layers", "d_model", "d_hidden", "residual", "bias")
+    from .language import TRANSFORMER_KEYS, is_transformer_cfg, sequence_networks
+
+    seq = is_transformer_cfg(cfgs[0])
+    keys = TRANSFORMER_KEYS if seq else ("n_layers", "d_model", "d_hidden", "residual", "bias")
     arch = [tuple(c.get(k) for k in keys) for c in cfgs]
     for p, a in zip(paths[1:], arch[1:]):
         if a != arch[0]:
             raise ValueError(f"checkpoints: a similarity matrix needs one architecture; {p} has "
                              f"{dict(zip(keys, a))}, {paths[0]} has {dict(zip(keys, arch[0]))} "
                              f"(compare mixed pairs with `tensoralg compare`)")
-    d_out = cfgs[0]["d_out"]
+    d_out = _io(cfgs[0])[1]
     if output is not None and not (0 <= output < d_out):
         raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
     depth = max(c["n_layers"] for c in cfgs)
-    nets = [m.to_network() for m, _ in loaded]
-    deepest = nets[max(range(len(cfgs)), key=lambda i: cfgs[i]["n_layers"])]
-    planned = choose_method(method, depth, deepest)
     t = time.perf_counter()
-    mat, used = similarity_matrix(nets, method if planned == "exact" else planned, depth=depth,
-                                  output=output, seed=seed, n_samples=n_samples)
+    if seq:
+        if output is not None:
+            raise ValueError("--output: not supported for bilinear-transformer checkpoints "
+                             "(the matrix sums over all logits)")
+        nets, n_ctx = sequence_networks([m for m, _ in loaded], cfgs, paths, n_ctx)
+        used = ("exact" if depth == 1 else "closure") if method == "auto" else method
+        mat, _info = sequence_similarity_matrix_for_cli(nets, used, n_ctx, n_samples, seed)
+    else:
+        if n_ctx is not None:
+            raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
+        nets = [m.to_network() for m, _ in loaded]
+        deepest = nets[max(range(len(cfgs)), key=lambda i: cfgs[i]["n_layers"])]
+        planned = choose_method(method, depth, deepest)
+        mat, used = similarity_matrix(nets, method if planned == "exact" else planned,
+                                      depth=depth, output=output, seed=seed, n_samples=n_samples)
     seconds = time.perf_counter() - t
     labels = [Path(p).name or str(p) for p in paths]
     if len(set(labels)) < len(labels):
@@ -216,7 +276,8 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     what = "all outputs" if output is None else f"output {output}"
     result = {
         **stamp("matrix", {"checkpoints": [str(p) for p in paths], "method": method,
-                           "output": output, "seed": seed, "n_samples": n_samples}),
+                           "output": output, "seed": seed, "n_samples": n_samples,
+                           "n_ctx": n_ctx}),
         "labels": labels, "steps": [c.get("step") for c in cfgs], "method": used,
         "metric": "gaussian", "output": output, "similarity_matrix": mat,
         "uncertainty": matrix_uncertainty(used, n_samples, seed), "seconds": seconds,
@@ -233,6 +294,12 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         if json_copy is not None:
             write_json_copy(json_copy, result, final, stage)
     return result
+
+
+def sequence_similarity_matrix_for_cli(nets, method, n_ctx, n_samples, seed):
+    from .language import sequence_similarity_matrix
+
+    return sequence_similarity_matrix(nets, method, n_ctx, n_samples=n_samples, seed=seed)
 
 
 def matrix_table(result: dict) -> str:

@@ -1,0 +1,743 @@
+"""Language audit: a bilinear transformer trained on Python's standard library, checkpoints on a
+log schedule, and four checkpoint x checkpoint similarity matrices next to the n-gram
+statistics the model learns.
+
+The experiment (issue 10). An attention-only :class:`~tensoralg.transformer.BilinearTransformer`
+is trained on the character-level corpus of :mod:`tensoralg.corpus` (next-token cross-entropy,
+AdamW). Checkpoints are saved at log-spaced steps. Over all pairs of checkpoints:
+
+* **tensor similarity** of the residual stream -> logits maps (Gaussian metric on the residual
+  stream input, :meth:`BilinearTransformer.to_network`), through the public
+  ``tensoralg.similarity_matrix`` when it accepts sequence models and otherwise a loop over
+  ``tensoralg.inner`` (self terms once per checkpoint). One layer: ``method="exact"``. Two or
+  more layers: ``method="closure"``, which is APPROXIMATE beyond depth 1 (docs/attention.md);
+  a few pairs are re-estimated by Monte Carlo with their standard errors either way;
+* **output cosine**: mean cosine of the two logit vectors over held-out positions;
+* **linear CKA** of the final residual stream over held-out positions;
+* **weight cosine** of the flattened parameters (:mod:`tensoralg.baselines`).
+
+Per checkpoint, the agreement of the model's next-token distribution with the corpus 1-, 2-, 3-
+and 4-gram predictors (:func:`tensoralg.corpus.ngram_scores`: top-1 agreement and KL).
+
+Transitions. For consecutive checkpoints ``i, i+1`` (equal spacing in log step) the change of a
+metric is ``1 - M[i, i+1]``. The sharpest tensor-similarity transitions are the intervals with
+the largest change; the n-gram learning of order ``n`` is fastest in the interval with the
+largest increase of ``agreement[n]``. The finding reports, in numbers, whether the sharpest
+tensor-similarity transitions coincide (same interval, or a neighbour) with the fastest n-gram
+learning, and the Spearman correlation between each metric's change profile and the total n-gram
+change ``Σ_n |Δ agreement[n]|``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .common import (PATHS_NOTE, format_table, progress, write_csv, write_json,
+                     check_output_folder, check_file_writable, staged_output, stamp,
+                     write_json_copy)
+
+JSON_NAME = "language.json"
+CSV_NAME = "language.csv"
+PAIRS_CSV = "language_pairs.csv"
+MATRIX_FIG = "language_matrices.png"
+NGRAM_FIG = "language_ngrams.png"
+METHODS = ("auto", "exact", "closure", "montecarlo")
+ORDERS = (1, 2, 3, 4)
+N_TRANSITIONS = 3
+
+
+@dataclass
+class LanguageConfig:
+    """Every parameter of a language audit (all recorded in the JSON).
+
+    Sizes: the defaults were chosen so that the exact one-layer similarity of every pair of
+    checkpoints fits the time budget (measured: ~0.6-0.9 s per inner product at d_model 16,
+    n_ctx 8, 2 heads of 4 on a loaded 2-core machine, one thread), see docs/language.md.
+    """
+
+    n_chars: int = 200_000
+    n_layers: int = 1
+    d_model: int = 16
+    n_heads: int = 2
+    d_head: int = 4
+    d_mlp: int | None = None
+    n_ctx: int = 8
+    rope: float | None = 10000.0
+    steps: int = 3000
+    checkpoints: int = 32
+    batch_size: int = 64
+    lr: float = 5e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_windows: int = 256
+    method: str = "auto"
+    mc_pairs: int = 3
+    mc_samples: int = 20_000
+    seed: int = 0
+
+    @classmethod
+    def quick(cls, **kw) -> "LanguageConfig":
+        base = dict(n_chars=60_000, steps=500, checkpoints=12, eval_windows=128, mc_pairs=2,
+                    mc_samples=4000)
+        base.update(kw)
+        return cls(**base)
+
+    def validate(self) -> None:
+        from ..corpus import HELD_OUT_EVERY, SEGMENT
+
+        for name in ("n_layers", "d_model", "n_heads", "d_head", "n_ctx", "steps", "batch_size",
+                     "eval_windows", "mc_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got "
+                                 f"{v!r}")
+        if self.n_ctx < 4:
+            raise ValueError(f"--n-ctx: expected >= 4 (the 4-gram score needs 3 tokens of "
+                             f"context and one prediction), got {self.n_ctx}")
+        if self.n_chars < 2 * SEGMENT * HELD_OUT_EVERY:
+            raise ValueError(f"--chars: expected >= {2 * SEGMENT * HELD_OUT_EVERY}, got "
+                             f"{self.n_chars}")
+        if not 2 <= self.checkpoints <= self.steps + 1:
+            raise ValueError(f"--checkpoints: expected 2..steps + 1 = {self.steps + 1}, got "
+                             f"{self.checkpoints}")
+        if self.method not in METHODS:
+            raise ValueError(f"--method: expected one of {list(METHODS)}, got {self.method!r}")
+        if self.method == "exact" and self.n_layers > 1:
+            raise ValueError(f"--method exact: the exact similarity of sequence models handles "
+                             f"one attention layer; --layers {self.n_layers} needs --method "
+                             f"closure (approximate beyond depth 1) or montecarlo")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr: expected a positive finite learning rate, got {self.lr}")
+        if self.mc_pairs < 0:
+            raise ValueError(f"--mc-pairs: expected >= 0, got {self.mc_pairs}")
+        if self.mc_samples < 300 and self.mc_pairs:
+            raise ValueError(f"--mc-samples: expected >= 300 (fewer directions make the standard "
+                             f"error unreliable), got {self.mc_samples}")
+        max_windows = (self.n_chars // HELD_OUT_EVERY) // self.n_ctx
+        if self.eval_windows > max_windows:
+            raise ValueError(f"--eval-windows: {self.eval_windows} windows of {self.n_ctx} tokens "
+                             f"need more held-out text than the ~{self.n_chars // HELD_OUT_EVERY} "
+                             f"characters of --chars {self.n_chars}; at most {max_windows}")
+
+    def resolved_method(self) -> str:
+        if self.method != "auto":
+            return self.method
+        return "exact" if self.n_layers == 1 else "closure"
+
+
+def log_schedule(steps: int, n: int) -> list[int]:
+    """``n`` distinct steps: 0 and ``n - 1`` log-spaced steps from 1 to ``steps`` (rounded;
+    collisions moved to the next free integer)."""
+    if not 2 <= n <= steps + 1:
+        raise ValueError(f"checkpoints: expected 2..steps + 1 = {steps + 1} distinct steps, got {n}")
+    pts = [int(p) for p in np.round(np.geomspace(1, steps, n - 1))]
+    for k in range(1, len(pts)):
+        pts[k] = max(pts[k], pts[k - 1] + 1)
+    pts[-1] = steps
+    for k in range(len(pts) - 2, -1, -1):
+        pts[k] = min(pts[k], pts[k + 1] - 1)
+    return [0] + pts
+
+
+def make_model(cfg: LanguageConfig, vocab: int):
+    from ..transformer import BilinearTransformer
+
+    return BilinearTransformer(vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head,
+                               cfg.d_mlp, n_ctx=cfg.n_ctx, rope=cfg.rope, seed=cfg.seed)
+
+
+def train_language_model(model, train_tokens: np.ndarray, cfg: LanguageConfig, save_at: Sequence[int],
+                         callback, show_progress: bool = False) -> dict:
+    """AdamW on next-token cross-entropy over random windows of ``n_ctx + 1`` training tokens
+    (starts drawn from a private generator seeded with ``cfg.seed``), gradient norm clipped at
+    ``cfg.grad_clip``. ``callback(step, model)`` at every step in ``save_at`` (0 = before
+    training). Returns ``{"step": [...], "loss": [...]}`` (the minibatch loss at those steps).
+
+    Raises:
+        TrainingDiverged: a NaN/inf loss or weight.
+    """
+    import torch
+    from ..nn import TrainingDiverged
+
+    toks = torch.as_tensor(np.asarray(train_tokens, dtype=np.int64))
+    n_ctx = cfg.n_ctx
+    if len(toks) < n_ctx + 2:
+        raise ValueError(f"train_tokens: {len(toks)} tokens, need more than n_ctx + 1 = {n_ctx + 1}")
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    offs = torch.arange(n_ctx + 1)
+    save = set(int(s) for s in save_at)
+    hist = {"step": [], "loss": []}
+    last = float("nan")
+    if 0 in save:
+        callback(0, model)
+        hist["step"].append(0)
+        hist["loss"].append(None)
+    for step in progress(range(1, cfg.steps + 1), "train", show_progress, total=cfg.steps):
+        starts = torch.randint(0, len(toks) - n_ctx - 1, (cfg.batch_size,), generator=gen)
+        win = toks[starts[:, None] + offs]
+        logits = model(win[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 win[:, 1:].reshape(-1))
+        if not torch.isfinite(loss):
+            raise TrainingDiverged(f"training diverged: loss {float(loss)} at step {step} "
+                                   f"(learning rate too high?)", step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        last = float(loss.detach())
+        if step in save:
+            for name, p in model.named_parameters():
+                if not torch.isfinite(p).all():
+                    raise TrainingDiverged(f"training diverged: parameter {name!r} has NaN/inf "
+                                           f"entries after step {step}", step)
+            callback(step, model)
+            hist["step"].append(step)
+            hist["loss"].append(last)
+    return hist
+
+
+def eval_windows(held_out: np.ndarray, n_ctx: int, count: int) -> np.ndarray:
+    """The first ``count`` non-overlapping windows of ``n_ctx`` held-out tokens, ``(count, n_ctx)``."""
+    m = len(held_out) // n_ctx
+    if count > m:
+        raise ValueError(f"eval_windows: {count} windows of {n_ctx} tokens requested, the held-out "
+                         f"text has {m}")
+    return np.asarray(held_out[:count * n_ctx], dtype=np.int64).reshape(count, n_ctx)
+
+
+# ----------------------------------------------------------------------------------------
+# checkpoints of bilinear transformers in `compare` and `matrix`
+# ----------------------------------------------------------------------------------------
+
+TRANSFORMER_KEYS = ("n_layers", "d_model", "n_heads", "d_head", "d_mlp", "vocab", "rope",
+                    "attn_scale")
+
+
+def is_transformer_cfg(cfg: dict) -> bool:
+    from ..transformer import ARCHITECTURE
+
+    return cfg.get("architecture") == ARCHITECTURE
+
+
+def check_transformer_cfgs(cfgs: Sequence[dict], paths: Sequence[Any]) -> None:
+    """Refuse transformer checkpoints whose vocabularies differ (their logits index different
+    tokens, so no similarity is meaningful), naming each path and its vocabulary size."""
+    vocabs = [c.get("vocab") for c in cfgs]
+    if len(set(vocabs)) > 1:
+        desc = ", ".join(f"{p}: vocab {v}" for p, v in zip(paths, vocabs))
+        raise ValueError(f"checkpoints: the vocabularies differ ({desc}); logits of different "
+                         f"vocabularies cannot be compared")
+
+
+def sequence_networks(models: Sequence[Any], cfgs: Sequence[dict], paths: Sequence[Any],
+                      n_ctx: int | None) -> tuple[list, int]:
+    """The residual stream -> logits networks of transformer checkpoints over ``n_ctx``
+    positions (default: the shortest trained context among them).
+
+    Raises:
+        ValueError: ``n_ctx`` beyond a checkpoint's trained context (naming it).
+    """
+    trained = [int(c["n_ctx"]) for c in cfgs]
+    if n_ctx is None:
+        n_ctx = min(trained)
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1:
+        raise ValueError(f"--n-ctx: expected a positive integer, got {n_ctx!r}")
+    for p, t in zip(paths, trained):
+        if n_ctx > t:
+            raise ValueError(f"--n-ctx {n_ctx}: beyond the trained context n_ctx={t} of {p}; "
+                             f"use at most {min(trained)}")
+    return [m.to_network(n_ctx=n_ctx) for m in models], n_ctx
+
+
+# ----------------------------------------------------------------------------------------
+# similarity matrices of sequence models
+# ----------------------------------------------------------------------------------------
+
+def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
+                               show_progress: bool = False, n_samples: int = 20_000,
+                               seed: int = 0) -> tuple[np.ndarray, dict]:
+    """``S[i, j] = <f_i, f_j> / sqrt(<f_i, f_i> <f_j, f_j>)`` of sequence models (Gaussian metric,
+    summed over positions ``< n_ctx`` and outputs).
+
+    First tries the public batched ``tensoralg.similarity_matrix(nets, method=..., n_ctx=...)``;
+    if it does not accept sequence models (``TypeError``/``ValueError``/``NotImplementedError``
+    other than ``CostTooHigh``), loops: ``tensoralg.inner(a, a)`` once per model and
+    ``tensoralg.inner(a, b)`` once per unordered pair. Returns the matrix and a dict saying
+    which path ran, why, and the seconds taken.
+
+    Raises:
+        tensoralg.CostTooHigh: the method refuses these models (e.g. exact at depth 2).
+        ValueError: a model with zero norm.
+    """
+    import tensoralg as ta
+
+    kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
+    t0 = time.perf_counter()
+    info: dict = {"method": method, "n_ctx": n_ctx}
+    if method == "montecarlo":
+        S, se = montecarlo_similarity_matrix(nets, n_ctx, n_samples, seed)
+        info.update(path="shared-sample Monte Carlo Gram matrix (jackknife standard errors)",
+                    seconds=time.perf_counter() - t0, stderr=se, n_samples=n_samples, seed=seed)
+        return S, info
+    try:
+        S = np.asarray(ta.similarity_matrix(list(nets), method=method, n_ctx=n_ctx, **kw),
+                       dtype=np.float64)
+        info.update(path="tensoralg.similarity_matrix (batched)",
+                    seconds=time.perf_counter() - t0)
+        return S, info
+    except ta.CostTooHigh:
+        raise
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        info["batched_unavailable"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    N = len(nets)
+    G = np.zeros((N, N))
+    pairs = [(i, j) for i in range(N) for j in range(i, N)]
+    for i, j in progress(pairs, f"tensor similarity ({method})", show_progress):
+        G[i, j] = G[j, i] = float(ta.inner(nets[i], nets[j], method=method, n_ctx=n_ctx, **kw))
+    d = np.diag(G)
+    if np.any(d <= 0):
+        raise ValueError(f"similarity matrix: models {np.flatnonzero(d <= 0).tolist()} have norm "
+                         f"zero (method {method}); similarity is undefined")
+    S = np.clip(G / np.sqrt(np.outer(d, d)), -1.0, 1.0)
+    info.update(path=f"loop over tensoralg.inner ({len(pairs)} calls, self terms once per "
+                     f"model)", seconds=time.perf_counter() - t0, gram_diagonal=d.tolist())
+    return S, info
+
+
+def montecarlo_similarity(a: Any, b: Any, n_ctx: int, n_samples: int, seed: int,
+                          batch: int = 1000) -> tuple[float, float]:
+    """Monte Carlo estimate of the similarity of two sequence models with its standard error.
+
+    ``X`` ``(n_ctx, d)`` with iid ``N(0, 1)`` entries (numpy ``default_rng(seed)``); per sample
+    ``p_ab = Σ_{t,o} f_a(X)[t,o] f_b(X)[t,o]`` and likewise ``p_aa``, ``p_bb``; the estimate is
+    ``r = mean(p_ab) / sqrt(mean(p_aa) mean(p_bb))`` and its standard error the delta method's
+    ``sqrt(gᵀ Σ g / n)`` with ``Σ`` the sample covariance of ``(p_ab, p_aa, p_bb)`` and
+    ``g = (1/sqrt(m_aa m_bb), -r/(2 m_aa), -r/(2 m_bb))`` (an approximation, good when the
+    standard error is small; polynomials of high degree have heavy tails, so a large standard
+    error means the estimate is not informative)."""
+    rng = np.random.default_rng(int(seed))
+    P = []
+    done = 0
+    while done < n_samples:
+        m = min(batch, n_samples - done)
+        X = rng.standard_normal((m, n_ctx, a.in_features))
+        fa, fb = np.asarray(a(X)), np.asarray(b(X))
+        P.append(np.stack([(fa * fb).sum((1, 2)), (fa * fa).sum((1, 2)), (fb * fb).sum((1, 2))], 1))
+        done += m
+    P = np.concatenate(P)
+    mean = P.mean(0)
+    r = mean[0] / math.sqrt(mean[1] * mean[2])
+    g = np.array([1.0 / math.sqrt(mean[1] * mean[2]), -r / (2 * mean[1]), -r / (2 * mean[2])])
+    se = math.sqrt(max(float(g @ np.cov(P.T) @ g), 0.0) / len(P))
+    return float(r), se
+
+
+def montecarlo_similarity_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed: int,
+                                 n_batches: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """Monte Carlo similarity matrix of sequence models from ONE set of Gaussian inputs (every
+    model is evaluated once per sample, so the cost is ``N`` forward passes, not ``N²``).
+
+    ``X`` ``(n_ctx, d)`` iid ``N(0, 1)`` (numpy ``default_rng(seed)``); ``G_ij`` is the sample
+    mean of ``Σ_{t,o} f_i(X)[t,o] f_j(X)[t,o]`` and ``S = G_ij / sqrt(G_ii G_jj)``. Standard
+    errors: delete-one-batch jackknife over ``n_batches`` equal batches (the ratio's bias and
+    the covariance of numerator and denominators are included). An estimate: polynomials of
+    high degree have heavy tails, so check the standard errors.
+
+    Returns ``(S, stderr)``, both ``(N, N)``.
+    """
+    N = len(nets)
+    size = max(n_samples // n_batches, 1)
+    rng = np.random.default_rng(int(seed))
+    sums = np.zeros((n_batches, N, N))
+    for k in range(n_batches):
+        X = rng.standard_normal((size, n_ctx, nets[0].in_features))
+        F = np.stack([np.asarray(n(X)).reshape(size, -1) for n in nets])   # (N, m, n_ctx*V)
+        sums[k] = np.einsum("imk,jmk->ij", F, F, optimize=True)
+
+    def sim(G):
+        d = np.diag(G)
+        return G / np.sqrt(np.outer(d, d))
+
+    full = sums.sum(0) / (size * n_batches)
+    S = sim(full)
+    loo = np.stack([sim((sums.sum(0) - sums[k]) / (size * (n_batches - 1)))
+                    for k in range(n_batches)])
+    se = np.sqrt((n_batches - 1) / n_batches * ((loo - loo.mean(0)) ** 2).sum(0))
+    return np.clip(S, -1.0, 1.0), se
+
+
+# ----------------------------------------------------------------------------------------
+# transitions and the finding
+# ----------------------------------------------------------------------------------------
+
+def consecutive_change(M: np.ndarray) -> np.ndarray:
+    """``1 - M[i, i+1]`` for consecutive checkpoints, length ``N - 1``."""
+    M = np.asarray(M, dtype=np.float64)
+    return 1.0 - np.array([M[i, i + 1] for i in range(len(M) - 1)])
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float | None:
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return None
+    return float(spearmanr(x, y).statistic)
+
+
+def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
+                        k: int = N_TRANSITIONS) -> dict:
+    """The numbers behind the finding (module docstring).
+
+    ``mats``: metric name -> ``(N, N)`` matrix (similarity-like, 1 = identical);
+    ``agreement``: n -> length-N n-gram agreement curve. Interval ``i`` is between checkpoints
+    ``i`` and ``i + 1``.
+    """
+    steps = list(steps)
+    N = len(steps)
+    dA = {n: np.diff(np.asarray(a, float)) for n, a in agreement.items()}
+    total = np.sum([np.abs(v) for v in dA.values()], axis=0)
+    fastest = {n: int(np.argmax(v)) for n, v in dA.items()}
+    # order-specific learning: what order n adds over order n - 1 (all orders agree on the most
+    # common next characters, so their raw curves jump together early in training)
+    orders = sorted(agreement)
+    dX = {n: np.diff(np.asarray(agreement[n], float) - np.asarray(agreement[p], float))
+          for p, n in zip(orders, orders[1:])}
+    fastest_x = {n: int(np.argmax(v)) for n, v in dX.items()}
+    out: dict = {"intervals": [[steps[i], steps[i + 1]] for i in range(N - 1)],
+                 "ngram_fastest_interval": {n: {"interval": i, "steps": [steps[i], steps[i + 1]],
+                                                "agreement_gain": float(dA[n][i])}
+                                            for n, i in fastest.items()},
+                 "ngram_total_change": total.tolist(), "metrics": {}}
+    for name, M in mats.items():
+        ch = consecutive_change(M)
+        order = [int(i) for i in np.argsort(-ch, kind="stable")[:k]]
+        med = float(np.median(ch)) if len(ch) else float("nan")
+        tops = []
+        for i in order:
+            near = sorted(n for n, j in fastest.items() if abs(j - i) <= 1)
+            same = sorted(n for n, j in fastest.items() if j == i)
+            near_x = sorted(n for n, j in fastest_x.items() if abs(j - i) <= 1)
+            tops.append({"interval": i, "steps": [steps[i], steps[i + 1]], "change": float(ch[i]),
+                         "ngram_orders_fastest_same_interval": same,
+                         "ngram_orders_fastest_within_1_interval": near,
+                         "order_specific_fastest_within_1_interval": near_x})
+        out["metrics"][name] = {
+            "change": ch.tolist(),
+            "sharpest": tops,
+            "sharpness_max_over_median": (float(ch[order[0]] / med) if order and med > 0
+                                          else None),
+            "spearman_with_ngram_change": _spearman(ch, total),
+            "n_sharpest_aligned_with_ngram": sum(bool(t["ngram_orders_fastest_within_1_interval"])
+                                                 for t in tops),
+            "n_sharpest_same_interval_as_ngram": sum(bool(t["ngram_orders_fastest_same_interval"])
+                                                     for t in tops),
+            "n_sharpest_within_1_of_order_specific": sum(
+                bool(t["order_specific_fastest_within_1_interval"]) for t in tops),
+        }
+    # chance level: the fraction of intervals that are within one of some fastest interval
+    n_int = N - 1
+    covered = {j + d for j in fastest.values() for d in (-1, 0, 1) if 0 <= j + d < n_int}
+    out["chance_within_1_interval"] = len(covered) / n_int if n_int else None
+    out["chance_same_interval"] = len(set(fastest.values())) / n_int if n_int else None
+    out["order_specific_fastest_interval"] = {
+        n: {"interval": i, "steps": [steps[i], steps[i + 1]],
+            "gain_over_lower_order": float(dX[n][i])} for n, i in fastest_x.items()}
+    cov_x = {j + d for j in fastest_x.values() for d in (-1, 0, 1) if 0 <= j + d < n_int}
+    out["chance_within_1_of_order_specific"] = len(cov_x) / n_int if n_int else None
+    return out
+
+
+def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
+    lines = []
+    ts = fin["metrics"]["tensor similarity"]
+    tr = ", ".join(f"steps {t['steps'][0]}->{t['steps'][1]} (1-S = {t['change']:.3g}"
+                   + (f"; fastest {'/'.join(str(n) for n in t['ngram_orders_fastest_within_1_interval'])}-gram learning within one interval)"
+                      if t["ngram_orders_fastest_within_1_interval"] else "; no n-gram order learns fastest there)")
+                   for t in ts["sharpest"])
+    lines.append(f"sharpest tensor-similarity ({method}) transitions: {tr}")
+    fast = "; ".join(f"{n}-gram: steps {v['steps'][0]}->{v['steps'][1]} (+{v['agreement_gain']:.3f})"
+                     for n, v in fin["ngram_fastest_interval"].items())
+    lines.append(f"fastest n-gram agreement gains: {fast}")
+    fmt = lambda v: "n/a" if v is None else f"{v:+.2f}"  # noqa: E731
+    lines.append("Spearman(consecutive change, total n-gram change): " + ", ".join(
+        f"{k} {fmt(v['spearman_with_ngram_change'])}" for k, v in fin["metrics"].items()))
+    lines.append("sharpest/median consecutive change: " + ", ".join(
+        f"{k} {('n/a' if v['sharpness_max_over_median'] is None else format(v['sharpness_max_over_median'], '.1f'))}"
+        for k, v in fin["metrics"].items()))
+    n_al, n_same, k = (ts["n_sharpest_aligned_with_ngram"],
+                       ts["n_sharpest_same_interval_as_ngram"], len(ts["sharpest"]))
+    c1, c0 = fin["chance_within_1_interval"], fin["chance_same_interval"]
+    # "reproduced" needs alignment clearly above what randomly placed transitions would give
+    if k and n_same / k > c0 and n_al / k > c1 and n_al >= 2:
+        verdict = "reproduced"
+    elif k and (n_same / k > c0 or n_al / k > c1):
+        verdict = "partly reproduced"
+    else:
+        verdict = "NOT reproduced (no better than chance)"
+    lines.append(f"{verdict}: {n_same} of the {k} sharpest tensor-similarity transitions fall in "
+                 f"the interval where some n-gram order learns fastest (chance {c0:.2f} each), "
+                 f"{n_al} within one interval (chance {c1:.2f} each)")
+    if fin.get("order_specific_fastest_interval"):
+        nx = ts["n_sharpest_within_1_of_order_specific"]
+        spec = "; ".join(f"{n}-gram over {n - 1}-gram: steps {v['steps'][0]}->{v['steps'][1]} "
+                         f"(+{v['gain_over_lower_order']:.3f})"
+                         for n, v in fin["order_specific_fastest_interval"].items())
+        lines.append(f"order-specific learning (agreement[n] - agreement[n-1]) fastest at: {spec}; "
+                     f"{nx} of the {k} sharpest tensor-similarity transitions lie within one "
+                     f"interval of one of these (chance "
+                     f"{fin['chance_within_1_of_order_specific']:.2f} each)")
+    lines.append("final n-gram agreement: " + ", ".join(f"{n}-gram {v:.3f}"
+                                                        for n, v in ngram_final.items()))
+    return lines
+
+
+# ----------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------
+
+def _mc_pairs(N: int, change: np.ndarray, k: int) -> list[tuple[int, int]]:
+    """``k`` pairs for the Monte Carlo check: the sharpest consecutive transition, first vs
+    last, middle vs last, then further consecutive pairs."""
+    cand = []
+    if len(change):
+        i = int(np.argmax(change))
+        cand.append((i, i + 1))
+    cand += [(0, N - 1), (N // 2, N - 1)] + [(i, i + 1) for i in range(N - 1)]
+    out = []
+    for p in cand:
+        if p not in out and p[0] != p[1]:
+            out.append(p)
+    return out[:k]
+
+
+def run_language(cfg: LanguageConfig, out: str | Path, show_progress: bool = False,
+                 json_copy: str | Path | None = None) -> dict:
+    """Train, checkpoint, compare; write JSON, CSVs, figures and the checkpoints under ``out``
+    (staged: ``out`` is replaced only by a complete run).
+
+    Raises:
+        ValueError: a bad configuration or ``out`` (before any work).
+        tensoralg.CostTooHigh: the similarity method refuses the architecture.
+        TrainingDiverged: NaN/inf during training.
+    """
+    cfg.validate()
+    final = check_output_folder(out, JSON_NAME)
+    if json_copy is not None:
+        check_file_writable(json_copy, "--json")
+    with staged_output(final, JSON_NAME) as stage:
+        result = _run(cfg, stage, show_progress)
+        result["out"] = str(final)
+        if json_copy is not None:
+            write_json_copy(json_copy, result, final, stage)
+    return result
+
+
+def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
+    import torch
+
+    from ..baselines import linear_cka, output_cosine, weight_cosine
+    from ..checkpoint import save_checkpoint
+    from ..corpus import VOCAB, load_corpus, ngram_scores
+
+    times: dict = {}
+    t_all = time.perf_counter()
+    cpu_all = time.process_time()
+    t = time.perf_counter()
+    corpus = load_corpus(cfg.n_chars)
+    V = len(VOCAB)
+    W = eval_windows(corpus.held_out, cfg.n_ctx, cfg.eval_windows)
+    times["corpus_s"] = time.perf_counter() - t
+    method = cfg.resolved_method()
+
+    model = make_model(cfg, V)
+    schedule = log_schedule(cfg.steps, cfg.checkpoints)
+    snaps: list = []
+    names: list = []
+    prov = {"data": "python stdlib source (tensoralg.corpus)",
+            "corpus_sha256": corpus.provenance["sha256_text"],
+            "python_version": corpus.provenance["python_version"], "run": "audit language"}
+
+    def keep(step, m):
+        name = f"step_{step:06d}"
+        save_checkpoint(stage / "checkpoints" / name, m, step=step, provenance=prov)
+        snaps.append((step, copy.deepcopy(m).double().eval()))
+        names.append(name)
+
+    t = time.perf_counter()
+    hist = train_language_model(model, corpus.train, cfg, schedule, keep, show_progress)
+    times["train_s"] = time.perf_counter() - t
+
+    # per checkpoint: held-out logits, final residual stream, n-gram scores
+    t = time.perf_counter()
+    steps = [s for s, _ in snaps]
+    Wt = torch.as_tensor(W)
+    logits, finals, scores = [], [], []
+    cache: dict = {}
+    with torch.no_grad():
+        for _, m in snaps:
+            lg, hL = m.forward_residual(m.residual_stream(Wt), return_final=True)
+            logits.append(lg.numpy())
+            finals.append(hL.reshape(-1, cfg.d_model).numpy())
+            scores.append(ngram_scores(lg.numpy(), W, corpus.train, V, ORDERS, ngram_cache=cache))
+    times["eval_s"] = time.perf_counter() - t
+
+    N = len(snaps)
+    t = time.perf_counter()
+    out_cos = np.eye(N)
+    cka = np.eye(N)
+    wcos = np.eye(N)
+    for i in range(N):
+        for j in range(i + 1, N):
+            out_cos[i, j] = out_cos[j, i] = output_cosine(logits[i].reshape(-1, V),
+                                                          logits[j].reshape(-1, V))
+            cka[i, j] = cka[j, i] = linear_cka(finals[i], finals[j])
+            wcos[i, j] = wcos[j, i] = weight_cosine(snaps[i][1], snaps[j][1])
+    times["baselines_s"] = time.perf_counter() - t
+
+    nets = [m.to_network() for _, m in snaps]
+    S, sim_info = sequence_similarity_matrix(nets, method, cfg.n_ctx, show_progress,
+                                             n_samples=cfg.mc_samples, seed=cfg.seed)
+    times["tensor_similarity_s"] = sim_info["seconds"]
+
+    # Monte Carlo check of a few pairs
+    t = time.perf_counter()
+    mc = []
+    for i, j in _mc_pairs(N, consecutive_change(S), cfg.mc_pairs if method != "montecarlo" else 0):
+        est, se = montecarlo_similarity(nets[i], nets[j], cfg.n_ctx, cfg.mc_samples, cfg.seed)
+        mc.append({"i": i, "j": j, "steps": [steps[i], steps[j]], method: float(S[i, j]),
+                   "montecarlo": est, "stderr": se,
+                   "z": (float(S[i, j]) - float(est)) / se if se > 0 else None,
+                   "n_samples": cfg.mc_samples, "seed": cfg.seed})
+    times["montecarlo_check_s"] = time.perf_counter() - t
+
+    mats = {"tensor similarity": S, "output cosine": out_cos, "linear CKA": cka,
+            "weight cosine": wcos}
+    agreement = {n: [s["agreement"][n] for s in scores] for n in ORDERS}
+    fin = transitions_finding(steps, mats, agreement)
+    text = finding_text(fin, method, {n: agreement[n][-1] for n in ORDERS})
+    if "stderr" in sim_info:
+        se_c = np.array([sim_info["stderr"][i][i + 1] for i in range(N - 1)])
+        text.append(f"the tensor-similarity matrix is a Monte Carlo estimate: standard errors of "
+                    f"the consecutive entries median {np.median(se_c):.3g}, max {se_c.max():.3g} "
+                    f"({cfg.mc_samples} shared samples); transitions smaller than ~2 standard "
+                    f"errors are noise")
+    if mc:
+        worst = max(abs(r["z"]) for r in mc if r["z"] is not None) if any(
+            r["z"] is not None for r in mc) else None
+        text.append("Monte Carlo check: " + "; ".join(
+            f"steps {r['steps'][0]} vs {r['steps'][1]}: {method} {r[method]:.4f}, MC "
+            f"{r['montecarlo']:.4f} ± {r['stderr']:.4f}" for r in mc)
+            + ("" if worst is None else f" (largest |z| = {worst:.1f})"))
+
+    # outputs
+    t = time.perf_counter()
+    from .plotting import heatmaps
+
+    labels = [str(s) for s in steps]
+    heatmaps(stage / MATRIX_FIG, {f"tensor similarity ({method})": S, "output cosine": out_cos,
+                                  "linear CKA (final residual)": cka, "weight cosine": wcos},
+             labels, "language checkpoints: four similarity matrices", axis_label="step")
+    _ngram_figure(stage / NGRAM_FIG, steps, agreement, fin)
+    header = (["checkpoint", "step", "train_loss", "held_out_loss", "held_out_accuracy"]
+              + [f"agreement_{n}gram" for n in ORDERS] + [f"kl_{n}gram" for n in ORDERS]
+              + [f"{k.replace(' ', '_')}_to_final" for k in mats]
+              + [f"{k.replace(' ', '_')}_change_to_next" for k in mats])
+    rows = []
+    for i in range(N):
+        rows.append([names[i], steps[i], hist["loss"][i], scores[i]["loss"],
+                     scores[i]["accuracy"]] + [scores[i]["agreement"][n] for n in ORDERS]
+                    + [scores[i]["kl"][n] for n in ORDERS]
+                    + [float(M[i, -1]) for M in mats.values()]
+                    + [(float(1 - M[i, i + 1]) if i + 1 < N else None) for M in mats.values()])
+    write_csv(stage / CSV_NAME, header, rows)
+    write_csv(stage / PAIRS_CSV, ["i", "j", "step_i", "step_j"] +
+              [k.replace(" ", "_") for k in mats],
+              ([i, j, steps[i], steps[j]] + [float(M[i, j]) for M in mats.values()]
+               for i in range(N) for j in range(N)))
+    times["outputs_s"] = time.perf_counter() - t
+    times["total_s"] = time.perf_counter() - t_all
+    times["cpu_s"] = time.process_time() - cpu_all   # CPU time of this process (all threads)
+
+    result = {
+        **stamp("audit language", {**asdict(cfg), "resolved_method": method}),
+        "corpus": corpus.provenance,
+        "model": {**make_model(cfg, V).config(), "exported": "residual stream -> logits "
+                  "(Gaussian metric on the residual stream input; docs/language.md)"},
+        "tensor_similarity": {**sim_info, "approximate": method != "exact",
+                              "note": ("exact Gaussian inner product (one attention layer)"
+                                       if method == "exact" else
+                                       "closure: APPROXIMATE beyond depth 1 (docs/attention.md)"
+                                       if method == "closure" else
+                                       "Monte Carlo estimate, one sample set per pair")},
+        "checkpoints": [{"name": names[i], "step": steps[i], "path": f"checkpoints/{names[i]}",
+                         "train_loss": hist["loss"][i], **scores[i]} for i in range(N)],
+        "matrices": {k: v for k, v in mats.items()},
+        "montecarlo_check": mc,
+        "transitions": fin,
+        "finding": text,
+        "ngram_definition": ("agreement[n]: fraction of held-out positions t >= 2 where the "
+                             "model's argmax next token equals the argmax of the corpus n-gram "
+                             "predictor (train-split counts, back-off to shorter contexts when "
+                             "unseen); kl[n] = mean KL(P_n || softmax(logits)) in nats"),
+        "times": times,
+        "threads": {"torch": torch.get_num_threads(),
+                    "note": "torch and BLAS threads as set by --threads (default 1)"},
+        "files": [JSON_NAME, CSV_NAME, PAIRS_CSV, MATRIX_FIG, NGRAM_FIG, "checkpoints/"],
+        "paths": PATHS_NOTE,
+    }
+    write_json(stage / JSON_NAME, result)
+    return result
+
+
+def _ngram_figure(path: Path, steps, agreement, fin) -> Path:
+    from .plotting import _plt
+    from .common import save_figure
+
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    x = np.array([max(s, 0.5) for s in steps], dtype=float)   # step 0 drawn at 0.5 (log axis)
+    for n, a in agreement.items():
+        ax.plot(x, a, marker="o", ms=3, label=f"{n}-gram agreement")
+    tops = fin["metrics"]["tensor similarity"]["sharpest"]
+    for r, t in enumerate(tops):
+        lo, hi = max(t["steps"][0], 0.5), t["steps"][1]
+        for a_ in (ax, ax2):
+            a_.axvspan(lo, hi, color="tab:red", alpha=0.15 if r else 0.3, lw=0)
+    ax.set_xscale("log")
+    ax.set_ylabel("top-1 agreement with n-gram")
+    ax.set_title("n-gram learning; shaded: sharpest tensor-similarity transitions")
+    ax.legend(fontsize=7, loc="upper left")
+    mid = np.sqrt(x[:-1] * x[1:])
+    for name, v in fin["metrics"].items():
+        ax2.plot(mid, v["change"], marker=".", label=name)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("training step")
+    ax2.set_ylabel("1 - M[i, i+1]")
+    ax2.legend(fontsize=7, loc="upper right")
+    return save_figure(fig, path)
+
+
+def language_table(result: dict) -> str:
+    rows = []
+    S = np.asarray(result["matrices"]["tensor similarity"])
+    for i, c in enumerate(result["checkpoints"]):
+        rows.append([c["step"], c["loss"]] + [c["agreement"][str(n)] if str(n) in c["agreement"]
+                                              else c["agreement"][n] for n in ORDERS]
+                    + [float(S[i, -1])])
+    lines = [format_table(["step", "held-out loss"] + [f"{n}-gram agr" for n in ORDERS]
+                          + ["tensor sim to final"], rows), ""]
+    lines += result["finding"]
+    tm = result["times"]
+    lines.append(f"time: {tm['total_s']:.1f} s wall, {tm['cpu_s']:.1f} s CPU (train "
+                 f"{tm['train_s']:.1f} s, tensor similarity {tm['tensor_similarity_s']:.1f} s)")
+    return "\n".join(lines)

@@ -1,0 +1,347 @@
+"""Bilinear transformer (export, checkpoints), the stdlib corpus, n-gram scores and the language
+audit (tiny end to end, bad input)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tensoralg as ta
+from tensoralg.checkpoint import load_checkpoint, save_checkpoint
+from tensoralg.corpus import (VOCAB, decode, encode, load_corpus, ngram_distributions,
+                              ngram_scores)
+from tensoralg.transformer import BilinearTransformer
+
+
+def _model(seed=0, **kw):
+    args = dict(vocab=11, d_model=6, n_layers=2, n_heads=2, d_head=4, d_mlp=5, n_ctx=5,
+                rope=100.0, seed=seed, dtype="float64")
+    args.update(kw)
+    return BilinearTransformer(args.pop("vocab"), args.pop("d_model"), args.pop("n_layers"),
+                               args.pop("n_heads"), args.pop("d_head"), **args)
+
+
+# ---------------------------------------------------------------------------------------
+# the model and its export
+# ---------------------------------------------------------------------------------------
+
+def test_namespaces():
+    assert ta.BilinearTransformer is BilinearTransformer
+    assert ta.nn.BilinearTransformer is BilinearTransformer
+
+
+@pytest.mark.parametrize("kw", [{}, {"rope": None, "d_mlp": None, "n_layers": 1},
+                                {"attn_scale": 0.37, "n_heads": 1}])
+def test_export_equals_torch_forward(kw):
+    m = _model(**kw)
+    with torch.no_grad():            # make the blocks O(1) so that the check has teeth
+        for p in m.parameters():
+            p.mul_(2.0)
+    tok = torch.as_tensor(np.random.default_rng(1).integers(0, 11, (7, 5)))
+    ref = m(tok).detach().numpy()
+    h0 = m.residual_stream(tok).detach().numpy()
+    got = m.to_network()(h0)
+    assert np.max(np.abs(got - ref)) <= 1e-12 * np.max(np.abs(ref))
+    # the direct path alone (embedding, unembedding) differs from the full model by O(1):
+    direct = h0 @ m.unembed.detach().numpy().T
+    assert np.max(np.abs(direct - ref)) > 1e-2 * np.max(np.abs(ref))
+    # one-hot input through the embedding
+    onehot = np.eye(11)[tok.numpy()]
+    got_e = m.to_network(embedding=True)(onehot)
+    assert np.max(np.abs(got_e - ref)) <= 1e-12 * np.max(np.abs(ref))
+    # an arbitrary residual stream (not an embedding): forward_residual is what is exported
+    x = np.random.default_rng(2).normal(size=(3, 5, 6))
+    ref_x = m.forward_residual(torch.as_tensor(x)).detach().numpy()
+    assert np.max(np.abs(m.to_network()(x) - ref_x)) <= 1e-12 * np.max(np.abs(ref_x))
+
+
+def test_prefix_export_and_longer_context_refused():
+    m = _model()
+    tok = torch.as_tensor(np.random.default_rng(3).integers(0, 11, (4, 5)))
+    h0 = m.residual_stream(tok).detach().numpy()
+    full = m.to_network()(h0)
+    pre = m.to_network(n_ctx=3)(h0[:, :3])
+    assert np.max(np.abs(pre - full[:, :3])) <= 1e-12 * np.max(np.abs(full))
+    with pytest.raises(ValueError, match=r"n_ctx: expected an integer in \[1, 5\]"):
+        m.to_network(n_ctx=6)
+    with pytest.raises(ValueError, match="outside \\[1, n_ctx=5\\]"):
+        m(torch.zeros((1, 6), dtype=torch.int64))
+    with pytest.raises(ValueError, match="vocab=11"):
+        m(torch.full((1, 3), 11))
+
+
+def test_exact_similarity_one_layer_invariant_to_seed_copy():
+    a = _model(n_layers=1, d_mlp=None, n_heads=1, seed=0)
+    b = _model(n_layers=1, d_mlp=None, n_heads=1, seed=0)
+    c = _model(n_layers=1, d_mlp=None, n_heads=1, seed=1)
+    assert float(ta.similarity(a.to_network(), b.to_network())) == pytest.approx(1.0, abs=1e-12)
+    s = float(ta.similarity(a.to_network(), c.to_network()))
+    assert -1.0 <= s < 0.999
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="even d_head"):
+        BilinearTransformer(5, 4, 1, 1, 3, n_ctx=4, rope=10.0)
+    with pytest.raises(ValueError, match="attn_scale"):
+        BilinearTransformer(5, 4, 1, 1, 2, n_ctx=4, attn_scale=0.0)
+    with pytest.raises(ValueError, match="n_ctx"):
+        BilinearTransformer(5, 4, 1, 1, 2, n_ctx=0)
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoints
+# ---------------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip(tmp_path):
+    m = _model(dtype="float32")
+    save_checkpoint(tmp_path / "c", m, step=7, provenance={"data": "x"})
+    m2, cfg = load_checkpoint(tmp_path / "c")
+    assert isinstance(m2, BilinearTransformer) and cfg["step"] == 7 and cfg["vocab"] == 11
+    for (k, v), (k2, v2) in zip(m.state_dict().items(), m2.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    x = np.random.default_rng(0).normal(size=(2, 5, 6))
+    assert np.array_equal(m.to_network()(x), m2.to_network()(x))
+
+
+def test_checkpoint_edited_config_and_nan_refused(tmp_path):
+    m = _model(dtype="float32")
+    save_checkpoint(tmp_path / "c", m)
+    cfg = json.loads((tmp_path / "c" / "cfg.json").read_text())
+    cfg["attn_scale"] = cfg["attn_scale"] * 2          # same shapes, different function
+    (tmp_path / "c" / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="forward probe"):
+        load_checkpoint(tmp_path / "c")
+    with torch.no_grad():
+        m.attn[0].q1[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        save_checkpoint(tmp_path / "d", m)
+    assert not (tmp_path / "d").exists()
+
+
+def test_checkpoint_nan_and_corrupt_on_disk_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    m = _model(dtype="float32")
+    save_checkpoint(tmp_path / "c", m)
+    w = load_file(tmp_path / "c" / "weights.safetensors")
+    w["unembed"][0, 0] = float("nan")
+    save_file(w, tmp_path / "c" / "weights.safetensors")
+    with pytest.raises(ValueError, match="non-finite"):
+        load_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "weights.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError):
+        load_checkpoint(tmp_path / "c")
+
+
+# ---------------------------------------------------------------------------------------
+# corpus and n-grams
+# ---------------------------------------------------------------------------------------
+
+def test_tokenizer_round_trip():
+    text = "def f(x):\n    return x ~ 1\t\u00e9"
+    ids = encode(text)
+    assert len(VOCAB) == 97 and ids.dtype == np.int64
+    assert decode(ids) == "def f(x):\n    return x ~ 1\ufffd\ufffd"
+    assert ids[-1] == 0 and ids[-2] == 0          # tab and non-ASCII are <unk>
+
+
+def test_corpus_deterministic_and_split():
+    a = load_corpus(30_000)
+    b = load_corpus(30_000)
+    assert np.array_equal(a.train, b.train) and np.array_equal(a.held_out, b.held_out)
+    assert a.provenance == b.provenance
+    p = a.provenance
+    assert p["n_chars"] == len(a.train) + len(a.held_out) == (30_000 // 64) * 64
+    assert len(p["sha256_text"]) == 64 and p["python_version"]
+    # the split: segment i of 1024 characters held out iff i % 10 == 9
+    n = p["n_chars"]      # 29 952: segments 9 and 19 are full, segment 29 holds the last 256
+    held = [min(1024, n - 1024 * i) for i in range(n // 1024 + 1) if i % 10 == 9]
+    assert held == [1024, 1024, 256] and len(a.held_out) == sum(held)
+    c = load_corpus(40_000)
+    assert c.provenance["sha256_text"] != p["sha256_text"]
+    with pytest.raises(ValueError, match="n_chars"):
+        load_corpus(1000)
+
+
+def test_corpus_from_folder(tmp_path):
+    (tmp_path / "b.py").write_text("b" * 30_000)
+    (tmp_path / "a.py").write_text("a" * 30_000)
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "x.py").write_text("x" * 30_000)   # excluded folder
+    c = load_corpus(25_600, root=tmp_path)
+    text = decode(np.concatenate([c.train, c.held_out]))
+    # the text is a*30000 + "\n" + b*30000 (the folder "test" is excluded): 64 windows of 400
+    # characters at floor(i * 60001 / 64); window 32 starts at 30000, on the newline
+    assert set(text) == {"a", "b", "\n"} and c.provenance["n_files"] == 2
+    assert (text.count("a"), text.count("b"), text.count("\n")) == (12800, 12799, 1)
+
+
+def test_ngram_distributions_by_hand():
+    train = np.array([1, 2, 1, 2, 1, 3])              # bigrams: 1->2 x2, 1->3 x1, 2->1 x2
+    P = ngram_distributions(train, np.array([[1], [2], [3]]), 2, 4)
+    assert np.allclose(P[0], [0, 0, 2 / 3, 1 / 3])
+    assert np.allclose(P[1], [0, 1, 0, 0])
+    assert np.allclose(P[2], np.bincount(train, minlength=4) / 6)   # unseen: back off to unigram
+    P3 = ngram_distributions(train, np.array([[2, 1], [3, 2]]), 3, 4)
+    assert np.allclose(P3[0], [0, 0, 1 / 2, 1 / 2])   # (2, 1) -> 2 and -> 3
+    assert np.allclose(P3[1], P[1])                    # unseen (3, 2): back off to (2,)
+
+
+def test_ngram_scores_perfect_model():
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 5, 400)
+    W = rng.integers(0, 5, (6, 6))
+    scores_cache: dict = {}
+    # a "model" whose logits are the log of the 3-gram distribution agrees with it perfectly
+    ts = np.arange(2, 5)
+    ctx = np.stack([W[:, t - 1:t + 1] for t in ts], 1).reshape(-1, 2)
+    P3 = ngram_distributions(train, ctx, 3, 5).reshape(6, 3, 5)
+    L = np.zeros((6, 6, 5))
+    L[:, 2:5] = np.log(P3 + 1e-300)
+    s = ngram_scores(L, W, train, 5, ngram_cache=scores_cache)
+    assert s["agreement"][3] == 1.0
+    assert s["kl"][3] == pytest.approx(0.0, abs=1e-9)
+    assert s["positions"] == 18
+
+
+# ---------------------------------------------------------------------------------------
+# the audit
+# ---------------------------------------------------------------------------------------
+
+TINY = dict(n_chars=20_480, d_model=4, n_heads=1, d_head=2, n_ctx=4, steps=20, checkpoints=3,
+            batch_size=16, eval_windows=32, mc_pairs=1, mc_samples=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from tensoralg.audit.language import LanguageConfig, run_language
+
+    out = tmp_path_factory.mktemp("lang") / "run"
+    return run_language(LanguageConfig(**TINY), out), out
+
+
+def test_tiny_audit_end_to_end(tiny_run):
+    from tensoralg.audit.language import language_table
+
+    result, out = tiny_run
+    for f in ("language.json", "language.csv", "language_pairs.csv", "language_matrices.png",
+              "language_ngrams.png"):
+        assert (out / f).is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == \
+        ["step_000000", "step_000001", "step_000020"]
+    js = json.loads((out / "language.json").read_text())
+    assert js["config"]["steps"] == 20 and js["config"]["resolved_method"] == "exact"
+    assert js["corpus"]["python_version"] and len(js["corpus"]["sha256_text"]) == 64
+    assert js["times"]["total_s"] > 0
+    S = np.array(js["matrices"]["tensor similarity"])
+    assert S.shape == (3, 3) and np.allclose(np.diag(S), 1.0) and np.allclose(S, S.T)
+    # the matrix entry equals an independent tensoralg.similarity call on the saved checkpoints
+    a, _ = load_checkpoint(out / "checkpoints" / "step_000000")
+    b, _ = load_checkpoint(out / "checkpoints" / "step_000020")
+    assert S[0, 2] == pytest.approx(float(ta.similarity(a.to_network(), b.to_network())),
+                                    rel=1e-10)
+    mc = js["montecarlo_check"][0]
+    assert abs(mc["exact"] - mc["montecarlo"]) <= 5 * mc["stderr"]
+    assert js["finding"] and "table" not in js
+    assert "1-gram agr" in language_table(result)
+
+
+def test_compare_and_matrix_accept_language_checkpoints(tiny_run, tmp_path):
+    from tensoralg.audit.compare import run_compare, run_matrix
+
+    result, out = tiny_run
+    c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000001", "step_000020")]
+    r = run_compare(c[0], c[2], methods=("closure",))
+    vals = {x["method"]: x["global"] for x in r["results"]}
+    S = np.array(result["matrices"]["tensor similarity"])      # exact (one layer)
+    assert vals["closure"] == pytest.approx(S[0, 2], rel=1e-10)    # depth 1: closure is exact
+    assert [x["metric"] for x in r["results"]] == ["gaussian"]
+    with pytest.raises(ValueError, match="only the gaussian metric"):
+        run_compare(c[0], c[2], methods=("exact",), metrics=("frobenius",))
+    m = run_matrix(c, tmp_path / "mat")
+    assert np.allclose(m["similarity_matrix"], S, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="beyond the trained context n_ctx=4"):
+        run_compare(c[0], c[1], methods=("exact",), n_ctx=5)
+
+
+def test_vocabularies_differing_refused(tmp_path):
+    from tensoralg.audit.compare import run_compare, run_matrix
+
+    a = BilinearTransformer(11, 4, 1, 1, 2, n_ctx=4)
+    b = BilinearTransformer(12, 4, 1, 1, 2, n_ctx=4)
+    save_checkpoint(tmp_path / "a", a)
+    save_checkpoint(tmp_path / "b", b)
+    with pytest.raises(ValueError, match="vocabularies differ.*vocab 11.*vocab 12"):
+        run_compare(str(tmp_path / "a"), str(tmp_path / "b"), methods=("exact",))
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        run_matrix([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "m")
+
+
+def test_audit_bad_input(tmp_path):
+    from tensoralg.audit.language import LanguageConfig, run_language
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="--out.*not a folder"):
+        run_language(LanguageConfig(**TINY), f)
+    with pytest.raises(ValueError, match="--method exact.*--layers 2"):
+        run_language(LanguageConfig(**{**TINY, "n_layers": 2, "method": "exact"}), tmp_path / "o")
+    with pytest.raises(ValueError, match="--n-ctx"):
+        run_language(LanguageConfig(**{**TINY, "n_ctx": 3}), tmp_path / "o")
+    with pytest.raises(ValueError, match="--checkpoints"):
+        run_language(LanguageConfig(**{**TINY, "checkpoints": 30}), tmp_path / "o")
+    with pytest.raises(ValueError, match="--eval-windows"):
+        run_language(LanguageConfig(**{**TINY, "eval_windows": 10_000}), tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_out_is_a_file(tmp_path, capsys):
+    from tensoralg.cli import main
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    code = main(["audit", "language", "--quick", "--out", str(f)])
+    assert code == 2
+    assert "not a folder" in capsys.readouterr().err
+
+
+def test_transitions_finding_by_hand():
+    from tensoralg.audit.language import transitions_finding
+
+    steps = [0, 1, 10, 100, 1000]
+    S = np.eye(5)
+    for i in range(4):
+        S[i, i + 1] = S[i + 1, i] = [0.99, 0.5, 0.98, 0.97][i]     # sharpest: interval 1
+    agreement = {2: [0.0, 0.0, 0.6, 0.65, 0.7]}                      # fastest: interval 1
+    fin = transitions_finding(steps, {"tensor similarity": S}, agreement, k=1)
+    top = fin["metrics"]["tensor similarity"]["sharpest"][0]
+    assert top["steps"] == [1, 10] and top["ngram_orders_fastest_same_interval"] == [2]
+    assert fin["chance_same_interval"] == 0.25
+
+
+def test_montecarlo_matrix_agrees_with_exact():
+    from tensoralg.audit.language import montecarlo_similarity_matrix, sequence_similarity_matrix
+
+    nets = [_model(n_layers=1, d_mlp=None, n_heads=1, d_head=2, d_model=3, n_ctx=3,
+                   seed=s).to_network() for s in range(3)]
+    S, se = montecarlo_similarity_matrix(nets, 3, 4000, seed=0)
+    exact, info = sequence_similarity_matrix(nets, "exact", 3)
+    assert "loop" in info["path"] or "batched" in info["path"]
+    off = ~np.eye(3, dtype=bool)
+    assert np.all(se[off] > 0)
+    assert np.all(np.abs(S - exact)[off] <= 5 * se[off])
+
+
+@pytest.mark.slow
+def test_two_layer_audit_with_closure(tmp_path):
+    from tensoralg.audit.language import LanguageConfig, run_language
+
+    cfg = LanguageConfig(**{**TINY, "n_layers": 2, "d_model": 3, "n_ctx": 4, "checkpoints": 2,
+                            "steps": 5})
+    r = run_language(cfg, tmp_path / "run")
+    assert r["config"]["resolved_method"] == "closure" and r["tensor_similarity"]["approximate"]
+    assert np.isfinite(np.array(r["matrices"]["tensor similarity"])).all()
