@@ -160,14 +160,15 @@ def test_depth1_kernel_equals_the_general_expansion(seed, kind, n, output):
     (can,), r = chaos.whiten([can], False)
     assert chaos_depth1.applies(can)
     fast = chaos_depth1.features(can, U)
-    slow = chaos.features(can, U, r)
+    slow = chaos.packed_features(can, U, r)
     for f, s in zip(fast, slow):
         assert np.allclose(f, s, rtol=1e-12, atol=1e-12 * np.abs(s).max())
 
 
 def test_depth1_similarity_matches_brute_force_and_wick():
     rng = np.random.default_rng(9)
-    a, b = _one_layer(rng), _one_layer(rng)
+    # wide enough that the planner takes chaos (at d=5, H=6 Wick's estimate is smaller)
+    a, b = _one_layer(rng, d=8, m=8, H=16, out=4), _one_layer(rng, d=8, m=8, H=16, out=4)
     want = float(brute_inner(a, b)) / np.sqrt(float(brute_inner(a, a)) * float(brute_inner(b, b)))
     assert ta.plan(a, b).strategy == "chaos"
     for strategy in ("auto", "chaos", "wick"):

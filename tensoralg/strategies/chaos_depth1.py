@@ -34,9 +34,9 @@ def applies(can: Canonical) -> bool:
 
 
 def features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
-    """``[C0 (N, K, 1), C1 (N, K, r), C2 (N, K, r*r)]``: the chaos coefficients of every model
-    of a depth-1 stack for the outputs projected by ``U (K, O)``, in the layout of
-    :func:`tensoralg.strategies.chaos.features` (``C2`` dense and symmetric).
+    """``[C0 (N, K, 1), C1 (N, K, r), C2 (N, K, r(r+1)/2)]``: the chaos coefficients of every model
+    of a depth-1 stack for the outputs projected by ``U (K, O)``, in the packed layout of
+    :func:`tensoralg.strategies.chaos.packed_features` (``C2`` of shape ``(N, K, r(r+1)/2)``).
 
     On a stack from :mod:`tensoralg.prepare`'s cache (read-only, ``memo`` set) the result is
     kept in its memo per ``U`` (up to ``MEMO_BYTES`` each; read-only arrays)."""
@@ -80,4 +80,5 @@ def _features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
             np.multiply(L1T, half[i, k], out=buf)
             m = buf @ R1i
             np.add(m, m.T, out=C2[i, k])
-    return [C0, C1, C2.reshape(N, K, r * r)]
+    jj, ii = np.tril_indices(r)  # packed (colexicographic) order of the pairs i <= j
+    return [C0, C1, np.ascontiguousarray(C2[:, :, ii, jj])]
