@@ -198,6 +198,7 @@ def test_gram_and_similarity_matrix_of_sequence_models():
             assert abs(S[i, j] - attention.closure_similarity(x, y, n_ctx=2)) <= 1e-12
     each = attention.closure_gram(models, n_ctx=2, position="each", output="each")
     assert each.shape == (3, 3, 2, 2)
+    # same terms summed in another order: float64 rounding only (the 1e-12 used above)
     assert np.allclose(each.sum(axis=(2, 3)), G, rtol=1e-12, atol=0)
     # exact at depth 1: the self terms once per model, the same values as exact_inner
     one = [models[2], ta.Sequential([ta.Residual(_attn(rng, d)), ta.Linear(g(2, d))])]

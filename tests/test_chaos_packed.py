@@ -60,6 +60,9 @@ def test_gather_blocks_cover_large_orders_in_several_blocks(monkeypatch):
 @pytest.mark.parametrize("i,j", [(0, 2), (2, 0), (1, 1), (1, 2), (2, 2), (1, 3), (3, 2)])
 @pytest.mark.parametrize("block_rows", [3, 1 << 16])
 def test_sym_product_equals_dense_symmetrization(i, j, block_rows, monkeypatch):
+    # Tolerance: entries are O(1) (products of standard normals), each a mean of at most
+    # C(5, 2) = 10 such products in both computations, so the two differ by a few ulps (~1e-15);
+    # rtol 1e-13 / atol 1e-14 leave a margin of ~100 ulps and still catch any wrong index set.
     monkeypatch.setattr(chaos, "BLOCK_ROWS", block_rows)
     r = 3
     rng = np.random.default_rng(10 * i + j)
@@ -88,6 +91,7 @@ def test_sym_product_equals_dense_symmetrization(i, j, block_rows, monkeypatch):
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_packed_trace_equals_dense_trace(n):
+    # Tolerance as above: a trace sums r = 3 O(1) entries, a few ulps of rounding.
     r = 3
     M = _dense_sym(np.random.default_rng(n).standard_normal((r,) * n))
     want = _pack(np.trace(M, axis1=-2, axis2=-1), r)

@@ -161,6 +161,8 @@ def test_depth1_kernel_equals_the_general_expansion(seed, kind, n, output):
     assert chaos_depth1.applies(can)
     fast = chaos_depth1.features(can, U)
     slow = chaos.packed_features(can, U, r)
+    # the same sums over H <= 4 hidden units in another order: rounding of a few ulps of the
+    # largest coefficient, so 1e-12 of it is a ~1e4-ulp margin that a wrong term still breaks
     for f, s in zip(fast, slow):
         assert np.allclose(f, s, rtol=1e-12, atol=1e-12 * np.abs(s).max())
 
