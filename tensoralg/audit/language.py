@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .grokking import log_schedule  # the same log-spaced checkpoint steps
 from .common import (PATHS_NOTE, format_table, progress, write_csv, write_json,
                      check_output_folder, check_file_writable, staged_output, stamp,
                      write_json_copy)
@@ -130,20 +131,6 @@ class LanguageConfig:
         if self.method != "auto":
             return self.method
         return "exact" if self.n_layers == 1 else "closure"
-
-
-def log_schedule(steps: int, n: int) -> list[int]:
-    """``n`` distinct steps: 0 and ``n - 1`` log-spaced steps from 1 to ``steps`` (rounded;
-    collisions moved to the next free integer)."""
-    if not 2 <= n <= steps + 1:
-        raise ValueError(f"checkpoints: expected 2..steps + 1 = {steps + 1} distinct steps, got {n}")
-    pts = [int(p) for p in np.round(np.geomspace(1, steps, n - 1))]
-    for k in range(1, len(pts)):
-        pts[k] = max(pts[k], pts[k - 1] + 1)
-    pts[-1] = steps
-    for k in range(len(pts) - 2, -1, -1):
-        pts[k] = min(pts[k], pts[k + 1] - 1)
-    return [0] + pts
 
 
 def make_model(cfg: LanguageConfig, vocab: int):
