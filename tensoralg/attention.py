@@ -1113,34 +1113,82 @@ def _closure_nodes(net: Layer, n_ctx: int, name: str):
 
 _CLOSURE_EXPRS: dict = {}
 
-# contractions with a path cost (flops) above this run in torch (batched matrix products);
-# smaller ones in numpy's C einsum, step by step, where torch's per-call overhead dominates
-_TORCH_FLOPS = 2e5
+
+class _PairStep:
+    """One pairwise step ``einsum("la,lb->lo", A, B)`` (labels unique within each operand) as a
+    batched matrix product: labels in one operand only and absent from the output are summed
+    first; labels in both operands and in the output are the batch, in both and not in the
+    output are contracted. Compiled once per step of a :class:`_Plan` (fixed shapes)."""
+
+    def __init__(self, es: str, sa, sb):
+        lhs, lo = es.split("->")
+        la, lb = lhs.split(",")
+        size = dict(zip(la, sa)) | dict(zip(lb, sb))
+        self.sum_a = tuple(k for k, x in enumerate(la) if x not in lb and x not in lo)
+        self.sum_b = tuple(k for k, x in enumerate(lb) if x not in la and x not in lo)
+        la = "".join(x for x in la if x in lb or x in lo)
+        lb = "".join(x for x in lb if x in la or x in lo)
+        batch = "".join(x for x in lo if x in la and x in lb)
+        con = "".join(x for x in la if x in lb and x not in lo)
+        left = "".join(x for x in la if x not in lb)
+        right = "".join(x for x in lb if x not in la)
+        n = lambda lab: int(np.prod([size[x] for x in lab], dtype=np.int64))  # noqa: E731
+        self.perm_a = tuple(la.index(x) for x in batch + left + con)
+        self.perm_b = tuple(lb.index(x) for x in batch + con + right)
+        self.shape_a = (n(batch), n(left), n(con))
+        self.shape_b = (n(batch), n(con), n(right))
+        self.shape_c = tuple(size[x] for x in batch + left + right)
+        mid = batch + left + right
+        self.perm_c = tuple(mid.index(x) for x in lo)
+
+    def __call__(self, A, B):
+        A, B = np.asarray(A), np.asarray(B)   # an object einsum may return a bare Fraction
+        if self.sum_a:
+            A = np.asarray(A.sum(axis=self.sum_a))
+        if self.sum_b:
+            B = np.asarray(B.sum(axis=self.sum_b))
+        A = A.transpose(self.perm_a).reshape(self.shape_a)
+        B = B.transpose(self.perm_b).reshape(self.shape_b)
+        return np.asarray(np.matmul(A, B)).reshape(self.shape_c).transpose(self.perm_c)
 
 
 class _Plan:
     """A contraction along the ``opt_einsum`` greedy path, found once per (subscripts, shapes),
-    executed pairwise by ``numpy.einsum`` (small) or ``torch.einsum`` (large) without
-    ``opt_einsum``'s per-call parsing."""
+    executed pairwise as batched matrix products (:class:`_PairStep`, numpy ``matmul``: BLAS
+    for floats, exact for object arrays) without ``opt_einsum``'s per-call parsing; the many
+    small contractions of the closure made per-call overhead dominate its time."""
 
     def __init__(self, sub: str, shapes):
         _, info = oe.contract_path(sub, *shapes, shapes=True, optimize="greedy")
         self.steps = [(inds, es) for inds, _, es, *_ in info.contraction_list]
-        self.torch = float(info.opt_cost) > _TORCH_FLOPS
+        self.compiled = None
+
+    def _compile(self, ops):
+        shapes = [o.shape for o in ops]
+        compiled = []
+        for inds, es in self.steps:
+            tmp = [shapes.pop(x) for x in inds]
+            lhs, lo = es.split("->")
+            if len(inds) == 2:
+                step = _PairStep(es, *tmp)
+                shapes.append(tuple(step.shape_c[p] for p in step.perm_c))
+            else:
+                size = {}
+                for lab, sh in zip(lhs.split(","), tmp):
+                    size.update(zip(lab, sh))
+                step = (lambda e: (lambda *xs: np.einsum(e, *xs)))(es)
+                shapes.append(tuple(size[x] for x in lo))
+            compiled.append((inds, step))
+        return compiled
 
     def __call__(self, *ops):
-        use_torch = self.torch and ops[0].dtype != object  # rationals stay in numpy
-        if use_torch:
-            import torch
-            ops = [torch.from_numpy(np.ascontiguousarray(x)) for x in ops]
-            ein = torch.einsum
-        else:
-            ops = list(ops)
-            ein = np.einsum
-        for inds, es in self.steps:
+        if self.compiled is None:
+            self.compiled = self._compile(ops)
+        ops = list(ops)
+        for inds, step in self.compiled:
             tmp = [ops.pop(x) for x in inds]
-            ops.append(ein(es, *tmp))
-        return ops[0].numpy() if use_torch else ops[0]
+            ops.append(step(*tmp))
+        return ops[0]
 
 
 def _ein(sub: str, *ops):
@@ -1206,12 +1254,19 @@ def _form_cov_merged(Wi, li: str, Wj, lj: str, C, diag: bool):
     return c, lab, None
 
 
-def _merged_contract(ops, subs, out: str, merges):
-    """``einsum(subs -> out)`` after identifying the position labels of ``merges`` (pairs):
-    the contraction runs over one label per merged class; output labels merged into an earlier
-    output label are restored through a Kronecker delta."""
-    if not merges:
-        return _ein(",".join(subs) + "->" + out, *ops)
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+# stacked operands of one batched contraction (and its largest intermediate) stay under this
+_BATCH_BYTES = 64 * 2 ** 20
+
+
+_CANON: dict = {}
+
+
+def _label_classes(merges, out: str):
+    """``find``: each label to the representative of its class after identifying the position
+    labels of ``merges`` (pairs); a class holding output labels is represented by its
+    earliest output label."""
     parent = {}
 
     def find(x):
@@ -1227,19 +1282,127 @@ def _merged_contract(ops, subs, out: str, merges):
         if iq != -1 and (ip == -1 or iq < ip):
             rp, rq = rq, rp
         parent[rq] = rp
-    m = lambda lab: "".join(find(x) for x in lab)  # noqa: E731
-    pairs = [_diag(o, m(s_)) for o, s_ in zip(ops, subs)]
-    out_m = _unique(m(out))
-    val = _ein(",".join(s_ for _, s_ in pairs) + "->" + out_m, *[o for o, _ in pairs])
-    if out_m == out:
+    return find
+
+
+def _restore(val, out_m: str, out: str, restore):
+    """``val`` over ``out_m`` expanded to ``out``: each label of ``restore`` equal to its root
+    (a Kronecker delta)."""
+    if not restore:
         return val
     eops, esubs = [val], [out_m]
-    for x in out:
-        r = find(x)
-        if r != x:
-            eops.append(np.eye(val.shape[out_m.index(r)]))
-            esubs.append(r + x)
+    for r, x in restore:
+        eops.append(np.eye(val.shape[out_m.index(r)]))
+        esubs.append(r + x)
     return np.einsum(",".join(esubs) + "->" + out, *eops)
+
+
+class _SumOfContractions:
+    """``sum_j einsum(subs_j -> out, *ops_j)`` over many small contractions, run as few large
+    ones: contractions whose subscripts agree up to a renaming of the summed labels, with
+    operands of equal shapes, are stacked along a new summed label (one batched ``einsum`` per
+    group instead of one call each; the per-call overhead dominated the closure at small
+    widths). The same terms are added, in another order (float rounding only)."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.groups: dict = {}
+
+    def add(self, ops, subs, merges=()) -> None:
+        key0 = (self.out, tuple(subs), tuple(merges), tuple(o.shape for o in ops))
+        how = _CANON.get(key0)
+        if how is None:
+            how = _CANON[key0] = self._canonical(ops, subs, merges)
+        diag, order, key = how
+        ops = [o if d is None else np.einsum(d, o) for o, d in zip(ops, diag)]
+        self.groups.setdefault(key, []).append([ops[p] for p in order])
+
+    def _canonical(self, ops, subs, merges):
+        """``(diagonals, order, key)`` of one contraction, from its labels and shapes only:
+        per operand the ``einsum`` taking its diagonal over merged or repeated labels (or
+        None); a canonical operand order; the group key (canonical subscripts, merged output,
+        restore pairs, shapes). The order and naming are a heuristic: contractions equal up to
+        the order of their operands and the names of summed labels mostly get the same key;
+        any key is correct, a better one only groups more."""
+        shapes = [o.shape for o in ops]
+        find = _label_classes(merges, self.out)
+        msubs = ["".join(find(x) for x in s_) for s_ in subs]
+        out_m = _unique("".join(find(x) for x in self.out))
+        restore = tuple((find(x), x) for x in self.out if find(x) != x)
+        diag, usubs, ushapes = [], [], []
+        for s_, m_, sh in zip(subs, msubs, shapes):
+            u = _unique(m_)
+            diag.append(None if u == m_ else f"{m_}->{u}")
+            usubs.append(u)
+            size = dict(zip(m_, sh))
+            ushapes.append(tuple(size[x] for x in u))
+        order = sorted(range(len(usubs)), key=lambda p: (
+            ushapes[p], "".join(x if x in out_m else "_" for x in usubs[p])))
+        for _ in range(3):
+            canon = self._rename([usubs[p] for p in order], out_m)
+            order = [order[q] for q in sorted(range(len(order)),
+                                              key=lambda q: (ushapes[order[q]], canon[q]))]
+        canon = self._rename([usubs[p] for p in order], out_m)
+        key = (tuple(canon), out_m, restore, tuple(ushapes[p] for p in order))
+        return diag, order, key
+
+    @staticmethod
+    def _rename(subs, keep: str):
+        free = iter(x for x in _LETTERS if x not in keep)
+        ren = {x: x for x in keep}
+        canon = []
+        for s_ in subs:
+            for x in s_:
+                if x not in ren:
+                    ren[x] = next(free)
+            canon.append("".join(ren[x] for x in s_))
+        return canon
+
+    def result(self):
+        total = None
+        for (canon, out_m, restore, shapes), jobs in self.groups.items():
+            val = self._group(canon, out_m, shapes, jobs)
+            val = _restore(val, out_m, self.out, restore)
+            total = val if total is None else total + val
+        return total
+
+    @staticmethod
+    def _group(canon, out_m, shapes, jobs):
+        if len(jobs) == 1:
+            return _ein(",".join(canon) + "->" + out_m, *jobs[0])
+        used = set("".join(canon))
+        z = next(x for x in _LETTERS if x not in used)
+        # operands shared by every job (the same array) are not stacked
+        shared = [all(job[p] is jobs[0][p] for job in jobs) for p in range(len(canon))]
+        subs = [s_ if sh else z + s_ for s_, sh in zip(canon, shared)]
+        if all(shared):   # the same contraction len(jobs) times
+            return len(jobs) * _ein(",".join(canon) + "->" + out_m, *jobs[0])
+        # jobs per batch: the stacked operands and the largest intermediate of one job,
+        # times the batch, stay under _BATCH_BYTES
+        per_job = sum(int(np.prod(s)) for s, sh in zip(shapes, shared) if not sh)
+        big = _largest_intermediate(",".join(canon) + "->" + out_m, shapes)
+        chunk = max(1, _BATCH_BYTES // (8 * max(per_job, big, 1)))
+        total = None
+        sub = ",".join(subs) + "->" + out_m
+        for c0 in range(0, len(jobs), chunk):
+            part = jobs[c0:c0 + chunk]
+            ops = [jobs[0][p] if sh else np.stack([job[p] for job in part])
+                   for p, sh in enumerate(shared)]
+            val = _ein(sub, *ops)
+            total = val if total is None else total + val
+        return total
+
+
+_BIG: dict = {}
+
+
+def _largest_intermediate(sub: str, shapes) -> int:
+    key = (sub, shapes)
+    if key not in _BIG:
+        _BIG[key] = int(oe.contract_path(sub, *shapes, shapes=True,
+                                         optimize="greedy")[1].largest_intermediate) \
+            if len(shapes) > 1 else 0
+    return _BIG[key]
 
 
 def _form_cov(Wi, li: str, Wj, lj: str, C):
@@ -1303,7 +1466,7 @@ class _ChaosSide:
         can_cap = [self.means[i] is not None for i in closed]
         can_pair = [[self.cov.get((min(i, j), max(i, j))) is not None for j in closed]
                     for i in closed]
-        total = None
+        acc = _SumOfContractions(out)
         any_matching = False
         for m in _partial_matchings(len(closed), can_cap, can_pair):
             any_matching = True
@@ -1324,8 +1487,8 @@ class _ChaosSide:
                         merges.append(mg)
             if not ops:
                 break
-            val = _merged_contract(ops, subs, out, merges)
-            total = val if total is None else total + val
+            acc.add(ops, subs, merges)
+        total = acc.result() if acc.groups else None
         if any_matching:
             self.R[S] = (total, out if total is not None else "")
 
@@ -1370,7 +1533,7 @@ def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
             covs[(i, j)] = (c, lab, mg) if np.any(c != 0) else None
         return covs[(i, j)]
 
-    total = None
+    acc = _SumOfContractions(out)
     nx, ny = len(x.forms), len(y.forms)
     for Sa, (Ra, la) in x.R.items():
         open_a = [i for i in range(nx) if Sa >> i & 1]
@@ -1398,10 +1561,8 @@ def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
                 if fold is not None:
                     ops.append(fold[0])
                     subs.append(fold[1])
-                ops, subs = zip(*[_diag(o, s) for o, s in zip(ops, subs)])
-                val = _merged_contract(ops, subs, out, merges)
-                total = val if total is None else total + val
-    return total, out
+                acc.add(ops, subs, merges)
+    return (acc.result() if acc.groups else None), out
 
 
 def _ident_terms(d: int, n_ctx: int):
