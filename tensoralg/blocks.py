@@ -30,6 +30,12 @@ Before any block runs, every checkpoint's ``cfg.json`` and safetensors header is
 (names, shapes and architecture against the config; the file's length against the header),
 so a corrupt checkpoint fails the run naming the file.
 
+Sequence models (bilinear-transformer checkpoints, or models with attention given in memory;
+``n_ctx=``): blocks run in float64 NumPy through :mod:`tensoralg.attention` with the functions of
+the unblocked ``tensoralg.gram(models, n_ctx=...)`` — ``exact_gram`` / ``exact_inner`` (at most
+one attention layer) or ``closure_gram`` (approximate at depth >= 2) — see
+:func:`_sequence_block`; Monte Carlo and ``output="each"`` are refused for them up front.
+
 ``dask[distributed]`` is the optional extra ``tensoralg[dask]``; it is only imported when
 ``client`` or ``workers`` is given.
 """

@@ -13,6 +13,9 @@ built in place so that an interrupted run can continue: ``--out`` must be new, e
 store; an existing store needs ``--resume`` and must have been made from the same checkpoints
 (same file contents, in the same order) and options. Ctrl-C (exit 130) keeps every finished
 block; rerun the same command with ``--resume``.
+
+Bilinear-transformer checkpoints are accepted with ``--n-ctx`` as in the unblocked ``matrix``
+(exact for one layer, the closure beyond; see :func:`run_matrix_blocked`).
 """
 
 from __future__ import annotations
