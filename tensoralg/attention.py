@@ -893,6 +893,57 @@ def _per_sample(fa, fb, output, position):
     return ((fa @ u) * (fb @ u)).sum(axis=1)
 
 
+def _mc_draws(a: Any, b: Any, n_ctx: Any, n_samples: Any, seed: Any, output: Any,
+              position: Any, n_batches: Any, caller: str, radial: bool):
+    """Arguments of :func:`montecarlo_inner` / :func:`montecarlo_similarity` checked (before any
+    sampling); returns a generator of ``(f_a(X), f_b(X), w)`` over ``n_batches`` equal batches
+    (numpy ``default_rng(seed)``) and the number of samples.
+
+    ``radial=False``: ``X`` ``(size, n_ctx, d)`` iid ``N(0, 1)``, ``w = [1.]``. ``radial=True``:
+    ``size`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)``, each evaluated at the
+    ``Q`` points ``±r_q u`` of the Gauss rule for the chi radius
+    (``tensoralg.strategies.montecarlo._radial_rule``, exact for polynomials of degree
+    ``<= 2 max(degree)``), ``X`` ``(size Q, n_ctx, d)`` and ``w`` ``(Q,)`` the weights (sum 1):
+    ``sum_q w_q g(X_q)`` is the exact radial average of a product of the two outputs."""
+    a, b, n_ctx = _check_pair(a, b, n_ctx)
+    if isinstance(output, str) or isinstance(position, str):
+        raise ValueError(f"{caller}: output='each' / position='each' are not supported; "
+                         f"loop over the slices")
+    _check_slices(output, position, a.out_features, n_ctx)
+    if isinstance(n_batches, bool) or not isinstance(n_batches, numbers.Integral) or n_batches < 2:
+        raise ValueError(f"n_batches: expected an int >= 2, got {n_batches!r}")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or \
+            n_samples < 2 * n_batches:
+        raise ValueError(f"n_samples: expected an int >= 2 * n_batches = {2 * n_batches}, got "
+                         f"{n_samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
+    from .strategies.montecarlo import _radial_rule
+
+    a, b = a.astype_float(), b.astype_float()
+    size = int(n_samples) // int(n_batches)
+    d = a.in_features
+    if radial:
+        r, w = _radial_rule(n_ctx * d, 2 * max(a.degree, b.degree))
+        pts = np.concatenate([r, -r])
+        wq = np.concatenate([w, w]) / 2
+        Q = pts.size
+
+    def draws():
+        rng = np.random.default_rng(int(seed))
+        for _ in range(int(n_batches)):
+            if not radial:
+                X = rng.standard_normal((size, n_ctx, d))
+                yield a(X), b(X), np.ones(1)
+                continue
+            u = rng.standard_normal((size, n_ctx * d))
+            u /= np.linalg.norm(u, axis=1, keepdims=True)
+            X = (u[:, None, :] * pts[None, :, None]).reshape(size * Q, n_ctx, d)
+            yield a(X), b(X), wq
+
+    return draws(), size * int(n_batches)
+
+
 def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_000,
                      seed: int = 0, output: Any = None, position: Any = None,
                      n_batches: int = 20):
@@ -917,37 +968,57 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
     """
     from .products import MonteCarloEstimate
 
-    a, b, n_ctx = _check_pair(a, b, n_ctx)
-    if isinstance(output, str) or isinstance(position, str):
-        raise ValueError("montecarlo_inner: output='each' / position='each' are not supported; "
-                         "loop over the slices")
-    _check_slices(output, position, a.out_features, n_ctx)
-    if isinstance(n_batches, bool) or not isinstance(n_batches, numbers.Integral) or n_batches < 2:
-        raise ValueError(f"n_batches: expected an int >= 2, got {n_batches!r}")
-    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or \
-            n_samples < 2 * n_batches:
-        raise ValueError(f"n_samples: expected an int >= 2 * n_batches = {2 * n_batches}, got "
-                         f"{n_samples!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
-    a, b = a.astype_float(), b.astype_float()
-    rng = np.random.default_rng(int(seed))
-    size = int(n_samples) // int(n_batches)
-    means = np.empty(int(n_batches))
-    for k in range(int(n_batches)):
-        X = rng.standard_normal((size, n_ctx, a.in_features))
-        means[k] = _per_sample(a(X), b(X), output, position).mean()
+    draws, n = _mc_draws(a, b, n_ctx, n_samples, seed, output, position, n_batches,
+                         "montecarlo_inner", radial=False)
+    means = np.array([(_per_sample(fa, fb, output, position).reshape(-1, w.size) @ w).mean()
+                      for fa, fb, w in draws])
     se = float(np.std(means, ddof=1) / math.sqrt(len(means)))
-    return MonteCarloEstimate(float(means.mean()), se, size * int(n_batches))
+    return MonteCarloEstimate(float(means.mean()), se, n)
 
 
-def montecarlo_similarity(a: Any, b: Any, **kw):
-    """``<a,b> / sqrt(<a,a> <b,b>)`` from one set of samples (approximate; ratio of Monte Carlo
-    means, consistent with bias O(1/n)); same arguments as :func:`montecarlo_inner`."""
-    ab = montecarlo_inner(a, b, **kw)
-    aa = montecarlo_inner(a, a, **kw)
-    bb = montecarlo_inner(b, b, **kw)
-    return float(ab) / math.sqrt(float(aa) * float(bb))
+def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_000,
+                          seed: int = 0, output: Any = None, position: Any = None,
+                          n_batches: int = 20):
+    """Monte Carlo estimate (approximate) of ``<a,b> / sqrt(<a,a> <b,b>)`` for sequence models of
+    any depth, with a delta-method standard error.
+
+    Samples ``n_samples`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)`` (numpy
+    ``default_rng(seed)``) and integrates the radius exactly (Gauss rule for the chi
+    distribution, as the position-free path, DESIGN §3.4): with ``X = r u``, per direction
+    ``p_ab = E_r[sum_{t,o} f_a(X)[t,o] f_b(X)[t,o]]`` (sliced by ``output`` / ``position``),
+    likewise ``p_aa``, ``p_bb``, each model evaluated at ``Q = 2 m`` points per direction
+    (``m = max degree // 2 + 1``: 6 for one attention layer). The estimate is the ratio
+    ``r = mean(p_ab) / sqrt(mean(p_aa) mean(p_bb))`` (consistent, bias O(1/n)) and its standard
+    error ``sqrt(g^T C g / n)``, ``C`` the sample covariance of ``(p_ab, p_aa, p_bb)`` over the
+    ``n`` directions and ``g`` the gradient of ``r``
+    (``tensoralg.strategies.montecarlo.ratio_estimate``, the position-free path's formula).
+
+    Why directions: plain samples ``X ~ N(0, I)`` give per-sample products of degree 10 (one
+    layer) with heavy tails, and their delta-method standard error under-covers (measured on
+    three one-layer pairs, 2000 samples, 300 runs: the exact value beyond 3 standard errors in
+    12 runs instead of ~0.8); with 300 directions it was beyond 3 in 3 of 300 and the standard
+    error about as small as plain sampling's at 20 000 samples (tests/test_mc_coverage.py).
+    Deeper stacks have high degree (25 for two attention layers, ``Q = 26``): their standard
+    error is less reliable; check it across seeds. ``n_batches`` only fixes the draw order.
+
+    Returns:
+        ``tensoralg.MonteCarloEstimate`` (``.stderr``, ``.n_samples`` = directions).
+
+    Raises:
+        ValueError: as :func:`montecarlo_inner`; a sampled norm that is zero.
+    """
+    from .strategies.montecarlo import ratio_estimate
+
+    draws, n = _mc_draws(a, b, n_ctx, n_samples, seed, output, position, n_batches,
+                         "montecarlo_similarity", radial=True)
+    s1 = np.zeros(3)
+    s2 = np.zeros((3, 3))
+    for fa, fb, w in draws:
+        P = np.stack([_per_sample(x, y, output, position).reshape(-1, w.size) @ w
+                      for x, y in ((fa, fb), (fa, fa), (fb, fb))])          # (3, size)
+        s1 += P.sum(axis=1)
+        s2 += P @ P.T
+    return ratio_estimate(s1, s2, n)
 
 
 # ----------------------------------------------------------------------------------------

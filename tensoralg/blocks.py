@@ -30,6 +30,12 @@ Before any block runs, every checkpoint's ``cfg.json`` and safetensors header is
 (names, shapes and architecture against the config; the file's length against the header),
 so a corrupt checkpoint fails the run naming the file.
 
+Sequence models (bilinear-transformer checkpoints, or models with attention given in memory;
+``n_ctx=``): blocks run in float64 NumPy through :mod:`tensoralg.attention` with the functions of
+the unblocked ``tensoralg.gram(models, n_ctx=...)`` — ``exact_gram`` / ``exact_inner`` (at most
+one attention layer) or ``closure_gram`` (approximate at depth >= 2) — see
+:func:`_sequence_block`; Monte Carlo and ``output="each"`` are refused for them up front.
+
 ``dask[distributed]`` is the optional extra ``tensoralg[dask]``; it is only imported when
 ``client`` or ``workers`` is given.
 """
@@ -58,6 +64,11 @@ MANIFEST = "manifest.json"
 DEFAULT_BLOCK_SIZE = 64
 _ARCH_KEYS = ("architecture", "d_in", "d_out", "d_model", "d_hidden", "n_layers", "bias",
               "residual", "embed_bias", "head_bias")
+# bilinear transformers (tensoralg.transformer): the trained n_ctx may differ between them (the
+# matrix is over a common n_ctx <= every trained one, as in `tensoralg matrix` without blocks)
+_SEQ_ARCH_KEYS = ("architecture", "n_layers", "d_model", "n_heads", "d_head", "d_mlp", "vocab",
+                  "rope", "attn_scale")
+SEQUENCE_METHODS = ("exact", "closure")
 _DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -73,13 +84,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _is_transformer(cfg: dict) -> bool:
+    from .transformer import ARCHITECTURE
+
+    return cfg.get("architecture") == ARCHITECTURE
+
+
 def _expected_shapes(cfg: dict, cache: dict) -> dict:
     """Tensor name -> shape of the model ``cfg`` describes (one model built per architecture)."""
     from .nn import BilinearNet
+    from .transformer import BilinearTransformer
 
-    key = tuple(cfg.get(k) for k in _ARCH_KEYS)
+    seq = _is_transformer(cfg)
+    key = tuple(cfg.get(k) for k in (_SEQ_ARCH_KEYS + ("n_ctx",) if seq else _ARCH_KEYS))
     if key not in cache:
-        sd = BilinearNet.from_config(cfg).state_dict()
+        sd = (BilinearTransformer if seq else BilinearNet).from_config(cfg).state_dict()
         cache[key] = {k: tuple(v.shape) for k, v in sd.items()}
     return cache[key]
 
@@ -87,35 +106,38 @@ def _expected_shapes(cfg: dict, cache: dict) -> dict:
 def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
     """Validate every checkpoint folder before any block runs and fingerprint it.
 
-    For each folder: ``cfg.json`` parses and names the ``tensoralg.nn.BilinearNet``
-    architecture; the safetensors header of ``weights.safetensors`` parses, the file holds exactly
+    For each folder: ``cfg.json`` parses and names the ``tensoralg.nn.BilinearNet`` or the
+    ``tensoralg.transformer.BilinearTransformer`` architecture; the safetensors header of ``weights.safetensors`` parses, the file holds exactly
     the bytes the header announces, and its tensor names and shapes are those the config implies.
-    All checkpoints must share one architecture (they are stacked into batched contractions).
+    All checkpoints must share one architecture (they are stacked into batched contractions;
+    transformers may differ in their trained ``n_ctx`` only, and must share one vocabulary).
     Weight values (NaN/inf) are checked when a block loads them
     (:func:`tensoralg.checkpoint.load_checkpoint`).
 
     Returns:
         one dict per checkpoint: ``path`` (as given), ``resolved`` (absolute), ``cfg_sha256``,
-        ``weights_sha256``, ``bytes`` (size of the weights file) and ``step``.
+        ``weights_sha256``, ``bytes`` (size of the weights file) and ``step``; for a transformer
+        also ``n_ctx_trained``.
 
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or ``weights.safetensors`` (named).
         ValueError: a corrupt or truncated file, a foreign architecture, names/shapes that do not
             match the config, or an architecture differing from the first checkpoint's (naming
-            both files and the differing keys).
+            both files and the differing keys; vocabularies that differ, naming each).
     """
     from safetensors import safe_open
 
     from .io import read_config
     from .nn import ARCHITECTURE
+    from .transformer import ARCHITECTURE as TRANSFORMER
 
     out, shapes_cache, first = [], {}, None
     for p in paths:
         path = Path(p)
         cfg = read_config(path)
-        if cfg.get("architecture") != ARCHITECTURE:
+        if cfg.get("architecture") not in (ARCHITECTURE, TRANSFORMER):
             raise ValueError(f"{path}: cfg.json architecture {cfg.get('architecture')!r} is not "
-                             f"{ARCHITECTURE!r}")
+                             f"{ARCHITECTURE!r} or {TRANSFORMER!r}")
         try:
             expected = _expected_shapes(cfg, shapes_cache)
         except (ValueError, TypeError) as exc:
@@ -145,18 +167,50 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
                if got[k] != expected[k]]
         if bad:
             raise ValueError(f"{weights}: {'; '.join(bad)}")
-        arch = {k: cfg.get(k) for k in _ARCH_KEYS}
+        seq = cfg["architecture"] == TRANSFORMER
+        arch = {k: cfg.get(k) for k in (_SEQ_ARCH_KEYS if seq else _ARCH_KEYS)}
         if first is None:
             first = (path, arch)
         elif arch != first[1]:
-            diff = {k: (first[1][k], arch[k]) for k in _ARCH_KEYS if first[1][k] != arch[k]}
+            if arch["architecture"] != first[1]["architecture"]:
+                raise ValueError(f"checkpoints: {path} is a {arch['architecture']!r} checkpoint, "
+                                 f"{first[0]} a {first[1]['architecture']!r} one; a matrix "
+                                 f"compares checkpoints of one kind")
+            if seq and arch["vocab"] != first[1]["vocab"]:
+                raise ValueError(f"checkpoints: the vocabularies differ ({first[0]}: vocab "
+                                 f"{first[1]['vocab']}, {path}: vocab {arch['vocab']}); logits "
+                                 f"of different vocabularies cannot be compared")
+            diff = {k: (first[1][k], arch[k]) for k in arch if first[1][k] != arch[k]}
             raise ValueError(f"checkpoints: {path} has a different architecture from {first[0]} "
                              f"({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in diff.items())}); "
                              f"a blocked matrix stacks same-architecture models")
-        out.append({"path": str(p), "resolved": str(path.resolve()),
-                    "cfg_sha256": _sha256(path / CONFIG_FILE), "weights_sha256": _sha256(weights),
-                    "bytes": size, "step": cfg.get("step")})
+        entry = {"path": str(p), "resolved": str(path.resolve()),
+                 "cfg_sha256": _sha256(path / CONFIG_FILE), "weights_sha256": _sha256(weights),
+                 "bytes": size, "step": cfg.get("step")}
+        if seq:
+            entry["n_ctx_trained"] = int(cfg["n_ctx"])
+        out.append(entry)
     return out
+
+
+def sequence_n_ctx(prints: Sequence[dict], n_ctx: Any) -> int:
+    """The context length of a matrix over transformer checkpoints (``prints`` from
+    :func:`validate_checkpoints`): ``n_ctx``, or by default the shortest trained context.
+
+    Raises:
+        ValueError: ``n_ctx`` not a positive int, or beyond a checkpoint's trained context
+            (naming it; longer contexts were never trained).
+    """
+    trained = [int(p["n_ctx_trained"]) for p in prints]
+    if n_ctx is None:
+        return min(trained)
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1:
+        raise ValueError(f"n_ctx: expected a positive integer, got {n_ctx!r}")
+    for p, t in zip(prints, trained):
+        if n_ctx > t:
+            raise ValueError(f"n_ctx={n_ctx}: beyond the trained context n_ctx={t} of "
+                             f"{p['path']}; use at most {min(trained)}")
+    return int(n_ctx)
 
 
 def _model_fingerprint(net: Any) -> dict:
@@ -198,8 +252,13 @@ def _prepare_sources(sources: Any) -> tuple[list, list[dict]]:
     return nets, [_model_fingerprint(n) for n in nets]
 
 
-def _load(ref: Any):
+def _load(ref: Any, n_ctx: int | None = None, sequence: bool = False):
+    """The network of ``ref``; a transformer checkpoint (``sequence``) over ``n_ctx`` positions."""
     if isinstance(ref, str):
+        if sequence:
+            from .checkpoint import load_checkpoint
+
+            return load_checkpoint(ref)[0].to_network(n_ctx=n_ctx)
         from .checkpoint import load_network
 
         return load_network(ref)
@@ -240,6 +299,8 @@ def _block_task(rows: list, cols: list | None, opts: dict) -> tuple[np.ndarray, 
         import torch
 
         torch.set_num_threads(int(opts["threads"]))
+    if opts.get("sequence"):
+        return _sequence_block(rows, cols, opts), "cpu"
     kw, device = _engine_options(opts)
     a = [_load(r) for r in rows]
     if cols is None:
@@ -249,6 +310,81 @@ def _block_task(rows: list, cols: list | None, opts: dict) -> tuple[np.ndarray, 
     if hasattr(G, "detach"):
         G = G.detach().to("cpu").numpy()
     return np.asarray(G, dtype=np.float64), device
+
+
+def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
+    """One block of a Gram matrix of sequence models (bilinear attention, float64 NumPy), with
+    the functions the unblocked ``tensoralg.gram(models, n_ctx=...)`` uses, so each entry is
+    computed by the same operations:
+
+    * ``method="exact"`` (at most one attention layer): the diagonal block is
+      :func:`tensoralg.attention.exact_gram`; off the diagonal each entry is
+      :func:`tensoralg.attention.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
+    * ``method="closure"`` (APPROXIMATE at depth >= 2, exact at depth 1): the diagonal block is
+      :func:`tensoralg.attention.closure_gram`; off the diagonal the cross part of
+      ``closure_gram(rows + cols)`` (per-model moments once; the within-rows and within-cols
+      pairs it also computes are discarded, at most 2x the pair work of the cross block).
+    """
+    from . import attention
+
+    n_ctx, output, method = opts["n_ctx"], opts["output"], opts["method"]
+    a = [_load(r, n_ctx, True) for r in rows]
+    b = None if cols is None else [_load(c, n_ctx, True) for c in cols]
+    if method == "closure":
+        if b is None:
+            return attention.closure_gram(a, n_ctx=n_ctx, output=output)
+        return attention.closure_gram(a + b, n_ctx=n_ctx, output=output)[:len(a), len(a):]
+    kw = {} if opts.get("max_configurations") is None else \
+        {"max_configurations": opts["max_configurations"]}
+    if b is None:
+        return attention.exact_gram(a, n_ctx=n_ctx, output=output, **kw)
+    G = np.empty((len(a), len(b)))
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            G[i, j] = float(attention.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
+    return G
+
+
+def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
+    """Sequence models (transformer checkpoints or in-memory attention models): resolve
+    ``opts["n_ctx"]`` and refuse what the blocks cannot compute, before any block runs.
+
+    Raises:
+        ValueError: a method other than exact/closure, a metric other than gaussian,
+            ``output="each"``, ``n_ctx`` beyond a trained context, a device of "cuda";
+        tensoralg.CostTooHigh: ``method="exact"`` for a model the exact attention path does
+            not handle (two attention layers, an MLP block), naming the alternative.
+    """
+    from . import attention
+    from .errors import CostTooHigh
+
+    if opts["method"] not in SEQUENCE_METHODS:
+        raise ValueError(f"method: blocked matrices of sequence models (bilinear attention) "
+                         f"are 'exact' (one attention layer) or 'closure', got "
+                         f"{opts['method']!r}; for Monte Carlo use the unblocked `tensoralg "
+                         f"matrix` (one shared-sample matrix)")
+    if opts["metric"] != "gaussian":
+        raise ValueError(f"metric: sequence models have only metric='gaussian', got "
+                         f"{opts['metric']!r}")
+    if isinstance(opts["output"], str):
+        raise ValueError(f"output: {opts['output']!r} is not supported for sequence models in "
+                         f"blocks; give None, an output index or a direction")
+    if opts["device"] == "cuda":
+        raise ValueError("device: sequence models are computed in float64 NumPy; use 'auto' or "
+                         "'cpu'")
+    paths = all(isinstance(r, str) for r in refs)
+    if paths:
+        opts["n_ctx"] = sequence_n_ctx(prints, opts["n_ctx"])
+    if opts["method"] == "exact":
+        probe = refs[:1] if paths else refs   # checkpoints share one architecture
+        for i, r in enumerate(probe):
+            net = _load(r, opts["n_ctx"], True)
+            try:
+                attention.count_configurations(net, net, n_ctx=opts["n_ctx"])
+            except attention.AttentionNotSupported as exc:
+                raise CostTooHigh(f"method='exact' for sequence models[{i}]: {exc}; use "
+                                  f"method='closure' (exact at depth 1, approximate beyond)"
+                                  ) from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -345,7 +481,7 @@ def _manifest_diff(old: dict, new: dict) -> str:
     """Why an earlier manifest ``old`` does not describe this run ``new`` ("" if it does)."""
     if old.get("format") != new["format"]:
         return f"format {old.get('format')!r}, this run writes {new['format']!r}"
-    for k in ("n", "block_size", "metric", "method", "output", "n_samples", "seed"):
+    for k in ("n", "block_size", "metric", "method", "output", "n_samples", "seed", "n_ctx"):
         if old.get(k) != new.get(k):
             return f"{k} was {old.get(k)!r}, now {new.get(k)!r}"
     keys = ("cfg_sha256", "weights_sha256", "model_sha256")
@@ -398,6 +534,8 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
     from tqdm.auto import tqdm
 
     n, b = len(refs), int(block_size)
+    if opts.get("sequence"):
+        _check_sequence(refs, prints, opts)
     K = _n_outputs(refs[0], opts["output"])
     tail = () if K is None else (K,)
     span = lambda I: range(I * b, min(n, (I + 1) * b))  # noqa: E731
@@ -406,7 +544,7 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
                 "method": opts["method"], "output": _jsonable_output(opts["output"]),
                 "n_samples": opts["n_samples"] if opts["method"] == "montecarlo" else None,
                 "seed": opts["seed"] if opts["method"] == "montecarlo" else None,
-                "blocks": len(grid), "checkpoints": prints}
+                "n_ctx": opts.get("n_ctx"), "blocks": len(grid), "checkpoints": prints}
     store = BlockStore(out, manifest, resume) if out is not None else None
     G = np.empty((n, n) + tail, dtype=np.float64)
 
@@ -457,7 +595,8 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
     finally:
         bar.close()
     summary = {"blocks": len(grid), "resumed_blocks": len(done), "computed_blocks": len(todo),
-               "block_size": b, "devices": devices, "store": None if store is None else str(store.folder)}
+               "block_size": b, "devices": devices, "store": None if store is None else str(store.folder),
+               "n_ctx": opts.get("n_ctx")}
     return G, summary
 
 
@@ -498,7 +637,7 @@ def _jsonable_output(output: Any) -> Any:
 
 
 def _options(metric, method, output, device, n_samples, seed, threads, max_flops,
-             max_configurations) -> dict:
+             max_configurations, n_ctx=None) -> dict:
     from .prepare import check_options as _check_options
 
     _check_options(metric, method, "numpy")
@@ -506,7 +645,18 @@ def _options(metric, method, output, device, n_samples, seed, threads, max_flops
         raise ValueError(f"threads: expected a positive integer, got {threads!r}")
     return {"metric": metric, "method": method, "output": output, "device": device,
             "n_samples": n_samples, "seed": seed, "threads": int(threads),
-            "max_flops": max_flops, "max_configurations": max_configurations}
+            "max_flops": max_flops, "max_configurations": max_configurations, "n_ctx": n_ctx}
+
+
+def _mark_sequence(refs: list, prints: list[dict], opts: dict) -> None:
+    """Set ``opts["sequence"]`` for transformer checkpoints or in-memory attention models;
+    refuse ``n_ctx`` for position-free ones."""
+    seq = any("n_ctx_trained" in p for p in prints) or any(
+        getattr(r, "is_sequence_model", False) for r in refs if not isinstance(r, str))
+    if not seq and opts.get("n_ctx") is not None:
+        raise ValueError("n_ctx: only for sequence models (bilinear-transformer checkpoints or "
+                         "models with attention)")
+    opts["sequence"] = seq
 
 
 _API_DOC = """
@@ -528,6 +678,11 @@ _API_DOC = """
         metric, method, output, n_samples, seed, max_flops, max_configurations: as for
             :func:`tensoralg.gram` (Monte Carlo: every block draws the same ``seed`` samples, so
             the entries equal those of one unblocked call).
+        n_ctx: sequence models only (bilinear-transformer checkpoints, models with attention):
+            the context length; for transformer checkpoints default the shortest trained one,
+            longer refused. Their blocks run in float64 NumPy with ``method="exact"`` (at most
+            one attention layer) or ``"closure"`` (approximate at depth >= 2) through
+            :mod:`tensoralg.attention`, the functions of the unblocked matrix.
         device: ``"auto"`` (default: each worker uses CUDA through the torch backend when
             ``torch.cuda.is_available()``, else the NumPy backend), ``"cpu"`` or ``"cuda"``.
         threads: torch CPU threads per block task (default 1).
@@ -552,7 +707,7 @@ def gram(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
          resume: bool = True, metric: str = "gaussian", method: str = "exact",
          output: Any = None, device: str = "auto", n_samples: int = 100_000, seed: int = 0,
          threads: int = 1, max_flops: float | None = None, max_configurations: int | None = None,
-         retries: int = 2, show_progress: bool = False,
+         n_ctx: int | None = None, retries: int = 2, show_progress: bool = False,
          on_block: Callable[[int, int], Any] | None = None,
          return_summary: bool = False):
     """Gram matrix ``G[i, j] = <m_i, m_j>`` (float64 ``(N, N)``, ``(N, N, out)`` for
@@ -563,10 +718,11 @@ def gram(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
     """
     _check_args(block_size, client, workers, resume, device, retries)
     opts = _options(metric, method, output, device, n_samples, seed, threads, max_flops,
-                    max_configurations)
+                    max_configurations, n_ctx)
     if client is not None or workers is not None:
         _need_distributed()
     refs, prints = _prepare_sources(sources)
+    _mark_sequence(refs, prints, opts)
     G, summary = _run(refs, prints, out=out, block_size=block_size, client=client,
                       workers=workers, resume=resume, opts=opts, retries=retries,
                       show_progress=show_progress, on_block=on_block)
@@ -578,16 +734,18 @@ def gram_of_validated(paths: Sequence[str], prints: list[dict], out=None, *,
                       workers: int | None = None, resume: bool = True, metric: str = "gaussian",
                       method: str = "exact", output: Any = None, device: str = "auto",
                       n_samples: int = 100_000, seed: int = 0, threads: int = 1,
-                      retries: int = 2, show_progress: bool = False, on_block=None):
+                      n_ctx: int | None = None, retries: int = 2, show_progress: bool = False,
+                      on_block=None):
     """:func:`gram` (returning ``(G, summary)``) for checkpoint ``paths`` already validated by
     :func:`validate_checkpoints` (``prints``: its result), so that a caller that needed the
     configs first does not hash the files twice."""
     _check_args(block_size, client, workers, resume, device, retries)
-    opts = _options(metric, method, output, device, n_samples, seed, threads, None, None)
+    opts = _options(metric, method, output, device, n_samples, seed, threads, None, None, n_ctx)
     if client is not None or workers is not None:
         _need_distributed()
     if len(prints) != len(paths):
         raise ValueError(f"prints: {len(prints)} fingerprints for {len(paths)} paths")
+    _mark_sequence(list(paths), prints, opts)
     return _run([str(p) for p in paths], prints, out=out, block_size=block_size, client=client,
                 workers=workers, resume=resume, opts=opts, retries=retries,
                 show_progress=show_progress, on_block=on_block)

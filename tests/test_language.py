@@ -345,3 +345,35 @@ def test_two_layer_audit_with_closure(tmp_path):
     r = run_language(cfg, tmp_path / "run")
     assert r["config"]["resolved_method"] == "closure" and r["tensor_similarity"]["approximate"]
     assert np.isfinite(np.array(r["matrices"]["tensor similarity"])).all()
+
+
+def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
+    """The audit's Monte Carlo check of a pair is ta.similarity(method="montecarlo") on the
+    saved checkpoints (same n_samples and seed: the same number, not just a close one) with
+    its delta-method standard error; the exact one-layer value lies within 4 of them."""
+    from tensoralg import attention
+
+    result, out = tiny_run
+    js = json.loads((out / "language.json").read_text())
+    mc = js["montecarlo_check"][0]
+    assert mc["stderr"] > 0 and "delta method" in mc["stderr_method"]
+    steps = [f"step_{s:06d}" for s in mc["steps"]]
+    a, b = (load_checkpoint(out / "checkpoints" / s)[0].to_network() for s in steps)
+    est = ta.similarity(a, b, method="montecarlo", n_ctx=TINY["n_ctx"],
+                        n_samples=mc["n_samples"], seed=mc["seed"])
+    assert mc["montecarlo"] == float(est) and mc["stderr"] == est.stderr
+    exact = attention.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
+    assert abs(exact - mc["montecarlo"]) <= 4 * mc["stderr"]
+    assert mc["z"] == pytest.approx((mc["exact"] - mc["montecarlo"]) / mc["stderr"])
+
+
+def test_compare_montecarlo_of_language_checkpoints_has_a_stderr(tiny_run):
+    from tensoralg.audit.compare import run_compare
+
+    result, out = tiny_run
+    c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000020")]
+    r = run_compare(c[0], c[1], methods=("exact", "montecarlo"), n_samples=300, seed=3)
+    vals = {x["method"]: x for x in r["results"]}
+    mc = vals["montecarlo"]
+    assert mc["global_stderr"] > 0 and "each" not in mc
+    assert abs(mc["global"] - vals["exact"]["global"]) <= 4 * mc["global_stderr"]

@@ -403,3 +403,183 @@ def test_ta_gram_and_similarity_matrix_route_to_the_block_store(tmp_path):
     assert np.all(np.abs(S - ta.similarity_matrix(models)) <= 1e-12)
     with pytest.raises(ValueError, match="blocked path computes in floating point"):
         ta.gram(models, backend="exact", out=tmp_path / "x")
+
+
+# ----------------------------------------------------------------------------------------
+# bilinear-transformer checkpoints (sequence models) in blocks
+# ----------------------------------------------------------------------------------------
+
+def _transformer(seed, n_layers=1, vocab=7, n_ctx=3, **kw):
+    from tensoralg.transformer import BilinearTransformer
+
+    return BilinearTransformer(vocab, 4, n_layers, 2, 2, n_ctx=n_ctx, rope=100.0, seed=seed,
+                               dtype="float64", **kw)
+
+
+@pytest.fixture(scope="module")
+def lm_ckpts(tmp_path_factory):
+    """Five one-layer and four two-layer tiny transformers; one of each trained with a longer
+    context (4) than the others (3), so the default n_ctx is the shortest, 3."""
+    root = tmp_path_factory.mktemp("lm")
+    out = {}
+    for depth, count in ((1, 5), (2, 4)):
+        paths = []
+        for i in range(count):
+            p = root / f"L{depth}_{i}"
+            save_checkpoint(p, _transformer(10 * depth + i, depth, n_ctx=4 if i == 1 else 3),
+                            step=i)
+            paths.append(str(p))
+        out[depth] = paths
+    return out
+
+
+def _lm_nets(paths, n_ctx=3):
+    from tensoralg.checkpoint import load_checkpoint
+
+    return [load_checkpoint(p)[0].to_network(n_ctx=n_ctx) for p in paths]
+
+
+@pytest.mark.parametrize("depth, method", [(1, "exact"), (2, "closure")])
+def test_blocked_transformer_matrix_equals_unblocked(lm_ckpts, tmp_path, depth, method):
+    """`tensoralg matrix` with blocks = without (1e-12; the blocks call the same attention
+    functions, so the entries agree to rounding), --method auto choosing as unblocked; and a
+    few Gram entries against the per-pair functions (one call per pair, nothing shared)."""
+    from tensoralg import attention
+    from tensoralg.audit.compare import run_matrix
+    from tensoralg.audit.matrix_blocks import run_matrix_blocked
+
+    paths = lm_ckpts[depth]
+    ref = run_matrix(paths, tmp_path / "flat")
+    got = run_matrix_blocked(paths, tmp_path / "blocked", block_size=2)
+    assert ref["method"] == got["method"] == method and got["n_ctx"] == 3
+    S_ref, S = np.array(ref["similarity_matrix"]), np.load(tmp_path / "blocked" / "matrix.npy")
+    assert S.shape == (len(paths),) * 2 and np.max(np.abs(S - S_ref)) <= 1e-12
+    assert np.all(np.diag(S) == 1.0) and np.array_equal(S, S.T)
+    G = blocks.gram(paths, block_size=2, method=method)
+    nets = _lm_nets(paths)
+    pair = attention.exact_inner if method == "exact" else attention.closure_inner
+    for i, j in [(0, len(paths) - 1), (1, 2), (2, 2)]:
+        assert G[i, j] == pytest.approx(pair(nets[i], nets[j], n_ctx=3), rel=1e-12)
+
+
+def test_blocked_transformer_models_in_memory_and_n_ctx(lm_ckpts):
+    from tensoralg import attention
+
+    nets = _lm_nets(lm_ckpts[1], n_ctx=2)
+    ref = attention.exact_gram(nets, n_ctx=2)
+    assert _rel(blocks.gram(nets, block_size=3, n_ctx=2), ref) < 1e-12
+    assert _rel(blocks.gram(lm_ckpts[1], block_size=3, n_ctx=2), ref) < 1e-12
+    ref1 = attention.exact_gram(nets, n_ctx=2, output=1)
+    assert _rel(blocks.gram(nets, block_size=2, n_ctx=2, output=1), ref1) < 1e-12
+
+
+def test_blocked_transformer_store_round_trip(lm_ckpts, tmp_path, capsys):
+    paths = lm_ckpts[1]
+    store = tmp_path / "store"
+    G, summary = blocks.gram(paths, store, block_size=2, return_summary=True)
+    assert summary["computed_blocks"] == 6 and summary["n_ctx"] == 3
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["n_ctx"] == 3 and manifest["method"] == "exact"
+    assert [c["n_ctx_trained"] for c in manifest["checkpoints"]] == [3, 4, 3, 3, 3]
+    # every stored block reads back (hash checked) as the matching part of G
+    st = blocks.BlockStore(store, manifest, resume=True)
+    for I, J in st.finished():
+        rows, cols = slice(2 * I, min(5, 2 * I + 2)), slice(2 * J, min(5, 2 * J + 2))
+        np.testing.assert_array_equal(st.read(I, J, G[rows, cols].shape), G[rows, cols])
+    G2, summary = blocks.gram(paths, store, block_size=2, return_summary=True)
+    assert summary["computed_blocks"] == 0 and summary["resumed_blocks"] == 6
+    np.testing.assert_array_equal(G2, G)
+    with pytest.raises(ValueError, match="n_ctx was 3, now 2"):
+        blocks.gram(paths, store, block_size=2, n_ctx=2)
+    # through the CLI, with --n-ctx, then resumed
+    out = tmp_path / "m"
+    assert main(["matrix", *paths, "--out", str(out), "--block-size", "2", "--n-ctx", "2"]) == 0
+    assert "6 computed" in capsys.readouterr().out
+    res = json.loads((out / "matrix.json").read_text())
+    assert res["n_ctx"] == 2 and res["method"] == "exact"
+    from tensoralg import attention
+
+    S_ref = attention.exact_gram(_lm_nets(paths, n_ctx=2), n_ctx=2, similarity=True)
+    assert np.max(np.abs(np.load(out / "matrix.npy") - S_ref)) <= 1e-12
+    assert main(["matrix", *paths, "--out", str(out), "--block-size", "2", "--n-ctx", "2",
+                 "--resume"]) == 0
+    assert "6 resumed, 0 computed" in capsys.readouterr().out
+
+
+def test_blocked_transformer_bad_input_before_any_block(lm_ckpts, tmp_path, capsys):
+    from tensoralg.audit.matrix_blocks import run_matrix_blocked
+
+    one, two = lm_ckpts[1], lm_ckpts[2]
+    other = tmp_path / "vocab8"
+    save_checkpoint(other, _transformer(0, vocab=8))
+    clf = tmp_path / "clf"
+    save_checkpoint(clf, _model(0))
+    calls = []
+    cases = [
+        (dict(sources=one + [str(other)]), ValueError,
+         rf"vocabularies differ \({one[0]}: vocab 7, {other}: vocab 8\)"),
+        (dict(sources=one, n_ctx=4), ValueError,
+         rf"n_ctx=4: beyond the trained context n_ctx=3 of {one[0]}; use at most 3"),
+        (dict(sources=one + [str(clf)]), ValueError, r"a matrix compares checkpoints of one kind"),
+        (dict(sources=one, method="montecarlo"), ValueError, r"'exact' .* or 'closure'"),
+        (dict(sources=one, output="each"), ValueError, r"output: 'each' is not supported"),
+        (dict(sources=two, method="exact"), ta.CostTooHigh, r"method='closure'"),
+        (dict(sources=[str(clf), str(clf)], n_ctx=2), ValueError, r"n_ctx: only for sequence"),
+    ]
+    for k, (kw, exc, msg) in enumerate(cases):
+        with pytest.raises(exc, match=msg):
+            blocks.gram(kw.pop("sources"), tmp_path / f"s{k}", block_size=2,
+                        on_block=lambda d, t: calls.append(d), **kw)
+        assert not (tmp_path / f"s{k}").exists()
+    assert calls == []
+    # the CLI: errors named, exit 2, nothing written
+    for extra, msg in ([["--n-ctx", "4"], "beyond the trained context n_ctx=3"],
+                       [["--output", "1"], "--output: not supported for bilinear-transformer"],
+                       [["--method", "montecarlo"], "--method montecarlo: the blocked path"]):
+        assert main(["matrix", *one, "--out", str(tmp_path / "c"), "--block-size", "2",
+                     *extra]) == 2
+        assert msg in capsys.readouterr().err
+        assert not (tmp_path / "c" / "blocks").exists()
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        run_matrix_blocked(one + [str(other)], tmp_path / "r", block_size=2)
+    with pytest.raises(ValueError, match="--n-ctx: only for bilinear-transformer"):
+        run_matrix_blocked([str(clf), str(clf)], tmp_path / "r", block_size=2, n_ctx=2)
+
+
+def test_blocked_transformer_on_dask(lm_ckpts, tmp_path):
+    """The Dask path: an in-process cluster (no worker processes to spawn, which can stall on a
+    loaded machine) run from a daemon thread with a deadline, so a hang fails instead of
+    blocking the suite; the block tasks also survive a pickle round trip, as a cluster of
+    processes needs."""
+    import pickle
+    import threading
+
+    distributed = pytest.importorskip("distributed")
+    paths = lm_ckpts[2]
+    ref = blocks.gram(paths, block_size=4, method="closure")   # one block: the unblocked path
+    task = pickle.loads(pickle.dumps((blocks._block_task, [paths[0]], [paths[3]],
+                                      {**blocks._options("gaussian", "closure", None, "cpu", 2,
+                                                         0, 1, None, None, 3),
+                                       "sequence": True})))
+    block, device = task[0](*task[1:])
+    assert device == "cpu" and block.shape == (1, 1)
+    assert abs(block[0, 0] - ref[0, 3]) <= 1e-12 * np.sqrt(ref[0, 0] * ref[3, 3])
+    result = {}
+
+    def run():
+        try:
+            with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
+                                    dashboard_address=":0") as c:
+                result["G"] = blocks.gram(paths, tmp_path / "store", block_size=2, client=c,
+                                          method="closure", return_summary=True)
+        except BaseException as exc:  # reported below
+            result["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=180)
+    assert not t.is_alive(), "the Dask run did not finish within 180 s"
+    assert "error" not in result, result.get("error")
+    G, summary = result["G"]
+    assert summary["computed_blocks"] == 3 and summary["devices"] == {"cpu": 3}
+    assert _rel(G, ref) < 1e-12

@@ -247,7 +247,9 @@ def _add_language(asub) -> None:
     p.add_argument("--mc-pairs", type=int, default=None,
                    help="pairs re-estimated by Monte Carlo (default 3; 2 with --quick)")
     p.add_argument("--mc-samples", type=_positive_int, default=None,
-                   help="Monte Carlo samples per checked pair (default 20000; 4000 with --quick)")
+                   help="Monte Carlo samples per checked pair: directions, radius integrated "
+                        "exactly (default 20000; 4000 with --quick); with --method montecarlo "
+                        "also the Gaussian samples of the matrix")
     _shared(p, "seed for initialisation, batches and Monte Carlo samples")
     p.set_defaults(func=cmd_language)
 

@@ -133,10 +133,6 @@ def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "m
         try:
             g = ta.similarity(na, nb, metric=metric, method=method, **kw)
             if seq and method == "montecarlo":   # no output="each" for sequence Monte Carlo
-                from .language import montecarlo_similarity
-
-                est, se = montecarlo_similarity(na, nb, n_ctx, n_samples, seed)
-                g = ta.MonteCarloEstimate(est, se, n_samples)
                 each = None
             else:
                 each = ta.similarity(na, nb, metric=metric, method=method, output="each", **kw)

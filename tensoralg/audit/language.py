@@ -300,34 +300,6 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
     return S, info
 
 
-def montecarlo_similarity(a: Any, b: Any, n_ctx: int, n_samples: int, seed: int,
-                          batch: int = 1000) -> tuple[float, float]:
-    """Monte Carlo estimate of the similarity of two sequence models with its standard error.
-
-    ``X`` ``(n_ctx, d)`` with iid ``N(0, 1)`` entries (numpy ``default_rng(seed)``); per sample
-    ``p_ab = Σ_{t,o} f_a(X)[t,o] f_b(X)[t,o]`` and likewise ``p_aa``, ``p_bb``; the estimate is
-    ``r = mean(p_ab) / sqrt(mean(p_aa) mean(p_bb))`` and its standard error the delta method's
-    ``sqrt(gᵀ Σ g / n)`` with ``Σ`` the sample covariance of ``(p_ab, p_aa, p_bb)`` and
-    ``g = (1/sqrt(m_aa m_bb), -r/(2 m_aa), -r/(2 m_bb))`` (an approximation, good when the
-    standard error is small; polynomials of high degree have heavy tails, so a large standard
-    error means the estimate is not informative)."""
-    rng = np.random.default_rng(int(seed))
-    P = []
-    done = 0
-    while done < n_samples:
-        m = min(batch, n_samples - done)
-        X = rng.standard_normal((m, n_ctx, a.in_features))
-        fa, fb = np.asarray(a(X)), np.asarray(b(X))
-        P.append(np.stack([(fa * fb).sum((1, 2)), (fa * fa).sum((1, 2)), (fb * fb).sum((1, 2))], 1))
-        done += m
-    P = np.concatenate(P)
-    mean = P.mean(0)
-    r = mean[0] / math.sqrt(mean[1] * mean[2])
-    g = np.array([1.0 / math.sqrt(mean[1] * mean[2]), -r / (2 * mean[1]), -r / (2 * mean[2])])
-    se = math.sqrt(max(float(g @ np.cov(P.T) @ g), 0.0) / len(P))
-    return float(r), se
-
-
 def montecarlo_similarity_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed: int,
                                  n_batches: int = 20) -> tuple[np.ndarray, np.ndarray]:
     """Monte Carlo similarity matrix of sequence models from ONE set of Gaussian inputs (every
@@ -532,6 +504,8 @@ def run_language(cfg: LanguageConfig, out: str | Path, show_progress: bool = Fal
 def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     import torch
 
+    import tensoralg as ta
+
     from ..baselines import linear_cka, output_cosine, weight_cosine
     from ..checkpoint import save_checkpoint
     from ..corpus import VOCAB, load_corpus, ngram_scores
@@ -600,9 +574,15 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     t = time.perf_counter()
     mc = []
     for i, j in _mc_pairs(N, consecutive_change(S), cfg.mc_pairs if method != "montecarlo" else 0):
-        est, se = montecarlo_similarity(nets[i], nets[j], cfg.n_ctx, cfg.mc_samples, cfg.seed)
+        # ratio of Monte Carlo means with its delta-method standard error (directions sampled,
+        # radius integrated exactly: tensoralg.attention.montecarlo_similarity)
+        e = ta.similarity(nets[i], nets[j], method="montecarlo", n_ctx=cfg.n_ctx,
+                          n_samples=cfg.mc_samples, seed=cfg.seed)
+        est, se = float(e), float(e.stderr)
         mc.append({"i": i, "j": j, "steps": [steps[i], steps[j]], method: float(S[i, j]),
                    "montecarlo": est, "stderr": se,
+                   "stderr_method": "delta method on the ratio of means of per-direction "
+                                    "products (tensoralg.attention.montecarlo_similarity)",
                    "z": (float(S[i, j]) - float(est)) / se if se > 0 else None,
                    "n_samples": cfg.mc_samples, "seed": cfg.seed})
     times["montecarlo_check_s"] = time.perf_counter() - t

@@ -13,6 +13,9 @@ built in place so that an interrupted run can continue: ``--out`` must be new, e
 store; an existing store needs ``--resume`` and must have been made from the same checkpoints
 (same file contents, in the same order) and options. Ctrl-C (exit 130) keeps every finished
 block; rerun the same command with ``--resume``.
+
+Bilinear-transformer checkpoints are accepted with ``--n-ctx`` as in the unblocked ``matrix``
+(exact for one layer, the closure beyond; see :func:`run_matrix_blocked`).
 """
 
 from __future__ import annotations
@@ -82,15 +85,22 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
                        block_size: int | None = None, resume: bool = False,
                        scheduler: str | None = None, workers: int | None = None,
                        threads: int = 1, show_progress: bool = False,
-                       json_copy: str | Path | None = None) -> dict:
+                       json_copy: str | Path | None = None, n_ctx: int | None = None) -> dict:
     """Similarity matrix of the checkpoints at ``paths`` in blocks (see the module docstring).
 
     Every argument and every checkpoint header is checked before any block runs.
+
+    Bilinear-transformer checkpoints (as in the unblocked ``tensoralg matrix``): residual stream
+    -> logits maps over ``n_ctx`` positions (default the shortest trained context, longer
+    refused), summed over all logits; ``method="auto"`` is exact for one layer and the
+    (approximate) closure beyond, as unblocked; Monte Carlo and ``output`` are refused.
 
     Raises:
         ValueError: fewer than two checkpoints, a corrupt checkpoint (named), mismatched
             architectures, a bad ``output``/``out``/``json_copy``, an existing store without
             ``resume`` or one made from other checkpoints, an unreachable ``scheduler``;
+            transformer checkpoints with different vocabularies, ``n_ctx`` beyond a trained
+            context, ``--method montecarlo`` or ``--output``; ``n_ctx`` for classifiers;
         FileNotFoundError: a missing checkpoint; ImportError: dask not installed;
         tensoralg.CostTooHigh: ``method="exact"`` over the exact budget (before any block).
     """
@@ -110,13 +120,27 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
     from ..io import read_config
 
     cfg0 = read_config(paths[0])
-    d_out, depth = int(cfg0["d_out"]), int(cfg0["n_layers"])
-    if output is not None and not (0 <= output < d_out):
-        raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
-    used = choose_method(method, depth, load_network(paths[0]))
+    depth = int(cfg0["n_layers"])
+    if "n_ctx_trained" in prints[0]:      # bilinear transformers (the unblocked rules)
+        if output is not None:
+            raise ValueError("--output: not supported for bilinear-transformer checkpoints "
+                             "(the matrix sums over all logits)")
+        if method == "montecarlo":
+            raise ValueError("--method montecarlo: the blocked path of bilinear-transformer "
+                             "checkpoints is exact (one layer) or closure; drop the block "
+                             "options for the shared-sample Monte Carlo matrix")
+        n_ctx = blocks.sequence_n_ctx(prints, n_ctx)
+        used = ("exact" if depth == 1 else "closure") if method == "auto" else method
+    else:
+        if n_ctx is not None:
+            raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
+        d_out = int(cfg0["d_out"])
+        if output is not None and not (0 <= output < d_out):
+            raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
+        used = choose_method(method, depth, load_network(paths[0]))
     kw = dict(block_size=block_size or blocks.DEFAULT_BLOCK_SIZE, resume=resume, method=used,
               output=output, n_samples=n_samples, seed=seed, threads=threads,
-              show_progress=show_progress)
+              show_progress=show_progress, n_ctx=n_ctx)
     t = time.perf_counter()
     if scheduler is not None:
         import distributed
@@ -139,9 +163,9 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
         **stamp("matrix", {"checkpoints": [str(p) for p in paths], "method": method,
                            "output": output, "seed": seed, "n_samples": n_samples,
                            "block_size": kw["block_size"], "resume": resume,
-                           "scheduler": scheduler, "workers": workers}),
+                           "scheduler": scheduler, "workers": workers, "n_ctx": n_ctx}),
         "labels": labels, "steps": [p.get("step") for p in prints], "method": used,
-        "metric": "gaussian", "output": output,
+        "metric": "gaussian", "output": output, "n_ctx": n_ctx,
         "similarity_matrix": S.tolist() if n <= 1000 else None,
         "similarity_matrix_file": "matrix.npy",
         "uncertainty": matrix_uncertainty(used, n_samples, seed), "seconds": seconds,
@@ -230,7 +254,8 @@ def cmd_matrix_blocked(args) -> int:
                                       n_samples=args.n_samples, block_size=args.block_size,
                                       resume=args.resume, scheduler=args.scheduler,
                                       workers=args.workers, threads=args.threads,
-                                      show_progress=not args.no_progress, json_copy=args.json)
+                                      show_progress=not args.no_progress, json_copy=args.json,
+                                      n_ctx=args.n_ctx)
         except KeyboardInterrupt:
             store = out / STORE
             done = len(list(store.glob("G_*_*.npy"))) if store.is_dir() else 0

@@ -12,7 +12,7 @@ from ..backends import converter
 from ..layers import Layer
 
 __all__ = ["MonteCarloEstimate", "MonteCarloArray", "check_mc", "moments", "similarity",
-           "features", "warn_few", "MC_MIN_DIRECTIONS"]
+           "features", "warn_few", "MC_MIN_DIRECTIONS", "ratio_estimate"]
 
 
 class MonteCarloEstimate(float):
@@ -172,8 +172,24 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
         Z = np.stack([pab, paa, pbb])  # (3, s[, K])
         part = (Z.sum(axis=1), np.einsum("is...,js...->ij...", Z, Z))
         sums = part if sums is None else (sums[0] + part[0], sums[1] + part[1])
-    m = sums[0] / n_samples
-    cov = (sums[1] / n_samples - np.einsum("i...,j...->ij...", m, m)) * n_samples / (n_samples - 1)
+    return ratio_estimate(sums[0], sums[1], n_samples, keep)
+
+
+def ratio_estimate(s1, s2, n_samples: int, keep: bool = False):
+    """The similarity ``r = ab / sqrt(aa bb)`` of sample means and its delta-method standard error.
+
+    ``s1`` ``(3, ...)``: sums over the ``n_samples`` samples of the per-sample products
+    ``(p_ab, p_aa, p_bb)``, all from the same samples; ``s2`` ``(3, 3, ...)``: sums of their
+    outer products. The standard error is ``sqrt(g^T C g / n)`` with ``C`` the sample covariance
+    (``n - 1``) of the triple and ``g = (1/sqrt(aa bb), -r/(2 aa), -r/(2 bb))`` the gradient of
+    ``r`` at the means (first order: the ratio's O(1/n) bias is not in it).
+
+    Raises:
+        ValueError: a sampled norm is zero or negative.
+    """
+    m = np.asarray(s1, dtype=np.float64) / n_samples
+    cov = (np.asarray(s2, dtype=np.float64) / n_samples - np.einsum("i...,j...->ij...", m, m)) \
+        * n_samples / (n_samples - 1)
     ab, aa, bb = m
     if np.any(aa <= 0) or np.any(bb <= 0):
         raise ValueError("similarity: a sampled norm is zero (a zero network?); similarity is "
