@@ -1924,6 +1924,15 @@ def _gram_to_similarity(G):
     return np.clip(G / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1.0, 1.0)
 
 
+def _closure_setup(nets, n_ctx, output, position, names):
+    U, keep = _closure_output(output, nets[0].out_features)
+    sel = _selector(n_ctx, position, False)
+    each_t = isinstance(position, str)
+    depth = max(_n_stages(m, n_ctx, nm) for m, nm in zip(nets, names))
+    cm = [_ClosureModel(m, n_ctx, nm, depth) for m, nm in zip(nets, names)]
+    return cm, (U, keep, sel, each_t)
+
+
 def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,
                  similarity: bool = False) -> np.ndarray:
     """Closure Gram matrix ``G[i, j] = closure_inner(models[i], models[j])`` (APPROXIMATE at
@@ -1944,22 +1953,45 @@ def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any
     nets, n_ctx = _check_models(models, n_ctx)
     _check_slices(output, position, nets[0].out_features, n_ctx)
     nets = [m.astype_float() for m in nets]
-    U, keep = _closure_output(output, nets[0].out_features)
-    sel = _selector(n_ctx, position, False)
-    each_t = isinstance(position, str)
-    depth = max(_n_stages(m, n_ctx, f"models[{i}]") for i, m in enumerate(nets))
-    cm = [_ClosureModel(m, n_ctx, f"models[{i}]", depth) for i, m in enumerate(nets)]
+    cm, args = _closure_setup(nets, n_ctx, output, position,
+                              [f"models[{i}]" for i in range(len(nets))])
     vals = {}
     for i in range(len(cm)):
         for j in range(i, len(cm)):
-            vals[(i, j)] = _closure_pair_value(cm[i], cm[j] if i != j else cm[i], U, keep, sel,
-                                               each_t)
+            vals[(i, j)] = _closure_pair_value(cm[i], cm[j] if i != j else cm[i], *args)
     shape = np.shape(vals[(0, 0)])
     G = np.empty((len(cm), len(cm)) + shape)
     for (i, j), v in vals.items():
         G[i, j] = v
         G[j, i] = v
     return _gram_to_similarity(G) if similarity else G
+
+
+def closure_cross_gram(models_a, models_b, *, n_ctx: Any = None, output: Any = None,
+                       position: Any = None) -> np.ndarray:
+    """Closure cross Gram matrix ``G[i, j] = closure_inner(models_a[i], models_b[j])``
+    (APPROXIMATE at depth >= 2, exact at depth 1; see :func:`closure_inner`), shape
+    ``(N_a, N_b)`` (plus the position / output axes for ``"each"``): one off-diagonal block of
+    :func:`closure_gram` of ``models_a + models_b``, computing only the cross pairs (per-model
+    moments once per model). Equal to that block entry by entry (same operations).
+
+    Raises:
+        ValueError: as :func:`closure_inner` for any pair; an empty list.
+    """
+    models_a, models_b = list(models_a), list(models_b)
+    na = len(models_a)
+    if na == 0 or not models_b:
+        raise ValueError(f"closure_cross_gram: models_a and models_b must both be non-empty, "
+                         f"got {na} and {len(models_b)} models")
+    nets, n_ctx = _check_models(models_a + models_b, n_ctx)
+    _check_slices(output, position, nets[0].out_features, n_ctx)
+    nets = [m.astype_float() for m in nets]
+    names = [f"models_a[{i}]" for i in range(na)] + \
+        [f"models_b[{j}]" for j in range(len(nets) - na)]
+    cm, args = _closure_setup(nets, n_ctx, output, position, names)
+    vals = [[_closure_pair_value(cm[i], cm[j], *args) for j in range(na, len(cm))]
+            for i in range(na)]
+    return np.asarray(vals, dtype=np.float64)
 
 
 def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,

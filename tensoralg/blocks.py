@@ -321,9 +321,9 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
       :func:`tensoralg.attention.exact_gram`; off the diagonal each entry is
       :func:`tensoralg.attention.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
     * ``method="closure"`` (APPROXIMATE at depth >= 2, exact at depth 1): the diagonal block is
-      :func:`tensoralg.attention.closure_gram`; off the diagonal the cross part of
-      ``closure_gram(rows + cols)`` (per-model moments once; the within-rows and within-cols
-      pairs it also computes are discarded, at most 2x the pair work of the cross block).
+      :func:`tensoralg.attention.closure_gram`; off the diagonal
+      :func:`tensoralg.attention.closure_cross_gram` (the cross pairs only; equal to the
+      corresponding block of ``closure_gram(rows + cols)``, same operations).
     """
     from . import attention
 
@@ -333,7 +333,7 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
     if method == "closure":
         if b is None:
             return attention.closure_gram(a, n_ctx=n_ctx, output=output)
-        return attention.closure_gram(a + b, n_ctx=n_ctx, output=output)[:len(a), len(a):]
+        return attention.closure_cross_gram(a, b, n_ctx=n_ctx, output=output)
     kw = {} if opts.get("max_configurations") is None else \
         {"max_configurations": opts["max_configurations"]}
     if b is None:

@@ -210,3 +210,9 @@ def test_gram_and_similarity_matrix_of_sequence_models():
         ta.gram(one, n_ctx=2, method="montecarlo")
     with pytest.raises(ValueError, match="at least one model"):
         attention.closure_gram([], n_ctx=2)
+    # the cross Gram is the off-diagonal block of the Gram of both lists (same operations)
+    X = attention.closure_cross_gram(models[:1], iter(models[1:]), n_ctx=2)
+    assert X.shape == (1, 2)
+    assert np.array_equal(X, G[:1, 1:])
+    with pytest.raises(ValueError, match="both be non-empty"):
+        attention.closure_cross_gram(models, [], n_ctx=2)
