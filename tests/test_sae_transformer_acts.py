@@ -204,6 +204,7 @@ def test_tiny_end_to_end_bench_on_the_residual_stream(tmp_path, capsys):
                  "--no-progress", "--quiet", "--json", str(tmp_path / "b.json")]) == 0
     r = json.loads((tmp_path / "b.json").read_text())
     assert r["config"]["d"] == 32 and r["config"]["n_eval"] == 128   # 20 % of 640 rows
+    assert r["config"]["noise"] is None
     for name in ("topk", "abstopk"):
         p = r[name]
         assert np.isfinite(p["fvu"]) and 0 <= p["code_iou"] <= 1
@@ -212,3 +213,23 @@ def test_tiny_end_to_end_bench_on_the_residual_stream(tmp_path, capsys):
     # AbsTopK keeps the k largest |pre-activations|: exactly k non-zeros per row on real data
     assert r["abstopk"]["l0"] == 3.0
     assert "| l0 | dead |" in capsys.readouterr().out
+
+
+def test_cli_minilm_source_keeps_its_defaults(tmp_path, monkeypatch, capsys):
+    """`--source minilm` (the default) still passes layer 3, 2000 texts, 64 tokens, batch 32
+    to the MiniLM extractor (the extra itself need not be installed for this)."""
+    from tensoralg.sae import activations
+
+    seen = {}
+
+    def fake(out, **kw):
+        seen.update(kw)
+        return {"shape": [5, 384], "layer": kw["layer"], "model": "fake"}
+
+    monkeypatch.setattr(activations, "real_extra_available", lambda: (True, ""))
+    monkeypatch.setattr(activations, "extract_activations", fake)
+    assert main(["sae", "activations", "--out", str(tmp_path / "a.npy")]) == 0
+    assert seen == {"layer": 3, "max_texts": 2000, "max_tokens": 64, "batch_size": 32}
+    assert main(["sae", "activations", "--source", "minilm", "--layer", "5", "--max-texts", "7",
+                 "--out", str(tmp_path / "a.npy")]) == 0
+    assert seen == {"layer": 5, "max_texts": 7, "max_tokens": 64, "batch_size": 32}

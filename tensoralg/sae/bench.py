@@ -159,6 +159,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                              f"eval_fraction={eval_fraction}")
         x_train, x_eval = full[:-n_eval], full[-n_eval:]
         cfg["d"], cfg["n_train"], cfg["n_eval"] = full.shape[1], len(x_train), n_eval
+        cfg["noise"] = None          # a property of the synthetic data only
         D_true = Z_true = None
     results: dict = {}
     k = cfg["k"]
