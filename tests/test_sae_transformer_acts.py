@@ -11,6 +11,7 @@ import torch
 from tensoralg.checkpoint import save_checkpoint
 from tensoralg.cli import main
 from tensoralg.corpus import load_corpus
+from tensoralg.sae import transformer_acts as ta_acts
 from tensoralg.sae.transformer_acts import extract_transformer_activations, residual_stream_at
 from tensoralg.transformer import BilinearTransformer
 
@@ -163,12 +164,32 @@ def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch):
     assert not out.exists()
 
 
-def test_too_many_windows_names_the_held_out_size(tmp_path):
+def test_too_many_windows_names_the_held_out_size(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     save_checkpoint(ck, BilinearTransformer(97, 8, 1, 2, 4, n_ctx=6, seed=0), step=0)
     # 20,480 characters = 20 segments of 1,024, two held out: 2,048 tokens = 341 windows of 6
     with pytest.raises(ValueError, match="n_windows: 100000 windows .* has 341$"):
         extract_transformer_activations(tmp_path / "x.npy", ck, n_chars=CHARS, n_windows=100_000)
+    # without a checkpoint: refused before a model is trained (2,048 // 16 = 128 windows)
+    monkeypatch.setattr(ta_acts, "train_quick_transformer", lambda *a, **k: pytest.fail("trained"))
+    with pytest.raises(ValueError, match="n_windows: 129 windows of n_ctx=16 .* has 128$"):
+        extract_transformer_activations(tmp_path / "x.npy", None, n_chars=CHARS, n_windows=129)
+    with pytest.raises(ValueError, match="train: --n-ctx: expected >= 4"):
+        extract_transformer_activations(tmp_path / "x.npy", None, train={"n_ctx": 2})
+
+
+def test_extraction_in_several_forward_batches_is_the_same(tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    save_checkpoint(ck, BilinearTransformer(97, 8, 2, 2, 4, 8, n_ctx=6, seed=2), step=0)
+    kw = dict(n_chars=CHARS, n_windows=30, dtype="float64")
+    one = extract_transformer_activations(tmp_path / "a.npy", ck, 1, **kw)
+    monkeypatch.setattr(ta_acts, "WINDOW_BATCH_TOKENS", 6 * 7)     # 5 batches: 7+7+7+7+2
+    more = extract_transformer_activations(tmp_path / "b.npy", ck, 1, **kw)
+    assert one["window_order"] == more["window_order"]
+    a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    # windows do not interact: the same float64 sums per window, at most in another BLAS
+    # blocking order for another batch size (rounding ~1e-16 relative per operation)
+    assert a.shape == (180, 8) and np.max(np.abs(a - b)) <= 1e-12 * np.max(np.abs(a))
 
 
 def test_cli_errors_name_the_flags(tmp_path, capsys, monkeypatch):

@@ -43,6 +43,7 @@ __all__ = ["QUICK_MODEL", "residual_stream_at", "train_quick_transformer",
 QUICK_MODEL = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, n_ctx=16,
                    rope=10000.0, steps=600, batch_size=64, lr=5e-3, grad_clip=1.0)
 DEFAULT_CHARS = 200_000
+WINDOW_BATCH_TOKENS = 16_384     # tokens per forward pass in the extraction
 
 
 def residual_stream_at(model, tokens, layer: int | None = None):
@@ -183,6 +184,11 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
         if bad:
             raise ValueError(f"train: unknown settings {sorted(bad)}; expected some of "
                              f"{sorted(QUICK_MODEL)}")
+        try:    # the language audit's own checks of the sizes, before any work
+            LanguageConfig(**{**QUICK_MODEL, **(train or {}), "seed": seed, "checkpoints": 2,
+                              "eval_windows": 1, "mc_pairs": 0}).validate()
+        except ValueError as exc:
+            raise ValueError(f"train: {exc}") from None
         n_layers = (train or {}).get("n_layers", QUICK_MODEL["n_layers"])
         layer = _check_layer(layer, n_layers, "layer")
         if save_checkpoint_to is not None:
@@ -192,6 +198,13 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
                 raise ValueError(f"save_checkpoint_to: {save_checkpoint_to} exists; give a new "
                                  f"path")
     corpus = load_corpus(n_chars)
+    n_ctx = (model.hparams["n_ctx"] if checkpoint is not None
+             else (train or {}).get("n_ctx", QUICK_MODEL["n_ctx"]))
+    available = len(corpus.held_out) // n_ctx
+    count = available if n_windows is None else n_windows
+    if count > available:        # checked before a model is trained here
+        raise ValueError(f"n_windows: {count} windows of n_ctx={n_ctx} tokens requested, the "
+                         f"held-out text of n_chars={n_chars} has {available}")
     info: dict[str, Any] = {"source": "bilinear transformer residual stream",
                             "corpus": {k: corpus.provenance[k] for k in (
                                 "source", "python_version", "n_chars_requested", "n_chars",
@@ -223,19 +236,15 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
                                 f"{corpus.provenance['sha256_text'][:12]}...); use the run's "
                                 f"n_chars (language.json: config.n_chars) to make the text "
                                 f"held out")
-    n_ctx = model.hparams["n_ctx"]
-    available = len(corpus.held_out) // n_ctx
-    count = available if n_windows is None else n_windows
-    if count > available:
-        raise ValueError(f"n_windows: {count} windows of n_ctx={n_ctx} tokens requested, the "
-                         f"held-out text of n_chars={n_chars} has {available}")
+    assert model.hparams["n_ctx"] == n_ctx
     W = eval_windows(corpus.held_out, n_ctx, count)
     order = np.random.default_rng(seed).permutation(count)
-    W = W[order]
+    W = torch.as_tensor(W[order])
     m64 = model.double().eval()
-    with torch.no_grad():
-        h = residual_stream_at(m64, torch.as_tensor(W), layer)
-    acts = h.reshape(-1, h.shape[-1]).numpy().astype(dtype)
+    # batches of windows bound the (batch, heads, n_ctx, n_ctx) attention patterns' memory
+    per = max(1, WINDOW_BATCH_TOKENS // n_ctx)
+    acts = np.concatenate([residual_stream_at(m64, W[i:i + per], layer).reshape(
+        -1, m64.hparams["d_model"]).numpy() for i in range(0, count, per)]).astype(dtype)
     if not np.isfinite(acts).all():
         raise ValueError(f"checkpoint: the residual stream has non-finite entries at layer "
                          f"{layer}")
