@@ -36,12 +36,12 @@ BASE_REV = "15ea9a9"   # the last commit before the top-k speed-up (013aca4)
 _SRC = ("tensoralg/sae/models.py", "tensoralg/sae/_seeds.py")
 
 
-def load_before(rev: str = BASE_REV, tmp: str | None = None):
+def load_before(rev: str = BASE_REV, tmp: str | None = None, name: str = "_sae_before"):
     """``tensoralg/sae/models.py`` as of commit ``rev``, imported from that commit's files.
 
     ``git archive`` (read-only: no worktree or ref is added to the repository) writes the old
     ``models.py`` and the ``_seeds.py`` it imports into a temporary folder as a package
-    ``_sae_before``; nothing of the old code is kept in the tree.
+    ``name`` (default ``_sae_before``); nothing of the old code is kept in the tree.
     """
     root = Path(__file__).resolve().parent.parent
     try:
@@ -51,20 +51,19 @@ def load_before(rev: str = BASE_REV, tmp: str | None = None):
         err = getattr(exc, "stderr", b"") or b""
         raise SystemExit(f"--speed needs the git history of this checkout (commit {rev}): "
                          f"{err.decode(errors='replace').strip() or exc}") from None
-    folder = Path(tmp or tempfile.mkdtemp(prefix="sae_before_")) / "_sae_before"   # tmp: caller cleans
+    folder = Path(tmp or tempfile.mkdtemp(prefix="sae_before_")) / name   # tmp: caller cleans
     folder.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
         for member in tf.getmembers():
             if member.isfile():
                 (folder / Path(member.name).name).write_bytes(tf.extractfile(member).read())
     (folder / "__init__.py").write_text("")
-    spec = importlib.util.spec_from_file_location("_sae_before", folder / "__init__.py",
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     pkg = importlib.util.module_from_spec(spec)
-    sys.modules["_sae_before"] = pkg
+    sys.modules[name] = pkg
     spec.loader.exec_module(pkg)
-    import _sae_before.models as before  # noqa: E402  (the package registered just above)
-    return before
+    return importlib.import_module(f"{name}.models")   # the package registered just above
 
 
 def _samples_per_s(x, preset, d, m, k, steps, batch_size, before) -> float:
@@ -83,20 +82,26 @@ def _samples_per_s(x, preset, d, m, k, steps, batch_size, before) -> float:
 
 
 def speed(reps: int = 5, steps: int = 20, d: int = 64, m: int = 256, k: int = 8,
-          batch_size: int = 1024, rev: str = BASE_REV) -> dict:
+          batch_size: int = 1024, rev: str = BASE_REV, also: str | None = None) -> dict:
     """Samples/s of training with today's model code and with that of commit ``rev`` (full
-    stable-sort selection), interleaved ``reps`` times; medians and their ratio per preset."""
+    stable-sort selection), interleaved ``reps`` times; medians and their ratio per preset.
+    ``also``: a third commit timed in the same interleaved loop (``out[preset]["also"]``)."""
     with tempfile.TemporaryDirectory() as tmp:   # imported modules need no files afterwards
         _before = load_before(rev, tmp)
+        _also = load_before(also, tmp, "_sae_also") if also else None
     x = make_synthetic(8 * batch_size, d, m, k, seed=0).x
     out = {}
     for preset in ("topk", "abstopk", "isae-me"):
-        new, old = [], []
+        new, old, mid = [], [], []
         for _ in range(reps):
             new.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, None))
             old.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, _before))
+            if _also is not None:
+                mid.append(_samples_per_s(x, preset, d, m, k, steps, batch_size, _also))
         out[preset] = {"new": statistics.median(new), "old": statistics.median(old)}
         out[preset]["ratio"] = out[preset]["new"] / out[preset]["old"]
+        if mid:
+            out[preset]["also"] = statistics.median(mid)
     # the selection alone, on one (batch, m) score matrix
     s = torch.randn(batch_size, m, generator=torch.Generator().manual_seed(1))
     tn, to = [], []
@@ -125,15 +130,23 @@ def main() -> None:
     ap.add_argument("--base-rev", default=BASE_REV,
                     help=f"commit whose tensoralg/sae/models.py is the 'before' arm (--speed; "
                          f"default {BASE_REV})")
+    ap.add_argument("--also-rev", default=None,
+                    help="a third commit timed in the same interleaved loop (--speed; e.g. the "
+                         "commit before a later speed-up)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.speed:
-        r = speed(reps=args.reps, rev=args.base_rev)
+        r = speed(reps=args.reps, rev=args.base_rev, also=args.also_rev)
         print("training samples/s, d=64 m=256 k=8 batch 1024, one thread, medians of "
               f"{args.reps} interleaved runs")
-        print(f"preset     now (topk + embedding_bag)   before ({args.base_rev}, full sort)   ratio")
+        also = f"   {args.also_rev:>10s}  now/{args.also_rev}" if args.also_rev else ""
+        print(f"preset     now (topk + embedding_bag)   before ({args.base_rev}, full sort)   "
+              f"ratio{also}")
         for p in ("topk", "abstopk", "isae-me"):
-            print(f"{p:9s}  {r[p]['new']:26.0f}   {r[p]['old']:18.0f}   {r[p]['ratio']:.2f}x")
+            extra = (f"   {r[p]['also']:10.0f}  {r[p]['new'] / r[p]['also']:.2f}x"
+                     if "also" in r[p] else "")
+            print(f"{p:9s}  {r[p]['new']:26.0f}   {r[p]['old']:18.0f}   {r[p]['ratio']:.2f}x"
+                  f"{extra}")
         sm = r["select_ms"]
         print(f"selection alone on (1024, 256), k=8: {sm['new']:.2f} ms vs {sm['old']:.2f} ms "
               f"({sm['old'] / sm['new']:.2f}x)")

@@ -115,12 +115,24 @@ def _dense_reference_loss(sae, x, dead):
     return total + cfg.auxk_alpha * aux, z
 
 
-@pytest.mark.parametrize("preset", ["topk", "abstopk", "isae-me"])
-def test_sparse_decoding_path_equals_the_dense_codes(preset):
+@pytest.mark.parametrize("preset,n", [("topk", 64), ("abstopk", 64), ("isae-me", 64),
+                                      ("isae-me", 2)])
+def test_sparse_decoding_path_equals_the_dense_codes(preset, n, monkeypatch):
     """embedding_bag decoding (k atoms per row) = dense ``z @ W_dec``: loss, codes and every
-    gradient to 1e-12 relative in float64."""
+    gradient to 1e-12 relative in float64. The multi-step encoder takes its ``W_dec Γ`` form at
+    n=64 (5·64·(8·24 + 3·8) = 69,120 multiply-adds per call the plain way, 64·8·24 + 24·8·24 +
+    5·64·3·24 = 39,936 that way) and the plain ``(x - b_dec - z W_dec) Γ`` form at n=2
+    (2,160 against 5,712); the weights that embedding_bag sums tell which ran."""
+    import torch.nn.functional as F
+    real_bag, seen = F.embedding_bag, []
+
+    def spy(idx, weight, *a, **kw):
+        seen.append(tuple(weight.shape))
+        return real_bag(idx, weight, *a, **kw)
+
+    monkeypatch.setattr(models.F, "embedding_bag", spy)
     cfg = make_config(preset, 8, 24, 3, dtype="float64")
-    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     dead = torch.zeros(24, dtype=torch.bool)
     dead[1::4] = True
     a, b = SparseAutoencoder(cfg, seed=7), SparseAutoencoder(cfg, seed=7)
@@ -136,6 +148,8 @@ def test_sparse_decoding_path_equals_the_dense_codes(preset):
     torch.testing.assert_close(parts["z"], ref_z, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(parts["loss"], ref_loss, rtol=1e-12, atol=0)
     assert float(parts["aux"]) > 0
-    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-14, msg=n)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-14, msg=name)
+    if preset == "isae-me":
+        assert ((24, 24) in seen) == (n == 64), seen
     torch.testing.assert_close(a.encode(x), ref_z.detach(), rtol=1e-12, atol=1e-14)

@@ -18,7 +18,10 @@ Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
 * :mod:`tensoralg.sae.pursuit` — batched :func:`omp` (exported as ``tensoralg.sae.omp``);
 * :mod:`tensoralg.sae.presets` — ``topk``, ``abstopk``, ``isae``, ``isae-me``;
 * :mod:`tensoralg.sae.bench` — :func:`run_bench`;
-* :mod:`tensoralg.sae.activations` — hidden states of all-MiniLM-L6-v2 (optional extra).
+* :mod:`tensoralg.sae.activations` — hidden states of all-MiniLM-L6-v2 (optional extra);
+* :mod:`tensoralg.sae.transformer_acts` — the residual stream of a
+  :class:`~tensoralg.transformer.BilinearTransformer` on held-out corpus text (offline;
+  :func:`extract_transformer_activations`, :func:`residual_stream_at`).
 
 The stability metrics live in :mod:`verify.identifiability`.
 """
@@ -34,7 +37,8 @@ _EXPORTS = {
     "save_sae": "formats", "TrainingDiverged": "training",
     "make_synthetic": "synthetic", "SyntheticData": "synthetic",
     "omp": "pursuit", "PRESETS": "presets", "make_config": "presets",
-    "run_bench": "bench",
+    "run_bench": "bench", "extract_transformer_activations": "transformer_acts",
+    "residual_stream_at": "transformer_acts",
 }
 
 __all__ = sorted(_EXPORTS)

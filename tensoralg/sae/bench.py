@@ -4,6 +4,8 @@ activations), with run-to-run stability, ground-truth recovery, the OMP oracle a
 Per preset (means over seeds, or over seed pairs for the cross-seed numbers), on held-out data:
 
 * ``fvu`` — fraction of variance unexplained ``Σ‖x - x_hat‖² / Σ‖x - mean x‖²``;
+* ``l0`` — mean number of non-zero code entries per held-out row; ``dead_latents`` — latents
+  that are zero on every held-out row (mean over seeds);
 * ``dcs``, ``code_iou``, ``code_l2`` — :mod:`verify.identifiability` between every two seeds;
 * ``gt_dcs``, ``gt_code_iou``, ``gt_code_l2`` — against the true dictionary and codes;
 * ``rip_delta`` — max over observed supports of ``max(λ_max(G_S) - 1, 1 - λ_min(G_S))`` of the
@@ -157,6 +159,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                              f"eval_fraction={eval_fraction}")
         x_train, x_eval = full[:-n_eval], full[-n_eval:]
         cfg["d"], cfg["n_train"], cfg["n_eval"] = full.shape[1], len(x_train), n_eval
+        cfg["noise"] = None          # a property of the synthetic data only
         D_true = Z_true = None
     results: dict = {}
     k = cfg["k"]
@@ -199,11 +202,16 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                 Dr.append(init.W_dec.detach().clone()); Zr.append(zr); fr.append(_fvu(x_eval, init.decode(zr)))
             Ds.append(D); Zs.append(z); fvus.append(f); rips.append(rc["delta_max"]); ripm.append(rc["delta_mean"])
             Zomp.append(zo); fomp.append(fo)
+            active = z != 0
             per_seed.append({"seed": seed_i, "fvu": f, "rip_delta": rc["delta_max"],
+                             "l0": float(active.sum(1).double().mean()),
+                             "dead_latents": int((~active.any(0)).sum()),
                              "eval_seconds": time.time() - ts,
                              "plateau_change": plateau_change(hist, cfg["steps"])})
             log(f"  {name:8s} seed {seed_i}: fvu {f:.4f}  rip_delta {rc['delta_max']:.3f}  ({time.time() - ts:.1f}s)")
-        res = {"fvu": _mean(fvus), "fvu_std": float(np.std(fvus))}
+        res = {"fvu": _mean(fvus), "fvu_std": float(np.std(fvus)),
+               "l0": _mean([p["l0"] for p in per_seed]),
+               "dead_latents": _mean([p["dead_latents"] for p in per_seed])}
         res.update(_pairwise(Ds, Zs, compare))
         if synthetic:
             res.update(_gt(D_true, Z_true, Ds, Zs, compare))
@@ -278,17 +286,18 @@ def _fmt(v) -> str:
 def format_table(r: dict) -> str:
     """Markdown table of a :func:`run_bench` result."""
     names = [n for n in r["config"]["presets"]]
-    cols = ["fvu", "dcs", "code_iou", "code_l2", "gt_dcs", "gt_code_iou", "gt_code_l2", "rip_delta"]
+    cols = ["fvu", "l0", "dead", "dcs", "code_iou", "code_l2", "gt_dcs", "gt_code_iou",
+            "gt_code_l2", "rip_delta"]
     lines = ["| preset | " + " | ".join(cols) + " | omp gt_iou | omp iou | rand dcs | rand iou |",
              "|---" * (len(cols) + 5) + "|"]
     for n in names:
-        p = r[n]
-        lines.append(f"| {n} | " + " | ".join(_fmt(p[c]) for c in cols) +
+        p = {**r[n], "dead": r[n].get("dead_latents")}
+        lines.append(f"| {n} | " + " | ".join(_fmt(p.get(c)) for c in cols) +
                      f" | {_fmt(p['omp'].get('gt_code_iou'))} | {_fmt(p['omp']['code_iou'])} |"
                      f" {_fmt(p['random_init']['dcs'])} | {_fmt(p['random_init']['code_iou'])} |")
     if "oracle" in r:
         o = r["oracle"]
-        lines.append(f"| OMP oracle (true D) | {_fmt(o['fvu'])} | — | — | — | 1.000 | "
+        lines.append(f"| OMP oracle (true D) | {_fmt(o['fvu'])} | — | — | — | — | — | 1.000 | "
                      f"{_fmt(o['gt_code_iou'])} | {_fmt(o['gt_code_l2'])} | {_fmt(o['rip_delta'])} | — | — | — | — |")
     if r.get("findings"):
         lines.append("")

@@ -304,19 +304,90 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+_MINILM_ONLY = (("--max-texts", "max_texts", 2000), ("--max-tokens", "max_tokens", 64),
+                ("--batch-size", "batch_size", 32))
+_TRANSFORMER_ONLY = (("--checkpoint", "checkpoint"), ("--chars", "chars"),
+                     ("--windows", "windows"), ("--train-steps", "train_steps"),
+                     ("--save-checkpoint", "save_checkpoint"), ("--seed", "seed"),
+                     ("--dtype", "dtype"))
+
+
 def _cmd_activations(args) -> int:
+    if args.source == "transformer":
+        return _cmd_activations_transformer(args)
     from .activations import extract_activations, real_extra_available
 
+    given = [flag for flag, key in _TRANSFORMER_ONLY if getattr(args, key) is not None]
+    if given:
+        raise ValueError(f"{given[0]}: only for --source transformer (the MiniLM source takes "
+                         f"--layer, --max-texts, --max-tokens, --batch-size)")
+    for flag, key, default in _MINILM_ONLY:
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     ok, why = real_extra_available()
     if not ok:    # one line through the CLI's error handler, not an ImportError traceback
         raise ValueError(f"the optional extra is missing: {why}")
     if args.json:
         from ..audit.common import check_file_writable
         check_file_writable(args.json, "--json")
-    info = extract_activations(args.out, layer=args.layer, max_texts=args.max_texts,
+    layer = 3 if args.layer is None else args.layer
+    info = extract_activations(args.out, layer=layer, max_texts=args.max_texts,
                                max_tokens=args.max_tokens, batch_size=args.batch_size)
     print(f"wrote {info['shape'][0]} x {info['shape'][1]} activations of layer {info['layer']} "
           f"({info['model']}) -> {args.out}")
+    if args.json:
+        _write_json(args.json, _stamp(info, args))
+    return 0
+
+
+def _cmd_activations_transformer(args) -> int:
+    from .transformer_acts import DEFAULT_CHARS, extract_transformer_activations
+
+    given = [flag for flag, key, _ in _MINILM_ONLY if getattr(args, key) is not None]
+    if given:
+        raise ValueError(f"{given[0]}: only for --source minilm (the transformer source reads "
+                         f"held-out windows of the model's context length; see --windows)")
+    if args.checkpoint is not None:
+        for flag, key in (("--train-steps", "train_steps"), ("--save-checkpoint", "save_checkpoint")):
+            if getattr(args, key) is not None:
+                raise ValueError(f"{flag}: trains a model here, which --checkpoint "
+                                 f"{args.checkpoint} replaces; give one or the other")
+    _check_int(args.train_steps, "--train-steps", 1)
+    _check_int(args.seed, "--seed", 0)
+    _check_int(args.windows, "--windows", 1)
+    if args.json:
+        from ..audit.common import check_file_writable
+        check_file_writable(args.json, "--json")
+    train = {"steps": args.train_steps} if args.train_steps is not None else None
+    try:
+        info = extract_transformer_activations(
+            args.out, args.checkpoint, args.layer,
+            n_chars=DEFAULT_CHARS if args.chars is None else args.chars, n_windows=args.windows,
+            seed=0 if args.seed is None else args.seed, train=train,
+            save_checkpoint_to=args.save_checkpoint, dtype=args.dtype or "float32")
+    except ValueError as exc:   # name the CLI's flags, not the function's arguments
+        msg = str(exc)
+        for arg, flag in (("checkpoint:", "--checkpoint:"), ("layer:", "--layer:"),
+                          ("n_windows:", "--windows:"), ("n_chars:", "--chars:"),
+                          ("out:", "--out:"), ("save_checkpoint_to:", "--save-checkpoint:")):
+            if msg.startswith(arg):
+                msg = flag + msg[len(arg):]
+                break
+        raise ValueError(msg) from None
+    except FileNotFoundError as exc:
+        msg = str(exc)
+        raise FileNotFoundError(msg.replace("checkpoint:", "--checkpoint:", 1)
+                                if msg.startswith("checkpoint:") else msg) from None
+    m = info["model"]
+    how = (f"checkpoint {m['checkpoint']} (step {m['step']})" if not m["trained_here"] else
+           f"a model trained here ({m['config']['steps']} steps, final train loss "
+           f"{m['final_train_loss']:.3f}" + (f", saved to {m['saved_to']}" if "saved_to" in m
+                                             else "") + ")")
+    print(f"wrote {info['shape'][0]} x {info['shape'][1]} residual-stream activations "
+          f"({info['layer_meaning']}, layer {info['layer']} of {info['n_layers']}) of "
+          f"{info['n_windows']} held-out windows of {info['n_ctx']} tokens, from {how} -> "
+          f"{args.out} (+ .json)")
+    print(f"held-out text: {info['held_out']}")
     if args.json:
         _write_json(args.json, _stamp(info, args))
     return 0
@@ -444,14 +515,47 @@ def add_parsers(sub) -> None:
     b.add_argument("--quiet", action="store_true", help="no per-seed log lines (default: printed)")
     b.set_defaults(func=_cmd_bench)
 
-    a = ss.add_parser("activations", help="extract hidden states of all-MiniLM-L6-v2 (optional extra)")
-    a.add_argument("--out", required=True, help="output .npy (required)")
-    a.add_argument("--layer", type=int, default=3,
-                   help="hidden-state index, 0 = embeddings, 1..6 (default 3)")
-    a.add_argument("--max-texts", type=int, default=2000,
-                   help="standard-library docstring paragraphs (default 2000)")
-    a.add_argument("--max-tokens", type=int, default=64, help="truncation length (default 64)")
-    a.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    a = ss.add_parser("activations", help="extract real activations: hidden states of "
+                                          "all-MiniLM-L6-v2 (optional extra) or the residual "
+                                          "stream of a bilinear transformer (offline)")
+    a.add_argument("--source", choices=("minilm", "transformer"), default="minilm",
+                   help="minilm (default): all-MiniLM-L6-v2 on standard-library docstrings "
+                        "(optional extra tensoralg[real]); transformer: the residual stream of a "
+                        "tensoralg BilinearTransformer (--checkpoint, or one trained here) on "
+                        "held-out standard-library source (tensoralg.corpus)")
+    a.add_argument("--out", required=True, help="output .npy (required); the extraction info "
+                                                "is written next to it as OUT.json")
+    a.add_argument("--layer", type=int, default=None,
+                   help="minilm: hidden-state index, 0 = embeddings, 1..6 (default 3); "
+                        "transformer: residual stream after block L, 0 = embedding, n_layers = "
+                        "final (default: final)")
+    a.add_argument("--max-texts", type=int, default=None,
+                   help="minilm: standard-library docstring paragraphs (default 2000)")
+    a.add_argument("--max-tokens", type=int, default=None,
+                   help="minilm: truncation length (default 64)")
+    a.add_argument("--batch-size", type=int, default=None,
+                   help="minilm: texts per forward pass (default 32)")
+    a.add_argument("--checkpoint", default=None,
+                   help="transformer: checkpoint folder (weights.safetensors + cfg.json, e.g. "
+                        "`audit language`'s checkpoints/step_*); default: train a small one here "
+                        "(2 blocks, d_model 32, context 16, ~25 s on one core)")
+    a.add_argument("--chars", type=int, default=None,
+                   help="transformer: corpus selection size in characters (default 200000, "
+                        "~10 %% held out); give the language run's --chars to keep its "
+                        "checkpoints' text held out")
+    a.add_argument("--windows", type=int, default=None,
+                   help="transformer: held-out windows of n_ctx tokens, one row per position "
+                        "(default: all of them)")
+    a.add_argument("--train-steps", type=int, default=None,
+                   help="transformer without --checkpoint: training steps (default 600)")
+    a.add_argument("--save-checkpoint", default=None,
+                   help="transformer without --checkpoint: save the model trained here to this "
+                        "new folder (default: not saved)")
+    a.add_argument("--seed", type=int, default=None,
+                   help="transformer: seed of the window order and of the model trained here "
+                        "(default 0)")
+    a.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="transformer: dtype of the .npy (default float32; computed in float64)")
     a.add_argument("--json", help="also write the extraction info as JSON here (default: none)")
     add_threads_option(a)
     a.set_defaults(func=_cmd_activations)

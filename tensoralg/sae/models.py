@@ -438,16 +438,29 @@ class SparseAutoencoder(nn.Module):
         """``(idx, vals, pre)`` of already normalized ``x``: the code in sparse form and the
         first pre-activation. The multi-step refinement
         ``z_t = act(z_{t-1} + (x - b_dec - z_{t-1} W_dec) Γ)`` is computed as
-        ``act(scatter_add((x - b_dec - decode_sparse(z_{t-1})) Γ, z_{t-1}))``."""
+        ``act(scatter_add((x - b_dec) Γ - z_{t-1} (W_dec Γ), z_{t-1}))`` with ``(x - b_dec) Γ``
+        and ``W_dec Γ`` ``(d_sae, d_sae)`` formed once per call and ``z_{t-1} (W_dec Γ)`` summed
+        over the ``k`` selected rows (``embedding_bag``): ``n d m + m d m + T n k m``
+        multiply-adds instead of ``T n (d m + k d)``. It is used when that is fewer (large
+        batches; small ones, e.g. inference on a few rows, keep ``(x - b_dec - z W_dec) Γ``
+        per step); both are the same sums in another order (equal to rounding)."""
         pre = self.pre_activation(x)
         idx, vals = self._select(pre)
         n_steps = self.cfg.n_steps if self.refine_steps is None else self.refine_steps
         if self.cfg.encoder == "multistep" and n_steps > 0:
             gamma = self.step_matrix()
             xc = x - self.b_dec
-            for _ in range(n_steps):
-                step = (xc - self._decode_sparse(idx, vals)) @ gamma
-                idx, vals = self._select(step.scatter_add(-1, idx, vals))
+            n, d, m, k = x.shape[0], self.cfg.d_in, self.cfg.d_sae, self.cfg.k
+            if n * d * m + m * d * m + n_steps * n * k * m < n_steps * n * (d * m + k * d):
+                base, dec_gamma = xc @ gamma, self.W_dec @ gamma
+                for _ in range(n_steps):
+                    step = base - F.embedding_bag(idx, dec_gamma, per_sample_weights=vals,
+                                                  mode="sum")
+                    idx, vals = self._select(step.scatter_add(-1, idx, vals))
+            else:
+                for _ in range(n_steps):
+                    step = (xc - self._decode_sparse(idx, vals)) @ gamma
+                    idx, vals = self._select(step.scatter_add(-1, idx, vals))
         return idx, vals, pre
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
