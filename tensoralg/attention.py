@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -775,7 +776,7 @@ def count_configurations(a: Any, b: Any, n_ctx: Any = None) -> int:
 
 def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position: Any = None,
                 backend: str = "numpy", strategy: str = "chaos",
-                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS):
+                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, device: Any = None):
     """Exact Gaussian inner product ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence
     models with at most one bilinear attention layer each (module docstring; DESIGN 3.7).
 
@@ -788,8 +789,9 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
             ``"each"`` (an array over outputs).
         position: None (sum over query positions ``t``), an int ``t``, or ``"each"`` (an array
             over positions; with ``output="each"`` an array ``(n_ctx, d_out)``).
-        backend: ``"numpy"`` (float64) or ``"exact"`` (rationals: floats are taken exactly,
-            ``Fraction(float)``; RoPE rotations are the float64 values of
+        backend: ``"numpy"`` (float64), ``"torch"`` (float64; the larger contractions run in
+            torch on ``device``, default CUDA when available) or ``"exact"`` (rationals: floats
+            are taken exactly, ``Fraction(float)``; RoPE rotations are the float64 values of
             :func:`tensoralg.layers.rope_rotations`, taken exactly).
         strategy: ``"chaos"`` (default: per-model sums over internal matchings, then
             bijections of the open legs) or ``"matchings"`` (one contraction per partial
@@ -805,10 +807,14 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
             that disagrees with a mask, a bad ``output``/``position``, over
             ``max_configurations``; all before any contraction.
     """
-    if backend not in ("numpy", "exact"):
-        raise ValueError(f"backend: expected 'numpy' or 'exact', got {backend!r}")
+    if backend not in ("numpy", "exact", "torch"):
+        raise ValueError(f"backend: expected 'numpy', 'torch' or 'exact', got {backend!r}")
     if strategy not in ("chaos", "matchings"):
         raise ValueError(f"strategy: expected 'chaos' or 'matchings', got {strategy!r}")
+    if device is not None and backend != "torch":
+        raise ValueError(f"device: only backend='torch' runs on a device; backend={backend!r} "
+                         f"computes on the CPU (got device={device!r})")
+    ctx = _torch_backend("torch" if backend == "torch" else "numpy", device, "exact_inner")
     a, b, n_ctx = _check_pair(a, b, n_ctx)
     _check_slices(output, position, a.out_features, n_ctx)
     exact = backend == "exact"
@@ -833,13 +839,14 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
             if val is not None:
                 total = val if total is None else total + val
     else:
-        sides_a = [_Side(x, "a", np.einsum, n_ctx, exact) for x in pa.terms]
-        sides_b = [_Side(y, "b", np.einsum, n_ctx, exact) for y in pb.terms]
-        for x in sides_a:
-            for y in sides_b:
-                val, _ = _chaos_pair(x, y, sel, out_mode, np.einsum, max_configurations)
-                if val is not None:
-                    total = val if total is None else total + val
+        with ctx:
+            sides_a = [_Side(x, "a", np.einsum, n_ctx, exact) for x in pa.terms]
+            sides_b = [_Side(y, "b", np.einsum, n_ctx, exact) for y in pb.terms]
+            for x in sides_a:
+                for y in sides_b:
+                    val, _ = _chaos_pair(x, y, sel, out_mode, np.einsum, max_configurations)
+                    if val is not None:
+                        total = val if total is None else total + val
     if total is None:
         zero = Fraction(0) if exact else 0.0
         shape = tuple(n_ctx if x == "t" else pa.d_out for x in out_mode)
@@ -1213,6 +1220,16 @@ class _PairStep:
         self.perm_c = tuple(mid.index(x) for x in lo)
 
     def __call__(self, A, B):
+        if not isinstance(A, np.ndarray) and hasattr(A, "permute"):   # torch tensors
+            import torch
+
+            if self.sum_a:
+                A = A.sum(dim=self.sum_a)
+            if self.sum_b:
+                B = B.sum(dim=self.sum_b)
+            A = A.permute(self.perm_a).reshape(self.shape_a)
+            B = B.permute(self.perm_b).reshape(self.shape_b)
+            return torch.matmul(A, B).reshape(self.shape_c).permute(self.perm_c)
         A, B = np.asarray(A), np.asarray(B)   # an object einsum may return a bare Fraction
         if self.sum_a:
             A = np.asarray(A.sum(axis=self.sum_a))
@@ -1232,6 +1249,7 @@ class _Plan:
     def __init__(self, sub: str, shapes):
         _, info = oe.contract_path(sub, *shapes, shapes=True, optimize="greedy")
         self.steps = [(inds, es) for inds, _, es, *_ in info.contraction_list]
+        self.flops = float(info.opt_cost)
         self.compiled = None
 
     def _compile(self, ops):
@@ -1247,33 +1265,108 @@ class _Plan:
                 size = {}
                 for lab, sh in zip(lhs.split(","), tmp):
                     size.update(zip(lab, sh))
-                step = (lambda e: (lambda *xs: np.einsum(e, *xs)))(es)
+                step = (lambda e: (lambda *xs: _einsum_any(e, *xs)))(es)
                 shapes.append(tuple(size[x] for x in lo))
             compiled.append((inds, step))
         return compiled
 
-    def __call__(self, *ops):
+    def __call__(self, *ops, keep=None):
         if self.compiled is None:
             self.compiled = self._compile(ops)
-        ops = list(ops)
+        on_torch = _torch_exec() is not None and self.flops >= _TORCH.min_flops and \
+            ops[0].dtype != object
+        if on_torch:
+            ops = [_to_device(o, keep is None or keep[k]) for k, o in enumerate(ops)]
+        else:
+            ops = list(ops)
         for inds, step in self.compiled:
             tmp = [ops.pop(x) for x in inds]
             ops.append(step(*tmp))
-        return ops[0]
+        return ops[0].cpu().numpy() if on_torch else ops[0]
 
 
-def _ein(sub: str, *ops):
+def _einsum_any(es: str, *xs):
+    if xs and not isinstance(xs[0], np.ndarray) and hasattr(xs[0], "permute"):
+        import torch
+
+        return torch.einsum(es, *xs)
+    return np.einsum(es, *xs)
+
+
+# torch execution of the contractions (backend="torch"): set by _torch_backend for one call;
+# contractions with a path cost of at least min_flops run on the device, the rest in numpy
+_TORCH = threading.local()
+
+
+def _torch_exec():
+    return getattr(_TORCH, "exec", None)
+
+
+def _to_device(arr, cache: bool):
+    """``arr`` (float64 numpy) as a torch tensor on the current device; operands reused by
+    many contractions (the chaos coefficients, covariances) are uploaded once per call (kept
+    with a reference to the array, so that its ``id`` is not reused while cached)."""
+    torch, dev, uploaded = _TORCH.exec
+    if not cache:
+        return torch.from_numpy(np.ascontiguousarray(arr)).to(dev)
+    hit = uploaded.get(id(arr))
+    if hit is None or hit[0] is not arr:
+        hit = uploaded[id(arr)] = (arr, torch.from_numpy(np.ascontiguousarray(arr)).to(dev))
+    return hit[1]
+
+
+class _torch_backend:
+    """Context for one call with ``backend="torch"``: the larger contractions run in torch
+    float64 on ``device`` (CUDA when available and ``device`` is None), the bookkeeping and
+    the sums of the chaos form in numpy (same values up to float64 rounding)."""
+
+    def __init__(self, backend: str, device: Any, name: str):
+        if backend not in ("numpy", "torch"):
+            raise ValueError(f"backend: {name} runs in float64 on 'numpy' or 'torch', got "
+                             f"{backend!r}")
+        if backend == "numpy" and device is not None:
+            raise ValueError(f"device: only backend='torch' runs on a device; backend='numpy' "
+                             f"computes on the CPU (got device={device!r})")
+        self.on = backend == "torch"
+        if self.on:
+            from .backends import torch_device
+
+            self.device = torch_device(device)
+
+    def __enter__(self):
+        if self.on:
+            import torch
+
+            self.prev = (_torch_exec(), getattr(_TORCH, "min_flops", 0.0))
+            _TORCH.exec = (torch, self.device, {})
+            # on a GPU the kernel launch (~10 us) only pays above ~1e6 flops; on a CPU torch's
+            # per-call overhead is several times numpy's matmul path on small operands
+            _TORCH.min_flops = 1e6 if self.device.type != "cpu" else _TORCH_CPU_FLOPS
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            _TORCH.exec, _TORCH.min_flops = self.prev
+        return False
+
+
+# with backend="torch" on a CPU, contractions from this cost on run in torch
+_TORCH_CPU_FLOPS = 2e5
+
+
+def _ein(sub: str, *ops, keep=None):
     """Contraction ``sub`` of ``ops`` (float64) along a path found once per (subscripts,
-    shapes); a single operand goes to ``numpy.einsum``."""
+    shapes); a single operand goes to ``numpy.einsum``. ``keep``: per operand, whether a torch
+    execution may keep its device copy for later contractions (False for temporaries)."""
     key = (sub,) + tuple(o.shape for o in ops)
     fn = _CLOSURE_EXPRS.get(key)
     if fn is None:
         if len(ops) == 1:
-            fn = (lambda s: (lambda x: np.einsum(s, x)))(sub)
+            fn = (lambda s: (lambda x, keep=None: np.einsum(s, x)))(sub)
         else:
             fn = _Plan(sub, [o.shape for o in ops])
         _CLOSURE_EXPRS[key] = fn
-    return fn(*ops)
+    return fn(*ops, keep=keep)
 
 
 def _unique(labels: str) -> str:
@@ -1459,7 +1552,7 @@ class _SumOfContractions:
             part = jobs[c0:c0 + chunk]
             ops = [jobs[0][p] if sh else np.stack([job[p] for job in part])
                    for p, sh in enumerate(shared)]
-            val = _ein(sub, *ops)
+            val = _ein(sub, *ops, keep=shared)
             total = val if total is None else total + val
         return total
 
@@ -1798,7 +1891,13 @@ def _n_stages(net: Layer, n_ctx: int, name: str) -> int:
     return len(_schedule(_closure_nodes(net, n_ctx, name))[0])
 
 
-def _closure_triple(a, b, n_ctx, output, position, need_self=True):
+def _closure_triple(a, b, n_ctx, output, position, need_self=True, backend="numpy",
+                    device=None):
+    with _torch_backend(backend, device, "the closure"):
+        return _closure_triple_run(a, b, n_ctx, output, position, need_self)
+
+
+def _closure_triple_run(a, b, n_ctx, output, position, need_self):
     a, b, n_ctx = _check_pair(a, b, n_ctx)
     _check_slices(output, position, a.out_features, n_ctx)
     a, b = a.astype_float(), b.astype_float()
@@ -1816,7 +1915,7 @@ def _closure_triple(a, b, n_ctx, output, position, need_self=True):
 
 
 def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
-                  position: Any = None):
+                  position: Any = None, backend: str = "numpy", device: Any = None):
     """Gaussian closure (APPROXIMATE at depth >= 2; exact at depth 1) of the inner product
     ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence models of any depth.
 
@@ -1878,23 +1977,29 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
             blocks; a Residual may hold ``[Linear...] layer [Linear...]``) with the same input
             and output sizes.
         n_ctx, output, position: as :func:`exact_inner`.
+        backend: ``"numpy"`` or ``"torch"`` (float64 both: the contractions above a size run
+            in torch on ``device``, default CUDA when available; the same sums, equal to
+            numpy's up to rounding, tested on the CPU).
+        device: a torch device (``backend="torch"`` only).
 
     Returns:
         float (or an array for ``"each"``), float64.
 
     Raises:
         ValueError: as :func:`exact_inner` for the pair and slices; a layer type the closure
-            does not handle, or a Residual holding more than one non-linear layer.
+            does not handle, or a Residual holding more than one non-linear layer; an unknown
+            backend, a device without ``backend="torch"``, CUDA asked for where it is absent.
     """
-    return _closure_triple(a, b, n_ctx, output, position, need_self=False)[1]
+    return _closure_triple(a, b, n_ctx, output, position, need_self=False, backend=backend,
+                           device=device)[1]
 
 
 def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
-                       position: Any = None):
+                       position: Any = None, backend: str = "numpy", device: Any = None):
     """``<a,b> / sqrt(<a,a> <b,b>)`` with the closure moments of one propagation
-    (APPROXIMATE at depth >= 2; see :func:`closure_inner` for what it is and its measured
-    error). Raises ValueError when a closure norm is zero."""
-    aa, ab, bb = _closure_triple(a, b, n_ctx, output, position)
+    (APPROXIMATE at depth >= 2; see :func:`closure_inner` for what it is, its measured error,
+    ``backend`` and ``device``). Raises ValueError when a closure norm is zero."""
+    aa, ab, bb = _closure_triple(a, b, n_ctx, output, position, backend=backend, device=device)
     if isinstance(ab, np.ndarray):
         return ab / np.sqrt(aa * bb)
     if aa <= 0 or bb <= 0:
@@ -1934,7 +2039,8 @@ def _closure_setup(nets, n_ctx, output, position, names):
 
 
 def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,
-                 similarity: bool = False) -> np.ndarray:
+                 similarity: bool = False, backend: str = "numpy",
+                 device: Any = None) -> np.ndarray:
     """Closure Gram matrix ``G[i, j] = closure_inner(models[i], models[j])`` (APPROXIMATE at
     depth >= 2, exact at depth 1; see :func:`closure_inner`), shape ``(N, N)`` (plus the
     position / output axes for ``"each"``); with ``similarity=True`` the matrix
@@ -1944,7 +2050,8 @@ def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any
     its terms in chaos form and its self readout ``G_ii`` -- is computed once per model; a pair
     only propagates its cross covariance and reads it out. Models of different depths are
     padded with identity stages, as in :func:`closure_inner`, so ``G[i, j]`` equals
-    ``closure_inner(models[i], models[j])`` exactly (same operations).
+    ``closure_inner(models[i], models[j])`` exactly (same operations). ``backend``,
+    ``device``: as :func:`closure_inner`.
 
     Raises:
         ValueError: as :func:`closure_inner` for any pair; an empty list; a zero closure norm
@@ -1953,12 +2060,13 @@ def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any
     nets, n_ctx = _check_models(models, n_ctx)
     _check_slices(output, position, nets[0].out_features, n_ctx)
     nets = [m.astype_float() for m in nets]
-    cm, args = _closure_setup(nets, n_ctx, output, position,
-                              [f"models[{i}]" for i in range(len(nets))])
     vals = {}
-    for i in range(len(cm)):
-        for j in range(i, len(cm)):
-            vals[(i, j)] = _closure_pair_value(cm[i], cm[j] if i != j else cm[i], *args)
+    with _torch_backend(backend, device, "closure_gram"):
+        cm, args = _closure_setup(nets, n_ctx, output, position,
+                                  [f"models[{i}]" for i in range(len(nets))])
+        for i in range(len(cm)):
+            for j in range(i, len(cm)):
+                vals[(i, j)] = _closure_pair_value(cm[i], cm[j] if i != j else cm[i], *args)
     shape = np.shape(vals[(0, 0)])
     G = np.empty((len(cm), len(cm)) + shape)
     for (i, j), v in vals.items():
@@ -1968,12 +2076,14 @@ def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any
 
 
 def closure_cross_gram(models_a, models_b, *, n_ctx: Any = None, output: Any = None,
-                       position: Any = None) -> np.ndarray:
+                       position: Any = None, backend: str = "numpy",
+                       device: Any = None) -> np.ndarray:
     """Closure cross Gram matrix ``G[i, j] = closure_inner(models_a[i], models_b[j])``
     (APPROXIMATE at depth >= 2, exact at depth 1; see :func:`closure_inner`), shape
     ``(N_a, N_b)`` (plus the position / output axes for ``"each"``): one off-diagonal block of
     :func:`closure_gram` of ``models_a + models_b``, computing only the cross pairs (per-model
     moments once per model). Equal to that block entry by entry (same operations).
+    ``backend``, ``device``: as :func:`closure_inner`.
 
     Raises:
         ValueError: as :func:`closure_inner` for any pair; an empty list.
@@ -1988,9 +2098,10 @@ def closure_cross_gram(models_a, models_b, *, n_ctx: Any = None, output: Any = N
     nets = [m.astype_float() for m in nets]
     names = [f"models_a[{i}]" for i in range(na)] + \
         [f"models_b[{j}]" for j in range(len(nets) - na)]
-    cm, args = _closure_setup(nets, n_ctx, output, position, names)
-    vals = [[_closure_pair_value(cm[i], cm[j], *args) for j in range(na, len(cm))]
-            for i in range(na)]
+    with _torch_backend(backend, device, "closure_cross_gram"):
+        cm, args = _closure_setup(nets, n_ctx, output, position, names)
+        vals = [[_closure_pair_value(cm[i], cm[j], *args) for j in range(na, len(cm))]
+                for i in range(na)]
     return np.asarray(vals, dtype=np.float64)
 
 

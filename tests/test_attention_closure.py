@@ -216,3 +216,48 @@ def test_gram_and_similarity_matrix_of_sequence_models():
     assert np.array_equal(X, G[:1, 1:])
     with pytest.raises(ValueError, match="both be non-empty"):
         attention.closure_cross_gram(models, [], n_ctx=2)
+
+
+# ---- backend="torch": the larger contractions in torch float64 (on the CPU here; CUDA when
+# available), the same sums as numpy up to float64 rounding ----
+
+def test_closure_and_exact_on_the_torch_backend_equal_numpy(monkeypatch):
+    torch = pytest.importorskip("torch")
+    # every contraction on torch (the default threshold would leave these small ones to numpy)
+    monkeypatch.setattr(attention, "_TORCH_CPU_FLOPS", 0.0)
+    name, a, b, kw, n = next(c for c in _depth_two_cases() if c[0].startswith("different"))
+    want = attention.closure_inner(a, b, n_ctx=n, **kw)
+    got = attention.closure_inner(a, b, n_ctx=n, backend="torch", device="cpu", **kw)
+    assert got.shape == want.shape
+    # sums of the same products in another grouping: a few ulps of the largest term
+    assert np.all(np.abs(got - want) <= 1e-12 * np.abs(want).max())
+    models = [a, b]
+    G = attention.closure_gram(models, n_ctx=n, backend="torch", device="cpu")
+    assert np.allclose(G, attention.closure_gram(models, n_ctx=n), rtol=1e-12, atol=0)
+    X = attention.closure_cross_gram([a], [b], n_ctx=n, backend="torch", device="cpu")
+    assert _rel(X[0, 0], G[0, 1]) <= 1e-12
+    rng = np.random.default_rng(3)
+    one = [ta.Sequential([ta.Residual(_attn(rng, 2, 2, bias=True)),
+                          ta.Linear(rng.standard_normal((2, 2)))]) for _ in range(2)]
+    e_np = attention.exact_inner(one[0], one[1], n_ctx=3)
+    e_t = attention.exact_inner(one[0], one[1], n_ctx=3, backend="torch", device="cpu")
+    assert _rel(e_t, e_np) <= 1e-12
+    # the context is per call: numpy again afterwards
+    assert getattr(attention._TORCH, "exec", None) is None
+
+
+def test_closure_backend_and_device_are_checked_before_any_work():
+    rng = np.random.default_rng(4)
+    a = ta.Sequential([ta.Residual(_attn(rng, 2)), ta.Linear(rng.standard_normal((2, 2)))])
+    with pytest.raises(ValueError, match="backend: .*'numpy' or 'torch', got 'jax'"):
+        attention.closure_inner(a, a, n_ctx=2, backend="jax")
+    with pytest.raises(ValueError, match="device: only backend='torch'"):
+        attention.closure_similarity(a, a, n_ctx=2, device="cpu")
+    with pytest.raises(ValueError, match="device: only backend='torch'"):
+        attention.exact_inner(a, a, n_ctx=2, backend="exact", device="cpu")
+    with pytest.raises(ValueError, match="device: unknown torch device"):
+        attention.closure_gram([a], n_ctx=2, backend="torch", device="tpu:7")
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            attention.closure_inner(a, a, n_ctx=2, backend="torch", device="cuda")
