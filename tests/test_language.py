@@ -212,8 +212,10 @@ def test_ngram_scores_perfect_model():
 # the audit
 # ---------------------------------------------------------------------------------------
 
-TINY = dict(n_chars=20_480, d_model=4, n_heads=1, d_head=2, n_ctx=4, steps=20, checkpoints=3,
-            batch_size=16, eval_windows=32, mc_pairs=1, mc_samples=300)
+# tiny sizes; the architecture (two attention layers, closure) is the default unless n_layers
+TINY_DEFAULT = dict(n_chars=20_480, d_model=4, n_heads=1, d_head=2, n_ctx=4, steps=20,
+                    checkpoints=3, batch_size=16, eval_windows=32, mc_pairs=1, mc_samples=300)
+TINY = {**TINY_DEFAULT, "n_layers": 1}     # the exact one-layer audit
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +226,60 @@ def tiny_run(tmp_path_factory):
     return run_language(LanguageConfig(**TINY), out), out
 
 
-def test_tiny_audit_end_to_end(tiny_run):
+@pytest.fixture(scope="module")
+def tiny_default_run(tmp_path_factory):
+    from tensoralg.audit.language import LanguageConfig, run_language
+
+    out = tmp_path_factory.mktemp("lang2") / "run"
+    return run_language(LanguageConfig(**TINY_DEFAULT), out), out
+
+
+def test_tiny_audit_end_to_end_default_two_layers_closure(tiny_default_run):
+    """The default audit (two attention layers, tensor similarity by the closure) end to end:
+    files, the recorded method, the matrix entry against an independent closure call on the
+    saved checkpoints, and a Monte Carlo check whose verdict matches its own z values."""
+    from tensoralg import attention
+    from tensoralg.audit.language import Z_DISAGREE, LanguageConfig, language_table
+
+    assert LanguageConfig().n_layers == 2 and LanguageConfig.quick().n_layers == 2
+    result, out = tiny_default_run
+    for f in ("language.json", "language.csv", "language_pairs.csv", "language_matrices.png",
+              "language_ngrams.png"):
+        assert (out / f).is_file()
+    js = json.loads((out / "language.json").read_text())
+    assert js["config"]["n_layers"] == 2 and js["config"]["resolved_method"] == "closure"
+    assert js["tensor_similarity"]["approximate"] is True
+    assert "APPROXIMATE" in js["tensor_similarity"]["note"]
+    assert all(k in js["times"] for k in ("train_s", "tensor_similarity_s",
+                                          "montecarlo_check_s", "total_s"))
+    S = np.array(js["matrices"]["tensor similarity"])
+    assert S.shape == (3, 3) and np.allclose(np.diag(S), 1.0) and np.allclose(S, S.T)
+    a, _ = load_checkpoint(out / "checkpoints" / "step_000000")
+    b, _ = load_checkpoint(out / "checkpoints" / "step_000020")
+    assert a.config()["n_layers"] == 2
+    assert S[0, 2] == pytest.approx(attention.closure_similarity(a.to_network(), b.to_network(),
+                                                                 n_ctx=4), rel=1e-10)
+    mc = js["montecarlo_check"]
+    assert len(mc) == 1 and mc[0]["stderr"] > 0 and "closure" in mc[0]
+    summ = js["montecarlo_check_summary"]
+    assert summ["max_abs_z"] == pytest.approx(abs(mc[0]["z"]))
+    assert summ["agrees"] == (abs(mc[0]["z"]) <= Z_DISAGREE)
+    assert any("DISAGREES" in line for line in js["finding"]) == (not summ["agrees"])
+    assert "1-gram agr" in language_table(result)
+
+
+def test_montecarlo_check_summary_by_hand():
+    from tensoralg.audit.language import Z_DISAGREE, _mc_summary
+
+    rec = lambda z: {"z": z}   # noqa: E731
+    s = _mc_summary([rec(1.0), rec(-(Z_DISAGREE + 1))], "closure")
+    assert s["max_abs_z"] == Z_DISAGREE + 1 and s["agrees"] is False
+    s = _mc_summary([rec(-Z_DISAGREE), rec(None)], "exact")
+    assert s["max_abs_z"] == Z_DISAGREE and s["agrees"] is True
+    assert _mc_summary([], "closure")["agrees"] is None
+
+
+def test_tiny_one_layer_audit_exact(tiny_run):
     from tensoralg.audit.language import language_table
 
     result, out = tiny_run
@@ -290,6 +345,8 @@ def test_audit_bad_input(tmp_path):
         run_language(LanguageConfig(**TINY), f)
     with pytest.raises(ValueError, match="--method exact.*--layers 2"):
         run_language(LanguageConfig(**{**TINY, "n_layers": 2, "method": "exact"}), tmp_path / "o")
+    with pytest.raises(ValueError, match="--method exact.*--layers 2"):   # the default depth
+        run_language(LanguageConfig(**{**TINY_DEFAULT, "method": "exact"}), tmp_path / "o")
     with pytest.raises(ValueError, match="--n-ctx"):
         run_language(LanguageConfig(**{**TINY, "n_ctx": 3}), tmp_path / "o")
     with pytest.raises(ValueError, match="--checkpoints"):
@@ -334,17 +391,6 @@ def test_montecarlo_matrix_agrees_with_exact():
     off = ~np.eye(3, dtype=bool)
     assert np.all(se[off] > 0)
     assert np.all(np.abs(S - exact)[off] <= 5 * se[off])
-
-
-@pytest.mark.slow
-def test_two_layer_audit_with_closure(tmp_path):
-    from tensoralg.audit.language import LanguageConfig, run_language
-
-    cfg = LanguageConfig(**{**TINY, "n_layers": 2, "d_model": 3, "n_ctx": 4, "checkpoints": 2,
-                            "steps": 5})
-    r = run_language(cfg, tmp_path / "run")
-    assert r["config"]["resolved_method"] == "closure" and r["tensor_similarity"]["approximate"]
-    assert np.isfinite(np.array(r["matrices"]["tensor similarity"])).all()
 
 
 def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):

@@ -231,9 +231,11 @@ def _add_language(asub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small size: 500 steps, 12 checkpoints, 60k characters (default off)")
     p.add_argument("--method", choices=LANG_METHODS, default="auto",
-                   help="tensor similarity method (default auto: exact for one layer, closure "
-                        "(approximate) for two or more)")
-    p.add_argument("--layers", type=_positive_int, default=None, help="blocks (default 1)")
+                   help="tensor similarity method (default auto: closure for two or more layers, "
+                        "APPROXIMATE and checked by Monte Carlo; exact for one layer)")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help="attention blocks (default 2, tensor similarity by the approximate "
+                        "closure; 1 gives the exact one-layer audit)")
     p.add_argument("--d-model", type=_positive_int, default=None, help="residual width (default 16)")
     p.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default 2)")
     p.add_argument("--d-head", type=_positive_int, default=None, help="head size (default 4)")
