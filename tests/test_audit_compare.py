@@ -228,3 +228,13 @@ def test_matrix_workers_without_dask_is_one_line(tmp_path, capsys, monkeypatch):
                "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err
     assert rc == 2 and "pip install 'tensoralg[dask]'" in err and "Traceback" not in err
+
+
+def test_matrix_uncertainty_labels_the_closure_approximate():
+    from tensoralg.audit.common import matrix_uncertainty
+
+    closure = matrix_uncertainty("closure", 0, 0)
+    assert closure["estimate"] is False and "APPROXIMATE" in closure["note"]
+    assert "APPROXIMATE" not in matrix_uncertainty("exact", 0, 0)["note"]
+    mc = matrix_uncertainty("montecarlo", 1000, 3)
+    assert mc["estimate"] is True and mc["n_samples"] == 1000 and mc["seed"] == 3

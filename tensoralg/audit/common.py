@@ -414,6 +414,11 @@ def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 
 
 def matrix_uncertainty(method: str, n_samples: int, seed: int) -> dict:
     """What the JSON says about a similarity matrix's error."""
+    if method == "closure":
+        return {"estimate": False, "n_samples": None, "seed": None,
+                "note": "closure: deterministic (no sampling error) but APPROXIMATE beyond one "
+                        "non-linear layer (not E[f_a . f_b]; measured error in "
+                        "docs/closure.md and docs/attention.md)"}
     if method != "montecarlo":
         return {"estimate": False, "n_samples": None, "seed": None,
                 "note": f"{method}: deterministic (no sampling error)"}
