@@ -30,14 +30,37 @@ def _rel(x, y):
 # ------------------------------------------------------------------ prepared-stack cache
 
 def test_cache_hit_returns_the_same_read_only_stack():
+    """Admitted on the second use (the first only notes the network), a hit from the third."""
     PREPARED.clear()
     a = _one_layer(np.random.default_rng(0))
+    s0, _ = stack_for([a], "numpy", "a")
+    assert len(PREPARED) == 0 and s0.stages[0].L.flags.writeable  # first use: not kept
     s1, k1 = stack_for([a], "numpy", "a")
+    assert len(PREPARED) == 1
     s2, k2 = stack_for([a], "numpy", "a")
     assert s2 is s1 and k2 is k1
     assert all(not x.flags.writeable for x in s1.arrays())
     with pytest.raises(ValueError):
         s1.stages[0].L[0, 0, 0] = 1.0
+    for x, y in zip(s0.arrays(), s1.arrays()):  # the uncached stack is the same one
+        assert np.array_equal(x, y)
+
+
+def test_networks_used_once_are_not_copied_nor_kept(monkeypatch):
+    """A stream of new networks (each used once) leaves the cache empty and does not evict a
+    network that is used again; the list of networks seen once is bounded."""
+    PREPARED.clear()
+    monkeypatch.setattr(PREPARED, "max_seen", 8)
+    rng = np.random.default_rng(11)
+    keep = _one_layer(rng)
+    stack_for([keep], "numpy", "k"), stack_for([keep], "numpy", "k")
+    for _ in range(PREPARED.max_entries + 5):
+        stack_for([_one_layer(rng)], "numpy", "a")
+    assert len(PREPARED) == 1
+    hits = PREPARED.hits
+    stack_for([keep], "numpy", "k")
+    assert PREPARED.hits == hits + 1
+    assert len(PREPARED._seen) == 8
 
 
 @pytest.mark.parametrize("where", ["left", "down", "head_bias", "embed"])
@@ -63,6 +86,7 @@ def test_tiny_in_place_change_below_float_sums_is_still_seen():
     rng = np.random.default_rng(2)
     a, b = _one_layer(rng), _one_layer(rng)
     x = ta.inner(a, b)
+    ta.inner(a, b)  # second use: both cached
     w = a.layers[1].right
     old = w[2, 1]
     w[2, 1] = np.nextafter(old, np.inf)
@@ -101,7 +125,7 @@ def test_cache_is_bounded_and_clearable():
     rng = np.random.default_rng(5)
     nets = [_one_layer(rng) for _ in range(PREPARED.max_entries + 5)]
     for n in nets:
-        stack_for([n], "numpy", "a")
+        stack_for([n], "numpy", "a"), stack_for([n], "numpy", "a")  # admitted on second use
     assert len(PREPARED) == PREPARED.max_entries
     PREPARED.clear()
     assert len(PREPARED) == 0
@@ -110,8 +134,9 @@ def test_cache_is_bounded_and_clearable():
 def test_exact_and_torch_backends_and_stacks_are_not_cached():
     PREPARED.clear()
     a = _one_layer(np.random.default_rng(6))
-    stack_for([a], "exact", "a")
-    stack_for([a, a], "numpy", "a")
+    for _ in range(2):
+        stack_for([a], "exact", "a")
+        stack_for([a, a], "numpy", "a")
     assert len(PREPARED) == 0
 
 

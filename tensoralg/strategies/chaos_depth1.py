@@ -14,11 +14,15 @@ polynomial ``M0 + <M1, z> + z^T M2 z`` with
 formula of :func:`tensoralg.strategies.chaos.features` at degree 2.
 
 The work is one ``(r x H) @ (H x r)`` product per output and model, about ``2 K H r^2`` FLOPs;
-``C0`` needs no trace of ``M2`` (``tr M2 = sum_h Du[k,h] <L1_h, R1_h>``). Per output the
-product runs on a small reused buffer, so no array of ``K H r`` elements is allocated.
+``C0`` needs no trace of ``M2`` (``tr M2 = sum_h Du[k,h] <L1_h, R1_h>``). The products run as
+one batched matrix product per chunk of outputs, on a reused buffer of at most
+:data:`WORK_ELEMENTS` elements, and ``C2`` is gathered straight into the packed layout.
 """
 
 from __future__ import annotations
+
+import threading
+from functools import lru_cache
 
 import numpy as np
 
@@ -58,6 +62,43 @@ def features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
 MEMO_BYTES = 16 * 2**20
 
 
+#: Elements of the work vector (copies of ``L1 (H, r)`` and ``R1^T`` and, per chunk of outputs,
+#: ``(outputs, r, H)`` and two ``(outputs, r, r)``): 16 MB in float64 unless one output needs
+#: more, kept per thread between calls (fresh pages cost more than the products at the widths
+#: of a single model).
+WORK_ELEMENTS = 1 << 21
+
+_local = threading.local()
+
+
+def _work(n: int) -> np.ndarray:
+    """A float64 scratch vector of ``n`` elements, reused by the calling thread (kept only up
+    to :data:`WORK_ELEMENTS`)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = np.empty(n)
+        if n <= WORK_ELEMENTS:
+            _local.buf = buf
+    return buf[:n]
+
+
+def work_elements(H: int, r: int, K: int) -> int:
+    """Elements of the work vector of :func:`features` for one model (``H`` hidden units
+    with nonzero factors at most, input width ``r``, ``K`` outputs): an upper bound."""
+    kc = max(1, min(K, (WORK_ELEMENTS - 2 * H * r) // max(1, r * H + 2 * r * r)))
+    return max(WORK_ELEMENTS, 2 * H * r + kc * (r * H + 2 * r * r))
+
+
+@lru_cache(maxsize=8)
+def _pack_index(r: int, k: int) -> np.ndarray:
+    """Flat positions in a ``(k, r, r)`` array of the pairs ``i <= j`` of each of the ``k``
+    matrices, in packed (colexicographic) order: ``(k * r(r+1)/2,)``, read-only."""
+    jj, ii = np.tril_indices(r)
+    idx = (np.arange(k)[:, None] * (r * r) + (ii * r + jj)[None]).ravel()
+    idx.flags.writeable = False
+    return idx
+
+
 def _features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     st = can.stages[0]
     L, R, D = st.L, st.R, st.D
@@ -65,20 +106,44 @@ def _features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     r = n - 1
     K = U.shape[0]
     Du = U[None] @ D[:, 1:, :]  # (N, K, H+1)
-    l0, r0 = L[:, :, 0], R[:, :, 0]
-    L1, R1 = L[:, :, 1:], R[:, :, 1:]
-    tr = np.einsum("nhi,nhi->nh", L1, R1)  # <L1_h, R1_h>: tr M2 = Du tr
-    C0 = Du @ (l0 * r0 + tr)[:, :, None]  # (N, K, 1)
-    C1 = Du @ (l0[:, :, None] * R1 + r0[:, :, None] * L1)  # (N, K, r)
-    C2 = np.empty((N, K, r, r))
-    half = 0.5 * Du  # C2 = sym M2 = M2' + M2'^T with M2' = L1^T diag(Du/2) R1
-    buf = np.empty((r, H1))
+    C0 = np.empty((N, K, 1))
+    C1 = np.empty((N, K, r))
+    C2 = np.empty((N, K, r * (r + 1) // 2))
     for i in range(N):
-        L1T = np.ascontiguousarray(L1[i].T)  # (r, H+1)
-        R1i = np.ascontiguousarray(R1[i])
-        for k in range(K):
-            np.multiply(L1T, half[i, k], out=buf)
-            m = buf @ R1i
-            np.add(m, m.T, out=C2[i, k])
-    jj, ii = np.tril_indices(r)  # packed (colexicographic) order of the pairs i <= j
-    return [C0, C1, np.ascontiguousarray(C2[:, :, ii, jj])]
+        Li, Ri, Dui = L[i], R[i], Du[i]
+        l0, r0 = Li[:, 0], Ri[:, 0]
+        L1, R1 = Li[:, 1:], Ri[:, 1:]
+        # C0 = M0 + tr M2 with tr M2 = sum_h Du[k,h] <L1_h, R1_h>
+        C0[i, :, 0] = Dui @ (l0 * r0 + np.einsum("hi,hi->h", L1, R1))
+        C1[i] = (Dui * l0) @ R1 + (Dui * r0) @ L1
+        # hidden units whose L1 or R1 row vanishes add nothing to M2 (unit 0, the constant
+        # unit, always: its factors are e0); the products skip leading ones
+        h0 = 1 if not (L1[0].any() and R1[0].any()) else 0
+        _c2(L1[h0:], R1[h0:], Dui[:, h0:], C2[i])
+    return [C0, C1, C2]
+
+
+def _c2(L1: np.ndarray, R1: np.ndarray, Du: np.ndarray, out: np.ndarray) -> None:
+    """``out (K, r(r+1)/2)`` = packed ``M2'_k + M2'_k^T`` with ``M2'_k = L1^T diag(Du[k]/2) R1``
+    (``L1, R1 (H, r)``, ``Du (K, H)``), in chunks of outputs on the thread's work vector."""
+    H, r = L1.shape
+    K = Du.shape[0]
+    kc = max(1, min(K, (WORK_ELEMENTS - 2 * H * r) // max(1, r * H + 2 * r * r)))
+    w = _work(2 * H * r + kc * (r * H + 2 * r * r))
+    Lc, RT = w[:H * r].reshape(H, r), w[H * r:2 * H * r].reshape(r, H)
+    np.copyto(Lc, L1)  # contiguous operands for the products
+    np.copyto(RT, R1.T)
+    rest = w[2 * H * r:]
+    for k0 in range(0, K, kc):
+        k1 = min(K, k0 + kc)
+        kk = k1 - k0
+        b = rest[:kk * r * H].reshape(kk, r, H)
+        m = rest[kk * r * H:kk * (r * H + r * r)].reshape(kk * r, r)
+        s = rest[kk * (r * H + r * r):kk * (r * H + 2 * r * r)].reshape(kk, r, r)
+        # b_k = R1^T diag(Du[k] / 2); one product (kk r, H) @ (H, r) gives the transposes of
+        # M2'_k for the chunk; C2 = M2' + M2'^T
+        np.multiply(RT[None], (0.5 * Du[k0:k1])[:, None, :], out=b)
+        np.matmul(b.reshape(kk * r, H), Lc, out=m)
+        m3 = m.reshape(kk, r, r)
+        np.add(m3, m3.transpose(0, 2, 1), out=s)
+        np.take(s, _pack_index(r, kk), out=out[k0:k1].reshape(-1), mode="clip")
