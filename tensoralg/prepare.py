@@ -135,8 +135,7 @@ def _exp2(maxabs: np.ndarray) -> np.ndarray:
 
 
 def _maxabs(x: np.ndarray, axis) -> np.ndarray:
-    """``max |x|`` over ``axis`` without a temporary of ``x``'s size (NaN propagates)."""
-    return np.maximum(x.max(axis=axis), -x.min(axis=axis))
+    return np.abs(x).max(axis=axis)
 
 
 def _times_pow2(x: np.ndarray, e: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

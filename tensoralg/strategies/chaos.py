@@ -825,23 +825,29 @@ def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
     return total
 
 
-def _sqrt_weighted(C: list, r: int) -> list:
-    """Float64 packed coefficients ``C_k (N, K, n_k)`` times ``sqrt(w_k)`` (the weights of
-    :func:`inner_packed`), flattened to ``(N, K n_k)``; None stays None."""
-    return [None if A is None else (A * _float_weights(r, k)[1]).reshape(A.shape[0], -1)
-            for k, A in enumerate(C)]
+def _sqrt_weighted(C: list, r: int, n: int) -> np.ndarray:
+    """Float64 packed coefficients ``C_k (N, K, n_k)`` (orders ``k < n``; None: zero) times
+    ``sqrt(w_k)`` (the weights of :func:`inner_packed`), side by side in one ``(N, F)`` array
+    with ``F = K sum_{k<n} n_packed(r, k)``: the model's feature vector phi."""
+    N, K = next(A.shape[:2] for A in C if A is not None)
+    sizes = [K * n_packed(r, k) for k in range(n)]
+    out = np.empty((N, sum(sizes)))
+    start = 0
+    for k, size in enumerate(sizes):
+        A = C[k] if k < len(C) else None
+        dst = out[:, start:start + size]
+        if A is None:
+            dst[...] = 0.0
+        else:
+            np.multiply(A, _float_weights(r, k)[1], out=dst.reshape(A.shape))
+        start += size
+    return out
 
 
-def _weighted_gram(Wa: list, Wb: list, shape: tuple) -> np.ndarray:
+def _weighted_gram(Wa: np.ndarray, Wb: np.ndarray) -> np.ndarray:
     """``(N_a, N_b)`` sums of :func:`inner_packed` from :func:`_sqrt_weighted` features
-    (``X X^T`` when both sides are the same arrays, which NumPy computes exactly symmetric)."""
-    total = None
-    for A, B in zip(Wa, Wb):
-        if A is None or B is None:
-            continue
-        t = A @ A.T if B is A else A @ B.T
-        total = t if total is None else total + t
-    return np.zeros(shape) if total is None else total
+    (``X X^T`` when both sides are the same array, which NumPy computes exactly symmetric)."""
+    return Wa @ Wa.T if Wb is Wa else Wa @ Wb.T
 
 
 def inner_metric(Ca: list, Cb: list, G, keep: bool):
@@ -964,13 +970,15 @@ def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list):
     res: list = [[] for _ in pairs]
     for k0 in range(0, K, kc):
         F = _features_on(cans, U[k0:k0 + kc], r, conv)
-        if not keep and conv is None and not exact and len(pairs) > 1:
-            # float64 sums over outputs: each stack's features weighted once (sqrt(w) per
-            # packed value) and every pair is then plain matrix products
-            W = [_sqrt_weighted(f, r) for f in F]
+        if not keep and conv is None and not exact and len(pairs) > 1 and all(
+                c.arrays()[0].shape[0] == 1 and any(A is not None for A in f)
+                for c, f in zip(cans, F)):
+            # one model per side, float64 sums over outputs: each model's features weighted
+            # once (sqrt(w) per packed value) into one vector, and each pair is a dot product
+            n = max(len(f) for f in F)
+            W = [_sqrt_weighted(f, r, n) for f in F]
             for q, (x, y) in enumerate(pairs):
-                res[q].append(_weighted_gram(W[x], W[y], (cans[x].arrays()[0].shape[0],
-                                                          cans[y].arrays()[0].shape[0])))
+                res[q].append(_weighted_gram(W[x], W[y]))
             del F, W
             continue
         for q, (x, y) in enumerate(pairs):

@@ -112,27 +112,31 @@ def _features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     for i in range(N):
         Li, Ri, Dui = L[i], R[i], Du[i]
         l0, r0 = Li[:, 0], Ri[:, 0]
-        L1, R1 = Li[:, 1:], Ri[:, 1:]
-        # C0 = M0 + tr M2 with tr M2 = sum_h Du[k,h] <L1_h, R1_h>
-        C0[i, :, 0] = Dui @ (l0 * r0 + np.einsum("hi,hi->h", L1, R1))
-        C1[i] = (Dui * l0) @ R1 + (Dui * r0) @ L1
-        # hidden units whose L1 or R1 row vanishes add nothing to M2 (unit 0, the constant
-        # unit, always: its factors are e0); the products skip leading ones
-        h0 = 1 if not (L1[0].any() and R1[0].any()) else 0
-        _c2(L1[h0:], R1[h0:], Dui[:, h0:], C2[i])
+        # C0 = M0 + tr M2 with M0 = sum_h Du[k,h] l0_h r0_h (every unit, the constant one too)
+        C0[i, :, 0] = Dui @ (l0 * r0)
+        # hidden units whose L1 and R1 rows both vanish add nothing to M1 and M2 (unit 0, the
+        # constant unit, always: its factors are e0); the products skip a leading one
+        h0 = 0 if (Li[0, 1:].any() or Ri[0, 1:].any()) else 1
+        _c12(Li[h0:], Ri[h0:], Dui[:, h0:], C0[i, :, 0], C1[i], C2[i])
     return [C0, C1, C2]
 
 
-def _c2(L1: np.ndarray, R1: np.ndarray, Du: np.ndarray, out: np.ndarray) -> None:
-    """``out (K, r(r+1)/2)`` = packed ``M2'_k + M2'_k^T`` with ``M2'_k = L1^T diag(Du[k]/2) R1``
-    (``L1, R1 (H, r)``, ``Du (K, H)``), in chunks of outputs on the thread's work vector."""
-    H, r = L1.shape
+def _c12(L: np.ndarray, R: np.ndarray, Du: np.ndarray, c0: np.ndarray, c1: np.ndarray,
+         c2: np.ndarray) -> None:
+    """For lifted factors ``L, R (H, r+1)`` and ``Du (K, H)``: adds ``tr M2`` to ``c0 (K,)``
+    and writes ``c1 (K, r) = M1`` and ``c2 (K, r(r+1)/2)`` = packed ``M2'_k + M2'_k^T`` with
+    ``M2'_k = L1^T diag(Du[k]/2) R1``, in chunks of outputs on the thread's work vector."""
+    H, r = L.shape[0], L.shape[1] - 1
     K = Du.shape[0]
     kc = max(1, min(K, (WORK_ELEMENTS - 2 * H * r) // max(1, r * H + 2 * r * r)))
     w = _work(2 * H * r + kc * (r * H + 2 * r * r))
     Lc, RT = w[:H * r].reshape(H, r), w[H * r:2 * H * r].reshape(r, H)
-    np.copyto(Lc, L1)  # contiguous operands for the products
-    np.copyto(RT, R1.T)
+    np.copyto(Lc, L[:, 1:])  # contiguous operands for the products
+    np.copyto(RT, R[:, 1:].T)
+    # tr M2 = sum_h Du[k,h] <L1_h, R1_h>;  M1 = sum_h Du[k,h] (l0_h R1_h + r0_h L1_h)
+    c0 += Du @ np.einsum("hi,ih->h", Lc, RT)
+    np.matmul(Du * L[:, 0], RT.T, out=c1)
+    c1 += (Du * R[:, 0]) @ Lc
     rest = w[2 * H * r:]
     for k0 in range(0, K, kc):
         k1 = min(K, k0 + kc)
@@ -146,4 +150,4 @@ def _c2(L1: np.ndarray, R1: np.ndarray, Du: np.ndarray, out: np.ndarray) -> None
         np.matmul(b.reshape(kk * r, H), Lc, out=m)
         m3 = m.reshape(kk, r, r)
         np.add(m3, m3.transpose(0, 2, 1), out=s)
-        np.take(s, _pack_index(r, kk), out=out[k0:k1].reshape(-1), mode="clip")
+        np.take(s, _pack_index(r, kk), out=c2[k0:k1].reshape(-1), mode="clip")
