@@ -407,6 +407,23 @@ def _cache_dir() -> Path | None:
     return Path(root) if root else Path.home() / ".cache" / "tensoralg" / "paths"
 
 
+def _cached_paths(exprs: list[str], shapes: list[list[tuple]]):
+    """``(paths or None, key source, key, cache file or None)``: the paths of this topology
+    from memory or the disk cache, without searching."""
+    key_src = json.dumps([exprs, [[list(s) for s in sh] for sh in shapes]])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    cdir = _cache_dir()
+    fpath = cdir / f"{key}.json" if cdir is not None else None
+    if key in _PATH_CACHE:
+        return _PATH_CACHE[key], key_src, key, fpath
+    if fpath is not None:
+        res = _read_cached_paths(fpath, key_src, [len(sh) for sh in shapes])
+        if res is not None:
+            _PATH_CACHE[key] = res
+            return res, key_src, key, fpath
+    return None, key_src, key, fpath
+
+
 def _find_paths(exprs: list[str], shapes: list[list[tuple]]
                 ) -> tuple[list, list[float], list[int], list[int]]:
     """Contraction paths (and their FLOPs, largest intermediates and total intermediate sizes)
@@ -415,17 +432,9 @@ def _find_paths(exprs: list[str], shapes: list[list[tuple]]
     Keyed by the whole list of (expression, shapes): found once per topology, reused from
     memory, then from the disk cache across processes.
     """
-    key_src = json.dumps([exprs, [[list(s) for s in sh] for sh in shapes]])
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
-    if key in _PATH_CACHE:
-        return _PATH_CACHE[key]
-    cdir = _cache_dir()
-    fpath = cdir / f"{key}.json" if cdir is not None else None
-    if fpath is not None:
-        res = _read_cached_paths(fpath, key_src, [len(sh) for sh in shapes])
-        if res is not None:
-            _PATH_CACHE[key] = res
-            return res
+    res, key_src, key, fpath = _cached_paths(exprs, shapes)
+    if res is not None:
+        return res
     paths, flops, largest, inter = [], [], [], []
     for expr, sh in zip(exprs, shapes):
         path, f, big, tot = _one_path(expr, sh)
@@ -635,6 +644,15 @@ class JoinedNetwork:
         per-expression search), hence a lower bound of it, and equals it when every orbit was
         searched. Call within the configuration budget (it enumerates the configurations)."""
         reps = self.configurations()
+        exprs, shapes = [], []
+        for m, _ in reps:
+            expr, ops = self.expression(m)
+            exprs.append(expr)
+            shapes.append([tuple(o.shape) for o in ops])
+        known = _cached_paths(exprs, shapes)[0]
+        if known is not None:  # found before (memory or disk): the whole sum, no search
+            return float(sum(known[1])), len(reps), len(reps)
+        index = {id(item): q for q, item in enumerate(reps)}
 
         def across(item):
             pairs = item[0][0]
@@ -642,9 +660,9 @@ class JoinedNetwork:
 
         order = sorted(reps, key=across)
         total, n = 0.0, 0
-        for m, _ in order:
-            expr, ops = self.expression(m)
-            total += _one_path(expr, [tuple(o.shape) for o in ops])[1]
+        for item in order:
+            q = index[id(item)]
+            total += _one_path(exprs[q], shapes[q])[1]
             n += 1
             if total > threshold:
                 break

@@ -30,11 +30,16 @@ from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX
 from .prepare import check_budget
 from .strategies import chaos, wick
 
-__all__ = ["Plan", "make_plan", "CHAOS_SHORTCUT_FLOPS"]
+__all__ = ["Plan", "make_plan", "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
 
 #: Below this many FLOPs an affordable chaos expansion is taken without searching Wick paths
 #: (the path search alone would cost more than the whole computation).
 CHAOS_SHORTCUT_FLOPS = 1e9
+
+#: Wick is compared with chaos through a lower bound (and then not planned in full) only when
+#: chaos costs at least this much; for smaller problems the plan shows Wick in full (its
+#: configurations, symmetries and paths).
+BOUND_MIN_FLOPS = 1e8
 
 ALTERNATIVES = ("Alternatives: method='closure' (second-moment propagation, fast, approximate "
                 "beyond depth 1), method='montecarlo' (unbiased, with a standard error), or "
@@ -199,7 +204,7 @@ def make_plan(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: s
         # a lower bound first: Wick is not planned in full when it is surely over max_flops or
         # (auto) surely dearer than an affordable chaos expansion
         cap = float(max_flops)
-        if strategy == "auto" and "chaos" in ok:
+        if strategy == "auto" and "chaos" in ok and ok["chaos"][0] >= BOUND_MIN_FLOPS:
             cap = min(cap, ok["chaos"][0])
         bound = None
         if n_conf <= max_configurations:

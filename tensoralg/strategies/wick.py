@@ -39,9 +39,11 @@ def lower_bound(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric:
         return None
     joined = JoinedNetwork(ca, cb, U, keep, metric)
     total, n, n_orbits = joined.flops_at_least(threshold)
-    if total > threshold and n < n_orbits:
+    if total <= threshold:
+        return None
+    if n < n_orbits:
         return total, f"paths of {n} of {n_orbits} configuration orbits; the rest not searched"
-    return None
+    return total, f"paths of all {n_orbits} configuration orbits, found before"
 
 
 def compute(joined: JoinedNetwork, backend: str, device: Any, dtype: Any,
