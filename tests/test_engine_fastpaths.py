@@ -192,6 +192,28 @@ def test_depth1_kernel_equals_the_general_expansion(seed, kind, n, output):
         assert np.allclose(f, s, rtol=1e-12, atol=1e-12 * np.abs(s).max())
 
 
+@pytest.mark.parametrize("work", [1, 200])
+def test_depth1_kernel_in_chunks_of_outputs_equals_one_chunk(work, monkeypatch):
+    """A small work vector: one output per chunk (``work=1``, a vector of the one-output size,
+    not kept) or a few outputs per chunk; the same coefficients as all outputs at once."""
+    rng = np.random.default_rng(12)
+    nets = [rand_network(rng, "embed_bilinear_head", d=4, out=5, hidden=6, width=4)
+            for _ in range(2)]
+    U, _ = output_matrix(None, 5, False)
+    can, _ = stack_for(nets, "numpy", "m")
+    (can,), _ = chaos.whiten([can], False)
+    whole = chaos_depth1.features(can, U)
+    monkeypatch.setattr(chaos_depth1, "WORK_ELEMENTS", work)
+    monkeypatch.setattr(chaos_depth1, "_local", __import__("threading").local())
+    parts = chaos_depth1.features(can, U)
+    # the same products; BLAS may order a sum of H = 6 terms differently for another matrix
+    # shape, which moves it by a few ulps of its largest term: 64 ulps of the largest entry
+    for x, y in zip(whole, parts):
+        assert np.allclose(x, y, rtol=0, atol=64 * np.finfo(float).eps * np.abs(x).max())
+    assert getattr(chaos_depth1._local, "buf", None) is None or \
+        chaos_depth1._local.buf.size <= work
+
+
 def test_depth1_similarity_matches_brute_force_and_wick():
     rng = np.random.default_rng(9)
     # wide enough that the planner takes chaos (at d=5, H=6 Wick's estimate is smaller)
