@@ -259,6 +259,11 @@ def _sim_from(Xab, Xaa, Xbb, backend, what: str):
             return [one(x, y, z, f" (output {i})") for i, (x, y, z) in
                     enumerate(zip(Xab, Xaa, Xbb))]
         return one(Xab, Xaa, Xbb, "")
+    if np.ndim(Xab) == 0 and np.ndim(Xaa) == 0 and np.ndim(Xbb) == 0:
+        ab, aa, bb = float(Xab), float(Xaa), float(Xbb)
+        if math.isfinite(ab) and math.isfinite(aa) and math.isfinite(bb) and aa > 0 and bb > 0:
+            # the same IEEE operations as below, on Python floats (bad values: below)
+            return min(1.0, max(-1.0, ab / math.sqrt(aa * bb)))
     Xaa, Xbb = np.asarray(Xaa, dtype=np.float64), np.asarray(Xbb, dtype=np.float64)
     if not (np.all(np.isfinite(Xaa)) and np.all(np.isfinite(Xbb))
             and np.all(np.isfinite(np.asarray(Xab, dtype=np.float64)))):
