@@ -54,8 +54,9 @@ def test_networks_used_once_are_not_copied_nor_kept(monkeypatch):
     rng = np.random.default_rng(11)
     keep = _one_layer(rng)
     stack_for([keep], "numpy", "k"), stack_for([keep], "numpy", "k")
-    for _ in range(PREPARED.max_entries + 5):
-        stack_for([_one_layer(rng)], "numpy", "a")
+    stream = [_one_layer(rng) for _ in range(PREPARED.max_entries + 5)]  # alive: distinct ids
+    for net in stream:
+        stack_for([net], "numpy", "a")
     assert len(PREPARED) == 1
     hits = PREPARED.hits
     stack_for([keep], "numpy", "k")
