@@ -628,8 +628,10 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
          max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
     """The planner's decision for the exact inner product ``<a, b>`` (``<a, a>`` if ``b`` is
     None): every applicable strategy's estimate (Wick: configurations before and after
-    zero-pattern and symmetry reduction, FLOPs and intermediates of the opt_einsum paths; chaos:
-    coefficients, FLOPs, memory), the choice and why. Contracts nothing and allocates nothing
+    zero-pattern and symmetry reduction, FLOPs and intermediates of the opt_einsum paths — or,
+    when a lower bound on its FLOPs already exceeds ``max_flops`` or an affordable chaos
+    expansion of at least ``planner.BOUND_MIN_FLOPS``, that bound, marked as one, in
+    ``wick_lower_bound``; chaos: coefficients, FLOPs, memory), the choice and why. Contracts nothing and allocates nothing
     large; ``refused`` is set exactly when :func:`inner` with the same arguments would raise
     :class:`~tensoralg.CostTooHigh` (then ``flops = inf``)."""
     check_options(metric, "exact", backend, strategy)
