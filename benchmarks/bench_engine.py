@@ -18,7 +18,9 @@ time and peak memory; ``matrix`` — 50x50 similarity matrix of the first model;
 ``matrix1000`` — 1000x1000; ``depth2`` — embed, two residual bilinear layers, head 10 at
 (d_model, H) = (32, 64), (64, 128), (64, 256) (plan, then a run when the plan is under
 ``--max-seconds`` at 1 GFLOP/s), and (128, 512) planned only; ``closure`` — the first pair;
-``closure_cold`` — a new pair every call.
+``closure_cold`` — a new pair every call. The depth-2 lines give the planner's time
+(``plan_s``, paths not cached on disk only when ``TENSORALG_CACHE_DIR=""``) and, when Wick was
+not planned in full, the lower bound on its FLOPs that decided it (``wick_flops_at_least``).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def depth2(max_seconds: float) -> None:
             tp = time.perf_counter() - t0
             line = {"dm": dm, "H": H, "plan_s": tp, "choice": p.strategy,
                     "wick_flops": p.wick.flops if p.wick else None,
+                    "wick_flops_at_least": p.wick_lower_bound,
                     "chaos_flops": p.chaos.flops, "chaos_mem_gb": p.chaos.memory_elements * 8 / 2**30,
                     "wick_mem_gb": (p.wick.memory_bytes(8) / 2**30) if p.wick else None}
             best = min(x for x in (line["wick_flops"], line["chaos_flops"]) if x)

@@ -3,30 +3,44 @@ Monte Carlo estimator on torch CUDA in float64 and float32 against NumPy float64
 (relative to the Cauchy–Schwarz scale ``||a|| ||b||``) and speed. On a machine without a CUDA
 GPU it says so and exits 0.
 
-    python benchmarks/gpu_check.py            # a few seconds on a GPU
+    python benchmarks/gpu_check.py                 # a few seconds on a GPU
+    python benchmarks/gpu_check.py --device cpu    # the same checks on torch's CPU backend
+                                                   # (a dry run of this script, ~a minute)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 import numpy as np
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda",
+                    help="torch device to check against NumPy (default: cuda; 'cpu' runs the "
+                         "same checks on torch's CPU backend)")
+    args = ap.parse_args(argv)
     try:
         import torch
     except ImportError:
         print("gpu_check: torch is not installed; nothing to check")
         return 0
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to "
-              "check")
+              "check (--device cpu runs the checks on torch's CPU backend)")
         return 0
     import tensoralg as ta
 
-    print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "torch CPU"
+    print(f"gpu_check: {name} ({device}), torch {torch.__version__}")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     rng = np.random.default_rng(0)
 
     def bil(d, H, O):
@@ -53,17 +67,17 @@ def main() -> int:
 
     def timed(fn, reps=3):
         fn()
-        torch.cuda.synchronize()
+        sync()
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
             out = fn()
-            torch.cuda.synchronize()
+            sync()
             ts.append(time.perf_counter() - t0)
         return float(np.median(ts)), out
 
     print(f"{'case':<26}{'strategy':<8}{'dtype':<9}{'rel. err':>11}{'cpu [s]':>10}"
-          f"{'gpu [s]':>10}{'speed-up':>10}")
+          f"{'torch [s]':>10}{'speed-up':>10}")
     for name, (a, b) in cases.items():
         scale = np.sqrt(ta.inner(a, a) * ta.inner(b, b))
         for strategy in ("wick", "chaos"):
@@ -74,17 +88,17 @@ def main() -> int:
                 continue
             for dtype in ("float64", "float32"):
                 t_gpu, val = timed(lambda: ta.inner(a, b, strategy=strategy, backend="torch",
-                                                    device="cuda", dtype=dtype, max_flops=1e13))
+                                                    device=device, dtype=dtype, max_flops=1e13))
                 err = abs(val - ref) / scale
                 ok = err <= tol[dtype]
                 failed += not ok
                 print(f"{name:<26}{strategy:<8}{dtype:<9}{err:>11.2e}{t_cpu:>10.4f}"
                       f"{t_gpu:>10.4f}{t_cpu / t_gpu:>9.1f}x{'' if ok else '  FAIL'}")
     a, b = cases["one layer 64->64, H=256"]
-    mc = ta.inner(a, b, method="montecarlo", backend="torch", device="cuda", n_samples=10**6)
+    mc = ta.inner(a, b, method="montecarlo", backend="torch", device=device, n_samples=10**6)
     ex = ta.inner(a, b)
     z = abs(float(mc) - ex) / mc.stderr
-    print(f"Monte Carlo on cuda: {float(mc):.6g} ± {mc.stderr:.2g} against exact {ex:.6g} "
+    print(f"Monte Carlo on {device}: {float(mc):.6g} ± {mc.stderr:.2g} against exact {ex:.6g} "
           f"({z:.1f} standard errors)")
     failed += z > 4
     print("gpu_check: " + ("all agree" if not failed else f"{failed} disagreement(s)"))

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import networkx as nx
 
 __all__ = ["CostTooHigh", "WickPlan", "JoinedNetwork", "to_graph", "DEFAULT_MAX_FLOPS",
-           "DEFAULT_MAX_CONFIGURATIONS", "n_wick_configurations"]
+           "DEFAULT_MAX_CONFIGURATIONS", "n_wick_configurations", "wick_flops_lower_bound"]
 
 DEFAULT_MAX_FLOPS = 2e11
 DEFAULT_MAX_FLOPS_EXACT = 2e7
@@ -229,6 +229,100 @@ def _same_stack(a: Canonical, b: Canonical) -> bool:
 
 
 # ----------------------------------------------------------------------------------------
+# a lower bound on the Wick plan's FLOPs, without building it
+# ----------------------------------------------------------------------------------------
+
+#: The closed-form lower bound enumerates at most this many configurations (T(10) = 9496).
+LOWER_BOUND_MAX_CONFIGURATIONS = 10_000
+
+
+def _leaf_sketch(c: Canonical, U, embed: np.ndarray | None):
+    """``(N, K, hidden size of a first-stage copy, [(label, pair width, can_cap, can_pair)]
+    per leaf in the order of :func:`_build_side`)`` after zero-pattern pruning, or None when the
+    side's non-leaf part would not be a single (pre-contracted) operand."""
+    N = c.arrays()[0].shape[0]
+    K = U.shape[0]
+    st = _pruned_stages(c, _output_projection(U, c.stages[-1].D))
+    H0 = st[0][0].shape[1]
+    n_copies = 2 ** (c.depth - 1)
+    if c.depth >= 2 and N * K * H0 ** n_copies > _MAX_PRECONTRACT:
+        return None
+    leaves = []
+    for i in range(2 * n_copies):  # depth first, L before R: leaves 2q, 2q+1 share copy q
+        F = st[0][i % 2]
+        cap = F[..., 0] if embed is None else np.einsum("nhw,nw->nh", F, embed[:, :, 0])
+        leaves.append((i // 2, F.shape[-1] - 1, bool(np.any(cap != 0)),
+                       bool(np.any(F[..., 1:] != 0))))
+    return N, K, H0, leaves
+
+
+def _swap_exponent(c: Canonical) -> int:
+    """``log2`` of an upper bound on the order of the verified leg symmetries of one side:
+    every copy of a stage whose left and right factors are equal may swap its subtrees."""
+    return sum(2 ** (c.depth - 1 - s) for s, st in enumerate(c.stages)
+               if _equal_arrays(st.L, st.R))
+
+
+def wick_flops_lower_bound(a: Canonical, b: Canonical, U: np.ndarray,
+                           metric: str = "gaussian") -> float | None:
+    """A lower bound on :attr:`WickPlan.flops` (the opt_einsum cost of every configuration
+    orbit) from the shapes and zero patterns alone: no joined network, expression or path
+    search. None when not available (Frobenius metric, degree-1 sides, more than
+    :data:`LOWER_BOUND_MAX_CONFIGURATIONS` configurations, a side too large to pre-contract).
+
+    Derivation. Each side's non-leaf part is one operand ``T`` (indices: batch, output ``k``,
+    one hidden index ``h`` per first-stage copy, shared by its two leaves). In any contraction
+    path of a configuration, consider the first step whose operands contain both ``T_a`` and
+    ``T_b``; let ``X`` be the set of network tensors in the operand holding ``T_a``. The step
+    touches every index that joins ``X`` to the rest or to the output: both batch indices and
+    ``k`` (in the output, or shared with ``T_b``), and, for every pair of legs bridged across
+    the sides (``T_a -h- leaf -p- leaf' -h'- T_b``), at least one index of that chain. So the
+    step costs at least ``N_a N_b K`` times the smallest product, over the sets ``A`` of
+    ``a``'s and ``B`` of ``b``'s hidden indices, of the sizes in ``A`` and ``B`` and the pair
+    widths of the cross pairs that avoid both (opt_einsum counts a step as the product of its
+    index sizes times at least 1). Orbits under the leg symmetries have at most ``|G|``
+    members and this bound is the same on an orbit, so the plan's sum over orbit
+    representatives is at least the sum over the configurations that survive the zero patterns,
+    divided by an upper bound on ``|G|`` (subtree swaps of stages with equal factors, and
+    ``a <-> b``)."""
+    if metric != "gaussian" or not a.stages or not b.stages:
+        return None
+    n = 2 ** a.depth + 2 ** b.depth
+    if telephone(n) > LOWER_BOUND_MAX_CONFIGURATIONS:
+        return None
+    bridged = a.embed is not None and b.embed is not None
+    if not bridged:
+        a, b = a.folded(), (a.folded() if b is a else b.folded())
+    sa = _leaf_sketch(a, U, a.embed if bridged else None)
+    sb = _leaf_sketch(b, U, b.embed if bridged else None)
+    if sa is None or sb is None:
+        return None
+    (Na, K, Ha, la), (Nb, _, Hb, lb) = sa, sb
+    leaves = la + lb
+    na = len(la)
+    ca, cb = 2 ** (a.depth - 1), 2 ** (b.depth - 1)
+    cuts = [(A, B, Ha ** bin(A).count("1") * Hb ** bin(B).count("1"))
+            for A in range(2 ** ca) for B in range(2 ** cb)]
+    total = 0
+    for pairs, _ in partial_matchings(n, [x[2] for x in leaves], [x[3] for x in leaves]):
+        cross = [(leaves[i][0], leaves[j][0] , min(leaves[i][1], leaves[j][1]))
+                 for i, j in pairs if i < na <= j]
+        if not cross:
+            total += 1
+            continue
+        best = None
+        for A, B, base in cuts:
+            cost = base
+            for qa, qb, w in cross:
+                if not (A >> qa) & 1 and not (B >> qb) & 1:
+                    cost *= w
+            best = cost if best is None else min(best, cost)
+        total += best
+    group = 2 ** (_swap_exponent(a) + _swap_exponent(b)) * (2 if _same_stack(a, b) else 1)
+    return float(Na * Nb * K) * total / group
+
+
+# ----------------------------------------------------------------------------------------
 # the joined network and its plan
 # ----------------------------------------------------------------------------------------
 
@@ -313,6 +407,23 @@ def _cache_dir() -> Path | None:
     return Path(root) if root else Path.home() / ".cache" / "tensoralg" / "paths"
 
 
+def _cached_paths(exprs: list[str], shapes: list[list[tuple]]):
+    """``(paths or None, key source, key, cache file or None)``: the paths of this topology
+    from memory or the disk cache, without searching."""
+    key_src = json.dumps([exprs, [[list(s) for s in sh] for sh in shapes]])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    cdir = _cache_dir()
+    fpath = cdir / f"{key}.json" if cdir is not None else None
+    if key in _PATH_CACHE:
+        return _PATH_CACHE[key], key_src, key, fpath
+    if fpath is not None:
+        res = _read_cached_paths(fpath, key_src, [len(sh) for sh in shapes])
+        if res is not None:
+            _PATH_CACHE[key] = res
+            return res, key_src, key, fpath
+    return None, key_src, key, fpath
+
+
 def _find_paths(exprs: list[str], shapes: list[list[tuple]]
                 ) -> tuple[list, list[float], list[int], list[int]]:
     """Contraction paths (and their FLOPs, largest intermediates and total intermediate sizes)
@@ -321,24 +432,16 @@ def _find_paths(exprs: list[str], shapes: list[list[tuple]]
     Keyed by the whole list of (expression, shapes): found once per topology, reused from
     memory, then from the disk cache across processes.
     """
-    key_src = json.dumps([exprs, [[list(s) for s in sh] for sh in shapes]])
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
-    if key in _PATH_CACHE:
-        return _PATH_CACHE[key]
-    cdir = _cache_dir()
-    fpath = cdir / f"{key}.json" if cdir is not None else None
-    if fpath is not None:
-        res = _read_cached_paths(fpath, key_src, [len(sh) for sh in shapes])
-        if res is not None:
-            _PATH_CACHE[key] = res
-            return res
+    res, key_src, key, fpath = _cached_paths(exprs, shapes)
+    if res is not None:
+        return res
     paths, flops, largest, inter = [], [], [], []
     for expr, sh in zip(exprs, shapes):
-        path, info = oe.contract_path(expr, *sh, shapes=True, optimize="auto")
-        paths.append([tuple(p) for p in path])
-        flops.append(float(info.opt_cost))
-        largest.append(int(info.largest_intermediate))
-        inter.append(int(sum(info.size_list)))
+        path, f, big, tot = _one_path(expr, sh)
+        paths.append(path)
+        flops.append(f)
+        largest.append(big)
+        inter.append(tot)
     res = (paths, flops, largest, inter)
     _PATH_CACHE[key] = res
     if fpath is not None:
@@ -349,6 +452,24 @@ def _find_paths(exprs: list[str], shapes: list[list[tuple]]
         except OSError:
             pass  # a read-only home must not break the computation
     return res
+
+
+_EXPR_PATHS: dict[tuple, tuple] = {}
+
+
+def _one_path(expr: str, shapes: list[tuple]) -> tuple[list, float, int, int]:
+    """``(path, FLOPs, largest intermediate, all intermediates)`` of one expression by
+    opt_einsum's ``"auto"`` search, kept in memory per (expression, shapes)."""
+    key = (expr, tuple(tuple(s) for s in shapes))
+    hit = _EXPR_PATHS.get(key)
+    if hit is None:
+        path, info = oe.contract_path(expr, *shapes, shapes=True, optimize="auto")
+        hit = ([tuple(p) for p in path], float(info.opt_cost), int(info.largest_intermediate),
+               int(sum(info.size_list)))
+        if len(_EXPR_PATHS) >= 4096:
+            _EXPR_PATHS.clear()
+        _EXPR_PATHS[key] = hit
+    return hit
 
 
 def _digest(key_src: str, body: dict) -> str:
@@ -516,6 +637,37 @@ class JoinedNetwork:
         return ",".join(subs) + "->" + out, ops
 
     # -- plan & evaluation ----------------------------------------------------------------
+    def flops_at_least(self, threshold: float) -> tuple[float, int, int]:
+        """Path FLOPs of configuration orbits, searched one orbit at a time (those with more
+        pairs across the two sides first: the dearest) until their sum exceeds ``threshold``:
+        ``(sum, orbits searched, orbits)``. The sum is part of :attr:`WickPlan.flops` (the same
+        per-expression search), hence a lower bound of it, and equals it when every orbit was
+        searched. Call within the configuration budget (it enumerates the configurations)."""
+        reps = self.configurations()
+        exprs, shapes = [], []
+        for m, _ in reps:
+            expr, ops = self.expression(m)
+            exprs.append(expr)
+            shapes.append([tuple(o.shape) for o in ops])
+        known = _cached_paths(exprs, shapes)[0]
+        if known is not None:  # found before (memory or disk): the whole sum, no search
+            return float(sum(known[1])), len(reps), len(reps)
+        index = {id(item): q for q, item in enumerate(reps)}
+
+        def across(item):
+            pairs = item[0][0]
+            return -sum(1 for i, j in pairs if (i < self.n_a) != (j < self.n_a)), -len(pairs)
+
+        order = sorted(reps, key=across)
+        total, n = 0.0, 0
+        for item in order:
+            q = index[id(item)]
+            total += _one_path(exprs[q], shapes[q])[1]
+            n += 1
+            if total > threshold:
+                break
+        return total, n, len(reps)
+
     def plan(self, max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
              refuse: bool = True) -> WickPlan:
         total = self.n_configurations()

@@ -9,6 +9,10 @@ only). Budgets: ``max_flops`` (default 2e11, 2e7 on the exact backend), ``max_me
 ``max_configurations`` (Wick configurations before reduction; default 200 000). Estimates come
 from shapes alone: Wick counts configurations from the depths (T(n)) before building anything,
 then finds opt_einsum paths (cached per topology); chaos counts coefficients and products.
+Wick is not planned in full when a lower bound on its FLOPs
+(:func:`tensoralg.strategies.wick.lower_bound`: a closed form, then the paths of a few
+configuration orbits) already exceeds ``max_flops`` or, with ``"auto"``, an affordable chaos
+expansion; the plan then shows that bound, marked as one.
 """
 
 from __future__ import annotations
@@ -26,11 +30,16 @@ from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX
 from .prepare import check_budget
 from .strategies import chaos, wick
 
-__all__ = ["Plan", "make_plan", "CHAOS_SHORTCUT_FLOPS"]
+__all__ = ["Plan", "make_plan", "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
 
 #: Below this many FLOPs an affordable chaos expansion is taken without searching Wick paths
 #: (the path search alone would cost more than the whole computation).
 CHAOS_SHORTCUT_FLOPS = 1e9
+
+#: Wick is compared with chaos through a lower bound (and then not planned in full) only when
+#: chaos costs at least this much; for smaller problems the plan shows Wick in full (its
+#: configurations, symmetries and paths).
+BOUND_MIN_FLOPS = 1e8
 
 ALTERNATIVES = ("Alternatives: method='closure' (second-moment propagation, fast, approximate "
                 "beyond depth 1), method='montecarlo' (unbiased, with a standard error), or "
@@ -49,6 +58,9 @@ class Plan:
         flops, memory_bytes: the chosen strategy's estimates (``inf`` / 0 when refused).
         wick: the Wick strategy's :class:`~tensoralg.network.WickPlan` (None when it was not
             planned: not applicable, or skipped because chaos was cheap).
+        wick_lower_bound, wick_bound: when Wick was not planned in full because a lower bound
+            on its FLOPs already exceeded ``max_flops`` or an affordable chaos expansion: that
+            bound and how it was obtained (:func:`tensoralg.strategies.wick.lower_bound`).
         chaos: the chaos strategy's :class:`~tensoralg.strategies.chaos.ChaosEstimate` (None for
             the Frobenius metric).
         max_flops, max_memory, max_configurations: the budgets applied.
@@ -72,6 +84,8 @@ class Plan:
     chaos: chaos.ChaosEstimate | None = None
     refused: str | None = None
     wick_shared: bool = True
+    wick_lower_bound: float | None = None
+    wick_bound: str = ""
     _joined: Any = field(default=None, repr=False)
 
     # read-through Wick fields
@@ -103,6 +117,11 @@ class Plan:
         lines = []
         if self.wick is not None:
             lines.append("wick: " + self.wick.summary())
+        elif self.wick_lower_bound is not None:
+            lines.append(f"wick: {self.metric} metric: {self.n_legs} legs, "
+                         f"{self.n_configurations:,} Wick configurations; at least "
+                         f"{self.wick_lower_bound:.3g} FLOPs (a lower bound: {self.wick_bound}; "
+                         f"not planned in full)")
         elif self.n_configurations:
             lines.append(f"wick: {self.metric} metric: {self.n_legs} legs, "
                          f"{self.n_configurations:,} Wick configurations (not planned)")
@@ -182,9 +201,22 @@ def make_plan(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: s
         return plan
     # wick: count first, build and search paths only within the configuration budget
     if strategy != "chaos" or full:
+        # a lower bound first: Wick is not planned in full when it is surely over max_flops or
+        # (auto) surely dearer than an affordable chaos expansion
+        cap = float(max_flops)
+        if strategy == "auto" and "chaos" in ok and ok["chaos"][0] >= BOUND_MIN_FLOPS:
+            cap = min(cap, ok["chaos"][0])
+        bound = None
+        if n_conf <= max_configurations:
+            bound = wick.lower_bound(ca, cb, U, keep, metric, cap)
         if n_conf > max_configurations:
             why["wick"] = (f"the joined network has {n_legs} input legs, i.e. {n_conf:,} Wick "
                            f"configurations, over max_configurations={max_configurations:,}")
+        elif bound is not None:
+            plan.wick_lower_bound, plan.wick_bound = bound
+            if bound[0] > max_flops:
+                why["wick"] = (f"at least {bound[0]:.3g} FLOPs ({bound[1]}), over "
+                               f"max_flops={max_flops:.3g}")
         else:
             joined, wp = wick.build(ca, cb, U, keep, metric, max_configurations)
             plan.wick, plan._joined = wp, joined
@@ -205,6 +237,9 @@ def make_plan(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: s
         plan.flops, plan.memory_bytes = choices[best]
         if strategy != "auto":
             plan.reason = f"forced by strategy={strategy!r}"
+        elif plan.wick_lower_bound is not None and "wick" not in why:
+            plan.reason = (f"fewer FLOPs than wick ({choices[best][0]:.3g} against at least "
+                           f"{plan.wick_lower_bound:.3g}: {plan.wick_bound})")
         elif len(choices) == 2:
             other = "wick" if best == "chaos" else "chaos"
             plan.reason = (f"fewer FLOPs than {other} ({choices[best][0]:.3g} against "

@@ -148,7 +148,7 @@ def _times_pow2(x: np.ndarray, e: np.ndarray, out: np.ndarray | None = None) -> 
     return np.ldexp(x, e, out=out)
 
 
-def normalize(can: Canonical) -> tuple[Canonical, np.ndarray]:
+def normalize(can: Canonical, inplace: bool = False) -> tuple[Canonical, np.ndarray]:
     """Rescale a float stack by exact gauges (powers of two) so every factor is O(1).
 
     Gauges used (each leaves the function unchanged, and is exact in floating point):
@@ -156,19 +156,22 @@ def normalize(can: Canonical) -> tuple[Canonical, np.ndarray]:
     (the embedding's output too) the non-constant rows of the map before it times ``2**-e`` and
     the non-constant input columns of the next stage times ``2**e`` (the constant coordinate is
     never scaled). The output's exponent ``k`` is returned per model: ``f = 2**k f_normalized``.
-    The input stack is not modified.
+    The input stack is not modified, unless ``inplace`` (for a stack that owns its arrays,
+    none shared with another object or with another of its stages: then they are rescaled
+    where they are and returned).
     """
     if can.exact:
         return can, np.zeros(can.arrays()[0].shape[0], dtype=np.int32)
+    own = (lambda a: a) if inplace else np.copy
     if not can.stages:
-        W = can.linear.copy()
+        W = own(can.linear)
         k = _exp2(_maxabs(W[:, 1:, :], (1, 2)))
         _times_pow2(W[:, 1:, :], -k[:, None, None], out=W[:, 1:, :])
         return replace(can, linear=W), k
     stages = []
     embed = None
     if can.embed is not None:
-        embed = can.embed.copy()
+        embed = own(can.embed)
         carry = _exp2(_maxabs(embed[:, 1:, :], (1, 2)))
         _times_pow2(embed[:, 1:, :], -carry[:, None, None], out=embed[:, 1:, :])
     else:
@@ -177,16 +180,16 @@ def normalize(can: Canonical) -> tuple[Canonical, np.ndarray]:
         L, R, D = st.L, st.R, st.D
         if carry.any():  # columns of the non-constant inputs times 2**carry
             c = carry[:, None, None]
-            L, R = L.copy(), R.copy()
+            L, R = own(L), own(R)
             _times_pow2(L[:, :, 1:], c, out=L[:, :, 1:])
             _times_pow2(R[:, :, 1:], c, out=R[:, :, 1:])
         eL = _exp2(_maxabs(L, 2))
         eR = _exp2(_maxabs(R, 2))
         eL[:, 0] = 0
         eR[:, 0] = 0
-        L = _times_pow2(L, -eL[:, :, None])
-        R = _times_pow2(R, -eR[:, :, None])
-        D = _times_pow2(D, (eL + eR)[:, None, :])
+        L = _times_pow2(L, -eL[:, :, None], out=L if inplace else None)
+        R = _times_pow2(R, -eR[:, :, None], out=R if inplace else None)
+        D = _times_pow2(D, (eL + eR)[:, None, :], out=D if inplace else None)
         carry = _exp2(_maxabs(D[:, 1:, :], (1, 2)))
         _times_pow2(D[:, 1:, :], -carry[:, None, None], out=D[:, 1:, :])
         stages.append(Stage(L, R, D))
@@ -213,7 +216,7 @@ def stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, np
         hit = PREPARED.get(nets[0])
         if hit is not None:
             return hit
-        snap = PREPARED.snapshot(nets[0])
+        snap = PREPARED.snapshot(nets[0]) if PREPARED.admit(nets[0]) else None
         out = _stack_for(nets, backend, name)
         if snap is not None:
             PREPARED.put(nets[0], snap, out)
@@ -231,7 +234,9 @@ def _stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, n
     else:
         cans = [_to_float(c) for c in cans]
     st = stack(cans, name)
-    return normalize(st)
+    # the stack owns its arrays: canonical forms are built afresh from the weights (lifted
+    # copies, products), and stack() views or copies them
+    return normalize(st, inplace=True)
 
 
 def _structure(layer: Layer):
@@ -251,6 +256,25 @@ def _structure(layer: Layer):
     return None
 
 
+class _Memo(dict):
+    """A stack's memo that counts the bytes of the arrays stored in it (for the cache's
+    size bound without walking every entry)."""
+
+    nbytes = 0
+
+    def __setitem__(self, key, value) -> None:
+        old = self.get(key)
+        if old is not None:
+            self.nbytes -= _nbytes(old)
+        super().__setitem__(key, value)
+        self.nbytes += _nbytes(value)
+
+
+def _nbytes(value) -> int:
+    return sum(getattr(v, "nbytes", 0)
+               for v in (value if isinstance(value, (list, tuple)) else [value]))
+
+
 class PreparedCache:
     """Prepared stacks of single networks, reused while the weights are unchanged.
 
@@ -261,17 +285,41 @@ class PreparedCache:
     are read-only; its ``memo`` holds results derived from it (the chaos coefficients of
     :mod:`tensoralg.strategies.chaos_depth1`). Float64 networks of Linear, Bilinear, Residual
     and Sequential layers only. At most ``max_entries`` networks and ``max_bytes`` bytes
-    (weights copies, stacks and memos), least recently used first out; thread-safe."""
+    (weights copies, stacks and memos), least recently used first out; thread-safe.
 
-    def __init__(self, max_entries: int = 32, max_bytes: int = 256 * 2**20):
-        self.max_entries, self.max_bytes = max_entries, max_bytes
+    A network is admitted on its second use (:meth:`admit`; the first only notes it, weakly, in
+    a bounded list of ``max_seen``): networks used once — a stream of new checkpoints — cost no
+    copies, keep no memory and evict none of the networks that are used again."""
+
+    def __init__(self, max_entries: int = 32, max_bytes: int = 256 * 2**20,
+                 max_seen: int = 4096):
+        self.max_entries, self.max_bytes, self.max_seen = max_entries, max_bytes, max_seen
         self._entries: OrderedDict[int, tuple] = OrderedDict()
+        self._seen: OrderedDict[int, weakref.ref] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._seen.clear()
+
+    def admit(self, net: Layer) -> bool:
+        """Whether ``net`` (just missed) is to be cached now: True from its second use on
+        (the same object noted by an earlier call and still alive), else note it and return
+        False."""
+        key = id(net)
+        with self._lock:
+            ref = self._seen.pop(key, None)
+            if ref is not None and ref() is net:
+                return True
+            try:
+                self._seen[key] = weakref.ref(net)
+            except TypeError:  # not weakly referenceable: never cached
+                return False
+            while len(self._seen) > self.max_seen:
+                self._seen.popitem(last=False)
+        return False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -313,7 +361,7 @@ class PreparedCache:
         can, k = value
         for a in can.arrays() + [k]:
             a.flags.writeable = False
-        can.memo = {}
+        can.memo = _Memo()
         key = id(net)
 
         def gone(ref, key=key):
@@ -336,9 +384,8 @@ class PreparedCache:
 
     @staticmethod
     def _size(e) -> int:
-        memo = e[3][0].memo or {}
-        return e[4] + sum(getattr(v, "nbytes", 0) for val in memo.values()
-                          for v in (val if isinstance(val, (list, tuple)) else [val]))
+        memo = e[3][0].memo
+        return e[4] + (memo.nbytes if memo is not None else 0)
 
 #: The process-wide cache of :func:`stack_for` (``PREPARED.clear()`` empties it).
 PREPARED = PreparedCache()

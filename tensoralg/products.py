@@ -259,6 +259,11 @@ def _sim_from(Xab, Xaa, Xbb, backend, what: str):
             return [one(x, y, z, f" (output {i})") for i, (x, y, z) in
                     enumerate(zip(Xab, Xaa, Xbb))]
         return one(Xab, Xaa, Xbb, "")
+    if np.ndim(Xab) == 0 and np.ndim(Xaa) == 0 and np.ndim(Xbb) == 0:
+        ab, aa, bb = float(Xab), float(Xaa), float(Xbb)
+        if math.isfinite(ab) and math.isfinite(aa) and math.isfinite(bb) and aa > 0 and bb > 0:
+            # the same IEEE operations as below, on Python floats (bad values: below)
+            return min(1.0, max(-1.0, ab / math.sqrt(aa * bb)))
     Xaa, Xbb = np.asarray(Xaa, dtype=np.float64), np.asarray(Xbb, dtype=np.float64)
     if not (np.all(np.isfinite(Xaa)) and np.all(np.isfinite(Xbb))
             and np.all(np.isfinite(np.asarray(Xab, dtype=np.float64)))):
@@ -623,8 +628,10 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
          max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
     """The planner's decision for the exact inner product ``<a, b>`` (``<a, a>`` if ``b`` is
     None): every applicable strategy's estimate (Wick: configurations before and after
-    zero-pattern and symmetry reduction, FLOPs and intermediates of the opt_einsum paths; chaos:
-    coefficients, FLOPs, memory), the choice and why. Contracts nothing and allocates nothing
+    zero-pattern and symmetry reduction, FLOPs and intermediates of the opt_einsum paths — or,
+    when a lower bound on its FLOPs already exceeds ``max_flops`` or an affordable chaos
+    expansion of at least ``planner.BOUND_MIN_FLOPS``, that bound, marked as one, in
+    ``wick_lower_bound``; chaos: coefficients, FLOPs, memory), the choice and why. Contracts nothing and allocates nothing
     large; ``refused`` is set exactly when :func:`inner` with the same arguments would raise
     :class:`~tensoralg.CostTooHigh` (then ``flops = inf``)."""
     check_options(metric, "exact", backend, strategy)

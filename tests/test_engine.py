@@ -170,6 +170,78 @@ def test_plan_shows_both_strategies_and_refused_matches_inner():
     ta.inner(a, b, max_flops=1e12)
 
 
+def _no_full_wick_plan(monkeypatch):
+    """Make building the Wick plan (joined network and every orbit's path) an error."""
+    from tensoralg import network
+    from tensoralg.strategies import wick
+
+    def boom(*args, **kw):
+        raise AssertionError("Wick planned in full")
+
+    monkeypatch.setattr(wick, "build", boom)
+    monkeypatch.setattr(network, "_find_paths", boom)
+
+
+def test_auto_and_plan_take_chaos_without_planning_wick_when_a_bound_exceeds_it(monkeypatch):
+    """Depth 2 (embed, two residual bilinear layers, head): chaos is cheaper; the planner sees
+    it from a lower bound on Wick's FLOPs (paths of a few orbits) without the full plan."""
+    from tensoralg import planner
+
+    rng = np.random.default_rng(14)
+    a, b = (_embedded(rng, 4, 4, 6, 3, residual=True, depth=2) for _ in range(2))
+    full = ta.plan(a, b, strategy="wick").wick  # before the mocks: the full Wick plan
+    want = ta.similarity(a, b, strategy="wick")
+    monkeypatch.setattr(planner, "CHAOS_SHORTCUT_FLOPS", 0.0)  # no shortcut: use the bound
+    monkeypatch.setattr(planner, "BOUND_MIN_FLOPS", 0.0)  # (a small case)
+    _no_full_wick_plan(monkeypatch)
+    p = ta.plan(a, b)
+    assert p.strategy == "chaos" and p.wick is None
+    assert p.chaos.flops < p.wick_lower_bound <= full.flops
+    assert "lower bound" in p.summary() and "against at least" in p.reason
+    assert abs(ta.similarity(a, b) - want) < 1e-12
+
+
+def test_wick_refused_over_max_flops_from_the_bound_without_planning(monkeypatch):
+    rng = np.random.default_rng(15)
+    a, b = (_embedded(rng, 4, 4, 6, 3, residual=True, depth=2) for _ in range(2))
+    _no_full_wick_plan(monkeypatch)
+    for kw in (dict(strategy="wick", max_flops=1e4), dict(max_flops=1e4)):
+        p = ta.plan(a, b, **kw)
+        assert p.refused and p.wick is None and p.wick_lower_bound > 1e4
+        assert "wick: at least" in p.refused
+        with pytest.raises(ta.CostTooHigh) as err:
+            ta.inner(a, b, **kw)
+        assert str(err.value) == p.refused
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), kind=st.sampled_from(
+    ["bilinear", "bilinear_nobias", "embed_bilinear_head", "residual", "depth2",
+     "depth2_residual_embed_head"]), output=st.sampled_from([None, "each", 1]),
+    same=st.booleans(), frac=st.floats(0.0, 1.0))
+def test_wick_lower_bounds_never_exceed_the_planned_flops(seed, kind, output, same, frac):
+    """Both bounds (closed form; paths of some orbits) are at most the full plan's FLOPs, and
+    the orbit-by-orbit sum over all orbits is the plan's FLOPs."""
+    from tensoralg.network import JoinedNetwork, wick_flops_lower_bound
+    from tensoralg.prepare import output_matrix, stack_for
+    from tensoralg.strategies import wick
+
+    rng = np.random.default_rng(seed)
+    a = rand_network(rng, kind, d=3, out=2)
+    b = a if same else rand_network(rng, kind, d=3, out=2)
+    U, keep = output_matrix(output, 2, False)
+    ca, _ = stack_for([a], "numpy", "a")
+    cb = ca if same else stack_for([b], "numpy", "b")[0]
+    _, wp = wick.build(ca, cb, U, keep, "gaussian", 10**6)
+    lb = wick_flops_lower_bound(ca, cb, U)
+    assert lb is None or lb <= wp.flops
+    part, n, n_orbits = JoinedNetwork(ca, cb, U, keep).flops_at_least(frac * wp.flops)
+    assert part <= wp.flops * (1 + 1e-12) and n_orbits == wp.n_orbits
+    total, n, _ = JoinedNetwork(ca, cb, U, keep).flops_at_least(math.inf)
+    # the same terms summed in another order: equal to a few ulps of the sum
+    assert n == wp.n_orbits and abs(total - wp.flops) <= 1e-12 * wp.flops
+
+
 def test_depth3_at_realistic_width_is_refused_in_milliseconds_allocating_nothing():
     rng = np.random.default_rng(5)
     net = ta.Sequential([rand_linear(rng, 64, 32)] +

@@ -30,14 +30,38 @@ def _rel(x, y):
 # ------------------------------------------------------------------ prepared-stack cache
 
 def test_cache_hit_returns_the_same_read_only_stack():
+    """Admitted on the second use (the first only notes the network), a hit from the third."""
     PREPARED.clear()
     a = _one_layer(np.random.default_rng(0))
+    s0, _ = stack_for([a], "numpy", "a")
+    assert len(PREPARED) == 0 and s0.stages[0].L.flags.writeable  # first use: not kept
     s1, k1 = stack_for([a], "numpy", "a")
+    assert len(PREPARED) == 1
     s2, k2 = stack_for([a], "numpy", "a")
     assert s2 is s1 and k2 is k1
     assert all(not x.flags.writeable for x in s1.arrays())
     with pytest.raises(ValueError):
         s1.stages[0].L[0, 0, 0] = 1.0
+    for x, y in zip(s0.arrays(), s1.arrays()):  # the uncached stack is the same one
+        assert np.array_equal(x, y)
+
+
+def test_networks_used_once_are_not_copied_nor_kept(monkeypatch):
+    """A stream of new networks (each used once) leaves the cache empty and does not evict a
+    network that is used again; the list of networks seen once is bounded."""
+    PREPARED.clear()
+    monkeypatch.setattr(PREPARED, "max_seen", 8)
+    rng = np.random.default_rng(11)
+    keep = _one_layer(rng)
+    stack_for([keep], "numpy", "k"), stack_for([keep], "numpy", "k")
+    stream = [_one_layer(rng) for _ in range(PREPARED.max_entries + 5)]  # alive: distinct ids
+    for net in stream:
+        stack_for([net], "numpy", "a")
+    assert len(PREPARED) == 1
+    hits = PREPARED.hits
+    stack_for([keep], "numpy", "k")
+    assert PREPARED.hits == hits + 1
+    assert len(PREPARED._seen) == 8
 
 
 @pytest.mark.parametrize("where", ["left", "down", "head_bias", "embed"])
@@ -63,6 +87,7 @@ def test_tiny_in_place_change_below_float_sums_is_still_seen():
     rng = np.random.default_rng(2)
     a, b = _one_layer(rng), _one_layer(rng)
     x = ta.inner(a, b)
+    ta.inner(a, b)  # second use: both cached
     w = a.layers[1].right
     old = w[2, 1]
     w[2, 1] = np.nextafter(old, np.inf)
@@ -101,7 +126,7 @@ def test_cache_is_bounded_and_clearable():
     rng = np.random.default_rng(5)
     nets = [_one_layer(rng) for _ in range(PREPARED.max_entries + 5)]
     for n in nets:
-        stack_for([n], "numpy", "a")
+        stack_for([n], "numpy", "a"), stack_for([n], "numpy", "a")  # admitted on second use
     assert len(PREPARED) == PREPARED.max_entries
     PREPARED.clear()
     assert len(PREPARED) == 0
@@ -110,8 +135,9 @@ def test_cache_is_bounded_and_clearable():
 def test_exact_and_torch_backends_and_stacks_are_not_cached():
     PREPARED.clear()
     a = _one_layer(np.random.default_rng(6))
-    stack_for([a], "exact", "a")
-    stack_for([a, a], "numpy", "a")
+    for _ in range(2):
+        stack_for([a], "exact", "a")
+        stack_for([a, a], "numpy", "a")
     assert len(PREPARED) == 0
 
 
@@ -165,6 +191,28 @@ def test_depth1_kernel_equals_the_general_expansion(seed, kind, n, output):
     # largest coefficient, so 1e-12 of it is a ~1e4-ulp margin that a wrong term still breaks
     for f, s in zip(fast, slow):
         assert np.allclose(f, s, rtol=1e-12, atol=1e-12 * np.abs(s).max())
+
+
+@pytest.mark.parametrize("work", [1, 200])
+def test_depth1_kernel_in_chunks_of_outputs_equals_one_chunk(work, monkeypatch):
+    """A small work vector: one output per chunk (``work=1``, a vector of the one-output size,
+    not kept) or a few outputs per chunk; the same coefficients as all outputs at once."""
+    rng = np.random.default_rng(12)
+    nets = [rand_network(rng, "embed_bilinear_head", d=4, out=5, hidden=6, width=4)
+            for _ in range(2)]
+    U, _ = output_matrix(None, 5, False)
+    can, _ = stack_for(nets, "numpy", "m")
+    (can,), _ = chaos.whiten([can], False)
+    whole = chaos_depth1.features(can, U)
+    monkeypatch.setattr(chaos_depth1, "WORK_ELEMENTS", work)
+    monkeypatch.setattr(chaos_depth1, "_local", __import__("threading").local())
+    parts = chaos_depth1.features(can, U)
+    # the same products; BLAS may order a sum of H = 6 terms differently for another matrix
+    # shape, which moves it by a few ulps of its largest term: 64 ulps of the largest entry
+    for x, y in zip(whole, parts):
+        assert np.allclose(x, y, rtol=0, atol=64 * np.finfo(float).eps * np.abs(x).max())
+    assert getattr(chaos_depth1._local, "buf", None) is None or \
+        chaos_depth1._local.buf.size <= work
 
 
 def test_depth1_similarity_matches_brute_force_and_wick():

@@ -757,8 +757,31 @@ def packed_features(can: Canonical, U, r: int) -> list:
     return C
 
 
+#: Float weights kept between calls up to this many packed coefficients per order (8 MB).
+WEIGHTS_CACHE_ELEMENTS = 1 << 20
+
+
+@lru_cache(maxsize=32)
+def _float_weights_cached(r: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    w = (multiset_weights(r, k) * math.factorial(k)).astype(np.float64)
+    sw = np.sqrt(w)
+    w.flags.writeable = sw.flags.writeable = False
+    return w, sw
+
+
+def _float_weights(r: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(w, sqrt(w))`` in float64 with ``w = k! * k!/prod(mult!)`` per packed coefficient of
+    order ``k`` (read-only; cached while small: :data:`WEIGHTS_CACHE_ELEMENTS`)."""
+    if n_packed(r, k) <= WEIGHTS_CACHE_ELEMENTS:
+        return _float_weights_cached(r, k)
+    w = (multiset_weights(r, k) * math.factorial(k)).astype(np.float64)
+    return w, np.sqrt(w)
+
+
 def _weights_like(X, r: int, k: int):
     """``k! * k!/prod(mult!)`` per packed coefficient of order ``k``, as ``X``'s kind."""
+    if not _is_torch(X) and X.dtype != object:
+        return _float_weights(r, k)[0]
     w = multiset_weights(r, k) * math.factorial(k)
     if _is_torch(X):
         import torch
@@ -778,18 +801,17 @@ def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
         A, B = Ca[k], Cb[k]
         if A is None or B is None:
             continue
-        w = _weights_like(A, r, k)
         if not keep and not _is_torch(A) and A.dtype != object:
             # weights split as sqrt(w) on both sides: A's Gram with itself is then one X X^T
             # product, which NumPy computes exactly symmetric (syrk)
-            sw = np.sqrt(w)
+            sw = _float_weights(r, k)[1]
             Aw = A * sw
             Bw = Aw if B is A else B * sw
             Na, Nb = A.shape[0], B.shape[0]
             X = Aw.reshape(Na, -1)
             t = X @ (X if B is A else Bw.reshape(Nb, -1)).T
         elif keep:
-            Aw = A * w
+            Aw = A * _weights_like(A, r, k)
             if _is_torch(A):
                 import torch
 
@@ -798,9 +820,34 @@ def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
                 t = np.einsum("akI,bkI->abk", Aw, B)
         else:
             Na, Nb = A.shape[0], B.shape[0]
-            t = (A * w).reshape(Na, -1) @ B.reshape(Nb, -1).T
+            t = (A * _weights_like(A, r, k)).reshape(Na, -1) @ B.reshape(Nb, -1).T
         total = t if total is None else total + t
     return total
+
+
+def _sqrt_weighted(C: list, r: int, n: int) -> np.ndarray:
+    """Float64 packed coefficients ``C_k (N, K, n_k)`` (orders ``k < n``; None: zero) times
+    ``sqrt(w_k)`` (the weights of :func:`inner_packed`), side by side in one ``(N, F)`` array
+    with ``F = K sum_{k<n} n_packed(r, k)``: the model's feature vector phi."""
+    N, K = next(A.shape[:2] for A in C if A is not None)
+    sizes = [K * n_packed(r, k) for k in range(n)]
+    out = np.empty((N, sum(sizes)))
+    start = 0
+    for k, size in enumerate(sizes):
+        A = C[k] if k < len(C) else None
+        dst = out[:, start:start + size]
+        if A is None:
+            dst[...] = 0.0
+        else:
+            np.multiply(A, _float_weights(r, k)[1], out=dst.reshape(A.shape))
+        start += size
+    return out
+
+
+def _weighted_gram(Wa: np.ndarray, Wb: np.ndarray) -> np.ndarray:
+    """``(N_a, N_b)`` sums of :func:`inner_packed` from :func:`_sqrt_weighted` features
+    (``X X^T`` when both sides are the same array, which NumPy computes exactly symmetric)."""
+    return Wa @ Wa.T if Wb is Wa else Wa @ Wb.T
 
 
 def inner_metric(Ca: list, Cb: list, G, keep: bool):
@@ -923,6 +970,17 @@ def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list):
     res: list = [[] for _ in pairs]
     for k0 in range(0, K, kc):
         F = _features_on(cans, U[k0:k0 + kc], r, conv)
+        if not keep and conv is None and not exact and len(pairs) > 1 and all(
+                c.arrays()[0].shape[0] == 1 and any(A is not None for A in f)
+                for c, f in zip(cans, F)):
+            # one model per side, float64 sums over outputs: each model's features weighted
+            # once (sqrt(w) per packed value) into one vector, and each pair is a dot product
+            n = max(len(f) for f in F)
+            W = [_sqrt_weighted(f, r, n) for f in F]
+            for q, (x, y) in enumerate(pairs):
+                res[q].append(_weighted_gram(W[x], W[y]))
+            del F, W
+            continue
         for q, (x, y) in enumerate(pairs):
             shape = (cans[x].arrays()[0].shape[0], cans[y].arrays()[0].shape[0]) + (
                 (min(K, k0 + kc) - k0,) if keep else ())
@@ -994,7 +1052,31 @@ def _packed_cost(c: Canonical, K: int, r: int) -> tuple[float, int, int]:
 def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
              exact: bool) -> ChaosEstimate:
     """FLOPs and peak memory of :func:`cross` (and :func:`triple`), from the shapes alone
-    (nothing allocated)."""
+    (nothing allocated). A function of the shapes only, so kept per shapes (a fresh copy is
+    returned: the planner marks refusals on it)."""
+    key = (_shape_key(ca), _shape_key(cb), int(K), bool(keep), bool(same), bool(exact))
+    return replace(_estimate_cached(key, ca, cb))
+
+
+def _shape_key(c: Canonical) -> tuple:
+    return (c.d, c.out, c.depth, c.embed is None, c.shapes())
+
+
+_ESTIMATES: dict = {}
+
+
+def _estimate_cached(key: tuple, ca: Canonical, cb: Canonical) -> ChaosEstimate:
+    est = _ESTIMATES.get(key)
+    if est is None:
+        est = _estimate(ca, cb, *key[2:])
+        if len(_ESTIMATES) >= 256:
+            _ESTIMATES.clear()
+        _ESTIMATES[key] = est
+    return est
+
+
+def _estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
+              exact: bool) -> ChaosEstimate:
     cans = [ca] if same else [ca, cb]
     Na = ca.arrays()[0].shape[0]
     Nb = cb.arrays()[0].shape[0]
@@ -1014,6 +1096,9 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
         if c.embed is not None:  # whitening / folding the embedding
             flops += 2.0 * N * c.embed.shape[-2] * (r + 1) * max(c.stages[0].L.shape[-2], 1) * 2
         f, p, feats = _packed_cost(c, kc, r)
+        if c.depth == 1 and not exact:  # the closed-form kernel's work vector, and Du
+            H = c.stages[0].L.shape[-2]
+            p = max(p, chaos_depth1.work_elements(H, r, kc) + N * kc * H + N * feats)
         flops += f * n_chunks
         peak = max(peak, p)
         stored += N * feats

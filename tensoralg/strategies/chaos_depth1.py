@@ -13,12 +13,19 @@ polynomial ``M0 + <M1, z> + z^T M2 z`` with
 ``z^T M z - tr M = <sym M, He_2(z)>``), so ``<f, g> = C0 C0' + <C1, C1'> + 2 <C2, C2'>``, the
 formula of :func:`tensoralg.strategies.chaos.features` at degree 2.
 
-The work is one ``(r x H) @ (H x r)`` product per output and model, about ``2 K H r^2`` FLOPs;
-``C0`` needs no trace of ``M2`` (``tr M2 = sum_h Du[k,h] <L1_h, R1_h>``). Per output the
-product runs on a small reused buffer, so no array of ``K H r`` elements is allocated.
+All three come from one product over the lifted coordinates: with
+``M~ = L~^T diag(Du[k]/2) R~`` and ``S = M~ + M~^T`` (``(r+1, r+1)``), ``S[0,0] = M0``,
+``S[0,1:] = M1 / 2`` and ``S[1:,1:] = sym M2``, so ``C0 = tr S``, ``C1 = 2 S[0,1:]`` and ``C2``
+is the lower right block. The work is one ``(r+1 x H) @ (H x r+1)`` product per output and
+model, about ``2 K H (r+1)^2`` FLOPs, run as one matrix product per chunk of outputs on a
+reused work vector (:data:`WORK_ELEMENTS`), with ``C2`` gathered straight into the packed
+layout.
 """
 
 from __future__ import annotations
+
+import threading
+from functools import lru_cache
 
 import numpy as np
 
@@ -58,6 +65,45 @@ def features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
 MEMO_BYTES = 16 * 2**20
 
 
+#: Elements of the work vector (a copy of ``R~^T (r+1, H)`` and, per chunk of outputs,
+#: ``(outputs, r+1, H)`` and two ``(outputs, r+1, r+1)``): 16 MB in float64 unless one output
+#: needs more, kept per thread between calls (fresh pages cost more than the products at the
+#: widths of a single model).
+WORK_ELEMENTS = 1 << 21
+
+_local = threading.local()
+
+
+def _work(n: int) -> np.ndarray:
+    """A float64 scratch vector of ``n`` elements, reused by the calling thread (kept only up
+    to :data:`WORK_ELEMENTS`)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = np.empty(n)
+        if n <= WORK_ELEMENTS:
+            _local.buf = buf
+    return buf[:n]
+
+
+def work_elements(H: int, r: int, K: int) -> int:
+    """Elements of the work vector of :func:`features` for one model (``H`` hidden units
+    at most, input width ``r``, ``K`` outputs): an upper bound."""
+    n = r + 1
+    kc = max(1, min(K, (WORK_ELEMENTS - n * H) // max(1, n * H + 2 * n * n)))
+    return max(WORK_ELEMENTS, n * H + kc * (n * H + 2 * n * n))
+
+
+@lru_cache(maxsize=8)
+def _pack_index(n: int, k: int) -> np.ndarray:
+    """Flat positions in a ``(k, n, n)`` array of the pairs ``1 <= i <= j < n`` of each of the
+    ``k`` matrices (the lower right ``(n-1, n-1)`` block), in packed (colexicographic) order:
+    ``(k * r(r+1)/2,)`` with ``r = n - 1``, read-only."""
+    jj, ii = np.tril_indices(n - 1)
+    idx = (np.arange(k)[:, None] * (n * n) + ((ii + 1) * n + jj + 1)[None]).ravel()
+    idx.flags.writeable = False
+    return idx
+
+
 def _features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     st = can.stages[0]
     L, R, D = st.L, st.R, st.D
@@ -65,20 +111,51 @@ def _features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     r = n - 1
     K = U.shape[0]
     Du = U[None] @ D[:, 1:, :]  # (N, K, H+1)
-    l0, r0 = L[:, :, 0], R[:, :, 0]
-    L1, R1 = L[:, :, 1:], R[:, :, 1:]
-    tr = np.einsum("nhi,nhi->nh", L1, R1)  # <L1_h, R1_h>: tr M2 = Du tr
-    C0 = Du @ (l0 * r0 + tr)[:, :, None]  # (N, K, 1)
-    C1 = Du @ (l0[:, :, None] * R1 + r0[:, :, None] * L1)  # (N, K, r)
-    C2 = np.empty((N, K, r, r))
-    half = 0.5 * Du  # C2 = sym M2 = M2' + M2'^T with M2' = L1^T diag(Du/2) R1
-    buf = np.empty((r, H1))
+    C0 = np.empty((N, K, 1))
+    C1 = np.empty((N, K, r))
+    C2 = np.empty((N, K, r * (r + 1) // 2))
     for i in range(N):
-        L1T = np.ascontiguousarray(L1[i].T)  # (r, H+1)
-        R1i = np.ascontiguousarray(R1[i])
-        for k in range(K):
-            np.multiply(L1T, half[i, k], out=buf)
-            m = buf @ R1i
-            np.add(m, m.T, out=C2[i, k])
-    jj, ii = np.tril_indices(r)  # packed (colexicographic) order of the pairs i <= j
-    return [C0, C1, np.ascontiguousarray(C2[:, :, ii, jj])]
+        Li, Ri, Dui = L[i], R[i], Du[i]
+        # a hidden unit whose L and R rows vanish off the constant column (unit 0, the constant
+        # unit, always: its factors are e0) adds only Du[k,h] l0_h r0_h to M0: kept out of the
+        # products when it leads
+        h0 = 0 if (Li[0, 1:].any() or Ri[0, 1:].any()) else 1
+        _chaos012(Li[h0:], Ri[h0:], Dui[:, h0:], C0[i, :, 0], C1[i], C2[i])
+        if h0:
+            C0[i, :, 0] += Dui[:, 0] * (Li[0, 0] * Ri[0, 0])
+    return [C0, C1, C2]
+
+
+def _chaos012(L: np.ndarray, R: np.ndarray, Du: np.ndarray, c0: np.ndarray, c1: np.ndarray,
+              c2: np.ndarray) -> None:
+    """Chaos coefficients of ``sum_h Du[k,h] (L~_h . z~)(R~_h . z~)`` for lifted factors
+    ``L, R (H, r+1)`` and ``Du (K, H)``, written to ``c0 (K,)``, ``c1 (K, r)`` and
+    ``c2 (K, r(r+1)/2)`` (packed).
+
+    One product per chunk of outputs gives ``S_k = M~_k + M~_k^T`` with
+    ``M~_k = L~^T diag(Du[k]/2) R~`` over the lifted coordinates, and then
+    ``S_k[0,0] = M0``, ``S_k[0,1:] = M1 / 2``, ``S_k[1:,1:] = sym M2``, so that
+    ``C0 = M0 + tr M2 = tr S_k``, ``C1 = 2 S_k[0,1:]`` and ``C2`` is the lower right block.
+    Work on the thread's work vector."""
+    H, n = L.shape
+    K = Du.shape[0]
+    kc = max(1, min(K, (WORK_ELEMENTS - n * H) // max(1, n * H + 2 * n * n)))
+    w = _work(n * H + kc * (n * H + 2 * n * n))
+    RT = w[:n * H].reshape(n, H)
+    np.copyto(RT, R.T)  # contiguous rows for the scaling below
+    Lc = L if L.flags.c_contiguous else np.ascontiguousarray(L)
+    rest = w[n * H:]
+    for k0 in range(0, K, kc):
+        k1 = min(K, k0 + kc)
+        kk = k1 - k0
+        b = rest[:kk * n * H].reshape(kk, n, H)
+        m = rest[kk * n * H:kk * (n * H + n * n)].reshape(kk * n, n)
+        s = rest[kk * (n * H + n * n):kk * (n * H + 2 * n * n)].reshape(kk, n, n)
+        # b_k = R~^T diag(Du[k] / 2); (kk n, H) @ (H, n) gives the transposes of M~_k
+        np.multiply(RT[None], (0.5 * Du[k0:k1])[:, None, :], out=b)
+        np.matmul(b.reshape(kk * n, H), Lc, out=m)
+        m3 = m.reshape(kk, n, n)
+        np.add(m3, m3.transpose(0, 2, 1), out=s)
+        np.einsum("kii->k", s, out=c0[k0:k1])
+        np.multiply(s[:, 0, 1:], 2.0, out=c1[k0:k1])
+        np.take(s, _pack_index(n, kk), out=c2[k0:k1].reshape(-1), mode="clip")

@@ -11,9 +11,9 @@ import numpy as np
 
 from ..backends import converter, to_numpy
 from ..canonical import Canonical
-from ..network import JoinedNetwork, WickPlan
+from ..network import JoinedNetwork, WickPlan, wick_flops_lower_bound
 
-__all__ = ["build", "compute"]
+__all__ = ["build", "compute", "lower_bound"]
 
 
 def build(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: str,
@@ -22,6 +22,28 @@ def build(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: str,
     ``max_configurations`` the plan is returned with ``refused`` set and nothing enumerated."""
     joined = JoinedNetwork(ca, cb, U, keep, metric)
     return joined, joined.plan(max_configurations, refuse=False)
+
+
+def lower_bound(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: str,
+                threshold: float) -> tuple[float, str] | None:
+    """A lower bound on the Wick plan's FLOPs that exceeds ``threshold``, with how it was
+    obtained, or None when none was found (then plan in full). First the closed form of
+    :func:`tensoralg.network.wick_flops_lower_bound` (shapes and zero patterns; nothing built);
+    then the joined network is formed (cheap: no contraction) and its configuration orbits'
+    paths are searched one by one, dearest first, until their FLOPs pass ``threshold``
+    (:meth:`JoinedNetwork.flops_at_least`). Call within the configuration budget."""
+    lb = wick_flops_lower_bound(ca, cb, U, metric)
+    if lb is not None and lb > threshold:
+        return lb, "closed-form lower bound; network not built"
+    if metric != "gaussian":
+        return None
+    joined = JoinedNetwork(ca, cb, U, keep, metric)
+    total, n, n_orbits = joined.flops_at_least(threshold)
+    if total <= threshold:
+        return None
+    if n < n_orbits:
+        return total, f"paths of {n} of {n_orbits} configuration orbits; the rest not searched"
+    return total, f"paths of all {n_orbits} configuration orbits, found before"
 
 
 def compute(joined: JoinedNetwork, backend: str, device: Any, dtype: Any,
