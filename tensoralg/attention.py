@@ -2114,11 +2114,11 @@ def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any =
                similarity: bool = False, **kw) -> np.ndarray:
     """Exact Gram (or similarity, ``similarity=True``) matrix of sequence models with at most
     one attention layer each: :func:`exact_inner` once per unordered pair, the self terms once
-    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` only)."""
+    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` or ``"torch"``)."""
     nets, n_ctx = _check_models(models, n_ctx)
-    if kw.get("backend", "numpy") != "numpy":
-        raise ValueError("exact_gram: backend='numpy' only (use exact_inner per pair for "
-                         "rationals)")
+    if kw.get("backend", "numpy") not in ("numpy", "torch"):
+        raise ValueError("exact_gram: backend='numpy' or 'torch' (float64; use exact_inner "
+                         "per pair for rationals)")
     vals = {}
     for i in range(len(nets)):
         for j in range(i, len(nets)):

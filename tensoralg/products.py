@@ -115,12 +115,14 @@ def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, 
     if metric != "gaussian":
         raise ValueError("sequence models: only metric='gaussian' is implemented")
     n_ctx, position = kw.pop("n_ctx", None), kw.pop("position", None)
+    device = kw.pop("device", None)
     if method == "closure":  # APPROXIMATE at depth >= 2 (attention.closure_inner)
-        if backend != "numpy":
-            raise ValueError("method='closure' for sequence models runs in float64: use "
-                             "backend='numpy'")
+        if backend not in ("numpy", "torch"):
+            raise ValueError(f"method='closure' for sequence models runs in float64: use "
+                             f"backend='numpy' or 'torch', got {backend!r}")
         fn = attention.closure_inner if kind == "inner" else attention.closure_similarity
-        return fn(na, nb, n_ctx=n_ctx, output=output, position=position)
+        return fn(na, nb, n_ctx=n_ctx, output=output, position=position, backend=backend,
+                  device=device)
     if method == "montecarlo":
         if backend == "exact":
             raise ValueError("method='montecarlo' samples in floating point: use "
@@ -128,11 +130,9 @@ def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, 
         fn = attention.montecarlo_inner if kind == "inner" else attention.montecarlo_similarity
         return fn(na, nb, n_ctx=n_ctx, output=output, position=position,
                   n_samples=kw.get("n_samples", 20_000), seed=kw.get("seed", 0))
-    if backend == "torch":
-        raise ValueError("sequence models: the exact strategy runs on backend='numpy' or "
-                         "'exact' (no torch backend yet)")
     args = dict(n_ctx=n_ctx, output=output, position=position, backend=backend,
-                max_configurations=kw.get("max_configurations", DEFAULT_MAX_CONFIGURATIONS))
+                max_configurations=kw.get("max_configurations", DEFAULT_MAX_CONFIGURATIONS),
+                device=device)
     try:
         if kind == "inner":
             return attention.exact_inner(na, nb, **args)
@@ -178,7 +178,8 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     """
     na, nb, seq = _checked_pair("inner", a, b, metric, method, backend, strategy, output,
                                 dict(n_ctx=n_ctx, position=position, n_samples=n_samples,
-                                     seed=seed, max_configurations=max_configurations))
+                                     seed=seed, max_configurations=max_configurations,
+                                     device=device))
     if seq is not _POSITION_FREE:
         return seq
     U, keep = output_matrix(output, na.out_features, backend == "exact")
@@ -294,7 +295,8 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     """
     na, nb, seq = _checked_pair("similarity", a, b, metric, method, backend, strategy, output,
                                 dict(n_ctx=n_ctx, position=position, n_samples=n_samples,
-                                     seed=seed, max_configurations=max_configurations))
+                                     seed=seed, max_configurations=max_configurations,
+                                     device=device))
     if seq is not _POSITION_FREE:
         return seq
     U, keep = output_matrix(output, na.out_features, backend == "exact")
@@ -445,15 +447,17 @@ def _sequence_matrix(kind: str, models: list, metric, method, backend, output, k
     if method not in ("closure", "exact"):
         raise ValueError(f"gram / similarity_matrix of sequence models: method='closure' or "
                          f"'exact', got {method!r} (Monte Carlo: montecarlo_inner per pair)")
-    if backend != "numpy":
-        raise ValueError("gram / similarity_matrix of sequence models: backend='numpy' only")
+    device = kw.pop("device", None)
+    if backend not in ("numpy", "torch"):
+        raise ValueError(f"gram / similarity_matrix of sequence models: backend='numpy' or "
+                         f"'torch' (float64), got {backend!r}")
     fn = attention.closure_gram if method == "closure" else attention.exact_gram
     if method == "exact" and "max_configurations" in kw:
         kw = {"max_configurations": kw["max_configurations"]}
     elif kw:
         raise TypeError(f"unexpected keyword arguments {sorted(kw)} for sequence models")
     return fn(models, n_ctx=n_ctx, output=output, position=position,
-              similarity=kind == "similarity_matrix", **kw)
+              similarity=kind == "similarity_matrix", backend=backend, device=device, **kw)
 
 
 def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",

@@ -54,3 +54,25 @@ def test_sequence_model_errors_are_clear():
                           a.layers[1]])
     with pytest.raises(ta.CostTooHigh, match="method='montecarlo'"):
         ta.inner(deep, deep, n_ctx=2)
+
+
+def test_torch_backend_through_the_public_api_equals_brute_force():
+    # exact (one layer) and closure on backend="torch" (torch's CPU here), against verify's
+    # independent rational expansion; float64 sums in another grouping: 1e-10 relative
+    pytest.importorskip("torch")
+    from verify.attention import sequence_inner_exact as brute
+
+    rng = np.random.default_rng(5)
+    a, b = _attn_model(rng), _attn_model(rng, heads=2)
+    want = float(brute(a, b, n_ctx=2))
+    for method in ("exact", "closure"):
+        got = ta.inner(a, b, n_ctx=2, method=method, backend="torch", device="cpu")
+        assert abs(got - want) <= 1e-10 * abs(want), method
+    G = ta.gram([a, b], n_ctx=2, method="closure", backend="torch", device="cpu")
+    assert abs(G[0, 1] - want) <= 1e-10 * abs(want)
+    E = ta.gram([a, b], n_ctx=2, backend="torch", device="cpu")
+    assert abs(E[0, 1] - want) <= 1e-10 * abs(want)
+    with pytest.raises(ValueError, match="backend='numpy' or 'torch'"):
+        ta.inner(a, b, n_ctx=2, method="closure", backend="exact")
+    with pytest.raises(ValueError, match="device: only backend='torch'"):
+        ta.similarity(a, b, n_ctx=2, method="closure", device="cpu")
