@@ -1,9 +1,11 @@
-"""GPU check of the torch backend (not run in CI): both exact strategies (Wick and chaos) and the
-Monte Carlo estimator on torch CUDA in float64 and float32 against NumPy float64 — agreement
-(relative to the Cauchy–Schwarz scale ``||a|| ||b||``) and speed. On a machine without a CUDA
-GPU it says so and exits 0.
+"""GPU check of the torch backend (not run in CI): both exact strategies (Wick and chaos), the
+Monte Carlo estimator, and for sequence models the exact one-layer attention inner product and
+the two-layer attention closure, on torch CUDA in float64 (and float32) against NumPy float64:
+agreement (relative to the Cauchy–Schwarz scale ``||a|| ||b||``) and speed. On a machine
+without a CUDA GPU it says so and exits 0.
 
-    python benchmarks/gpu_check.py                 # a few seconds on a GPU
+    python benchmarks/gpu_check.py                 # about a minute on a GPU (the numpy side
+                                                   # of the d_model 64 closure takes most)
     python benchmarks/gpu_check.py --device cpu    # the same checks on torch's CPU backend
                                                    # (a dry run of this script, ~a minute)
 """
@@ -22,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda",
                     help="torch device to check against NumPy (default: cuda; 'cpu' runs the "
                          "same checks on torch's CPU backend)")
+    ap.add_argument("--attention-size", default=None,
+                    help="d_model,n_ctx,heads,d_head of the two-layer attention closure check "
+                         "(default 64,8,4,16 on a GPU, issue 9's size; 16,8,2,4 on the CPU)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -101,8 +106,46 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Monte Carlo on {device}: {float(mc):.6g} ± {mc.stderr:.2g} against exact {ex:.6g} "
           f"({z:.1f} standard errors)")
     failed += z > 4
+    failed += check_attention(ta, device, timed, args.attention_size)
     print("gpu_check: " + ("all agree" if not failed else f"{failed} disagreement(s)"))
     return 1 if failed else 0
+
+
+def check_attention(ta, device, timed, size) -> int:
+    """Sequence models on ``backend="torch"`` against numpy float64: the exact one-layer inner
+    product (d_model 8, n_ctx 2, 2 heads) and the closure of a pair of two-layer attention-only
+    models (issue 9's size on a GPU: its target is under 1 s per pair). Returns the number of
+    disagreements (relative error above 1e-10 of the Cauchy-Schwarz scale)."""
+    from tensoralg import attention as A
+
+    size = size or ("64,8,4,16" if device.type == "cuda" else "16,8,2,4")
+    d, n, heads, dh = (int(x) for x in size.split(","))
+    rng = np.random.default_rng(1)
+
+    def attn(d, heads, dh):
+        g = lambda *s: rng.standard_normal(s) / np.sqrt(s[-1])  # noqa: E731
+        return ta.BilinearAttention(g(heads, dh, d), g(heads, dh, d), g(heads, dh, d),
+                                    g(heads, dh, d), g(heads, dh, d), g(d, heads, dh))
+
+    def model(d, heads, dh, layers):
+        return ta.Sequential([ta.Residual(attn(d, heads, dh)) for _ in range(layers)] +
+                             [ta.Linear(rng.standard_normal((d, d)) / np.sqrt(d))])
+
+    failed = 0
+    rows = [("exact one layer (8, 2, 2, 4)", A.exact_inner, model(8, 2, 4, 1),
+             model(8, 2, 4, 1), 2),
+            (f"closure two layers ({size})", A.closure_inner, model(d, heads, dh, 2),
+             model(d, heads, dh, 2), n)]
+    for name, fn, a, b, n_ctx in rows:
+        scale = np.sqrt(abs(fn(a, a, n_ctx=n_ctx) * fn(b, b, n_ctx=n_ctx)))
+        t_cpu, ref = timed(lambda: fn(a, b, n_ctx=n_ctx), reps=1)
+        t_dev, val = timed(lambda: fn(a, b, n_ctx=n_ctx, backend="torch", device=device), reps=3)
+        err = abs(val - ref) / scale
+        ok = err <= 1e-10
+        failed += not ok
+        print(f"{name:<34}{'float64':<9}{err:>11.2e}{t_cpu:>10.3f}{t_dev:>10.3f}"
+              f"{t_cpu / t_dev:>9.1f}x{'' if ok else '  FAIL'}")
+    return failed
 
 
 if __name__ == "__main__":
