@@ -1240,6 +1240,10 @@ class _PairStep:
         return np.asarray(np.matmul(A, B)).reshape(self.shape_c).transpose(self.perm_c)
 
 
+# contractions below this path cost (flops) run step by step in numpy's C einsum
+_MATMUL_MIN_FLOPS = 1e4
+
+
 class _Plan:
     """A contraction along the ``opt_einsum`` greedy path, found once per (subscripts, shapes),
     executed pairwise as batched matrix products (:class:`_PairStep`, numpy ``matmul``: BLAS
@@ -1258,10 +1262,10 @@ class _Plan:
         for inds, es in self.steps:
             tmp = [shapes.pop(x) for x in inds]
             lhs, lo = es.split("->")
-            if len(inds) == 2:
+            if len(inds) == 2 and self.flops >= _MATMUL_MIN_FLOPS:
                 step = _PairStep(es, *tmp)
                 shapes.append(tuple(step.shape_c[p] for p in step.perm_c))
-            else:
+            else:   # tiny contractions: one C einsum call beats transposes and a matmul
                 size = {}
                 for lab, sh in zip(lhs.split(","), tmp):
                     size.update(zip(lab, sh))
