@@ -1971,15 +1971,14 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     and forms at different position labels identify them. At the last stage only the readout is
     contracted, with the output maps, unembedding and output slice folded into one operand.
 
-    Cost (measured on the shared 2-core machine under a load average of ~12, one thread, so
-    every time is several times an idle machine's): a two-layer attention-only pair at d=3,
-    n_ctx=3, 1 head, d_head=2: ``closure_similarity`` 13.7 s cold / 5.9 s warm against 27.2 s /
-    18.2 s for the previous implementation (ratio 2.0 / 3.1, medians of 3 interleaved runs,
-    ``benchmarks/bench_attention.py --only closure``). At d_model=64, n_ctx=8, 4 heads,
-    d_head=16 the contractions total 2.4e11 flops (opt_einsum path cost, 4 651 contractions),
-    ~70 % of it in the last stage's chaos terms with three open forms per side, each of cost
-    ~n_ctx^3 heads^2 d_head^3: the 1 s target is NOT met on a CPU
-    (tens of seconds at 10-20 GFlop/s; table in ``docs/attention.md``).
+    Cost (one thread, shared 2-core machine at load 3-4; tables in ``docs/attention.md``):
+    contractions are grouped and stacked, each step a batched matrix product, the symbolic
+    work cached per architecture. A two-layer attention-only ``closure_similarity`` (a new pair
+    of an architecture seen before): 0.6 s at d_model=3, n_ctx=3, 1 head of 2; 2.4 s at
+    d_model=16, n_ctx=8, 2 heads of 4 (2.4x the previous code); 11.7 s at d_model=32, n_ctx=8,
+    4 heads of 8 (3.0x). At d_model=64, n_ctx=8, 4 heads of 16 it is bound by flops:
+    ``closure_inner`` executes 9.2e10 flops (about 20 s); the 1 s target is NOT met on a CPU.
+    ``backend="torch"`` runs the contractions on a GPU (not yet measured on one).
 
     Args:
         a, b: sequence models (Sequential of Linear, Bilinear, BilinearAttention and Residual
