@@ -1669,13 +1669,18 @@ def _relabel(labels: str, upper: bool, readout: bool) -> str:
     return lab.replace("T", "t") if readout else lab
 
 
-def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
+def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None, mirror=False):
     """``sum over (S_a, S_b, bijections)`` of ``R_a[S_a] R_b[S_b] prod cov(cross pairs)`` with
     the cross covariance ``C`` of the two inputs: ``E[term_x[t, carry] term_y[T, carry']]``
     before the output cores, as ``(array, labels)``; labels ``t + x.carry + T + Y.carry``
     (``T`` identified with ``t`` for a readout). With ``K`` ``(k, d_o, d_O)`` (a readout) the
     output cores and ``K`` are folded into one operand of every contraction and the result is
-    ``sum K[k] E[y_x[t] y_y[t]]`` over labels ``tk``."""
+    ``sum K[k] E[y_x[t] y_y[t]]`` over labels ``tk``.
+
+    ``mirror`` (a self readout: ``x is y``, ``C`` the model's own covariance, ``K[k]``
+    symmetric): the configuration pairing forms ``i -> j`` and its mirror ``j -> i`` give the
+    same value (the transpose of the same expectation), so only one of each mirror pair is
+    contracted, counted twice; self-mirrored ones once."""
     ra = lambda lab: lab  # noqa: E731
     rb = lambda lab: _relabel(lab, True, readout)  # noqa: E731
     out = "t" + x.carry + ("" if readout else "T") + rb(y.carry)
@@ -1702,6 +1707,7 @@ def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
         return covs[(i, j)]
 
     acc = _SumOfContractions(out)
+    twice = _SumOfContractions(out)
     nx, ny = len(x.forms), len(y.forms)
     for Sa, (Ra, la) in x.R.items():
         open_a = [i for i in range(nx) if Sa >> i & 1]
@@ -1710,6 +1716,13 @@ def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
             if len(open_a) != len(open_b):
                 continue
             for perm in itertools.permutations(open_b):
+                target = acc
+                if mirror:
+                    key = sorted(zip(open_a, perm))
+                    back = sorted((j, i) for i, j in key)
+                    if key > back:
+                        continue
+                    target = twice if key < back else acc
                 pairs = [cross(i, j) for i, j in zip(open_a, perm)]
                 if any(p is None for p in pairs):
                     continue
@@ -1729,8 +1742,12 @@ def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None):
                 if fold is not None:
                     ops.append(fold[0])
                     subs.append(fold[1])
-                acc.add(ops, subs, merges)
-    return (acc.result() if acc.groups else None), out
+                target.add(ops, subs, merges)
+    total = acc.result() if acc.groups else None
+    if twice.groups:
+        val = 2 * twice.result()
+        total = val if total is None else total + val
+    return total, out
 
 
 def _ident_terms(d: int, n_ctx: int):
@@ -1868,11 +1885,14 @@ def _closure_pair_value(ma: _ClosureModel, mb: _ClosureModel, U, keep: bool, sel
     val = (K[:, 0, 0][None, :] + np.einsum("kj,tj->tk", K[:, 0, 1:], mu_b)
            + np.einsum("ki,ti->tk", K[:, 1:, 0], mu_a))
     Kin = np.ascontiguousarray(K[:, 1:, 1:])
-    for x in ma.sides[last]:
-        for y in mb.sides[last]:
-            X, _ = _chaos_cross(x, y, C, True, Kin)
+    sides_a, sides_b = ma.sides[last], mb.sides[last]
+    for i, x in enumerate(sides_a):
+        for j, y in enumerate(sides_b):
+            if ma is mb and j < i:
+                continue    # a self readout: the pair (j, i) is the transpose of (i, j)
+            X, _ = _chaos_cross(x, y, C, True, Kin, mirror=ma is mb and i == j)
             if X is not None:
-                val = val + X
+                val = val + (2 * X if ma is mb and j > i else X)
     val = val * sel[:, None]
     if not each_t:
         val = val.sum(axis=0)
