@@ -161,8 +161,10 @@ from bench_attention import two_layer
 d, n, H, dh = map(int, sys.argv[2:6])
 rng = np.random.default_rng(0)
 a, b = two_layer(rng, d, H, dh), two_layer(rng, d, H, dh)
+c = two_layer(rng, d, H, dh)
 t = time.perf_counter(); s = A.closure_similarity(a, b, n_ctx=n); cold = time.perf_counter() - t
-t = time.perf_counter(); A.closure_similarity(a, b, n_ctx=n); warm = time.perf_counter() - t
+# warm: a second, new pair of the same architecture (per-structure caches warm, no moments)
+t = time.perf_counter(); A.closure_similarity(a, c, n_ctx=n); warm = time.perf_counter() - t
 print(json.dumps(dict(sim=s, cold=cold, warm=warm)))
 """
 
@@ -179,14 +181,15 @@ def _child(root, size, timeout):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def bench_closure(base, repeat, timeout):
-    print("== 3. closure_similarity, two-layer attention-only pair, new vs 942dfb0 "
-          "(subprocesses, interleaved) ==")
+def bench_closure(base, repeat, timeout, rev="942dfb0",
+                  sizes=((3, 3, 1, 2), (4, 3, 2, 2), (8, 4, 2, 4))):
+    print(f"== 3. closure_similarity, two-layer attention-only pair, new vs {rev} "
+          f"(subprocesses, interleaved) ==")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isdir(base):
-        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", base, "942dfb0"],
+        subprocess.run(["git", "-C", here, "worktree", "add", "--detach", base, rev],
                        check=True)
-    for size in ((3, 3, 1, 2), (4, 3, 2, 2), (8, 4, 2, 4)):
+    for size in sizes:
         new, old = [], []
         for _ in range(repeat):
             old.append(_child(base, size, timeout))
@@ -260,7 +263,13 @@ def closure_flops(size=(64, 8, 4, 16), contract=False):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["small", "large", "closure"])
-    p.add_argument("--base", default="/tmp/attn-base", help="worktree of commit 942dfb0")
+    p.add_argument("--base", default="/tmp/attn-base",
+                   help="checkout of the commit compared against (created with git worktree "
+                        "from --rev when missing)")
+    p.add_argument("--rev", default="942dfb0", help="commit compared against (default 942dfb0; "
+                   "7fa40e8 for the session-3 executor)")
+    p.add_argument("--sizes", default="3,3,1,2;4,3,2,2;8,4,2,4",
+                   help="closure sizes d_model,n_ctx,heads,d_head separated by ';'")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds per subprocess (the old closure is slow)")
@@ -271,7 +280,8 @@ def main():
     if args.only in (None, "large"):
         bench_large()
     if args.only in (None, "closure"):
-        bench_closure(args.base, args.repeat, args.timeout)
+        sizes = tuple(tuple(int(x) for x in z.split(",")) for z in args.sizes.split(";"))
+        bench_closure(args.base, args.repeat, args.timeout, args.rev, sizes)
         bench_closure_matrix()
         for size in ((8, 4, 2, 4), (64, 8, 4, 16)):
             if size[0] < 64:
