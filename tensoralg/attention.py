@@ -1991,13 +1991,14 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     and forms at different position labels identify them. At the last stage only the readout is
     contracted, with the output maps, unembedding and output slice folded into one operand.
 
-    Cost (one thread, shared 2-core machine at load 3-4; tables in ``docs/attention.md``):
+    Cost (one thread, shared 2-core machine at load ~2; tables in ``docs/attention.md``):
     contractions are grouped and stacked, each step a batched matrix product, the symbolic
-    work cached per architecture. A two-layer attention-only ``closure_similarity`` (a new pair
-    of an architecture seen before): 0.6 s at d_model=3, n_ctx=3, 1 head of 2; 2.4 s at
-    d_model=16, n_ctx=8, 2 heads of 4 (2.4x the previous code); 11.7 s at d_model=32, n_ctx=8,
-    4 heads of 8 (3.0x). At d_model=64, n_ctx=8, 4 heads of 16 it is bound by flops:
-    ``closure_inner`` executes 9.2e10 flops (about 20 s); the 1 s target is NOT met on a CPU.
+    work cached per architecture, self readouts halved by symmetry. A two-layer attention-only
+    ``closure_similarity`` (a new pair of an architecture seen before): 0.24 s at d_model=3,
+    n_ctx=3, 1 head of 2; 0.68 s at d_model=16, n_ctx=8, 2 heads of 4 (2.8x the previous
+    code); 5.0 s at d_model=32, n_ctx=8, 4 heads of 8 (2.8x). At d_model=64, n_ctx=8, 4 heads
+    of 16 it is bound by flops (``closure_inner`` executes 9.2e10): 34 s (1.3x); the 1 s target
+    is NOT met on a CPU.
     ``backend="torch"`` runs the contractions on a GPU (not yet measured on one).
 
     Args:
