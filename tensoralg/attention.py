@@ -527,7 +527,6 @@ class _Side:
 
     def _compute(self, n):
         legs = self.legs
-        pos_s = "s" + self.side
         for S in range(1 << n):
             opened = [i for i in range(n) if S >> i & 1]
             closed = [i for i in range(n) if not S >> i & 1]
@@ -2052,9 +2051,9 @@ def _check_models(models, n_ctx):
 def _gram_to_similarity(G):
     dg = np.einsum("ii...->i...", G)
     if np.any(dg <= 0):
-        raise ValueError(f"similarity_matrix: models "
-                         f"{np.flatnonzero(np.atleast_1d(dg <= 0).reshape(len(dg), -1).any(1)).tolist()}"
-                         f" have norm zero; similarity is undefined")
+        zero = np.flatnonzero(np.atleast_1d(dg <= 0).reshape(len(dg), -1).any(1)).tolist()
+        raise ValueError(f"similarity_matrix: models {zero} have norm zero; similarity is "
+                         f"undefined")
     return np.clip(G / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1.0, 1.0)
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import numbers
 import os
 import uuid

@@ -222,7 +222,7 @@ def test_gram_and_similarity_matrix_of_sequence_models():
 # available), the same sums as numpy up to float64 rounding ----
 
 def test_closure_and_exact_on_the_torch_backend_equal_numpy(monkeypatch):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     # every contraction on torch (the default threshold would leave these small ones to numpy)
     monkeypatch.setattr(attention, "_TORCH_CPU_FLOPS", 0.0)
     name, a, b, kw, n = next(c for c in _depth_two_cases() if c[0].startswith("different"))

@@ -4,7 +4,6 @@ audit (tiny end to end, bad input)."""
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest

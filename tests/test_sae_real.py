@@ -3,8 +3,6 @@
 Skipped with a clear reason when the extra (``pip install 'tensoralg[real]'``) is absent.
 """
 
-import os
-
 import numpy as np
 import pytest
 

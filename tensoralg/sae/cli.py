@@ -277,8 +277,6 @@ def _cmd_stability(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    import torch
-
     from .bench import format_table, run_bench
 
     overrides = {k: getattr(args, k) for k in ("d", "m", "k", "steps", "lr", "n_train", "batch_size")
