@@ -868,20 +868,43 @@ def _floatify(p: SequencePolynomial) -> SequencePolynomial:
 
 
 def exact_similarity(a: Any, b: Any, **kw):
-    """``<a,b> / sqrt(<a,a> <b,b>)`` with :func:`exact_inner` (same arguments). Exact backend:
-    a sympy number. Raises ValueError when a norm is zero."""
-    ab = exact_inner(a, b, **kw)
-    aa = exact_inner(a, a, **kw)
-    bb = exact_inner(b, b, **kw)
-    if isinstance(ab, np.ndarray):
-        return ab / np.sqrt(np.asarray(aa, dtype=np.float64) * np.asarray(bb, dtype=np.float64))
-    if aa == 0 or bb == 0:
-        raise ValueError("similarity: a model with zero norm has no direction")
-    if kw.get("backend") == "exact":
+    """``<a,b> / sqrt(<a,a> <b,b>)`` with :func:`exact_inner` (same arguments), clipped to
+    [-1, 1] in float. Exact backend: a sympy number. Raises ValueError when a norm is zero or
+    (float) an inner product overflowed float64."""
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        ab = exact_inner(a, b, **kw)
+        aa = exact_inner(a, a, **kw)
+        bb = exact_inner(b, b, **kw)
+    if kw.get("backend") == "exact" and not isinstance(ab, np.ndarray):
+        if aa == 0 or bb == 0:
+            raise ValueError("similarity: a model with zero norm has no direction")
         import sympy as sp
         return sp.Rational(ab.numerator, ab.denominator) / sp.sqrt(
             sp.Rational(aa.numerator, aa.denominator) * sp.Rational(bb.numerator, bb.denominator))
-    return ab / math.sqrt(aa * bb)
+    return _float_similarity(ab, aa, bb, "")
+
+
+def _float_similarity(ab, aa, bb, what: str):
+    """``ab / sqrt(aa bb)`` of float64 inner products (arrays for ``"each"``), clipped to
+    [-1, 1]; a clear error where float64 could not hold them.
+
+    Raises:
+        ValueError: an inner product overflowed (not finite) or a norm is zero: a zero
+            function, or one whose squared norm underflowed float64 (``backend='exact'``
+            decides, in rationals).
+    """
+    ab, aa, bb = (np.asarray(x, dtype=np.float64) for x in (ab, aa, bb))
+    if not (np.all(np.isfinite(ab)) and np.all(np.isfinite(aa)) and np.all(np.isfinite(bb))):
+        raise ValueError(f"similarity{what}: an inner product overflowed float64 (||a||^2 = "
+                         f"{aa}, ||b||^2 = {bb}); the weights are too large for float64 — "
+                         f"rescale them or use backend='exact'")
+    if np.any(aa <= 0) or np.any(bb <= 0):
+        raise ValueError(f"similarity{what}: a model has norm zero in float64 (||a||^2 = {aa}, "
+                         f"||b||^2 = {bb}): a zero function has no direction; if its weights are "
+                         f"merely tiny, the norm underflowed — rescale them or use "
+                         f"backend='exact'")
+    val = np.clip(ab / np.sqrt(aa * bb), -1.0, 1.0)
+    return val if val.ndim else float(val)
 
 
 # ----------------------------------------------------------------------------------------
@@ -2026,13 +2049,12 @@ def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
                        position: Any = None, backend: str = "numpy", device: Any = None):
     """``<a,b> / sqrt(<a,a> <b,b>)`` with the closure moments of one propagation
     (APPROXIMATE at depth >= 2; see :func:`closure_inner` for what it is, its measured error,
-    ``backend`` and ``device``). Raises ValueError when a closure norm is zero."""
-    aa, ab, bb = _closure_triple(a, b, n_ctx, output, position, backend=backend, device=device)
-    if isinstance(ab, np.ndarray):
-        return ab / np.sqrt(aa * bb)
-    if aa <= 0 or bb <= 0:
-        raise ValueError("similarity: a model with zero closure norm has no direction")
-    return float(ab / math.sqrt(aa * bb))
+    ``backend`` and ``device``). Raises ValueError when a closure norm is zero or an inner
+    product overflowed float64."""
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        aa, ab, bb = _closure_triple(a, b, n_ctx, output, position, backend=backend,
+                                     device=device)
+    return _float_similarity(ab, aa, bb, " (closure)")
 
 
 # ----------------------------------------------------------------------------------------

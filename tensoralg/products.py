@@ -474,6 +474,8 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
     if isinstance(models, Layer) or hasattr(models, "to_network"):
         raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models)
+    if not models:
+        raise ValueError("models: empty sequence of models")
     seq = _sequence_matrix("gram", models, metric, method, backend, output, kwargs)
     if seq is not None:
         return seq
@@ -493,6 +495,8 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
     if isinstance(models, Layer) or hasattr(models, "to_network"):
         raise TypeError("models: expected a sequence of models, got a single model")
     models = list(models)
+    if not models:
+        raise ValueError("models: empty sequence of models")
     seq = _sequence_matrix("similarity_matrix", models, metric, method, backend, output, kwargs)
     if seq is not None:
         return seq

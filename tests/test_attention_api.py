@@ -76,3 +76,31 @@ def test_torch_backend_through_the_public_api_equals_brute_force():
         ta.inner(a, b, n_ctx=2, method="closure", backend="exact")
     with pytest.raises(ValueError, match="device: only backend='torch'"):
         ta.similarity(a, b, n_ctx=2, method="closure", device="cpu")
+
+
+def test_float64_overflow_and_underflow_give_clear_errors():
+    # weights x1e30 (six factors per attention term: squared norms ~1e360, beyond float64) and
+    # x1e-60 (~1e-720, below the smallest float64): a clear error naming the way out, never a
+    # NaN or a silent "zero network"; the exact backend decides the tiny case in rationals
+    rng = np.random.default_rng(8)
+    g = lambda s, *sh: rng.standard_normal(sh) * s  # noqa: E731
+
+    def model(s, residual):
+        attn = ta.BilinearAttention(g(s, 1, 2, 2), g(s, 1, 2, 2), g(s, 1, 2, 2), g(s, 1, 2, 2),
+                                    g(s, 1, 2, 2), g(s, 2, 1, 2))
+        return ta.Sequential([ta.Residual(attn) if residual else attn, ta.Linear(g(1, 2, 2))])
+
+    big = model(1e30, True)
+    for method in ("exact", "closure"):
+        with pytest.raises(ValueError, match="overflowed float64"):
+            ta.similarity(big, big, n_ctx=2, method=method)
+    tiny = model(1e-60, False)
+    with pytest.raises(ValueError, match="underflowed"):
+        ta.similarity(tiny, tiny, n_ctx=2)
+    with pytest.raises(ValueError, match="underflowed"):
+        ta.similarity(tiny, tiny, n_ctx=2, method="closure")
+    assert ta.similarity(tiny, tiny, n_ctx=2, backend="exact") == 1
+    with pytest.raises(ValueError, match="empty sequence of models"):
+        ta.gram([], n_ctx=2, method="closure")
+    with pytest.raises(ValueError, match="empty sequence of models"):
+        ta.similarity_matrix([], n_ctx=2)
