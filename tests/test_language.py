@@ -422,3 +422,17 @@ def test_compare_montecarlo_of_language_checkpoints_has_a_stderr(tiny_run):
     mc = vals["montecarlo"]
     assert mc["global_stderr"] > 0 and "each" not in mc
     assert abs(mc["global"] - vals["exact"]["global"]) <= 4 * mc["global_stderr"]
+
+
+def test_compare_of_language_checkpoints_defaults_to_fewer_monte_carlo_directions(tiny_run,
+                                                                                 monkeypatch):
+    # a direction of a transformer costs 6-26 forward passes per model: without --n-samples the
+    # sequence default (SEQUENCE_MC_SAMPLES, here lowered for speed) is used and recorded
+    from tensoralg.audit import compare
+
+    monkeypatch.setattr(compare, "SEQUENCE_MC_SAMPLES", 300)
+    result, out = tiny_run
+    c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000020")]
+    r = compare.run_compare(c[0], c[1], methods=("montecarlo",), seed=3)
+    assert r["config"]["n_samples"] == 300
+    assert r["results"][0]["global_stderr"] > 0

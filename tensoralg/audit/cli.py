@@ -195,8 +195,10 @@ def add_parsers(sub) -> None:
                    help="comma-separated methods (default exact,closure,montecarlo)")
     c.add_argument("--metrics", default="gaussian,frobenius",
                    help="comma-separated metrics (default gaussian,frobenius)")
-    c.add_argument("--n-samples", type=_positive_int, default=100_000,
-                   help="Monte Carlo directions (default 100000; at least 2)")
+    c.add_argument("--n-samples", type=_positive_int, default=None,
+                   help="Monte Carlo directions (at least 2; default 100000, and 20000 for "
+                        "bilinear-transformer checkpoints, where each direction costs 6 (one "
+                        "layer) to 26 (two layers) forward passes per model)")
     _n_ctx(c)
     _shared(c, "Monte Carlo seed and the digits split seed for --data digits")
     c.set_defaults(func=cmd_compare)
@@ -355,7 +357,7 @@ def cmd_compare(args) -> int:
 
     methods = _split(args.methods, "--methods", ("exact", "closure", "montecarlo"))
     metrics = _split(args.metrics, "--metrics", ("gaussian", "frobenius"))
-    if "montecarlo" in methods and args.n_samples < 2:
+    if "montecarlo" in methods and args.n_samples is not None and args.n_samples < 2:
         raise ValueError(f"--n-samples: expected an integer >= 2 with --methods montecarlo, got "
                          f"{args.n_samples}")
     _check_paths(args)
