@@ -155,12 +155,17 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
 
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or ``weights.safetensors``.
-        ValueError: a corrupt/truncated file, a foreign ``architecture``, weights whose
+        ValueError: a corrupt/truncated file, another ``format`` version, a foreign
+            ``architecture``, integer weights, weights whose
             names or shapes do not match the config (naming the tensor and both shapes), or
             weights and config that no longer compute the saved probe outputs (an edited
             ``cfg.json``: ``residual``, ``bias``, ...).
     """
     tensors, cfg = load_folder(path)
+    fmt = cfg.get("format", FORMAT)
+    if fmt != FORMAT:
+        raise ValueError(f"{path}: cfg.json format {fmt!r} is not {FORMAT!r} (written by "
+                         f"another tensoralg version?); this version reads {FORMAT!r}")
     cls = _MODELS.get(cfg.get("architecture"))
     if cls is None:
         raise ValueError(f"{path}: cfg.json architecture {cfg.get('architecture')!r} is not "
@@ -178,6 +183,9 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
         if tuple(tensors[name].shape) != tuple(ref.shape):
             raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)} "
                              f"but cfg.json implies {tuple(ref.shape)}")
+        if not tensors[name].is_floating_point():
+            raise ValueError(f"{path}: tensor {name!r} has dtype {tensors[name].dtype}; "
+                             f"weights must be floating point")
         if not torch.isfinite(tensors[name]).all():
             raise ValueError(f"{path}: tensor {name!r} has non-finite (NaN/inf) entries")
     model.load_state_dict({k: tensors[k].to(ref.dtype) for k, ref in expected.items()})

@@ -282,3 +282,20 @@ def test_checkpoint_without_probe_loads_with_a_warning(tmp_path):
                                                      **m.config(), "step": 0})
     with pytest.warns(UserWarning, match="no forward probe"):
         load_checkpoint(tmp_path / "old")
+
+
+def test_other_format_version_and_integer_weights_are_refused(tmp_path):
+    from tensoralg.io import save_folder
+
+    m = _model()
+    save_checkpoint(tmp_path / "c", m)
+    cfg = json.loads((tmp_path / "c" / "cfg.json").read_text())
+    cfg["format"] = "tensoralg.checkpoint/99"
+    (tmp_path / "c" / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"format 'tensoralg.checkpoint/99' is not"):
+        load_checkpoint(tmp_path / "c")
+    ints = {k: v.to(torch.int32) if k == "head.weight" else v for k, v in m.state_dict().items()}
+    save_folder(tmp_path / "i", ints, {"format": "tensoralg.checkpoint/1", **m.config(),
+                                       "step": 0})
+    with pytest.raises(ValueError, match=r"'head\.weight' has dtype torch\.int32"):
+        load_checkpoint(tmp_path / "i")
