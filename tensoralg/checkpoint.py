@@ -208,6 +208,9 @@ def _check_probe(path, model: BilinearNet, cfg: Mapping[str, Any]) -> None:
     if want.shape != got.shape:
         raise ValueError(f"{path}: cfg.json probe_output has shape {want.shape} but the model "
                          f"gives {got.shape}")
+    if not np.all(np.isfinite(got)):
+        raise ValueError(f"{path}: the forward probe overflowed (non-finite outputs): the "
+                         f"weights are too large to evaluate the model in its dtype")
     scale = float(np.max(np.abs(want))) if want.size else 0.0
     err = float(np.max(np.abs(got - want))) if want.size else 0.0
     if not err <= PROBE_RTOL * max(scale, np.finfo(np.float64).tiny):

@@ -299,3 +299,15 @@ def test_other_format_version_and_integer_weights_are_refused(tmp_path):
                                        "step": 0})
     with pytest.raises(ValueError, match=r"'head\.weight' has dtype torch\.int32"):
         load_checkpoint(tmp_path / "i")
+
+
+def test_weights_too_large_to_evaluate_are_named(tmp_path):
+    from tensoralg.io import save_folder
+
+    m = _model()
+    save_checkpoint(tmp_path / "c", m)
+    cfg = json.loads((tmp_path / "c" / "cfg.json").read_text())
+    big = {k: v.double() * 1e300 for k, v in m.state_dict().items()}
+    save_folder(tmp_path / "b", big, {k: v for k, v in cfg.items()})
+    with pytest.raises(ValueError, match="probe overflowed"):
+        load_checkpoint(tmp_path / "b")
