@@ -39,7 +39,7 @@ def _name_leaves(parser: argparse.ArgumentParser) -> None:
     """Record each command's full name (e.g. ``tensoralg audit backdoor``) for error messages."""
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
-        parser.set_defaults(prog_name=parser.prog)
+        parser.set_defaults(prog_name=parser.prog, leaf_parser=parser)
     for action in subs:
         for child in dict.fromkeys(action.choices.values()):
             _name_leaves(child)
@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (sys.argv[1:] if argv is None else argv):
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # reported with the command's own usage, not the top-level one
+        getattr(args, "leaf_parser", parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     name = getattr(args, "prog_name", "tensoralg")
     _terminate_as_interrupt()
     try:

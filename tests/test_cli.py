@@ -56,6 +56,14 @@ def test_bad_options_exit_2(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
+def test_an_unknown_option_is_reported_with_the_commands_own_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "a", "b", "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tensoralg compare") and "unrecognized arguments: --bogus" in err
+
+
 def test_out_that_is_a_file(tmp_path, capsys):
     f = tmp_path / "file.txt"
     f.write_text("not a folder")

@@ -39,6 +39,9 @@ class _Fixed:
     def parse_args(self, argv):
         return self.args
 
+    def parse_known_args(self, argv):
+        return self.args, []
+
     def print_help(self, fh):
         self.parser.print_help(fh)
 
@@ -75,6 +78,7 @@ def test_sigterm_unwinds_like_an_interrupt(tmp_path):
             "args.func = slow\n"
             "class P:\n"
             "    def parse_args(self, argv): return args\n"
+            "    def parse_known_args(self, argv): return args, []\n"
             "cli.build_parser = lambda: P()\n"
             "sys.exit(cli.main(['compare', 'x', 'y']))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
