@@ -6,9 +6,14 @@ import argparse
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from tensoralg.cli import build_parser
+from tensoralg.cli import build_parser, main
+from tensoralg.sae.training import as_activations
+
+FAST = ["--batch-size", "32", "--no-progress"]
 
 def _leaves(parser, name=()):
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -38,3 +43,45 @@ def test_shared_options_in_the_docs_match_every_command():
         assert ("--seed" in opts, "--no-progress" in opts) == claimed[name], name
     with pytest.raises(SystemExit):   # what the tester ran: refused, as the docs now say
         build_parser().parse_args(["sae", "activations", "--out", "a.npy", "--no-progress"])
+
+
+def test_nan_error_names_the_first_bad_row(tmp_path, capsys):
+    x = np.random.default_rng(0).standard_normal((200, 5)).astype(np.float32)
+    x[3, 2], x[150, 0] = np.nan, np.inf
+    np.save(tmp_path / "bad.npy", x)
+    assert main(["sae", "train", "--data", str(tmp_path / "bad.npy"), "--d-sae", "8", "--k", "2",
+                 *FAST, "--out", str(tmp_path / "r")]) == 2
+    assert "--data: contains NaN or inf (first in row 3)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    assert main(["sae", "train", "--synthetic", "5,8,2,128", "--steps", "2", *FAST,
+                 "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert main(["sae", "stability", str(tmp_path / "a"), str(tmp_path / "a"),
+                 "--data", str(tmp_path / "bad.npy")]) == 2
+    assert "--data: contains NaN or inf (first in row 3)" in capsys.readouterr().err
+    # a later chunk of a memmap (rows are checked 65,536 at a time), and a tensor
+    big = np.zeros((70_000, 2), dtype=np.float32)
+    big[66_000, 1] = np.nan
+    np.save(tmp_path / "big.npy", big)
+    with pytest.raises(ValueError, match=r"first in row 66000\)"):
+        as_activations(str(tmp_path / "big.npy"), "--data")
+    x[3, 2] = 0.0                                       # now only the inf in row 150
+    with pytest.raises(ValueError, match=r"first in row 150\)"):
+        as_activations(torch.from_numpy(x), "x")
+
+
+def test_train_config_errors_name_the_flags(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32))
+    data = ["sae", "train", "--data", str(tmp_path / "x.npy"), "--d-sae", "8", "--k", "2",
+            "--no-progress", "--out", str(tmp_path / "r")]
+    for extra, want in ((["--batch-size", "0"], "--batch-size: expected an int >= 1, got 0"),
+                        (["--log-every", "0"], "--log-every: expected an int >= 1, got 0"),
+                        (["--lr", "0"], "--lr: expected a finite number > 0, got 0.0"),
+                        (["--lr", "nan"], "--lr: expected a finite number > 0"),
+                        (["--lr-end", "1"], "--lr-end: expected 0 <= lr_end"),
+                        (["--batch-size", "100"], "--batch-size: 100 exceeds the number of "
+                                                  "samples 64")):
+        assert main([*data, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], (extra, err)
+    assert not (tmp_path / "r").exists()

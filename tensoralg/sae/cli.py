@@ -76,6 +76,22 @@ def _check_out(out) -> None:
                          f"`sae train` output")
 
 
+# TrainConfig / train() arguments set from `sae train` flags: their errors name the flag
+_TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "ckpt_every", "lr_warmup_steps", "lr_decay",
+                "lr_end", "grad_clip", "rip_warmup_steps", "auxk_warmup_steps", "normalize",
+                "dead_tokens", "log_every", "resume")
+
+
+def _as_flag_error(exc: ValueError) -> ValueError:
+    """``exc`` with a leading ``name:`` of a :data:`_TRAIN_FLAGS` argument (e.g. ``batch_size:``)
+    written as the flag (``--batch-size:``); other messages unchanged."""
+    msg = str(exc)
+    name = msg.split(":", 1)[0]
+    if name in _TRAIN_FLAGS:
+        msg = "--" + name.replace("_", "-") + msg[len(name):]
+    return ValueError(msg)
+
+
 def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
     """FVU (the training loss's ``recon`` term) of ``model`` on the first ``n_max`` rows."""
     import numpy as np
@@ -164,14 +180,18 @@ def _cmd_train(args) -> int:
     if args.json:
         from ..audit.common import check_file_writable
         check_file_writable(args.json, "--json")
-    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                       ckpt_every=args.ckpt_every, progress=not args.no_progress,
-                       lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
-                       lr_end=args.lr_end, grad_clip=args.grad_clip,
-                       rip_warmup_steps=args.rip_warmup_steps,
-                       auxk_warmup_steps=args.auxk_warmup_steps,
-                       normalize="expected_norm" if args.normalize == "expected_norm" else "none",
-                       dead_tokens=args.dead_tokens, log_every=args.log_every)
+    try:
+        tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                           seed=args.seed, ckpt_every=args.ckpt_every,
+                           progress=not args.no_progress,
+                           lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
+                           lr_end=args.lr_end, grad_clip=args.grad_clip,
+                           rip_warmup_steps=args.rip_warmup_steps,
+                           auxk_warmup_steps=args.auxk_warmup_steps,
+                           normalize="expected_norm" if args.normalize == "expected_norm" else "none",
+                           dead_tokens=args.dead_tokens, log_every=args.log_every)
+    except ValueError as exc:
+        raise _as_flag_error(exc) from None
     if s is not None:
         syn = make_synthetic(s["n"], s["d"], s["m"], s["k"], noise=s["noise"], seed=args.data_seed)
         data, d_in = syn.x, s["d"]
@@ -201,6 +221,8 @@ def _cmd_train(args) -> int:
         tcfg = replace(tcfg, **schedule(preset, tcfg.steps))
     try:
         model, hist = train(data, sae_cfg, tcfg, out=args.out, resume=args.resume, meta=meta)
+    except ValueError as exc:
+        raise _as_flag_error(exc) from None
     except TrainingDiverged as exc:
         print(f"tensoralg sae train: error: {exc}", file=sys.stderr)
         return 1
