@@ -3,6 +3,7 @@ resume-past---steps message names the run's real step, the shared options in doc
 the parsers, NaN/inf errors name the first bad row, TrainConfig errors name the CLI flags."""
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -14,6 +15,20 @@ from tensoralg.cli import build_parser, main
 from tensoralg.sae.training import as_activations
 
 FAST = ["--batch-size", "32", "--no-progress"]
+
+
+def test_resume_past_steps_reports_the_runs_step(tmp_path, capsys):
+    out = tmp_path / "s0"
+    common = ["sae", "train", "--synthetic", "6,8,2,128", *FAST]
+    assert main([*common, "--steps", "7", "--out", str(out)]) == 0
+    capsys.readouterr()
+    for steps in ("4", "0"):
+        assert main([*common, "--steps", steps, "--resume", str(out), "--out", str(out)]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[0]
+        assert "already at step 7" in line and ": step 7," in line, line
+        assert f"--steps {steps}" in line and "initialized" not in line, line
+    assert json.loads((out / "cfg.json").read_text())["train_step"] == 7
+
 
 def _leaves(parser, name=()):
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

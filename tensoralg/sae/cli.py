@@ -226,6 +226,7 @@ def _cmd_train(args) -> int:
     except TrainingDiverged as exc:
         print(f"tensoralg sae train: error: {exc}", file=sys.stderr)
         return 1
+    step = tcfg.steps
     if s is not None:
         save_folder(f"{args.out}/ground_truth", {"W_dec": syn.W_dec}, {"d_in": d_in, "d_sae": s["m"], "k": s["k"],
                                                                     "kind": "ground_truth", **meta})
@@ -235,9 +236,14 @@ def _cmd_train(args) -> int:
     else:   # no optimizer step ran (--steps 0, or a resume already at --steps): evaluate it
         fvu, n_eval = _eval_fvu(model, data)
         how = f"first {n_eval} samples"
-        what = (f"initialized (untrained, --steps 0) {preset} SAE" if args.steps == 0
-                else f"{preset} SAE (already at step {args.steps}, nothing to train)")
-    print(f"{what} d_in={d_in} d_sae={d_sae} k={k}: step {tcfg.steps}, fvu {fvu:.4f} ({how}) "
+        if args.steps == 0 and args.resume is None:
+            what = f"initialized (untrained, --steps 0) {preset} SAE"
+        else:   # a resumed run at or past --steps: report the step it is really at
+            from ..io import read_config
+            step = read_config(args.out)["train_step"]
+            what = (f"{preset} SAE (already at step {step}, --steps {args.steps}: nothing to "
+                    f"train)")
+    print(f"{what} d_in={d_in} d_sae={d_sae} k={k}: step {step}, fvu {fvu:.4f} ({how}) "
           f"-> {args.out}")
     for line in _summary_lines(model, args.out) if hist else []:
         print(line)
