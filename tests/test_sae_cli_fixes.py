@@ -12,9 +12,81 @@ import pytest
 import torch
 
 from tensoralg.cli import build_parser, main
+from tensoralg.sae.models import SparseAutoencoder
 from tensoralg.sae.training import as_activations
 
 FAST = ["--batch-size", "32", "--no-progress"]
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_new_run_into_an_earlier_run_replaces_it_as_a_whole(tmp_path, capsys):
+    """The tester's case: a synthetic run (with ground_truth/) then a --data run into the same
+    --out; the second run must not leave the first's ground_truth next to its own SAE."""
+    out = tmp_path / "s0"
+    assert main(["sae", "train", "--synthetic", "6,8,2,128", "--steps", "3", *FAST,
+                 "--out", str(out)]) == 0
+    assert (out / "ground_truth").is_dir()
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((128, 5)).astype(np.float32))
+    assert main(["sae", "train", "--data", str(tmp_path / "x.npy"), "--d-sae", "10", "--k", "3",
+                 "--steps", "2", *FAST, "--out", str(out)]) == 0
+    cfg = json.loads((out / "cfg.json").read_text())
+    assert (cfg["d_in"], cfg["d_sae"], cfg["train_step"]) == (5, 10, 2)
+    assert "ground_truth" not in _names(out)
+    assert _names(tmp_path) == ["s0", "x.npy"]            # no staging folder left behind
+    # --resume R --out O (O another earlier run) replaces O as a whole too, and keeps R
+    r = tmp_path / "r"
+    assert main(["sae", "train", "--synthetic", "5,7,2,128", "--steps", "2", *FAST,
+                 "--out", str(r)]) == 0
+    assert main(["sae", "train", "--data", str(tmp_path / "x.npy"), "--steps", "4", *FAST,
+                 "--resume", str(out), "--out", str(r)]) == 0
+    assert "ground_truth" not in _names(r)
+    assert json.loads((r / "cfg.json").read_text())["train_step"] == 4
+    assert json.loads((out / "cfg.json").read_text())["train_step"] == 2
+    # the --resume folder itself is continued in place: its ground truth stays
+    assert main(["sae", "train", "--synthetic", "6,8,2,128", "--steps", "3", *FAST,
+                 "--out", str(out)]) == 0
+    assert main(["sae", "train", "--synthetic", "6,8,2,128", "--steps", "5", *FAST,
+                 "--resume", str(out), "--out", str(out)]) == 0
+    assert (out / "ground_truth").is_dir()
+    assert json.loads((out / "cfg.json").read_text())["train_step"] == 5
+
+
+def test_diverged_run_leaves_the_earlier_run_unchanged(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "s0"
+    common = ["sae", "train", "--synthetic", "6,8,2,128", *FAST, "--out", str(out)]
+    assert main([*common, "--steps", "3"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    real = SparseAutoencoder.loss
+    calls = {"n": 0}
+
+    def flaky(self, x, dead_mask=None, **kw):
+        res = real(self, x, dead_mask, **kw)
+        calls["n"] += 1
+        if calls["n"] > 4:
+            res["loss"] = res["loss"] * float("nan")
+        return res
+
+    monkeypatch.setattr(SparseAutoencoder, "loss", flaky)
+    capsys.readouterr()
+    # checkpoints at steps 2 and 4 are written into the staging folder before step 5 diverges
+    assert main([*common, "--steps", "10", "--ckpt-every", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{out} still holds the earlier run, unchanged" in err and ".partial" not in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert _names(tmp_path) == ["s0"]
+
+
+def test_refuses_replacing_the_current_folder(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "s0"
+    common = ["sae", "train", "--synthetic", "6,8,2,128", "--steps", "2", *FAST]
+    assert main([*common, "--out", str(out)]) == 0
+    monkeypatch.chdir(out)
+    assert main([*common, "--out", "."]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "current folder" in err, err
 
 
 def test_resume_past_steps_reports_the_runs_step(tmp_path, capsys):

@@ -48,7 +48,10 @@ def _check_int(value, flag: str, low: int, what: str = "") -> None:
 def _check_out(out) -> None:
     """``sae train --out`` must be missing, an empty folder, or an earlier SAE checkpoint folder
     (its ``cfg.json`` names ``d_sae``), so that training never writes into (and a later run
-    never replaces) a folder of other files. Checked before any work; creates nothing.
+    never replaces) a folder of other files. An earlier run there is continued in place when it
+    is the ``--resume`` folder, and otherwise replaced as a whole once the new run completes
+    (:func:`_replaces_earlier_run`), so a folder never mixes two runs' files. Checked before any
+    work; creates nothing.
 
     Raises:
         ValueError: one line naming ``--out`` and what was found.
@@ -90,6 +93,17 @@ def _as_flag_error(exc: ValueError) -> ValueError:
     if name in _TRAIN_FLAGS:
         msg = "--" + name.replace("_", "-") + msg[len(name):]
     return ValueError(msg)
+
+
+def _replaces_earlier_run(out, resume) -> bool:
+    """Whether ``sae train --out`` holds an earlier run (see :func:`_check_out`) that this run
+    replaces as a whole: any non-empty ``--out`` that is not the ``--resume`` folder itself."""
+    from pathlib import Path
+
+    out = Path(out)
+    if not out.is_dir() or not any(out.iterdir()):
+        return False
+    return resume is None or Path(resume).resolve() != out.resolve()
 
 
 def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
@@ -150,6 +164,8 @@ def _summary_lines(model, out) -> list[str]:
 
 
 def _cmd_train(args) -> int:
+    from pathlib import Path
+
     from ..io import save_folder
     from .presets import make_config
     from .synthetic import make_synthetic
@@ -177,6 +193,12 @@ def _cmd_train(args) -> int:
         if not 1 <= k <= d_sae:
             raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
     _check_out(args.out)
+    # a run never writes into another run's folder: an --out holding an earlier run (other than
+    # the --resume folder, continued in place) is replaced as a whole once this run completes
+    staged = _replaces_earlier_run(args.out, args.resume)
+    if staged:
+        from ..audit.common import check_output_folder
+        check_output_folder(args.out, "cfg.json")     # e.g. refuses --out . (it is replaced)
     if args.json:
         from ..audit.common import check_file_writable
         check_file_writable(args.json, "--json")
@@ -219,17 +241,35 @@ def _cmd_train(args) -> int:
     from .presets import PRESETS, schedule
     if preset in PRESETS:   # the preset's training schedule (resampling, encoder phases), if any
         tcfg = replace(tcfg, **schedule(preset, tcfg.steps))
+
+    def run_into(folder):
+        try:
+            result = train(data, sae_cfg, tcfg, out=folder, resume=args.resume, meta=meta)
+        except ValueError as exc:
+            raise _as_flag_error(exc) from None
+        if s is not None:
+            save_folder(Path(folder) / "ground_truth", {"W_dec": syn.W_dec},
+                        {"d_in": d_in, "d_sae": s["m"], "k": s["k"], "kind": "ground_truth", **meta})
+        return result
+
+    stage = None
     try:
-        model, hist = train(data, sae_cfg, tcfg, out=args.out, resume=args.resume, meta=meta)
-    except ValueError as exc:
-        raise _as_flag_error(exc) from None
+        if staged:
+            from ..audit.common import staged_output
+            with staged_output(args.out, "cfg.json") as stage:
+                model, hist = run_into(stage)
+        else:
+            model, hist = run_into(args.out)
     except TrainingDiverged as exc:
-        print(f"tensoralg sae train: error: {exc}", file=sys.stderr)
+        msg = str(exc)
+        if stage is not None:   # the staged run was discarded; --out keeps the earlier run
+            msg = (msg.replace(f"the last good checkpoint is {stage}", "its checkpoints were "
+                               "discarded")
+                   .replace(f"nothing was kept in {stage} (no SAE, no log)", "nothing was kept")
+                   + f"; {args.out} still holds the earlier run, unchanged")
+        print(f"tensoralg sae train: error: {msg}", file=sys.stderr)
         return 1
     step = tcfg.steps
-    if s is not None:
-        save_folder(f"{args.out}/ground_truth", {"W_dec": syn.W_dec}, {"d_in": d_in, "d_sae": s["m"], "k": s["k"],
-                                                                    "kind": "ground_truth", **meta})
     if hist:
         fvu, how = hist[-1]["recon"], f"mean over the last {min(args.log_every, tcfg.steps)} steps' batches"
         what = f"trained {preset} SAE"
@@ -481,8 +521,9 @@ def add_parsers(sub) -> None:
                                     "config (preset, --d-sae, --k) is taken from it")
     t.add_argument("--out", required=True,
                    help="checkpoint folder (sae_weights.safetensors + cfg.json, SAELens layout; "
-                        "required): new, empty, or an earlier SAE checkpoint folder (e.g. the "
-                        "--resume folder)")
+                        "required): new, empty, the --resume folder (continued in place), or "
+                        "an earlier SAE checkpoint folder, which is replaced as a whole once "
+                        "the run completes (an interrupted or diverged run leaves it as it was)")
     add_threads_option(t)
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar (default: shown; it is hidden anyway when stderr is not "
