@@ -48,7 +48,10 @@ def _check_int(value, flag: str, low: int, what: str = "") -> None:
 def _check_out(out) -> None:
     """``sae train --out`` must be missing, an empty folder, or an earlier SAE checkpoint folder
     (its ``cfg.json`` names ``d_sae``), so that training never writes into (and a later run
-    never replaces) a folder of other files. Checked before any work; creates nothing.
+    never replaces) a folder of other files. An earlier run there is continued in place when it
+    is the ``--resume`` folder, and otherwise replaced as a whole once the new run completes
+    (:func:`_replaces_earlier_run`), so a folder never mixes two runs' files. Checked before any
+    work; creates nothing.
 
     Raises:
         ValueError: one line naming ``--out`` and what was found.
@@ -74,6 +77,33 @@ def _check_out(out) -> None:
         raise ValueError(f"--out: {out} is not empty and is not an SAE checkpoint folder (no "
                          f"cfg.json with d_sae); choose a new or empty folder, or an earlier "
                          f"`sae train` output")
+
+
+# TrainConfig / train() arguments set from `sae train` flags: their errors name the flag
+_TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "ckpt_every", "lr_warmup_steps", "lr_decay",
+                "lr_end", "grad_clip", "rip_warmup_steps", "auxk_warmup_steps", "normalize",
+                "dead_tokens", "log_every", "resume")
+
+
+def _as_flag_error(exc: ValueError) -> ValueError:
+    """``exc`` with a leading ``name:`` of a :data:`_TRAIN_FLAGS` argument (e.g. ``batch_size:``)
+    written as the flag (``--batch-size:``); other messages unchanged."""
+    msg = str(exc)
+    name = msg.split(":", 1)[0]
+    if name in _TRAIN_FLAGS:
+        msg = "--" + name.replace("_", "-") + msg[len(name):]
+    return ValueError(msg)
+
+
+def _replaces_earlier_run(out, resume) -> bool:
+    """Whether ``sae train --out`` holds an earlier run (see :func:`_check_out`) that this run
+    replaces as a whole: any non-empty ``--out`` that is not the ``--resume`` folder itself."""
+    from pathlib import Path
+
+    out = Path(out)
+    if not out.is_dir() or not any(out.iterdir()):
+        return False
+    return resume is None or Path(resume).resolve() != out.resolve()
 
 
 def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
@@ -134,6 +164,8 @@ def _summary_lines(model, out) -> list[str]:
 
 
 def _cmd_train(args) -> int:
+    from pathlib import Path
+
     from ..io import save_folder
     from .presets import make_config
     from .synthetic import make_synthetic
@@ -161,17 +193,27 @@ def _cmd_train(args) -> int:
         if not 1 <= k <= d_sae:
             raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
     _check_out(args.out)
+    # a run never writes into another run's folder: an --out holding an earlier run (other than
+    # the --resume folder, continued in place) is replaced as a whole once this run completes
+    staged = _replaces_earlier_run(args.out, args.resume)
+    if staged:
+        from ..audit.common import check_output_folder
+        check_output_folder(args.out, "cfg.json")     # e.g. refuses --out . (it is replaced)
     if args.json:
         from ..audit.common import check_file_writable
         check_file_writable(args.json, "--json")
-    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                       ckpt_every=args.ckpt_every, progress=not args.no_progress,
-                       lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
-                       lr_end=args.lr_end, grad_clip=args.grad_clip,
-                       rip_warmup_steps=args.rip_warmup_steps,
-                       auxk_warmup_steps=args.auxk_warmup_steps,
-                       normalize="expected_norm" if args.normalize == "expected_norm" else "none",
-                       dead_tokens=args.dead_tokens, log_every=args.log_every)
+    try:
+        tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                           seed=args.seed, ckpt_every=args.ckpt_every,
+                           progress=not args.no_progress,
+                           lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay,
+                           lr_end=args.lr_end, grad_clip=args.grad_clip,
+                           rip_warmup_steps=args.rip_warmup_steps,
+                           auxk_warmup_steps=args.auxk_warmup_steps,
+                           normalize="expected_norm" if args.normalize == "expected_norm" else "none",
+                           dead_tokens=args.dead_tokens, log_every=args.log_every)
+    except ValueError as exc:
+        raise _as_flag_error(exc) from None
     if s is not None:
         syn = make_synthetic(s["n"], s["d"], s["m"], s["k"], noise=s["noise"], seed=args.data_seed)
         data, d_in = syn.x, s["d"]
@@ -199,23 +241,49 @@ def _cmd_train(args) -> int:
     from .presets import PRESETS, schedule
     if preset in PRESETS:   # the preset's training schedule (resampling, encoder phases), if any
         tcfg = replace(tcfg, **schedule(preset, tcfg.steps))
+
+    def run_into(folder):
+        try:
+            result = train(data, sae_cfg, tcfg, out=folder, resume=args.resume, meta=meta)
+        except ValueError as exc:
+            raise _as_flag_error(exc) from None
+        if s is not None:
+            save_folder(Path(folder) / "ground_truth", {"W_dec": syn.W_dec},
+                        {"d_in": d_in, "d_sae": s["m"], "k": s["k"], "kind": "ground_truth", **meta})
+        return result
+
+    stage = None
     try:
-        model, hist = train(data, sae_cfg, tcfg, out=args.out, resume=args.resume, meta=meta)
+        if staged:
+            from ..audit.common import staged_output
+            with staged_output(args.out, "cfg.json") as stage:
+                model, hist = run_into(stage)
+        else:
+            model, hist = run_into(args.out)
     except TrainingDiverged as exc:
-        print(f"tensoralg sae train: error: {exc}", file=sys.stderr)
+        msg = str(exc)
+        if stage is not None:   # the staged run was discarded; --out keeps the earlier run
+            msg = (msg.replace(f"the last good checkpoint is {stage}", "its checkpoints were "
+                               "discarded")
+                   .replace(f"nothing was kept in {stage} (no SAE, no log)", "nothing was kept")
+                   + f"; {args.out} still holds the earlier run, unchanged")
+        print(f"tensoralg sae train: error: {msg}", file=sys.stderr)
         return 1
-    if s is not None:
-        save_folder(f"{args.out}/ground_truth", {"W_dec": syn.W_dec}, {"d_in": d_in, "d_sae": s["m"], "k": s["k"],
-                                                                    "kind": "ground_truth", **meta})
+    step = tcfg.steps
     if hist:
         fvu, how = hist[-1]["recon"], f"mean over the last {min(args.log_every, tcfg.steps)} steps' batches"
         what = f"trained {preset} SAE"
     else:   # no optimizer step ran (--steps 0, or a resume already at --steps): evaluate it
         fvu, n_eval = _eval_fvu(model, data)
         how = f"first {n_eval} samples"
-        what = (f"initialized (untrained, --steps 0) {preset} SAE" if args.steps == 0
-                else f"{preset} SAE (already at step {args.steps}, nothing to train)")
-    print(f"{what} d_in={d_in} d_sae={d_sae} k={k}: step {tcfg.steps}, fvu {fvu:.4f} ({how}) "
+        if args.steps == 0 and args.resume is None:
+            what = f"initialized (untrained, --steps 0) {preset} SAE"
+        else:   # a resumed run at or past --steps: report the step it is really at
+            from ..io import read_config
+            step = read_config(args.out)["train_step"]
+            what = (f"{preset} SAE (already at step {step}, --steps {args.steps}: nothing to "
+                    f"train)")
+    print(f"{what} d_in={d_in} d_sae={d_sae} k={k}: step {step}, fvu {fvu:.4f} ({how}) "
           f"-> {args.out}")
     for line in _summary_lines(model, args.out) if hist else []:
         print(line)
@@ -453,8 +521,9 @@ def add_parsers(sub) -> None:
                                     "config (preset, --d-sae, --k) is taken from it")
     t.add_argument("--out", required=True,
                    help="checkpoint folder (sae_weights.safetensors + cfg.json, SAELens layout; "
-                        "required): new, empty, or an earlier SAE checkpoint folder (e.g. the "
-                        "--resume folder)")
+                        "required): new, empty, the --resume folder (continued in place), or "
+                        "an earlier SAE checkpoint folder, which is replaced as a whole once "
+                        "the run completes (an interrupted or diverged run leaves it as it was)")
     add_threads_option(t)
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar (default: shown; it is hidden anyway when stderr is not "

@@ -148,9 +148,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
-        if self.batch_size < 1 or self.log_every < 1:
-            raise ValueError(f"batch_size, log_every: expected >= 1, got {self.batch_size}, "
-                             f"{self.log_every}")
+        for name in ("batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr: expected a finite number > 0, got {self.lr!r}")
         if self.lr_decay not in _LR_DECAYS:
@@ -225,14 +225,18 @@ def as_activations(data, name: str = "data"):
     if isinstance(arr, torch.Tensor):
         if not arr.is_floating_point():
             arr = arr.double()
-        if not bool(torch.isfinite(arr).all()):
-            raise ValueError(f"{name}: contains NaN or inf")
+        finite = torch.isfinite(arr).all(dim=1)
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0, 0])
+            raise ValueError(f"{name}: contains NaN or inf (first in row {row})")
         return arr
     if arr.dtype.kind not in "fiu":
         raise ValueError(f"{name}: expected a numeric (n, d) array, got dtype {arr.dtype}")
     for start in range(0, arr.shape[0], 65536):  # chunked, so a memmap is never loaded whole
-        if not np.all(np.isfinite(arr[start:start + 65536])):
-            raise ValueError(f"{name}: contains NaN or inf (rows {start}..)")
+        finite = np.isfinite(arr[start:start + 65536]).all(axis=1)
+        if not finite.all():
+            row = start + int(np.argmin(finite))
+            raise ValueError(f"{name}: contains NaN or inf (first in row {row})")
     if isinstance(arr, np.memmap) or not arr.flags.writeable:
         return arr
     return torch.from_numpy(np.ascontiguousarray(arr))
