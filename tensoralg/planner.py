@@ -27,10 +27,10 @@ from .canonical import Canonical
 from .errors import CostTooHigh
 from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
                       WickPlan, n_wick_configurations)
-from .prepare import check_budget
+from .prepare import check_budget, float_stacks_for_exact
 from .strategies import chaos, wick
 
-__all__ = ["Plan", "make_plan", "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
+__all__ = ["Plan", "make_plan", "refuse_exact_early", "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
 
 #: Below this many FLOPs an affordable chaos expansion is taken without searching Wick paths
 #: (the path search alone would cost more than the whole computation).
@@ -256,7 +256,79 @@ def make_plan(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: s
     return plan
 
 
-def refuse_if_needed(plan: Plan) -> None:
-    """Raise :class:`CostTooHigh` with the plan's message when it was refused."""
-    if plan.refused:
+def refuse_if_needed(plan: Plan | None) -> None:
+    """Raise :class:`CostTooHigh` with the plan's message when it was refused (None: no plan,
+    nothing to refuse)."""
+    if plan is not None and plan.refused:
         raise CostTooHigh(plan.refused)
+
+
+def _uncertain(val: np.ndarray, mag: np.ndarray, rtol: float) -> bool:
+    """A nonzero float entry that might be zero in exact arithmetic (within ``rtol`` times the
+    magnitude of its terms)."""
+    return bool(np.any((val != 0) & (np.abs(val) <= rtol * mag)))
+
+
+def _near_equal(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray,
+                rtol: float) -> bool:
+    """Unequal float arrays that might be equal in exact arithmetic."""
+    if x.shape != y.shape or bool(np.all(x == y)):
+        return False
+    return bool(np.all(np.abs(x - y) <= rtol * (mx + my)))
+
+
+def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray) -> bool:
+    """The zero patterns and equalities the planner reads (whole arrays, the embedding folded
+    into the first stage, its constant column, the output projection, left == right factors)
+    are the same on the float stack as in exact arithmetic."""
+    pairs = list(zip(val.arrays(), mag.arrays()))
+    if val.stages:
+        from .network import _output_projection
+
+        absU = np.abs(U)
+        pairs.append((_output_projection(U, val.stages[-1].D),
+                      _output_projection(absU, mag.stages[-1].D)))
+        if val.embed is not None:
+            fv, fm = val.folded(), mag.folded()
+            pairs += [(fv.stages[0].L, fm.stages[0].L), (fv.stages[0].R, fm.stages[0].R)]
+            for F, MF in ((val.stages[0].L, mag.stages[0].L), (val.stages[0].R, mag.stages[0].R)):
+                pairs.append((np.einsum("nhw,nw->nh", F, val.embed[:, :, 0]),
+                              np.einsum("nhw,nw->nh", MF, mag.embed[:, :, 0])))
+        for sv, sm in zip(val.stages, mag.stages):
+            if _near_equal(sv.L, sv.R, sm.L, sm.R, rtol):
+                return False
+    return not any(_uncertain(v, m, rtol) for v, m in pairs)
+
+
+def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: bool,
+                       metric: str, strategy: str = "auto", max_flops: float | None = None,
+                       max_memory: float | None = None,
+                       max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
+                       same: bool = False, name_a: str = "a", name_b: str = "b",
+                       full: bool = False) -> Plan | None:
+    """The exact backend's plan made on float64 copies of the canonical forms, before any
+    rational conversion (which alone can take many seconds): returned when it is refused,
+    else None (then the caller prepares the rational stacks and plans on them).
+
+    The plan reads shapes, zero patterns and equalities of factors only. The float stacks are
+    used only when these are certified equal to the exact ones (:func:`_certified`); otherwise
+    (or for networks given in Fractions) None, and the exact plan decides. ``nets_b`` None:
+    the same networks on both sides."""
+    fa = float_stacks_for_exact(nets_a, name_a)
+    fb = fa if nets_b is None else float_stacks_for_exact(nets_b, name_b)
+    if fa is None or fb is None:
+        return None
+    Uf = np.asarray(U, dtype=np.float64)
+    if not (_certified(*fa, Uf) and (fb is fa or _certified(*fb, Uf))):
+        return None
+    (va, ma, ra), (vb, mb, rb) = fa, fb
+    rtol = max(ra, rb)
+    if fb is not fa and not same and va.shapes() == vb.shapes():
+        eq = [bool(np.all(x == y)) for x, y in zip(va.arrays(), vb.arrays())]
+        near = [e or _near_equal(x, y, mx, my, rtol) for e, x, y, mx, my in
+                zip(eq, va.arrays(), vb.arrays(), ma.arrays(), mb.arrays())]
+        if all(near) and not all(eq):  # a and b might be the same stack exactly
+            return None
+    p = make_plan(va, vb, Uf, keep, metric, "exact", None, None, strategy, max_flops,
+                  max_memory, max_configurations, same=same or nets_b is None, full=full)
+    return p if p.refused else None

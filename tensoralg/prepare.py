@@ -239,6 +239,42 @@ def _stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, n
     return normalize(st, inplace=True)
 
 
+def float_stacks_for_exact(nets: list[Layer], name: str
+                           ) -> tuple[Canonical, Canonical, float] | None:
+    """For the exact backend's planning before any rational work: ``(val, mag, rtol)``, the
+    float64 canonical stack of float networks ``nets`` (not normalized: gauges change no zero
+    pattern the planner reads), the stack of the same networks with every weight replaced by its
+    absolute value, and a relative bound on the rounding of ``val``.
+
+    The canonical form is built from the weights and the constants 0 and 1 by sums and products
+    only, so ``mag`` bounds, entry by entry, the sum of the absolute values of the terms of each
+    exact entry. An entry is a chain of at most ``k`` matrix products (``k``: the number of
+    weight arrays of a network) of inner sizes at most ``n`` (the largest canonical dimension),
+    plus the additions of the lifting; by the standard bound on floating-point matrix products
+    (Higham, Accuracy and Stability, §3.5) ``|val - exact| <= (k + 2) n u mag`` to first order,
+    ``u = 2**-53``; ``rtol`` is twice that (also covering the rounding of ``mag`` itself and
+    one further product, by an output direction or a folded embedding). None for networks given
+    in Fractions (they are exact already)."""
+    if any(n.is_exact for n in nets):
+        return None
+    count = [0]
+
+    def absolute(a):
+        count[0] += 1
+        return np.abs(a)
+
+    val = stack([_to_float(canonicalize(n)) for n in nets], name)
+    k = 0
+    mags = []
+    for n in nets:
+        count[0] = 0
+        mags.append(_to_float(canonicalize(_map_arrays(n, absolute))))
+        k = max(k, count[0])
+    mag = stack(mags, name)
+    dim = max(max(a.shape[1:]) for a in val.arrays())
+    return val, mag, 2.0 * (k + 2) * dim * 2.0 ** -53
+
+
 def _structure(layer: Layer):
     """What, besides the weights' values, determines a position-free network's canonical form:
     layer types, nesting, shapes and which biases exist; None for other layers (not cached)."""

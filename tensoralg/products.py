@@ -30,7 +30,7 @@ from .canonical import Canonical
 from .errors import CostTooHigh
 from .layers import Layer, as_network
 from .network import DEFAULT_MAX_CONFIGURATIONS
-from .planner import Plan, make_plan, refuse_if_needed
+from .planner import Plan, make_plan, refuse_exact_early, refuse_if_needed
 from .prepare import (check_options, check_pair, networks, output_matrix, scaled, stack_for)
 from .strategies import chaos, closure, montecarlo, wick
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
@@ -190,8 +190,12 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
         if keep:
             return MonteCarloArray(mean[0, 0], se[0, 0], n_samples)
         return MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]), n_samples)
-    ca, ka = stack_for([na], backend, "a")
     same = b is a
+    if backend == "exact" and method == "exact":  # refuse before any rational work
+        refuse_if_needed(refuse_exact_early([na], None if same else [nb], U, keep, metric,
+                                            strategy, max_flops, max_memory,
+                                            max_configurations, same=same))
+    ca, ka = stack_for([na], backend, "a")
     cb, kb = (ca, ka) if same else stack_for([nb], backend, "b")
     X = _engine(ca, cb, U, keep, metric, method, backend, device, dtype, strategy, max_flops,
                 max_memory, max_configurations, same=same)
@@ -303,6 +307,11 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     conv = converter(backend, device, dtype)
     if method == "montecarlo":
         return montecarlo.similarity(na, nb, U, keep, n_samples, seed, backend, device, dtype)
+    if backend == "exact" and method == "exact":  # refuse before any rational work
+        # the pair's plan is the first one the rational path makes (and refuses on)
+        refuse_if_needed(refuse_exact_early([na], None if b is a else [nb], U, keep, metric,
+                                            strategy, max_flops, max_memory,
+                                            max_configurations, same=b is a))
     ca, _ = stack_for([na], backend, "a")
     if method == "closure":  # one propagation gives all three
         cb = ca if b is a else stack_for([nb], backend, "b")[0]
@@ -648,8 +657,14 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     check_pair(na, nb)
     U, keep = output_matrix(output, na.out_features, backend == "exact")
     converter(backend, device, dtype)
-    ca, _ = stack_for([na], backend, "a")
     same = b is None or b is a
+    if backend == "exact":  # decided before any rational work when it is a refusal
+        early = refuse_exact_early([na], None if same else [nb], U, keep, metric, strategy,
+                                   max_flops, max_memory, max_configurations, same=same,
+                                   full=True)
+        if early is not None:
+            return early
+    ca, _ = stack_for([na], backend, "a")
     cb = ca if same else stack_for([nb], backend, "b")[0]
     return make_plan(ca, cb, U, keep, metric, backend, device, dtype, strategy, max_flops,
                      max_memory, max_configurations, same=same, full=True)
