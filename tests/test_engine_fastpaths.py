@@ -257,6 +257,9 @@ def test_matrix_product_closure_equals_the_partial_matching_sum(kind, output):
     cb, _ = stack_for(nb, "numpy", "b")
     fast = closure.triple(ca, cb, U, keep, "numpy")
     slow = closure.triple(ca, cb, U, keep, "numpy", _general=True)
+    # the same products summed in another grouping (batched matrix products against one
+    # contraction per matching): a few ulps of the largest entry; 1e-13 of it leaves a ~500-ulp
+    # margin that a missing or doubled matching still breaks
     for f, s in zip(fast, slow):
         assert np.allclose(f, s, rtol=1e-12, atol=1e-13 * np.abs(s).max())
 
