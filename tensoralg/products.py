@@ -430,7 +430,7 @@ def _blocked(kind: str, models, metric, method, backend, output, kwargs):
     opts = {k: kwargs.pop(k) for k in _BLOCK_KEYS if k in kwargs}
     if opts.get("block_size") is None:
         opts["block_size"] = blocks.DEFAULT_BLOCK_SIZE
-    for k in ("n_samples", "seed", "max_flops", "max_configurations"):
+    for k in ("n_samples", "seed", "max_flops", "max_configurations", "n_ctx"):
         if k in kwargs:
             opts[k] = kwargs.pop(k)
     kwargs.pop("dtype", None)
@@ -447,6 +447,8 @@ def _sequence_matrix(kind: str, models: list, metric, method, backend, output, k
     :mod:`tensoralg.attention` (per-model work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
         return None  # (specs, folders and modules go the position-free way, unchanged)
+    if any(kwargs.get(k) is not None for k in _BLOCK_KEYS if k != "resume"):
+        return None  # the blocked store (tensoralg.blocks) handles sequence models itself
     from . import attention
 
     kw = dict(kwargs)

@@ -582,3 +582,20 @@ def test_blocked_transformer_on_dask(lm_ckpts, tmp_path):
     G, summary = result["G"]
     assert summary["computed_blocks"] == 3 and summary["devices"] == {"cpu": 3}
     assert _rel(G, ref) < 1e-12
+
+
+def test_ta_gram_of_sequence_models_with_a_block_store(tmp_path):
+    # ta.gram(..., out=) of sequence models in memory goes to the blocked store and gives the
+    # unblocked closure Gram (same closure_gram / closure_cross_gram operations per block)
+    rng = np.random.default_rng(21)
+    g = lambda *s: rng.standard_normal(s) * 0.5  # noqa: E731
+
+    def model():
+        attn = ta.BilinearAttention(g(1, 2, 2), g(1, 2, 2), g(1, 2, 2), g(1, 2, 2), g(1, 2, 2),
+                                    g(2, 1, 2))
+        return ta.Sequential([ta.Residual(attn), ta.Linear(g(2, 2))])
+
+    models = [model() for _ in range(3)]
+    want = ta.gram(models, n_ctx=2, method="closure")
+    got = ta.gram(models, n_ctx=2, method="closure", out=tmp_path / "store", block_size=2)
+    assert np.allclose(got, want, rtol=1e-12, atol=0)
