@@ -1708,13 +1708,7 @@ def _chaos_cross(x: _ChaosSide, y: _ChaosSide, C, readout: bool, K=None, mirror=
     out = "t" + x.carry + ("" if readout else "T") + rb(y.carry)
     fold = None
     if K is not None:
-        ops, subs = [K], ["koO"]
-        for a, l_ in x.outer:
-            ops.append(a)
-            subs.append(l_)
-        for a, l_ in y.outer:
-            ops.append(a)
-            subs.append(_relabel(l_, True, readout))
+        ops, subs = _outer_operands([K], ["koO"], x, y, readout)
         flab = "k" + x.carry + rb(y.carry)
         fold = (_ein(",".join(subs) + "->" + flab, *ops) if len(ops) > 1 else K, flab)
         out = "tk"
@@ -1788,16 +1782,23 @@ def _side_mean(side: _ChaosSide):
     return _ein(",".join(subs) + "->to", *ops)
 
 
-def _outer_apply(X, lab: str, x: _ChaosSide, y: _ChaosSide, readout: bool, K=None):
-    """The output cores of both sides applied to a cross sum ``X``: ``(t, o, T, O)`` moments,
-    or for a readout (``K``: ``(k, d_o, d_O)``) the ``(t, k)`` values ``sum K[k] E[...]``."""
-    ops, subs = [X], [lab]
+def _outer_operands(ops, subs, x, y, readout: bool):
+    """``ops``/``subs`` followed by the output cores of side ``x`` and of side ``y`` (the latter
+    relabelled as side b's)."""
+    ops, subs = list(ops), list(subs)
     for a, l_ in x.outer:
         ops.append(a)
         subs.append(l_)
     for a, l_ in y.outer:
         ops.append(a)
         subs.append(_relabel(l_, True, readout))
+    return ops, subs
+
+
+def _outer_apply(X, lab: str, x: _ChaosSide, y: _ChaosSide, readout: bool, K=None):
+    """The output cores of both sides applied to a cross sum ``X``: ``(t, o, T, O)`` moments,
+    or for a readout (``K``: ``(k, d_o, d_O)``) the ``(t, k)`` values ``sum K[k] E[...]``."""
+    ops, subs = _outer_operands([X], [lab], x, y, readout)
     if readout:
         ops.append(K)
         subs.append("koO")
