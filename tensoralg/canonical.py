@@ -1,4 +1,12 @@
-"""Canonical lifted form of a multilinear network.
+"""Canonical lifted forms of a multilinear network (docs/canonical.md).
+
+The general form (bottom of this module) is a :class:`Tree`: a chain of :class:`Node` s, each
+a sum of :class:`Term` s (lifted multilinear maps: linear, bilinear or attention), whose
+:class:`Leg` s read the lifted input at a position variable; the chain unrolls into a tree.
+The exact attention path and the closure read it (:func:`sequence_tree`), as does the networkx
+view. The position-free strategies (Wick, chaos) read its packed binary-chain specialization
+:class:`Canonical`, built directly by :func:`canonicalize` and described next
+(:meth:`Canonical.tree` turns it into nodes).
 
 Every network of :mod:`tensoralg.layers` is rewritten, exactly, as maps between *lifted* spaces
 (``x~ = (1, x)``, constant at index 0, DESIGN §2):

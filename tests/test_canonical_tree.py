@@ -137,3 +137,14 @@ def test_bad_input():
     can.stages[0].D[0, 0] = 2.0
     with pytest.raises(ValueError, match="not e0"):
         can.tree()
+
+
+def test_unknown_layer_type_is_named():
+    class Odd(ta.layers.Layer):
+        in_features = out_features = 2
+
+        def arrays(self):
+            return [np.zeros(1)]
+
+    with pytest.raises(TypeError, match="layer 0: unknown layer type Odd"):
+        C.sequence_tree(ta.Sequential([Odd()]), 2)
