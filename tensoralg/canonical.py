@@ -580,14 +580,8 @@ def _flatten(net: Layer) -> list:
 
 
 def _lifted_affine(layer: Linear, exact: bool) -> np.ndarray:
-    """``(out + 1, in + 1)``, row 0 = e0."""
-    W = _num(layer.weight, exact)
-    A = _zeros((W.shape[0] + 1, W.shape[1] + 1), exact)
-    A[0, 0] = _one(exact)
-    A[1:, 1:] = W
-    if layer.bias is not None:
-        A[1:, 0] = _num(layer.bias, exact)
-    return A
+    """``(out + 1, in + 1)``, row 0 = e0, in rationals when ``exact`` (floats taken exactly)."""
+    return _num(_lift_linear(layer, exact), exact)
 
 
 def _lin_term(W: np.ndarray) -> Term:
