@@ -18,7 +18,7 @@ expansion; the plan then shows that bound, marked as one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -264,23 +264,77 @@ def refuse_if_needed(plan: Plan | None) -> None:
 
 
 def _uncertain(val: np.ndarray, mag: np.ndarray, rtol: float) -> bool:
-    """A nonzero float entry that might be zero in exact arithmetic (within ``rtol`` times the
-    magnitude of its terms)."""
-    return bool(np.any((val != 0) & (np.abs(val) <= rtol * mag)))
+    """An entry whose zero pattern the float stack may get wrong: nonzero but perhaps zero in
+    exact arithmetic (within ``rtol`` times the magnitude of its terms), or zero although some
+    of its terms are not (a cancellation that rounding may have made, or missed)."""
+    return bool(np.any(((val != 0) & (np.abs(val) <= rtol * mag)) | ((val == 0) & (mag != 0))))
+
+
+def _near_rows(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray,
+               rtol: float) -> np.ndarray:
+    """Per model (leading axis): unequal float arrays that might be equal in exact arithmetic."""
+    n = x.shape[0]
+    x, y, mx, my = (a.reshape(n, -1) for a in (x, y, mx, my))
+    return ~np.all(x == y, axis=1) & np.all(np.abs(x - y) <= rtol * (mx + my), axis=1)
 
 
 def _near_equal(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray,
                 rtol: float) -> bool:
-    """Unequal float arrays that might be equal in exact arithmetic."""
-    if x.shape != y.shape or bool(np.all(x == y)):
+    """Unequal float arrays that might be equal in exact arithmetic, for the whole stack or any
+    part of it (the plans of a Gram matrix read stacks of some of the models): per model."""
+    if x.shape != y.shape:
         return False
-    return bool(np.all(np.abs(x - y) <= rtol * (mx + my)))
+    return bool(np.any(_near_rows(x, y, mx, my, rtol)))
+
+
+#: Model pairs checked for near-equality at most (rows times entries compared), else the
+#: float stacks are not trusted.
+MAX_PAIR_ELEMENTS = 50_000_000
+
+
+def _near_pair(va: Canonical, ma: Canonical, vb: Canonical, mb: Canonical,
+               rtol: float) -> bool:
+    """Whether a model of ``va`` and a model of ``vb`` (of the same shapes) might be equal in
+    exact arithmetic although their float forms differ: the plans compare stacks of models
+    (the Wick symmetry between the two sides holds when they are the same stack), and a Gram
+    matrix's plans compare every block of ``va`` with blocks of ``vb``. Candidate pairs are
+    found by sorting on one entry (near-equal models are near-equal there too); True also when
+    there are too many candidates to compare."""
+    if [x[1:] for x in va.shapes()] != [x[1:] for x in vb.shapes()]:
+        return False
+    A = np.concatenate([a.reshape(a.shape[0], -1) for a in va.arrays()], axis=1)
+    MA = np.concatenate([a.reshape(a.shape[0], -1) for a in ma.arrays()], axis=1)
+    if vb is va:
+        B, MB = A, MA
+    else:
+        B = np.concatenate([a.reshape(a.shape[0], -1) for a in vb.arrays()], axis=1)
+        MB = np.concatenate([a.reshape(a.shape[0], -1) for a in mb.arrays()], axis=1)
+    both = np.concatenate([A, B])
+    c = int(np.argmax(both.max(axis=0) - both.min(axis=0)))  # the most spread entry
+    order = np.argsort(B[:, c], kind="stable")
+    t = B[order, c]
+    slack = rtol * (MA[:, c] + MB[:, c].max())
+    lo = np.searchsorted(t, A[:, c] - slack, side="left")
+    hi = np.searchsorted(t, A[:, c] + slack, side="right")
+    n_cand = int((hi - lo).sum())
+    if n_cand * A.shape[1] > MAX_PAIR_ELEMENTS:
+        return True
+    if n_cand == 0:
+        return False
+    ia = np.repeat(np.arange(A.shape[0]), hi - lo)
+    jb = order[np.concatenate([np.arange(l, h) for l, h in zip(lo, hi)])]
+    return bool(np.any(_near_rows(A[ia], B[jb], MA[ia], MB[jb], rtol)))
 
 
 def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray) -> bool:
     """The zero patterns and equalities the planner reads (whole arrays, the embedding folded
     into the first stage, its constant column, the output projection, left == right factors)
-    are the same on the float stack as in exact arithmetic."""
+    are the same on the float stack as in exact arithmetic, for the stack and for every part of
+    it (zero patterns entry by entry, equalities model by model)."""
+    if not all(np.all(np.isfinite(a)) for a in val.arrays() + mag.arrays()):
+        return False
+    if np.any((U != 0) & (np.abs(U) < 2.0 ** -100)):  # projected terms might underflow
+        return False
     pairs = list(zip(val.arrays(), mag.arrays()))
     if val.stages:
         from .network import _output_projection
@@ -305,30 +359,38 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
                        max_memory: float | None = None,
                        max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
                        same: bool = False, name_a: str = "a", name_b: str = "b",
-                       full: bool = False) -> Plan | None:
+                       full: bool = False, plans: Callable | None = None) -> Plan | None:
     """The exact backend's plan made on float64 copies of the canonical forms, before any
     rational conversion (which alone can take many seconds): returned when it is refused,
     else None (then the caller prepares the rational stacks and plans on them).
 
     The plan reads shapes, zero patterns and equalities of factors only. The float stacks are
-    used only when these are certified equal to the exact ones (:func:`_certified`); otherwise
-    (or for networks given in Fractions) None, and the exact plan decides. ``nets_b`` None:
-    the same networks on both sides."""
-    fa = float_stacks_for_exact(nets_a, name_a)
-    fb = fa if nets_b is None else float_stacks_for_exact(nets_b, name_b)
-    if fa is None or fb is None:
-        return None
-    Uf = np.asarray(U, dtype=np.float64)
-    if not (_certified(*fa, Uf) and (fb is fa or _certified(*fb, Uf))):
-        return None
-    (va, ma, ra), (vb, mb, rb) = fa, fb
-    rtol = max(ra, rb)
-    if fb is not fa and not same and va.shapes() == vb.shapes():
-        eq = [bool(np.all(x == y)) for x, y in zip(va.arrays(), vb.arrays())]
-        near = [e or _near_equal(x, y, mx, my, rtol) for e, x, y, mx, my in
-                zip(eq, va.arrays(), vb.arrays(), ma.arrays(), mb.arrays())]
-        if all(near) and not all(eq):  # a and b might be the same stack exactly
+    used only when these are certified equal to the exact ones (:func:`_certified`, and no
+    model of one side near-equal to a model of the other without being equal:
+    :func:`_near_pair`); otherwise (or for networks given in Fractions) None, and the exact
+    plan decides. ``nets_b`` None: the same networks on both sides.
+
+    ``plans``: for a request that makes several plans (a Gram matrix: the whole stacks, one
+    pair, blocks), ``plans(ca, cb, U, same)`` yields them (first items of tuples) in the order
+    the rational path makes and checks them; the first refused one is returned (the one the rational path would raise
+    on). Default: the single plan of ``(a, b)``."""
+    with np.errstate(all="ignore"):  # overflow, underflow: not certified, no warning
+        fa = float_stacks_for_exact(nets_a, name_a)
+        fb = fa if nets_b is None else float_stacks_for_exact(nets_b, name_b)
+        if fa is None or fb is None:
             return None
-    p = make_plan(va, vb, Uf, keep, metric, "exact", None, None, strategy, max_flops,
-                  max_memory, max_configurations, same=same or nets_b is None, full=full)
-    return p if p.refused else None
+        Uf = np.asarray(U, dtype=np.float64)
+        if not (_certified(*fa, Uf) and (fb is fa or _certified(*fb, Uf))):
+            return None
+        (va, ma, ra), (vb, mb, rb) = fa, fb
+        if _near_pair(va, ma, vb, mb, max(ra, rb)):
+            return None  # two models might be the same exactly
+    same = same or nets_b is None
+    if plans is None:
+        p = make_plan(va, vb, Uf, keep, metric, "exact", None, None, strategy, max_flops,
+                      max_memory, max_configurations, same=same, full=full)
+        return p if p.refused else None
+    for p, *_ in plans(va, vb, Uf, same):
+        if p.refused:
+            return p
+    return None
