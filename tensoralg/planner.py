@@ -330,7 +330,9 @@ def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray) -> bo
     """The zero patterns and equalities the planner reads (whole arrays, the embedding folded
     into the first stage, its constant column, the output projection, left == right factors)
     are the same on the float stack as in exact arithmetic, for the stack and for every part of
-    it (zero patterns entry by entry, equalities model by model)."""
+    it (zero patterns entry by entry, equalities model by model). Not covered: factors (or
+    models) whose floats are equal are taken as equal exactly — true when they come from equal
+    weights, not proved when unequal weights round to the same canonical floats."""
     if not all(np.all(np.isfinite(a)) for a in val.arrays() + mag.arrays()):
         return False
     if np.any((U != 0) & (np.abs(U) < 2.0 ** -100)):  # projected terms might underflow
@@ -372,8 +374,8 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
 
     ``plans``: for a request that makes several plans (a Gram matrix: the whole stacks, one
     pair, blocks), ``plans(ca, cb, U, same)`` yields them (first items of tuples) in the order
-    the rational path makes and checks them; the first refused one is returned (the one the rational path would raise
-    on). Default: the single plan of ``(a, b)``."""
+    the rational path makes and checks them; the first refused one is returned (the one the
+    rational path would raise on). Default: the single plan of ``(a, b)``."""
     with np.errstate(all="ignore"):  # overflow, underflow: not certified, no warning
         fa = float_stacks_for_exact(nets_a, name_a)
         fb = fa if nets_b is None else float_stacks_for_exact(nets_b, name_b)
