@@ -287,19 +287,70 @@ def _near_equal(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray,
     return bool(np.any(_near_rows(x, y, mx, my, rtol)))
 
 
+def _bilinears(layer) -> list | None:
+    """The bilinear layers of a position-free network in the order of its canonical stages
+    (depth first: one stage per bilinear layer, a residual widening its inner stages); None
+    for other layer types."""
+    from .layers import Bilinear, Linear, Residual, Sequential
+
+    if isinstance(layer, Bilinear):
+        return [layer]
+    if isinstance(layer, Linear):
+        return []
+    if isinstance(layer, Residual):
+        return _bilinears(layer.inner)
+    if isinstance(layer, Sequential):
+        parts = [_bilinears(x) for x in layer.layers]
+        return None if any(x is None for x in parts) else [b for x in parts for b in x]
+    return None
+
+
+def _same_array(x, y) -> bool:
+    if x is None or y is None:
+        return x is y
+    return x.shape == y.shape and bool(np.array_equal(x, y))
+
+
+def _symmetric_stage(net, s: int, depth: int) -> bool:
+    """Stage ``s`` of ``net``'s canonical form has ``L == R`` exactly because its bilinear
+    layer has equal left and right weights and biases (``L = left~ P``, ``R = right~ P`` with
+    the same product ``P`` of the linear maps before it)."""
+    bl = None if net is None else _bilinears(net)
+    if bl is None or len(bl) != depth:
+        return False
+    b = bl[s]
+    return _same_array(b.left, b.right) and _same_array(b.left_bias, b.right_bias)
+
+
+def _same_weights(x, y) -> bool:
+    """Two networks of the same structure and bit-identical weights (equal canonical forms in
+    exact arithmetic)."""
+    if x is y:
+        return True
+    from .prepare import _structure
+
+    sx = _structure(x)
+    if sx is None or sx != _structure(y):
+        return False
+    ax, ay = x.arrays(), y.arrays()
+    return len(ax) == len(ay) and all(_same_array(p, q) for p, q in zip(ax, ay))
+
+
 #: Model pairs checked for near-equality at most (rows times entries compared), else the
 #: float stacks are not trusted.
 MAX_PAIR_ELEMENTS = 50_000_000
 
 
 def _near_pair(va: Canonical, ma: Canonical, vb: Canonical, mb: Canonical,
-               rtol: float) -> bool:
+               rtol: float, nets_a: list | None = None, nets_b: list | None = None) -> bool:
     """Whether a model of ``va`` and a model of ``vb`` (of the same shapes) might be equal in
-    exact arithmetic although their float forms differ: the plans compare stacks of models
-    (the Wick symmetry between the two sides holds when they are the same stack), and a Gram
-    matrix's plans compare every block of ``va`` with blocks of ``vb``. Candidate pairs are
-    found by sorting on one entry (near-equal models are near-equal there too); True also when
-    there are too many candidates to compare."""
+    exact arithmetic although their float forms differ, or might differ although their float
+    forms are equal (unless they are networks ``nets_a[i]``, ``nets_b[j]`` of the same
+    weights): the plans compare stacks of models (the Wick symmetry between the two sides
+    holds when they are the same stack), and a Gram matrix's plans compare every block of
+    ``va`` with blocks of ``vb``. Candidate pairs are found by sorting on one entry
+    (near-equal models are near-equal there too); True also when there are too many
+    candidates to compare."""
     if [x[1:] for x in va.shapes()] != [x[1:] for x in vb.shapes()]:
         return False
     A = np.concatenate([a.reshape(a.shape[0], -1) for a in va.arrays()], axis=1)
@@ -323,16 +374,25 @@ def _near_pair(va: Canonical, ma: Canonical, vb: Canonical, mb: Canonical,
         return False
     ia = np.repeat(np.arange(A.shape[0]), hi - lo)
     jb = order[np.concatenate([np.arange(l, h) for l, h in zip(lo, hi)])]
-    return bool(np.any(_near_rows(A[ia], B[jb], MA[ia], MB[jb], rtol)))
+    if np.any(_near_rows(A[ia], B[jb], MA[ia], MB[jb], rtol)):
+        return True
+    equal = np.flatnonzero(np.all(A[ia] == B[jb], axis=1))
+    if vb is va:
+        equal = equal[ia[equal] != jb[equal]]
+    if equal.size and (nets_a is None or nets_b is None):
+        return True
+    return not all(_same_weights(nets_a[ia[k]], nets_b[jb[k]]) for k in equal)
 
 
-def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray) -> bool:
+def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray,
+               nets: list | None = None) -> bool:
     """The zero patterns and equalities the planner reads (whole arrays, the embedding folded
     into the first stage, its constant column, the output projection, left == right factors)
     are the same on the float stack as in exact arithmetic, for the stack and for every part of
-    it (zero patterns entry by entry, equalities model by model). Not covered: factors (or
-    models) whose floats are equal are taken as equal exactly — true when they come from equal
-    weights, not proved when unequal weights round to the same canonical floats."""
+    it (zero patterns entry by entry, equalities model by model). Left and right factors equal
+    in floats count as equal exactly only when their bilinear layer of ``nets`` (the networks
+    of the stack) has equal left and right weights (unequal weights may round to the same
+    canonical floats)."""
     if not all(np.all(np.isfinite(a)) for a in val.arrays() + mag.arrays()):
         return False
     if np.any((U != 0) & (np.abs(U) < 2.0 ** -100)):  # projected terms might underflow
@@ -350,9 +410,13 @@ def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray) -> bo
             for F, MF in ((val.stages[0].L, mag.stages[0].L), (val.stages[0].R, mag.stages[0].R)):
                 pairs.append((np.einsum("nhw,nw->nh", F, val.embed[:, :, 0]),
                               np.einsum("nhw,nw->nh", MF, mag.embed[:, :, 0])))
-        for sv, sm in zip(val.stages, mag.stages):
+        for s, (sv, sm) in enumerate(zip(val.stages, mag.stages)):
             if _near_equal(sv.L, sv.R, sm.L, sm.R, rtol):
                 return False
+            n = sv.L.shape[0]
+            for i in np.flatnonzero(np.all((sv.L == sv.R).reshape(n, -1), axis=1)):
+                if not _symmetric_stage(None if nets is None else nets[i], s, val.depth):
+                    return False
     return not any(_uncertain(v, m, rtol) for v, m in pairs)
 
 
@@ -368,9 +432,10 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
 
     The plan reads shapes, zero patterns and equalities of factors only. The float stacks are
     used only when these are certified equal to the exact ones (:func:`_certified`, and no
-    model of one side near-equal to a model of the other without being equal:
-    :func:`_near_pair`); otherwise (or for networks given in Fractions) None, and the exact
-    plan decides. ``nets_b`` None: the same networks on both sides.
+    model of one side near-equal to a model of the other without being equal, nor equal in
+    floats without equal weights: :func:`_near_pair`); otherwise (or for networks given in
+    Fractions) None, and the exact plan decides. ``nets_b`` None: the same networks on both
+    sides.
 
     ``plans``: for a request that makes several plans (a Gram matrix: the whole stacks, one
     pair, blocks), ``plans(ca, cb, U, same)`` yields them (first items of tuples) in the order
@@ -382,11 +447,12 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
         if fa is None or fb is None:
             return None
         Uf = np.asarray(U, dtype=np.float64)
-        if not (_certified(*fa, Uf) and (fb is fa or _certified(*fb, Uf))):
+        nb = nets_a if nets_b is None else nets_b
+        if not (_certified(*fa, Uf, nets_a) and (fb is fa or _certified(*fb, Uf, nb))):
             return None
         (va, ma, ra), (vb, mb, rb) = fa, fb
-        if _near_pair(va, ma, vb, mb, max(ra, rb)):
-            return None  # two models might be the same exactly
+        if _near_pair(va, ma, vb, mb, max(ra, rb), nets_a, nb):
+            return None  # two models might be the same exactly, or differ
     same = same or nets_b is None
     if plans is None:
         p = make_plan(va, vb, Uf, keep, metric, "exact", None, None, strategy, max_flops,

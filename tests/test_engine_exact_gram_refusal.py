@@ -237,3 +237,68 @@ def test_underflow_not_certified():
     assert float_stacks_for_exact([net], "a") is None
     net.arrays()[0][0, 0] = 1e-3
     assert float_stacks_for_exact([net], "a") is not None
+
+
+def _absorbing(left_small, right_small):
+    """One hidden unit reading x through W = [[1], [1]]: its canonical factors' entries are
+    1e16 + left_small and 1e16 + right_small, which for 0.25 or 0.5 both round to 1e16 in
+    float64 (the spacing of doubles there is 2)."""
+    return ta.Sequential([ta.Linear(np.array([[1.0], [1.0]])),
+                          ta.Bilinear(np.array([[1e16, left_small]]),
+                                      np.array([[1e16, right_small]]), np.ones((1, 1)))])
+
+
+def test_float_equal_factors_from_unequal_weights_not_certified():
+    """L == R in floats but not in rationals (unequal weights rounded to the same canonical
+    entries): the Wick symmetry the float plan would find is not there, so not certified;
+    equal left and right weights (bit for bit) are."""
+    net = _absorbing(0.25, 0.5)
+    val, mag, rtol = float_stacks_for_exact([net], "a")
+    ex, _ = stack_for([net], "exact", "a")
+    assert np.array_equal(val.stages[0].L, val.stages[0].R)
+    assert ex.stages[0].L[0, 1, 1] != ex.stages[0].R[0, 1, 1]
+    assert not planner._certified(val, mag, rtol, np.eye(1), [net])
+    sym = _absorbing(0.25, 0.25)
+    assert planner._certified(*float_stacks_for_exact([sym], "a"), np.eye(1), [sym])
+    # without the networks, float-equal factors are not trusted
+    assert not planner._certified(*float_stacks_for_exact([sym], "a"), np.eye(1))
+
+
+def test_float_equal_models_from_unequal_weights_not_certified():
+    """Two models whose canonical forms are equal in floats but not in rationals: the plans'
+    same-stack test might differ, so not trusted; the same model (or a bit-identical copy) on
+    both sides is."""
+    a, b = _absorbing(0.25, 0.25), _absorbing(0.5, 0.5)
+    fa, fb = float_stacks_for_exact([a], "a"), float_stacks_for_exact([b], "b")
+    assert all(np.array_equal(x, y) for x, y in zip(fa[0].arrays(), fb[0].arrays()))
+    ea, eb = stack_for([a], "exact", "a")[0], stack_for([b], "exact", "b")[0]
+    assert not all(np.array_equal(x, y) for x, y in zip(ea.arrays(), eb.arrays()))
+    U = np.eye(1)
+    assert planner._near_pair(fa[0], fa[1], fb[0], fb[1], fa[2], [a], [b])
+    assert planner.refuse_exact_early([a], [b], U, False, "gaussian", max_flops=1.0) is None
+    assert planner.refuse_exact_early([a, b], None, U, False, "gaussian", max_flops=1.0) is None
+    assert planner.refuse_exact_early([a], [a], U, False, "gaussian", max_flops=1.0) is not None
+    a2 = _absorbing(0.25, 0.25)
+    assert planner.refuse_exact_early([a, a2], None, U, False, "gaussian",
+                                      max_flops=1.0) is not None
+
+
+def test_symmetric_network_still_refused_early(monkeypatch):
+    """A depth-3 network whose bilinear layers have equal left and right weights (L == R, a
+    Wick symmetry) is still refused before any rational conversion, with the rational
+    message."""
+    rng = np.random.default_rng(8)
+
+    def sym(d, h):
+        W = rng.standard_normal((h, d))
+        return ta.Bilinear(W, W.copy(), rng.standard_normal((d, h)))
+
+    ms = [ta.Sequential([rand_linear(rng, 3, 3), sym(3, 4), sym(3, 4), sym(3, 4),
+                         rand_linear(rng, 3, 2)]) for _ in range(2)]
+    kw = {"max_flops": 1e3}
+    want = _rational_message(monkeypatch, lambda: ta.gram(ms, backend="exact", **kw))
+    calls = _no_rationals(monkeypatch)
+    with pytest.raises(ta.CostTooHigh) as exc:
+        ta.gram(ms, backend="exact", **kw)
+    assert str(exc.value) == want
+    assert calls == []
