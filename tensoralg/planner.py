@@ -18,7 +18,7 @@ expansion; the plan then shows that bound, marked as one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -264,23 +264,139 @@ def refuse_if_needed(plan: Plan | None) -> None:
 
 
 def _uncertain(val: np.ndarray, mag: np.ndarray, rtol: float) -> bool:
-    """A nonzero float entry that might be zero in exact arithmetic (within ``rtol`` times the
-    magnitude of its terms)."""
-    return bool(np.any((val != 0) & (np.abs(val) <= rtol * mag)))
+    """An entry whose zero pattern the float stack may get wrong: nonzero but perhaps zero in
+    exact arithmetic (within ``rtol`` times the magnitude of its terms), or zero although some
+    of its terms are not (a cancellation that rounding may have made, or missed)."""
+    return bool(np.any(((val != 0) & (np.abs(val) <= rtol * mag)) | ((val == 0) & (mag != 0))))
+
+
+def _near_rows(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray,
+               rtol: float) -> np.ndarray:
+    """Per model (leading axis): unequal float arrays that might be equal in exact arithmetic."""
+    n = x.shape[0]
+    x, y, mx, my = (a.reshape(n, -1) for a in (x, y, mx, my))
+    return ~np.all(x == y, axis=1) & np.all(np.abs(x - y) <= rtol * (mx + my), axis=1)
 
 
 def _near_equal(x: np.ndarray, y: np.ndarray, mx: np.ndarray, my: np.ndarray,
                 rtol: float) -> bool:
-    """Unequal float arrays that might be equal in exact arithmetic."""
-    if x.shape != y.shape or bool(np.all(x == y)):
+    """Unequal float arrays that might be equal in exact arithmetic, for the whole stack or any
+    part of it (the plans of a Gram matrix read stacks of some of the models): per model."""
+    if x.shape != y.shape:
         return False
-    return bool(np.all(np.abs(x - y) <= rtol * (mx + my)))
+    return bool(np.any(_near_rows(x, y, mx, my, rtol)))
 
 
-def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray) -> bool:
+def _bilinears(layer) -> list | None:
+    """The bilinear layers of a position-free network in the order of its canonical stages
+    (depth first: one stage per bilinear layer, a residual widening its inner stages); None
+    for other layer types."""
+    from .layers import Bilinear, Linear, Residual, Sequential
+
+    if isinstance(layer, Bilinear):
+        return [layer]
+    if isinstance(layer, Linear):
+        return []
+    if isinstance(layer, Residual):
+        return _bilinears(layer.inner)
+    if isinstance(layer, Sequential):
+        parts = [_bilinears(x) for x in layer.layers]
+        return None if any(x is None for x in parts) else [b for x in parts for b in x]
+    return None
+
+
+def _same_array(x, y) -> bool:
+    if x is None or y is None:
+        return x is y
+    return x.shape == y.shape and bool(np.array_equal(x, y))
+
+
+def _symmetric_stage(net, s: int, depth: int) -> bool:
+    """Stage ``s`` of ``net``'s canonical form has ``L == R`` exactly because its bilinear
+    layer has equal left and right weights and biases (``L = left~ P``, ``R = right~ P`` with
+    the same product ``P`` of the linear maps before it)."""
+    bl = None if net is None else _bilinears(net)
+    if bl is None or len(bl) != depth:
+        return False
+    b = bl[s]
+    return _same_array(b.left, b.right) and _same_array(b.left_bias, b.right_bias)
+
+
+def _same_weights(x, y) -> bool:
+    """Two networks of the same structure and bit-identical weights (equal canonical forms in
+    exact arithmetic)."""
+    if x is y:
+        return True
+    from .prepare import _structure
+
+    sx = _structure(x)
+    if sx is None or sx != _structure(y):
+        return False
+    ax, ay = x.arrays(), y.arrays()
+    return len(ax) == len(ay) and all(_same_array(p, q) for p, q in zip(ax, ay))
+
+
+#: Model pairs checked for near-equality at most (rows times entries compared), else the
+#: float stacks are not trusted.
+MAX_PAIR_ELEMENTS = 50_000_000
+
+
+def _near_pair(va: Canonical, ma: Canonical, vb: Canonical, mb: Canonical,
+               rtol: float, nets_a: list | None = None, nets_b: list | None = None) -> bool:
+    """Whether a model of ``va`` and a model of ``vb`` (of the same shapes) might be equal in
+    exact arithmetic although their float forms differ, or might differ although their float
+    forms are equal (unless they are networks ``nets_a[i]``, ``nets_b[j]`` of the same
+    weights): the plans compare stacks of models (the Wick symmetry between the two sides
+    holds when they are the same stack), and a Gram matrix's plans compare every block of
+    ``va`` with blocks of ``vb``. Candidate pairs are found by sorting on one entry
+    (near-equal models are near-equal there too); True also when there are too many
+    candidates to compare."""
+    if [x[1:] for x in va.shapes()] != [x[1:] for x in vb.shapes()]:
+        return False
+    A = np.concatenate([a.reshape(a.shape[0], -1) for a in va.arrays()], axis=1)
+    MA = np.concatenate([a.reshape(a.shape[0], -1) for a in ma.arrays()], axis=1)
+    if vb is va:
+        B, MB = A, MA
+    else:
+        B = np.concatenate([a.reshape(a.shape[0], -1) for a in vb.arrays()], axis=1)
+        MB = np.concatenate([a.reshape(a.shape[0], -1) for a in mb.arrays()], axis=1)
+    both = np.concatenate([A, B])
+    c = int(np.argmax(both.max(axis=0) - both.min(axis=0)))  # the most spread entry
+    order = np.argsort(B[:, c], kind="stable")
+    t = B[order, c]
+    slack = rtol * (MA[:, c] + MB[:, c].max())
+    lo = np.searchsorted(t, A[:, c] - slack, side="left")
+    hi = np.searchsorted(t, A[:, c] + slack, side="right")
+    n_cand = int((hi - lo).sum())
+    if n_cand * A.shape[1] > MAX_PAIR_ELEMENTS:
+        return True
+    if n_cand == 0:
+        return False
+    ia = np.repeat(np.arange(A.shape[0]), hi - lo)
+    jb = order[np.concatenate([np.arange(l, h) for l, h in zip(lo, hi)])]
+    if np.any(_near_rows(A[ia], B[jb], MA[ia], MB[jb], rtol)):
+        return True
+    equal = np.flatnonzero(np.all(A[ia] == B[jb], axis=1))
+    if vb is va:
+        equal = equal[ia[equal] != jb[equal]]
+    if equal.size and (nets_a is None or nets_b is None):
+        return True
+    return not all(_same_weights(nets_a[ia[k]], nets_b[jb[k]]) for k in equal)
+
+
+def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray,
+               nets: list | None = None) -> bool:
     """The zero patterns and equalities the planner reads (whole arrays, the embedding folded
     into the first stage, its constant column, the output projection, left == right factors)
-    are the same on the float stack as in exact arithmetic."""
+    are the same on the float stack as in exact arithmetic, for the stack and for every part of
+    it (zero patterns entry by entry, equalities model by model). Left and right factors equal
+    in floats count as equal exactly only when their bilinear layer of ``nets`` (the networks
+    of the stack) has equal left and right weights (unequal weights may round to the same
+    canonical floats)."""
+    if not all(np.all(np.isfinite(a)) for a in val.arrays() + mag.arrays()):
+        return False
+    if np.any((U != 0) & (np.abs(U) < 2.0 ** -100)):  # projected terms might underflow
+        return False
     pairs = list(zip(val.arrays(), mag.arrays()))
     if val.stages:
         from .network import _output_projection
@@ -294,9 +410,13 @@ def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray) -> bo
             for F, MF in ((val.stages[0].L, mag.stages[0].L), (val.stages[0].R, mag.stages[0].R)):
                 pairs.append((np.einsum("nhw,nw->nh", F, val.embed[:, :, 0]),
                               np.einsum("nhw,nw->nh", MF, mag.embed[:, :, 0])))
-        for sv, sm in zip(val.stages, mag.stages):
+        for s, (sv, sm) in enumerate(zip(val.stages, mag.stages)):
             if _near_equal(sv.L, sv.R, sm.L, sm.R, rtol):
                 return False
+            n = sv.L.shape[0]
+            for i in np.flatnonzero(np.all((sv.L == sv.R).reshape(n, -1), axis=1)):
+                if not _symmetric_stage(None if nets is None else nets[i], s, val.depth):
+                    return False
     return not any(_uncertain(v, m, rtol) for v, m in pairs)
 
 
@@ -305,30 +425,40 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
                        max_memory: float | None = None,
                        max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
                        same: bool = False, name_a: str = "a", name_b: str = "b",
-                       full: bool = False) -> Plan | None:
+                       full: bool = False, plans: Callable | None = None) -> Plan | None:
     """The exact backend's plan made on float64 copies of the canonical forms, before any
     rational conversion (which alone can take many seconds): returned when it is refused,
     else None (then the caller prepares the rational stacks and plans on them).
 
     The plan reads shapes, zero patterns and equalities of factors only. The float stacks are
-    used only when these are certified equal to the exact ones (:func:`_certified`); otherwise
-    (or for networks given in Fractions) None, and the exact plan decides. ``nets_b`` None:
-    the same networks on both sides."""
-    fa = float_stacks_for_exact(nets_a, name_a)
-    fb = fa if nets_b is None else float_stacks_for_exact(nets_b, name_b)
-    if fa is None or fb is None:
-        return None
-    Uf = np.asarray(U, dtype=np.float64)
-    if not (_certified(*fa, Uf) and (fb is fa or _certified(*fb, Uf))):
-        return None
-    (va, ma, ra), (vb, mb, rb) = fa, fb
-    rtol = max(ra, rb)
-    if fb is not fa and not same and va.shapes() == vb.shapes():
-        eq = [bool(np.all(x == y)) for x, y in zip(va.arrays(), vb.arrays())]
-        near = [e or _near_equal(x, y, mx, my, rtol) for e, x, y, mx, my in
-                zip(eq, va.arrays(), vb.arrays(), ma.arrays(), mb.arrays())]
-        if all(near) and not all(eq):  # a and b might be the same stack exactly
+    used only when these are certified equal to the exact ones (:func:`_certified`, and no
+    model of one side near-equal to a model of the other without being equal, nor equal in
+    floats without equal weights: :func:`_near_pair`); otherwise (or for networks given in
+    Fractions) None, and the exact plan decides. ``nets_b`` None: the same networks on both
+    sides.
+
+    ``plans``: for a request that makes several plans (a Gram matrix: the whole stacks, one
+    pair, blocks), ``plans(ca, cb, U, same)`` yields them (first items of tuples) in the order
+    the rational path makes and checks them; the first refused one is returned (the one the
+    rational path would raise on). Default: the single plan of ``(a, b)``."""
+    with np.errstate(all="ignore"):  # overflow, underflow: not certified, no warning
+        fa = float_stacks_for_exact(nets_a, name_a)
+        fb = fa if nets_b is None else float_stacks_for_exact(nets_b, name_b)
+        if fa is None or fb is None:
             return None
-    p = make_plan(va, vb, Uf, keep, metric, "exact", None, None, strategy, max_flops,
-                  max_memory, max_configurations, same=same or nets_b is None, full=full)
-    return p if p.refused else None
+        Uf = np.asarray(U, dtype=np.float64)
+        nb = nets_a if nets_b is None else nets_b
+        if not (_certified(*fa, Uf, nets_a) and (fb is fa or _certified(*fb, Uf, nb))):
+            return None
+        (va, ma, ra), (vb, mb, rb) = fa, fb
+        if _near_pair(va, ma, vb, mb, max(ra, rb), nets_a, nb):
+            return None  # two models might be the same exactly, or differ
+    same = same or nets_b is None
+    if plans is None:
+        p = make_plan(va, vb, Uf, keep, metric, "exact", None, None, strategy, max_flops,
+                      max_memory, max_configurations, same=same, full=full)
+        return p if p.refused else None
+    for p, *_ in plans(va, vb, Uf, same):
+        if p.refused:
+            return p
+    return None

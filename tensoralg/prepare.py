@@ -253,8 +253,11 @@ def float_stacks_for_exact(nets: list[Layer], name: str
     plus the additions of the lifting; by the standard bound on floating-point matrix products
     (Higham, Accuracy and Stability, §3.5) ``|val - exact| <= (k + 2) n u mag`` to first order,
     ``u = 2**-53``; ``rtol`` is twice that (also covering the rounding of ``mag`` itself and
-    one further product, by an output direction or a folded embedding). None for networks given
-    in Fractions (they are exact already)."""
+    one further product, by an output direction or a folded embedding). The bound assumes no
+    underflow: every nonzero term (a product of at most ``k`` weights and ones) stays above
+    ``2**-900`` when the smallest nonzero ``|weight|`` to the ``k``-th power does, so that a
+    zero of ``mag`` is an exact zero and rounding errors stay relative; else None. None also
+    for networks given in Fractions (they are exact already)."""
     if any(n.is_exact for n in nets):
         return None
     count = [0]
@@ -271,6 +274,10 @@ def float_stacks_for_exact(nets: list[Layer], name: str
         mags.append(_to_float(canonicalize(_map_arrays(n, absolute))))
         k = max(k, count[0])
     mag = stack(mags, name)
+    small = [float(np.abs(a[a != 0]).min()) for n in nets for a in n.arrays()
+             if np.any(a != 0)]
+    if small and min(small) < 1 and k * np.log2(min(small)) < -900:
+        return None
     dim = max(max(a.shape[1:]) for a in val.arrays())
     return val, mag, 2.0 * (k + 2) * dim * 2.0 ** -53
 

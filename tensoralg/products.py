@@ -55,6 +55,11 @@ def _engine(ca: Canonical, cb: Canonical, U, keep, metric, method, backend, devi
     p = make_plan(ca, cb, U, keep, metric, backend, device, dtype, strategy, max_flops,
                   max_memory, max_configurations, same=same)
     refuse_if_needed(p)
+    return _run(p, ca, cb, U, keep, backend, device, dtype, same)
+
+
+def _run(p: Plan, ca, cb, U, keep, backend, device, dtype, same):
+    """The cross Gram of two prepared stacks by the strategy of their (not refused) plan."""
     if p.strategy == "chaos":
         conv = converter(backend, device, dtype) if backend == "torch" else None
         return chaos.cross(ca, cb, U, keep, same=same, conv=conv)
@@ -347,37 +352,72 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     return sim
 
 
+def _gram_plans(ca, cb, U, keep, metric, backend, device, dtype, strategy, max_flops,
+                max_memory, max_configurations, same):
+    """The exact cross Gram's plans in the order :func:`_gram_blocks` makes and checks them:
+    ``(plan, ia, sa, sb)``: ``ia`` the rows of a Wick block and ``sa``, ``sb`` its stacks, or
+    ``(plan, None, ca, cb)`` when the plan computes the whole matrix at once. A refused plan
+    is the last one (the computation raises on it). Shared with the exact backend's early
+    refusal (:func:`tensoralg.planner.refuse_exact_early`, on float copies of the stacks), so
+    both decide alike."""
+    Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
+    budget = (max_flops, max_memory, max_configurations)
+    p = make_plan(ca, cb, U, keep, metric, backend, device, dtype, strategy, *budget, same=same)
+    if Na * Nb == 1 or p.strategy == "chaos":
+        yield p, None, ca, cb
+        return
+    # Wick: keep the largest intermediate of one block under _MAX_INTERMEDIATE
+    one = make_plan(ca.sub([0]), cb.sub([0]), U, keep, metric, backend, device, dtype, "wick",
+                    *budget)
+    if one.refused:
+        yield one, [0], None, None
+        return
+    per_pair = max(1, one.largest_intermediate)
+    block = max(1, int(math.isqrt(max(1, _MAX_INTERMEDIATE // per_pair))))
+    if block >= max(Na, Nb):
+        yield p, None, ca, cb
+        return
+    for i0 in range(0, Na, block):
+        for j0 in range(0, Nb, block):
+            ia, jb = list(range(i0, min(Na, i0 + block))), list(range(j0, min(Nb, j0 + block)))
+            sa, sb = ca.sub(ia), cb.sub(jb)
+            pb = make_plan(sa, sb, U, keep, metric, backend, device, dtype, "wick", *budget)
+            yield pb, ia, sa, sb
+            if pb.refused:
+                return
+
+
 def _gram_blocks(ca, cb, U, keep, metric, method, backend, device, dtype, strategy, max_flops,
                  max_memory, max_configurations, same):
     """Cross Gram (Na, Nb[, K]) in normalized gauge; the Wick strategy runs in blocks when its
     intermediates are large (the chaos strategy expands each model once)."""
-    Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
-    args = (U, keep, metric, method, backend, device, dtype, strategy, max_flops, max_memory,
-            max_configurations)
-    if method != "exact" or Na * Nb == 1:
-        return _engine(ca, cb, *args, same=same)
-    p = make_plan(ca, cb, U, keep, metric, backend, device, dtype, strategy, max_flops,
-                  max_memory, max_configurations, same=same)
-    if p.strategy == "chaos":
-        conv = converter(backend, device, dtype) if backend == "torch" else None
-        return chaos.cross(ca, cb, U, keep, same=same, conv=conv)
-    # Wick: keep the largest intermediate of one block under _MAX_INTERMEDIATE
-    one = make_plan(ca.sub([0]), cb.sub([0]), U, keep, metric, backend, device, dtype, "wick",
-                    max_flops, max_memory, max_configurations)
-    refuse_if_needed(one)
-    per_pair = max(1, one.largest_intermediate)
-    block = max(1, int(math.isqrt(max(1, _MAX_INTERMEDIATE // per_pair))))
-    if block >= max(Na, Nb):
+    if method != "exact":
+        return _engine(ca, cb, U, keep, metric, method, backend, device, dtype, strategy,
+                       max_flops, max_memory, max_configurations, same=same)
+    rows: dict[int, list] = {}
+    for p, ia, sa, sb in _gram_plans(ca, cb, U, keep, metric, backend, device, dtype, strategy,
+                                     max_flops, max_memory, max_configurations, same):
         refuse_if_needed(p)
-        return wick.compute(p._joined, backend, device, dtype, shared=p.wick_shared)
-    rows = []
-    for i0 in range(0, Na, block):
-        row = []
-        for j0 in range(0, Nb, block):
-            ia, jb = list(range(i0, min(Na, i0 + block))), list(range(j0, min(Nb, j0 + block)))
-            row.append(_engine(ca.sub(ia), cb.sub(jb), *args[:7], "wick", *args[8:]))
-        rows.append(np.concatenate(row, axis=1))
-    return np.concatenate(rows, axis=0)
+        if ia is None:
+            return _run(p, sa, sb, U, keep, backend, device, dtype, same)
+        rows.setdefault(ia[0], []).append(_run(p, sa, sb, U, keep, backend, device, dtype,
+                                               False))
+    return np.concatenate([np.concatenate(rows[i], axis=1) for i in sorted(rows)], axis=0)
+
+
+def _refuse_gram_early(nets_a, nets_b, U, keep, metric, strategy, max_flops, max_memory,
+                       max_configurations, same, name_a, name_b):
+    """The exact backend's Gram refusal before any rational conversion: the plans of
+    :func:`_gram_plans` made on certified float copies of the stacks
+    (:func:`tensoralg.planner.refuse_exact_early`); raises CostTooHigh with the message the
+    rational path would give, else returns (and the rational path decides)."""
+    def plans(ca, cb, Uf, same_):
+        return _gram_plans(ca, cb, Uf, keep, metric, "exact", None, None, strategy, max_flops,
+                           max_memory, max_configurations, same_)
+
+    refuse_if_needed(refuse_exact_early(nets_a, None if same else nets_b, U, keep, metric,
+                                        strategy, max_flops, max_memory, max_configurations,
+                                        same=same, name_a=name_a, name_b=name_b, plans=plans))
 
 
 def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "gaussian",
@@ -407,6 +447,9 @@ def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "
         mean, se = montecarlo.moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device,
                                       dtype)
         return MonteCarloArray(mean, se, n_samples)
+    if backend == "exact" and method == "exact":  # refuse before any rational work
+        _refuse_gram_early(nets_a, nets_b, U, keep, metric, strategy, max_flops, max_memory,
+                           max_configurations, same, name_a, name_b)
     ca, ka = stack_for(nets_a, backend, name_a)
     cb, kb = (ca, ka) if same else stack_for(nets_b, backend, name_b)
     X = _gram_blocks(ca, cb, U, keep, metric, method, backend, device, dtype, strategy,
@@ -525,11 +568,14 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
         check_pair(nets[0], n)
     U, keep = output_matrix(output, nets[0].out_features, backend == "exact")
     converter(backend, device=kwargs.get("device"), dtype=kwargs.get("dtype"))
+    budget = (kwargs.get("max_flops"), kwargs.get("max_memory"),
+              kwargs.get("max_configurations", DEFAULT_MAX_CONFIGURATIONS))
+    if backend == "exact" and method == "exact":  # refuse before any rational work
+        _refuse_gram_early(nets, nets, U, keep, metric, kwargs.get("strategy", "auto"), *budget,
+                           True, "models", "models")
     c, _ = stack_for(nets, backend, "models")
     X = _gram_blocks(c, c, U, keep, metric, method, backend, kwargs.get("device"),
-                     kwargs.get("dtype"), kwargs.get("strategy", "auto"),
-                     kwargs.get("max_flops"), kwargs.get("max_memory"),
-                     kwargs.get("max_configurations", DEFAULT_MAX_CONFIGURATIONS), True)
+                     kwargs.get("dtype"), kwargs.get("strategy", "auto"), *budget, True)
     dg = np.einsum("ii...->i...", X)
     if backend == "exact":
         Xf = np.vectorize(float, otypes=[float])(X)
