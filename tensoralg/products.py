@@ -363,8 +363,8 @@ def _gram_plans(ca, cb, U, keep, metric, backend, device, dtype, strategy, max_f
     Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
     budget = (max_flops, max_memory, max_configurations)
     p = make_plan(ca, cb, U, keep, metric, backend, device, dtype, strategy, *budget, same=same)
-    if Na * Nb == 1 or p.strategy == "chaos":
-        yield p, None, ca, cb
+    if Na * Nb == 1 or p.strategy == "chaos" or strategy == "chaos":
+        yield p, None, ca, cb  # (a forced chaos over budget is refused as chaos, never Wick)
         return
     # Wick: keep the largest intermediate of one block under _MAX_INTERMEDIATE
     one = make_plan(ca.sub([0]), cb.sub([0]), U, keep, metric, backend, device, dtype, "wick",

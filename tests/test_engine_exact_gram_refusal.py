@@ -15,7 +15,7 @@ import tensoralg.prepare as prepare
 import tensoralg.products as products
 from tensoralg import planner
 from tensoralg.prepare import float_stacks_for_exact, output_matrix, stack_for
-from netgen import rand_bilinear, rand_linear
+from netgen import rand_bilinear, rand_linear, rand_network
 
 
 def _deep(rng, depth, d=3, hidden=4, out=2):
@@ -302,3 +302,15 @@ def test_symmetric_network_still_refused_early(monkeypatch):
         ta.gram(ms, backend="exact", **kw)
     assert str(exc.value) == want
     assert calls == []
+
+
+def test_forced_chaos_gram_over_budget_is_refused_as_chaos_not_computed_with_wick():
+    """A Gram with strategy='chaos' over its budget used to fall through to Wick blocks."""
+    rng = np.random.default_rng(11)
+    nets = [rand_network(rng, "depth2", d=8, hidden=16, width=8) for _ in range(3)]
+    ref = ta.plan(nets[0], nets[1], strategy="chaos", max_flops=1e4)
+    assert ref.refused and "chaos" in ref.refused
+    for backend in ("numpy", "exact"):
+        with pytest.raises(ta.CostTooHigh) as err:
+            ta.gram(nets, strategy="chaos", max_flops=1e4, backend=backend)
+        assert "chaos: estimated" in str(err.value) and "wick" not in str(err.value)
