@@ -399,8 +399,16 @@ class SequencePlan:
         where = ("summed over query positions" if self.position is None else
                  "per query position" if isinstance(self.position, str) else
                  f"query position t={self.position}")
+        if self.output is None:
+            what = "summed over outputs"
+        elif isinstance(self.output, str):
+            what = "per output"
+        elif isinstance(self.output, (int, np.integer)):
+            what = f"output {self.output}"
+        else:
+            what = "output direction u . f"
         lines = [f"sequence models (bilinear attention), n_ctx={self.n_ctx}, {self.metric} "
-                 f"metric, {where}"]
+                 f"metric, {where}, {what}"]
         for side, terms in (("a", self.terms_a), ("b", self.terms_b)):
             for line in terms:
                 lines.append(f"  {side}: {line}")
