@@ -476,6 +476,7 @@ def _sliced(net, output: Any, exact: bool):
 
     if exact and not net.is_exact:
         net = _map_arrays(net, fraction_array)
+    exact = exact or net.is_exact  # (rational models are canonicalized in rationals)
     if output is None or isinstance(output, str):
         return net
     d = net.out_features

@@ -303,3 +303,20 @@ def test_graph_errors_name_the_argument():
         ta.to_graph(causal, n_ctx=2, output=5)
     # the mask of one side fixes n_ctx for both
     assert ta.to_graph(fixed, causal).nodes["i:t"]["size"] == 3
+
+
+def test_position_free_graph_keeps_its_names_and_has_no_positions():
+    from netgen import to_fractions
+
+    rng = np.random.default_rng(15)
+    net = ta.Sequential([rand_bilinear(rng, 3, 4, 3), rand_bilinear(rng, 3, 2, 2)])
+    for model in (net, to_fractions(net)):
+        g = ta.to_graph(model)
+        assert {"a.D2", "a.L2", "a.R2", "a.D1l", "a.L1r", "leg:a.L1l", "leg:a.R1r"} <= set(g)
+        assert all(d.get("position") is None for _, d in g.nodes(data=True))
+        # D without its constant row (the lifted index it writes has one more coordinate)
+        assert g.nodes["a.D1l"]["shape"] == (3, 5)
+        (x,) = [n for n in g["a.D1l"] if g.nodes[n].get("lifted")]
+        assert g.nodes[x]["size"] == 3 + 1 and set(g[x]) == {"a.D1l", "a.L2"}
+    g = ta.to_graph(ta.Linear(np.ones((2, 3))))
+    assert set(g) == {"a.W", "leg:a.W", "i:o"}

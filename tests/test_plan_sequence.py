@@ -48,7 +48,7 @@ def test_plan_counts_the_configurations_inner_contracts():
     assert "K1, K2, V at s" in text and "Q1, Q2 at t" in text
 
 
-@pytest.mark.parametrize("kw", [{}, {"output": 1}, {"position": 0},
+@pytest.mark.parametrize("kw", [{}, {"output": 1}, {"output": [1.0, 0.5]}, {"position": 0},
                                 {"backend": "exact", "output": 1}])
 def test_refused_exactly_when_inner_refuses_at_the_boundary(kw):
     a, b = _pair()
