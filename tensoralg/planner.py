@@ -30,7 +30,8 @@ from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX
 from .prepare import check_budget, float_stacks_for_exact
 from .strategies import chaos, wick
 
-__all__ = ["Plan", "make_plan", "refuse_exact_early", "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
+__all__ = ["Plan", "SequencePlan", "make_plan", "plan_sequence", "refuse_exact_early",
+           "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
 
 #: Below this many FLOPs an affordable chaos expansion is taken without searching Wick paths
 #: (the path search alone would cost more than the whole computation).
@@ -462,3 +463,246 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
         if p.refused:
             return p
     return None
+
+
+# ----------------------------------------------------------------------------------------
+# sequence models (bilinear attention, DESIGN §3.7): what ``inner`` does through
+# tensoralg.attention
+# ----------------------------------------------------------------------------------------
+
+#: The alternatives named when the exact attention path refuses (DESIGN §3.7).
+SEQUENCE_ALTERNATIVES = ("Alternatives: method='closure' (the second-moment closure over "
+                         "(position, feature): fast; equal to the exact value for one attention "
+                         "layer, APPROXIMATE from the second non-linear layer on) or "
+                         "method='montecarlo' (unbiased, with a standard error)")
+
+
+@dataclass
+class SequencePlan:
+    """What :func:`tensoralg.inner` does for a pair of sequence models (with
+    :class:`~tensoralg.BilinearAttention`) with the same options, decided before any
+    contraction: the exact one-attention-layer path of :mod:`tensoralg.attention`
+    (:func:`~tensoralg.attention.exact_inner`) with its number of Wick configurations, or the
+    refusal and its alternatives.
+
+    Attributes:
+        strategy: ``"attention"`` (the exact attention path runs) or None when refused.
+        reason: why.
+        refused: the refusal message (naming the alternatives) exactly when ``inner`` with the
+            same options refuses: with :class:`~tensoralg.CostTooHigh` for a model outside the
+            exact path (``AttentionNotSupported``: e.g. two attention layers), or with the
+            ValueError of :func:`~tensoralg.attention.exact_inner` when the configurations
+            exceed ``max_configurations``; None otherwise.
+        supported: whether both models are within the exact path (at most one attention layer
+            between per-position Linear layers).
+        n_configurations: Wick configurations (partial matchings after zero-pattern pruning,
+            summed over the term pairs) that the exact path contracts —
+            :func:`~tensoralg.attention.count_configurations` of the output-sliced models —
+            or None for an unsupported model.
+        max_configurations: the budget applied (the only one the attention path reads;
+            ``max_flops`` / ``max_memory`` do not apply to it).
+        n_ctx, output, position: the sequence length and the slices.
+        n_legs: legs of the joined network of the largest term pair (the degrees of the two
+            canonical trees added; 10 for two attention layers of depth 1), or None when a
+            model has no canonical tree.
+        terms_a, terms_b: each model's canonical tree (:func:`tensoralg.canonical.tree`), one
+            line per node: its terms with their legs and the positions they read.
+        alternatives: the other methods.
+    """
+
+    strategy: str | None
+    reason: str
+    n_ctx: int
+    max_configurations: int
+    n_configurations: int | None = None
+    refused: str | None = None
+    supported: bool = True
+    output: Any = None
+    position: Any = None
+    n_legs: int | None = None
+    terms_a: list = field(default_factory=list)
+    terms_b: list = field(default_factory=list)
+    alternatives: str = SEQUENCE_ALTERNATIVES
+    metric: str = "gaussian"
+
+    def summary(self) -> str:
+        where = ("summed over query positions" if self.position is None else
+                 "per query position" if isinstance(self.position, str) else
+                 f"query position t={self.position}")
+        if self.output is None:
+            what = "summed over outputs"
+        elif isinstance(self.output, str):
+            what = "per output"
+        elif isinstance(self.output, (int, np.integer)):
+            what = f"output {self.output}"
+        else:
+            what = "output direction u . f"
+        lines = [f"sequence models (bilinear attention), n_ctx={self.n_ctx}, {self.metric} "
+                 f"metric, {where}, {what}"]
+        for side, terms in (("a", self.terms_a), ("b", self.terms_b)):
+            for line in terms:
+                lines.append(f"  {side}: {line}")
+        legs = "" if self.n_legs is None else f"{self.n_legs} legs joined"
+        if self.supported:
+            lines.append(f"exact one-attention-layer path (tensoralg.attention): "
+                         f"{self.n_configurations:,} Wick configurations"
+                         f"{', up to ' + legs if legs else ''} "
+                         f"(max_configurations={self.max_configurations:,})")
+        else:
+            lines.append("exact one-attention-layer path (tensoralg.attention): not available"
+                         + (f" (the unrolled trees: {legs})" if legs else ""))
+        if self.refused:
+            lines.append(f"REFUSED: {self.refused}")
+        else:
+            lines.append(f"choice: {self.strategy} ({self.reason})")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _describe_tree(tree) -> list:
+    """One line per node of a canonical tree: its terms, their legs and positions."""
+    lines = []
+    for k, node in enumerate(tree.nodes):
+        parts = []
+        for term in node.terms:
+            by_pos: dict = {}
+            for leg in term.legs:
+                by_pos.setdefault(leg.pos, []).append(leg.name + ("(RoPE)" if leg.positional
+                                                                 else ""))
+            where = "; ".join(f"{', '.join(v)} at {p}" for p, v in by_pos.items())
+            n = term.degree
+            parts.append(f"{term.kind} ({n} leg{'s' if n != 1 else ''}: {where})")
+        lines.append(f"node {k}: " + " + ".join(parts))
+    return lines
+
+
+def _check_sequence_slices(output: Any, position: Any, d_out: int, n_ctx: int) -> None:
+    """The ``output`` / ``position`` values :func:`tensoralg.attention.exact_inner` accepts."""
+    import numbers
+
+    if output is not None and not (isinstance(output, str) and output == "each"):
+        if isinstance(output, str):
+            raise ValueError(f"output: expected None, an int, 'each' or a vector, got {output!r}")
+        if isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
+            if not -d_out <= int(output) < d_out:
+                raise ValueError(f"output: class index {output} out of range for {d_out} outputs")
+        elif np.shape(output) != (d_out,):
+            raise ValueError(f"output: a direction vector must have shape ({d_out},), got "
+                             f"{np.shape(output)}")
+    if position is not None and not (isinstance(position, str) and position == "each"):
+        if isinstance(position, (bool, np.bool_)) or not isinstance(position, numbers.Integral) \
+                or not -n_ctx <= int(position) < n_ctx:
+            raise ValueError(f"position: expected None, 'each' or an int in [-{n_ctx}, {n_ctx}), "
+                             f"got {position!r}")
+
+
+def _sliced(net, output: Any, exact: bool):
+    """``net`` followed by the output projection ``u . f`` (``output`` an int or a vector), in
+    rationals when ``exact``: the model whose configurations the sliced inner product counts."""
+    from .backends import fraction_array
+    from .layers import Linear, Sequential, _map_arrays
+
+    if exact and not net.is_exact:
+        net = _map_arrays(net, fraction_array)
+    exact = exact or net.is_exact  # (rational models are canonicalized in rationals)
+    if output is None or isinstance(output, str):
+        return net
+    d = net.out_features
+    if isinstance(output, (int, np.integer)):
+        u = np.zeros(d)
+        u[int(output)] = 1.0
+    elif hasattr(output, "detach"):
+        u = output.detach().cpu().double().numpy()
+    else:
+        u = np.asarray(output, dtype=object if exact else np.float64)
+    if exact:
+        u = fraction_array(np.asarray(u, dtype=object))
+    return Sequential([net, Linear(u[None, :])])
+
+
+def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position: Any = None,
+                  n_ctx: Any = None, backend: str = "numpy", device: Any = None,
+                  max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> SequencePlan:
+    """The plan of ``inner(na, nb, ...)`` for sequence models (``na``, ``nb``: layers; the same
+    object for ``<a, a>``): the checks :func:`tensoralg.inner` makes, in its order, then the
+    exact attention path's configuration count (cheap: nothing is contracted).
+
+    The count is :func:`tensoralg.attention.count_configurations` of the models followed by the
+    output projection (zero patterns of the sliced linear term decide which legs can be
+    capped), in rationals with ``backend="exact"`` as the exact path computes them.
+
+    Raises:
+        ValueError: what ``inner`` raises before any work: a sequence model paired with a
+            position-free network of degree > 1, a metric other than Gaussian, ``device``
+            without ``backend="torch"``, ``n_ctx`` missing, not a positive int or in
+            disagreement with a mask, a bad ``output`` or ``position``, a
+            ``max_configurations`` that is not a positive int.
+    """
+    from . import attention, canonical
+    from .network import sequence_n_ctx
+
+    if isinstance(max_configurations, bool) or not isinstance(max_configurations,
+                                                              (int, np.integer)) \
+            or max_configurations <= 0:
+        raise ValueError(f"max_configurations: expected a positive integer, got "
+                         f"{max_configurations!r}")
+    if not (na.is_sequence_model and nb.is_sequence_model) and not all(
+            n.is_sequence_model or n.degree <= 1 for n in (na, nb)):
+        raise ValueError("a and b: a sequence model (with attention) compared with a "
+                         "position-free network of degree > 1; compare two sequence models (a "
+                         "per-position affine map is accepted)")
+    if metric != "gaussian":
+        raise ValueError("sequence models: only metric='gaussian' is implemented")
+    if device is not None and backend != "torch":
+        raise ValueError(f"device: only backend='torch' runs on a device; backend={backend!r} "
+                         f"computes on the CPU (got device={device!r})")
+    if backend == "torch":
+        from .backends import torch_device
+
+        torch_device(device)
+    n = sequence_n_ctx(na, nb, n_ctx)
+    _check_sequence_slices(output, position, na.out_features, n)
+    exact = backend == "exact"
+    sa = _sliced(na, output, exact)
+    sb = sa if nb is na else _sliced(nb, output, exact)
+    plan = SequencePlan(strategy=None, reason="", n_ctx=n,
+                        max_configurations=int(max_configurations), output=output,
+                        position=position)
+    try:
+        plan.n_configurations = attention.count_configurations(sa, sb, n_ctx=n)
+    except attention.AttentionNotSupported as exc:
+        plan.supported = False
+        plan.refused = f"exact inner product of sequence models: {exc}. {SEQUENCE_ALTERNATIVES}"
+        plan.reason = "a model outside the exact attention path"
+    # the canonical trees, for the description (any depth; a model that has none is refused
+    # above by the attention path's own check)
+    degrees = []
+    for side, net in (("a", na), ("b", nb)):
+        try:
+            tree = canonical.sequence_tree(net, n, side)
+        except (TypeError, ValueError) as exc:
+            lines = [f"(no canonical tree: {exc})"]
+        else:
+            lines = _describe_tree(tree)
+            degrees.append(tree.degree)
+        if side == "a":
+            plan.terms_a = lines
+        else:
+            plan.terms_b = lines
+    if len(degrees) == 2:
+        plan.n_legs = sum(degrees)
+    if plan.supported:
+        if plan.n_configurations > max_configurations:
+            plan.refused = (f"exact attention inner product: {plan.n_configurations:,} Wick "
+                            f"configurations, over max_configurations={max_configurations:,}. "
+                            f"{SEQUENCE_ALTERNATIVES}, or raise max_configurations")
+            plan.reason = "over max_configurations"
+        else:
+            plan.strategy = "attention"
+            plan.reason = (f"exact: at most one attention layer per model, "
+                           f"{plan.n_configurations:,} Wick "
+                           f"configurations within max_configurations="
+                           f"{max_configurations:,}")
+    return plan

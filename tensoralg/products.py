@@ -30,7 +30,8 @@ from .canonical import Canonical
 from .errors import CostTooHigh
 from .layers import Layer, as_network
 from .network import DEFAULT_MAX_CONFIGURATIONS
-from .planner import Plan, make_plan, refuse_exact_early, refuse_if_needed
+from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
+                      refuse_if_needed)
 from .prepare import (check_options, check_pair, networks, output_matrix, scaled, stack_for)
 from .strategies import chaos, closure, montecarlo, wick
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
@@ -690,7 +691,8 @@ def diff_norm(b: Any, c: Any, **kwargs):
 def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
          backend: str = "numpy", strategy: str = "auto", device: Any = None, dtype: Any = None,
          max_flops: float | None = None, max_memory: float | None = None,
-         max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> Plan:
+         max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
+         position: Any = None) -> Plan | SequencePlan:
     """The planner's decision for the exact inner product ``<a, b>`` (``<a, a>`` if ``b`` is
     None): every applicable strategy's estimate (Wick: configurations before and after
     zero-pattern and symmetry reduction, FLOPs and intermediates of the opt_einsum paths — or,
@@ -698,11 +700,32 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     expansion of at least ``planner.BOUND_MIN_FLOPS``, that bound, marked as one, in
     ``wick_lower_bound``; chaos: coefficients, FLOPs, memory), the choice and why. Contracts nothing and allocates nothing
     large; ``refused`` is set exactly when :func:`inner` with the same arguments would raise
-    :class:`~tensoralg.CostTooHigh` (then ``flops = inf``)."""
+    :class:`~tensoralg.CostTooHigh` (then ``flops = inf``).
+
+    Sequence models (with :class:`~tensoralg.BilinearAttention`; ``n_ctx`` and ``position`` as
+    in :func:`inner`): a :class:`~tensoralg.planner.SequencePlan` of what :func:`inner` does
+    with the same options — the exact one-attention-layer path of :mod:`tensoralg.attention`
+    with its number of Wick configurations, each model's canonical tree (terms, legs and the
+    positions they read), or the refusal (a model outside the exact path, e.g. two attention
+    layers: :class:`~tensoralg.CostTooHigh`; over ``max_configurations``: ValueError) naming
+    the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
+    when :func:`inner` refuses. ``max_flops``, ``max_memory``, ``strategy`` and ``dtype`` do not
+    apply to that path.
+
+    Raises:
+        ValueError: what :func:`inner` raises for the same arguments before any work (bad
+            options, sizes, ``output``, ``position``, ``n_ctx``; ``n_ctx`` / ``position`` for
+            position-free networks).
+    """
     check_options(metric, "exact", backend, strategy)
     na = as_network(a, "a")
     nb = na if b is None else as_network(b, "b")
     check_pair(na, nb)
+    if _is_sequence(na, nb):
+        return plan_sequence(na, nb, metric, output, position, n_ctx, backend, device,
+                             max_configurations)
+    if n_ctx is not None or position is not None:
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
     U, keep = output_matrix(output, na.out_features, backend == "exact")
     converter(backend, device, dtype)
     same = b is None or b is a

@@ -173,3 +173,150 @@ def test_damaged_path_cache_is_never_trusted(tmp_path, monkeypatch, tamper):
                         lambda *x, **k: searches.append(k.get("shapes")) or orig(*x, **k))
     assert ta.inner(a, b, strategy="wick") == want
     assert not any(searches)
+
+
+# ---- the graph view of sequence models (the canonical tree, DESIGN §3.7 / §4) -------------
+
+def _attn(rng, residual=False, **kw):
+    from test_attention_exact import attn
+
+    return attn(rng, H=2, dh=2, d=3, dv=2, residual=residual, **kw)
+
+
+def _open_legs(g):
+    return {n: d for n, d in g.nodes(data=True) if d.get("leg")}
+
+
+def _tensor_of(g, leg):
+    (t,) = [n for n in g[leg] if g.nodes[n]["kind"] == "tensor"]
+    return g.nodes[t]
+
+
+def test_graph_of_one_attention_layer_has_five_legs_two_at_t_three_at_s():
+    from tensoralg import canonical
+
+    rng = np.random.default_rng(10)
+    mask = np.tril(np.ones((3, 3)))  # an array: fixes n_ctx = 3
+    layer = _attn(rng, mask=mask)
+    g = ta.to_graph(layer)
+    tree = canonical.tree(layer)
+    assert nx.is_bipartite(g) and nx.is_connected(g)
+    legs = _open_legs(g)
+    # one open leg per leg of every term of the (single) node: Term.degree
+    for j, term in enumerate(tree.nodes[0].terms):
+        mine = [n for n in legs if _tensor_of(g, n)["term"] == j]
+        assert len(mine) == term.degree
+    att = [n for n in legs if _tensor_of(g, n)["term_kind"] == "attention"]
+    assert len(att) == 5 == tree.degree
+    at_t = [n for n in att if legs[n]["position"] == "t"]
+    at_s = [n for n in att if legs[n]["position"] != "t"]
+    assert len(at_t) == 2 and len(at_s) == 3
+    assert sorted(_tensor_of(g, n)["name"] for n in at_t) == ["Q1", "Q2"]
+    assert sorted(_tensor_of(g, n)["name"] for n in at_s) == ["K1", "K2", "V"]
+    (s_var,) = {legs[n]["position"] for n in at_s}
+    s_index = g.nodes[f"i:{s_var}"]
+    assert s_index["size"] == 3 and not s_index["query"] and g.nodes["i:t"]["query"]
+    # the mask core M[t, s] joins the query and the key position
+    (M,) = [n for n, d in g.nodes(data=True) if d.get("name") == "M"]
+    assert set(g[M]) == {"i:t", f"i:{s_var}"} and g.nodes[M]["shape"] == (3, 3)
+    # the head index is a hyperedge of the output core and the five legs
+    (O,) = [n for n, d in g.nodes(data=True) if d.get("name") == "O"]
+    heads = [i for i in g[O] if g.nodes[i]["size"] == 2 and g.degree(i) == 6]
+    assert len(heads) == 1
+
+
+def test_graph_of_residual_attention_is_a_sum_of_two_terms():
+    rng = np.random.default_rng(11)
+    net = ta.Sequential([_attn(rng, residual=True, mask="causal"),
+                         ta.Linear(rng.normal(size=(2, 3)))])
+    g = ta.to_graph(net, n_ctx=4)
+    root = [d for _, d in g.nodes(data=True) if d["kind"] == "tensor" and d["copy"] == ""]
+    assert {(d["term"], d["term_kind"]) for d in root} == {(0, "linear"), (1, "attention")}
+    # both terms write the (open) output index: their sum is the node's output
+    assert {g.nodes[n]["term"] for n in g["i:o"]} == {0, 1}
+    assert g.nodes["i:o"]["open"] and g.nodes["i:o"]["size"] == 2
+    assert g.nodes["i:t"]["size"] == 4
+    assert len(_open_legs(g)) == 1 + 5
+    # a slice of the output: the output index has size 1
+    assert ta.to_graph(net, n_ctx=4, output=1).nodes["i:o"]["size"] == 1
+
+
+def test_joined_pair_of_sequence_models_shares_output_and_query_position():
+    rng = np.random.default_rng(12)
+    a = _attn(rng, residual=True, mask="causal")
+    b = _attn(rng, mask="none", rope=100.0)
+    g = ta.to_graph(a, b, n_ctx=3)
+    assert nx.is_bipartite(g) and nx.is_connected(g)
+    outs = [n for n, d in g.nodes(data=True) if d.get("output")]
+    queries = [n for n, d in g.nodes(data=True) if d.get("query")]
+    assert outs == ["i:o"] and queries == ["i:t"]
+    for i in ("i:o", "i:t"):
+        assert {g.nodes[n]["side"] for n in g[i]} == {"a", "b"}
+        assert not g.nodes[i]["open"]
+    keys = [n for n, d in g.nodes(data=True) if d.get("query") is False]
+    assert len(keys) == 2  # one key position per attention term copy, one per side
+    assert ta.to_graph(a, b, n_ctx=3, output="each").nodes["i:o"]["open"]
+    # RoPE: b's query/key legs carry a position axis
+    (q,) = [d for _, d in g.nodes(data=True) if d.get("side") == "b" and d.get("name") == "Q1"]
+    assert q["positional"] and q["shape"][0] == 3
+
+
+def test_graph_of_two_attention_layers_unrolls_the_tree():
+    rng = np.random.default_rng(13)
+    net = ta.Sequential([_attn(rng, residual=True, mask="causal"),
+                         _attn(rng, residual=True, mask="causal")])
+    from tensoralg import canonical
+
+    tree = canonical.tree(net, n_ctx=2)
+    legs_per_node = [sum(t.degree for t in node.terms) for node in tree.nodes]
+    g = ta.to_graph(net, n_ctx=2)
+    assert nx.is_bipartite(g) and nx.is_connected(g)
+    # every leg of node 1 reads its own copy of node 0 (all of its terms)
+    assert len(_open_legs(g)) == legs_per_node[0] * legs_per_node[1] == 6 * 6
+    lifted = [n for n, d in g.nodes(data=True) if d.get("lifted")]
+    assert len(lifted) == legs_per_node[1]
+    assert all(g.nodes[n]["size"] == 3 + 1 for n in lifted)
+    # the copy read by node 1's key leg K1 has node 1's key position as its query position
+    (s1,) = [n for n, d in g.nodes(data=True) if d.get("query") is False and d["position"]
+             == "a.n2.s"]
+    assert set(g["a.n1/k1.M"]) == {s1, "i:a.n1/k1.s"}
+    assert {g.nodes[n]["position"] for n in g["a.n1/k1.Q1"] if n.startswith("leg:")} == \
+        {"a.n2.s"}
+    assert set(g["a.n1/q1.M"]) == {"i:t", "i:a.n1/q1.s"}
+
+
+def test_graph_errors_name_the_argument():
+    rng = np.random.default_rng(14)
+    causal = _attn(rng, mask="causal")
+    with pytest.raises(ValueError, match="n_ctx: required"):
+        ta.to_graph(causal)
+    with pytest.raises(ValueError, match="n_ctx: expected a positive int"):
+        ta.to_graph(causal, n_ctx=0)
+    fixed = _attn(rng, mask=np.ones((3, 3)))
+    with pytest.raises(ValueError, match="n_ctx=2 differs from a's attention mask"):
+        ta.to_graph(fixed, n_ctx=2)
+    with pytest.raises(ValueError, match="attention masks fix different sequence lengths"):
+        ta.to_graph(fixed, _attn(rng, mask=np.ones((4, 4))))
+    with pytest.raises(ValueError, match="b: input size 2 differs from a's 3"):
+        ta.to_graph(causal, ta.Linear(np.ones((3, 2))), n_ctx=2)
+    with pytest.raises(ValueError, match="output: index 5 out of range"):
+        ta.to_graph(causal, n_ctx=2, output=5)
+    # the mask of one side fixes n_ctx for both
+    assert ta.to_graph(fixed, causal).nodes["i:t"]["size"] == 3
+
+
+def test_position_free_graph_keeps_its_names_and_has_no_positions():
+    from netgen import to_fractions
+
+    rng = np.random.default_rng(15)
+    net = ta.Sequential([rand_bilinear(rng, 3, 4, 3), rand_bilinear(rng, 3, 2, 2)])
+    for model in (net, to_fractions(net)):
+        g = ta.to_graph(model)
+        assert {"a.D2", "a.L2", "a.R2", "a.D1l", "a.L1r", "leg:a.L1l", "leg:a.R1r"} <= set(g)
+        assert all(d.get("position") is None for _, d in g.nodes(data=True))
+        # D without its constant row (the lifted index it writes has one more coordinate)
+        assert g.nodes["a.D1l"]["shape"] == (3, 5)
+        (x,) = [n for n in g["a.D1l"] if g.nodes[n].get("lifted")]
+        assert g.nodes[x]["size"] == 3 + 1 and set(g[x]) == {"a.D1l", "a.L2"}
+    g = ta.to_graph(ta.Linear(np.ones((2, 3))))
+    assert set(g) == {"a.W", "leg:a.W", "i:o"}

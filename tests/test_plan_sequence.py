@@ -1,0 +1,115 @@
+"""ta.plan for sequence models (bilinear attention, DESIGN §3.7): it says what ta.inner does
+with the same options — the exact one-attention-layer path of tensoralg.attention with its
+Wick configurations, or the refusal — and ``refused`` is set exactly when inner refuses,
+checked by running inner on both sides of the boundary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensoralg as ta
+from tensoralg import attention
+from tensoralg.planner import SequencePlan
+from test_attention_exact import attn
+
+
+def _pair(seed=0):
+    """``a``: one attention layer whose output bias is zero at output 1 (so the output slice
+    ``output=1`` removes the capped linear term: fewer configurations); ``b``: another one."""
+    rng = np.random.default_rng(seed)
+    a = attn(rng, H=1, dh=2, d=2, dv=1, mask="causal")
+    a = ta.BilinearAttention(a.q1, a.k1, a.q2, a.k2, a.v, a.o, q1_bias=a.q1_bias,
+                             k1_bias=a.k1_bias, q2_bias=a.q2_bias, k2_bias=a.k2_bias,
+                             v_bias=a.v_bias, o_bias=np.array([1.0, 0.0]), mask="causal")
+    b = attn(rng, H=1, dh=2, d=2, dv=1, mask="causal")
+    return a, b
+
+
+def _deep(seed=1):
+    rng = np.random.default_rng(seed)
+    return ta.Sequential([attn(rng, H=1, dh=2, d=2, dv=1, residual=True, mask="causal"),
+                          attn(rng, H=1, dh=2, d=2, dv=1, residual=True, mask="causal")])
+
+
+def test_plan_counts_the_configurations_inner_contracts():
+    a, b = _pair()
+    p = ta.plan(a, b, n_ctx=2)
+    assert isinstance(p, SequencePlan) and p.supported and p.refused is None
+    assert p.strategy == "attention" and p.n_ctx == 2
+    assert p.n_configurations == attention.count_configurations(a, b, n_ctx=2)
+    assert p.n_legs == 10  # two attention terms of 5 legs (DESIGN §3.7)
+    # the sliced linear term of a (zero output bias at output 1) can no longer be capped
+    assert ta.plan(a, b, n_ctx=2, output=1).n_configurations < p.n_configurations
+    # position= selects query positions: it changes no zero pattern, hence no count
+    assert ta.plan(a, b, n_ctx=2, position=1).n_configurations == p.n_configurations
+    text = str(p)
+    assert "Wick configurations" in text and "choice: attention" in text
+    assert "K1, K2, V at s" in text and "Q1, Q2 at t" in text
+
+
+@pytest.mark.parametrize("kw", [{}, {"output": 1}, {"output": [1.0, 0.5]}, {"position": 0},
+                                {"backend": "exact", "output": 1}])
+def test_refused_exactly_when_inner_refuses_at_the_boundary(kw):
+    a, b = _pair()
+    n = ta.plan(a, b, n_ctx=2, **kw).n_configurations
+    at = ta.plan(a, b, n_ctx=2, max_configurations=n, **kw)
+    assert at.refused is None and at.strategy == "attention"
+    ta.inner(a, b, n_ctx=2, max_configurations=n, **kw)  # runs
+    over = ta.plan(a, b, n_ctx=2, max_configurations=n - 1, **kw)
+    assert over.refused and over.strategy is None
+    assert "method='closure'" in over.refused and "method='montecarlo'" in over.refused
+    assert "REFUSED" in str(over)
+    with pytest.raises(ValueError, match="over max_configurations"):
+        ta.inner(a, b, n_ctx=2, max_configurations=n - 1, **kw)
+
+
+def test_two_attention_layers_are_refused_like_inner():
+    deep = _deep()
+    p = ta.plan(deep, n_ctx=2, max_configurations=10**12)
+    assert p.refused and not p.supported and p.n_configurations is None
+    assert "method='closure'" in p.refused and "method='montecarlo'" in p.refused
+    assert p.n_legs == 25 + 25  # the unrolled trees: 5 legs of 5 legs each, per side
+    assert "not available" in str(p) and "node 1: linear" in str(p)
+    with pytest.raises(ta.CostTooHigh, match="method='closure'"):
+        ta.inner(deep, deep, n_ctx=2, max_configurations=10**12)
+    # against a one-layer model: refused too (a is outside the exact path)
+    a, _ = _pair()
+    assert ta.plan(deep, a, n_ctx=2).refused
+    with pytest.raises(ta.CostTooHigh):
+        ta.inner(deep, a, n_ctx=2)
+
+
+def _bad_cases():
+    a, b = _pair()
+    rng = np.random.default_rng(2)
+    flat = ta.Bilinear(rng.normal(size=(3, 2)), rng.normal(size=(3, 2)), rng.normal(size=(2, 3)))
+    fixed = attn(rng, H=1, dh=2, d=2, dv=1, mask=np.ones((3, 3)))
+    return [
+        ((a, b), {}, "n_ctx: required"),
+        ((a, b), {"n_ctx": 0}, "n_ctx: expected a positive int"),
+        ((fixed, b), {"n_ctx": 2}, "n_ctx=2 differs from a's attention mask"),
+        ((a, b), {"n_ctx": 2, "position": 2}, "position: expected None, 'each' or an int"),
+        ((a, b), {"n_ctx": 2, "output": 2}, "output: class index 2 out of range"),
+        ((a, b), {"n_ctx": 2, "output": [1.0, 2.0, 3.0]}, r"output: a direction vector must"),
+        ((a, b), {"n_ctx": 2, "metric": "frobenius"}, "only metric='gaussian'"),
+        ((a, flat), {"n_ctx": 2}, "position-free network of degree > 1"),
+        ((flat, flat), {"n_ctx": 2}, "n_ctx / position: only for sequence models"),
+        ((a, b), {"n_ctx": 2, "device": "cpu"}, "device: only backend='torch'"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_plan_raises_what_inner_raises_before_any_work(case):
+    (x, y), kw, msg = _bad_cases()[case]
+    with pytest.raises(ValueError, match=msg):
+        ta.inner(x, y, **kw)
+    with pytest.raises(ValueError, match=msg):
+        ta.plan(x, y, **kw)
+
+
+def test_plan_checks_its_budget():
+    a, b = _pair()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_configurations: expected a positive integer"):
+            ta.plan(a, b, n_ctx=2, max_configurations=bad)
