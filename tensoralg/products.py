@@ -371,6 +371,10 @@ def _gram_plans(ca, cb, U, keep, metric, backend, device, dtype, strategy, max_f
     one = make_plan(ca.sub([0]), cb.sub([0]), U, keep, metric, backend, device, dtype, "wick",
                     *budget)
     if one.refused:
+        if strategy == "auto":  # name every strategy's estimate, as inner() does
+            both = make_plan(ca.sub([0]), cb.sub([0]), U, keep, metric, backend, device,
+                             dtype, "auto", *budget)
+            one = both if both.refused else one
         yield one, [0], None, None
         return
     per_pair = max(1, one.largest_intermediate)

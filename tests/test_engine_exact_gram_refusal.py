@@ -314,3 +314,12 @@ def test_forced_chaos_gram_over_budget_is_refused_as_chaos_not_computed_with_wic
         with pytest.raises(ta.CostTooHigh) as err:
             ta.gram(nets, strategy="chaos", max_flops=1e4, backend=backend)
         assert "chaos: estimated" in str(err.value) and "wick" not in str(err.value)
+
+
+def test_gram_refusal_names_every_strategy_like_inner():
+    rng = np.random.default_rng(12)
+    nets = [rand_network(rng, "depth2", d=8, hidden=16, width=8) for _ in range(3)]
+    for backend in ("numpy", "exact"):
+        with pytest.raises(ta.CostTooHigh) as err:
+            ta.gram(nets, max_flops=1e4, backend=backend)
+        assert "wick: at least" in str(err.value) and "chaos: estimated" in str(err.value)
