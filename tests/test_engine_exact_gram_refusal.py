@@ -75,8 +75,9 @@ def test_gram_refused_without_rational_conversion(monkeypatch, call, depth, kw):
 
 
 def test_depth3_gram_message_is_the_rational_pair_plan(monkeypatch):
-    """The reference, from the plans themselves: a depth-3 Gram of several models is refused by
-    the Wick plan of its first pair (``_gram_blocks`` sizes its blocks from that plan), made
+    """The reference, from the plans themselves: a depth-3 Gram of several models is refused at
+    its first pair (``_gram_blocks`` sizes its Wick blocks from that pair's Wick plan, and then
+    reports the pair's plan under strategy='auto', which names every estimate), made
     here with make_plan on the rational stacks. Width 8, hidden 16: chaos is over the default
     max_flops too."""
     rng = np.random.default_rng(3)
@@ -87,13 +88,16 @@ def test_depth3_gram_message_is_the_rational_pair_plan(monkeypatch):
     one = planner.make_plan(ca.sub([0]), ca.sub([0]), U, keep, "gaussian", "exact",
                             strategy="wick")
     assert whole.refused and one.refused
+    # the message is the first pair's plan under strategy='auto' (naming every strategy)
+    both = planner.make_plan(ca.sub([0]), ca.sub([0]), U, keep, "gaussian", "exact")
+    assert both.refused and "wick" in both.refused and "chaos" in both.refused
     calls = _no_rationals(monkeypatch)
     for fn in (lambda: ta.gram(ms, backend="exact"),
                lambda: ta.similarity_matrix(ms, backend="exact"),
                lambda: ta.cross_gram(ms, [ms[1], ms[0]], backend="exact")):
         with pytest.raises(ta.CostTooHigh) as exc:
             fn()
-        assert str(exc.value) == one.refused
+        assert str(exc.value) == both.refused
     assert calls == []
 
 
