@@ -1424,11 +1424,17 @@ def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any =
                similarity: bool = False, **kw) -> np.ndarray:
     """Exact Gram (or similarity, ``similarity=True``) matrix of sequence models with at most
     one attention layer each: :func:`exact_inner` once per unordered pair, the self terms once
-    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` or ``"torch"``)."""
+    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` or ``"torch"``).
+
+    Raises:
+        AttentionNotSupported: a model the exact path does not handle (``models[i]`` named),
+            before any contraction. ValueError: as :func:`exact_inner`."""
     nets, n_ctx = _check_models(models, n_ctx)
     if kw.get("backend", "numpy") not in ("numpy", "torch"):
         raise ValueError("exact_gram: backend='numpy' or 'torch' (float64; use exact_inner "
                          "per pair for rationals)")
+    for i, net in enumerate(nets):  # every model's support checked before any contraction
+        canonicalize(net, n_ctx, f"models[{i}]")
     vals = {}
     for i in range(len(nets)):
         for j in range(i, len(nets)):
