@@ -8,8 +8,11 @@ metric every entry ``X[s, i]`` is an independent ``N(0, 1)`` and the lifted inpu
 
 with ``position=t`` keeping one ``t`` and ``output=`` slicing ``o`` as in ``tensoralg.inner``.
 
-Exact (:func:`exact_inner`). Write both models as tensor networks whose open legs are copies
-of the lifted input at some position: a residual / linear term has one leg at ``t``; a
+Exact (:func:`exact_inner`). Both models are read in the canonical form of
+:mod:`tensoralg.canonical` (:func:`~tensoralg.canonical.sequence_tree` with ``fold=True``: a
+tree of lifted multilinear nodes whose legs carry a position variable), which for a supported
+model is one node, a sum of terms whose open legs are copies of the lifted input at some
+position: a residual / linear term has one leg at ``t``; a
 :class:`~tensoralg.layers.BilinearAttention` term has five (``Q1, Q2`` at ``t``;
 ``K1, K2, V`` at a key position ``s`` summed against the mask). Isserlis' theorem applied to
 the non-constant entries (Isserlis 1918; Wick 1950) gives
@@ -26,11 +29,15 @@ formed); paths are found once per topology and cached. No symmetry reduction is 
 swap ``(Q1, K1) <-> (Q2, K2)`` leaves the *function* unchanged but not the tensor network
 unless ``q1 = q2`` and ``k1 = k2``, so every matching is contracted (the research code's
 deduplication under that swap was wrong). Legs whose constant column is zero are never capped
-(an exact zero pattern).
+(an exact zero pattern). The joined network and both ways of summing it (per matching; by
+chaos) are :mod:`tensoralg.strategies.wick_terms`; the contractions run through
+:mod:`tensoralg.strategies.executor`.
 
 Supported exactly: models of the form ``[Linear...] -> attention or Residual(attention) ->
 [Linear...]`` (an embedding applied per position, one attention layer with or without a
-residual, biases, any mask, RoPE, an unembedding), and per-position affine models. Deeper
+residual, biases, any mask, RoPE, an unembedding; a residual block may hold Linear layers
+around the attention), and per-position affine models: those whose folded tree is one node of
+linear and attention terms. Deeper
 stacks: :func:`montecarlo_inner` (unbiased, with a standard error) and :func:`closure_inner`
 (the second-moment closure over (position, feature); exact at depth 1, APPROXIMATE deeper).
 """
@@ -273,11 +280,13 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
                 backend: str = "numpy", strategy: str = "chaos",
                 max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, device: Any = None):
     """Exact Gaussian inner product ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence
-    models with at most one bilinear attention layer each (module docstring; DESIGN 3.7).
+    models with at most one bilinear attention layer each (module docstring; DESIGN 3.7), on
+    their folded canonical trees (:func:`canonicalize`).
 
     Args:
         a, b: sequence models ``[Linear...] -> BilinearAttention or Residual(BilinearAttention)
-            -> [Linear...]`` (or per-position affine models) with the same input size ``d`` and
+            -> [Linear...]`` (a Residual may hold Linear layers around the attention; or
+            per-position affine models) with the same input size ``d`` and
             output size; the two may have different head counts, head sizes, masks and RoPE.
         n_ctx: the sequence length; may be omitted when a mask array fixes it.
         output: None (sum over outputs), an int ``o``, a direction vector ``u`` (``u . f``) or
@@ -604,6 +613,8 @@ def head_gram(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position
 # tensor W[s, ..., i] whose first axis is the position it reads (the form's value is
 # sum_i W[s, ..., i] z~[s, i]), contracted with constant *core* tensors (mask, output maps).
 # Labels: a term's indices are letters; its output is (position label, output label).
+# The nodes are those of tensoralg.canonical.sequence_tree(fold=False), one per layer: a leg
+# becomes a form broadcast to a leading position axis (_closure_term).
 
 @dataclass
 class _Form:
