@@ -140,8 +140,11 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
         AttentionNotSupported: a model outside ``[Linear...] (Residual)(attention) [Linear...]``
             (e.g. two attention layers or a bilinear MLP block), naming the layer and the
             alternatives; raised before the tree is folded (no contraction is done).
+        ValueError: ``n_ctx`` not a positive int.
     """
     net = as_network(net, name)
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1:
+        raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
     layers = _flatten_layers(net)
     try:
         tree = sequence_tree(net, n_ctx, name, exact=exact, fold=False)

@@ -111,6 +111,15 @@ def test_two_attention_layers_refused_before_any_contraction(monkeypatch):
         A.exact_inner(two, one, n_ctx=2)
 
 
+def test_canonicalize_checks_n_ctx():
+    """A bad ``n_ctx`` is a plain ValueError naming it, not a refusal of the model."""
+    net = _mixed(np.random.default_rng(5))
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="n_ctx: expected a positive int") as info:
+            A.canonicalize(net, bad)
+        assert not isinstance(info.value, A.AttentionNotSupported)
+
+
 def test_term_network_labels_by_side():
     """Each side's labels get its suffix except the shared output ``o`` and query position
     ``t``; the key position ``s`` becomes ``sa`` / ``sb``; the weights are not copied."""

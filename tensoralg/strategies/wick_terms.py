@@ -125,7 +125,6 @@ def _diagonal(arr, labels, ein):
     return ein(sub, arr), uniq
 
 
-
 class JoinedTermPair:
     """The joined tensor network of one term of ``a`` and one term of ``b``, with the Gram
     matrices ``w . P w'`` of every leg pair and the caps ``w[..., 0]`` precomputed."""
