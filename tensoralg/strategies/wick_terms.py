@@ -41,6 +41,7 @@ Labels: a term's labels are suffixed by its side (``"a"``, ``"b"``) except the s
 from __future__ import annotations
 
 import itertools
+import weakref
 from fractions import Fraction
 
 import numpy as np
@@ -72,6 +73,24 @@ def term_network(term: Term, side: str):
     legs = [Leg(leg.name + side, leg.weight, tuple(_side_label(x, side) for x in leg.labels),
                 _side_label(leg.pos or QUERY, side), leg.positional) for leg in term.legs]
     return static, legs
+
+
+_NETWORKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _network(term: Term, side: str):
+    """:func:`term_network` with the legs' zero pattern ``(can_cap, can_pair)`` per leg,
+    memoized per ``(term, side)`` while the term lives (a term meets every term of the other
+    model, and its chaos side, within one inner product)."""
+    per = _NETWORKS.get(term)
+    if per is None:
+        per = _NETWORKS[term] = {}
+    hit = per.get(side)
+    if hit is None:
+        static, legs = term_network(term, side)
+        hit = per[side] = (static, legs, [leg.can_cap for leg in legs],
+                           [leg.can_pair for leg in legs])
+    return hit
 
 
 def _positions(legs) -> list:
@@ -131,15 +150,15 @@ class JoinedTermPair:
 
     def __init__(self, ta, tb, sel_t, out_mode, ein):
         self.ein = ein
-        sa, la = term_network(ta, "a")
-        sb, lb = term_network(tb, "b")
+        sa, la, cap_a, pair_a = _network(ta, "a")
+        sb, lb, cap_b, pair_b = _network(tb, "b")
         self.static = sa + sb + [(sel_t, (QUERY,))]
         self.legs = la + lb
         self.out_mode = out_mode  # output labels of the whole contraction: () / ("o",) / ...
         self.positions = _positions(self.legs)
         n = len(self.legs)
-        self.can_cap = [leg.can_cap for leg in self.legs]
-        pairable = [leg.can_pair for leg in self.legs]
+        self.can_cap = cap_a + cap_b
+        pairable = pair_a + pair_b
         self.can_pair = [[pairable[i] and pairable[j] for j in range(n)] for i in range(n)]
         self._gram = {}
         self._cap = {}
@@ -321,14 +340,14 @@ class TermSide:
 
     def __init__(self, term, side: str, ein, n_ctx: int, exact: bool):
         self.side, self.ein = side, ein
-        self.static, self.legs = term_network(term, side)
+        self.static, self.legs, can_cap, can_pair = _network(term, side)
         # the output cores (holding the output label) are kept for the cross stage; the
         # others (the mask) stay inside R
         self.outer = [x for x in self.static if OUTPUT in x[1]]
         self.inner = [x for x in self.static if OUTPUT not in x[1]]
         n = len(self.legs)
-        self.can_cap = [L.can_cap for L in self.legs]
-        self.can_pair_leg = [L.can_pair for L in self.legs]
+        self.can_cap = list(can_cap)
+        self.can_pair_leg = list(can_pair)
         self.n_ctx = n_ctx
         self.exact = exact
         self._gram = {}
@@ -443,7 +462,7 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
             grams[key] = _gram(la[key[1]], lb[key[2]], ein)
         return grams[key]
 
-    pairable = [[A.can_pair and B.can_pair for B in lb] for A in la]
+    pairable = [[x and y for y in sb.can_pair_leg] for x in sa.can_pair_leg]
     positions = _positions(la + lb)
     items = []
     for S_a, (Ra, laba) in sa.R.items():
