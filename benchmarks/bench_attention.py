@@ -105,13 +105,13 @@ print(json.dumps(dict(value=float(v), warm=statistics.median(ts))))
 """
 
 
-def bench_small_vs_base(base, repeat):
-    """Warm exact pair (d_model=8, n_ctx=2, 2 heads, no biases), this checkout vs 942dfb0, each
-    in its own subprocess, interleaved; medians."""
+def bench_small_vs_base(base, repeat, rev="942dfb0"):
+    """Warm exact pair (d_model=8, n_ctx=2, 2 heads, no biases), this checkout vs ``rev`` (checked
+    out at ``base``), each in its own subprocess, interleaved; medians."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     if not os.path.isdir(base):
-        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", base, "942dfb0"],
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", base, rev],
                        check=True)
     new, old = [], []
     for _ in range(repeat):
@@ -121,7 +121,7 @@ def bench_small_vs_base(base, repeat):
             acc.append(json.loads(out.strip().splitlines()[-1]))
     mn = statistics.median(x["warm"] for x in new)
     mo = statistics.median(x["warm"] for x in old)
-    print(f"   exact warm pair, new vs 942dfb0 (interleaved subprocesses, median of {repeat}): "
+    print(f"   exact warm pair, new vs {rev} (interleaved subprocesses, median of {repeat}): "
           f"{mn:.3f} s vs {mo:.3f} s, ratio old/new {mo / mn:.1f}; values agree to 1e-10: "
           f"{abs(new[0]['value'] - old[0]['value']) <= 1e-10 * abs(old[0]['value'])}")
 
@@ -276,7 +276,7 @@ def main():
     args = p.parse_args()
     if args.only in (None, "small"):
         bench_small()
-        bench_small_vs_base(args.base, args.repeat)
+        bench_small_vs_base(args.base, args.repeat, args.rev)
     if args.only in (None, "large"):
         bench_large()
     if args.only in (None, "closure"):

@@ -8,8 +8,11 @@ metric every entry ``X[s, i]`` is an independent ``N(0, 1)`` and the lifted inpu
 
 with ``position=t`` keeping one ``t`` and ``output=`` slicing ``o`` as in ``tensoralg.inner``.
 
-Exact (:func:`exact_inner`). Write both models as tensor networks whose open legs are copies
-of the lifted input at some position: a residual / linear term has one leg at ``t``; a
+Exact (:func:`exact_inner`). Both models are read in the canonical form of
+:mod:`tensoralg.canonical` (:func:`~tensoralg.canonical.sequence_tree` with ``fold=True``: a
+tree of lifted multilinear nodes whose legs carry a position variable), which for a supported
+model is one node, a sum of terms whose open legs are copies of the lifted input at some
+position: a residual / linear term has one leg at ``t``; a
 :class:`~tensoralg.layers.BilinearAttention` term has five (``Q1, Q2`` at ``t``;
 ``K1, K2, V`` at a key position ``s`` summed against the mask). Isserlis' theorem applied to
 the non-constant entries (Isserlis 1918; Wick 1950) gives
@@ -26,11 +29,15 @@ formed); paths are found once per topology and cached. No symmetry reduction is 
 swap ``(Q1, K1) <-> (Q2, K2)`` leaves the *function* unchanged but not the tensor network
 unless ``q1 = q2`` and ``k1 = k2``, so every matching is contracted (the research code's
 deduplication under that swap was wrong). Legs whose constant column is zero are never capped
-(an exact zero pattern).
+(an exact zero pattern). The joined network and both ways of summing it (per matching; by
+chaos) are :mod:`tensoralg.strategies.wick_terms`; the contractions run through
+:mod:`tensoralg.strategies.executor`.
 
 Supported exactly: models of the form ``[Linear...] -> attention or Residual(attention) ->
 [Linear...]`` (an embedding applied per position, one attention layer with or without a
-residual, biases, any mask, RoPE, an unembedding), and per-position affine models. Deeper
+residual, biases, any mask, RoPE, an unembedding; a residual block may hold Linear layers
+around the attention), and per-position affine models: those whose folded tree is one node of
+linear and attention terms. Deeper
 stacks: :func:`montecarlo_inner` (unbiased, with a standard error) and :func:`closure_inner`
 (the second-moment closure over (position, feature); exact at depth 1, APPROXIMATE deeper).
 """
@@ -40,16 +47,21 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 import opt_einsum as oe
 
+from .canonical import QUERY, Node, Term, Tree, sequence_tree
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_network)
+from .strategies.executor import TORCH as _TORCH  # noqa: F401  (tests reset/inspect it)
+from .strategies.executor import ein as _ein
+from .strategies.executor import TORCH_CPU_FLOPS, torch_backend
+from .strategies.wick_terms import JoinedTermPair, TermSide, chaos_pair
+from .strategies.wick_terms import partial_matchings as _partial_matchings
 
 __all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity", "closure_gram", "head_gram", "count_configurations", "canonicalize",
            "montecarlo_inner", "montecarlo_similarity", "AttentionNotSupported",
@@ -62,45 +74,20 @@ class AttentionNotSupported(ValueError):
     """The exact attention path does not handle this model (raised before any contraction)."""
 
 
+# with backend="torch" on a CPU, contractions from this path cost on run in torch (read at
+# each call: tests lower it to run every contraction in torch)
+_TORCH_CPU_FLOPS = TORCH_CPU_FLOPS
+
+
+def _torch_backend(backend: str, device: Any, name: str) -> torch_backend:
+    """The torch execution context of one call (:class:`~tensoralg.strategies.executor.
+    torch_backend`) with this module's CPU threshold."""
+    return torch_backend(backend, device, name, cpu_min_flops=_TORCH_CPU_FLOPS)
+
+
 # ----------------------------------------------------------------------------------------
-# canonical form: a sum of terms, each a lifted multilinear map with position-carrying legs
+# the canonical form: tensoralg.canonical's tree, checked for what the exact path contracts
 # ----------------------------------------------------------------------------------------
-
-@dataclass
-class LinTerm:
-    """``y[t, o] = sum_i W[o, i] x~_t[i]`` (constant outputs in column 0)."""
-
-    W: np.ndarray  # (d_out, D)
-
-
-@dataclass
-class AttnTerm:
-    """``y[t, o] = sum_{s,h,e1,e2,v} M[t,s] O[o,h,v] (Q1_t x~_t)[h,e1] (K1_s x~_s)[h,e1]
-    (Q2_t x~_t)[h,e2] (K2_s x~_s)[h,e2] (V x~_s)[h,v]`` with ``M = scale * mask``.
-
-    ``Q1, K1, Q2, K2`` are ``(n_ctx, H, d_head, D)`` with RoPE (rotated per position) and
-    ``(H, d_head, D)`` without; ``V`` is ``(H, d_v, D)``; ``O`` is ``(d_out, H, d_v)``.
-    """
-
-    Q1: np.ndarray
-    K1: np.ndarray
-    Q2: np.ndarray
-    K2: np.ndarray
-    V: np.ndarray
-    O: np.ndarray
-    M: np.ndarray
-    rope: bool
-
-
-@dataclass
-class SequencePolynomial:
-    """A model as a sum of terms over the lifted input of size ``D = d_in + 1``."""
-
-    terms: list
-    d_in: int
-    d_out: int
-    exact: bool
-
 
 def _dtype(exact: bool):
     return object if exact else np.float64
@@ -114,28 +101,6 @@ def _arr(a: np.ndarray, exact: bool) -> np.ndarray:
         return np.vectorize(lambda v: Fraction(float(v)), otypes=[object])(a) if a.size else \
             a.astype(object)
     return np.asarray(a, dtype=np.float64)
-
-
-def _lifted_linear(layer: Linear, exact: bool) -> np.ndarray:
-    """``(out + 1, in + 1)`` lifted affine map with row 0 = e0 (the constant stays 1)."""
-    W = _arr(layer.weight, exact)
-    out, inp = W.shape
-    zero, one = (Fraction(0), Fraction(1)) if exact else (0.0, 1.0)
-    A = np.full((out + 1, inp + 1), zero, dtype=_dtype(exact))
-    A[0, 0] = one
-    A[1:, 1:] = W
-    if layer.bias is not None:
-        A[1:, 0] = _arr(layer.bias, exact)
-    return A
-
-
-def _identity(n: int, exact: bool) -> np.ndarray:
-    if exact:
-        I = np.full((n, n), Fraction(0), dtype=object)
-        for i in range(n):
-            I[i, i] = Fraction(1)
-        return I
-    return np.eye(n)
 
 
 def _flatten_layers(net: Layer) -> list:
@@ -155,512 +120,56 @@ def _attention_core(net: Layer):
     return None
 
 
-def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> SequencePolynomial:
-    """The model as a :class:`SequencePolynomial` (lifted terms), for ``n_ctx`` positions.
+def _unsupported(name: str, i: int, what: str) -> AttentionNotSupported:
+    return AttentionNotSupported(
+        f"{name}: the exact attention inner product handles one attention layer (with or "
+        f"without a residual) between per-position Linear layers; layer {i} is {what}. "
+        f"Use montecarlo_inner or closure_inner (approximate) for deeper stacks")
+
+
+def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> Tree:
+    """The model as the folded canonical :class:`~tensoralg.canonical.Tree` the exact path
+    contracts (:func:`tensoralg.canonical.sequence_tree` with ``fold=True``), for ``n_ctx``
+    positions: one node, a sum of terms of kind linear (the residual, biases and constants,
+    one leg at the query position ``t``) and attention (legs ``Q1, Q2`` at ``t``, ``K1, K2, V``
+    at the key position ``s``; cores ``O[o, h, v]`` and ``scale * mask[t, s]``), the embedding
+    and unembedding folded into the legs and the output core. Rationals when ``exact`` or the
+    model is exact, else float64.
 
     Raises:
         AttentionNotSupported: a model outside ``[Linear...] (Residual)(attention) [Linear...]``
-            (e.g. two attention layers or a bilinear MLP block), naming the alternatives.
+            (e.g. two attention layers or a bilinear MLP block), naming the layer and the
+            alternatives; raised before the tree is folded (no contraction is done).
+        ValueError: ``n_ctx`` not a positive int.
     """
     net = as_network(net, name)
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1:
+        raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
     layers = _flatten_layers(net)
-    exact = exact or net.is_exact
-    pre, post, core = [], [], None
-    for i, layer in enumerate(layers):
-        if isinstance(layer, Linear):
-            (post if core is not None else pre).append(layer)
+    try:
+        tree = sequence_tree(net, n_ctx, name, exact=exact, fold=False)
+    except ValueError as e:   # e.g. a Residual block holding several non-linear layers
+        raise AttentionNotSupported(f"{e}. The exact attention inner product handles one "
+                                    f"attention layer; use montecarlo_inner or closure_inner "
+                                    f"(approximate) for deeper stacks") from e
+    seen = False
+    for i, node in enumerate(tree.nodes):   # one node per layer, before folding
+        kinds = {t.kind for t in node.terms}
+        if kinds <= {"linear"}:
             continue
-        c = _attention_core(layer)
-        if c is None or core is not None:
-            what = type(layer).__name__ if c is None else "a second attention layer"
-            raise AttentionNotSupported(
-                f"{name}: the exact attention inner product handles one attention layer (with or "
-                f"without a residual) between per-position Linear layers; layer {i} is {what}. "
-                f"Use montecarlo_inner or closure_inner (approximate) for deeper stacks")
-        core = c
-    D = net.in_features + 1
-    E = _identity(D, exact)
-    for layer in pre:
-        E = _lifted_linear(layer, exact) @ E
-    U = _identity(E.shape[0], exact) if core is None else _identity(core[0].out_features + 1, exact)
-    for layer in post:
-        U = _lifted_linear(layer, exact) @ U
-    terms = []
-    if core is None:
-        terms.append(LinTerm((U @ E)[1:]))
-        return SequencePolynomial(terms, net.in_features, net.out_features, exact)
-    attn, residual = core
-    L = {k: (None if v is None else _arr(v, exact)) for k, v in attn.lifted().items()}
-    zero = Fraction(0) if exact else 0.0
-    # constant and residual parts: U[:, 0] + U[1:] o_bias (+ U[1:] E x~ with a residual)
-    W = np.full((U.shape[0] - 1, D), zero, dtype=_dtype(exact))
-    W[:, 0] = U[1:, 0]
-    if L["o_bias"] is not None:
-        W[:, 0] = W[:, 0] + U[1:, 1:] @ L["o_bias"]
-    if residual:
-        W = W + U[1:, 1:] @ E[1:]
-    if any(v != 0 for v in W.reshape(-1)):
-        terms.append(LinTerm(W))
-    mask = _arr(attn.mask_matrix(n_ctx), exact)
-    scale = Fraction(attn.scale) if exact else float(attn.scale)
-    M = mask * scale
-    proj = {k: np.einsum("hef,fi->hei", L[k], E) for k in ("q1", "k1", "q2", "k2", "v")}
-    rope = attn.rope is not None
-    if rope:
-        R = _arr(attn.rotations(n_ctx), exact)
-        for k in ("q1", "k1", "q2", "k2"):
-            proj[k] = np.einsum("tef,hfi->thei", R, proj[k])
-    O = np.einsum("op,phv->ohv", U[1:, 1:], L["o"])
-    terms.append(AttnTerm(proj["q1"], proj["k1"], proj["q2"], proj["k2"], proj["v"], O, M, rope))
-    return SequencePolynomial(terms, net.in_features, U.shape[0] - 1, exact)
-
-
-# ----------------------------------------------------------------------------------------
-# the joined network of one term pair
-# ----------------------------------------------------------------------------------------
-
-@dataclass
-class Leg:
-    """An open leg: ``weight[(p), *internal, i]`` read against ``x~`` at position ``pos``."""
-
-    name: str
-    weight: np.ndarray
-    pos: str  # position variable: "t", "sa", "sb"
-    labels: tuple  # internal labels (without the position)
-    positional: bool  # weight has a leading position axis
-
-    @property
-    def can_cap(self) -> bool:
-        return bool(np.any(self.weight[..., 0] != 0))
-
-    @property
-    def can_pair(self) -> bool:
-        return bool(np.any(self.weight[..., 1:] != 0))
-
-
-def _term_network(term, side: str, o_label: str):
-    """``(static operands [(array, labels)], legs)`` of one term; labels are strings."""
-    if isinstance(term, LinTerm):
-        return [], [Leg(f"lin_{side}", term.W, "t", (o_label,), False)]
-    s = "s" + side
-    h, e1, e2, v = (f"h{side}", f"e1{side}", f"e2{side}", f"v{side}")
-    static = [(term.O, (o_label, h, v)), (term.M, ("t", s))]
-    legs = [Leg(f"Q1{side}", term.Q1, "t", (h, e1), term.rope),
-            Leg(f"K1{side}", term.K1, s, (h, e1), term.rope),
-            Leg(f"Q2{side}", term.Q2, "t", (h, e2), term.rope),
-            Leg(f"K2{side}", term.K2, s, (h, e2), term.rope),
-            Leg(f"V{side}", term.V, s, (h, v), False)]
-    return static, legs
-
-
-def _partial_matchings(n: int, can_cap, can_pair):
-    """All partial matchings of ``range(n)`` as tuples of pairs and singletons (caps)."""
-    def rec(rest):
-        if not rest:
-            yield ()
-            return
-        i, others = rest[0], rest[1:]
-        if can_cap[i]:
-            for m in rec(others):
-                yield ((i,),) + m
-        for k, j in enumerate(others):
-            if can_pair[i][j]:
-                for m in rec(others[:k] + others[k + 1:]):
-                    yield ((i, j),) + m
-    yield from rec(tuple(range(n)))
-
-
-class _UnionFind:
-    def __init__(self, items):
-        self.parent = {x: x for x in items}
-
-    def find(self, x):
-        while self.parent[x] != x:
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b):
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            # keep "t" as the representative so query-position selectors stay valid
-            if rb == "t":
-                ra, rb = rb, ra
-            self.parent[rb] = ra
-
-
-def _diagonal(arr, labels, ein):
-    """Take diagonals for repeated labels: returns ``(array, unique labels)``."""
-    uniq = tuple(dict.fromkeys(labels))
-    if len(uniq) == len(labels):
-        return arr, labels
-    syms = {lab: oe.get_symbol(i) for i, lab in enumerate(uniq)}
-    sub = "".join(syms[lab] for lab in labels) + "->" + "".join(syms[lab] for lab in uniq)
-    return ein(sub, arr), uniq
-
-
-@dataclass
-class _Config:
-    subscripts: str
-    operands: list  # keys into the operand table, with label-diagonal specs
-    expr: Any = field(default=None, repr=False)
-
-
-class JoinedTermPair:
-    """The joined tensor network of one term of ``a`` and one term of ``b``, with the Gram
-    matrices ``w . P w'`` of every leg pair and the caps ``w[..., 0]`` precomputed."""
-
-    def __init__(self, ta, tb, sel_t, out_mode, ein):
-        self.ein = ein
-        sa, la = _term_network(ta, "a", "o")
-        sb, lb = _term_network(tb, "b", "o")
-        self.static = sa + sb + [(sel_t, ("t",))]
-        self.legs = la + lb
-        self.out_mode = out_mode  # output labels of the whole contraction: () / ("o",) / ...
-        n = len(self.legs)
-        self.can_cap = [leg.can_cap for leg in self.legs]
-        pairable = [leg.can_pair for leg in self.legs]
-        self.can_pair = [[pairable[i] and pairable[j] for j in range(n)] for i in range(n)]
-        self._gram = {}
-        self._cap = {}
-
-    def gram(self, i, j):
-        """``(array, labels-with-'@'-for-the-position)`` of ``w_i . P w_j``."""
-        key = (i, j)
-        if key not in self._gram:
-            A, B = self.legs[i], self.legs[j]
-            la = (("@",) if A.positional else ()) + A.labels
-            lb = (("@",) if B.positional else ()) + B.labels
-            out = tuple(dict.fromkeys(la + lb))
-            syms = {lab: oe.get_symbol(k) for k, lab in enumerate(dict.fromkeys(la + lb + ("#",)))}
-            sub = ("".join(syms[x] for x in la + ("#",)) + "," + "".join(syms[x] for x in lb + ("#",))
-                   + "->" + "".join(syms[x] for x in out))
-            self._gram[key] = (self.ein(sub, A.weight[..., 1:], B.weight[..., 1:]), out)
-        return self._gram[key]
-
-    def cap(self, i):
-        if i not in self._cap:
-            L = self.legs[i]
-            self._cap[i] = (L.weight[..., 0], (("@",) if L.positional else ()) + L.labels)
-        return self._cap[i]
-
-    def configurations(self):
-        return _partial_matchings(len(self.legs), self.can_cap, self.can_pair)
-
-    def count(self) -> int:
-        """Number of partial matchings after zero-pattern pruning (memoized on the leg set)."""
-        n = len(self.legs)
-        memo = {}
-
-        def rec(rest):
-            if not rest:
-                return 1
-            if rest in memo:
-                return memo[rest]
-            i = (rest & -rest).bit_length() - 1
-            r = rest & ~(1 << i)
-            c = rec(r) if self.can_cap[i] else 0
-            for j in range(n):
-                if r >> j & 1 and self.can_pair[i][j]:
-                    c += rec(r & ~(1 << j))
-            memo[rest] = c
-            return c
-        return rec((1 << n) - 1)
-
-    def signature(self):
-        """Everything the compiled contractions depend on (not the weight values)."""
-        return (tuple((lab, a.shape) for a, lab in self.static),
-                tuple((L.pos, L.labels, L.positional, L.weight.shape) for L in self.legs),
-                tuple(self.can_cap), tuple(map(tuple, self.can_pair)), self.out_mode)
-
-    def _compile(self):
-        """One ``(operand specs, contract expression)`` per partial matching (cached per
-        signature: the same architecture and zero pattern reuse the paths)."""
-        key = self.signature()
-        hit = _COMPILED.get(key)
-        if hit is not None:
-            return hit
-        compiled = []
-        for matching in self.configurations():
-            uf = _UnionFind(["t", "sa", "sb"])
-            for part in matching:
-                if len(part) == 2:
-                    uf.union(self.legs[part[0]].pos, self.legs[part[1]].pos)
-            pos = {p: uf.find(p) for p in ("t", "sa", "sb")}
-            specs = []
-            for k, (arr, labels) in enumerate(self.static):
-                specs.append((("static", k), tuple(pos.get(x, x) for x in labels)))
-            for part in matching:
-                p = pos[self.legs[part[0]].pos]
-                labels = self._gram_labels(*part) if len(part) == 2 else self._cap_labels(part[0])
-                kind = ("gram",) + part if len(part) == 2 else ("cap", part[0])
-                specs.append((kind, tuple(p if x == "@" else x for x in labels)))
-            specs = [(kind, labels, tuple(dict.fromkeys(labels))) for kind, labels in specs]
-            allabs = list(dict.fromkeys(x for _, _, lab in specs for x in lab))
-            syms = {lab: oe.get_symbol(k) for k, lab in enumerate(allabs)}
-            out = "".join(syms[x] for x in self.out_mode if x in syms)
-            sub = ",".join("".join(syms[x] for x in lab) for _, _, lab in specs) + "->" + out
-            shapes = [self._shape(kind, labels) for kind, labels, _ in specs]
-            expr = oe.contract_expression(sub, *shapes, optimize="greedy")
-            compiled.append((specs, expr))
-        _COMPILED[key] = compiled
-        return compiled
-
-    def _raw(self, kind):
-        if kind[0] == "static":
-            return self.static[kind[1]][0]
-        if kind[0] == "gram":
-            return self.gram(kind[1], kind[2])[0]
-        return self.cap(kind[1])[0]
-
-    def _shape(self, kind, labels):
-        raw = self._raw(kind).shape
-        size = dict(zip(labels, raw))
-        return tuple(size[x] for x in dict.fromkeys(labels))
-
-    def _gram_labels(self, i, j):
-        A, B = self.legs[i], self.legs[j]
-        la = (("@",) if A.positional else ()) + A.labels
-        lb = (("@",) if B.positional else ()) + B.labels
-        return tuple(dict.fromkeys(la + lb))
-
-    def _cap_labels(self, i):
-        L = self.legs[i]
-        return (("@",) if L.positional else ()) + L.labels
-
-    def contract_all(self, budget_left: int):
-        """Sum over every partial matching; returns ``(value, number of configurations)``."""
-        compiled = self._compile()
-        if len(compiled) > budget_left:
-            raise _OverBudget()
-        cache = {}
-        total = None
-        for specs, expr in compiled:
-            ops = []
-            for kind, labels, uniq in specs:
-                key = (kind, labels)
-                arr = cache.get(key)
-                if arr is None:
-                    arr = cache[key] = _diagonal(self._raw(kind), labels, self.ein)[0]
-                ops.append(arr)
-            val = expr(*ops)
-            total = val if total is None else total + val
-        return total, len(compiled)
-
-
-_COMPILED: dict = {}
-
-
-def _compile_sum(key, build):
-    """Cached list of ``(operand specs, contract expression)``: ``build()`` returns a list of
-    ``(specs, out_labels, shapes)`` with ``specs = [(operand key, labels)]``."""
-    hit = _COMPILED.get(key)
-    if hit is not None:
-        return hit
-    compiled = []
-    for specs, out_labels, shapes in build():
-        uniq = [tuple(dict.fromkeys(lab)) for _, lab in specs]
-        allabs = list(dict.fromkeys(x for lab in uniq for x in lab))
-        syms = {lab: oe.get_symbol(k) for k, lab in enumerate(allabs)}
-        out = "".join(syms[x] for x in out_labels if x in syms)
-        sub = ",".join("".join(syms[x] for x in lab) for lab in uniq) + "->" + out
-        ushapes = []
-        for (_, lab), shp in zip(specs, shapes):
-            size = dict(zip(lab, shp))
-            ushapes.append(tuple(size[x] for x in dict.fromkeys(lab)))
-        if len(specs) == 1:
-            expr = (lambda sub_: (lambda x: oe.contract(sub_, x)))(sub)
-        else:
-            expr = _Plan(sub, ushapes)
-        compiled.append((specs, expr))
-    _COMPILED[key] = compiled
-    return compiled
-
-
-def _run_sum(compiled, fetch, ein):
-    cache = {}
-    total = None
-    for specs, expr in compiled:
-        ops = []
-        for key, labels in specs:
-            arr = cache.get((key, labels))
-            if arr is None:
-                arr = cache[(key, labels)] = _diagonal(fetch(key), labels, ein)[0]
-            ops.append(arr)
-        val = expr(*ops)
-        total = val if total is None else total + val
-    return total
-
-
-class _Side:
-    """One term of one model in chaos (Wiener-Ito) form: for every set ``S`` of open legs, the
-    sum ``R[S]`` over partial matchings of the *other* legs (pairs bridged by ``delta P``,
-    caps ``e0``). Then ``f = sum_S R[S] :prod_{leg in S} (w_leg . xi):`` (Wick products of
-    the open legs), and two Wick products have expectation ``sum over bijections of the
-    pairs' bridges`` (orthogonality of Gaussian chaoses)."""
-
-    def __init__(self, term, side: str, ein, n_ctx: int, exact: bool):
-        self.side, self.ein = side, ein
-        self.static, self.legs = _term_network(term, side, "o")
-        # O (the output map) is kept for the cross stage; M stays inside R
-        self.outer = [x for x in self.static if x[1][0] == "o"]
-        self.inner = [x for x in self.static if x[1][0] != "o"]
-        n = len(self.legs)
-        self.can_cap = [L.can_cap for L in self.legs]
-        self.can_pair_leg = [L.can_pair for L in self.legs]
-        self.n_ctx = n_ctx
-        self.exact = exact
-        self._gram = {}
-        self.R = {}
-        self._compute(n)
-
-    def gram(self, i, j):
-        if (i, j) not in self._gram:
-            self._gram[(i, j)] = _gram(self.legs[i], self.legs[j], self.ein)
-        return self._gram[(i, j)]
-
-    def _delta(self):
-        one, zero = (Fraction(1), Fraction(0)) if self.exact else (1.0, 0.0)
-        I = np.full((self.n_ctx, self.n_ctx), zero, dtype=_dtype(self.exact))
-        for k in range(self.n_ctx):
-            I[k, k] = one
-        return I
-
-    def _compute(self, n):
-        legs = self.legs
-        for S in range(1 << n):
-            opened = [i for i in range(n) if S >> i & 1]
-            closed = [i for i in range(n) if not S >> i & 1]
-            present = set(x for _, lab in self.inner for x in lab)
-            for i in closed:
-                present |= set(_leg_labels(legs[i], legs[i].pos))
-            wanted = ["t", "o"] + [legs[i].pos for i in opened] + \
-                [x for i in opened for x in legs[i].labels]
-            wanted += [x for _, lab in self.outer for x in lab]
-            out = tuple(x for x in dict.fromkeys(wanted) if x in present)
-            sub_cap = [self.can_cap[i] for i in closed]
-            sub_pair = [[self.can_pair_leg[i] and self.can_pair_leg[j] for j in closed]
-                        for i in closed]
-            matchings = list(_partial_matchings(len(closed), sub_cap, sub_pair))
-            if not matchings:
-                continue
-            if not closed and not self.inner:
-                self.R[S] = (None, ())  # the number 1
-                continue
-            key = ("side", self.signature(), S)
-
-            def build(closed=closed, matchings=matchings, out=out):
-                for m in matchings:
-                    specs = [(("static", k), lab) for k, (_, lab) in enumerate(self.inner)]
-                    for part in m:
-                        if len(part) == 2:
-                            i, j = closed[part[0]], closed[part[1]]
-                            p = legs[i].pos
-                            specs.append((("gram", i, j), _gram_labels(legs[i], legs[j], p)))
-                            if legs[j].pos != p:
-                                specs.append((("delta",), (p, legs[j].pos)))
-                        else:
-                            i = closed[part[0]]
-                            specs.append((("cap", i), _leg_labels(legs[i], legs[i].pos)))
-                    yield specs, out, [self.fetch(k).shape for k, _ in specs]
-
-            compiled = _compile_sum(key, build)
-            self.R[S] = (np.asarray(_run_sum(compiled, self.fetch, self.ein),
-                                    dtype=_dtype(self.exact)), out)
-
-    def fetch(self, key):
-        if key[0] == "static":
-            return self.inner[key[1]][0]
-        if key[0] == "gram":
-            return self.gram(key[1], key[2])
-        if key[0] == "delta":
-            return self._delta()
-        return self.legs[key[1]].weight[..., 0]
-
-    def signature(self):
-        return (tuple((lab, a.shape) for a, lab in self.static),
-                tuple((L.pos, L.labels, L.positional, L.weight.shape) for L in self.legs),
-                tuple(self.can_cap), tuple(self.can_pair_leg), self.n_ctx)
-
-
-def _leg_labels(leg: Leg, pos: str):
-    return ((pos,) if leg.positional else ()) + leg.labels
-
-
-def _gram_labels(A: Leg, B: Leg, pos: str):
-    return tuple(dict.fromkeys(_leg_labels(A, pos) + _leg_labels(B, pos)))
-
-
-def _gram(A: Leg, B: Leg, ein):
-    """``w_A . P w_B`` over the non-constant features, labels as :func:`_gram_labels`."""
-    la, lb = _leg_labels(A, "@"), _leg_labels(B, "@")
-    out = tuple(dict.fromkeys(la + lb))
-    syms = {lab: oe.get_symbol(k) for k, lab in enumerate(dict.fromkeys(la + lb + ("#",)))}
-    sub = ("".join(syms[x] for x in la + ("#",)) + "," + "".join(syms[x] for x in lb + ("#",))
-           + "->" + "".join(syms[x] for x in out))
-    return ein(sub, A.weight[..., 1:], B.weight[..., 1:])
-
-
-def _chaos_pair(sa: _Side, sb: _Side, sel, out_mode, ein, budget: int):
-    """``sum_{S_a, S_b} sum_{bijections} <R_a[S_a], R_b[S_b]>`` with cross bridges."""
-    la, lb = sa.legs, sb.legs
-    grams = {}
-
-    def fetch(key):
-        kind = key[0]
-        if kind == "Ra":
-            return sa.R[key[1]][0]
-        if kind == "Rb":
-            return sb.R[key[1]][0]
-        if kind == "Oa":
-            return sa.outer[key[1]][0]
-        if kind == "Ob":
-            return sb.outer[key[1]][0]
-        if kind == "sel":
-            return sel
-        if key not in grams:
-            grams[key] = _gram(la[key[1]], lb[key[2]], ein)
-        return grams[key]
-
-    pairable = [[A.can_pair and B.can_pair for B in lb] for A in la]
-    items = []
-    for S_a, (Ra, laba) in sa.R.items():
-        open_a = [i for i in range(len(la)) if S_a >> i & 1]
-        for S_b, (Rb, labb) in sb.R.items():
-            open_b = [j for j in range(len(lb)) if S_b >> j & 1]
-            if len(open_a) != len(open_b):
-                continue
-            for perm in itertools.permutations(open_b):
-                if all(pairable[i][j] for i, j in zip(open_a, perm)):
-                    items.append((S_a, S_b, tuple(zip(open_a, perm))))
-    if len(items) > budget:
-        raise _OverBudget()
-    key = ("cross", sa.signature(), sb.signature(),
-           tuple(sorted((k, v[1]) for k, v in sa.R.items())),
-           tuple(sorted((k, v[1]) for k, v in sb.R.items())), out_mode, sel.shape)
-
-    def build():
-        for S_a, S_b, pairs in items:
-            uf = _UnionFind(["t", "sa", "sb"])
-            for i, j in pairs:
-                uf.union(la[i].pos, lb[j].pos)
-            rel = lambda lab: tuple(uf.find(x) if x in ("t", "sa", "sb") else x for x in lab)  # noqa: E731
-            specs = [(("sel",), ("t",))]
-            if sa.R[S_a][0] is not None:
-                specs.append((("Ra", S_a), rel(sa.R[S_a][1])))
-            if sb.R[S_b][0] is not None:
-                specs.append((("Rb", S_b), rel(sb.R[S_b][1])))
-            specs += [(("Oa", k), lab) for k, (_, lab) in enumerate(sa.outer)]
-            specs += [(("Ob", k), lab) for k, (_, lab) in enumerate(sb.outer)]
-            for i, j in pairs:
-                specs.append((("g", i, j), _gram_labels(la[i], lb[j], uf.find(la[i].pos))))
-            yield specs, out_mode, [fetch(k).shape for k, _ in specs]
-
-    compiled = _compile_sum(key, build)
-    return _run_sum(compiled, fetch, ein), len(items)
-
-
-class _OverBudget(Exception):
-    pass
+        if not kinds <= {"linear", "attention"}:
+            raise _unsupported(name, i, type(layers[i]).__name__)
+        if seen:
+            raise _unsupported(name, i, "a second attention layer")
+        seen = True
+    tree = tree.folded()
+    if len(tree.nodes) != 1 or any(t.kind not in ("linear", "attention")
+                                   for t in tree.nodes[0].terms):
+        raise AttentionNotSupported(
+            f"{name}: the exact attention inner product needs one node of linear and attention "
+            f"terms after folding the affine layers, got {len(tree.nodes)} nodes; use "
+            f"montecarlo_inner or closure_inner (approximate)")
+    return tree
 
 
 # ----------------------------------------------------------------------------------------
@@ -719,27 +228,23 @@ def _check_slices(output: Any, position: Any, d_out: int, n_ctx: int):
                              f"got {position!r}")
 
 
-def _slice_output(poly: SequencePolynomial, output: Any) -> SequencePolynomial:
-    """Apply an ``output=`` int / vector slice to every term (output size becomes 1)."""
+def _slice_output(tree: Tree, output: Any) -> Tree:
+    """Apply an ``output=`` int / vector ``u`` to every term of the last node
+    (:meth:`~tensoralg.canonical.Term.project_output` by ``u[None]``: output size 1)."""
     if output is None or isinstance(output, str):
-        return poly
-    exact = poly.exact
+        return tree
+    exact = tree.exact
     if isinstance(output, numbers.Integral):
-        u = np.zeros(poly.d_out, dtype=object)
+        u = np.zeros(tree.d_out, dtype=object)
         u[:] = Fraction(0)
         u[int(output)] = Fraction(1)
         u = _arr(u, exact)
     else:
         u = _arr(np.asarray(output.detach().cpu().double().numpy() if hasattr(output, "detach")
                             else output, dtype=object if exact else np.float64), exact)
-    terms = []
-    for term in poly.terms:
-        if isinstance(term, LinTerm):
-            terms.append(LinTerm((u @ term.W)[None]))
-        else:
-            terms.append(AttnTerm(term.Q1, term.K1, term.Q2, term.K2, term.V,
-                                  np.einsum("o,ohv->hv", u, term.O)[None], term.M, term.rope))
-    return SequencePolynomial(terms, poly.d_in, 1, exact)
+    last = tree.nodes[-1]
+    node = Node([t.project_output(u[None]) for t in last.terms], last.d_in, 1)
+    return replace(tree, nodes=tree.nodes[:-1] + [node], d_out=1)
 
 
 def _selector(n_ctx: int, position: Any, exact: bool) -> np.ndarray:
@@ -757,8 +262,9 @@ def _selector(n_ctx: int, position: Any, exact: bool) -> np.ndarray:
 # exact
 # ----------------------------------------------------------------------------------------
 
-def _term_pairs(pa: SequencePolynomial, pb: SequencePolynomial):
-    return [(x, y) for x in pa.terms for y in pb.terms]
+def _term_pairs(pa: Tree, pb: Tree):
+    """Every (term of a, term of b): the exact path's trees have one node (canonicalize)."""
+    return [(x, y) for x in pa.nodes[0].terms for y in pb.nodes[0].terms]
 
 
 def count_configurations(a: Any, b: Any, n_ctx: Any = None) -> int:
@@ -777,11 +283,13 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
                 backend: str = "numpy", strategy: str = "chaos",
                 max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, device: Any = None):
     """Exact Gaussian inner product ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence
-    models with at most one bilinear attention layer each (module docstring; DESIGN 3.7).
+    models with at most one bilinear attention layer each (module docstring; DESIGN 3.7), on
+    their folded canonical trees (:func:`canonicalize`).
 
     Args:
         a, b: sequence models ``[Linear...] -> BilinearAttention or Residual(BilinearAttention)
-            -> [Linear...]`` (or per-position affine models) with the same input size ``d`` and
+            -> [Linear...]`` (a Residual may hold Linear layers around the attention; or
+            per-position affine models) with the same input size ``d`` and
             output size; the two may have different head counts, head sizes, masks and RoPE.
         n_ctx: the sequence length; may be omitted when a mask array fixes it.
         output: None (sum over outputs), an int ``o``, a direction vector ``u`` (``u . f``) or
@@ -839,11 +347,11 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
                 total = val if total is None else total + val
     else:
         with ctx:
-            sides_a = [_Side(x, "a", np.einsum, n_ctx, exact) for x in pa.terms]
-            sides_b = [_Side(y, "b", np.einsum, n_ctx, exact) for y in pb.terms]
+            sides_a = [TermSide(x, "a", np.einsum, n_ctx, exact) for x in pa.nodes[0].terms]
+            sides_b = [TermSide(y, "b", np.einsum, n_ctx, exact) for y in pb.nodes[0].terms]
             for x in sides_a:
                 for y in sides_b:
-                    val, _ = _chaos_pair(x, y, sel, out_mode, np.einsum, max_configurations)
+                    val, _ = chaos_pair(x, y, sel, out_mode, np.einsum, max_configurations)
                     if val is not None:
                         total = val if total is None else total + val
     if total is None:
@@ -857,14 +365,11 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
     return total
 
 
-def _floatify(p: SequencePolynomial) -> SequencePolynomial:
-    if not p.exact:
-        return p
-    f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
-    terms = [LinTerm(f(t.W)) if isinstance(t, LinTerm) else
-             AttnTerm(f(t.Q1), f(t.K1), f(t.Q2), f(t.K2), f(t.V), f(t.O), f(t.M), t.rope)
-             for t in p.terms]
-    return SequencePolynomial(terms, p.d_in, p.d_out, False)
+def _floatify(tree: Tree) -> Tree:
+    """An exact tree in float64 (:meth:`~tensoralg.canonical.Tree.map`)."""
+    if not tree.exact:
+        return tree
+    return replace(tree.map(lambda x: np.asarray(x, dtype=np.float64)), exact=False)
 
 
 def exact_similarity(a: Any, b: Any, **kw):
@@ -1111,6 +616,8 @@ def head_gram(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position
 # tensor W[s, ..., i] whose first axis is the position it reads (the form's value is
 # sum_i W[s, ..., i] z~[s, i]), contracted with constant *core* tensors (mask, output maps).
 # Labels: a term's indices are letters; its output is (position label, output label).
+# The nodes are those of tensoralg.canonical.sequence_tree(fold=False), one per layer: a leg
+# becomes a form broadcast to a leading position axis (_closure_term).
 
 @dataclass
 class _Form:
@@ -1134,265 +641,36 @@ def _lin_term(W: np.ndarray, n_ctx: int) -> _Term:
     return _Term([_Form(np.broadcast_to(W, (n_ctx,) + W.shape), "to")], [], "to")
 
 
-def _node_terms(layer: Layer, n_ctx: int, name: str, index: int):
-    """``(terms, d_out)`` of one closure node: a Linear, Bilinear or BilinearAttention layer
-    (per position for the first two), or a Residual around ``[Linear...] layer [Linear...]``."""
-    residual = isinstance(layer, Residual)
-    inner = _flatten_layers(layer.inner) if residual else [layer]
-    nonlin = [k for k, x in enumerate(inner) if not isinstance(x, Linear)]
-    for x in inner:
-        if not isinstance(x, (Linear, Bilinear, BilinearAttention)):
-            raise ValueError(f"{name}: layer {index}: the closure handles Linear, Bilinear, "
-                             f"BilinearAttention, Residual and Sequential layers, got "
-                             f"{type(x).__name__}")
-    if len(nonlin) > 1:
-        raise ValueError(f"{name}: layer {index}: a Residual block holding {len(nonlin)} "
-                         f"non-linear layers is not supported by the closure; write the stack "
-                         f"as consecutive Residual blocks")
-    d_in = inner[0].in_features
-    D = d_in + 1
-    E = _identity(D, False)
-    U = None
-    core = None
-    for k, x in enumerate(inner):
-        A = _lifted_linear(x, False) if isinstance(x, Linear) else None
-        if core is None and A is not None:
-            E = A @ E
-        elif A is not None:
-            U = A @ U
-        else:
-            core = x
-            U = _identity(x.out_features + 1, False)
-    if core is None:               # an affine node
-        W = E[1:].copy()
-        if residual:
-            W[:, 1:] += np.eye(d_in)
-        return [_lin_term(W, n_ctx)], W.shape[0]
-    d_out = U.shape[0] - 1
-    const = np.zeros((d_out, D))
-    const[:, 0] = U[1:, 0]
-    terms = []
-    if isinstance(core, Bilinear):
-        L = np.concatenate([np.zeros((core.hidden_features, 1)) if core.left_bias is None else
-                            np.asarray(core.left_bias, np.float64)[:, None],
-                            np.asarray(core.left, np.float64)], axis=1) @ E
-        R = np.concatenate([np.zeros((core.hidden_features, 1)) if core.right_bias is None else
-                            np.asarray(core.right_bias, np.float64)[:, None],
-                            np.asarray(core.right, np.float64)], axis=1) @ E
-        Dn = U[1:, 1:] @ np.asarray(core.down, np.float64)
-        if core.down_bias is not None:
-            const[:, 0] += U[1:, 1:] @ np.asarray(core.down_bias, np.float64)
-        b = lambda w: np.broadcast_to(w, (n_ctx,) + w.shape)  # noqa: E731
-        terms.append(_Term([_Form(b(L), "th"), _Form(b(R), "th")], [(Dn, "oh")], "to"))
-    else:
-        Lw = {k: (None if v is None else np.asarray(v, np.float64))
-              for k, v in core.lifted().items()}
-        if Lw["o_bias"] is not None:
-            const[:, 0] += U[1:, 1:] @ Lw["o_bias"]
-        proj = {k: np.einsum("hef,fi->hei", Lw[k], E) for k in ("q1", "k1", "q2", "k2", "v")}
-        R = core.rotations(n_ctx)
-        for k in ("q1", "k1", "q2", "k2"):
-            proj[k] = np.einsum("tef,hfi->thei", R, proj[k]) if R is not None else \
-                np.broadcast_to(proj[k], (n_ctx,) + proj[k].shape)
-        V = np.broadcast_to(proj["v"], (n_ctx,) + proj["v"].shape)
-        M = np.asarray(core.mask_matrix(n_ctx), np.float64) * float(core.scale)
-        O = np.einsum("op,phv->ohv", U[1:, 1:], np.asarray(Lw["o"], np.float64))
-        terms.append(_Term([_Form(proj["q1"], "the"), _Form(proj["k1"], "she"),
-                            _Form(proj["q2"], "thf"), _Form(proj["k2"], "shf"),
-                            _Form(V, "shv")], [(M, "ts"), (O, "ohv")], "to"))
-    if residual:
-        const[:, 1:] += np.eye(d_in)       # y = x + inner(x); Residual checks d_out == d_in
-    if np.any(const != 0):
-        terms.insert(0, _lin_term(const, n_ctx))
-    return terms, d_out
+def _closure_term(term: Term, n_ctx: int) -> _Term:
+    """A :class:`~tensoralg.canonical.Term` as the closure's :class:`_Term`: every leg a form
+    broadcast to a leading position axis ``(n_ctx, ..., D)`` (RoPE legs have one already),
+    labelled by its position variable then its labels; the cores without the output label
+    (the mask) first."""
+    forms = []
+    for leg in term.legs:
+        W = leg.weight if leg.positional else \
+            np.broadcast_to(leg.weight, (n_ctx,) + leg.weight.shape)
+        forms.append(_Form(W, (leg.pos or QUERY) + "".join(leg.labels)))
+    cores = [(a, "".join(lab)) for a, lab in term.cores]
+    cores = [c for c in cores if "o" not in c[1]] + [c for c in cores if "o" in c[1]]
+    return _Term(forms, cores, "".join(term.out))
 
 
 def _closure_nodes(net: Layer, n_ctx: int, name: str):
-    return [_node_terms(layer, n_ctx, name, i) for i, layer in enumerate(_flatten_layers(net))]
-
-
-_CLOSURE_EXPRS: dict = {}
-
-
-class _PairStep:
-    """One pairwise step ``einsum("la,lb->lo", A, B)`` (labels unique within each operand) as a
-    batched matrix product: labels in one operand only and absent from the output are summed
-    first; labels in both operands and in the output are the batch, in both and not in the
-    output are contracted. Compiled once per step of a :class:`_Plan` (fixed shapes)."""
-
-    def __init__(self, es: str, sa, sb):
-        lhs, lo = es.split("->")
-        la, lb = lhs.split(",")
-        size = dict(zip(la, sa)) | dict(zip(lb, sb))
-        self.sum_a = tuple(k for k, x in enumerate(la) if x not in lb and x not in lo)
-        self.sum_b = tuple(k for k, x in enumerate(lb) if x not in la and x not in lo)
-        la = "".join(x for x in la if x in lb or x in lo)
-        lb = "".join(x for x in lb if x in la or x in lo)
-        batch = "".join(x for x in lo if x in la and x in lb)
-        con = "".join(x for x in la if x in lb and x not in lo)
-        left = "".join(x for x in la if x not in lb)
-        right = "".join(x for x in lb if x not in la)
-        n = lambda lab: int(np.prod([size[x] for x in lab], dtype=np.int64))  # noqa: E731
-        self.perm_a = tuple(la.index(x) for x in batch + left + con)
-        self.perm_b = tuple(lb.index(x) for x in batch + con + right)
-        self.shape_a = (n(batch), n(left), n(con))
-        self.shape_b = (n(batch), n(con), n(right))
-        self.shape_c = tuple(size[x] for x in batch + left + right)
-        mid = batch + left + right
-        self.perm_c = tuple(mid.index(x) for x in lo)
-
-    def __call__(self, A, B):
-        if not isinstance(A, np.ndarray) and hasattr(A, "permute"):   # torch tensors
-            import torch
-
-            if self.sum_a:
-                A = A.sum(dim=self.sum_a)
-            if self.sum_b:
-                B = B.sum(dim=self.sum_b)
-            A = A.permute(self.perm_a).reshape(self.shape_a)
-            B = B.permute(self.perm_b).reshape(self.shape_b)
-            return torch.matmul(A, B).reshape(self.shape_c).permute(self.perm_c)
-        A, B = np.asarray(A), np.asarray(B)   # an object einsum may return a bare Fraction
-        if self.sum_a:
-            A = np.asarray(A.sum(axis=self.sum_a))
-        if self.sum_b:
-            B = np.asarray(B.sum(axis=self.sum_b))
-        A = A.transpose(self.perm_a).reshape(self.shape_a)
-        B = B.transpose(self.perm_b).reshape(self.shape_b)
-        return np.asarray(np.matmul(A, B)).reshape(self.shape_c).transpose(self.perm_c)
-
-
-# contractions below this path cost (flops) run step by step in numpy's C einsum
-_MATMUL_MIN_FLOPS = 1e4
-
-
-class _Plan:
-    """A contraction along the ``opt_einsum`` greedy path, found once per (subscripts, shapes),
-    executed pairwise as batched matrix products (:class:`_PairStep`, numpy ``matmul``: BLAS
-    for floats, exact for object arrays) without ``opt_einsum``'s per-call parsing; the many
-    small contractions of the closure made per-call overhead dominate its time."""
-
-    def __init__(self, sub: str, shapes):
-        _, info = oe.contract_path(sub, *shapes, shapes=True, optimize="greedy")
-        self.steps = [(inds, es) for inds, _, es, *_ in info.contraction_list]
-        self.flops = float(info.opt_cost)
-        self.compiled = None
-
-    def _compile(self, ops):
-        shapes = [o.shape for o in ops]
-        compiled = []
-        for inds, es in self.steps:
-            tmp = [shapes.pop(x) for x in inds]
-            lhs, lo = es.split("->")
-            if len(inds) == 2 and self.flops >= _MATMUL_MIN_FLOPS:
-                step = _PairStep(es, *tmp)
-                shapes.append(tuple(step.shape_c[p] for p in step.perm_c))
-            else:   # tiny contractions: one C einsum call beats transposes and a matmul
-                size = {}
-                for lab, sh in zip(lhs.split(","), tmp):
-                    size.update(zip(lab, sh))
-                step = (lambda e: (lambda *xs: _einsum_any(e, *xs)))(es)
-                shapes.append(tuple(size[x] for x in lo))
-            compiled.append((inds, step))
-        return compiled
-
-    def __call__(self, *ops, keep=None):
-        if self.compiled is None:
-            self.compiled = self._compile(ops)
-        on_torch = _torch_exec() is not None and self.flops >= _TORCH.min_flops and \
-            ops[0].dtype != object
-        if on_torch:
-            ops = [_to_device(o, keep is None or keep[k]) for k, o in enumerate(ops)]
-        else:
-            ops = list(ops)
-        for inds, step in self.compiled:
-            tmp = [ops.pop(x) for x in inds]
-            ops.append(step(*tmp))
-        return ops[0].cpu().numpy() if on_torch else ops[0]
-
-
-def _einsum_any(es: str, *xs):
-    if xs and not isinstance(xs[0], np.ndarray) and hasattr(xs[0], "permute"):
-        import torch
-
-        return torch.einsum(es, *xs)
-    return np.einsum(es, *xs)
-
-
-# torch execution of the contractions (backend="torch"): set by _torch_backend for one call;
-# contractions with a path cost of at least min_flops run on the device, the rest in numpy
-_TORCH = threading.local()
-
-
-def _torch_exec():
-    return getattr(_TORCH, "exec", None)
-
-
-def _to_device(arr, cache: bool):
-    """``arr`` (float64 numpy) as a torch tensor on the current device; operands reused by
-    many contractions (the chaos coefficients, covariances) are uploaded once per call (kept
-    with a reference to the array, so that its ``id`` is not reused while cached)."""
-    torch, dev, uploaded = _TORCH.exec
-    if not cache:
-        return torch.from_numpy(np.ascontiguousarray(arr)).to(dev)
-    hit = uploaded.get(id(arr))
-    if hit is None or hit[0] is not arr:
-        hit = uploaded[id(arr)] = (arr, torch.from_numpy(np.ascontiguousarray(arr)).to(dev))
-    return hit[1]
-
-
-class _torch_backend:
-    """Context for one call with ``backend="torch"``: the larger contractions run in torch
-    float64 on ``device`` (CUDA when available and ``device`` is None), the bookkeeping and
-    the sums of the chaos form in numpy (same values up to float64 rounding)."""
-
-    def __init__(self, backend: str, device: Any, name: str):
-        if backend not in ("numpy", "torch"):
-            raise ValueError(f"backend: {name} runs in float64 on 'numpy' or 'torch', got "
-                             f"{backend!r}")
-        if backend == "numpy" and device is not None:
-            raise ValueError(f"device: only backend='torch' runs on a device; backend='numpy' "
-                             f"computes on the CPU (got device={device!r})")
-        self.on = backend == "torch"
-        if self.on:
-            from .backends import torch_device
-
-            self.device = torch_device(device)
-
-    def __enter__(self):
-        if self.on:
-            import torch
-
-            self.prev = (_torch_exec(), getattr(_TORCH, "min_flops", 0.0))
-            _TORCH.exec = (torch, self.device, {})
-            # on a GPU the kernel launch (~10 us) only pays above ~1e6 flops; on a CPU torch's
-            # per-call overhead is several times numpy's matmul path on small operands
-            _TORCH.min_flops = 1e6 if self.device.type != "cpu" else _TORCH_CPU_FLOPS
-        return self
-
-    def __exit__(self, *exc):
-        if self.on:
-            _TORCH.exec, _TORCH.min_flops = self.prev
-        return False
-
-
-# with backend="torch" on a CPU, contractions from this cost on run in torch
-_TORCH_CPU_FLOPS = 2e5
-
-
-def _ein(sub: str, *ops, keep=None):
-    """Contraction ``sub`` of ``ops`` (float64) along a path found once per (subscripts,
-    shapes); a single operand goes to ``numpy.einsum``. ``keep``: per operand, whether a torch
-    execution may keep its device copy for later contractions (False for temporaries)."""
-    key = (sub,) + tuple(o.shape for o in ops)
-    fn = _CLOSURE_EXPRS.get(key)
-    if fn is None:
-        if len(ops) == 1:
-            fn = (lambda s: (lambda x, keep=None: np.einsum(s, x)))(sub)
-        else:
-            fn = _Plan(sub, [o.shape for o in ops])
-        _CLOSURE_EXPRS[key] = fn
-    return fn(*ops, keep=keep)
+    """``[(terms, d_out)]``, one closure node per layer: the nodes of
+    :func:`tensoralg.canonical.sequence_tree` (``fold=False``, float64) as :class:`_Term` s."""
+    net = as_network(net, name)
+    for i, x in enumerate(_flatten_layers(net)):
+        inner = _flatten_layers(x.inner) if isinstance(x, Residual) else [x]
+        for y in inner:
+            if not isinstance(y, (Linear, Bilinear, BilinearAttention)):
+                raise ValueError(f"{name}: layer {i}: the closure handles Linear, Bilinear, "
+                                 f"BilinearAttention, Residual and Sequential layers, got "
+                                 f"{type(y).__name__}")
+    if net.is_exact:
+        net = net.astype_float()
+    tree = sequence_tree(net, n_ctx, name, exact=False, fold=False)
+    return [([_closure_term(t, n_ctx) for t in node.terms], node.d_out) for node in tree.nodes]
 
 
 def _unique(labels: str) -> str:
@@ -2160,11 +1438,17 @@ def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any =
                similarity: bool = False, **kw) -> np.ndarray:
     """Exact Gram (or similarity, ``similarity=True``) matrix of sequence models with at most
     one attention layer each: :func:`exact_inner` once per unordered pair, the self terms once
-    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` or ``"torch"``)."""
+    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` or ``"torch"``).
+
+    Raises:
+        AttentionNotSupported: a model the exact path does not handle (``models[i]`` named),
+            before any contraction. ValueError: as :func:`exact_inner`."""
     nets, n_ctx = _check_models(models, n_ctx)
     if kw.get("backend", "numpy") not in ("numpy", "torch"):
         raise ValueError("exact_gram: backend='numpy' or 'torch' (float64; use exact_inner "
                          "per pair for rationals)")
+    for i, net in enumerate(nets):  # every model's support checked before any contraction
+        canonicalize(net, n_ctx, f"models[{i}]")
     vals = {}
     for i in range(len(nets)):
         for j in range(i, len(nets)):

@@ -476,6 +476,17 @@ class Tree:
     def map(self, fn) -> "Tree":
         return replace(self, nodes=[n.map(fn) for n in self.nodes])
 
+    def folded(self) -> "Tree":
+        """The tree with its affine nodes folded into their neighbours, exactly (what
+        :func:`sequence_tree` does with ``fold=True``).
+
+        Raises:
+            ValueError: a batched tree.
+        """
+        if self.batched:
+            raise ValueError("Tree.folded: fold one model (an unbatched tree)")
+        return replace(self, nodes=_fold(self.nodes, self.exact))
+
     def legs(self) -> list:
         """Every leg of every term, node by node (not unrolled)."""
         return [leg for n in self.nodes for t in n.terms for leg in t.legs]
