@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 import opt_einsum as oe
 
-from .canonical import QUERY, Node, Term, Tree, sequence_tree
+from .canonical import QUERY, Node, Term, Tree, resolve_n_ctx, sequence_tree
+from .errors import CostTooHigh
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_network)
 from .strategies.executor import TORCH as _TORCH  # noqa: F401  (tests reset/inspect it)
@@ -68,6 +69,12 @@ __all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "cl
            "DEFAULT_MAX_CONFIGURATIONS"]
 
 DEFAULT_MAX_CONFIGURATIONS = 200_000
+
+#: The alternatives named when the exact attention path refuses (DESIGN §3.7).
+ALTERNATIVES = ("Alternatives: method='closure' (approximate from the second non-linear "
+                "layer on: the fast second-moment closure over (position, feature), equal to "
+                "the exact value for one attention layer) or method='montecarlo' (unbiased, "
+                "with a standard error)")
 
 
 class AttentionNotSupported(ValueError):
@@ -177,22 +184,7 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
 # ----------------------------------------------------------------------------------------
 
 def _resolve_n_ctx(a: Layer, b: Layer, n_ctx: Any) -> int:
-    fixed = {name: m.n_ctx for name, m in (("a", a), ("b", b)) if m.n_ctx is not None}
-    if len(set(fixed.values())) > 1:
-        raise ValueError(f"a and b: attention masks fix different sequence lengths "
-                         f"(a: n_ctx={fixed['a']}, b: n_ctx={fixed['b']})")
-    if n_ctx is None:
-        if not fixed:
-            raise ValueError("n_ctx: required (the masks of a and b are 'causal'/'none' and fix "
-                             "no sequence length)")
-        return next(iter(fixed.values()))
-    if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1:
-        raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
-    for name, n in fixed.items():
-        if n != n_ctx:
-            raise ValueError(f"n_ctx={n_ctx} differs from {name}'s attention mask of shape "
-                             f"({n}, {n})")
-    return int(n_ctx)
+    return resolve_n_ctx([("a", a), ("b", b)], n_ctx)
 
 
 def _check_pair(a: Any, b: Any, n_ctx: Any):
@@ -213,16 +205,14 @@ def _check_slices(output: Any, position: Any, d_out: int, n_ctx: int):
     if output is not None and not (isinstance(output, str) and output == "each"):
         if isinstance(output, str):
             raise ValueError(f"output: expected None, an int, 'each' or a vector, got {output!r}")
-        if isinstance(output, numbers.Integral) and not isinstance(output, bool):
+        if isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
             if not -d_out <= int(output) < d_out:
                 raise ValueError(f"output: class index {output} out of range for {d_out} outputs")
-        else:
-            u = np.asarray(output, dtype=object)
-            if u.shape != (d_out,):
-                raise ValueError(f"output: a direction vector must have shape ({d_out},), got "
-                                 f"{u.shape}")
+        elif np.shape(output) != (d_out,):
+            raise ValueError(f"output: a direction vector must have shape ({d_out},), got "
+                             f"{np.shape(output)}")
     if position is not None and not (isinstance(position, str) and position == "each"):
-        if isinstance(position, bool) or not isinstance(position, numbers.Integral) or \
+        if isinstance(position, (bool, np.bool_)) or not isinstance(position, numbers.Integral) or \
                 not -n_ctx <= int(position) < n_ctx:
             raise ValueError(f"position: expected None, 'each' or an int in [-{n_ctx}, {n_ctx}), "
                              f"got {position!r}")
@@ -267,16 +257,32 @@ def _term_pairs(pa: Tree, pb: Tree):
     return [(x, y) for x in pa.nodes[0].terms for y in pb.nodes[0].terms]
 
 
-def count_configurations(a: Any, b: Any, n_ctx: Any = None) -> int:
+def _prepared_pair(a: Layer, b: Layer, n_ctx: int, output: Any, exact: bool):
+    """The folded trees of ``a`` and ``b`` with the ``output`` slice applied, in rationals when
+    ``exact`` else float64: what the exact path joins (and counts)."""
+    pa = _slice_output(canonicalize(a, n_ctx, "a", exact), output)
+    pb = _slice_output(canonicalize(b, n_ctx, "b", exact), output)
+    if not exact:
+        pa, pb = _floatify(pa), _floatify(pb)
+    return pa, pb
+
+
+def count_configurations(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
+                         backend: str = "numpy") -> int:
     """Number of Wick configurations (partial matchings after zero-pattern pruning) that
-    :func:`exact_inner` contracts for the pair. Cheap: no contraction is done."""
+    :func:`exact_inner` contracts for the pair with the same ``output`` slice and ``backend``
+    (the slice and the rounding decide which legs can be capped). Cheap: no contraction.
+
+    Raises:
+        AttentionNotSupported, ValueError: as :func:`exact_inner`, before any work.
+    """
+    if backend not in ("numpy", "exact", "torch"):
+        raise ValueError(f"backend: expected 'numpy', 'torch' or 'exact', got {backend!r}")
     a, b, n_ctx = _check_pair(a, b, n_ctx)
-    pa, pb = canonicalize(a, n_ctx, "a"), canonicalize(b, n_ctx, "b")
-    total = 0
-    for ta_, tb_ in _term_pairs(pa, pb):
-        net = JoinedTermPair(ta_, tb_, np.ones(n_ctx), (), np.einsum)
-        total += net.count()
-    return total
+    _check_slices(output, None, a.out_features, n_ctx)
+    pa, pb = _prepared_pair(a, b, n_ctx, output, backend == "exact")
+    return sum(JoinedTermPair(x, y, np.ones(n_ctx), (), np.einsum).count()
+               for x, y in _term_pairs(pa, pb))
 
 
 def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position: Any = None,
@@ -310,9 +316,10 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
 
     Raises:
         AttentionNotSupported: a model the exact path does not handle (names the alternatives).
+        CostTooHigh: over ``max_configurations`` (names the alternatives).
         ValueError: different input/output sizes, neither model a sequence model, an ``n_ctx``
-            that disagrees with a mask, a bad ``output``/``position``, over
-            ``max_configurations``; all before any contraction.
+            that disagrees with a mask, a bad ``output``/``position``; all of these before any
+            contraction.
     """
     if backend not in ("numpy", "exact", "torch"):
         raise ValueError(f"backend: expected 'numpy', 'torch' or 'exact', got {backend!r}")
@@ -325,20 +332,16 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
     a, b, n_ctx = _check_pair(a, b, n_ctx)
     _check_slices(output, position, a.out_features, n_ctx)
     exact = backend == "exact"
-    pa = _slice_output(canonicalize(a, n_ctx, "a", exact), output)
-    pb = _slice_output(canonicalize(b, n_ctx, "b", exact), output)
-    if not exact:
-        pa = _floatify(pa)
-        pb = _floatify(pb)
+    pa, pb = _prepared_pair(a, b, n_ctx, output, exact)
     out_mode = (("t",) if isinstance(position, str) else ()) + \
         (("o",) if isinstance(output, str) else ())
     sel = _selector(n_ctx, position, exact)
     nets = [JoinedTermPair(x, y, sel, out_mode, np.einsum) for x, y in _term_pairs(pa, pb)]
     n_conf = sum(net.count() for net in nets)
     if n_conf > max_configurations:
-        raise ValueError(f"exact attention inner product: {n_conf:,} Wick configurations, over "
-                         f"max_configurations={max_configurations:,}; use montecarlo_inner "
-                         f"(approximate, with a standard error)")
+        raise CostTooHigh(f"exact attention inner product: {n_conf:,} Wick configurations, "
+                          f"over max_configurations={max_configurations:,}. {ALTERNATIVES}, or "
+                          f"raise max_configurations")
     total = None
     if strategy == "matchings":
         for net in nets:

@@ -42,7 +42,7 @@ import opt_einsum as oe
 from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential, as_network
 
 __all__ = ["Stage", "Canonical", "canonicalize", "stack", "Leg", "Term", "Node", "Tree",
-           "tree", "sequence_tree"]
+           "tree", "sequence_tree", "resolve_n_ctx"]
 
 
 @dataclass
@@ -764,6 +764,37 @@ def sequence_tree(net: Any, n_ctx: int, name: str = "a", exact: bool = False,
     return Tree(nodes, net.in_features, net.out_features, int(n_ctx), exact, False)
 
 
+def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
+    """The sequence length for ``models`` (``[(name, layer)]``): ``n_ctx`` when given (checked
+    against the masks that fix one), else the length a mask array fixes; None when no model is
+    a sequence model and ``n_ctx`` is None.
+
+    Raises:
+        ValueError: ``n_ctx`` not a positive int; masks fixing different lengths; ``n_ctx``
+            that differs from a mask; a sequence model without ``n_ctx`` and no mask fixing it.
+    """
+    fixed = {name: m.n_ctx for name, m in models if m.n_ctx is not None}
+    if len(set(fixed.values())) > 1:
+        shown = ", ".join(f"{k}: n_ctx={v}" for k, v in fixed.items())
+        raise ValueError(f"{' and '.join(fixed)}: attention masks fix different sequence "
+                         f"lengths ({shown})")
+    if n_ctx is None:
+        if fixed:
+            return next(iter(fixed.values()))
+        seq = [name for name, m in models if m.is_sequence_model]
+        if seq:
+            raise ValueError(f"n_ctx: required for {' and '.join(seq)} (sequence models whose "
+                             f"attention masks are 'causal'/'none' and fix no sequence length)")
+        return None
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 1:
+        raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
+    for name, n in fixed.items():
+        if n != n_ctx:
+            raise ValueError(f"n_ctx={n_ctx} differs from {name}'s attention mask of shape "
+                             f"({n}, {n})")
+    return int(n_ctx)
+
+
 def tree(net: Any, n_ctx: int | None = None, name: str = "a", fold: bool = True) -> Tree:
     """The canonical :class:`Tree` of ``net``: :func:`sequence_tree` for a model with attention
     (or any model when ``n_ctx`` is given: applied per position), else the binary chain of
@@ -773,11 +804,7 @@ def tree(net: Any, n_ctx: int | None = None, name: str = "a", fold: bool = True)
         ValueError: a sequence model without ``n_ctx`` and no mask fixing it.
     """
     net = as_network(net, name)
-    if n_ctx is None and net.is_sequence_model:
-        n_ctx = net.n_ctx
-        if n_ctx is None:
-            raise ValueError(f"n_ctx: required for {name} (a sequence model whose masks fix no "
-                             f"sequence length)")
+    n_ctx = resolve_n_ctx([(name, net)], n_ctx)
     if n_ctx is not None:
         return sequence_tree(net, n_ctx, name, fold=fold)
     return canonicalize(net).tree()

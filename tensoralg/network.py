@@ -767,34 +767,11 @@ def _is_exact_array(x) -> bool:
 # ----------------------------------------------------------------------------------------
 
 def sequence_n_ctx(na: Any, nb: Any, n_ctx: Any) -> int | None:
-    """The sequence length of the pair ``na``, ``nb`` (layers; ``nb`` may be None): ``n_ctx``
-    when given (checked against the masks that fix one), else the length a mask array fixes;
-    None for two position-free networks without ``n_ctx``.
+    """The sequence length of the pair ``na``, ``nb`` (layers; ``nb`` may be None):
+    :func:`tensoralg.canonical.resolve_n_ctx` (raises its ValueErrors)."""
+    from .canonical import resolve_n_ctx
 
-    Raises:
-        ValueError: ``n_ctx`` not a positive int; masks fixing different lengths; ``n_ctx``
-            that differs from a mask; a sequence model without ``n_ctx`` and no mask fixing it.
-    """
-    nets = [("a", na)] + ([] if nb is None else [("b", nb)])
-    fixed = {name: m.n_ctx for name, m in nets if m.n_ctx is not None}
-    if len(set(fixed.values())) > 1:
-        raise ValueError(f"a and b: attention masks fix different sequence lengths "
-                         f"(a: n_ctx={fixed['a']}, b: n_ctx={fixed['b']})")
-    if n_ctx is None:
-        if fixed:
-            return next(iter(fixed.values()))
-        seq = [name for name, m in nets if m.is_sequence_model]
-        if seq:
-            raise ValueError(f"n_ctx: required for {' and '.join(seq)} (sequence models whose "
-                             f"attention masks fix no sequence length); pass n_ctx=")
-        return None
-    if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 1:
-        raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
-    for name, n in fixed.items():
-        if n != n_ctx:
-            raise ValueError(f"n_ctx={n_ctx} differs from {name}'s attention mask of shape "
-                             f"({n}, {n})")
-    return int(n_ctx)
+    return resolve_n_ctx([("a", na)] + ([] if nb is None else [("b", nb)]), n_ctx)
 
 
 #: Core names in the graph view, by the labels a core carries (DESIGN §3.7: the attention

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .attention import ALTERNATIVES as SEQUENCE_ALTERNATIVES
 from .backends import available_memory, itemsize
 from .canonical import Canonical
 from .errors import CostTooHigh
@@ -470,13 +471,6 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
 # tensoralg.attention
 # ----------------------------------------------------------------------------------------
 
-#: The alternatives named when the exact attention path refuses (DESIGN §3.7).
-SEQUENCE_ALTERNATIVES = ("Alternatives: method='closure' (the second-moment closure over "
-                         "(position, feature): fast; equal to the exact value for one attention "
-                         "layer, APPROXIMATE from the second non-linear layer on) or "
-                         "method='montecarlo' (unbiased, with a standard error)")
-
-
 @dataclass
 class SequencePlan:
     """What :func:`tensoralg.inner` does for a pair of sequence models (with
@@ -578,50 +572,6 @@ def _describe_tree(tree) -> list:
     return lines
 
 
-def _check_sequence_slices(output: Any, position: Any, d_out: int, n_ctx: int) -> None:
-    """The ``output`` / ``position`` values :func:`tensoralg.attention.exact_inner` accepts."""
-    import numbers
-
-    if output is not None and not (isinstance(output, str) and output == "each"):
-        if isinstance(output, str):
-            raise ValueError(f"output: expected None, an int, 'each' or a vector, got {output!r}")
-        if isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
-            if not -d_out <= int(output) < d_out:
-                raise ValueError(f"output: class index {output} out of range for {d_out} outputs")
-        elif np.shape(output) != (d_out,):
-            raise ValueError(f"output: a direction vector must have shape ({d_out},), got "
-                             f"{np.shape(output)}")
-    if position is not None and not (isinstance(position, str) and position == "each"):
-        if isinstance(position, (bool, np.bool_)) or not isinstance(position, numbers.Integral) \
-                or not -n_ctx <= int(position) < n_ctx:
-            raise ValueError(f"position: expected None, 'each' or an int in [-{n_ctx}, {n_ctx}), "
-                             f"got {position!r}")
-
-
-def _sliced(net, output: Any, exact: bool):
-    """``net`` followed by the output projection ``u . f`` (``output`` an int or a vector), in
-    rationals when ``exact``: the model whose configurations the sliced inner product counts."""
-    from .backends import fraction_array
-    from .layers import Linear, Sequential, _map_arrays
-
-    if exact and not net.is_exact:
-        net = _map_arrays(net, fraction_array)
-    exact = exact or net.is_exact  # (rational models are canonicalized in rationals)
-    if output is None or isinstance(output, str):
-        return net
-    d = net.out_features
-    if isinstance(output, (int, np.integer)):
-        u = np.zeros(d)
-        u[int(output)] = 1.0
-    elif hasattr(output, "detach"):
-        u = output.detach().cpu().double().numpy()
-    else:
-        u = np.asarray(output, dtype=object if exact else np.float64)
-    if exact:
-        u = fraction_array(np.asarray(u, dtype=object))
-    return Sequential([net, Linear(u[None, :])])
-
-
 def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position: Any = None,
                   n_ctx: Any = None, backend: str = "numpy", device: Any = None,
                   max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> SequencePlan:
@@ -629,9 +579,9 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
     object for ``<a, a>``): the checks :func:`tensoralg.inner` makes, in its order, then the
     exact attention path's configuration count (cheap: nothing is contracted).
 
-    The count is :func:`tensoralg.attention.count_configurations` of the models followed by the
-    output projection (zero patterns of the sliced linear term decide which legs can be
-    capped), in rationals with ``backend="exact"`` as the exact path computes them.
+    The count is :func:`tensoralg.attention.count_configurations` with the same ``output``
+    slice and ``backend`` (the zero patterns of the sliced terms decide which legs can be
+    capped), so ``refused`` is set exactly when ``inner`` refuses, with its message.
 
     Raises:
         ValueError: what ``inner`` raises before any work: a sequence model paired with a
@@ -663,15 +613,13 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
 
         torch_device(device)
     n = sequence_n_ctx(na, nb, n_ctx)
-    _check_sequence_slices(output, position, na.out_features, n)
-    exact = backend == "exact"
-    sa = _sliced(na, output, exact)
-    sb = sa if nb is na else _sliced(nb, output, exact)
+    attention._check_slices(output, position, na.out_features, n)
     plan = SequencePlan(strategy=None, reason="", n_ctx=n,
                         max_configurations=int(max_configurations), output=output,
                         position=position)
     try:
-        plan.n_configurations = attention.count_configurations(sa, sb, n_ctx=n)
+        plan.n_configurations = attention.count_configurations(na, nb, n_ctx=n, output=output,
+                                                               backend=backend)
     except attention.AttentionNotSupported as exc:
         plan.supported = False
         plan.refused = f"exact inner product of sequence models: {exc}. {SEQUENCE_ALTERNATIVES}"

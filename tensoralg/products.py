@@ -144,9 +144,8 @@ def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, 
             return attention.exact_inner(na, nb, **args)
         return attention.exact_similarity(na, nb, **args)
     except attention.AttentionNotSupported as exc:
-        raise CostTooHigh(f"exact inner product of sequence models: {exc}. Alternatives: "
-                          f"method='montecarlo' (unbiased, with a standard error) or "
-                          f"method='closure' (approximate at depth >= 2)") from None
+        raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
+                          f"{attention.ALTERNATIVES}") from None
 
 
 _POSITION_FREE = object()

@@ -60,8 +60,9 @@ def test_refused_exactly_when_inner_refuses_at_the_boundary(kw):
     assert over.refused and over.strategy is None
     assert "method='closure'" in over.refused and "method='montecarlo'" in over.refused
     assert "REFUSED" in str(over)
-    with pytest.raises(ValueError, match="over max_configurations"):
+    with pytest.raises(ta.CostTooHigh) as err:
         ta.inner(a, b, n_ctx=2, max_configurations=n - 1, **kw)
+    assert str(err.value) == over.refused   # the plan gives inner's message
 
 
 def test_two_attention_layers_are_refused_like_inner():
@@ -71,8 +72,9 @@ def test_two_attention_layers_are_refused_like_inner():
     assert "method='closure'" in p.refused and "method='montecarlo'" in p.refused
     assert p.n_legs == 25 + 25  # the unrolled trees: 5 legs of 5 legs each, per side
     assert "not available" in str(p) and "node 1: linear" in str(p)
-    with pytest.raises(ta.CostTooHigh, match="method='closure'"):
+    with pytest.raises(ta.CostTooHigh, match="method='closure'") as err:
         ta.inner(deep, deep, n_ctx=2, max_configurations=10**12)
+    assert str(err.value) == p.refused
     # against a one-layer model: refused too (a is outside the exact path)
     a, _ = _pair()
     assert ta.plan(deep, a, n_ctx=2).refused
