@@ -238,13 +238,13 @@ def closure_flops(size=(64, 8, 4, 16), contract=False):
     total, count = [0], [0]
     real = A._ein
 
-    def counting(sub, *ops):
+    def counting(sub, *ops, keep=None):
         if len(ops) > 1:
             total[0] += int(oe.contract_path(sub, *ops, optimize="greedy",
                                              shapes=False)[1].opt_cost)
             count[0] += 1
         if contract:
-            return real(sub, *ops)
+            return real(sub, *ops, keep=keep)
         lhs, out = sub.split("->")
         size = {}
         for lab, o in zip(lhs.split(","), ops):
