@@ -14,15 +14,9 @@ from tensoralg import attention as A
 from tensoralg import canonical
 from tensoralg.strategies import wick_terms
 from verify.attention import sequence_inner_exact
+from test_attention_exact import attn as _attn
 
 
-def _attn(rng, H=1, dh=2, d=2, dv=1, d_out=None, bias=True, **kw):
-    d_out = d if d_out is None else d_out
-    W = lambda *s: rng.normal(size=s)  # noqa: E731
-    b = dict(q1_bias=W(H, dh), k1_bias=W(H, dh), q2_bias=W(H, dh), k2_bias=W(H, dh),
-             v_bias=W(H, dv), o_bias=W(d_out)) if bias else {}
-    return ta.BilinearAttention(W(H, dh, d), W(H, dh, d), W(H, dh, d), W(H, dh, d), W(H, dv, d),
-                                W(d_out, H, dv), **b, **kw)
 
 
 def _mixed(rng):

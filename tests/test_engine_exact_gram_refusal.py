@@ -11,30 +11,11 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-import tensoralg.prepare as prepare
 import tensoralg.products as products
 from tensoralg import planner
 from tensoralg.prepare import float_stacks_for_exact, output_matrix, stack_for
-from netgen import rand_bilinear, rand_linear, rand_network
-
-
-def _deep(rng, depth, d=3, hidden=4, out=2):
-    layers = [rand_linear(rng, d, d)]
-    layers += [ta.Residual(rand_bilinear(rng, d, hidden, d)) for _ in range(depth)]
-    layers.append(rand_linear(rng, d, out))
-    return ta.Sequential(layers)
-
-
-def _no_rationals(monkeypatch):
-    """Make the rational preparation (Fraction conversion + canonical form in rationals) fail."""
-    calls = []
-
-    def boom(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("rational stacks prepared before the refusal")
-
-    monkeypatch.setattr(prepare, "_stack_for", boom)
-    return calls
+from netgen import rand_linear, rand_network
+from test_engine_exact_refusal import _deep, _no_rationals
 
 
 def _rational_message(monkeypatch, fn, exc_type=ta.CostTooHigh):
