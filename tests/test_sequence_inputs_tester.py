@@ -87,3 +87,46 @@ def test_gram_masks_fixing_different_lengths_named_before_work():
     kind, msg = _err(lambda: ta.gram([a, m2], n_ctx=3))
     assert kind is ValueError and msg == "n_ctx=3 differs from models[1]'s attention mask of " \
                                         "shape (2, 2)"
+
+
+def test_cross_gram_of_sequence_models_is_a_clear_error():
+    """cross_gram takes position-free networks; a sequence model is named (was a TypeError
+    'unknown layer type BilinearAttention') and the alternatives are given."""
+    a, m = _pair()
+    rng = np.random.default_rng(2)
+    lin = ta.Linear(rng.normal(size=(2, 2)))
+    kind, msg = _err(lambda: ta.cross_gram([lin, a], [a], n_samples=10))
+    assert kind is ValueError and msg.startswith("models_a[1]: a sequence model")
+    assert "ta.gram(models_a + models_b" in msg and "closure_cross_gram" in msg
+    kind, msg = _err(lambda: ta.cross_gram([lin], [m]))
+    assert kind is ValueError and msg.startswith("models_b[0]: a sequence model")
+
+
+def test_tree_degree_is_the_polynomial_degree_not_the_open_leg_count():
+    """Two residual attention layers without biases: Tree.degree is 5 * 5 = 25 (each node's
+    largest term), while the unrolled graph has (1 + 5) * (1 + 5) = 36 open legs. The degree
+    is checked on f itself, in rationals: along the line s -> f(s x), the 26th finite
+    difference vanishes exactly and the 25th does not."""
+    from fractions import Fraction
+    from math import comb
+
+    from tensoralg import canonical
+    rng = np.random.default_rng(3)
+    q = lambda *s: np.vectorize(lambda v: Fraction(int(v), 2), otypes=[object])(  # noqa: E731
+        rng.integers(-5, 6, s))
+
+    def layer():
+        return ta.Residual(ta.BilinearAttention(q(1, 2, 2), q(1, 2, 2), q(1, 2, 2), q(1, 2, 2),
+                                                q(1, 2, 2), q(2, 1, 2), mask="none"))
+    net = ta.Sequential([layer(), layer()])
+    tree = canonical.tree(net, n_ctx=2)
+    assert tree.degree == 25
+    g = ta.to_graph(net, n_ctx=2)
+    assert sum(1 for _, d in g.nodes(data=True) if d.get("leg")) == 36
+    x = q(1, 2, 2)
+    vals = [net(x * Fraction(k)) for k in range(27)]
+
+    def diff(n):  # n-th forward difference at 0, every entry
+        return sum((-1) ** (n - k) * comb(n, k) * vals[k] for k in range(n + 1))
+    assert np.all(diff(26) == 0)
+    assert np.any(diff(25) != 0)
