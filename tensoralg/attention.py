@@ -57,7 +57,7 @@ import opt_einsum as oe
 from .canonical import QUERY, Node, Term, Tree, resolve_n_ctx, sequence_tree
 from .errors import CostTooHigh
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
-                     as_network)
+                     as_array, as_network)
 from .strategies.executor import TORCH as _TORCH  # noqa: F401  (tests reset/inspect it)
 from .strategies.executor import ein as _ein
 from .strategies.executor import TORCH_CPU_FLOPS, torch_backend
@@ -211,6 +211,10 @@ def _check_slices(output: Any, position: Any, d_out: int, n_ctx: int):
         elif np.shape(output) != (d_out,):
             raise ValueError(f"output: a direction vector must have shape ({d_out},), got "
                              f"{np.shape(output)}")
+        else:  # real and finite (as_array names it), not zero: as for position-free networks
+            u = as_array(output, "output", 1)
+            if not np.any(u != 0):
+                raise ValueError("output: the direction u is zero; u . f is the zero function")
     if position is not None and not (isinstance(position, str) and position == "each"):
         if isinstance(position, (bool, np.bool_)) or not isinstance(position, numbers.Integral) or \
                 not -n_ctx <= int(position) < n_ctx:
@@ -328,6 +332,10 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
     if device is not None and backend != "torch":
         raise ValueError(f"device: only backend='torch' runs on a device; backend={backend!r} "
                          f"computes on the CPU (got device={device!r})")
+    if isinstance(max_configurations, (bool, np.bool_)) or not isinstance(
+            max_configurations, numbers.Integral) or max_configurations <= 0:
+        raise ValueError(f"max_configurations: expected a positive integer, got "
+                         f"{max_configurations!r}")
     ctx = _torch_backend("torch" if backend == "torch" else "numpy", device, "exact_inner")
     a, b, n_ctx = _check_pair(a, b, n_ctx)
     _check_slices(output, position, a.out_features, n_ctx)
@@ -379,6 +387,9 @@ def exact_similarity(a: Any, b: Any, **kw):
     """``<a,b> / sqrt(<a,a> <b,b>)`` with :func:`exact_inner` (same arguments), clipped to
     [-1, 1] in float. Exact backend: a sympy number. Raises ValueError when a norm is zero or
     (float) an inner product overflowed float64."""
+    # the pair's sequence length first: the self terms <a, a>, <b, b> alone may not fix it
+    # (a causal model next to one whose mask array fixes n_ctx)
+    kw = dict(kw, n_ctx=_check_pair(a, b, kw.get("n_ctx"))[2])
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         ab = exact_inner(a, b, **kw)
         aa = exact_inner(a, a, **kw)
@@ -1347,6 +1358,9 @@ def _check_models(models, n_ctx):
     nets = [as_network(m, f"models[{i}]") for i, m in enumerate(models)]
     if len(nets) < 1:
         raise ValueError("models: expected at least one model")
+    # one sequence length for all of them (every mask that fixes one, named models[i]) before
+    # the pairwise size checks, which then run at that length
+    n_ctx = resolve_n_ctx([(f"models[{i}]", net) for i, net in enumerate(nets)], n_ctx)
     for i, net in enumerate(nets[1:], 1):
         _check_pair(nets[0], net, n_ctx)
     return nets, _check_pair(nets[0], nets[-1], n_ctx)[2]

@@ -466,7 +466,10 @@ class Tree:
 
     @property
     def degree(self) -> int:
-        """Polynomial degree bound: the number of input legs of the unrolled tree."""
+        """Polynomial degree bound: the product over nodes of the largest term degree (the
+        most input legs one product of terms reads). Not the number of open legs of the
+        unrolled tree, which sums the terms' degrees per node (a residual attention layer:
+        degree 5, 6 open legs)."""
         return math.prod(max(1, n.degree) for n in self.nodes)
 
     @property

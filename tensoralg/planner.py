@@ -593,11 +593,6 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
     from . import attention, canonical
     from .network import sequence_n_ctx
 
-    if isinstance(max_configurations, bool) or not isinstance(max_configurations,
-                                                              (int, np.integer)) \
-            or max_configurations <= 0:
-        raise ValueError(f"max_configurations: expected a positive integer, got "
-                         f"{max_configurations!r}")
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             n.is_sequence_model or n.degree <= 1 for n in (na, nb)):
         raise ValueError("a and b: a sequence model (with attention) compared with a "
@@ -608,6 +603,12 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
     if device is not None and backend != "torch":
         raise ValueError(f"device: only backend='torch' runs on a device; backend={backend!r} "
                          f"computes on the CPU (got device={device!r})")
+    # (in the order of attention.exact_inner's checks, so both raise the same error first)
+    if isinstance(max_configurations, bool) or not isinstance(max_configurations,
+                                                              (int, np.integer)) \
+            or max_configurations <= 0:
+        raise ValueError(f"max_configurations: expected a positive integer, got "
+                         f"{max_configurations!r}")
     if backend == "torch":
         from .backends import torch_device
 

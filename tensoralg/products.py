@@ -442,6 +442,15 @@ def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "
     name_a, name_b = ("models", "models") if same else ("models_a", "models_b")
     nets_a = networks(models_a, name_a)
     nets_b = nets_a if same else networks(models_b, name_b)
+    for name, nets in ((name_a, nets_a), (name_b, nets_b)):
+        seq = [i for i, n in enumerate(nets) if getattr(n, "is_sequence_model", False)]
+        if seq:
+            raise ValueError(f"{name}[{seq[0]}]: a sequence model (with attention); cross_gram "
+                             f"takes position-free networks. For sequence models use "
+                             f"ta.gram(models_a + models_b, n_ctx=...) (exact: one attention "
+                             f"layer) and read its off-diagonal block, or "
+                             f"tensoralg.attention.closure_cross_gram (APPROXIMATE beyond one "
+                             f"attention layer)")
     check_pair(nets_a[0], nets_b[0])
     U, keep = output_matrix(output, nets_a[0].out_features, backend == "exact")
     converter(backend, device, dtype)
@@ -710,7 +719,7 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     with the same options — the exact one-attention-layer path of :mod:`tensoralg.attention`
     with its number of Wick configurations, each model's canonical tree (terms, legs and the
     positions they read), or the refusal (a model outside the exact path, e.g. two attention
-    layers: :class:`~tensoralg.CostTooHigh`; over ``max_configurations``: ValueError) naming
+    layers; over ``max_configurations``: both :class:`~tensoralg.CostTooHigh`) naming
     the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
     when :func:`inner` refuses. ``max_flops``, ``max_memory``, ``strategy`` and ``dtype`` do not
     apply to that path.
