@@ -55,7 +55,9 @@ import numpy as np
 import opt_einsum as oe
 
 from .canonical import QUERY, Node, Term, Tree, resolve_n_ctx, sequence_tree
+from .backends import available_memory
 from .errors import CostTooHigh
+from .prepare import check_budget
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_array, as_network)
 from .strategies.executor import TORCH as _TORCH  # noqa: F401  (tests reset/inspect it)
@@ -64,7 +66,7 @@ from .strategies.executor import TORCH_CPU_FLOPS, torch_backend
 from .strategies.wick_terms import JoinedTermPair, TermSide, chaos_pair
 from .strategies.wick_terms import partial_matchings as _partial_matchings
 
-__all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity", "closure_gram", "head_gram", "count_configurations", "canonicalize",
+__all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity", "closure_gram", "head_gram", "count_configurations", "chaos_memory_bytes", "canonicalize",
            "montecarlo_inner", "montecarlo_similarity", "AttentionNotSupported",
            "DEFAULT_MAX_CONFIGURATIONS"]
 
@@ -289,9 +291,62 @@ def count_configurations(a: Any, b: Any, n_ctx: Any = None, *, output: Any = Non
                for x, y in _term_pairs(pa, pb))
 
 
+def _stored_bytes(pa: Tree, pb: Tree, n_ctx: int, exact: bool, sel, out_mode) -> int:
+    """Estimated peak bytes of the chaos strategy, from a dry run (paths found and cached for
+    the real run; nothing contracted): every stored ``R[S]`` of both models plus the largest
+    working set of one sum (its cached diagonal copies and one contraction's live
+    intermediates and step copies, :func:`~tensoralg.strategies.wick_terms.sum_peak`);
+    8 bytes per entry (float64; one pointer per Fraction in rationals, so low there)."""
+    sides = {side: [TermSide(t, side, np.einsum, n_ctx, exact, dry=True) for t in p.nodes[0].terms]
+             for side, p in (("a", pa), ("b", pb))}
+    stored = sum(x.stored for v in sides.values() for x in v)
+    work = max([x.work for v in sides.values() for x in v] +
+               [chaos_pair(x, y, sel, out_mode, np.einsum, 1 << 62)[0]
+                for x in sides["a"] for y in sides["b"]])
+    return 8 * (stored + work)
+
+
+def memory_refusal(need: int, max_memory, backend: str = "numpy", device: Any = None):
+    """The refusal message when ``need`` bytes (:func:`chaos_memory_bytes`) exceed
+    ``max_memory`` (default: :func:`tensoralg.backends.available_memory`), else None."""
+    if max_memory is None:
+        max_memory = available_memory(backend, device)
+    if need <= max_memory:
+        return None
+    return (f"exact attention inner product: estimated peak memory {need / 2**30:.3g} GiB (the "
+            f"per-model chaos tensors and the largest working set of one sum), over "
+            f"max_memory={float(max_memory) / 2**30:.3g} GiB. {ALTERNATIVES}, or raise "
+            f"max_memory")
+
+
+def chaos_memory_bytes(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
+                       position: Any = None, backend: str = "numpy") -> int:
+    """Estimated peak memory (bytes) of :func:`exact_inner` with ``strategy="chaos"`` and the
+    same options: the per-model chaos tensors (for each term and each set ``S`` of its open
+    legs, the sum ``R[S]`` over matchings of the other legs) plus the largest working set of
+    one of its sums (cached diagonal copies, and the intermediates alive along one
+    contraction path with one step's transposed copies). From a dry run: paths are found (and cached for the real run),
+    nothing is contracted. An estimate, checked against tracemalloc peaks in the tests;
+    rationals count 8 bytes per entry (low: a Fraction takes more).
+
+    Raises:
+        AttentionNotSupported, ValueError: as :func:`exact_inner`, before any work.
+    """
+    if backend not in ("numpy", "exact", "torch"):
+        raise ValueError(f"backend: expected 'numpy', 'torch' or 'exact', got {backend!r}")
+    a, b, n_ctx = _check_pair(a, b, n_ctx)
+    _check_slices(output, position, a.out_features, n_ctx)
+    exact = backend == "exact"
+    pa, pb = _prepared_pair(a, b, n_ctx, output, exact)
+    out_mode = ((QUERY,) if isinstance(position, str) else ()) + \
+        (("o",) if isinstance(output, str) else ())
+    return _stored_bytes(pa, pb, n_ctx, exact, _selector(n_ctx, position, exact), out_mode)
+
+
 def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position: Any = None,
                 backend: str = "numpy", strategy: str = "chaos",
-                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, device: Any = None):
+                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, device: Any = None,
+                max_memory: float | None = None):
     """Exact Gaussian inner product ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence
     models with at most one bilinear attention layer each (module docstring; DESIGN 3.7), on
     their folded canonical trees (:func:`canonicalize`).
@@ -314,13 +369,18 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
             bijections of the open legs) or ``"matchings"`` (one contraction per partial
             matching of the joined network; slower, kept as a cross-check).
         max_configurations: refuse (before contracting) above this many Wick configurations.
+        max_memory: bytes; with ``strategy="chaos"``, refuse (before contracting) when the
+            per-model chaos tensors alone (:func:`chaos_memory_bytes`, a lower bound of the peak)
+            exceed it. Default: half the available memory of the computing device
+            (:func:`tensoralg.backends.available_memory`).
 
     Returns:
         a float (numpy) or ``Fraction`` (exact); an array for ``"each"``.
 
     Raises:
         AttentionNotSupported: a model the exact path does not handle (names the alternatives).
-        CostTooHigh: over ``max_configurations`` (names the alternatives).
+        CostTooHigh: over ``max_configurations``, or over ``max_memory`` (names the
+            alternatives).
         ValueError: different input/output sizes, neither model a sequence model, an ``n_ctx``
             that disagrees with a mask, a bad ``output``/``position``; all of these before any
             contraction.
@@ -336,6 +396,7 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
             max_configurations, numbers.Integral) or max_configurations <= 0:
         raise ValueError(f"max_configurations: expected a positive integer, got "
                          f"{max_configurations!r}")
+    check_budget("max_memory", max_memory)
     ctx = _torch_backend("torch" if backend == "torch" else "numpy", device, "exact_inner")
     a, b, n_ctx = _check_pair(a, b, n_ctx)
     _check_slices(output, position, a.out_features, n_ctx)
@@ -350,6 +411,11 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
         raise CostTooHigh(f"exact attention inner product: {n_conf:,} Wick configurations, "
                           f"over max_configurations={max_configurations:,}. {ALTERNATIVES}, or "
                           f"raise max_configurations")
+    if strategy == "chaos":
+        msg = memory_refusal(_stored_bytes(pa, pb, n_ctx, exact, sel, out_mode), max_memory,
+                             backend, device)
+        if msg is not None:
+            raise CostTooHigh(msg)
     total = None
     if strategy == "matchings":
         for net in nets:

@@ -499,6 +499,9 @@ class SequencePlan:
         n_legs: legs of the joined network of the largest term pair (the degrees of the two
             canonical trees added; 10 for two attention layers of depth 1), or None when a
             model has no canonical tree.
+        memory_bytes: the estimated peak memory of the exact path
+            (:func:`tensoralg.attention.chaos_memory_bytes`), None when it was not reached;
+            max_memory: the budget it was held against (bytes).
         terms_a, terms_b: each model's canonical tree (:func:`tensoralg.canonical.tree`), one
             line per node: its terms with their legs and the positions they read.
         alternatives: the other methods.
@@ -514,6 +517,8 @@ class SequencePlan:
     output: Any = None
     position: Any = None
     n_legs: int | None = None
+    memory_bytes: int | None = None
+    max_memory: float | None = None
     terms_a: list = field(default_factory=list)
     terms_b: list = field(default_factory=list)
     alternatives: str = SEQUENCE_ALTERNATIVES
@@ -542,6 +547,10 @@ class SequencePlan:
                          f"{self.n_configurations:,} Wick configurations"
                          f"{', up to ' + legs if legs else ''} "
                          f"(max_configurations={self.max_configurations:,})")
+            if self.memory_bytes is not None:
+                lines.append(f"estimated peak memory (chaos strategy, dry run): "
+                             f"{self.memory_bytes / 2**30:.3g} GiB (max_memory="
+                             f"{self.max_memory / 2**30:.3g} GiB)")
         else:
             lines.append("exact one-attention-layer path (tensoralg.attention): not available"
                          + (f" (the unrolled trees: {legs})" if legs else ""))
@@ -574,14 +583,18 @@ def _describe_tree(tree) -> list:
 
 def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position: Any = None,
                   n_ctx: Any = None, backend: str = "numpy", device: Any = None,
-                  max_configurations: int = DEFAULT_MAX_CONFIGURATIONS) -> SequencePlan:
+                  max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
+                  max_memory: float | None = None) -> SequencePlan:
     """The plan of ``inner(na, nb, ...)`` for sequence models (``na``, ``nb``: layers; the same
     object for ``<a, a>``): the checks :func:`tensoralg.inner` makes, in its order, then the
     exact attention path's configuration count (cheap: nothing is contracted).
 
     The count is :func:`tensoralg.attention.count_configurations` with the same ``output``
     slice and ``backend`` (the zero patterns of the sliced terms decide which legs can be
-    capped), so ``refused`` is set exactly when ``inner`` refuses, with its message.
+    capped); within ``max_configurations``, the estimated peak memory is
+    :func:`tensoralg.attention.chaos_memory_bytes` (a dry run: paths found and cached, nothing
+    contracted) against ``max_memory``. So ``refused`` is set exactly when ``inner`` refuses,
+    with its message.
 
     Raises:
         ValueError: what ``inner`` raises before any work: a sequence model paired with a
@@ -609,6 +622,7 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
             or max_configurations <= 0:
         raise ValueError(f"max_configurations: expected a positive integer, got "
                          f"{max_configurations!r}")
+    check_budget("max_memory", max_memory)
     if backend == "torch":
         from .backends import torch_device
 
@@ -649,9 +663,18 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
                             f"{SEQUENCE_ALTERNATIVES}, or raise max_configurations")
             plan.reason = "over max_configurations"
         else:
-            plan.strategy = "attention"
-            plan.reason = (f"exact: at most one attention layer per model, "
-                           f"{plan.n_configurations:,} Wick "
-                           f"configurations within max_configurations="
-                           f"{max_configurations:,}")
+            plan.memory_bytes = attention.chaos_memory_bytes(na, nb, n, output=output,
+                                                             position=position, backend=backend)
+            plan.max_memory = float(available_memory(backend, device) if max_memory is None
+                                    else max_memory)
+            plan.refused = attention.memory_refusal(plan.memory_bytes, plan.max_memory)
+            if plan.refused:
+                plan.reason = "over max_memory"
+    if plan.supported and not plan.refused:
+        plan.strategy = "attention"
+        plan.reason = (f"exact: at most one attention layer per model, "
+                       f"{plan.n_configurations:,} Wick configurations within "
+                       f"max_configurations={max_configurations:,}, estimated peak memory "
+                       f"{plan.memory_bytes / 2**30:.3g} GiB within max_memory="
+                       f"{plan.max_memory / 2**30:.3g} GiB")
     return plan

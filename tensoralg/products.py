@@ -138,7 +138,7 @@ def _sequence(kind: str, na: Layer, nb: Layer, metric, method, backend, output, 
                   n_samples=kw.get("n_samples", 20_000), seed=kw.get("seed", 0))
     args = dict(n_ctx=n_ctx, output=output, position=position, backend=backend,
                 max_configurations=kw.get("max_configurations", DEFAULT_MAX_CONFIGURATIONS),
-                device=device)
+                device=device, max_memory=kw.get("max_memory"))
     try:
         if kind == "inner":
             return attention.exact_inner(na, nb, **args)
@@ -184,7 +184,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     na, nb, seq = _checked_pair("inner", a, b, metric, method, backend, strategy, output,
                                 dict(n_ctx=n_ctx, position=position, n_samples=n_samples,
                                      seed=seed, max_configurations=max_configurations,
-                                     device=device))
+                                     device=device, max_memory=max_memory))
     if seq is not _POSITION_FREE:
         return seq
     U, keep = output_matrix(output, na.out_features, backend == "exact")
@@ -305,7 +305,7 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     na, nb, seq = _checked_pair("similarity", a, b, metric, method, backend, strategy, output,
                                 dict(n_ctx=n_ctx, position=position, n_samples=n_samples,
                                      seed=seed, max_configurations=max_configurations,
-                                     device=device))
+                                     device=device, max_memory=max_memory))
     if seq is not _POSITION_FREE:
         return seq
     U, keep = output_matrix(output, na.out_features, backend == "exact")
@@ -519,10 +519,11 @@ def _sequence_matrix(kind: str, models: list, metric, method, backend, output, k
         raise ValueError(f"gram / similarity_matrix of sequence models: backend='numpy' or "
                          f"'torch' (float64), got {backend!r}")
     fn = attention.closure_gram if method == "closure" else attention.exact_gram
-    if method == "exact" and "max_configurations" in kw:
-        kw = {"max_configurations": kw["max_configurations"]}
-    elif kw:
+    budget = {k: kw.pop(k) for k in ("max_configurations", "max_memory") if k in kw} \
+        if method == "exact" else {}
+    if kw:
         raise TypeError(f"unexpected keyword arguments {sorted(kw)} for sequence models")
+    kw = budget
     return fn(models, n_ctx=n_ctx, output=output, position=position,
               similarity=kind == "similarity_matrix", backend=backend, device=device, **kw)
 
@@ -721,8 +722,9 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     positions they read), or the refusal (a model outside the exact path, e.g. two attention
     layers; over ``max_configurations``: both :class:`~tensoralg.CostTooHigh`) naming
     the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
-    when :func:`inner` refuses. ``max_flops``, ``max_memory``, ``strategy`` and ``dtype`` do not
-    apply to that path.
+    when :func:`inner` refuses; within ``max_configurations`` the estimated peak memory
+    (:func:`tensoralg.attention.chaos_memory_bytes`, a dry run) is held against
+    ``max_memory``. ``max_flops``, ``strategy`` and ``dtype`` do not apply to that path.
 
     Raises:
         ValueError: what :func:`inner` raises for the same arguments before any work (bad
@@ -735,7 +737,7 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     check_pair(na, nb)
     if _is_sequence(na, nb):
         return plan_sequence(na, nb, metric, output, position, n_ctx, backend, device,
-                             max_configurations)
+                             max_configurations, max_memory)
     if n_ctx is not None or position is not None:
         raise ValueError("n_ctx / position: only for sequence models (with attention)")
     U, keep = output_matrix(output, na.out_features, backend == "exact")

@@ -18,6 +18,7 @@ numpy. Operands reused by many contractions are uploaded once per call (:func:`t
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -92,7 +93,27 @@ class Plan:
         _, info = oe.contract_path(sub, *shapes, shapes=True, optimize="greedy")
         self.steps = [(inds, es) for inds, _, es, *_ in info.contraction_list]
         self.flops = float(info.opt_cost)
+        self.largest = int(info.largest_intermediate)  # elements
+        self.peak = self._peak(sub, shapes)
         self.compiled = None
+
+    def _peak(self, sub: str, shapes) -> int:
+        """Elements live at the peak of one call beyond its operands: walking the path, the
+        intermediates not yet consumed plus, at each step, transposed copies of its two inputs,
+        its output and the output's transposed copy (what :class:`PairStep` allocates)."""
+        size: dict = {}
+        for lab, shp in zip(sub.split("->")[0].split(","), shapes):
+            size.update(zip(lab, shp))
+        live = [0] * len(shapes)  # the operands themselves are counted by the caller
+        peak = 0
+        for inds, es in self.steps:
+            lhs, out = es.split("->")
+            taken = [live.pop(x) for x in inds]
+            ins = sum(math.prod(size[c] for c in t) for t in lhs.split(","))
+            n_out = math.prod(size[c] for c in out)
+            peak = max(peak, sum(live) + sum(taken) + ins + 2 * n_out)
+            live.append(n_out)
+        return peak
 
     def _compile(self, ops):
         shapes = [o.shape for o in ops]

@@ -41,6 +41,7 @@ Labels: a term's labels are suffixed by its side (``"a"``, ``"b"``) except the s
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from fractions import Fraction
 
@@ -338,7 +339,7 @@ class TermSide:
     the open legs), and two Wick products have expectation ``sum over bijections of the
     pairs' bridges`` (orthogonality of Gaussian chaoses)."""
 
-    def __init__(self, term, side: str, ein, n_ctx: int, exact: bool):
+    def __init__(self, term, side: str, ein, n_ctx: int, exact: bool, dry: bool = False):
         self.side, self.ein = side, ein
         self.static, self.legs, can_cap, can_pair = _network(term, side)
         # the output cores (holding the output label) are kept for the cross stage; the
@@ -352,6 +353,10 @@ class TermSide:
         self.exact = exact
         self._gram = {}
         self.R = {}
+        #: dry: nothing is contracted; R[S] holds shape-only placeholders, ``stored`` the number
+        #: of entries the R[S] would take and ``work`` the elements live at the peak of the
+        #: largest of their sums (:func:`sum_peak`); the compiled paths are cached for the run.
+        self.dry, self.stored, self.work = dry, 0, 0
         self._compute(n)
 
     def gram(self, i, j):
@@ -366,8 +371,10 @@ class TermSide:
             I[k, k] = one
         return I
 
-    def _compute(self, n):
-        legs = self.legs
+    def _layout(self):
+        """For every set ``S`` of open legs: ``(S, closed legs, labels of R[S], the partial
+        matchings of the closed legs (a generator))``; nothing is contracted."""
+        legs, n = self.legs, len(self.legs)
         for S in range(1 << n):
             opened = [i for i in range(n) if S >> i & 1]
             closed = [i for i in range(n) if not S >> i & 1]
@@ -381,7 +388,24 @@ class TermSide:
             sub_cap = [self.can_cap[i] for i in closed]
             sub_pair = [[self.can_pair_leg[i] and self.can_pair_leg[j] for j in closed]
                         for i in closed]
-            matchings = list(partial_matchings(len(closed), sub_cap, sub_pair))
+            yield S, closed, out, partial_matchings(len(closed), sub_cap, sub_pair)
+
+    def _sizes(self) -> dict:
+        """Size of every label of this side (positions: ``n_ctx``)."""
+        size = {QUERY: self.n_ctx}
+        for arr, lab in self.static:
+            size.update(zip(lab, arr.shape[arr.ndim - len(lab):]))
+        for leg in self.legs:
+            size[leg.pos] = self.n_ctx
+            dims = leg.weight.shape[:-1]
+            size.update(zip(leg.labels, dims[len(dims) - len(leg.labels):]))
+        return size
+
+    def _compute(self, n):
+        legs = self.legs
+        self._grams_read: set = set()
+        for S, closed, out, matchings in self._layout():
+            matchings = list(matchings)
             if not matchings:
                 continue
             if not closed and not self.inner:
@@ -405,8 +429,18 @@ class TermSide:
                     yield specs, out, [self.fetch(k).shape for k, _ in specs]
 
             compiled = compile_sum(key, build)
+            if self.dry:
+                shape = tuple(self._sizes()[x] for x in out)
+                self.R[S] = (Shape(shape), out)
+                self.stored += math.prod(shape)
+                self.work = max(self.work, sum_peak(compiled, self.fetch))
+                self._grams_read.update(k for specs, _ in compiled for k, _ in specs
+                                        if k[0] == "gram")
+                continue
             self.R[S] = (np.asarray(run_sum(compiled, self.fetch, self.ein),
                                     dtype=_dtype(self.exact)), out)
+        if self.dry:  # the side's own leg grams stay alive with it
+            self.stored += sum(math.prod(self.fetch(k).shape) for k in self._grams_read)
 
     def fetch(self, key):
         if key[0] == "static":
@@ -442,7 +476,9 @@ def _gram(A: Leg, B: Leg, ein):
 
 
 def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
-    """``sum_{S_a, S_b} sum_{bijections} <R_a[S_a], R_b[S_b]>`` with cross bridges."""
+    """``sum_{S_a, S_b} sum_{bijections} <R_a[S_a], R_b[S_b]>`` with cross bridges; with two
+    dry sides (:class:`TermSide` ``dry=True``) nothing is contracted and the value is the
+    number of elements live at the peak of that sum (:func:`sum_peak`)."""
     la, lb = sa.legs, sb.legs
     grams = {}
 
@@ -498,7 +534,41 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
             yield specs, out_mode, [fetch(k).shape for k, _ in specs]
 
     compiled = compile_sum(key, build)
+    if sa.dry or sb.dry:  # the cross grams stay alive through the sum
+        return sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g"), len(items)
     return run_sum(compiled, fetch, ein), len(items)
+
+
+class Shape:
+    """A shape-only stand-in for an array (dry runs: paths are found, nothing contracted)."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _gram_entries(compiled, fetch, kind: str) -> int:
+    """Entries of the distinct gram operands (key kind ``kind``) that ``compiled`` reads."""
+    keys = {key for specs, _ in compiled for key, _ in specs if key[0] == kind}
+    return sum(math.prod(fetch(key).shape) for key in keys)
+
+
+def sum_peak(compiled, fetch) -> int:
+    """Elements live at the peak of :func:`run_sum` over ``compiled`` beyond its stored
+    operands (an estimate, not a bound): the distinct diagonal copies it caches (operands whose
+    labels repeat) plus the largest working set of one contraction (:attr:`Plan.peak`:
+    intermediates alive along its path and one step's copies; checked against tracemalloc
+    peaks in tests/test_attention_memory.py)."""
+    copies: dict = {}
+    largest = 0
+    for specs, expr in compiled:
+        for key, labels in specs:
+            if len(set(labels)) < len(labels) and (key, labels) not in copies:
+                size = dict(zip(labels, fetch(key).shape))
+                copies[(key, labels)] = math.prod(size[x] for x in dict.fromkeys(labels))
+        largest = max(largest, getattr(expr, "peak", 0))
+    return sum(copies.values()) + largest
 
 
 class OverBudget(Exception):

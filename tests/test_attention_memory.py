@@ -1,0 +1,104 @@
+"""The exact attention path's memory estimate (attention.chaos_memory_bytes, a dry run) against
+tracemalloc's measured peak, and the refusal it drives in exact_inner and plan."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import tensoralg as ta
+from tensoralg import attention as A
+from tensoralg.strategies import wick_terms
+
+
+def model(rng, H, dh, d, rope=10000.0, bias=False):
+    g = lambda *s: rng.normal(size=s) / np.sqrt(s[-1])  # noqa: E731
+    kw = dict(q1_bias=g(H, dh), k1_bias=g(H, dh), v_bias=g(H, dh), o_bias=g(d)) if bias else {}
+    at = ta.BilinearAttention(g(H, dh, d), g(H, dh, d), g(H, dh, d), g(H, dh, d), g(H, dh, d),
+                              g(d, H, dh), mask="causal", rope=rope, **kw)
+    return ta.Sequential([ta.Linear(g(d, 8)), ta.Residual(at), ta.Linear(g(10, d))])
+
+
+def measured_peak(a, b, **kw) -> int:
+    """tracemalloc's peak of one exact_inner call (paths already cached), above its start."""
+    A.exact_inner(a, b, **kw)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        A.exact_inner(a, b, **kw)
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_estimate_covers_the_measured_peak():
+    rng = np.random.default_rng(0)
+    # Python objects of a call (dicts, compiled steps) are traced too: their size is the
+    # peak of a case whose arrays are negligible, measured here rather than assumed.
+    a, b = model(rng, 1, 4, 8), model(rng, 1, 4, 8)
+    overhead = max(0, measured_peak(a, b, n_ctx=4) - A.chaos_memory_bytes(a, b, n_ctx=4))
+    cases = [(dict(H=2, dh=8, d=16), dict(n_ctx=8)),
+             (dict(H=2, dh=8, d=16), dict(n_ctx=12)),
+             (dict(H=2, dh=8, d=16, rope=None, bias=True), dict(n_ctx=10, position="each")),
+             (dict(H=2, dh=8, d=16, bias=True), dict(n_ctx=8, output="each"))]
+    for arch, kw in cases:
+        a, b = model(rng, **arch), model(rng, **arch)
+        est = A.chaos_memory_bytes(a, b, **kw)
+        peak = measured_peak(a, b, **kw)
+        assert peak > 4 * overhead            # the arrays dominate what is measured
+        assert est + overhead >= peak, (arch, kw, est, peak, overhead)
+        assert est <= 2 * peak, (arch, kw, est, peak)   # and it is not vacuous
+
+
+def test_over_max_memory_is_refused_before_any_contraction(monkeypatch):
+    rng = np.random.default_rng(1)
+    a, b = model(rng, 2, 4, 8), model(rng, 2, 4, 8)
+    need = A.chaos_memory_bytes(a, b, n_ctx=6)
+
+    def boom(*args, **kw):
+        raise AssertionError("contracted before the refusal")
+
+    monkeypatch.setattr(wick_terms, "run_sum", boom)
+    with pytest.raises(ta.CostTooHigh, match="estimated peak memory .* over max_memory") as err:
+        A.exact_inner(a, b, n_ctx=6, max_memory=need - 1)
+    assert "method='closure'" in str(err.value) and "raise max_memory" in str(err.value)
+    monkeypatch.undo()
+    assert np.isfinite(A.exact_inner(a, b, n_ctx=6, max_memory=need))   # at the estimate: runs
+
+
+def test_plan_refuses_exactly_when_inner_does_with_its_message():
+    rng = np.random.default_rng(2)
+    a, b = model(rng, 2, 4, 8), model(rng, 2, 4, 8)
+    p = ta.plan(a, b, n_ctx=5)
+    assert p.refused is None and p.memory_bytes == A.chaos_memory_bytes(a, b, n_ctx=5)
+    assert "estimated peak memory" in str(p)
+    at = ta.plan(a, b, n_ctx=5, max_memory=p.memory_bytes)
+    assert at.refused is None
+    ta.inner(a, b, n_ctx=5, max_memory=p.memory_bytes)
+    over = ta.plan(a, b, n_ctx=5, max_memory=p.memory_bytes - 1)
+    assert over.refused and over.strategy is None and "REFUSED" in str(over)
+    with pytest.raises(ta.CostTooHigh) as err:
+        ta.inner(a, b, n_ctx=5, max_memory=p.memory_bytes - 1)
+    assert str(err.value) == over.refused
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1GB", True])
+def test_bad_max_memory(bad):
+    rng = np.random.default_rng(3)
+    a = model(rng, 1, 2, 4)
+    for fn in (lambda: A.exact_inner(a, a, n_ctx=3, max_memory=bad),
+               lambda: ta.plan(a, a, n_ctx=3, max_memory=bad),
+               lambda: ta.inner(a, a, n_ctx=3, max_memory=bad)):
+        with pytest.raises(ValueError, match="max_memory: expected a positive number"):
+            fn()
+
+
+def test_gram_of_sequence_models_passes_max_memory_on():
+    rng = np.random.default_rng(4)
+    models = [model(rng, 2, 4, 8) for _ in range(2)]
+    with pytest.raises(ta.CostTooHigh, match="over max_memory"):
+        ta.gram(models, n_ctx=5, max_memory=1000)
+    G = ta.gram(models, n_ctx=5)
+    assert G[0, 1] == pytest.approx(float(ta.inner(models[0], models[1], n_ctx=5)), rel=1e-12)
