@@ -297,13 +297,30 @@ def _stored_bytes(pa: Tree, pb: Tree, n_ctx: int, exact: bool, sel, out_mode) ->
     working set of one sum (its cached diagonal copies and one contraction's live
     intermediates and step copies, :func:`~tensoralg.strategies.wick_terms.sum_peak`);
     8 bytes per entry (float64; one pointer per Fraction in rationals, so low there)."""
+    key = (_shape_signature(pa), _shape_signature(pb), n_ctx, exact, sel.shape, out_mode)
+    hit = _STORED_BYTES.get(key)
+    if hit is not None:
+        return hit
     sides = {side: [TermSide(t, side, np.einsum, n_ctx, exact, dry=True) for t in p.nodes[0].terms]
              for side, p in (("a", pa), ("b", pb))}
     stored = sum(x.stored for v in sides.values() for x in v)
     work = max([x.work for v in sides.values() for x in v] +
                [chaos_pair(x, y, sel, out_mode, np.einsum, 1 << 62)[0]
                 for x in sides["a"] for y in sides["b"]])
-    return 8 * (stored + work)
+    if len(_STORED_BYTES) > 256:
+        _STORED_BYTES.clear()
+    _STORED_BYTES[key] = 8 * (stored + work)
+    return _STORED_BYTES[key]
+
+
+#: The estimate depends on shapes and zero patterns only (what the compiled paths depend on).
+_STORED_BYTES: dict = {}
+
+
+def _shape_signature(p: Tree) -> tuple:
+    return tuple((t.kind, tuple((g.name, g.pos, g.labels, g.positional, g.weight.shape,
+                                 g.can_cap, g.can_pair) for g in t.legs),
+                  tuple((lab, a.shape) for a, lab in t.cores)) for t in p.nodes[0].terms)
 
 
 def memory_refusal(need: int, max_memory, backend: str = "numpy", device: Any = None):
