@@ -101,4 +101,4 @@ def test_gram_of_sequence_models_passes_max_memory_on():
     with pytest.raises(ta.CostTooHigh, match="over max_memory"):
         ta.gram(models, n_ctx=5, max_memory=1000)
     G = ta.gram(models, n_ctx=5)
-    assert G[0, 1] == pytest.approx(float(ta.inner(models[0], models[1], n_ctx=5)), rel=1e-12)
+    assert G[0, 1] == ta.inner(models[0], models[1], n_ctx=5)   # the same computation

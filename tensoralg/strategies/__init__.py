@@ -5,8 +5,9 @@
 * :mod:`.chaos` — exact: Euclidean inner products of Gaussian chaos (Hermite) coefficients
   (DESIGN §3.6); polynomial in the input width, exponential in the degree; Gram matrices of
   many models are one matrix product.
-* :mod:`.wick_terms` — exact: the same Wick sum for terms whose legs carry positions (sequence
-  models with one attention layer, DESIGN §3.7), read from :func:`tensoralg.canonical.sequence_tree`.
+* :mod:`.wick_terms` — exact: the same Wick sum for terms whose legs carry positions
+  (sequence models with one attention layer, DESIGN §3.7), read from
+  :func:`tensoralg.canonical.sequence_tree`.
 * :mod:`.executor` — how the terms' contractions run: batched matmul steps, cached paths, torch.
 * :mod:`.closure` — APPROXIMATE beyond depth 1: second-moment propagation (DESIGN §3.2).
 * :mod:`.montecarlo` — unbiased sampling with standard errors (DESIGN §3.4).
