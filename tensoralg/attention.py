@@ -159,8 +159,9 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
         tree = sequence_tree(net, n_ctx, name, exact=exact, fold=False)
     except ValueError as e:   # e.g. a Residual block holding several non-linear layers
         raise AttentionNotSupported(f"{e}. The exact attention inner product handles one "
-                                    f"attention layer; use montecarlo_inner or closure_inner "
-                                    f"(approximate) for deeper stacks") from e
+                                    f"attention layer; montecarlo_inner handles this model as "
+                                    f"written, closure_inner once it is written as consecutive "
+                                    f"Residual blocks") from e
     seen = False
     for i, node in enumerate(tree.nodes):   # one node per layer, before folding
         kinds = {t.kind for t in node.terms}

@@ -759,6 +759,8 @@ def sequence_tree(net: Any, n_ctx: int, name: str = "a", exact: bool = False,
     net = as_network(net, name)
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 1:
         raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
+    if not isinstance(fold, (bool, np.bool_)):
+        raise ValueError(f"fold: expected True or False, got {fold!r}")
     exact = bool(exact or net.is_exact)
     nodes = [_layer_node(layer, int(n_ctx), exact, name, i)
              for i, layer in enumerate(_flatten(net))]

@@ -127,6 +127,8 @@ def test_bad_input():
             C.sequence_tree(layer, bad)
     with pytest.raises(ValueError, match="n_ctx: required"):
         C.tree(layer)
+    with pytest.raises(ValueError, match="fold: expected True or False, got 'no'"):
+        C.sequence_tree(layer, 3, fold="no")
     t = C.sequence_tree(layer, 3)
     with pytest.raises(ValueError, match=r"x: expected shape \(n, 3, 2\)"):
         t.forward(np.zeros((1, 2, 2)))
