@@ -44,6 +44,7 @@ stacks: :func:`montecarlo_inner` (unbiased, with a standard error) and :func:`cl
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import math
 import numbers
@@ -190,9 +191,14 @@ def _resolve_n_ctx(a: Layer, b: Layer, n_ctx: Any) -> int:
     return resolve_n_ctx([("a", a), ("b", b)], n_ctx)
 
 
+#: Set inside a Gram matrix of sequence models, whose per-position affine members are paired
+#: with themselves on the diagonal (a pair without attention, valid there).
+_IN_SEQUENCE_GRAM = contextvars.ContextVar("in_sequence_gram", default=False)
+
+
 def _check_pair(a: Any, b: Any, n_ctx: Any):
     a, b = as_network(a, "a"), as_network(b, "b")
-    if not (a.is_sequence_model or b.is_sequence_model):
+    if not (a.is_sequence_model or b.is_sequence_model or _IN_SEQUENCE_GRAM.get()):
         raise ValueError("a and b: neither model holds attention; these are position-free networks: "
                          "use tensoralg.inner")
     if a.in_features != b.in_features:
@@ -1554,10 +1560,15 @@ def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any =
     for i, net in enumerate(nets):  # every model's support checked before any contraction
         canonicalize(net, n_ctx, f"models[{i}]")
     vals = {}
-    for i in range(len(nets)):
-        for j in range(i, len(nets)):
-            vals[(i, j)] = np.asarray(exact_inner(nets[i], nets[j], n_ctx=n_ctx, output=output,
-                                                  position=position, **kw), dtype=np.float64)
+    token = _IN_SEQUENCE_GRAM.set(True)
+    try:
+        for i in range(len(nets)):
+            for j in range(i, len(nets)):
+                vals[(i, j)] = np.asarray(exact_inner(nets[i], nets[j], n_ctx=n_ctx,
+                                                      output=output, position=position, **kw),
+                                          dtype=np.float64)
+    finally:
+        _IN_SEQUENCE_GRAM.reset(token)
     G = np.empty((len(nets), len(nets)) + vals[(0, 0)].shape)
     for (i, j), v in vals.items():
         G[i, j] = v

@@ -507,6 +507,11 @@ def _sequence_matrix(kind: str, models: list, metric, method, backend, output, k
         return None  # the blocked store (tensoralg.blocks) handles sequence models itself
     from . import attention
 
+    for i, m in enumerate(models):  # as inner: a sequence model is not compared with an MLP
+        if isinstance(m, Layer) and not m.is_sequence_model and m.degree > 1:
+            raise ValueError(f"models[{i}]: a position-free network of degree {m.degree} among "
+                             f"sequence models (with attention); compare sequence models (a "
+                             f"per-position affine map is accepted)")
     kw = dict(kwargs)
     n_ctx, position = kw.pop("n_ctx", None), kw.pop("position", None)
     if metric != "gaussian":

@@ -130,3 +130,27 @@ def test_tree_degree_is_the_polynomial_degree_not_the_open_leg_count():
         return sum((-1) ** (n - k) * comb(n, k) * vals[k] for k in range(n + 1))
     assert np.all(diff(26) == 0)
     assert np.any(diff(25) != 0)
+
+
+def test_gram_refuses_a_position_free_mlp_among_sequence_models_like_inner():
+    rng = np.random.default_rng(21)
+    from netgen import rand_network
+    from test_attention_exact import attn
+
+    a = ta.Residual(attn(rng, H=1, dh=2, d=3, dv=1))
+    mlp = rand_network(rng, "bilinear", d=3, out=3)
+    with pytest.raises(ValueError, match="position-free network of degree > 1"):
+        ta.inner(a, mlp, n_ctx=2)
+    for fn in (ta.gram, ta.similarity_matrix):
+        for method in ("exact", "closure"):
+            with pytest.raises(ValueError, match=r"models\[1\]: a position-free network of "
+                                                 r"degree 2 among sequence models"):
+                fn([a, mlp], n_ctx=2, method=method)
+    affine = ta.Linear(rng.normal(size=(3, 3)), rng.normal(size=3))   # accepted, per position
+    G = ta.gram([a, affine], n_ctx=2)
+    assert G[0, 1] == ta.inner(a, affine, n_ctx=2)          # the same computation
+    # iid positions: <affine, affine> over 2 positions is twice the position-free one
+    # (float64 through two different contractions: a few ulps)
+    assert G[1, 1] == pytest.approx(2 * ta.inner(affine, affine), rel=1e-12)
+    Gc = ta.gram([a, affine], n_ctx=2, method="closure")  # exact at depth 1 (DESIGN §3.2)
+    assert np.allclose(Gc, G, rtol=1e-10, atol=0)
