@@ -102,3 +102,19 @@ def test_gram_of_sequence_models_passes_max_memory_on():
         ta.gram(models, n_ctx=5, max_memory=1000)
     G = ta.gram(models, n_ctx=5)
     assert G[0, 1] == ta.inner(models[0], models[1], n_ctx=5)   # the same computation
+
+
+def test_chaos_memory_bytes_bad_input_before_any_work():
+    rng = np.random.default_rng(5)
+    a = model(rng, 1, 2, 4)
+    cases = [(dict(n_ctx=3, backend="jax"), "backend: expected"),
+             (dict(n_ctx=0), "n_ctx: expected a positive int"),
+             (dict(n_ctx=3, output=10), "output: class index 10 out of range"),
+             (dict(n_ctx=3, output=[np.nan] * 10), "output"),
+             (dict(n_ctx=3, position=3), "position: expected")]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            A.chaos_memory_bytes(a, a, **kw)
+    two_layers = ta.Sequential([a.layers[0], a.layers[1], a.layers[1], a.layers[2]])
+    with pytest.raises(A.AttentionNotSupported, match="a second attention layer"):
+        A.chaos_memory_bytes(a, two_layers, n_ctx=3)
