@@ -29,7 +29,7 @@ for seed in range(4):
     rng = np.random.default_rng(100 + seed)
     a, b = model(rng, bias=bias), model(rng, bias=bias)
     t = time.time()
-    aa, ab, bb = A._closure_triple(a, b, 3, None, None)
+    aa, ab, bb = A.closure_triple(a, b, n_ctx=3)
     tc = time.time() - t
     kw = dict(n_ctx=3, n_samples=400_000, seed=0)
     maa, mab, mbb = (A.montecarlo_inner(x, y, **kw) for x, y in ((a, a), (a, b), (b, b)))

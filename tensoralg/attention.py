@@ -58,7 +58,9 @@ import opt_einsum as oe
 from .canonical import QUERY, Node, Term, Tree, resolve_n_ctx, sequence_tree
 from .backends import available_memory
 from .errors import CostTooHigh
-from .prepare import check_budget
+from .request import Request, make_request
+from .results import similarity_from, swap_order
+from .strategies.montecarlo import MonteCarloEstimate, _radial_rule, ratio_estimate
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_array, as_network)
 from .strategies.executor import TORCH as _TORCH  # noqa: F401  (tests reset/inspect it)
@@ -67,7 +69,9 @@ from .strategies.executor import TORCH_CPU_FLOPS, torch_backend
 from .strategies.wick_terms import JoinedTermPair, TermSide, chaos_pair
 from .strategies.wick_terms import partial_matchings as _partial_matchings
 
-__all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity", "closure_gram", "head_gram", "count_configurations", "chaos_memory_bytes", "canonicalize",
+__all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity",
+           "closure_triple", "closure_gram", "closure_cross_gram", "head_gram",
+           "count_configurations", "chaos_memory_bytes", "canonicalize",
            "montecarlo_inner", "montecarlo_similarity", "AttentionNotSupported",
            "DEFAULT_MAX_CONFIGURATIONS"]
 
@@ -210,25 +214,11 @@ def _check_pair(a: Any, b: Any, n_ctx: Any):
     return a, b, _resolve_n_ctx(a, b, n_ctx)
 
 
-def _check_slices(output: Any, position: Any, d_out: int, n_ctx: int):
-    if output is not None and not (isinstance(output, str) and output == "each"):
-        if isinstance(output, str):
-            raise ValueError(f"output: expected None, an int, 'each' or a vector, got {output!r}")
-        if isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
-            if not -d_out <= int(output) < d_out:
-                raise ValueError(f"output: class index {output} out of range for {d_out} outputs")
-        elif np.shape(output) != (d_out,):
-            raise ValueError(f"output: a direction vector must have shape ({d_out},), got "
-                             f"{np.shape(output)}")
-        else:  # real and finite (as_array names it), not zero: as for position-free networks
-            u = as_array(output, "output", 1)
-            if not np.any(u != 0):
-                raise ValueError("output: the direction u is zero; u . f is the zero function")
-    if position is not None and not (isinstance(position, str) and position == "each"):
-        if isinstance(position, (bool, np.bool_)) or not isinstance(position, numbers.Integral) or \
-                not -n_ctx <= int(position) < n_ctx:
-            raise ValueError(f"position: expected None, 'each' or an int in [-{n_ctx}, {n_ctx}), "
-                             f"got {position!r}")
+def _check_slices(req: Request, d_out: int, n_ctx: int) -> None:
+    """The request's ``output`` and ``position`` against the models' output size and
+    ``n_ctx`` (their form was checked by :func:`tensoralg.request.make_request`)."""
+    req.output_matrix(d_out)
+    req.check_position(n_ctx)
 
 
 def _slice_output(tree: Tree, output: Any) -> Tree:
@@ -280,14 +270,12 @@ def _prepared_pair(a: Layer, b: Layer, n_ctx: int, output: Any, exact: bool):
     return pa, pb
 
 
-def _checked_trees(a: Any, b: Any, n_ctx: Any, output: Any, position: Any, backend: str):
+def _checked_trees(req: Request, a: Any, b: Any):
     """The checks of :func:`exact_inner` on the pair and slices, then :func:`_prepared_pair`:
     ``(tree of a, tree of b, n_ctx)``."""
-    if backend not in ("numpy", "exact", "torch"):
-        raise ValueError(f"backend: expected 'numpy', 'torch' or 'exact', got {backend!r}")
-    a, b, n_ctx = _check_pair(a, b, n_ctx)
-    _check_slices(output, position, a.out_features, n_ctx)
-    return (*_prepared_pair(a, b, n_ctx, output, backend == "exact"), n_ctx)
+    a, b, n_ctx = _check_pair(a, b, req.n_ctx)
+    _check_slices(req, a.out_features, n_ctx)
+    return (*_prepared_pair(a, b, n_ctx, req.output, req.exact), n_ctx)
 
 
 def count_configurations(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
@@ -299,7 +287,13 @@ def count_configurations(a: Any, b: Any, n_ctx: Any = None, *, output: Any = Non
     Raises:
         AttentionNotSupported, ValueError: as :func:`exact_inner`, before any work.
     """
-    pa, pb, n_ctx = _checked_trees(a, b, n_ctx, output, None, backend)
+    return count_configurations_req(make_request(n_ctx=n_ctx, output=output, backend=backend),
+                                    a, b)
+
+
+def count_configurations_req(req: Request, a: Any, b: Any) -> int:
+    """:func:`count_configurations` of a validated request (``position`` ignored)."""
+    pa, pb, n_ctx = _checked_trees(req, a, b)
     return sum(JoinedTermPair(x, y, np.ones(n_ctx), (), np.einsum).count()
                for x, y in _term_pairs(pa, pb))
 
@@ -363,11 +357,17 @@ def chaos_memory_bytes(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
     Raises:
         AttentionNotSupported, ValueError: as :func:`exact_inner`, before any work.
     """
-    pa, pb, n_ctx = _checked_trees(a, b, n_ctx, output, position, backend)
-    exact = backend == "exact"
-    out_mode = ((QUERY,) if isinstance(position, str) else ()) + \
-        (("o",) if isinstance(output, str) else ())
-    return _stored_bytes(pa, pb, n_ctx, exact, _selector(n_ctx, position, exact), out_mode)
+    return chaos_memory_bytes_req(make_request(n_ctx=n_ctx, output=output, position=position,
+                                               backend=backend), a, b)
+
+
+def chaos_memory_bytes_req(req: Request, a: Any, b: Any) -> int:
+    """:func:`chaos_memory_bytes` of a validated request."""
+    pa, pb, n_ctx = _checked_trees(req, a, b)
+    out_mode = ((QUERY,) if isinstance(req.position, str) else ()) + \
+        (("o",) if isinstance(req.output, str) else ())
+    return _stored_bytes(pa, pb, n_ctx, req.exact, _selector(n_ctx, req.position, req.exact),
+                         out_mode)
 
 
 def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position: Any = None,
@@ -412,39 +412,56 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
             that disagrees with a mask, a bad ``output``/``position``; all of these before any
             contraction.
     """
-    if backend not in ("numpy", "exact", "torch"):
-        raise ValueError(f"backend: expected 'numpy', 'torch' or 'exact', got {backend!r}")
     if strategy not in ("chaos", "matchings"):
         raise ValueError(f"strategy: expected 'chaos' or 'matchings', got {strategy!r}")
-    if device is not None and backend != "torch":
-        raise ValueError(f"device: only backend='torch' runs on a device; backend={backend!r} "
-                         f"computes on the CPU (got device={device!r})")
-    if isinstance(max_configurations, (bool, np.bool_)) or not isinstance(
-            max_configurations, numbers.Integral) or max_configurations <= 0:
-        raise ValueError(f"max_configurations: expected a positive integer, got "
-                         f"{max_configurations!r}")
-    check_budget("max_memory", max_memory)
-    ctx = _torch_backend("torch" if backend == "torch" else "numpy", device, "exact_inner")
-    a, b, n_ctx = _check_pair(a, b, n_ctx)
-    _check_slices(output, position, a.out_features, n_ctx)
-    exact = backend == "exact"
-    pa, pb = _prepared_pair(a, b, n_ctx, output, exact)
-    out_mode = (("t",) if isinstance(position, str) else ()) + \
-        (("o",) if isinstance(output, str) else ())
-    sel = _selector(n_ctx, position, exact)
-    nets = [JoinedTermPair(x, y, sel, out_mode, np.einsum) for x, y in _term_pairs(pa, pb)]
-    n_conf = sum(net.count() for net in nets)
-    if n_conf > max_configurations:
+    req = make_request(n_ctx=n_ctx, output=output, position=position, backend=backend,
+                       max_configurations=max_configurations, device=device,
+                       max_memory=max_memory)
+    return exact_inner_req(req, a, b, strategy=strategy)
+
+
+def _exact_trees(req: Request, a: Any, b: Any):
+    """The checks of :func:`exact_inner` on the pair and slices, before any contraction:
+    ``(tree of a, tree of b, n_ctx, out_mode, selector)``."""
+    pa, pb, n_ctx = _checked_trees(req, a, b)
+    out_mode = (("t",) if isinstance(req.position, str) else ()) + \
+        (("o",) if isinstance(req.output, str) else ())
+    return pa, pb, n_ctx, out_mode, _selector(n_ctx, req.position, req.exact)
+
+
+def _check_cost(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
+                strategy: str) -> None:
+    """CostTooHigh over ``max_configurations`` or (chaos) the memory estimate over
+    ``max_memory``; nothing contracted."""
+    n_conf = sum(JoinedTermPair(x, y, sel, out_mode, np.einsum).count()
+                 for x, y in _term_pairs(pa, pb))
+    if n_conf > req.max_configurations:
         raise CostTooHigh(f"exact attention inner product: {n_conf:,} Wick configurations, "
-                          f"over max_configurations={max_configurations:,}. {ALTERNATIVES}, or "
-                          f"raise max_configurations")
+                          f"over max_configurations={req.max_configurations:,}. "
+                          f"{ALTERNATIVES}, or raise max_configurations")
     if strategy == "chaos":
-        msg = memory_refusal(_stored_bytes(pa, pb, n_ctx, exact, sel, out_mode), max_memory,
-                             backend, device)
+        msg = memory_refusal(_stored_bytes(pa, pb, n_ctx, req.exact, sel, out_mode),
+                             req.max_memory, req.backend, req.device)
         if msg is not None:
             raise CostTooHigh(msg)
+
+
+def exact_inner_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
+    """:func:`exact_inner` of a validated request."""
+    pa, pb, n_ctx, out_mode, sel = _exact_trees(req, a, b)
+    _check_cost(req, pa, pb, n_ctx, out_mode, sel, strategy)
+    return _exact_value(req, pa, pb, n_ctx, out_mode, sel, strategy)
+
+
+def _exact_value(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
+                 strategy: str = "chaos"):
+    """The exact inner product of two prepared (checked) trees."""
+    exact, max_configurations = req.exact, req.max_configurations
+    ctx = _torch_backend("torch" if req.backend == "torch" else "numpy", req.device,
+                         "exact_inner")
     total = None
     if strategy == "matchings":
+        nets = [JoinedTermPair(x, y, sel, out_mode, np.einsum) for x, y in _term_pairs(pa, pb)]
         for net in nets:
             val, _ = net.contract_all(max_configurations)
             if val is not None:
@@ -476,47 +493,31 @@ def _floatify(tree: Tree) -> Tree:
     return replace(tree.map(lambda x: np.asarray(x, dtype=np.float64)), exact=False)
 
 
-def exact_similarity(a: Any, b: Any, **kw):
+def exact_similarity(a: Any, b: Any, *, strategy: str = "chaos", **kw):
     """``<a,b> / sqrt(<a,a> <b,b>)`` with :func:`exact_inner` (same arguments), clipped to
-    [-1, 1] in float. Exact backend: a sympy number. Raises ValueError when a norm is zero or
-    (float) an inner product overflowed float64."""
-    # the pair's sequence length first: the self terms <a, a>, <b, b> alone may not fix it
-    # (a causal model next to one whose mask array fixes n_ctx)
-    kw = dict(kw, n_ctx=_check_pair(a, b, kw.get("n_ctx"))[2])
+    [-1, 1] in float; with ``backend="exact"`` an :class:`~tensoralg.results.ExactSimilarity`
+    (as for position-free networks). The cross term is computed in the pair's canonical order
+    (:func:`tensoralg.results.swap_order`), so ``sim(a, b)`` and ``sim(b, a)`` agree bit for
+    bit. Raises ValueError when a norm is zero or (float) an inner product overflowed
+    float64."""
+    if strategy not in ("chaos", "matchings"):
+        raise ValueError(f"strategy: expected 'chaos' or 'matchings', got {strategy!r}")
+    return exact_similarity_req(make_request(**kw), a, b, strategy)
+
+
+def exact_similarity_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
+    """:func:`exact_similarity` of a validated request."""
+    pa, pb, n_ctx, out_mode, sel = _exact_trees(req, a, b)
+    args = (n_ctx, out_mode, sel, strategy)
+    _check_cost(req, pa, pb, *args)
+    _check_cost(req, pa, pa, *args)
+    _check_cost(req, pb, pb, *args)
+    x, y = (pb, pa) if swap_order(as_network(a, "a"), as_network(b, "b")) else (pa, pb)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        ab = exact_inner(a, b, **kw)
-        aa = exact_inner(a, a, **kw)
-        bb = exact_inner(b, b, **kw)
-    if kw.get("backend") == "exact" and not isinstance(ab, np.ndarray):
-        if aa == 0 or bb == 0:
-            raise ValueError("similarity: a model with zero norm has no direction")
-        import sympy as sp
-        return sp.Rational(ab.numerator, ab.denominator) / sp.sqrt(
-            sp.Rational(aa.numerator, aa.denominator) * sp.Rational(bb.numerator, bb.denominator))
-    return _float_similarity(ab, aa, bb, "")
-
-
-def _float_similarity(ab, aa, bb, what: str):
-    """``ab / sqrt(aa bb)`` of float64 inner products (arrays for ``"each"``), clipped to
-    [-1, 1]; a clear error where float64 could not hold them.
-
-    Raises:
-        ValueError: an inner product overflowed (not finite) or a norm is zero: a zero
-            function, or one whose squared norm underflowed float64 (``backend='exact'``
-            decides, in rationals).
-    """
-    ab, aa, bb = (np.asarray(x, dtype=np.float64) for x in (ab, aa, bb))
-    if not (np.all(np.isfinite(ab)) and np.all(np.isfinite(aa)) and np.all(np.isfinite(bb))):
-        raise ValueError(f"similarity{what}: an inner product overflowed float64 (||a||^2 = "
-                         f"{aa}, ||b||^2 = {bb}); the weights are too large for float64 — "
-                         f"rescale them or use backend='exact'")
-    if np.any(aa <= 0) or np.any(bb <= 0):
-        raise ValueError(f"similarity{what}: a model has norm zero in float64 (||a||^2 = {aa}, "
-                         f"||b||^2 = {bb}): a zero function has no direction; if its weights are "
-                         f"merely tiny, the norm underflowed — rescale them or use "
-                         f"backend='exact'")
-    val = np.clip(ab / np.sqrt(aa * bb), -1.0, 1.0)
-    return val if val.ndim else float(val)
+        ab = _exact_value(req, x, y, *args)
+        aa = _exact_value(req, pa, pa, *args)
+        bb = _exact_value(req, pb, pb, *args)
+    return similarity_from(ab, aa, bb, req.exact)
 
 
 # ----------------------------------------------------------------------------------------
@@ -534,49 +535,37 @@ def _per_sample(fa, fb, output, position):
     return ((fa @ u) * (fb @ u)).sum(axis=1)
 
 
-def _mc_draws(a: Any, b: Any, n_ctx: Any, n_samples: Any, seed: Any, output: Any,
-              position: Any, n_batches: Any, caller: str, radial: bool):
-    """Arguments of :func:`montecarlo_inner` / :func:`montecarlo_similarity` checked (before any
-    sampling); returns a generator of ``(f_a(X), f_b(X), w)`` over ``n_batches`` equal batches
-    (numpy ``default_rng(seed)``) and the number of samples.
+def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
+    """The request checked against the pair (before any sampling); returns a generator of
+    ``(f_a(X), f_b(X), w)`` over ``n_batches`` equal batches of directions (numpy
+    ``default_rng(seed)``), and the number of directions.
 
-    ``radial=False``: ``X`` ``(size, n_ctx, d)`` iid ``N(0, 1)``, ``w = [1.]``. ``radial=True``:
-    ``size`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)``, each evaluated at the
-    ``Q`` points ``±r_q u`` of the Gauss rule for the chi radius
-    (``tensoralg.strategies.montecarlo._radial_rule``, exact for polynomials of degree
-    ``<= 2 max(degree)``), ``X`` ``(size Q, n_ctx, d)`` and ``w`` ``(Q,)`` the weights (sum 1):
-    ``sum_q w_q g(X_q)`` is the exact radial average of a product of the two outputs."""
-    a, b, n_ctx = _check_pair(a, b, n_ctx)
-    if isinstance(output, str) or isinstance(position, str):
+    ``size`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)`` per batch, each
+    evaluated at the ``Q`` points ``±r_q u`` of the Gauss rule for the chi radius
+    (:func:`tensoralg.strategies.montecarlo._radial_rule`, exact for polynomials of degree
+    ``<= 2 max(degree)``): ``X`` ``(size Q, n_ctx, d)`` and ``w`` ``(Q,)`` the weights (sum 1),
+    so ``sum_q w_q g(X_q)`` is the exact radial average of a product of the two outputs."""
+    a, b, n_ctx = _check_pair(a, b, req.n_ctx)
+    if isinstance(req.output, str) or isinstance(req.position, str):
         raise ValueError(f"{caller}: output='each' / position='each' are not supported; "
                          f"loop over the slices")
-    _check_slices(output, position, a.out_features, n_ctx)
+    _check_slices(req, a.out_features, n_ctx)
     if isinstance(n_batches, bool) or not isinstance(n_batches, numbers.Integral) or n_batches < 2:
         raise ValueError(f"n_batches: expected an int >= 2, got {n_batches!r}")
-    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or \
-            n_samples < 2 * n_batches:
+    if req.n_samples < 2 * n_batches:
         raise ValueError(f"n_samples: expected an int >= 2 * n_batches = {2 * n_batches}, got "
-                         f"{n_samples!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
-    from .strategies.montecarlo import _radial_rule
-
+                         f"{req.n_samples!r}")
     a, b = a.astype_float(), b.astype_float()
-    size = int(n_samples) // int(n_batches)
+    size = int(req.n_samples) // int(n_batches)
     d = a.in_features
-    if radial:
-        r, w = _radial_rule(n_ctx * d, 2 * max(a.degree, b.degree))
-        pts = np.concatenate([r, -r])
-        wq = np.concatenate([w, w]) / 2
-        Q = pts.size
+    r, w = _radial_rule(n_ctx * d, 2 * max(a.degree, b.degree))
+    pts = np.concatenate([r, -r])
+    wq = np.concatenate([w, w]) / 2
+    Q = pts.size
 
     def draws():
-        rng = np.random.default_rng(int(seed))
+        rng = np.random.default_rng(int(req.seed))
         for _ in range(int(n_batches)):
-            if not radial:
-                X = rng.standard_normal((size, n_ctx, d))
-                yield a(X), b(X), np.ones(1)
-                continue
             u = rng.standard_normal((size, n_ctx * d))
             u /= np.linalg.norm(u, axis=1, keepdims=True)
             X = (u[:, None, :] * pts[None, :, None]).reshape(size * Q, n_ctx, d)
@@ -585,36 +574,54 @@ def _mc_draws(a: Any, b: Any, n_ctx: Any, n_samples: Any, seed: Any, output: Any
     return draws(), size * int(n_batches)
 
 
+def _mc_request(n_ctx, n_samples, seed, output, position) -> Request:
+    return make_request(method="montecarlo", n_ctx=n_ctx, n_samples=n_samples, seed=seed,
+                        output=output, position=position)
+
+
 def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_000,
                      seed: int = 0, output: Any = None, position: Any = None,
                      n_batches: int = 20):
     """Monte Carlo estimate (approximate) of ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` for
-    sequence models of any depth, with its standard error.
+    sequence models of any depth, with its standard error: the radial estimator of the
+    position-free path (docs/mathematics.md §3.4).
 
-    ``X`` of shape ``(n_ctx, d)`` has iid ``N(0, 1)`` entries (numpy ``default_rng(seed)``);
-    both models are evaluated in float64 on the same samples. The ``n_samples`` draws are
-    split into ``n_batches`` equal batches; the standard error is the batch-means one,
-    ``std(batch means, ddof=1) / sqrt(n_batches)`` (central limit theorem; the samples are iid,
-    so it estimates the same error as the plain one).
+    Samples ``n_samples`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)`` (numpy
+    ``default_rng(seed)``) and integrates the radius exactly (the Gauss rule for the chi
+    distribution): per direction ``p(u) = E_r[sum_{t,o} f_a(r u)[t,o] f_b(r u)[t,o]]``
+    (sliced by ``output`` / ``position``), each model evaluated at ``Q = 2 m`` points
+    (``m = max degree // 2 + 1``). ``p(u)`` is iid over directions with mean the inner
+    product; the estimate is its sample mean and the standard error
+    ``std(p, ddof=1) / sqrt(n)``. Plain samples ``X ~ N(0, I)`` (the estimator before) give a
+    heavy-tailed degree-10 integrand at one layer whose standard error did not cover (truth
+    beyond 3 SE in 23 of 200 seeds at 2 000 samples); the radial one is tested for coverage in
+    tests/test_mc_coverage.py. ``n_batches`` only fixes the draw order.
 
     Args:
         output: None, an int or a direction vector (no ``"each"``); position: None or an int.
 
     Returns:
-        ``tensoralg.MonteCarloEstimate`` (a float with ``.stderr`` and ``.n_samples``).
+        ``tensoralg.MonteCarloEstimate`` (a float with ``.stderr`` and ``.n_samples`` =
+        directions).
 
     Raises:
         ValueError: as :func:`exact_inner` for the pair and slices; ``n_samples`` below
             ``2 * n_batches``; ``n_batches < 2``; a negative ``seed``.
     """
-    from .products import MonteCarloEstimate
+    return montecarlo_inner_req(_mc_request(n_ctx, n_samples, seed, output, position), a, b,
+                                n_batches)
 
-    draws, n = _mc_draws(a, b, n_ctx, n_samples, seed, output, position, n_batches,
-                         "montecarlo_inner", radial=False)
-    means = np.array([(_per_sample(fa, fb, output, position).reshape(-1, w.size) @ w).mean()
-                      for fa, fb, w in draws])
-    se = float(np.std(means, ddof=1) / math.sqrt(len(means)))
-    return MonteCarloEstimate(float(means.mean()), se, n)
+
+def montecarlo_inner_req(req: Request, a: Any, b: Any, n_batches: int = 20):
+    """:func:`montecarlo_inner` of a validated request."""
+    draws, n = _mc_draws(req, a, b, n_batches, "montecarlo_inner")
+    s1 = s2 = 0.0
+    for fa, fb, w in draws:
+        p = _per_sample(fa, fb, req.output, req.position).reshape(-1, w.size) @ w
+        s1, s2 = s1 + p.sum(), s2 + p @ p
+    mean = s1 / n
+    var = max(s2 / n - mean * mean, 0.0) * n / (n - 1)
+    return MonteCarloEstimate(float(mean), math.sqrt(var / n), n)
 
 
 def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_000,
@@ -623,24 +630,17 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
     """Monte Carlo estimate (approximate) of ``<a,b> / sqrt(<a,a> <b,b>)`` for sequence models of
     any depth, with a delta-method standard error.
 
-    Samples ``n_samples`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)`` (numpy
-    ``default_rng(seed)``) and integrates the radius exactly (Gauss rule for the chi
-    distribution, as the position-free path, DESIGN §3.4): with ``X = r u``, per direction
-    ``p_ab = E_r[sum_{t,o} f_a(X)[t,o] f_b(X)[t,o]]`` (sliced by ``output`` / ``position``),
-    likewise ``p_aa``, ``p_bb``, each model evaluated at ``Q = 2 m`` points per direction
-    (``m = max degree // 2 + 1``: 6 for one attention layer). The estimate is the ratio
+    The directions and radial rule of :func:`montecarlo_inner`: per direction ``p_ab``,
+    ``p_aa``, ``p_bb`` from the same evaluations. The estimate is the ratio
     ``r = mean(p_ab) / sqrt(mean(p_aa) mean(p_bb))`` (consistent, bias O(1/n)) and its standard
     error ``sqrt(g^T C g / n)``, ``C`` the sample covariance of ``(p_ab, p_aa, p_bb)`` over the
     ``n`` directions and ``g`` the gradient of ``r``
     (``tensoralg.strategies.montecarlo.ratio_estimate``, the position-free path's formula).
 
-    Why directions: plain samples ``X ~ N(0, I)`` give per-sample products of degree 10 (one
-    layer) with heavy tails, and their delta-method standard error under-covers (measured on
-    three one-layer pairs, 2000 samples, 300 runs: the exact value beyond 3 standard errors in
-    12 runs instead of ~0.8); with 300 directions it was beyond 3 in 3 of 300 and the standard
-    error about as small as plain sampling's at 20 000 samples (tests/test_mc_coverage.py).
-    Deeper stacks have high degree (25 for two attention layers, ``Q = 26``): their standard
-    error is less reliable; check it across seeds. ``n_batches`` only fixes the draw order.
+    Measured (tests/test_mc_coverage.py): on three one-layer pairs with 300 directions the
+    exact value lay beyond 3 standard errors in 3 of 300 runs (plain sampling at 2 000
+    samples: 12). Deeper stacks have high degree (25 for two attention layers, ``Q = 26``):
+    their standard error is less reliable; check it across seeds.
 
     Returns:
         ``tensoralg.MonteCarloEstimate`` (``.stderr``, ``.n_samples`` = directions).
@@ -648,14 +648,17 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
     Raises:
         ValueError: as :func:`montecarlo_inner`; a sampled norm that is zero.
     """
-    from .strategies.montecarlo import ratio_estimate
+    return montecarlo_similarity_req(_mc_request(n_ctx, n_samples, seed, output, position),
+                                     a, b, n_batches)
 
-    draws, n = _mc_draws(a, b, n_ctx, n_samples, seed, output, position, n_batches,
-                         "montecarlo_similarity", radial=True)
+
+def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = 20):
+    """:func:`montecarlo_similarity` of a validated request."""
+    draws, n = _mc_draws(req, a, b, n_batches, "montecarlo_similarity")
     s1 = np.zeros(3)
     s2 = np.zeros((3, 3))
     for fa, fb, w in draws:
-        P = np.stack([_per_sample(x, y, output, position).reshape(-1, w.size) @ w
+        P = np.stack([_per_sample(x, y, req.output, req.position).reshape(-1, w.size) @ w
                       for x, y in ((fa, fb), (fa, fa), (fb, fb))])          # (3, size)
         s1 += P.sum(axis=1)
         s2 += P @ P.T
@@ -1323,23 +1326,24 @@ def _n_stages(net: Layer, n_ctx: int, name: str) -> int:
     return len(_schedule(_closure_nodes(net, n_ctx, name))[0])
 
 
-def _closure_triple(a, b, n_ctx, output, position, need_self=True, backend="numpy",
-                    device=None):
-    with _torch_backend(backend, device, "the closure"):
-        return _closure_triple_run(a, b, n_ctx, output, position, need_self)
+def _closure_triple(req: Request, a, b, need_self=True):
+    with _torch_backend(req.backend, req.device, "the closure"):
+        return _closure_triple_run(req, a, b, need_self)
 
 
-def _closure_triple_run(a, b, n_ctx, output, position, need_self):
-    a, b, n_ctx = _check_pair(a, b, n_ctx)
-    _check_slices(output, position, a.out_features, n_ctx)
+def _closure_triple_run(req: Request, a, b, need_self):
+    a, b, n_ctx = _check_pair(a, b, req.n_ctx)
+    _check_slices(req, a.out_features, n_ctx)
+    swap = need_self and swap_order(a, b)   # a similarity: the pair's canonical order
     a, b = a.astype_float(), b.astype_float()
-    U, keep = _closure_output(output, a.out_features)
-    sel = _selector(n_ctx, position, False)
-    each_t = isinstance(position, str)
+    U, keep = _closure_output(req.output, a.out_features)
+    sel = _selector(n_ctx, req.position, False)
+    each_t = isinstance(req.position, str)
     depth = max(_n_stages(a, n_ctx, "a"), _n_stages(b, n_ctx, "b"))
     ma = _ClosureModel(a, n_ctx, "a", depth)
     mb = _ClosureModel(b, n_ctx, "b", depth)
-    ab = _closure_pair_value(ma, mb, U, keep, sel, each_t)
+    # (so closure_similarity(a, b) and (b, a) agree bit for bit)
+    ab = _closure_pair_value(*((mb, ma) if swap else (ma, mb)), U, keep, sel, each_t)
     if not need_self:
         return None, ab, None
     return (_closure_pair_value(ma, ma, U, keep, sel, each_t), ab,
@@ -1427,8 +1431,20 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
             does not handle, or a Residual holding more than one non-linear layer; an unknown
             backend, a device without ``backend="torch"``, CUDA asked for where it is absent.
     """
-    return _closure_triple(a, b, n_ctx, output, position, need_self=False, backend=backend,
-                           device=device)[1]
+    return closure_inner_req(_closure_request(n_ctx, output, position, backend, device), a, b)
+
+
+def _closure_request(n_ctx, output, position, backend, device) -> Request:
+    if backend not in ("numpy", "torch"):
+        raise ValueError(f"backend: the closure runs in float64: expected 'numpy' or 'torch', "
+                         f"got {backend!r}")
+    return make_request(method="closure", n_ctx=n_ctx, output=output, position=position,
+                        backend=backend, device=device)
+
+
+def closure_inner_req(req: Request, a: Any, b: Any):
+    """:func:`closure_inner` of a validated request."""
+    return _closure_triple(req, a, b, need_self=False)[1]
 
 
 def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
@@ -1437,10 +1453,22 @@ def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     (APPROXIMATE at depth >= 2; see :func:`closure_inner` for what it is, its measured error,
     ``backend`` and ``device``). Raises ValueError when a closure norm is zero or an inner
     product overflowed float64."""
+    return closure_similarity_req(_closure_request(n_ctx, output, position, backend, device),
+                                  a, b)
+
+
+def closure_triple(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
+                   position: Any = None, backend: str = "numpy", device: Any = None):
+    """``(<a,a>, <a,b>, <b,b>)`` of the closure from one propagation (APPROXIMATE at depth
+    >= 2; see :func:`closure_inner`); the cross term in the pair's canonical order."""
+    return _closure_triple(_closure_request(n_ctx, output, position, backend, device), a, b)
+
+
+def closure_similarity_req(req: Request, a: Any, b: Any):
+    """:func:`closure_similarity` of a validated request."""
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        aa, ab, bb = _closure_triple(a, b, n_ctx, output, position, backend=backend,
-                                     device=device)
-    return _float_similarity(ab, aa, bb, " (closure)")
+        aa, ab, bb = _closure_triple(req, a, b)
+    return similarity_from(ab, aa, bb, False, " (closure)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -1496,12 +1524,18 @@ def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any
         ValueError: as :func:`closure_inner` for any pair; an empty list; a zero closure norm
             with ``similarity=True``.
     """
-    nets, n_ctx = _check_models(models, n_ctx)
-    _check_slices(output, position, nets[0].out_features, n_ctx)
+    return closure_gram_req(_closure_request(n_ctx, output, position, backend, device), models,
+                            similarity)
+
+
+def closure_gram_req(req: Request, models, similarity: bool = False) -> np.ndarray:
+    """:func:`closure_gram` of a validated request."""
+    nets, n_ctx = _check_models(models, req.n_ctx)
+    _check_slices(req, nets[0].out_features, n_ctx)
     nets = [m.astype_float() for m in nets]
     vals = {}
-    with _torch_backend(backend, device, "closure_gram"):
-        cm, args = _closure_setup(nets, n_ctx, output, position,
+    with _torch_backend(req.backend, req.device, "closure_gram"):
+        cm, args = _closure_setup(nets, n_ctx, req.output, req.position,
                                   [f"models[{i}]" for i in range(len(nets))])
         for i in range(len(cm)):
             for j in range(i, len(cm)):
@@ -1532,13 +1566,14 @@ def closure_cross_gram(models_a, models_b, *, n_ctx: Any = None, output: Any = N
     if na == 0 or not models_b:
         raise ValueError(f"closure_cross_gram: models_a and models_b must both be non-empty, "
                          f"got {na} and {len(models_b)} models")
-    nets, n_ctx = _check_models(models_a + models_b, n_ctx)
-    _check_slices(output, position, nets[0].out_features, n_ctx)
+    req = _closure_request(n_ctx, output, position, backend, device)
+    nets, n_ctx = _check_models(models_a + models_b, req.n_ctx)
+    _check_slices(req, nets[0].out_features, n_ctx)
     nets = [m.astype_float() for m in nets]
     names = [f"models_a[{i}]" for i in range(na)] + \
         [f"models_b[{j}]" for j in range(len(nets) - na)]
-    with _torch_backend(backend, device, "closure_cross_gram"):
-        cm, args = _closure_setup(nets, n_ctx, output, position, names)
+    with _torch_backend(req.backend, req.device, "closure_cross_gram"):
+        cm, args = _closure_setup(nets, n_ctx, req.output, req.position, names)
         vals = [[_closure_pair_value(cm[i], cm[j], *args) for j in range(na, len(cm))]
                 for i in range(na)]
     return np.asarray(vals, dtype=np.float64)
@@ -1553,10 +1588,17 @@ def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any =
     Raises:
         AttentionNotSupported: a model the exact path does not handle (``models[i]`` named),
             before any contraction. ValueError: as :func:`exact_inner`."""
-    nets, n_ctx = _check_models(models, n_ctx)
     if kw.get("backend", "numpy") not in ("numpy", "torch"):
         raise ValueError("exact_gram: backend='numpy' or 'torch' (float64; use exact_inner "
                          "per pair for rationals)")
+    req = make_request(n_ctx=n_ctx, output=output, position=position, **kw)
+    return exact_gram_req(req, models, similarity)
+
+
+def exact_gram_req(req: Request, models, similarity: bool = False) -> np.ndarray:
+    """:func:`exact_gram` of a validated request (float64: numpy or torch backend)."""
+    nets, n_ctx = _check_models(models, req.n_ctx)
+    req = req.replace(n_ctx=n_ctx)
     for i, net in enumerate(nets):  # every model's support checked before any contraction
         canonicalize(net, n_ctx, f"models[{i}]")
     vals = {}
@@ -1564,8 +1606,7 @@ def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any =
     try:
         for i in range(len(nets)):
             for j in range(i, len(nets)):
-                vals[(i, j)] = np.asarray(exact_inner(nets[i], nets[j], n_ctx=n_ctx,
-                                                      output=output, position=position, **kw),
+                vals[(i, j)] = np.asarray(exact_inner_req(req, nets[i], nets[j]),
                                           dtype=np.float64)
     finally:
         _IN_SEQUENCE_GRAM.reset(token)

@@ -268,8 +268,11 @@ def _load(ref: Any, n_ctx: int | None = None, sequence: bool = False):
 # one block (runs in this process or on a Dask worker)
 # ----------------------------------------------------------------------------------------
 
-def _engine_options(opts: dict) -> tuple[dict, str]:
-    """Keyword arguments for ta.gram/cross_gram, and the device used, on this machine."""
+def _engine_request(opts: dict):
+    """The engine's :class:`~tensoralg.request.Request` for a block, and the device used, on
+    this machine."""
+    from .request import make_request
+
     kw = {k: opts[k] for k in ("metric", "method", "output") if opts.get(k) is not None}
     if opts["method"] == "montecarlo":
         kw.update(n_samples=opts["n_samples"], seed=opts["seed"])
@@ -285,14 +288,14 @@ def _engine_options(opts: dict) -> tuple[dict, str]:
         kw.update(backend="torch", device="cuda", dtype="float64")
     else:
         kw["backend"] = "numpy"
-    return kw, device
+    return make_request(**kw), device
 
 
 def _block_task(rows: list, cols: list | None, opts: dict) -> tuple[np.ndarray, str]:
     """``G`` of one block: ``gram(rows)`` on the diagonal (``cols is None``), else
     ``cross_gram(rows, cols)``; float64 ``(len(rows), len(cols)[, K])`` and the device used.
     Loads the block's checkpoints here (on the worker)."""
-    import tensoralg as ta
+    from . import engine
 
     if opts.get("threads"):
         import torch
@@ -300,12 +303,12 @@ def _block_task(rows: list, cols: list | None, opts: dict) -> tuple[np.ndarray, 
         torch.set_num_threads(int(opts["threads"]))
     if opts.get("sequence"):
         return _sequence_block(rows, cols, opts), "cpu"
-    kw, device = _engine_options(opts)
+    req, device = _engine_request(opts)
     a = [_load(r) for r in rows]
     if cols is None:
-        G = ta.gram(a, **kw)
+        G = engine.gram(req, a)
     else:
-        G = ta.cross_gram(a, [_load(c) for c in cols], **kw)
+        G = engine.cross_gram(req, a, [_load(c) for c in cols])
     if hasattr(G, "detach"):
         G = G.detach().to("cpu").numpy()
     return np.asarray(G, dtype=np.float64), device
@@ -637,7 +640,7 @@ def _jsonable_output(output: Any) -> Any:
 
 def _options(metric, method, output, device, n_samples, seed, threads, max_flops,
              max_configurations, n_ctx=None) -> dict:
-    from .prepare import check_options as _check_options
+    from .request import check_options as _check_options
 
     _check_options(metric, method, "numpy")
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:

@@ -51,9 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["CostTooHigh", "WickPlan", "JoinedNetwork", "to_graph", "DEFAULT_MAX_FLOPS",
            "DEFAULT_MAX_CONFIGURATIONS", "n_wick_configurations", "wick_flops_lower_bound"]
 
-DEFAULT_MAX_FLOPS = 2e11
-DEFAULT_MAX_FLOPS_EXACT = 2e7
-DEFAULT_MAX_CONFIGURATIONS = 200_000
+from .request import DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT  # noqa: E402
 
 
 def n_wick_configurations(can_a: Canonical, can_b: Canonical, metric: str) -> tuple[int, int]:

@@ -28,7 +28,8 @@ from .canonical import Canonical
 from .errors import CostTooHigh
 from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
                       WickPlan, n_wick_configurations)
-from .prepare import check_budget, float_stacks_for_exact
+from .prepare import float_stacks_for_exact
+from .request import check_budget
 from .strategies import chaos, wick
 
 __all__ = ["Plan", "SequencePlan", "make_plan", "plan_sequence", "refuse_exact_early",
@@ -581,13 +582,11 @@ def _describe_tree(tree) -> list:
     return lines
 
 
-def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position: Any = None,
-                  n_ctx: Any = None, backend: str = "numpy", device: Any = None,
-                  max_configurations: int = DEFAULT_MAX_CONFIGURATIONS,
-                  max_memory: float | None = None) -> SequencePlan:
+def plan_sequence(req, na, nb) -> SequencePlan:
     """The plan of ``inner(na, nb, ...)`` for sequence models (``na``, ``nb``: layers; the same
-    object for ``<a, a>``): the checks :func:`tensoralg.inner` makes, in its order, then the
-    exact attention path's configuration count (cheap: nothing is contracted).
+    object for ``<a, a>``; ``req``: the validated :class:`~tensoralg.request.Request`): the
+    checks :func:`tensoralg.inner` makes, in its order, then the exact attention path's
+    configuration count (cheap: nothing is contracted).
 
     The count is :func:`tensoralg.attention.count_configurations` with the same ``output``
     slice and ``backend`` (the zero patterns of the sliced terms decide which legs can be
@@ -598,10 +597,8 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
 
     Raises:
         ValueError: what ``inner`` raises before any work: a sequence model paired with a
-            position-free network of degree > 1, a metric other than Gaussian, ``device``
-            without ``backend="torch"``, ``n_ctx`` missing, not a positive int or in
-            disagreement with a mask, a bad ``output`` or ``position``, a
-            ``max_configurations`` that is not a positive int.
+            position-free network of degree > 1, a metric other than Gaussian, ``n_ctx``
+            missing or in disagreement with a mask, an ``output`` or ``position`` out of range.
     """
     from . import attention, canonical
     from .network import sequence_n_ctx
@@ -611,30 +608,18 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
         raise ValueError("a and b: a sequence model (with attention) compared with a "
                          "position-free network of degree > 1; compare two sequence models (a "
                          "per-position affine map is accepted)")
-    if metric != "gaussian":
+    if req.metric != "gaussian":
         raise ValueError("sequence models: only metric='gaussian' is implemented")
-    if device is not None and backend != "torch":
-        raise ValueError(f"device: only backend='torch' runs on a device; backend={backend!r} "
-                         f"computes on the CPU (got device={device!r})")
-    # (in the order of attention.exact_inner's checks, so both raise the same error first)
-    if isinstance(max_configurations, bool) or not isinstance(max_configurations,
-                                                              (int, np.integer)) \
-            or max_configurations <= 0:
-        raise ValueError(f"max_configurations: expected a positive integer, got "
-                         f"{max_configurations!r}")
-    check_budget("max_memory", max_memory)
-    if backend == "torch":
-        from .backends import torch_device
-
-        torch_device(device)
-    n = sequence_n_ctx(na, nb, n_ctx)
-    attention._check_slices(output, position, na.out_features, n)
+    max_configurations, max_memory = req.max_configurations, req.max_memory
+    backend, device, output, position = req.backend, req.device, req.output, req.position
+    n = sequence_n_ctx(na, nb, req.n_ctx)
+    req = req.replace(n_ctx=n)
+    attention._check_slices(req, na.out_features, n)
     plan = SequencePlan(strategy=None, reason="", n_ctx=n,
                         max_configurations=int(max_configurations), output=output,
                         position=position)
     try:
-        plan.n_configurations = attention.count_configurations(na, nb, n_ctx=n, output=output,
-                                                               backend=backend)
+        plan.n_configurations = attention.count_configurations_req(req, na, nb)
     except attention.AttentionNotSupported as exc:
         plan.supported = False
         plan.refused = f"exact inner product of sequence models: {exc}. {SEQUENCE_ALTERNATIVES}"
@@ -663,8 +648,7 @@ def plan_sequence(na, nb, metric: str = "gaussian", output: Any = None, position
                             f"{SEQUENCE_ALTERNATIVES}, or raise max_configurations")
             plan.reason = "over max_configurations"
         else:
-            plan.memory_bytes = attention.chaos_memory_bytes(na, nb, n, output=output,
-                                                             position=position, backend=backend)
+            plan.memory_bytes = attention.chaos_memory_bytes_req(req, na, nb)
             plan.max_memory = float(available_memory(backend, device) if max_memory is None
                                     else max_memory)
             plan.refused = attention.memory_refusal(plan.memory_bytes, plan.max_memory)

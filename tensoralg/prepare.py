@@ -14,49 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from .backends import BACKENDS, fraction_array
+from .backends import fraction_array
 from .canonical import Canonical, Stage, canonicalize, stack
 from .layers import Bilinear, Layer, Linear, Residual, Sequential, _map_arrays, as_network
+from .request import make_request
 
-__all__ = ["METRICS", "METHODS", "STRATEGIES", "check_options", "check_pair", "output_matrix",
-           "networks", "stack_for", "normalize", "scaled", "check_budget", "PREPARED",
-           "PreparedCache"]
-
-METRICS = ("gaussian", "frobenius")
-METHODS = ("exact", "closure", "montecarlo")
-STRATEGIES = ("auto", "wick", "chaos")
-
-
-def check_options(metric: str, method: str, backend: str, strategy: str = "auto") -> None:
-    """Raises ValueError naming an unknown metric, method, backend or strategy, or a
-    combination that has no meaning (Frobenius is a closed form: exact only)."""
-    if metric not in METRICS:
-        raise ValueError(f"metric: unknown metric {metric!r}; expected one of {METRICS}")
-    if method not in METHODS:
-        raise ValueError(f"method: unknown method {method!r}; expected one of {METHODS}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"strategy: unknown strategy {strategy!r}; expected one of "
-                         f"{STRATEGIES} ('wick': the tensor-network Wick sum, 'chaos': Gaussian "
-                         f"chaos (Hermite) coefficients, 'auto': the cheaper within budget)")
-    if metric == "frobenius" and method != "exact":
-        raise ValueError(f"metric='frobenius' is a closed form of the weights: method must be "
-                         f"'exact', got {method!r}")
-    if strategy != "auto" and method != "exact":
-        raise ValueError(f"strategy={strategy!r} chooses an exact representation; it needs "
-                         f"method='exact', got method={method!r}")
-
-
-def check_budget(name: str, value: Any) -> None:
-    """A budget (``max_flops``, ``max_memory``) must be a positive finite number or None."""
-    if value is None:
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or \
-            not np.isfinite(float(value)) or float(value) <= 0:
-        raise ValueError(f"{name}: expected a positive number (or None for the default), "
-                         f"got {value!r}")
-
+__all__ = ["check_pair", "output_matrix", "networks", "stack_for", "normalize", "scaled",
+           "PREPARED", "PreparedCache"]
 
 def check_pair(na: Layer, nb: Layer) -> None:
     if na.in_features != nb.in_features:
@@ -70,37 +34,8 @@ def check_pair(na: Layer, nb: Layer) -> None:
 
 def output_matrix(output: Any, O: int, exact: bool) -> tuple[np.ndarray, bool]:
     """Output projection U ``(K, O)`` and whether the projected index stays open
-    (``output="each"``)."""
-    if output is None:
-        U = np.eye(O, dtype=np.float64)
-        keep = False
-    elif isinstance(output, str):
-        if output != "each":
-            raise ValueError(f"output: expected None, an int, a vector of length {O} or 'each'; "
-                             f"got {output!r}")
-        U, keep = np.eye(O, dtype=np.float64), True
-    elif isinstance(output, numbers.Integral) and not isinstance(output, (bool, np.bool_)):
-        c = int(output)
-        if not -O <= c < O:
-            raise ValueError(f"output: index {c} out of range for {O} outputs")
-        U = np.zeros((1, O))
-        U[0, c % O] = 1.0
-        keep = False
-    else:
-        from .layers import as_array
-
-        if isinstance(output, (bool, numbers.Real)) or np.ndim(output) != 1:
-            raise ValueError(f"output: expected None, an int class index, a vector of length {O} "
-                             f"or 'each'; got {output!r}")
-        u = as_array(output, "output", 1)
-        if u.shape != (O,):
-            raise ValueError(f"output: direction of shape {u.shape} does not match the {O} outputs")
-        if not np.any(u != 0):
-            raise ValueError("output: the direction u is zero; u . f is the zero function")
-        U, keep = u[None, :], False
-    if exact:
-        U = fraction_array(U)
-    return U, keep
+    (``output="each"``): :meth:`tensoralg.request.Request.output_matrix`."""
+    return make_request(output=output, backend="exact" if exact else "numpy").output_matrix(O)
 
 
 def _load(m: Any, name: str) -> Layer:

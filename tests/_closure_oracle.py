@@ -15,6 +15,7 @@ import opt_einsum as oe
 from tensoralg.wick import partial_matchings
 from tensoralg.layers import Layer
 from tensoralg.attention import _check_pair, _check_slices, _selector
+from tensoralg.request import make_request
 
 # The node decomposition (forms, terms, one node per layer) is the package's own and unchanged
 # since 942dfb0; the oracle re-checks the moment propagation built on it.
@@ -234,7 +235,7 @@ def _closure_output(output: Any, d_out: int):
 
 def _closure_triple(a, b, n_ctx, output, position, need_self=True):
     a, b, n_ctx = _check_pair(a, b, n_ctx)
-    _check_slices(output, position, a.out_features, n_ctx)
+    _check_slices(make_request(output=output, position=position), a.out_features, n_ctx)
     a, b = a.astype_float(), b.astype_float()
     U, keep = _closure_output(output, a.out_features)
     sel = _selector(n_ctx, position, False)

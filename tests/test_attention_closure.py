@@ -173,7 +173,8 @@ def test_fast_closure_equals_the_previous_implementation_at_depth_two(case):
     from _closure_oracle import _closure_triple as old_triple
 
     _, a, b, kw, n = case
-    new = attention._closure_triple(a, b, n, kw.get("output"), kw.get("position"))
+    new = attention.closure_triple(a, b, n_ctx=n, output=kw.get("output"),
+                                   position=kw.get("position"))
     old = old_triple(a, b, n, kw.get("output"), kw.get("position"))
     for x, y in zip(new, old):
         x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)

@@ -107,7 +107,7 @@ def test_gram_of_sequence_models_passes_max_memory_on():
 def test_chaos_memory_bytes_bad_input_before_any_work():
     rng = np.random.default_rng(5)
     a = model(rng, 1, 2, 4)
-    cases = [(dict(n_ctx=3, backend="jax"), "backend: expected"),
+    cases = [(dict(n_ctx=3, backend="jax"), "backend: unknown backend .jax."),
              (dict(n_ctx=0), "n_ctx: expected a positive int"),
              (dict(n_ctx=3, output=10), "output: class index 10 out of range"),
              (dict(n_ctx=3, output=[np.nan] * 10), "output"),

@@ -109,9 +109,9 @@ def test_unknown_option_names(nets):
 
 def test_bad_outputs(nets):
     a, b = nets
-    with pytest.raises(ValueError, match="output: index 2 out of range for 2 outputs"):
+    with pytest.raises(ValueError, match="output: class index 2 out of range for 2 outputs"):
         ta.inner(a, b, output=2)
-    with pytest.raises(ValueError, match=r"direction of shape \(3,\) does not match the 2"):
+    with pytest.raises(ValueError, match=r"direction vector must have shape \(2,\), got \(3,\)"):
         ta.inner(a, b, output=np.ones(3))
     with pytest.raises(ValueError, match="output: expected None, an int"):
         ta.inner(a, b, output="all")

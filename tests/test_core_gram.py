@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg import products
+from tensoralg import engine
 from netgen import brute_inner, rand_network
 
 
@@ -60,7 +60,7 @@ def test_cross_gram_and_slices():
 def test_gram_blocks_give_the_same_matrix(monkeypatch):
     models = _models("embed_bilinear_head", 5, seed=5)
     G = ta.gram(models)
-    monkeypatch.setattr(products, "_MAX_INTERMEDIATE", 64)  # forces 1x1 or 2x2 blocks
+    monkeypatch.setattr(engine, "_MAX_INTERMEDIATE", 64)  # forces 1x1 or 2x2 blocks
     Gb = ta.gram(models)
     assert np.allclose(G, Gb, rtol=1e-13, atol=0)
 

@@ -299,7 +299,7 @@ def test_graph_errors_name_the_argument():
         ta.to_graph(fixed, _attn(rng, mask=np.ones((4, 4))))
     with pytest.raises(ValueError, match="b: input size 2 differs from a's 3"):
         ta.to_graph(causal, ta.Linear(np.ones((3, 2))), n_ctx=2)
-    with pytest.raises(ValueError, match="output: index 5 out of range"):
+    with pytest.raises(ValueError, match="output: class index 5 out of range"):
         ta.to_graph(causal, n_ctx=2, output=5)
     # the mask of one side fixes n_ctx for both
     assert ta.to_graph(fixed, causal).nodes["i:t"]["size"] == 3

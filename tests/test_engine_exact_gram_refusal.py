@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-import tensoralg.products as products
+import tensoralg.engine as engine
 from tensoralg import planner
 from tensoralg.prepare import float_stacks_for_exact, output_matrix, stack_for
 from netgen import rand_linear, rand_network
@@ -21,7 +21,7 @@ from test_engine_exact_refusal import _deep, _no_rationals
 def _rational_message(monkeypatch, fn, exc_type=ta.CostTooHigh):
     """The error the rational path gives (the early check switched off)."""
     with monkeypatch.context() as m:
-        m.setattr(products, "refuse_exact_early", lambda *args, **kwargs: None)
+        m.setattr(engine, "refuse_exact_early", lambda *args, **kwargs: None)
         with pytest.raises(exc_type) as exc:
             fn()
     return str(exc.value)
@@ -88,7 +88,7 @@ def test_block_refusal_without_rational_conversion(monkeypatch):
     nothing), the early check with the same message."""
     rng = np.random.default_rng(7)
     ms = [_deep(rng, 1) for _ in range(3)]
-    monkeypatch.setattr(products, "_MAX_INTERMEDIATE", 200)
+    monkeypatch.setattr(engine, "_MAX_INTERMEDIATE", 200)
     U, keep = output_matrix(None, 2, True)
     ca, _ = stack_for(ms, "exact", "models")
     kw = dict(strategy="wick", max_flops=4000)
@@ -122,10 +122,10 @@ def test_within_budget_unchanged(monkeypatch):
             if i < 2 and j >= 1:
                 assert X[i, j - 1] == v
     with monkeypatch.context() as m:  # the same floats without the early check
-        m.setattr(products, "refuse_exact_early", lambda *args, **kwargs: None)
+        m.setattr(engine, "refuse_exact_early", lambda *args, **kwargs: None)
         assert np.array_equal(ta.similarity_matrix(ms, backend="exact"), S)
     # blocks: the same matrix (and the early check lets it through)
-    monkeypatch.setattr(products, "_MAX_INTERMEDIATE", 200)
+    monkeypatch.setattr(engine, "_MAX_INTERMEDIATE", 200)
     assert np.array_equal(ta.gram(ms, backend="exact", strategy="wick"), G)
     calls = _no_rationals(monkeypatch)
     with pytest.raises(AssertionError, match="rational stacks"):

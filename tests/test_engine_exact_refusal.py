@@ -9,7 +9,7 @@ import pytest
 
 import tensoralg as ta
 import tensoralg.prepare as prepare
-import tensoralg.products as products
+import tensoralg.engine as engine
 from tensoralg import planner
 from tensoralg.prepare import float_stacks_for_exact
 from netgen import rand_bilinear, rand_linear
@@ -46,7 +46,7 @@ def test_exact_refusal_without_rational_conversion(monkeypatch, depth, kw):
     a, b = _deep(rng, depth), _deep(rng, depth)
     # the messages the rational path gives (early check switched off)
     with monkeypatch.context() as m:
-        m.setattr(products, "refuse_exact_early", lambda *args, **kwargs: None)
+        m.setattr(engine, "refuse_exact_early", lambda *args, **kwargs: None)
         want = {}
         for name, f in [("inner", lambda: ta.inner(a, b, backend="exact", **kw)),
                         ("self", lambda: ta.inner(a, a, backend="exact", **kw)),

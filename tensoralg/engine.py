@@ -1,0 +1,458 @@
+"""The engine: one :class:`~tensoralg.request.Request` and the models in, numbers out.
+
+The public functions of :mod:`tensoralg.products` build the request (every option validated
+once, :mod:`tensoralg.request`) and call the function of the same name here; so does the
+blocked matrix (:mod:`tensoralg.blocks`). Nothing here checks an option again. The flow is
+prepare (pair checks, canonical stacks: :mod:`tensoralg.prepare`) -> plan
+(:mod:`tensoralg.planner`) -> strategy (:mod:`tensoralg.strategies`); sequence models (with
+bilinear attention) go through :mod:`tensoralg.attention`. Units: inner products have the
+units of output squared; similarities are dimensionless in [-1, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from .backends import converter
+from .canonical import Canonical
+from .errors import CostTooHigh
+from .layers import Layer, as_network
+from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
+                      refuse_if_needed)
+from .prepare import check_pair, networks, scaled, stack_for
+from .request import Request
+from .results import similarity_from, swap_order
+from .strategies import chaos, closure, montecarlo, wick
+from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
+
+
+_MAX_INTERMEDIATE = 1 << 27  # elements; Wick gram blocks are split to stay under it
+
+
+def _plan(req: Request, ca: Canonical, cb: Canonical, U, keep, same=False, strategy=None,
+          full=False) -> Plan:
+    """The planner's decision for two prepared stacks under the request's budgets."""
+    return make_plan(ca, cb, U, keep, req.metric, req.backend, req.device, req.dtype,
+                     req.strategy if strategy is None else strategy, *req.budget, same=same,
+                     full=full)
+
+
+def _engine(req: Request, ca: Canonical, cb: Canonical, U, keep, same=False):
+    """Cross Gram ``(Na, Nb[, K])`` of two prepared stacks (normalized gauge)."""
+    if req.method == "closure":
+        X = closure.cross(ca, cb, U, keep, req.backend)
+        if req.backend == "torch":  # closure is cheap: computed in NumPy float64, then as asked
+            from .backends import to_numpy
+
+            X = to_numpy(converter("torch", req.device, req.dtype)(X)).astype(np.float64)
+        return X
+    p = _plan(req, ca, cb, U, keep, same=same)
+    refuse_if_needed(p)
+    return _run(req, p, ca, cb, U, keep, same)
+
+
+def _run(req: Request, p: Plan, ca, cb, U, keep, same):
+    """The cross Gram of two prepared stacks by the strategy of their (not refused) plan."""
+    if p.strategy == "chaos":
+        conv = converter(req.backend, req.device, req.dtype) if req.backend == "torch" else None
+        return chaos.cross(ca, cb, U, keep, same=same, conv=conv)
+    return wick.compute(p._joined, req.backend, req.device, req.dtype, shared=p.wick_shared)
+
+
+def _is_sequence(*nets) -> bool:
+    return any(getattr(n, "is_sequence_model", False) for n in nets)
+
+
+def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
+    """Sequence models (bilinear attention, docs/mathematics.md §3.7) through
+    :mod:`tensoralg.attention`: exact for one attention layer, Monte Carlo and the
+    (approximate) closure at any depth; refusals name the alternatives."""
+    from . import attention
+
+    if not (na.is_sequence_model and nb.is_sequence_model) and not all(
+            getattr(n, "is_sequence_model", False) or n.degree <= 1 for n in (na, nb)):
+        raise ValueError("a and b: a sequence model (with attention) compared with a "
+                         "position-free network of degree > 1; compare two sequence models (a "
+                         "per-position affine map is accepted)")
+    if req.metric != "gaussian":
+        raise ValueError("sequence models: only metric='gaussian' is implemented")
+    if req.method == "closure":  # APPROXIMATE at depth >= 2 (attention.closure_inner)
+        if req.backend not in ("numpy", "torch"):
+            raise ValueError(f"method='closure' for sequence models runs in float64: use "
+                             f"backend='numpy' or 'torch', got {req.backend!r}")
+        fn = attention.closure_inner_req if kind == "inner" else attention.closure_similarity_req
+        return fn(req, na, nb)
+    if req.method == "montecarlo":
+        fn = attention.montecarlo_inner_req if kind == "inner" else \
+            attention.montecarlo_similarity_req
+        return fn(req, na, nb)
+    try:
+        if kind == "inner":
+            return attention.exact_inner_req(req, na, nb)
+        return attention.exact_similarity_req(req, na, nb)
+    except attention.AttentionNotSupported as exc:
+        raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
+                          f"{attention.ALTERNATIVES}") from None
+
+
+_POSITION_FREE = object()
+
+
+def _checked_pair(kind: str, req: Request, a, b):
+    """The pair checked; sequence models answered through :mod:`tensoralg.attention`
+    (returned as the third item), else ``_POSITION_FREE``."""
+    na, nb = as_network(a, "a"), as_network(b, "b")
+    check_pair(na, nb)
+    if _is_sequence(na, nb):
+        return na, nb, _sequence(kind, req, na, nb)
+    if req.n_ctx is not None or req.position is not None:
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
+    return na, nb, _POSITION_FREE
+
+
+def inner(req: Request, a: Any, b: Any):
+    na, nb, seq = _checked_pair("inner", req, a, b)
+    if seq is not _POSITION_FREE:
+        return seq
+    U, keep = req.output_matrix(na.out_features)
+    if req.method == "montecarlo":
+        mean, se = montecarlo.moments([na], [nb], U, keep, req.n_samples, req.seed,
+                                      req.backend, req.device, req.dtype)
+        if keep:
+            return MonteCarloArray(mean[0, 0], se[0, 0], req.n_samples)
+        return MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]), req.n_samples)
+    same = b is a
+    if req.exact and req.method == "exact":  # refuse before any rational work
+        refuse_if_needed(refuse_exact_early([na], None if same else [nb], U, keep, req.metric,
+                                            req.strategy, *req.budget, same=same))
+    ca, ka = stack_for([na], req.backend, "a")
+    cb, kb = (ca, ka) if same else stack_for([nb], req.backend, "b")
+    X = scaled(_engine(req, ca, cb, U, keep, same=same), ka, kb, req.backend)[0, 0]
+    if req.exact:
+        return np.vectorize(Fraction, otypes=[object])(X) if keep else Fraction(X)
+    return X if keep else float(X)
+
+
+def norm(req: Request, a: Any):
+    """``||f_a|| = sqrt(<f_a, f_a>)``: a sympy expression (``sqrt`` of a rational) with the
+    exact backend, a delta-method standard error with Monte Carlo."""
+    val = inner(req, a, a)
+    if req.exact:
+        import sympy
+
+        if isinstance(val, np.ndarray):
+            return [sympy.sqrt(sympy.Rational(v.numerator, v.denominator)) for v in val]
+        return sympy.sqrt(sympy.Rational(val.numerator, val.denominator))
+    if isinstance(val, MonteCarloEstimate):
+        r = math.sqrt(max(float(val), 0.0))
+        return MonteCarloEstimate(r, val.stderr / (2 * r) if r > 0 else float("inf"),
+                                  val.n_samples)
+    return np.sqrt(np.maximum(val, 0.0)) if isinstance(val, np.ndarray) else math.sqrt(max(val, 0.0))
+
+
+def similarity(req: Request, a: Any, b: Any):
+    na, nb, seq = _checked_pair("similarity", req, a, b)
+    if seq is not _POSITION_FREE:
+        return seq
+    U, keep = req.output_matrix(na.out_features)
+    backend = req.backend
+    if req.method == "montecarlo":
+        return montecarlo.similarity(na, nb, U, keep, req.n_samples, req.seed, backend,
+                                     req.device, req.dtype)
+    if req.exact and req.method == "exact":  # refuse before any rational work
+        # the pair's plan is the first one the rational path makes (and refuses on)
+        refuse_if_needed(refuse_exact_early([na], None if b is a else [nb], U, keep,
+                                            req.metric, req.strategy, *req.budget,
+                                            same=b is a))
+    ca, _ = stack_for([na], backend, "a")
+    cb = ca if b is a else stack_for([nb], backend, "b")[0]
+    if b is not a and swap_order(na, nb):
+        ca, cb = cb, ca   # one canonical order: sim(a, b) and sim(b, a) are the same floats
+    if req.method == "closure":  # one propagation gives all three
+        taa, tab, tbb = closure.triple(ca, cb, U, keep, backend)
+        Xaa, Xab, Xbb = taa[0], tab[0, 0], tbb[0]
+    elif b is a:
+        Xaa = _engine(req, ca, ca, U, keep, same=True)[0, 0]
+        Xab = Xbb = Xaa
+    else:
+        p = _plan(req, ca, cb, U, keep)
+        refuse_if_needed(p)
+        if p.strategy == "chaos":
+            conv = converter(backend, req.device, req.dtype) if backend == "torch" else None
+            Xaa, Xab, Xbb = (x[0, 0] for x in chaos.triple(ca, cb, U, keep, conv=conv))
+        else:
+            Xaa = _engine(req, ca, ca, U, keep, same=True)[0, 0]
+            Xab = wick.compute(p._joined, backend, req.device, req.dtype,
+                               shared=p.wick_shared)[0, 0]
+            Xbb = _engine(req, cb, cb, U, keep, same=True)[0, 0]
+    return similarity_from(Xab, Xaa, Xbb, req.exact)
+
+
+def _gram_plans(req: Request, ca, cb, U, keep, same):
+    """The exact cross Gram's plans in the order :func:`_gram_blocks` makes and checks them:
+    ``(plan, ia, sa, sb)``: ``ia`` the rows of a Wick block and ``sa``, ``sb`` its stacks, or
+    ``(plan, None, ca, cb)`` when the plan computes the whole matrix at once. A refused plan
+    is the last one (the computation raises on it). Shared with the exact backend's early
+    refusal (:func:`tensoralg.planner.refuse_exact_early`, on float copies of the stacks), so
+    both decide alike."""
+    Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
+    strategy = req.strategy
+    p = _plan(req, ca, cb, U, keep, same=same)
+    if Na * Nb == 1 or p.strategy == "chaos" or strategy == "chaos":
+        yield p, None, ca, cb  # (a forced chaos over budget is refused as chaos, never Wick)
+        return
+    # Wick: keep the largest intermediate of one block under _MAX_INTERMEDIATE
+    one = _plan(req, ca.sub([0]), cb.sub([0]), U, keep, strategy="wick")
+    if one.refused:
+        if strategy == "auto":  # name every strategy's estimate, as inner() does
+            both = _plan(req, ca.sub([0]), cb.sub([0]), U, keep, strategy="auto")
+            one = both if both.refused else one
+        yield one, [0], None, None
+        return
+    per_pair = max(1, one.largest_intermediate)
+    block = max(1, int(math.isqrt(max(1, _MAX_INTERMEDIATE // per_pair))))
+    if block >= max(Na, Nb):
+        yield p, None, ca, cb
+        return
+    for i0 in range(0, Na, block):
+        for j0 in range(0, Nb, block):
+            ia, jb = list(range(i0, min(Na, i0 + block))), list(range(j0, min(Nb, j0 + block)))
+            sa, sb = ca.sub(ia), cb.sub(jb)
+            pb = _plan(req, sa, sb, U, keep, strategy="wick")
+            yield pb, ia, sa, sb
+            if pb.refused:
+                return
+
+
+def _gram_blocks(req: Request, ca, cb, U, keep, same):
+    """Cross Gram (Na, Nb[, K]) in normalized gauge; the Wick strategy runs in blocks when its
+    intermediates are large (the chaos strategy expands each model once)."""
+    if req.method != "exact":
+        return _engine(req, ca, cb, U, keep, same=same)
+    rows: dict[int, list] = {}
+    for p, ia, sa, sb in _gram_plans(req, ca, cb, U, keep, same):
+        refuse_if_needed(p)
+        if ia is None:
+            return _run(req, p, sa, sb, U, keep, same)
+        rows.setdefault(ia[0], []).append(_run(req, p, sa, sb, U, keep, False))
+    return np.concatenate([np.concatenate(rows[i], axis=1) for i in sorted(rows)], axis=0)
+
+
+def _refuse_gram_early(req: Request, nets_a, nets_b, U, keep, same, name_a, name_b):
+    """The exact backend's Gram refusal before any rational conversion: the plans of
+    :func:`_gram_plans` made on certified float copies of the stacks
+    (:func:`tensoralg.planner.refuse_exact_early`); raises CostTooHigh with the message the
+    rational path would give, else returns (and the rational path decides)."""
+    def plans(ca, cb, Uf, same_):
+        return _gram_plans(req.replace(device=None, dtype=None), ca, cb, Uf, keep, same_)
+
+    refuse_if_needed(refuse_exact_early(nets_a, None if same else nets_b, U, keep, req.metric,
+                                        req.strategy, *req.budget, same=same, name_a=name_a,
+                                        name_b=name_b, plans=plans))
+
+
+def _check_sequence_free(name: str, nets: list) -> None:
+    seq = [i for i, n in enumerate(nets) if getattr(n, "is_sequence_model", False)]
+    if seq:
+        raise ValueError(f"{name}[{seq[0]}]: a sequence model (with attention); cross_gram "
+                         f"takes position-free networks. For sequence models use "
+                         f"ta.gram(models_a + models_b, n_ctx=...) (exact: one attention "
+                         f"layer) and read its off-diagonal block, or "
+                         f"tensoralg.attention.closure_cross_gram (APPROXIMATE beyond one "
+                         f"attention layer)")
+
+
+def cross_gram(req: Request, models_a, models_b):
+    same = models_a is models_b
+    name_a, name_b = ("models", "models") if same else ("models_a", "models_b")
+    nets_a = networks(models_a, name_a)
+    nets_b = nets_a if same else networks(models_b, name_b)
+    for name, nets in ((name_a, nets_a), (name_b, nets_b)):
+        _check_sequence_free(name, nets)
+    check_pair(nets_a[0], nets_b[0])
+    U, keep = req.output_matrix(nets_a[0].out_features)
+    for n in nets_a[1:] + nets_b:
+        check_pair(nets_a[0], n)
+    if req.method == "montecarlo":
+        mean, se = montecarlo.moments(nets_a, nets_b, U, keep, req.n_samples, req.seed,
+                                      req.backend, req.device, req.dtype)
+        return MonteCarloArray(mean, se, req.n_samples)
+    if req.exact and req.method == "exact":  # refuse before any rational work
+        _refuse_gram_early(req, nets_a, nets_b, U, keep, same, name_a, name_b)
+    ca, ka = stack_for(nets_a, req.backend, name_a)
+    cb, kb = (ca, ka) if same else stack_for(nets_b, req.backend, name_b)
+    return scaled(_gram_blocks(req, ca, cb, U, keep, same), ka, kb, req.backend)
+
+
+def _sequence_matrix(kind: str, req: Request, models: list):
+    """Gram / similarity matrices of sequence models (with attention) through
+    :mod:`tensoralg.attention` (per-model work once); None for position-free models."""
+    if not any(getattr(m, "is_sequence_model", False) for m in models):
+        return None  # (specs, folders and modules go the position-free way, unchanged)
+    from . import attention
+
+    for i, m in enumerate(models):  # as inner: a sequence model is not compared with an MLP
+        if isinstance(m, Layer) and not m.is_sequence_model and m.degree > 1:
+            raise ValueError(f"models[{i}]: a position-free network of degree {m.degree} among "
+                             f"sequence models (with attention); compare sequence models (a "
+                             f"per-position affine map is accepted)")
+    if req.metric != "gaussian":
+        raise ValueError("sequence models: only metric='gaussian' is implemented")
+    if req.method not in ("closure", "exact"):
+        raise ValueError(f"gram / similarity_matrix of sequence models: method='closure' or "
+                         f"'exact', got {req.method!r} (Monte Carlo: montecarlo_inner per pair)")
+    if req.backend not in ("numpy", "torch"):
+        raise ValueError(f"gram / similarity_matrix of sequence models: backend='numpy' or "
+                         f"'torch' (float64), got {req.backend!r}")
+    fn = attention.closure_gram_req if req.method == "closure" else attention.exact_gram_req
+    return fn(req, models, similarity=kind == "similarity_matrix")
+
+
+def _models_list(models: Any) -> list:
+    if isinstance(models, Layer) or hasattr(models, "to_network"):
+        raise TypeError("models: expected a sequence of models, got a single model")
+    models = list(models)
+    if not models:
+        raise ValueError("models: empty sequence of models")
+    return models
+
+
+def gram(req: Request, models):
+    """``G[i, j] = <m_i, m_j>`` of a list of models (not blocked)."""
+    models = _models_list(models)
+    seq = _sequence_matrix("gram", req, models)
+    if seq is not None:
+        return seq
+    return cross_gram(req, models, models)
+
+
+def similarity_matrix(req: Request, models):
+    """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` of a list of models (not blocked)."""
+    models = _models_list(models)
+    seq = _sequence_matrix("similarity_matrix", req, models)
+    if seq is not None:
+        return seq
+    if req.method == "montecarlo":
+        G = gram(req, models)
+        dg = np.einsum("ii...->i...", np.asarray(G))
+        if np.any(dg <= 0):
+            raise ValueError("similarity_matrix: a model has (sampled) norm zero")
+        return np.clip(np.asarray(G) / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1, 1)
+    nets = networks(models, "models")
+    for n in nets[1:]:
+        check_pair(nets[0], n)
+    U, keep = req.output_matrix(nets[0].out_features)
+    if req.exact and req.method == "exact":  # refuse before any rational work
+        _refuse_gram_early(req, nets, nets, U, keep, True, "models", "models")
+    c, _ = stack_for(nets, req.backend, "models")
+    X = _gram_blocks(req, c, c, U, keep, True)
+    dg = np.einsum("ii...->i...", X)
+    if req.exact:
+        Xf = np.vectorize(float, otypes=[float])(X)
+        dgf = np.vectorize(float, otypes=[float])(dg)
+    else:
+        Xf, dgf = X, dg
+    if np.any(dgf <= 0):
+        raise ValueError(f"similarity_matrix: models {np.flatnonzero(np.atleast_1d(dgf <= 0)).tolist()} "
+                         f"have norm zero; similarity is undefined")
+    return np.clip(Xf / np.sqrt(np.einsum("i...,j...->ij...", dgf, dgf)), -1.0, 1.0)
+
+
+def _mc_combination(req: Request, left, right):
+    """Monte Carlo ``<sum_i alpha_i f_i, sum_j beta_j g_j>`` from one set of samples, as one
+    per-direction integrand, so the standard error includes the covariance of the terms.
+    ``left``/``right``: lists of ``(model, coefficient)``."""
+    if req.metric != "gaussian":
+        raise ValueError("metric='frobenius' has no Monte Carlo estimate; use method='exact'")
+    nets = [as_network(m, "model") for m, _ in left + right]
+    for n in nets[1:]:
+        check_pair(nets[0], n)
+    U, keep = req.output_matrix(nets[0].out_features)
+    n_samples = req.n_samples
+    montecarlo.warn_few(n_samples)
+    alpha = np.array([c for _, c in left], dtype=np.float64)
+    beta = np.array([c for _, c in right], dtype=np.float64)
+    nl = len(left)
+    s1 = s2 = 0.0
+    for F, w in montecarlo.features(nets, np.asarray(U, dtype=np.float64), n_samples, req.seed,
+                                    req.backend, req.device, req.dtype):
+        fl = np.einsum("i,isqK->sqK", alpha, F[:nl])
+        fr = np.einsum("j,jsqK->sqK", beta, F[nl:])
+        P = np.einsum(f"sqK,sqK,q->{'sK' if keep else 's'}", fl, fr, w)
+        s1 = s1 + P.sum(axis=0)
+        s2 = s2 + (P * P).sum(axis=0)
+    mean = s1 / n_samples
+    var = np.maximum(s2 / n_samples - mean * mean, 0.0) * n_samples / (n_samples - 1)
+    se = np.sqrt(var / n_samples)
+    if keep:
+        return MonteCarloArray(mean, se, n_samples)
+    return MonteCarloEstimate(float(mean), float(se), n_samples)
+
+
+def inner_diff(req: Request, a: Any, b: Any, c: Any):
+    """``<a, b - c> = <a, b> - <a, c>``; Monte Carlo: one integrand ``f_a . (f_b - f_c)``."""
+    if req.method == "montecarlo":
+        return _mc_combination(req, [(a, 1.0)], [(b, 1.0), (c, -1.0)])
+    try:
+        row = cross_gram(req, [a], [b, c])
+        return row[0, 0] - row[0, 1]
+    except ValueError as exc:
+        if "architecture differs" not in str(exc) or isinstance(exc, CostTooHigh):
+            raise
+    return inner(req, a, b) - inner(req, a, c)
+
+
+def diff_norm(req: Request, b: Any, c: Any):
+    """``||b - c||`` from the Gram matrix of ``[b, c]``; Monte Carlo: the integrand
+    ``|f_b - f_c|^2`` per sample, the delta-method standard error of its root."""
+    if req.method == "montecarlo":
+        d2 = _mc_combination(req, [(b, 1.0), (c, -1.0)], [(b, 1.0), (c, -1.0)])
+        d = np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            se = np.where(d > 0, np.asarray(d2.stderr) / (2 * d), np.inf)
+        if isinstance(d2, MonteCarloArray):
+            return MonteCarloArray(d, se, d2.n_samples)
+        return MonteCarloEstimate(float(d), float(se), d2.n_samples)
+    try:
+        G = gram(req, [b, c])
+        bb, bc, cc = G[0, 0], G[0, 1], G[1, 1]
+    except ValueError as exc:
+        if "architecture differs" not in str(exc) or isinstance(exc, CostTooHigh):
+            raise
+        bb, bc, cc = inner(req, b, b), inner(req, b, c), inner(req, c, c)
+    d2 = bb - 2 * bc + cc
+    if req.exact:
+        import sympy
+
+        def root(v):
+            v = Fraction(v)
+            return sympy.sqrt(sympy.Rational(v.numerator, v.denominator))
+        return [root(v) for v in d2] if np.ndim(d2) else root(d2)
+    if np.ndim(d2):
+        return np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
+    return math.sqrt(max(float(d2), 0.0))
+
+
+def plan(req: Request, a: Any, b: Any = None) -> Plan | SequencePlan:
+    """The planner's decision for ``<a, b>`` (``<a, a>`` when ``b`` is None)."""
+    na = as_network(a, "a")
+    nb = na if b is None else as_network(b, "b")
+    check_pair(na, nb)
+    if _is_sequence(na, nb):
+        return plan_sequence(req, na, nb)
+    if req.n_ctx is not None or req.position is not None:
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
+    U, keep = req.output_matrix(na.out_features)
+    same = b is None or b is a
+    if req.exact:  # decided before any rational work when it is a refusal
+        early = refuse_exact_early([na], None if same else [nb], U, keep, req.metric,
+                                   req.strategy, *req.budget, same=same, full=True)
+        if early is not None:
+            return early
+    ca, _ = stack_for([na], req.backend, "a")
+    cb = ca if same else stack_for([nb], req.backend, "b")[0]
+    return _plan(req, ca, cb, U, keep, same=same, full=True)

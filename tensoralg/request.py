@@ -1,0 +1,235 @@
+"""One request, validated once (docs/mathematics.md §4; the model is scikit-learn's single
+validation module and opt_einsum's parse -> plan -> execute).
+
+Every public entry point (``inner``, ``norm``, ``similarity``, ``gram``, ``cross_gram``,
+``similarity_matrix``, ``inner_diff``, ``diff_norm``, ``plan`` and the sequence-model functions
+of :mod:`tensoralg.attention`) turns its keyword arguments into one immutable :class:`Request`
+with :func:`make_request` before any work. Everything below (planner, strategies, blocks)
+receives the request and does not check its options again, so the same bad argument gives the
+same one-line ``ValueError`` from every entry point. What depends on the models (an output
+index against their output size, a position against ``n_ctx``) is checked by
+:meth:`Request.output_matrix` and :meth:`Request.check_position`, once the models are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from .backends import BACKENDS, converter, fraction_array
+
+__all__ = ["Request", "make_request", "METRICS", "METHODS", "STRATEGIES", "check_budget",
+           "check_options", "MC_DEFAULT_SAMPLES", "DEFAULT_MAX_FLOPS", "DEFAULT_MAX_FLOPS_EXACT",
+           "DEFAULT_MAX_CONFIGURATIONS"]
+
+METRICS = ("gaussian", "frobenius")
+METHODS = ("exact", "closure", "montecarlo")
+STRATEGIES = ("auto", "wick", "chaos")
+MC_DEFAULT_SAMPLES = 100_000
+#: Budgets of the exact method (docs/mathematics.md §3.1): FLOPs (float backends; the exact
+#: backend's rationals are far dearer per operation) and Wick configurations.
+DEFAULT_MAX_FLOPS = 2e11
+DEFAULT_MAX_FLOPS_EXACT = 2e7
+DEFAULT_MAX_CONFIGURATIONS = 200_000
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_options(metric: str, method: str, backend: str, strategy: str = "auto") -> None:
+    """Raises ValueError naming an unknown metric, method, backend or strategy, or a
+    combination that has no meaning (Frobenius is a closed form: exact only)."""
+    if not isinstance(metric, str) or metric not in METRICS:
+        raise ValueError(f"metric: unknown metric {metric!r}; expected one of {METRICS}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method: unknown method {method!r}; expected one of {METHODS}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"strategy: unknown strategy {strategy!r}; expected one of "
+                         f"{STRATEGIES} ('wick': the tensor-network Wick sum, 'chaos': Gaussian "
+                         f"chaos (Hermite) coefficients, 'auto': the cheaper within budget)")
+    if metric == "frobenius" and method != "exact":
+        raise ValueError(f"metric='frobenius' is a closed form of the weights: method must be "
+                         f"'exact', got {method!r}")
+    if strategy != "auto" and method != "exact":
+        raise ValueError(f"strategy={strategy!r} chooses an exact representation; it needs "
+                         f"method='exact', got method={method!r}")
+
+
+def check_budget(name: str, value: Any) -> None:
+    """A budget (``max_flops``, ``max_memory``) must be a positive finite number or None."""
+    if value is None:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or \
+            not np.isfinite(float(value)) or float(value) <= 0:
+        raise ValueError(f"{name}: expected a positive number (or None for the default), "
+                         f"got {value!r}")
+
+
+def _describe(value: Any) -> str:
+    """A value for a one-line message: arrays by their shape."""
+    if np.ndim(value) > 0 and not isinstance(value, str):
+        return f"an array of shape {np.shape(value)}"
+    return repr(value)
+
+
+def _check_output(output: Any) -> Any:
+    """``output`` in its normalized form: None, ``"each"``, an int, or a read-only 1-D array
+    (float64, or Fractions when any entry is rational) that is finite and not zero."""
+    if output is None or _is_int(output):
+        return None if output is None else int(output)
+    if isinstance(output, str):
+        if output != "each":
+            raise ValueError(f"output: expected None, an int, a vector or 'each'; got "
+                             f"{output!r}")
+        return output
+    from .layers import as_array
+
+    if isinstance(output, (bool, np.bool_, numbers.Number)) or np.ndim(output) != 1:
+        raise ValueError(f"output: expected None, an int class index, a vector or 'each'; "
+                         f"got {_describe(output)}")
+    try:
+        u = as_array(output, "output", 1)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    if not np.any(u != 0):
+        raise ValueError("output: the direction u is zero; u . f is the zero function")
+    u.setflags(write=False)
+    return u
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """What was asked, validated (build it with :func:`make_request`).
+
+    Attributes:
+        metric: ``"gaussian"`` (E over x ~ N(0, I), docs/mathematics.md §3.1) or
+            ``"frobenius"`` (§3.3).
+        method: ``"exact"``, ``"closure"`` (APPROXIMATE at depth >= 2, §3.2) or
+            ``"montecarlo"`` (an estimate with a standard error, §3.4).
+        backend: ``"numpy"`` (float64), ``"torch"`` (``device``, ``dtype``) or ``"exact"``
+            (rationals).
+        strategy: ``"auto"``, ``"wick"`` or ``"chaos"`` (the exact representation).
+        output: None (sum over outputs), an int class, ``"each"``, or a 1-D array ``u``
+            (float64; Fractions when given rationals) for the direction ``u . f``.
+        n_ctx, position: sequence length and query-position slice (sequence models).
+        n_samples, seed: Monte Carlo sample count (directions) and seed.
+        device, dtype: the torch device and dtype (``backend="torch"``).
+        max_flops, max_memory, max_configurations: budgets of the exact method.
+    """
+
+    metric: str = "gaussian"
+    method: str = "exact"
+    backend: str = "numpy"
+    strategy: str = "auto"
+    output: Any = None
+    n_ctx: int | None = None
+    position: Any = None
+    n_samples: int = MC_DEFAULT_SAMPLES
+    seed: int = 0
+    device: Any = None
+    dtype: Any = None
+    max_flops: float | None = None
+    max_memory: float | None = None
+    max_configurations: int = DEFAULT_MAX_CONFIGURATIONS
+
+    @property
+    def exact(self) -> bool:
+        """Rational arithmetic (``backend="exact"``)."""
+        return self.backend == "exact"
+
+    @property
+    def budget(self) -> tuple:
+        """``(max_flops, max_memory, max_configurations)``."""
+        return self.max_flops, self.max_memory, self.max_configurations
+
+    def replace(self, **changes) -> "Request":
+        """A new request with ``changes`` applied (validated again)."""
+        return make_request(**{**{f.name: getattr(self, f.name)
+                                  for f in dataclasses.fields(self)}, **changes})
+
+    def output_matrix(self, O: int) -> tuple[np.ndarray, bool]:
+        """Output projection ``U`` ``(K, O)`` and whether the projected index stays open
+        (``output="each"``): float64, or Fractions with ``backend="exact"``.
+
+        Raises:
+            ValueError: a class index out of range or a direction whose length is not ``O``.
+        """
+        out = self.output
+        keep = isinstance(out, str)
+        if out is None or keep:
+            U = np.eye(O, dtype=np.float64)
+        elif _is_int(out):
+            if not -O <= out < O:
+                raise ValueError(f"output: class index {out} out of range for {O} outputs")
+            U = np.zeros((1, O))
+            U[0, out % O] = 1.0
+        else:
+            if out.shape != (O,):
+                raise ValueError(f"output: a direction vector must have shape ({O},), got "
+                                 f"{out.shape} (it does not match the {O} outputs)")
+            if self.exact:
+                return fraction_array(out[None, :]), False
+            return np.asarray(out, dtype=np.float64)[None, :], False
+        return (fraction_array(U) if self.exact else U), keep
+
+    def check_position(self, n_ctx: int) -> None:
+        """Raises ValueError for a ``position`` outside ``[-n_ctx, n_ctx)``."""
+        p = self.position
+        if p is not None and not isinstance(p, str) and not -n_ctx <= p < n_ctx:
+            raise ValueError(f"position: expected None, 'each' or an int in [-{n_ctx}, "
+                             f"{n_ctx}), got {p!r}")
+
+
+def make_request(*, metric: str = "gaussian", method: str = "exact", backend: str = "numpy",
+                 strategy: str = "auto", output: Any = None, n_ctx: Any = None,
+                 position: Any = None, n_samples: Any = MC_DEFAULT_SAMPLES, seed: Any = 0,
+                 device: Any = None, dtype: Any = None, max_flops: Any = None,
+                 max_memory: Any = None,
+                 max_configurations: Any = DEFAULT_MAX_CONFIGURATIONS) -> Request:
+    """Validate every option once, in a fixed order, and return the :class:`Request`.
+
+    Raises:
+        ValueError: an unknown metric / method / backend / strategy or a combination without
+            meaning; a budget that is not a positive number; ``max_configurations`` not a
+            positive int; a device for a CPU-only backend or an unknown dtype/device;
+            ``n_ctx`` not a positive int; ``position`` not None, ``"each"`` or an int;
+            ``output`` not None, an int, ``"each"`` or a finite non-zero vector;
+            (``method="montecarlo"``) ``n_samples`` not an int >= 2, ``seed`` not a
+            non-negative int, or the exact backend.
+    """
+    check_options(metric, method, backend, strategy)
+    check_budget("max_flops", max_flops)
+    check_budget("max_memory", max_memory)
+    if not _is_int(max_configurations) or max_configurations <= 0:
+        raise ValueError(f"max_configurations: expected a positive integer, got "
+                         f"{max_configurations!r}")
+    converter(backend, device, dtype)  # device / dtype names
+    if n_ctx is not None and (not _is_int(n_ctx) or n_ctx < 1):
+        raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
+    if position is not None and not (isinstance(position, str) and position == "each") \
+            and not _is_int(position):
+        raise ValueError(f"position: expected None, 'each' or an int, got {position!r}")
+    output = _check_output(output)
+    if method == "montecarlo":
+        if backend == "exact":
+            raise ValueError("method='montecarlo' samples in floating point: use "
+                             "backend='numpy' or 'torch'")
+        if not _is_int(n_samples) or n_samples < 2:
+            raise ValueError(f"n_samples: expected an integer >= 2, got {n_samples!r}")
+        if not _is_int(seed) or seed < 0:
+            raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+    return Request(metric=metric, method=method, backend=backend, strategy=strategy,
+                   output=output, n_ctx=None if n_ctx is None else int(n_ctx),
+                   position=position if position is None or isinstance(position, str)
+                   else int(position), n_samples=n_samples, seed=seed, device=device,
+                   dtype=dtype, max_flops=max_flops, max_memory=max_memory,
+                   max_configurations=int(max_configurations))
+

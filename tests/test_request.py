@@ -1,0 +1,206 @@
+"""One request, validated once (tensoralg.request): every public entry point gives the same
+one-line error for the same bad argument, before touching the models; and the three defects
+of issue 20 (each test failed before the request/engine split)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import tensoralg as ta
+from tensoralg import attention as A
+from tensoralg.request import Request, make_request
+from tensoralg.results import ExactSimilarity
+from verify.attention import sequence_inner_exact
+
+
+class _Untouchable:
+    """A stand-in model: any use of it fails the test (the request must refuse first)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the model was touched ({name!r}) before the options were "
+                             f"checked")
+
+    def __iter__(self):
+        raise AssertionError("the model was touched before the options were checked")
+
+
+U = _Untouchable()
+
+#: Every public entry point, called on untouchable models with the keyword arguments ``kw``.
+ENTRY_POINTS = {
+    "inner": lambda kw: ta.inner(U, U, **kw),
+    "similarity": lambda kw: ta.similarity(U, U, **kw),
+    "norm": lambda kw: ta.norm(U, **kw),
+    "gram": lambda kw: ta.gram([U, U], **kw),
+    "cross_gram": lambda kw: ta.cross_gram([U], [U], **kw),
+    "similarity_matrix": lambda kw: ta.similarity_matrix([U, U], **kw),
+    "inner_diff": lambda kw: ta.inner_diff(U, U, U, **kw),
+    "diff_norm": lambda kw: ta.diff_norm(U, U, **kw),
+    "plan": lambda kw: ta.plan(U, U, **kw),
+}
+#: plan plans the exact method: it takes no method, n_samples or seed.
+_NOT_FOR_PLAN = {"method", "n_samples", "seed"}
+
+BAD = [
+    (dict(metric="cosine"), "metric: unknown metric 'cosine'"),
+    (dict(method="sampling"), "method: unknown method 'sampling'"),
+    (dict(backend="jax"), "backend: unknown backend 'jax'"),
+    (dict(strategy="magic"), "strategy: unknown strategy 'magic'"),
+    (dict(metric="frobenius", method="montecarlo"), "metric='frobenius' is a closed form"),
+    (dict(max_flops=-1.0), "max_flops: expected a positive number"),
+    (dict(max_flops=float("nan")), "max_flops: expected a positive number"),
+    (dict(max_memory="lots"), "max_memory: expected a positive number"),
+    (dict(max_configurations=0), "max_configurations: expected a positive integer"),
+    (dict(max_configurations=2.5), "max_configurations: expected a positive integer"),
+    (dict(device="cuda"), "device: only backend='torch' runs on a device"),
+    (dict(dtype="float32"), "dtype: the numpy backend computes in float64"),
+    (dict(n_ctx=0), "n_ctx: expected a positive int"),
+    (dict(n_ctx=2.0), "n_ctx: expected a positive int"),
+    (dict(position="first"), "position: expected None, 'each' or an int"),
+    (dict(output="all"), "output: expected None, an int, a vector or 'each'"),
+    (dict(output=[np.nan, 1.0]), "output: .*finite"),
+    (dict(output=[0.0, 0.0]), "output: the direction u is zero"),
+    (dict(output=np.eye(2)), "output: expected None, an int class index, a vector or 'each'"),
+    (dict(method="montecarlo", n_samples=1), "n_samples: expected an integer >= 2"),
+    (dict(method="montecarlo", seed=-1), "seed: expected a non-negative integer"),
+    (dict(method="montecarlo", backend="exact"), "method='montecarlo' samples in floating point"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD, ids=[next(iter(k)) + "=" + repr(k[next(iter(k))])[:12]
+                                              for k, _ in BAD])
+def test_every_entry_point_gives_the_same_error_before_any_work(kw, msg):
+    messages = {}
+    for name, call in ENTRY_POINTS.items():
+        if name == "plan" and set(kw) & _NOT_FOR_PLAN:
+            continue
+        with pytest.raises(ValueError, match=msg) as info:
+            call(kw)
+        text = str(info.value)
+        assert "\n" not in text, (name, text)
+        messages[name] = text
+    assert len(set(messages.values())) == 1, messages   # the same error everywhere
+
+
+def test_sequence_entry_points_give_the_same_error():
+    """The sequence-model functions of tensoralg.attention build the same request."""
+    calls = {
+        "exact_inner": lambda kw: A.exact_inner(U, U, **kw),
+        "exact_similarity": lambda kw: A.exact_similarity(U, U, **kw),
+        "closure_inner": lambda kw: A.closure_inner(U, U, **kw),
+        "closure_similarity": lambda kw: A.closure_similarity(U, U, **kw),
+        "montecarlo_inner": lambda kw: A.montecarlo_inner(U, U, **kw),
+        "montecarlo_similarity": lambda kw: A.montecarlo_similarity(U, U, **kw),
+        "count_configurations": lambda kw: A.count_configurations(U, U, **kw),
+        "chaos_memory_bytes": lambda kw: A.chaos_memory_bytes(U, U, **kw),
+        "inner": lambda kw: ta.inner(U, U, **kw),
+    }
+    for kw, msg in [(dict(n_ctx=0), "n_ctx: expected a positive int"),
+                    (dict(n_ctx=3, output=[np.inf, 1.0]), "output: .*finite"),
+                    (dict(n_ctx=3, output="all"), "output: expected None")]:
+        seen = set()
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match=msg):
+                call(kw)
+            try:
+                call(kw)
+            except ValueError as exc:
+                seen.add(str(exc))
+        assert len(seen) == 1, seen
+
+
+def test_mismatched_models_give_the_same_error_from_every_entry_point():
+    rng = np.random.default_rng(0)
+    a = ta.Bilinear(rng.normal(size=(3, 2)), rng.normal(size=(3, 2)), rng.normal(size=(2, 3)))
+    b = ta.Bilinear(rng.normal(size=(3, 4)), rng.normal(size=(3, 4)), rng.normal(size=(2, 3)))
+    calls = [lambda: ta.inner(a, b), lambda: ta.similarity(a, b), lambda: ta.gram([a, b]),
+             lambda: ta.cross_gram([a], [b]), lambda: ta.similarity_matrix([a, b]),
+             lambda: ta.diff_norm(a, b), lambda: ta.plan(a, b)]
+    seen = set()
+    for call in calls:
+        with pytest.raises(ValueError, match="input dimensions differ: a takes 2 inputs, b "
+                                             "takes 4"):
+            call()
+        try:
+            call()
+        except ValueError as exc:
+            seen.add(str(exc))
+    assert len(seen) == 1
+
+
+def test_the_request_is_immutable_and_replace_revalidates():
+    req = make_request(output=[1, 2])
+    assert isinstance(req, Request)
+    with pytest.raises(AttributeError):
+        req.metric = "frobenius"
+    with pytest.raises(ValueError):
+        req.output[0] = 5.0   # the stored direction is read-only
+    with pytest.raises(ValueError, match="n_ctx: expected a positive int"):
+        req.replace(n_ctx=-3)
+    with pytest.raises(TypeError):
+        make_request(not_an_option=1)
+
+
+# ---- the three defects named in issue 20 (each failed before) ----------------------------
+
+def _depth1(rng):
+    return ta.Sequential([ta.Bilinear(rng.normal(size=(5, 3)), rng.normal(size=(5, 3)),
+                                      rng.normal(size=(2, 5)))])
+
+
+def test_a_rational_output_direction_works_with_every_strategy():
+    """Was UFuncOutputCastingError in the chaos strategy (float networks, rational u)."""
+    rng = np.random.default_rng(0)
+    a, b = _depth1(rng), _depth1(rng)
+    u = ["1/2", "-1/3"]
+    exact = ta.inner(a, b, output=u, backend="exact")
+    assert isinstance(exact, Fraction)
+    for strategy in ("wick", "chaos", "auto"):
+        val = ta.inner(a, b, output=u, strategy=strategy)
+        assert abs(val - float(exact)) <= 1e-12 * abs(float(exact))
+    # the direction as floats gives the same value (1/2 is a float; -1/3 rounds)
+    assert ta.inner(a, b, output=[0.5, -1 / 3], strategy="chaos") == pytest.approx(
+        float(exact), rel=1e-12)
+
+
+def _attention(rng, q1, k1, q2, k2, **kw):
+    v = rng.normal(size=(2, 2, 3))
+    o = rng.normal(size=(3, 2, 2))
+    return ta.Residual(ta.BilinearAttention(q1, k1, q2, k2, v, o, **kw))
+
+
+def test_an_exact_sequence_similarity_is_an_ExactSimilarity():
+    """Was a bare sympy number (``One`` for a model with itself)."""
+    rng = np.random.default_rng(1)
+    W = lambda: np.vectorize(lambda x: Fraction(int(x), 4), otypes=[object])(  # noqa: E731
+        rng.integers(-4, 5, size=(2, 2, 3)))
+    a = _attention(rng, W(), W(), W(), W())
+    b = _attention(rng, W(), W(), W(), W())
+    s = ta.similarity(a, b, n_ctx=2, backend="exact")
+    assert isinstance(s, ExactSimilarity)
+    ab, aa, bb = (sequence_inner_exact(x, y, 2) for x, y in ((a, b), (a, a), (b, b)))
+    assert s.squared == (1 if ab >= 0 else -1) * ab * ab / (aa * bb)   # verify's brute force
+    one = ta.similarity(a, a, n_ctx=2, backend="exact")
+    assert isinstance(one, ExactSimilarity) and one == 1 and one.exact == 1
+    assert isinstance(A.exact_similarity(a, b, n_ctx=2, backend="exact"), ExactSimilarity)
+
+
+def test_attention_similarity_is_symmetric_bit_for_bit():
+    """A (q1, k1) <-> (q2, k2)-swapped pair (the same function, another tensor network) and
+    a perturbed partner: sim(a, b) and sim(b, a) were 45 ulp apart."""
+    rng = np.random.default_rng(3)
+    q1, k1, q2, k2 = (rng.normal(size=(2, 2, 3)) for _ in range(4))
+    state = rng.bit_generator.state
+    a = _attention(rng, q1, k1, q2, k2, rope=100.0)
+    rng.bit_generator.state = state                 # the same v and o
+    b = _attention(rng, q2, k2, q1, k1, rope=100.0)
+    assert ta.similarity(a, b, n_ctx=4) == ta.similarity(b, a, n_ctx=4)
+    assert abs(ta.similarity(a, b, n_ctx=4) - 1) < 1e-13
+    c = _attention(rng, q1 + 0.3 * rng.normal(size=q1.shape), k1, q2, k2, rope=100.0)
+    for x, y in ((a, c), (b, c)):
+        assert ta.similarity(x, y, n_ctx=4) == ta.similarity(y, x, n_ctx=4)
+        assert ta.similarity(x, y, n_ctx=4, method="closure") == \
+            ta.similarity(y, x, n_ctx=4, method="closure")
