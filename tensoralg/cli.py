@@ -5,7 +5,7 @@ stays fast (heavy imports happen inside each command):
 
 * ``demo``, ``audit``, ``compare``, ``matrix`` — :mod:`tensoralg.audit.cli`;
 * ``sae`` — :mod:`tensoralg.sae.cli`;
-* ``decompose`` — :mod:`tensoralg.decompose_cli`.
+* ``decompose`` — :mod:`tensoralg.decompose.cli`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tensoralg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from . import decompose_cli
     from .audit import cli as audit_cli
+    from .decompose import cli as decompose_cli
     from .sae import cli as sae_cli
 
     audit_cli.add_parsers(sub)

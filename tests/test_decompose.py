@@ -282,7 +282,7 @@ def test_bad_input():
 # ---------------------------------------------------------------------------------------
 
 def test_change_eigen_localizes_a_planted_change(tmp_path):
-    from tensoralg.decompose_report import change_eigen, eigenvector_figure, mask_mass
+    from tensoralg.decompose.report import change_eigen, eigenvector_figure, mask_mass
 
     rng = np.random.default_rng(12)
     d, O = 16, 3

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
+from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
 
 __all__ = ["check_decomposition", "DecompositionCheck", "chaos_coefficients_depth1",
            "ChaosCoefficients", "eigen", "EigenDecomposition", "combine", "difference",
