@@ -11,11 +11,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
-    """``"float32"`` / ``"float64"`` (or the torch dtype itself) as a torch dtype.
-
-    Raises:
-        ValueError: any other dtype.
-    """
+    """``"float32"`` / ``"float64"`` (or that torch dtype) as a torch dtype; else ValueError."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype: expected float32 or float64, got {dtype}")
