@@ -1,11 +1,13 @@
 """The ``tensoralg`` command line.
 
-Sub-commands are registered by the modules that implement them, so that ``tensoralg --help``
-stays fast (heavy imports happen inside each command):
+One registry, :func:`command_modules`: each package's command-line module adds its own
+sub-commands with ``add_parsers(subparsers)``, and imports flow one way (this module imports
+them, never the reverse), so that ``tensoralg --help`` stays fast (heavy imports happen inside
+each command):
 
 * ``demo``, ``audit``, ``compare``, ``matrix`` — :mod:`tensoralg.audit.cli`;
 * ``sae`` — :mod:`tensoralg.sae.cli`;
-* ``decompose`` — :mod:`tensoralg.decompose_cli`.
+* ``decompose`` — :mod:`tensoralg.decompose.cli`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tensoralg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from . import decompose_cli
-    from .audit import cli as audit_cli
-    from .sae import cli as sae_cli
-
-    audit_cli.add_parsers(sub)
-    sae_cli.add_parsers(sub)
-    decompose_cli.add_parsers(sub)
+    for module in command_modules():
+        module.add_parsers(sub)
     _name_leaves(parser)
     return parser
+
+
+def command_modules() -> tuple:
+    """The modules that register sub-commands, in the order of ``tensoralg --help``."""
+    from .audit import cli as audit
+    from .decompose import cli as decompose
+    from .sae import cli as sae
+
+    return (audit, sae, decompose)
 
 
 def _name_leaves(parser: argparse.ArgumentParser) -> None:

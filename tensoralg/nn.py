@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._torchutil import check_positive_int, dtype_name, torch_dtype
 from .errors import TrainingDiverged  # noqa: F401  (re-exported)
 
 __all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE",
@@ -32,7 +33,7 @@ __all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCH
 
 
 def __getattr__(name: str):
-    # the bilinear transformer lives in tensoralg.transformer (which imports this module)
+    # the bilinear transformer lives in tensoralg.transformer, loaded on first use
     if name == "BilinearTransformer":
         from .transformer import BilinearTransformer
 
@@ -40,29 +41,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 ARCHITECTURE = "bilinear_net"
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def _dtype(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype: expected float32 or float64, got {dtype}")
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in _DTYPES.items()}[dtype]
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
-
 
 class BilinearBlock(nn.Module):
     """``y = [x +] down((left x + l) * (right x + r)) + d`` with ``left, right: (d_hidden, d_model)``
@@ -75,8 +53,8 @@ class BilinearBlock(nn.Module):
     def __init__(self, d_model: int, d_hidden: int, bias: bool = False, residual: bool = False,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
-        _positive_int(d_model, "d_model")
-        _positive_int(d_hidden, "d_hidden")
+        check_positive_int(d_model, "d_model")
+        check_positive_int(d_hidden, "d_hidden")
         self.residual = bool(residual)
         self.left = nn.Linear(d_model, d_hidden, bias=bias, dtype=dtype)
         self.right = nn.Linear(d_model, d_hidden, bias=bias, dtype=dtype)
@@ -126,14 +104,14 @@ class BilinearNet(nn.Module):
         super().__init__()
         for name, value in (("d_in", d_in), ("d_out", d_out), ("d_model", d_model),
                             ("d_hidden", d_hidden), ("n_layers", n_layers)):
-            _positive_int(value, name)
+            check_positive_int(value, name)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: expected an integer, got {seed!r}")
-        dt = _dtype(dtype)
+        dt = torch_dtype(dtype)
         self.hparams = dict(d_in=d_in, d_out=d_out, d_model=d_model, d_hidden=d_hidden,
                             n_layers=n_layers, bias=bool(bias), residual=bool(residual),
                             embed_bias=bool(embed_bias), head_bias=bool(head_bias), seed=seed,
-                            dtype=_dtype_name(dt))
+                            dtype=dtype_name(dt))
         # torch's default init draws from the global RNG; fork it so construction leaves the
         # caller's random state untouched (the real init is reset_parameters below).
         with torch.random.fork_rng(devices=[]):

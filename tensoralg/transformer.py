@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .nn import _dtype, _dtype_name, _positive_int
+from ._torchutil import check_positive_int, dtype_name, torch_dtype
 
 __all__ = ["BilinearTransformer", "ARCHITECTURE"]
 
@@ -119,9 +119,9 @@ class BilinearTransformer(nn.Module):
         super().__init__()
         for name, value in (("vocab", vocab), ("d_model", d_model), ("n_layers", n_layers),
                             ("n_heads", n_heads), ("d_head", d_head), ("n_ctx", n_ctx)):
-            _positive_int(value, name)
+            check_positive_int(value, name)
         if d_mlp is not None:
-            _positive_int(d_mlp, "d_mlp")
+            check_positive_int(d_mlp, "d_mlp")
         if rope is not None:
             if isinstance(rope, bool) or not isinstance(rope, (int, float)) or \
                     not math.isfinite(rope) or rope <= 0:
@@ -138,10 +138,10 @@ class BilinearTransformer(nn.Module):
             raise ValueError(f"attn_scale: expected a positive finite number, got {attn_scale!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: expected an integer, got {seed!r}")
-        dt = _dtype(dtype)
+        dt = torch_dtype(dtype)
         self.hparams = dict(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                             d_head=d_head, d_mlp=d_mlp, n_ctx=n_ctx, rope=rope,
-                            attn_scale=float(attn_scale), seed=seed, dtype=_dtype_name(dt))
+                            attn_scale=float(attn_scale), seed=seed, dtype=dtype_name(dt))
         self.embed = nn.Parameter(torch.zeros((vocab, d_model), dtype=dt))
         self.attn = nn.ModuleList([_Attention(d_model, n_heads, d_head, dt)
                                    for _ in range(n_layers)])

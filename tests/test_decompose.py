@@ -210,7 +210,9 @@ def test_paths_sum_to_the_model_certificate_in_rationals():
 def test_paths_three_blocks_sum_exactly():
     rng = np.random.default_rng(9)
     net = rational_residual(rng, n_blocks=3, d=2, m=2, H=1, O=1)
-    _, names, nets = dc._path_networks(net)
+    from tensoralg.decompose.residual import _path_networks
+
+    _, names, nets = _path_networks(net)
     assert names == ["direct", "1", "2", "3", "1+2", "1+3", "2+3", "1+2+3"]
     assert check_decomposition_exact(net, nets).equal
 
@@ -282,7 +284,7 @@ def test_bad_input():
 # ---------------------------------------------------------------------------------------
 
 def test_change_eigen_localizes_a_planted_change(tmp_path):
-    from tensoralg.decompose_report import change_eigen, eigenvector_figure, mask_mass
+    from tensoralg.decompose.report import change_eigen, eigenvector_figure, mask_mass
 
     rng = np.random.default_rng(12)
     d, O = 16, 3

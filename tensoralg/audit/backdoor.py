@@ -246,7 +246,7 @@ def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Pat
     import numpy as np
 
     from ..data import trigger_mask
-    from ..decompose_report import change_eigen, eigenvector_figure
+    from ..decompose.report import change_eigen, eigenvector_figure
 
     mask = trigger_mask().numpy()
     eig, summary = change_eigen(clean.to_network(), backdoored.to_network(), cfg.target, 4, mask)

@@ -16,78 +16,11 @@ empty, or an earlier output of the same command."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 from ..threads import add_threads_option
+from ._cliutil import apply_threads, check_paths, fraction, positive_int, report, run
 from .common import METHODS
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0.0 < v < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {v}")
-    return v
-
-
-def _check_paths(args, default_out: str | None = None) -> Path | None:
-    """Validate ``--json`` (really writable: a probe file is created and deleted next to it) and
-    ``--out`` before any work."""
-    from .common import check_file_writable, check_folder_path
-
-    if getattr(args, "json", None):
-        check_file_writable(args.json, "--json")
-    if default_out is None:
-        return None
-    return check_folder_path(args.out or default_out, "--out")
-
-
-def _run(args, name: str, fn):
-    """``fn()``'s result, or an exit code (int) with the failures of a long run turned into one line: an over-budget exact
-    method (reworded with the CLI options, exit 2), diverged training (exit 1), Ctrl-C (exit
-    130; output folders are only ever replaced by complete runs, so nothing is half-written)."""
-    import tensoralg as ta
-    from ..nn import TrainingDiverged
-
-    try:
-        return fn()
-    except ta.CostTooHigh as exc:
-        from .common import _reason
-
-        why = _reason(str(exc))
-        raise ValueError(f"--method {getattr(args, 'method', 'exact')}: {why}; use --method closure "
-                         f"(fast; exact only at depth 1) or --method montecarlo (an estimate with "
-                         f"its standard error)") from None
-    except TrainingDiverged as exc:
-        print(f"tensoralg {name}: error: {exc}; nothing was written", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"tensoralg {name}: interrupted; no output was changed", file=sys.stderr)
-        return 130
-
-
-def _wrote(result: dict) -> str:
-    return f"wrote {', '.join(str(Path(result['out']) / f) for f in result['files'])}"
-
-
-def _threads(args=None) -> None:
-    from ..threads import DEFAULT_THREADS, set_threads
-
-    set_threads(getattr(args, "threads", DEFAULT_THREADS))
 
 
 def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
@@ -114,7 +47,7 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def _n_ctx(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n-ctx", type=_positive_int, default=None,
+    p.add_argument("--n-ctx", type=positive_int, default=None,
                    help="bilinear-transformer checkpoints: positions compared (default: the "
                         "shortest trained context; longer is refused)")
 
@@ -122,7 +55,7 @@ def _n_ctx(p: argparse.ArgumentParser) -> None:
 def _n_samples(p: argparse.ArgumentParser) -> None:
     from .common import MC_SAMPLES
 
-    p.add_argument("--n-samples", type=_positive_int, default=MC_SAMPLES,
+    p.add_argument("--n-samples", type=positive_int, default=MC_SAMPLES,
                    help=f"Monte Carlo directions when the method is montecarlo (default "
                         f"{MC_SAMPLES}); the standard errors shrink like 1/sqrt(N)")
 
@@ -145,18 +78,18 @@ def add_parsers(sub) -> None:
     b = asub.add_parser("backdoor", help="backdoor on digits: per-class slice similarity")
     _common(b, "runs/backdoor")
     b.add_argument("--target", type=int, default=9, help="backdoor target class (default 9)")
-    b.add_argument("--poison-fraction", type=_fraction, default=0.1,
+    b.add_argument("--poison-fraction", type=fraction, default=0.1,
                    help="fraction of non-target training images triggered and relabelled "
                         "(default 0.1)")
-    b.add_argument("--steps", type=_positive_int, default=None,
+    b.add_argument("--steps", type=positive_int, default=None,
                    help="clean training steps (default 2000; 500 with --quick)")
-    b.add_argument("--finetune-steps", type=_positive_int, default=None,
+    b.add_argument("--finetune-steps", type=positive_int, default=None,
                    help="backdoor fine-tuning steps (default 600; 300 with --quick)")
-    b.add_argument("--layers", type=_positive_int, default=1,
+    b.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
-    b.add_argument("--d-model", type=_positive_int, default=32,
+    b.add_argument("--d-model", type=positive_int, default=32,
                    help="residual stream width (default 32)")
-    b.add_argument("--d-hidden", type=_positive_int, default=64,
+    b.add_argument("--d-hidden", type=positive_int, default=64,
                    help="hidden units per bilinear block (default 64)")
     b.set_defaults(func=cmd_backdoor)
 
@@ -164,22 +97,22 @@ def add_parsers(sub) -> None:
     _common(f, "runs/forgetting")
     f.add_argument("--removed-class", type=int, default=9,
                    help="the class added last, then removed and re-added (default 9)")
-    f.add_argument("--stage-steps", type=_positive_int, default=None,
+    f.add_argument("--stage-steps", type=positive_int, default=None,
                    help="training steps per curriculum stage (default 600; 150 with --quick)")
-    f.add_argument("--layers", type=_positive_int, default=1,
+    f.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
     f.set_defaults(func=cmd_forgetting)
 
     g = asub.add_parser("grokking", help="modular addition: checkpoint similarity matrix")
     _common(g, "runs/grokking")
-    g.add_argument("--P", dest="P", type=_positive_int, default=None,
+    g.add_argument("--P", dest="P", type=positive_int, default=None,
                    help="modulus (default 31; 31 with --quick; 113 is reachable but slow on "
                         "CPU; at most 256, and at least 30 validation pairs)")
-    g.add_argument("--steps", type=_positive_int, default=None,
+    g.add_argument("--steps", type=positive_int, default=None,
                    help="full-batch training steps (default 5000; 1000 with --quick)")
-    g.add_argument("--checkpoints", type=_positive_int, default=None,
+    g.add_argument("--checkpoints", type=positive_int, default=None,
                    help="number of checkpoints on the log schedule (default 24; 12 with --quick)")
-    g.add_argument("--train-fraction", type=_fraction, default=None,
+    g.add_argument("--train-fraction", type=fraction, default=None,
                    help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
     g.set_defaults(func=cmd_grokking)
 
@@ -195,7 +128,7 @@ def add_parsers(sub) -> None:
                    help="comma-separated methods (default exact,closure,montecarlo)")
     c.add_argument("--metrics", default="gaussian,frobenius",
                    help="comma-separated metrics (default gaussian,frobenius)")
-    c.add_argument("--n-samples", type=_positive_int, default=None,
+    c.add_argument("--n-samples", type=positive_int, default=None,
                    help="Monte Carlo directions (at least 2; default 100000, and 20000 for "
                         "bilinear-transformer checkpoints, where each direction costs 6 (one "
                         "layer) to 26 (two layers) forward passes per model)")
@@ -235,22 +168,22 @@ def _add_language(asub) -> None:
     p.add_argument("--method", choices=LANG_METHODS, default="auto",
                    help="tensor similarity method (default auto: closure for two or more layers, "
                         "APPROXIMATE and checked by Monte Carlo; exact for one layer)")
-    p.add_argument("--layers", type=_positive_int, default=None,
+    p.add_argument("--layers", type=positive_int, default=None,
                    help="attention blocks (default 2, tensor similarity by the approximate "
                         "closure; 1 gives the exact one-layer audit)")
-    p.add_argument("--d-model", type=_positive_int, default=None, help="residual width (default 16)")
-    p.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default 2)")
-    p.add_argument("--d-head", type=_positive_int, default=None, help="head size (default 4)")
-    p.add_argument("--n-ctx", type=_positive_int, default=None, help="context length (default 8)")
-    p.add_argument("--steps", type=_positive_int, default=None,
+    p.add_argument("--d-model", type=positive_int, default=None, help="residual width (default 16)")
+    p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 2)")
+    p.add_argument("--d-head", type=positive_int, default=None, help="head size (default 4)")
+    p.add_argument("--n-ctx", type=positive_int, default=None, help="context length (default 8)")
+    p.add_argument("--steps", type=positive_int, default=None,
                    help="training steps (default 3000; 500 with --quick)")
-    p.add_argument("--checkpoints", type=_positive_int, default=None,
+    p.add_argument("--checkpoints", type=positive_int, default=None,
                    help="checkpoints on the log schedule (default 32; 12 with --quick)")
-    p.add_argument("--chars", type=_positive_int, default=None,
+    p.add_argument("--chars", type=positive_int, default=None,
                    help="corpus size in characters (default 200000; 60000 with --quick)")
     p.add_argument("--mc-pairs", type=int, default=None,
                    help="pairs re-estimated by Monte Carlo (default 3; 2 with --quick)")
-    p.add_argument("--mc-samples", type=_positive_int, default=None,
+    p.add_argument("--mc-samples", type=positive_int, default=None,
                    help="Monte Carlo samples per checked pair: directions, radius integrated "
                         "exactly (default 20000; 4000 with --quick); with --method montecarlo "
                         "also the Gaussian samples of the matrix")
@@ -270,22 +203,15 @@ def cmd_language(args) -> int:
             kw[key] = getattr(args, opt)
     cfg = LanguageConfig.quick(**kw) if args.quick else LanguageConfig(**kw)
     cfg.validate()
-    out = _check_paths(args, "runs/language")
-    _threads(args)
+    out = check_paths(args, "runs/language")
+    apply_threads(args)
     t0 = time.perf_counter()
-    result = _run(args, "audit language",
-                  lambda: run_language(cfg, out, show_progress=not args.no_progress,
-                                       json_copy=args.json))
+    result = run(args, "audit language",
+                 lambda: run_language(cfg, out, show_progress=not args.no_progress,
+                                      json_copy=args.json))
     header = (f"tensoralg audit language: bilinear transformer on Python stdlib text "
               f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
-    return _report(args, result, language_table, header, json_written=True)
-
-
-def _write_extra_json(path: str | None, result: dict) -> None:
-    if path:
-        from .common import write_json
-
-        write_json(path, result)
+    return report(args, result, language_table, header, json_written=True)
 
 
 def cmd_backdoor(args, demo: bool = False) -> int:
@@ -301,14 +227,14 @@ def cmd_backdoor(args, demo: bool = False) -> int:
         kw["finetune_steps"] = args.finetune_steps
     cfg = BackdoorConfig.quick(**kw) if args.quick else BackdoorConfig(**kw)
     cfg.validate()
-    out = _check_paths(args, "runs/demo" if demo else "runs/backdoor")
-    _threads(args)
+    out = check_paths(args, "runs/demo" if demo else "runs/backdoor")
+    apply_threads(args)
     t0 = time.perf_counter()
-    result = _run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress,
-                                                   json_copy=args.json))
+    result = run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress,
+                                                  json_copy=args.json))
     header = (f"tensoralg {name}: backdoor audit on scikit-learn digits "
               f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
-    return _report(args, result, backdoor_table, header, json_written=True)
+    return report(args, result, backdoor_table, header, json_written=True)
 
 
 def cmd_demo(args) -> int:
@@ -327,12 +253,12 @@ def cmd_forgetting(args) -> int:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
     cfg.validate()
-    out = _check_paths(args, "runs/forgetting")
-    _threads(args)
-    result = _run(args, "audit forgetting",
-                  lambda: run_forgetting(cfg, out, show_progress=not args.no_progress,
-                                         json_copy=args.json))
-    return _report(args, result, forgetting_table, json_written=True)
+    out = check_paths(args, "runs/forgetting")
+    apply_threads(args)
+    result = run(args, "audit forgetting",
+                 lambda: run_forgetting(cfg, out, show_progress=not args.no_progress,
+                                        json_copy=args.json))
+    return report(args, result, forgetting_table, json_written=True)
 
 
 def cmd_grokking(args) -> int:
@@ -344,12 +270,12 @@ def cmd_grokking(args) -> int:
             kw[name] = getattr(args, name)
     cfg = GrokkingConfig.quick(**kw) if args.quick else GrokkingConfig(**kw)
     cfg.validate()
-    out = _check_paths(args, "runs/grokking")
-    _threads(args)
-    result = _run(args, "audit grokking",
-                  lambda: run_grokking(cfg, out, show_progress=not args.no_progress,
-                                       json_copy=args.json))
-    return _report(args, result, grokking_table, json_written=True)
+    out = check_paths(args, "runs/grokking")
+    apply_threads(args)
+    result = run(args, "audit grokking",
+                 lambda: run_grokking(cfg, out, show_progress=not args.no_progress,
+                                      json_copy=args.json))
+    return report(args, result, grokking_table, json_written=True)
 
 
 def cmd_compare(args) -> int:
@@ -360,13 +286,13 @@ def cmd_compare(args) -> int:
     if "montecarlo" in methods and args.n_samples is not None and args.n_samples < 2:
         raise ValueError(f"--n-samples: expected an integer >= 2 with --methods montecarlo, got "
                          f"{args.n_samples}")
-    _check_paths(args)
-    _threads(args)
-    result = _run(args, "compare", lambda: run_compare(
+    check_paths(args)
+    apply_threads(args)
+    result = run(args, "compare", lambda: run_compare(
         args.a, args.b, methods=methods, metrics=metrics, data=args.data,
         n_samples=args.n_samples, seed=args.seed, show_progress=not args.no_progress,
         n_ctx=args.n_ctx))
-    return _report(args, result, compare_table, wrote=False)
+    return report(args, result, compare_table, wrote=False)
 
 
 def cmd_matrix(args) -> int:
@@ -376,30 +302,13 @@ def cmd_matrix(args) -> int:
     if wants_blocks(args):
         return cmd_matrix_blocked(args)
 
-    out = _check_paths(args, "runs/matrix")
-    _threads(args)
-    result = _run(args, "matrix", lambda: run_matrix(args.checkpoints, out, method=args.method,
-                                                     output=args.output, seed=args.seed,
-                                                     n_samples=args.n_samples, json_copy=args.json,
-                                                     n_ctx=args.n_ctx))
-    return _report(args, result, matrix_table, json_written=True)
-
-
-def _report(args, result, table, header: str = "", wrote: bool = True,
-            json_written: bool = False) -> int:
-    """A handler's exit code: ``_run``'s code for a refused/interrupted run, else write
-    ``--json`` (unless the staged run already wrote it before its swap: ``json_written``), print
-    the table (and the files written) and return 0."""
-    if isinstance(result, int):
-        return result
-    if not json_written:
-        _write_extra_json(args.json, result)
-    if header:
-        print(header)
-    print(table(result))
-    if wrote:
-        print(f"\n{_wrote(result)}")
-    return 0
+    out = check_paths(args, "runs/matrix")
+    apply_threads(args)
+    result = run(args, "matrix", lambda: run_matrix(args.checkpoints, out, method=args.method,
+                                                    output=args.output, seed=args.seed,
+                                                    n_samples=args.n_samples, json_copy=args.json,
+                                                    n_ctx=args.n_ctx))
+    return report(args, result, matrix_table, json_written=True)
 
 
 def _split(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
@@ -410,8 +319,3 @@ def _split(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
                          f"{text!r}")
     return items
 
-
-def main(argv=None) -> int:  # pragma: no cover - convenience for `python -m tensoralg.audit.cli`
-    from ..cli import main as ta_main
-
-    return ta_main(argv if argv is not None else sys.argv[1:])

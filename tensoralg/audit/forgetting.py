@@ -236,7 +236,7 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
              "forgetting curriculum: checkpoint x checkpoint")
     result["files"] = [JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES]
     if cfg.n_layers == 1:   # eigenvectors of the removed class's change at removal (pixels)
-        from ..decompose_report import change_eigen, eigenvector_figure
+        from ..decompose.report import change_eigen, eigenvector_figure
 
         eig, result["eigen_change"] = change_eigen(ref.to_network(),
                                                    checkpoints[i_rm].to_network(), r, 4)

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ._cliutil import apply_threads, check_paths, positive_int, report, run
 from .common import (MC_SAMPLES, check_file_writable, check_folder_path, choose_method,
                      format_table, matrix_uncertainty, stamp, write_csv, write_json)
 
@@ -36,19 +37,13 @@ BLOCK_OPTIONS = ("block_size", "resume", "scheduler", "workers")
 _TABLE_MAX = 12  # print the whole matrix up to this size, a summary beyond
 
 
-def _positive_int(text: str) -> int:
-    from .cli import _positive_int as pos
-
-    return pos(text)
-
-
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options of the blocked path, added to the ``matrix`` parser."""
     from ..blocks import DEFAULT_BLOCK_SIZE
 
     g = p.add_argument_group("blocked / distributed (any of these selects the blocked path; "
                              "see docs/distributed.md)")
-    g.add_argument("--block-size", type=_positive_int, default=None, metavar="B",
+    g.add_argument("--block-size", type=positive_int, default=None, metavar="B",
                    help=f"checkpoints per block side (default {DEFAULT_BLOCK_SIZE}); a worker "
                         f"holds at most 2*B models")
     g.add_argument("--resume", action="store_true",
@@ -59,7 +54,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,
                        help="run the blocks on this Dask scheduler (e.g. tcp://host:8786); the "
                             "workers must see the checkpoint paths (default: none)")
-    where.add_argument("--workers", type=_positive_int, default=None, metavar="N",
+    where.add_argument("--workers", type=positive_int, default=None, metavar="N",
                        help="run the blocks on a local Dask cluster of N worker processes "
                             "(default: none, blocks run in this process)")
 
@@ -241,10 +236,8 @@ def blocked_table(result: dict) -> str:
 
 def cmd_matrix_blocked(args) -> int:
     """Handler of ``tensoralg matrix`` with a blocked option. Ctrl-C: exit 130, store kept."""
-    from .cli import _check_paths, _report, _run, _threads
-
-    _check_paths(args)
-    _threads(args)
+    check_paths(args)
+    apply_threads(args)
     out = Path(args.out or "runs/matrix")
 
     def go():
@@ -263,5 +256,5 @@ def cmd_matrix_blocked(args) -> int:
                   f"rerun the same command with --resume to continue", file=sys.stderr)
             return 130
 
-    result = _run(args, "matrix", go)
-    return _report(args, result, blocked_table, json_written=True)
+    result = run(args, "matrix", go)
+    return report(args, result, blocked_table, json_written=True)

@@ -21,7 +21,7 @@ FIG_NAME = "decompose_eigenvectors.png"
 
 
 def add_parsers(sub) -> None:
-    from .threads import add_threads_option, nonneg_int
+    from ..threads import add_threads_option, nonneg_int
 
     p = sub.add_parser("decompose", help="eigen-components / residual paths of a checkpoint",
                        description=__doc__.split("\n\n")[0])
@@ -43,7 +43,7 @@ def add_parsers(sub) -> None:
 
 
 def _load(path: str, option: str):
-    from .checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
@@ -58,8 +58,8 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
         ValueError: ``--output`` out of range, ``--k`` above the input dimension;
         FileNotFoundError / ValueError from loading the checkpoints.
     """
-    from .audit.common import stamp
-    from .decompose import bilinear_depth, difference, eigen, paths
+    from ..audit.common import stamp
+    from . import bilinear_depth, difference, eigen, paths
 
     net = _load(checkpoint, "CKPT")
     what = f"checkpoint {checkpoint}"
@@ -88,7 +88,7 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
 
 
 def table(result: dict) -> str:
-    from .audit.common import format_table
+    from ..audit.common import format_table
 
     k = result["config"]["k"]
     lines = [f"{result['subject']}: {result['d']} inputs, {result['n_outputs']} outputs, "
@@ -118,9 +118,9 @@ def table(result: dict) -> str:
 
 
 def cmd_decompose(args) -> int:
-    from .audit.common import (check_file_writable, check_folder_path, staged_output,
+    from ..audit.common import (check_file_writable, check_folder_path, staged_output,
                                write_json)
-    from .decompose_report import eigenvector_figure
+    from .report import eigenvector_figure
 
     if args.json:
         check_file_writable(args.json, "--json")

@@ -36,7 +36,7 @@ def change_eigen(before: Any, after: Any, output: int, k: int = 4,
     Raises:
         ValueError: a network of depth >= 2 (see :func:`tensoralg.decompose.eigen`).
     """
-    from .decompose import difference, eigen
+    from . import difference, eigen
 
     e = eigen(difference(before, after), output)
     k = min(k, e.d)
@@ -58,8 +58,8 @@ def eigenvector_figure(path: str | Path, eig: Any, k: int, title: str,
                        mask: np.ndarray | None = None, mask_label: str = "trigger") -> Path:
     """The top ``k`` eigenvectors drawn as square images (``d`` a perfect square) or bar plots,
     with the mask (e.g. the trigger) as the first panel. PNG, written atomically."""
-    from .audit.common import save_figure
-    from .audit.plotting import _plt
+    from ..audit.common import save_figure
+    from ..audit.plotting import _plt
 
     plt = _plt()
     k = min(k, eig.d)

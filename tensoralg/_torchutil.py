@@ -1,0 +1,33 @@
+"""Argument checks shared by the torch models :mod:`tensoralg.nn` and :mod:`tensoralg.transformer`
+(a module of its own so that neither imports the other for them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """``"float32"`` / ``"float64"`` (or that torch dtype) as a torch dtype; else ValueError."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: expected float32 or float64, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name (``"float32"`` / ``"float64"``) of a dtype accepted by :func:`torch_dtype`."""
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` if it is an int >= 1 (not a bool). Raises ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value

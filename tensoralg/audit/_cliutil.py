@@ -1,0 +1,92 @@
+"""Helpers shared by the audit commands (:mod:`tensoralg.audit.cli`) and the blocked ``matrix``
+(:mod:`tensoralg.audit.matrix_blocks`): argparse types, path checks before any work, the guard
+around a long run and the final report. Imports nothing of the command modules (no circle)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in the open interval (0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {v}")
+    return v
+
+
+def check_paths(args, default_out: str | None = None) -> Path | None:
+    """Validate ``--json`` (really writable: a probe file is created and deleted next to it) and
+    ``--out`` before any work."""
+    from .common import check_file_writable, check_folder_path
+
+    if getattr(args, "json", None):
+        check_file_writable(args.json, "--json")
+    if default_out is None:
+        return None
+    return check_folder_path(args.out or default_out, "--out")
+
+
+def run(args, name: str, fn):
+    """``fn()``'s result, or an exit code (int) with the failures of a long run turned into one line: an over-budget exact
+    method (reworded with the CLI options, exit 2), diverged training (exit 1), Ctrl-C (exit
+    130; output folders are only ever replaced by complete runs, so nothing is half-written)."""
+    from ..errors import CostTooHigh, TrainingDiverged
+
+    try:
+        return fn()
+    except CostTooHigh as exc:
+        from .common import _reason
+
+        why = _reason(str(exc))
+        raise ValueError(f"--method {getattr(args, 'method', 'exact')}: {why}; use --method closure "
+                         f"(fast; exact only at depth 1) or --method montecarlo (an estimate with "
+                         f"its standard error)") from None
+    except TrainingDiverged as exc:
+        print(f"tensoralg {name}: error: {exc}; nothing was written", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"tensoralg {name}: interrupted; no output was changed", file=sys.stderr)
+        return 130
+
+
+def apply_threads(args=None) -> None:
+    """``--threads`` (default :data:`tensoralg.threads.DEFAULT_THREADS`) applied to torch and BLAS."""
+    from ..threads import DEFAULT_THREADS, set_threads
+
+    set_threads(getattr(args, "threads", DEFAULT_THREADS))
+
+
+def report(args, result, table, header: str = "", wrote: bool = True,
+           json_written: bool = False) -> int:
+    """A handler's exit code: :func:`run`'s code for a refused/interrupted run, else write
+    ``--json`` (unless the staged run already wrote it before its swap: ``json_written``), print
+    the table (and the files written) and return 0."""
+    if isinstance(result, int):
+        return result
+    if not json_written and args.json:
+        from .common import write_json
+
+        write_json(args.json, result)
+    if header:
+        print(header)
+    print(table(result))
+    if wrote:
+        print(f"\nwrote {', '.join(str(Path(result['out']) / f) for f in result['files'])}")
+    return 0

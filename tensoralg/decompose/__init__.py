@@ -1,0 +1,34 @@
+"""Decompositions of multilinear networks: exact checks, eigen-components, residual paths, diffs.
+
+Mathematics: ``DESIGN.md`` §3.8 (decompositions) and §3.6 (Gaussian chaos).
+
+* :func:`check_decomposition` — is ``f = sum_i g_i``? The exact residual ``||f - sum g_i||^2``
+  (Gaussian and Frobenius metrics), the Gram matrix of ``(f, g_1, ...)``, each component's share
+  of ``||f||^2`` and the interference terms; with ``backend="exact"`` a rational certificate.
+* :func:`eigen` — for depth-1 networks (embedding, one bilinear layer, head, biases, residual):
+  the chaos coefficients ``(C0, C1, C2)`` of one output (or direction ``u . f``) and the
+  eigendecomposition ``C2 = sum_i lambda_i v_i v_i^T``: ``f = C0 + C1.x + sum_i lambda_i He2(v_i.x)``
+  with mutually orthogonal components of norm^2 ``2 lambda_i^2``, so keeping ``k`` of them costs
+  exactly ``2 sum_dropped lambda_i^2``. The eigenvectors live in input space (through the
+  embedding).
+* :func:`paths` — a residual network ``head o (1 + B_n) o ... o (1 + B_1) o embed`` as a sum of
+  ``2^n`` path networks, one per subset of blocks a signal passes through; their Gram matrix is
+  the exact attribution.
+* :func:`combine` / :func:`difference` — ``sum_i c_i f_i`` (e.g. a checkpoint minus another) as
+  one network (hidden units side by side, coefficients on the output), so that its eigenvectors
+  localize a change in input space.
+
+Inner products go through the public API (:func:`tensoralg.cross_gram`, :func:`tensoralg.inner`);
+the one piece of mathematics of its own is :func:`chaos_coefficients_depth1`, which reads the
+degree-2 polynomial ``c + b.x + x^T A x`` straight off the lifted weights (never by sampling).
+"""
+
+from ._common import bilinear_depth
+from .residual import PathDecomposition, path_similarity, paths
+from .spectral import (ChaosCoefficients, EigenDecomposition, as_bilinear_depth1,
+                       chaos_coefficients_depth1, eigen)
+from .sums import DecompositionCheck, check_decomposition, combine, difference
+
+__all__ = ["check_decomposition", "DecompositionCheck", "chaos_coefficients_depth1",
+           "ChaosCoefficients", "eigen", "EigenDecomposition", "combine", "difference",
+           "paths", "PathDecomposition", "path_similarity", "bilinear_depth"]
