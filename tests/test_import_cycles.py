@@ -20,26 +20,12 @@ from __future__ import annotations
 
 import ast
 import functools
-import warnings
 from pathlib import Path
 
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tensoralg", "verify")
-
-# Circles among the core engine's modules, being removed by the lead in parallel (issue 20,
-# item 2). A strongly connected component is tolerated only if every module in it is listed
-# here; empty this set when the engine's circles are gone.
-_LEAD_FIXING = {
-    "tensoralg",  # the package __init__: re-exports products/planner; blocks imports it back as `ta`
-    "tensoralg.attention", "tensoralg.blocks", "tensoralg.canonical", "tensoralg.network",
-    "tensoralg.planner", "tensoralg.prepare", "tensoralg.products",
-    "tensoralg.strategies", "tensoralg.strategies.chaos", "tensoralg.strategies.chaos_depth1",
-    "tensoralg.strategies.closure", "tensoralg.strategies.executor",
-    "tensoralg.strategies.montecarlo", "tensoralg.strategies.wick",
-    "tensoralg.strategies.wick_terms",
-}
 
 # verify checks tensoralg independently: it must not reach tensoralg's fast paths.
 FAST_PATHS = ("tensoralg.products", "tensoralg.attention", "tensoralg.strategies",
@@ -162,16 +148,7 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path):
 def test_no_import_circles():
     g = import_graph()
     found = circles(g)
-    new = [c for c in found if not c <= _LEAD_FIXING]
-    assert not new, "import circles:\n" + "\n".join(_describe(g, c) for c in new)
-    known = [c for c in found if c <= _LEAD_FIXING]
-    if known:  # visible in pytest's warnings summary until the engine's circles are gone
-        warnings.warn("known core-engine import circles (_LEAD_FIXING): "
-                      + "; ".join(_describe(g, c, limit=2) for c in known))
-
-
-def test_lead_fixing_lists_only_modules_that_exist():
-    assert _LEAD_FIXING <= set(_modules())
+    assert not found, "import circles:\n" + "\n".join(_describe(g, c) for c in found)
 
 
 def test_verify_does_not_import_fast_paths():
