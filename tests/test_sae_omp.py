@@ -63,32 +63,8 @@ def test_no_export_is_shadowed_by_a_submodule():
         assert not isinstance(getattr(pkg, name), types.ModuleType), name
 
 
-def _readme_sae_snippet():
-    from pathlib import Path
-
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    if not readme.exists():
-        pytest.skip("README.md is not next to the tests (installed package)")
-    text = readme.read_text()
-    start = text.find("```python\nfrom tensoralg.sae import make_config")
-    assert start >= 0, "README lost its tensoralg.sae python snippet"
-    return text[start + len("```python\n"):text.index("```", start + 10)]
-
-
-def test_readme_snippet_runs_as_written():
-    """The README's SAE snippet, unchanged except for smaller sizes (same calls)."""
-    code = _readme_sae_snippet()
-    small = code.replace("make_synthetic(8192,", "make_synthetic(512,").replace("steps=600", "steps=10")
-    assert small.count("512") == 1 and "steps=10" in small, "README snippet changed shape; update this test"
-    ns = {}
-    exec(compile(small, "README.md (sae snippet)", "exec"), ns)
-    data, sae = ns["data"], ns["sae"]
-    r = ns["compare"](data.W_dec, sae.W_dec, data.z, sae.encode(data.x))
-    assert {"dcs", "code_iou", "code_l2", "perm", "signs"} <= set(r)
-    z = ns["omp"](data.x, data.W_dec, k=4)
-    assert z.shape == (512, 64) and ((z != 0).sum(1) == 4).all()
-
-
+# The README's and docs/sae.md's SAE snippets run as written in tests/test_docs.py (every code
+# block of the docs is executed there); this is the same calls at a smaller size, with checks.
 def test_readme_snippet_literal_small():
     from tensoralg.sae import make_config, train, TrainConfig, make_synthetic, omp
     from verify.identifiability import compare, random_baseline
