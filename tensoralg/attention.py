@@ -1,4 +1,4 @@
-"""Gaussian inner products of sequence models with bilinear attention (DESIGN.md section 3.7).
+"""Gaussian inner products of sequence models with bilinear attention (docs/mathematics.md §3.7).
 
 A sequence model maps ``X`` of shape ``(n_ctx, d)`` to ``(n_ctx, d_out)``. Under the Gaussian
 metric every entry ``X[s, i]`` is an independent ``N(0, 1)`` and the lifted input is
@@ -77,7 +77,7 @@ __all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "cl
 
 DEFAULT_MAX_CONFIGURATIONS = 200_000
 
-#: The alternatives named when the exact attention path refuses (DESIGN §3.7).
+#: The alternatives named when the exact attention path refuses (docs/mathematics.md §3.7).
 ALTERNATIVES = ("Alternatives: method='closure' (approximate from the second non-linear "
                 "layer on: the fast second-moment closure over (position, feature), equal to "
                 "the exact value for one attention layer) or method='montecarlo' (unbiased, "
@@ -375,7 +375,7 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
                 max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, device: Any = None,
                 max_memory: float | None = None):
     """Exact Gaussian inner product ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence
-    models with at most one bilinear attention layer each (module docstring; DESIGN 3.7), on
+    models with at most one bilinear attention layer each (module docstring; docs/mathematics.md §3.7), on
     their folded canonical trees (:func:`canonicalize`).
 
     Args:
@@ -1355,7 +1355,7 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     """Gaussian closure (APPROXIMATE at depth >= 2; exact at depth 1) of the inner product
     ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence models of any depth.
 
-    What it computes (DESIGN.md sections 3.2 and 3.7). The state is the joint second moments
+    What it computes (docs/mathematics.md §3.2 and §3.7). The state is the joint second moments
     of the two models' activations over (position, feature): means ``mu[t, i]`` and covariances
     ``C_aa, C_ab, C_bb`` of shape ``(n_ctx, d, n_ctx, d')``, i.e. ``M[t,i,t',j] = E[y~_{t,i}
     y~_{t',j}]`` for the lifted activations ``y~_t = (1, y_t)``. The lifted constant is kept

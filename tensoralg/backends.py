@@ -3,7 +3,7 @@
 Every strategy computes on NumPy arrays (float64, or object arrays of
 :class:`fractions.Fraction` for the exact backend) prepared once, then hands each operand to a
 *converter* that maps it to the backend's array type. The same contraction plan therefore runs
-on every backend (DESIGN §4, as opt_einsum's per-library backends).
+on every backend (docs/mathematics.md §4, as opt_einsum's per-library backends).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Gram and similarity matrices over more checkpoints than fit in memory: blocked, resumable,
-optionally distributed on Dask (DESIGN §6).
+optionally distributed on Dask (docs/mathematics.md §6).
 
 The ``N x N`` matrix is cut into blocks of ``block_size`` checkpoints per side. Each block
 ``(I, J)`` with ``I <= J`` loads only its own checkpoints and runs the engine's batched Gram

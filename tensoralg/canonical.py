@@ -9,7 +9,7 @@ view. The position-free strategies (Wick, chaos) read its packed binary-chain sp
 (:meth:`Canonical.tree` turns it into nodes).
 
 Every network of :mod:`tensoralg.layers` is rewritten, exactly, as maps between *lifted* spaces
-(``x~ = (1, x)``, constant at index 0, DESIGN §2):
+(``x~ = (1, x)``, constant at index 0, docs/mathematics.md §2):
 
 * a linear layer becomes ``W~ = [[1, 0], [b, W]]`` of shape ``(out+1, in+1)``;
 * a bilinear layer becomes ``(L~, R~, D~)`` with ``L~, R~ : (H+1, in+1)`` and ``D~ : (out+1, H+1)``;
@@ -21,12 +21,12 @@ Every network of :mod:`tensoralg.layers` is rewritten, exactly, as maps between 
   *embedding* that narrows the input (``m < d``): it is kept apart as ``embed`` so that the
   legs of the tensor network stay at the model width ``m + 1`` (the Wick strategy bridges two
   legs through the embedding Gram ``E_a E_b^T``; the chaos strategy whitens the joint input
-  covariance, DESIGN §3.6).
+  covariance, docs/mathematics.md §3.6).
 
 The result is a :class:`Canonical`: an optional lifted ``embed`` followed by ``stages`` (lifted
 bilinear stages, applied in order) or, for a network of degree 1, a single lifted matrix
 ``linear``. As a tensor network it is a full binary tree with ``2**len(stages)`` input legs
-(DESIGN §2), each leg a copy of the lifted (embedded) input.
+(docs/mathematics.md §2), each leg a copy of the lifted (embedded) input.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def stack(cans: list[Canonical], name: str = "models") -> Canonical:
 # The general canonical form: a tree of lifted multilinear nodes with position-carrying legs
 # ========================================================================================
 #
-# DESIGN §4 ("graph / canonical"): a network is a chain of *nodes* (one per non-linear layer,
+# docs/mathematics.md §4 ("graph / canonical"): a network is a chain of *nodes* (one per non-linear layer,
 # affine layers folded in), each node a *sum of terms* (a residual ``x + f(x)`` is two terms),
 # each term a lifted multilinear map: ``cores`` (static tensors) contracted with ``legs``
 # (factor rows read against the node's lifted input ``x~ = (1, y)`` of the previous node).
@@ -332,7 +332,7 @@ def stack(cans: list[Canonical], name: str = "models") -> Canonical:
 # *position variable* (``"t"``: the query position, the output's; ``"s"``: a key position
 # summed inside an attention term against the mask); a positional leg (RoPE) has a leading
 # position axis. Kinds: linear (1 leg), bilinear (2 legs sharing the hidden index ``h``),
-# attention (5 legs: ``Q1, Q2`` at ``t``; ``K1, K2, V`` at ``s``; DESIGN §3.7).
+# attention (5 legs: ``Q1, Q2`` at ``t``; ``K1, K2, V`` at ``s``; docs/mathematics.md §3.7).
 #
 # Labels are one character each: ``o`` (output feature), ``t``/``s`` (positions), and
 # per-term internal labels (``h``; ``e``, ``f``, ``v`` for attention). A term's open labels are
@@ -564,7 +564,7 @@ def _broadcast_query(ops, subs, out, n_pos, dtype):
 
 
 # ----------------------------------------------------------------------------------------
-# sequence models: one node per layer (DESIGN §3.7), affine layers optionally folded
+# sequence models: one node per layer (docs/mathematics.md §3.7), affine layers optionally folded
 # ----------------------------------------------------------------------------------------
 
 def _num(a: Any, exact: bool) -> np.ndarray:
@@ -740,7 +740,7 @@ def _fold(nodes: list, exact: bool) -> list:
 
 def sequence_tree(net: Any, n_ctx: int, name: str = "a", exact: bool = False,
                   fold: bool = True) -> Tree:
-    """The sequence model ``net`` as a :class:`Tree` over ``n_ctx`` positions (DESIGN §3.7).
+    """The sequence model ``net`` as a :class:`Tree` over ``n_ctx`` positions (docs/mathematics.md §3.7).
 
     One node per layer: a Linear or Bilinear layer acts per position (legs at the query
     position ``t``); a BilinearAttention layer is one attention term (legs ``Q1, Q2`` at ``t``,

@@ -7,7 +7,7 @@ Every network here is a polynomial map ``R^d -> R^out`` built from
 * :class:`Residual` — ``y = x + inner(x)``;
 * :class:`Sequential` — composition, applied in order;
 * :class:`BilinearAttention` — softmax-free attention whose pattern is a product of two bilinear
-  score forms (a sequence layer; see ``docs/attention.md`` and DESIGN.md section 3.7).
+  score forms (a sequence layer; see ``docs/attention.md`` and docs/mathematics.md §3.7).
 
 Weights are stored as NumPy arrays: ``float64`` for floating-point input (torch tensors and
 float32 arrays are converted exactly), or ``object`` arrays of :class:`fractions.Fraction`
@@ -563,7 +563,7 @@ def rope_rotations(n_ctx: int, d_head: int, base: float) -> np.ndarray:
 
 
 class BilinearAttention(Layer):
-    """Bilinear (softmax-free) multi-head attention on sequences (DESIGN.md section 3.7).
+    """Bilinear (softmax-free) multi-head attention on sequences (docs/mathematics.md §3.7).
 
     For an input sequence ``x_0 .. x_{n_ctx-1}`` (each of size ``d``) and every head ``h``::
 

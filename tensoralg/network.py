@@ -2,7 +2,7 @@
 
 A pair of canonical networks (see :mod:`tensoralg.canonical`) is joined into one tensor network
 whose open legs are copies of the lifted input ``x~``. Its Gaussian inner product is, by Isserlis'
-theorem applied to the non-constant part of ``x~`` only (DESIGN §3.1),
+theorem applied to the non-constant part of ``x~`` only (docs/mathematics.md §3.1),
 
     <a, b>_G = sum over partial matchings pi of the legs of
                contract(network, matched pairs bridged by P, unmatched legs capped by e0).
@@ -10,7 +10,7 @@ theorem applied to the non-constant part of ``x~`` only (DESIGN §3.1),
 Bridging by ``P = diag(0, 1, ..., 1)`` and capping by ``e0`` are applied by splitting each leaf
 factor ``F`` (rows: hidden units, columns: ``x~``) into its constant column ``F[:, 0]`` and its
 non-constant block ``F[:, 1:]``, so no ``(d+1) x (d+1)`` tensor is ever built. The symmetrized
-Frobenius metric (DESIGN §3.3) uses perfect bijections between the legs of ``a`` and ``b``
+Frobenius metric (docs/mathematics.md §3.3) uses perfect bijections between the legs of ``a`` and ``b``
 bridged by the identity, weighted ``1/n!``.
 
 Every configuration is one einsum over the joined network. Its contraction path is found once by
@@ -772,7 +772,7 @@ def sequence_n_ctx(na: Any, nb: Any, n_ctx: Any) -> int | None:
     return resolve_n_ctx([("a", na)] + ([] if nb is None else [("b", nb)]), n_ctx)
 
 
-#: Core names in the graph view, by the labels a core carries (DESIGN §3.7: the attention
+#: Core names in the graph view, by the labels a core carries (docs/mathematics.md §3.7: the attention
 #: term's output core ``O[o, h, v]`` and mask core ``M[t, s]``; the bilinear ``D[o, h]``).
 def _core_name(kind: str, labels: tuple) -> str:
     if labels == ("t", "s"):
@@ -874,7 +874,7 @@ class _GraphBuilder:
 def to_graph(a: Any, b: Any = None, output: Any = None, n_ctx: int | None = None) -> nx.Graph:
     """The tensor network of ``a`` (or of the pair ``a``, ``b`` joined at the output) as a
     bipartite :class:`networkx.Graph`, unrolled from the canonical tree of lifted multilinear
-    nodes (:func:`tensoralg.canonical.tree`, DESIGN §4): the legs of node ``k + 1`` read copies
+    nodes (:func:`tensoralg.canonical.tree`, docs/mathematics.md §4): the legs of node ``k + 1`` read copies
     of node ``k``'s lifted output, so every leg of a node ``k > 0`` joins a copy of node
     ``k - 1`` (all of its terms), and the legs of node 0 are the open input legs.
 
@@ -902,7 +902,7 @@ def to_graph(a: Any, b: Any = None, output: Any = None, n_ctx: int | None = None
     that all touch that node's output index: there it is a *sum* of the terms, not a
     contraction.
 
-    Sequence models (with :class:`~tensoralg.BilinearAttention`, DESIGN §3.7): positions are
+    Sequence models (with :class:`~tensoralg.BilinearAttention`, docs/mathematics.md §3.7): positions are
     index nodes too (``size = n_ctx``; attribute ``position``: the position variable's name,
     ``query``: whether it is the root's query position): ``i:t`` is the query position of the
     root; every attention term copy has its own key position ``i:<copy>.s``, summed against the

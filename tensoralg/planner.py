@@ -468,7 +468,7 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
 
 
 # ----------------------------------------------------------------------------------------
-# sequence models (bilinear attention, DESIGN §3.7): what ``inner`` does through
+# sequence models (bilinear attention, docs/mathematics.md §3.7): what ``inner`` does through
 # tensoralg.attention
 # ----------------------------------------------------------------------------------------
 

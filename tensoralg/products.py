@@ -37,11 +37,11 @@ __all__ = ["inner", "norm", "similarity", "gram", "cross_gram", "similarity_matr
 
 _DOC_KW = """
     Keyword args (shared by inner, norm, similarity, gram, cross_gram, similarity_matrix):
-        metric: ``"gaussian"`` (E over x ~ N(0, I_d), DESIGN §3.1) or ``"frobenius"``
-            (``<Sym T_a, Sym T_b>_F`` of the lifted coefficient tensors, DESIGN §3.3; needs the
+        metric: ``"gaussian"`` (E over x ~ N(0, I_d), docs/mathematics.md §3.1) or ``"frobenius"``
+            (``<Sym T_a, Sym T_b>_F`` of the lifted coefficient tensors, docs/mathematics.md §3.3; needs the
             same number of bilinear stages on both sides; method ``"exact"`` only).
         method: ``"exact"`` (Isserlis/Wick partial-matching sum), ``"closure"`` (Gaussian
-            closure, DESIGN §3.2: exact at depth 1, APPROXIMATE for depth >= 2 — the exact value
+            closure, docs/mathematics.md §3.2: exact at depth 1, APPROXIMATE for depth >= 2 — the exact value
             of a different, tree-restricted form, not E[f_a f_b]; it does not certify functional
             reparametrizations of deep networks), or ``"montecarlo"`` (unbiased estimate from
             ``n_samples`` random directions drawn with ``seed``, the radius along each
@@ -54,7 +54,7 @@ _DOC_KW = """
             of length ``out`` (the direction ``u . f``) or ``"each"`` (one value per output).
         strategy: the exact representation: ``"auto"`` (default: the cheaper of the two within
             budget, see :mod:`tensoralg.planner`), ``"wick"`` (tensor-network Wick sum) or
-            ``"chaos"`` (Gaussian chaos / Hermite coefficients, DESIGN §3.6; Gaussian metric).
+            ``"chaos"`` (Gaussian chaos / Hermite coefficients, docs/mathematics.md §3.6; Gaussian metric).
         max_flops, max_memory, max_configurations: cost budget of the exact method, checked
             before any contraction or allocation; over it :class:`~tensoralg.CostTooHigh` names
             every strategy's estimate and the alternatives. Defaults: 2e11 FLOPs (2e7 with

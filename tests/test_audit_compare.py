@@ -42,7 +42,7 @@ def test_compare_all_methods(ckpts, tmp_path, capsys):
     res = json.loads((tmp_path / "c.json").read_text())
     by = {(r["metric"], r["method"]): r for r in res["results"]}
     exact, closure, mc = (by[("gaussian", m)] for m in ("exact", "closure", "montecarlo"))
-    # depth 1: the closure is exact (DESIGN 3.2), an independent algorithm
+    # depth 1: the closure is exact (docs/mathematics.md §3.2), an independent algorithm
     assert closure["global"] == pytest.approx(exact["global"], rel=1e-10)
     assert np.allclose(closure["each"], exact["each"], rtol=1e-10, atol=0)
     # Monte Carlo agrees within 5 standard errors

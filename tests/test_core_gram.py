@@ -1,4 +1,4 @@
-"""Gram matrices over many models, similarity matrices and diffs (DESIGN §3.5)."""
+"""Gram matrices over many models, similarity matrices and diffs (docs/mathematics.md §3.5)."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_damaged_path_cache_is_never_trusted(tmp_path, monkeypatch, tamper):
     assert not any(searches)
 
 
-# ---- the graph view of sequence models (the canonical tree, DESIGN §3.7 / §4) -------------
+# ---- the graph view of sequence models (the canonical tree, docs/mathematics.md §3.7 / §4) -------------
 
 def _attn(rng, residual=False, **kw):
     from test_attention_exact import attn

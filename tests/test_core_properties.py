@@ -60,7 +60,7 @@ def test_bond_gauge_on_internal_bond_depth2(seed):
                      l2.down_bias)
     f, g = ta.Sequential([l1, l2]), ta.Sequential([g1, g2])
     assert ta.similarity(f, g) == pytest.approx(1.0, abs=1e-12)
-    # closure is invariant to linear gauges on internal bonds too (DESIGN §3.2)
+    # closure is invariant to linear gauges on internal bonds too (docs/mathematics.md §3.2)
     assert ta.similarity(f, g, method="closure") == pytest.approx(1.0, abs=1e-12)
 
 

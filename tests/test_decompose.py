@@ -55,7 +55,7 @@ def slice_net(net, u):
 # ---------------------------------------------------------------------------------------
 
 def test_hermite_expansion_known_cases():
-    # x^3 = He3 + 3 He1 and (x1 x2)^2 = (He2+1)(He2+1) in two variables (DESIGN §3.6 checks)
+    # x^3 = He3 + 3 He1 and (x1 x2)^2 = (He2+1)(He2+1) in two variables (docs/mathematics.md §3.6 checks)
     assert hermite_expansion({(3,): Fraction(1)}) == {(3,): 1, (1,): 3}
     assert hermite_expansion({(2, 2): Fraction(1)}) == {(2, 2): 1, (2, 0): 1, (0, 2): 1, (0, 0): 1}
 

@@ -1,4 +1,4 @@
-"""Blocked, resumable, distributed Gram / similarity matrices (tensoralg.blocks, DESIGN §6).
+"""Blocked, resumable, distributed Gram / similarity matrices (tensoralg.blocks, docs/mathematics.md §6).
 
 The reference everywhere is the single-process engine: ``ta.similarity_matrix`` / ``ta.gram``
 on all models at once, and for a few entries the per-pair ``ta.inner`` (one contraction per

@@ -1,4 +1,4 @@
-"""ta.plan for sequence models (bilinear attention, DESIGN §3.7): it says what ta.inner does
+"""ta.plan for sequence models (bilinear attention, docs/mathematics.md §3.7): it says what ta.inner does
 with the same options — the exact one-attention-layer path of tensoralg.attention with its
 Wick configurations, or the refusal — and ``refused`` is set exactly when inner refuses,
 checked by running inner on both sides of the boundary."""
@@ -38,7 +38,7 @@ def test_plan_counts_the_configurations_inner_contracts():
     assert isinstance(p, SequencePlan) and p.supported and p.refused is None
     assert p.strategy == "attention" and p.n_ctx == 2
     assert p.n_configurations == attention.count_configurations(a, b, n_ctx=2)
-    assert p.n_legs == 10  # two attention terms of 5 legs (DESIGN §3.7)
+    assert p.n_legs == 10  # two attention terms of 5 legs (docs/mathematics.md §3.7)
     # the sliced linear term of a (zero output bias at output 1) can no longer be capped
     assert ta.plan(a, b, n_ctx=2, output=1).n_configurations < p.n_configurations
     # position= selects query positions: it changes no zero pattern, hence no count

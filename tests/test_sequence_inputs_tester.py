@@ -152,7 +152,7 @@ def test_gram_refuses_a_position_free_mlp_among_sequence_models_like_inner():
     # iid positions: <affine, affine> over 2 positions is twice the position-free one
     # (float64 through two different contractions: a few ulps)
     assert G[1, 1] == pytest.approx(2 * ta.inner(affine, affine), rel=1e-12)
-    # the closure is exact at depth 1 (DESIGN §3.2): equal in exact arithmetic, so the
+    # the closure is exact at depth 1 (docs/mathematics.md §3.2): equal in exact arithmetic, so the
     # project's float64 bar for exact methods, 1e-10 relative, applies
     Gc = ta.gram([a, affine], n_ctx=2, method="closure")
     assert np.allclose(Gc, G, rtol=1e-10, atol=0)

@@ -33,7 +33,7 @@ def test_matching_counts():
         assert len(partial) == tel[n]
         for pairs, singles in partial:  # every leg used exactly once
             assert sorted([x for p in pairs for x in p] + singles) == list(range(n))
-    assert tel[4] == 10  # the 10 configurations of one bilinear layer pair (DESIGN 3.1)
+    assert tel[4] == 10  # the 10 configurations of one bilinear layer pair (docs/mathematics.md §3.1)
 
 
 def test_gaussian_moments_by_integration():

@@ -3,7 +3,7 @@
 A sequence model maps ``X`` (``n_ctx`` positions of ``d`` features) to ``n_ctx x d_out``
 outputs. Here every output ``f[t][o]`` is expanded into an explicit polynomial in the
 ``n_ctx * d`` variables ``X[s, i]`` (variable index ``s * d + i``) with rational
-coefficients, straight from the definition of each layer (DESIGN.md section 3.7):
+coefficients, straight from the definition of each layer (docs/mathematics.md §3.7):
 
 * Linear / Bilinear act on each position separately; Residual adds its input;
 * BilinearAttention, per head ``h``:

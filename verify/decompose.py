@@ -12,7 +12,7 @@ inner products, Gram matrices, chaos extraction or tensor networks:
 * :func:`hermite_expansion` — the coefficients of a polynomial in the multivariate Hermite basis
   ``He_beta(x) = prod_i He_{beta_i}(x_i)`` from ``x^n = sum_j n! / (j! (n-2j)! 2^j) He_{n-2j}(x)``
   (the inverse Hermite expansion of a power), and :func:`chaos_coefficients` — the tensors
-  ``C0, C1, C2`` of DESIGN §3.6 for a degree-<=2 output (``C2[i,i] = h_{2e_i}``,
+  ``C0, C1, C2`` of docs/mathematics.md §3.6 for a degree-<=2 output (``C2[i,i] = h_{2e_i}``,
   ``C2[i,j] = h_{e_i+e_j} / 2``).
 """
 

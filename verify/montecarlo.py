@@ -3,7 +3,7 @@
 Everything here is an *approximation* with a stated standard error: samples
 ``x ~ N(0, I_d)`` are pushed through both networks (forward evaluation of tensoralg's layer
 classes, float64) and the per-sample products are averaged.  The estimators are unbiased for
-``<a, b>_G = sum_o E[f_a(x)_o f_b(x)_o]`` (DESIGN 3.1, 3.4); their standard error shrinks like
+``<a, b>_G = sum_o E[f_a(x)_o f_b(x)_o]`` (docs/mathematics.md §3.1, 3.4); their standard error shrinks like
 ``1/sqrt(n)`` (central limit theorem), which :func:`convergence` measures.  The similarity
 estimate is a ratio of means (consistent, bias O(1/n)) with a delta-method standard error.
 

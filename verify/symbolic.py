@@ -287,7 +287,7 @@ def _lifted_moment(i: Sequence[int], d: int) -> sp.Expr:
 
 
 def prove_lifted_isserlis(max_order: int = 4, d: int = 2) -> ProofResult:
-    """DESIGN 3.1: for ``x~ = (1, x)``, ``x ~ N(0, I_d)``, every index tuple over ``{0..d}`` of
+    """docs/mathematics.md §3.1: for ``x~ = (1, x)``, ``x ~ N(0, I_d)``, every index tuple over ``{0..d}`` of
     length 1..max_order satisfies ``E[prod x~_i] == sum over partial matchings of
     prod_pairs P[i_a, i_b] * prod_singletons e0[i_c]`` with ``P = diag(0, 1, ..., 1)``.
 
@@ -386,7 +386,7 @@ def _bilinear_poly(L, R, D, xt):
 
 
 def gram_closed_form(La, Ra, Da, Lb, Rb, Db) -> sp.Expr:
-    """DESIGN 3.1 closed form ``sum_{h,k} (Da^T Db)[h,k] E_hk`` for lifted factor rows
+    """docs/mathematics.md §3.1 closed form ``sum_{h,k} (Da^T Db)[h,k] E_hk`` for lifted factor rows
     (column 0 = constant entry)."""
     DtD = Da.T * Db
     total = sp.Integer(0)
@@ -409,7 +409,7 @@ def gram_closed_form(La, Ra, Da, Lb, Rb, Db) -> sp.Expr:
 
 def prove_gram_closed_form(d: int = 2, hidden_a: int = 2, hidden_b: int = 1, out: int = 1,
                            closed_form: Callable = None) -> ProofResult:
-    """The single-layer Gram closed form of DESIGN 3.1 with fully symbolic ``L, R, D`` of both
+    """The single-layer Gram closed form of docs/mathematics.md §3.1 with fully symbolic ``L, R, D`` of both
     layers equals ``sum_o E[f_a(x)_o f_b(x)_o]`` computed by Gaussian integration.
 
     ``closed_form``: the formula under test, ``(La, Ra, Da, Lb, Rb, Db) -> expr`` (default

@@ -1,6 +1,6 @@
 """Decompositions of multilinear networks: exact checks, eigen-components, residual paths, diffs.
 
-Mathematics: ``DESIGN.md`` §3.8 (decompositions) and §3.6 (Gaussian chaos).
+Mathematics: docs/mathematics.md §3.8 (decompositions) and §3.6 (Gaussian chaos).
 
 * :func:`check_decomposition` — is ``f = sum_i g_i``? The exact residual ``||f - sum g_i||^2``
   (Gaussian and Frobenius metrics), the Gram matrix of ``(f, g_1, ...)``, each component's share

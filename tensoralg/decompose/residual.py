@@ -1,5 +1,5 @@
 """A residual network expanded into the path networks that sum to it (:func:`paths`,
-:func:`path_similarity`; DESIGN §3.8)."""
+:func:`path_similarity`; docs/mathematics.md §3.8)."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def _path_networks(model: Any, name: str = "model", exact: bool | None = None):
 
 
 def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDecomposition:
-    """Expand a residual network into path networks that sum to it exactly (DESIGN §3.8).
+    """Expand a residual network into path networks that sum to it exactly (docs/mathematics.md §3.8).
 
     ``model = head o (1 + B_n) o ... o (1 + B_1) o embed`` (``embed``/``head``: zero or more
     Linear layers; ``B_k``: one Bilinear or Linear layer). A bilinear block reads the stream

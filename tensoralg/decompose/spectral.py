@@ -1,4 +1,4 @@
-"""Chaos coefficients of depth-1 networks and their eigen-components (DESIGN §3.6, §3.8):
+"""Chaos coefficients of depth-1 networks and their eigen-components (docs/mathematics.md §3.6, §3.8):
 :func:`chaos_coefficients_depth1`, :func:`eigen`, and a depth-1 network as one bilinear layer
 (:func:`as_bilinear_depth1`)."""
 
@@ -72,7 +72,7 @@ class ChaosCoefficients:
 
     ``f_o(x) = C0[o] + C1[o] . x + sum_ij C2[o,i,j] He_ij(x)`` with ``He_ii = x_i^2 - 1``,
     ``He_ij = x_i x_j`` (``i != j``); ``E[f_o g_o] = C0 C0' + C1.C1' + 2 <C2, C2'>_F``
-    (DESIGN §3.6). Shapes: ``C0 (K,)``, ``C1 (K, d)``, ``C2 (K, d, d)`` symmetric, ``K`` outputs
+    (docs/mathematics.md §3.6). Shapes: ``C0 (K,)``, ``C1 (K, d)``, ``C2 (K, d, d)`` symmetric, ``K`` outputs
     (or 1 for a direction). Object arrays of Fractions for rational networks.
     """
 
@@ -93,7 +93,7 @@ def chaos_coefficients_depth1(net: Any, output: Any = None) -> ChaosCoefficients
     into ``f(x) = c + B x + D((L~ x~) * (R~ x~))`` with lifted factors ``L~ = [l0 | l]``,
     ``R~ = [r0 | r]`` in input coordinates. Then ``f = c' + b.x + x^T A x`` with
     ``c' = c + D(l0 r0)``, ``b = B + D(l0 r + r0 l)``, ``A = sym(sum_h D_h l_h r_h^T)``, and for a
-    degree-2 polynomial ``C0 = c' + tr A``, ``C1 = b``, ``C2 = A`` (DESIGN §3.6, from
+    degree-2 polynomial ``C0 = c' + tr A``, ``C1 = b``, ``C2 = A`` (docs/mathematics.md §3.6, from
     ``x^T A x = tr A + sum_ij A_ij He_ij(x)``). Exact in rationals for rational networks; never
     sampled. Cost ``O(K H d^2)`` for ``K`` outputs and ``H`` hidden units.
 
@@ -134,7 +134,7 @@ def chaos_coefficients_depth1(net: Any, output: Any = None) -> ChaosCoefficients
 
 @dataclass
 class EigenDecomposition:
-    """Eigen-components of one output (or direction) of a depth-1 network (DESIGN §3.8).
+    """Eigen-components of one output (or direction) of a depth-1 network (docs/mathematics.md §3.8).
 
     ``f(x) = C0 + C1 . x + sum_i lambda_i He2(v_i . x)`` with ``He2(t) = t^2 - 1`` (unit ``v_i``):
     the components are mutually orthogonal under ``x ~ N(0, I_d)`` and orthogonal to the
@@ -232,7 +232,7 @@ class EigenDecomposition:
 
 
 def eigen(model: Any, output: Any = None):
-    """Eigen-components of a depth-1 network's output ``output`` (DESIGN §3.8, §3.6).
+    """Eigen-components of a depth-1 network's output ``output`` (docs/mathematics.md §3.8, §3.6).
 
     ``C2 = sum_i lambda_i v_i v_i^T`` (``numpy.linalg.eigh`` of the chaos-2 coefficient from
     :func:`chaos_coefficients_depth1`) gives ``f = C0 + C1.x + sum_i lambda_i He2(v_i.x)``.

@@ -1,5 +1,5 @@
 """Sums of networks as one network (:func:`combine`, :func:`difference`) and the exact check that
-a sum of components equals a model (:func:`check_decomposition`, DESIGN §3.8)."""
+a sum of components equals a model (:func:`check_decomposition`, docs/mathematics.md §3.8)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
     Networks with the same layer-type pattern (e.g. checkpoints of one architecture; widths may
     differ) run side by side: the input is copied to each, every layer becomes block-diagonal
     (hidden units concatenated), and a final linear map sums the outputs weighted by ``c_i`` — so
-    the depth is unchanged (DESIGN §3.8: "hidden units concatenated, one side's output
+    the depth is unchanged (docs/mathematics.md §3.8: "hidden units concatenated, one side's output
     negated"). Depth-1 networks of any pattern are first rewritten as one bilinear layer each
     (:func:`as_bilinear_depth1`). Rational networks with rational coefficients stay rational.
 
@@ -163,7 +163,7 @@ class DecompositionCheck:
 def check_decomposition(model: Any, components: Sequence[Any], *, output: Any = None,
                         backend: str = "numpy", frobenius: bool = True,
                         rtol: float = 1e-9, _gram: np.ndarray | None = None) -> DecompositionCheck:
-    """Check ``f = sum_i g_i`` exactly from the Gram matrix of ``(f, g_1, ..., g_n)`` (DESIGN §3.8).
+    """Check ``f = sum_i g_i`` exactly from the Gram matrix of ``(f, g_1, ..., g_n)`` (docs/mathematics.md §3.8).
 
     Args:
         model: the network ``f`` (``d`` inputs, ``O`` outputs).

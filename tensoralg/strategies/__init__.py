@@ -1,16 +1,16 @@
 """Strategies: ways to compute the Gaussian inner product of two stacks of networks.
 
 * :mod:`.wick` — exact: the Isserlis/Wick sum over partial matchings of the joined tensor
-  network's legs (DESIGN §3.1); polynomial in the hidden widths, exponential in the legs.
+  network's legs (docs/mathematics.md §3.1); polynomial in the hidden widths, exponential in the legs.
 * :mod:`.chaos` — exact: Euclidean inner products of Gaussian chaos (Hermite) coefficients
-  (DESIGN §3.6); polynomial in the input width, exponential in the degree; Gram matrices of
+  (docs/mathematics.md §3.6); polynomial in the input width, exponential in the degree; Gram matrices of
   many models are one matrix product.
 * :mod:`.wick_terms` — exact: the same Wick sum for terms whose legs carry positions
-  (sequence models with one attention layer, DESIGN §3.7), read from
+  (sequence models with one attention layer, docs/mathematics.md §3.7), read from
   :func:`tensoralg.canonical.sequence_tree`.
 * :mod:`.executor` — how the terms' contractions run: batched matmul steps, cached paths, torch.
-* :mod:`.closure` — APPROXIMATE beyond depth 1: second-moment propagation (DESIGN §3.2).
-* :mod:`.montecarlo` — unbiased sampling with standard errors (DESIGN §3.4).
+* :mod:`.closure` — APPROXIMATE beyond depth 1: second-moment propagation (docs/mathematics.md §3.2).
+* :mod:`.montecarlo` — unbiased sampling with standard errors (docs/mathematics.md §3.4).
 
 Each exact strategy estimates its own cost (FLOPs, peak memory) before any work;
 :mod:`tensoralg.planner` chooses between them.

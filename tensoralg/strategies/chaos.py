@@ -1,4 +1,4 @@
-"""Exact strategy 2: Gaussian chaos (Hermite) coefficients (DESIGN §3.6).
+"""Exact strategy 2: Gaussian chaos (Hermite) coefficients (docs/mathematics.md §3.6).
 
 Every polynomial ``f`` of degree ``<= n`` in ``z ~ N(0, I_r)`` has a unique expansion
 ``f(z) = sum_k <C_k, He_k(z)>`` with symmetric order-``k`` tensors ``C_k``, and the chaos spaces
@@ -264,7 +264,7 @@ def features(can: Canonical, U, r: int) -> list:
     ``S = E E^T`` then replaces the identity in the traces; pair its coefficients with
     :func:`inner_metric` (the metric ``E_a E_b^T``).
 
-    Source: DESIGN §3.6 (``C_k`` from the monomial coefficients by iterated traces; for
+    Source: docs/mathematics.md §3.6 (``C_k`` from the monomial coefficients by iterated traces; for
     ``v ~ N(0, S)`` the traces contract with ``S``, since ``f(x) = g(E x)`` has ``x``-space
     coefficients ``C_k^g o E^{(x)k}`` and ``tr(M o E (x) E) = <M, E E^T>``).
     """
@@ -723,7 +723,7 @@ def packed_features(can: Canonical, U, r: int) -> list:
 
     The lifted polynomial vector is propagated stage by stage with every coefficient
     symmetrized as it is formed (:func:`_packed_stage`), so nothing of size ``r**n`` is built;
-    then ``C_k = sum_m (k+2m)!/(k! m! 2^m) tr^m(M_{k+2m})`` (DESIGN §3.6) with packed traces.
+    then ``C_k = sum_m (k+2m)!/(k! m! 2^m) tr^m(M_{k+2m})`` (docs/mathematics.md §3.6) with packed traces.
     Source: as :func:`features`.
     """
     exact = can.exact

@@ -1,5 +1,5 @@
 """Chaos coefficients of depth-1 networks in closed form (a kernel of the chaos strategy,
-:mod:`tensoralg.strategies.chaos`, DESIGN §3.6).
+:mod:`tensoralg.strategies.chaos`, docs/mathematics.md §3.6).
 
 A folded lifted stage ``y~ = D ((L z~) * (R z~))`` with ``z~ = (1, z)``, ``z ~ N(0, I_r)``,
 projected by ``U (K, O)`` (``Du = U D[1:]``, ``(K, H+1)``), is, per output ``k``, the quadratic

@@ -1,4 +1,4 @@
-"""Gaussian closure (DESIGN §3.2): fast, exact at depth 1, APPROXIMATE at depth >= 2.
+"""Gaussian closure (docs/mathematics.md §3.2): fast, exact at depth 1, APPROXIMATE at depth >= 2.
 
 Propagates the joint second moments ``(M_aa, M_ab, M_bb)`` of the two networks' lifted
 activations layer by layer, each step computed exactly *as if* the layer's input were Gaussian
@@ -8,7 +8,7 @@ the mean). This is what the original research code computes for deep networks.
 At depth >= 2 it is the exact value of a different, tree-restricted bilinear form, **not**
 ``E[f_a . f_b]``: two functionally identical networks can score far below 1 (x1^2 x2^2 built as
 (x1 x2)^2 and as x1^2 . x2^2: closure 1/sqrt(27) ~ 0.19 where exact gives 1). Measured error
-(DESIGN §3.2; random depth-2 pairs against the exact strategy): similarity error median 0.03,
+(docs/mathematics.md §3.2; random depth-2 pairs against the exact strategy): similarity error median 0.03,
 max 0.17, with one sign flip in 20 pairs; 6-18 % on pairs whose embedding weights are scaled by
 5. Use it for a quick look or where exact is refused, never as a certificate.
 """
@@ -44,7 +44,7 @@ def _einsum_cached(subscripts: str, *ops):
 
 
 def cross(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str):
-    """Gaussian closure (DESIGN §3.2) cross Gram ``(N_a, N_b[, K])``; see :func:`triple`."""
+    """Gaussian closure (docs/mathematics.md §3.2) cross Gram ``(N_a, N_b[, K])``; see :func:`triple`."""
     return triple(ca, cb, U, keep, backend)[1]
 
 
@@ -83,7 +83,7 @@ class _Side:
         self.white = white
 
     def self_moment(self):
-        """``E[y~ y~^T]`` of this side's output ``(N, O+1, O+1)`` (closure step, DESIGN §3.2)."""
+        """``E[y~ y~^T]`` of this side's output ``(N, O+1, O+1)`` (closure step, docs/mathematics.md §3.2)."""
         c13 = self.LC @ _T(self.L)  # l_h C l_k (A @ A^T at a white input: syrk)
         c14 = self.LC @ _T(self.R)
         c24 = self.RC @ _T(self.R)
@@ -153,7 +153,7 @@ def _project(M, U, keep: bool):
 
 def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str,
            _general: bool = False):
-    """Gaussian closure (DESIGN §3.2): propagate the joint second moments of the lifted
+    """Gaussian closure (docs/mathematics.md §3.2): propagate the joint second moments of the lifted
     activations as if each layer's input were Gaussian; exact at depth 1 (an embedding in front
     is a linear op, exact too). APPROXIMATE at depth >= 2; see the module docstring for its
     measured error. Returns ``(<a_i,a_i>, <a_i,b_j>, <b_j,b_j>)`` of shapes ``(N_a[, K])``,

@@ -1,4 +1,4 @@
-"""Monte Carlo (DESIGN §3.4): unbiased estimates of Gaussian inner products and similarities
+"""Monte Carlo (docs/mathematics.md §3.4): unbiased estimates of Gaussian inner products and similarities
 from samples ``x ~ N(0, I)``, with standard errors. The cross-check of the exact strategies, and
 the only option where no exact method is affordable."""
 

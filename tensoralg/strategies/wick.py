@@ -1,5 +1,5 @@
 """Exact strategy 1: the Isserlis/Wick sum over partial matchings of the joined tensor network
-(DESIGN §3.1; Isserlis 1918, Wick 1950), one opt_einsum contraction per configuration orbit.
+(docs/mathematics.md §3.1; Isserlis 1918, Wick 1950), one opt_einsum contraction per configuration orbit.
 The mechanics (joined network, symmetry, zero patterns, paths) live in
 :mod:`tensoralg.network`; this module is the strategy's face for the planner."""
 

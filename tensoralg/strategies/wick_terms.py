@@ -1,4 +1,4 @@
-"""Exact Wick on terms with position-carrying legs (DESIGN.md sections 3.1 and 3.7).
+"""Exact Wick on terms with position-carrying legs (docs/mathematics.md §3.1 and §3.7).
 
 A term of :mod:`tensoralg.canonical`'s tree (:class:`~tensoralg.canonical.Term`) is a lifted
 multilinear map: ``cores`` contracted with ``legs``, each leg a row tensor ``w[(p), ..., i]``
@@ -31,7 +31,7 @@ Two ways to sum (equal values; tests cross-check them):
 
 No symmetry reduction is applied: the swap ``(Q1, K1) <-> (Q2, K2)`` of an attention term
 leaves the function unchanged but not the tensor network unless ``q1 = q2`` and ``k1 = k2``
-(DESIGN §3.7), so every matching is contracted.
+(docs/mathematics.md §3.7), so every matching is contracted.
 
 Labels: a term's labels are suffixed by its side (``"a"``, ``"b"``) except the shared output
 ``o`` and query position ``t``; a key position ``s`` becomes ``sa`` / ``sb``
