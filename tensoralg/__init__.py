@@ -11,6 +11,7 @@ machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, :mod:`t
 
 from ._version import __version__
 from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential
+from .distribution import CovarianceFactor
 from .errors import CostTooHigh
 from .planner import Plan
 from .products import (
@@ -33,7 +34,7 @@ __all__ = [
     "Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate",
-    "to_graph", "plan", "Plan", "CostTooHigh", "set_threads", "BilinearTransformer",
+    "to_graph", "plan", "Plan", "CostTooHigh", "CovarianceFactor", "set_threads", "BilinearTransformer",
 ]
 
 

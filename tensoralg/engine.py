@@ -24,6 +24,7 @@ from .layers import Layer, as_network
 from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
                       refuse_if_needed)
 from .prepare import check_pair, networks, scaled, stack_for
+from .distribution import STANDARD
 from .request import Request
 from .results import similarity_from, swap_order
 from .strategies import chaos, closure, montecarlo, wick
@@ -102,11 +103,20 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
 _POSITION_FREE = object()
 
 
+def _fold(req: Request, net: Layer, name: str) -> Layer:
+    """``net ∘ K`` for the request's input distribution ``N(0, K Kᵀ)`` (docs/mathematics.md
+    §3.9; the network itself for ``N(0, I)``)."""
+    return req.distribution.apply(net, name, req.exact)
+
+
 def _checked_pair(kind: str, req: Request, a, b):
-    """The pair checked; sequence models answered through :mod:`tensoralg.attention`
-    (returned as the third item), else ``_POSITION_FREE``."""
+    """The pair checked (and composed with the input distribution's factor); sequence models
+    answered through :mod:`tensoralg.attention` (returned as the third item), else
+    ``_POSITION_FREE``."""
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
+    na, nb = _fold(req, na, "a"), (None if b is a else _fold(req, nb, "b"))
+    nb = na if nb is None else nb
     if _is_sequence(na, nb):
         return na, nb, _sequence(kind, req, na, nb)
     if req.n_ctx is not None or req.position is not None:
@@ -277,6 +287,8 @@ def cross_gram(req: Request, models_a, models_b):
     U, keep = req.output_matrix(nets_a[0].out_features)
     for n in nets_a[1:] + nets_b:
         check_pair(nets_a[0], n)
+    nets_a = [_fold(req, n, f"{name_a}[{i}]") for i, n in enumerate(nets_a)]
+    nets_b = nets_a if same else [_fold(req, n, f"{name_b}[{i}]") for i, n in enumerate(nets_b)]
     if req.method == "montecarlo":
         mean, se = montecarlo.moments(nets_a, nets_b, U, keep, req.n_samples, req.seed,
                                       req.backend, req.device, req.dtype)
@@ -308,6 +320,9 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     if req.backend not in ("numpy", "torch"):
         raise ValueError(f"gram / similarity_matrix of sequence models: backend='numpy' or "
                          f"'torch' (float64), got {req.backend!r}")
+    if req.distribution is not STANDARD:
+        models = [_fold(req, as_network(m, f"models[{i}]"), f"models[{i}]")
+                  for i, m in enumerate(models)]
     fn = attention.closure_gram_req if req.method == "closure" else attention.exact_gram_req
     return fn(req, models, similarity=kind == "similarity_matrix")
 
@@ -345,6 +360,7 @@ def similarity_matrix(req: Request, models):
     nets = networks(models, "models")
     for n in nets[1:]:
         check_pair(nets[0], n)
+    nets = [_fold(req, n, f"models[{i}]") for i, n in enumerate(nets)]
     U, keep = req.output_matrix(nets[0].out_features)
     if req.exact and req.method == "exact":  # refuse before any rational work
         _refuse_gram_early(req, nets, nets, U, keep, True, "models", "models")
@@ -371,6 +387,7 @@ def _mc_combination(req: Request, left, right):
     nets = [as_network(m, "model") for m, _ in left + right]
     for n in nets[1:]:
         check_pair(nets[0], n)
+    nets = [_fold(req, n, "model") for n in nets]
     U, keep = req.output_matrix(nets[0].out_features)
     n_samples = req.n_samples
     montecarlo.warn_few(n_samples)
@@ -442,8 +459,12 @@ def plan(req: Request, a: Any, b: Any = None) -> Plan | SequencePlan:
     na = as_network(a, "a")
     nb = na if b is None else as_network(b, "b")
     check_pair(na, nb)
+    na = _fold(req, na, "a")
+    nb = na if b is None or b is a else _fold(req, nb, "b")
     if _is_sequence(na, nb):
-        return plan_sequence(req, na, nb)
+        p = plan_sequence(req, na, nb)
+        p.input_distribution = req.distribution.describe()
+        return p
     if req.n_ctx is not None or req.position is not None:
         raise ValueError("n_ctx / position: only for sequence models (with attention)")
     U, keep = req.output_matrix(na.out_features)
@@ -452,7 +473,10 @@ def plan(req: Request, a: Any, b: Any = None) -> Plan | SequencePlan:
         early = refuse_exact_early([na], None if same else [nb], U, keep, req.metric,
                                    req.strategy, *req.budget, same=same, full=True)
         if early is not None:
+            early.input_distribution = req.distribution.describe()
             return early
     ca, _ = stack_for([na], req.backend, "a")
     cb = ca if same else stack_for([nb], req.backend, "b")[0]
-    return _plan(req, ca, cb, U, keep, same=same, full=True)
+    p = _plan(req, ca, cb, U, keep, same=same, full=True)
+    p.input_distribution = req.distribution.describe()
+    return p

@@ -89,6 +89,7 @@ class Plan:
     wick_shared: bool = True
     wick_lower_bound: float | None = None
     wick_bound: str = ""
+    input_distribution: str = "N(0, I)"
     _joined: Any = field(default=None, repr=False)
 
     # read-through Wick fields
@@ -117,7 +118,7 @@ class Plan:
         return self.wick.expressions if self.wick is not None else []
 
     def summary(self) -> str:
-        lines = []
+        lines = [f"input: {self.input_distribution}"]
         if self.wick is not None:
             lines.append("wick: " + self.wick.summary())
         elif self.wick_lower_bound is not None:
@@ -524,6 +525,7 @@ class SequencePlan:
     terms_b: list = field(default_factory=list)
     alternatives: str = SEQUENCE_ALTERNATIVES
     metric: str = "gaussian"
+    input_distribution: str = "N(0, I)"
 
     def summary(self) -> str:
         where = ("summed over query positions" if self.position is None else
@@ -538,7 +540,7 @@ class SequencePlan:
         else:
             what = "output direction u . f"
         lines = [f"sequence models (bilinear attention), n_ctx={self.n_ctx}, {self.metric} "
-                 f"metric, {where}, {what}"]
+                 f"metric, {where}, {what}", f"input: {self.input_distribution}"]
         for side, terms in (("a", self.terms_a), ("b", self.terms_b)):
             for line in terms:
                 lines.append(f"  {side}: {line}")

@@ -55,6 +55,13 @@ _DOC_KW = """
         strategy: the exact representation: ``"auto"`` (default: the cheaper of the two within
             budget, see :mod:`tensoralg.planner`), ``"wick"`` (tensor-network Wick sum) or
             ``"chaos"`` (Gaussian chaos / Hermite coefficients, docs/mathematics.md §3.6; Gaussian metric).
+        cov: the input distribution of the Gaussian metric, ``x ~ N(0, Σ)`` (docs/mathematics.md
+            §3.9; per position for sequence models): None (``Σ = I``), a positive scalar
+            ``σ²``, a vector of variances (diagonal), a ``(d, d)`` symmetric PSD matrix,
+            ``(n, d)`` activations with ``n > d`` (their sample covariance) or
+            :class:`~tensoralg.CovarianceFactor` ``(K)`` (``Σ = K Kᵀ``; rational ``K`` keeps
+            ``backend="exact"`` exact). Computed exactly as ``<f_a ∘ K, f_b ∘ K>`` under
+            ``N(0, I)``; plans record it (``input_distribution``).
         max_flops, max_memory, max_configurations: cost budget of the exact method, checked
             before any contraction or allocation; over it :class:`~tensoralg.CostTooHigh` names
             every strategy's estimate and the alternatives. Defaults: 2e11 FLOPs (2e7 with
@@ -74,7 +81,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           n_samples: int = MC_DEFAULT_SAMPLES, seed: int = 0, device: Any = None,
           dtype: Any = None, max_flops: float | None = None, max_memory: float | None = None,
           max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
-          position: Any = None):
+          position: Any = None, cov: Any = None):
     """Inner product ``<f_a, f_b>`` of two networks with the same input and output sizes.
 
     Sequence models (with :class:`~tensoralg.BilinearAttention`; inputs ``(n, n_ctx, d)``) go
@@ -89,7 +96,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     req = make_request(metric=metric, method=method, backend=backend, strategy=strategy,
                        output=output, n_ctx=n_ctx, position=position, n_samples=n_samples,
                        seed=seed, device=device, dtype=dtype, max_flops=max_flops,
-                       max_memory=max_memory, max_configurations=max_configurations)
+                       max_memory=max_memory, max_configurations=max_configurations, cov=cov)
     return engine.inner(req, a, b)
 
 
@@ -99,7 +106,7 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                dtype: Any = None, max_flops: float | None = None,
                max_memory: float | None = None,
                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
-               position: Any = None):
+               position: Any = None, cov: Any = None):
     """Tensor similarity ``<a, b> / (||a|| ||b||)`` in [-1, 1] (cosine of the two functions under
     the chosen metric). ``sim(a, a) = 1``; symmetric (bit for bit: the pair is computed in one
     canonical order); invariant to reparametrizations that keep the functions (exact method).
@@ -112,7 +119,7 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     req = make_request(metric=metric, method=method, backend=backend, strategy=strategy,
                        output=output, n_ctx=n_ctx, position=position, n_samples=n_samples,
                        seed=seed, device=device, dtype=dtype, max_flops=max_flops,
-                       max_memory=max_memory, max_configurations=max_configurations)
+                       max_memory=max_memory, max_configurations=max_configurations, cov=cov)
     return engine.similarity(req, a, b)
 
 
@@ -151,6 +158,10 @@ def _blocked(kind: str, req: Request, models, opts: dict):
     if req.exact:
         raise ValueError("out=/client=/workers=/block_size=: the blocked path computes in floating "
                          "point; use backend='numpy' or 'torch' (or drop those options)")
+    if req.distribution.kind != "standard":
+        raise ValueError("cov: the blocked path (out=/client=/workers=/block_size=) computes "
+                         "under N(0, I); compose the models with the factor first, or drop "
+                         "those options")
     dev = "cpu" if req.backend == "numpy" else ("auto" if req.device is None else str(req.device))
     opts = dict(opts)
     if opts.get("block_size") is None:
@@ -229,7 +240,7 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
          backend: str = "numpy", strategy: str = "auto", device: Any = None, dtype: Any = None,
          max_flops: float | None = None, max_memory: float | None = None,
          max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
-         position: Any = None) -> Plan | SequencePlan:
+         position: Any = None, cov: Any = None) -> Plan | SequencePlan:
     """The planner's decision for the exact inner product ``<a, b>`` (``<a, a>`` if ``b`` is
     None): every applicable strategy's estimate (Wick: configurations before and after
     zero-pattern and symmetry reduction, FLOPs and intermediates of the opt_einsum paths — or,
@@ -258,7 +269,7 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     req = make_request(metric=metric, backend=backend, strategy=strategy, output=output,
                        n_ctx=n_ctx, position=position, device=device, dtype=dtype,
                        max_flops=max_flops, max_memory=max_memory,
-                       max_configurations=max_configurations)
+                       max_configurations=max_configurations, cov=cov)
     return engine.plan(req, a, b)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .backends import BACKENDS, converter, fraction_array
+from .distribution import STANDARD, InputDistribution, input_distribution
 
 __all__ = ["Request", "make_request", "METRICS", "METHODS", "STRATEGIES", "check_budget",
            "check_options", "MC_DEFAULT_SAMPLES", "DEFAULT_MAX_FLOPS", "DEFAULT_MAX_FLOPS_EXACT",
@@ -123,6 +124,8 @@ class Request:
         n_samples, seed: Monte Carlo sample count (directions) and seed.
         device, dtype: the torch device and dtype (``backend="torch"``).
         max_flops, max_memory, max_configurations: budgets of the exact method.
+        distribution: the input distribution ``N(0, Σ)`` of the Gaussian metric
+            (:class:`~tensoralg.distribution.InputDistribution`, from ``cov=``; §3.9).
     """
 
     metric: str = "gaussian"
@@ -139,6 +142,7 @@ class Request:
     max_flops: float | None = None
     max_memory: float | None = None
     max_configurations: int = DEFAULT_MAX_CONFIGURATIONS
+    distribution: InputDistribution = STANDARD
 
     @property
     def exact(self) -> bool:
@@ -151,9 +155,12 @@ class Request:
         return self.max_flops, self.max_memory, self.max_configurations
 
     def replace(self, **changes) -> "Request":
-        """A new request with ``changes`` applied (validated again)."""
-        return make_request(**{**{f.name: getattr(self, f.name)
-                                  for f in dataclasses.fields(self)}, **changes})
+        """A new request with ``changes`` applied (validated again; the input distribution is
+        kept)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name != "distribution"}
+        return dataclasses.replace(make_request(**{**fields, **changes}),
+                                   distribution=self.distribution)
 
     def output_matrix(self, O: int) -> tuple[np.ndarray, bool]:
         """Output projection ``U`` ``(K, O)`` and whether the projected index stays open
@@ -193,7 +200,8 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
                  position: Any = None, n_samples: Any = MC_DEFAULT_SAMPLES, seed: Any = 0,
                  device: Any = None, dtype: Any = None, max_flops: Any = None,
                  max_memory: Any = None,
-                 max_configurations: Any = DEFAULT_MAX_CONFIGURATIONS) -> Request:
+                 max_configurations: Any = DEFAULT_MAX_CONFIGURATIONS,
+                 cov: Any = None) -> Request:
     """Validate every option once, in a fixed order, and return the :class:`Request`.
 
     Raises:
@@ -203,7 +211,9 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
             ``n_ctx`` not a positive int; ``position`` not None, ``"each"`` or an int;
             ``output`` not None, an int, ``"each"`` or a finite non-zero vector;
             (``method="montecarlo"``) ``n_samples`` not an int >= 2, ``seed`` not a
-            non-negative int, or the exact backend.
+            non-negative int, or the exact backend; a ``cov`` that is not a valid input
+            covariance (:func:`tensoralg.distribution.input_distribution`), or ``cov`` with
+            ``metric="frobenius"``.
     """
     check_options(metric, method, backend, strategy)
     check_budget("max_flops", max_flops)
@@ -226,10 +236,14 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
             raise ValueError(f"n_samples: expected an integer >= 2, got {n_samples!r}")
         if not _is_int(seed) or seed < 0:
             raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+    if cov is not None and metric != "gaussian":
+        raise ValueError(f"cov: the input distribution belongs to the Gaussian metric; "
+                         f"metric={metric!r} has none")
+    distribution = input_distribution(cov, backend == "exact")
     return Request(metric=metric, method=method, backend=backend, strategy=strategy,
                    output=output, n_ctx=None if n_ctx is None else int(n_ctx),
                    position=position if position is None or isinstance(position, str)
                    else int(position), n_samples=n_samples, seed=seed, device=device,
                    dtype=dtype, max_flops=max_flops, max_memory=max_memory,
-                   max_configurations=int(max_configurations))
+                   max_configurations=int(max_configurations), distribution=distribution)
 
