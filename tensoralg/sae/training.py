@@ -3,10 +3,11 @@ in-memory tensor or a memory-mapped ``.npy``, periodic checkpoints, resume, dete
 
 Checkpoint layout (the SAELens layout of :mod:`tensoralg.sae.formats`, written atomically):
 
-* ``OUT/sae_weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (SAELens names, shapes);
-  ``OUT/encoder_steps.safetensors`` — ``W_step`` / ``step_scale`` of a multi-step encoder;
-* ``OUT/cfg.json`` — flat: SAELens's fields (``architecture``, ``d_in``, ``d_sae``, ``k``,
-  ``apply_b_dec_to_input``, ...), the :class:`SAEConfig` and ``train_*`` entries;
+* ``OUT/sae_weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (SAELens names, shapes),
+  and ``W_step`` / ``step_scale`` of a multi-step encoder (whose folder is labelled with an
+  architecture SAELens refuses, ``tensoralg_multistep_*``);
+* ``OUT/cfg.json`` — SAELens's fields (``architecture``, ``d_in``, ``d_sae``, ``k``,
+  ``apply_b_dec_to_input``, ..., ``metadata``), the :class:`SAEConfig` and ``train_*`` entries;
 * ``OUT/trainer_state/`` — AdamW moments, dead-latent counters and the step, for resuming.
 
 Determinism: the initial weights come from ``seed`` (stream ``"init"``); the batch of step ``s``
