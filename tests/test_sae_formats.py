@@ -238,7 +238,7 @@ def test_written_folders_are_in_saelens_layout_and_round_trip(tmp_path, preset):
         assert cfg["architecture"] == model.cfg.activation
     for field, typ in SAELENS_FIELDS.items():
         assert isinstance(cfg[field], typ), field
-    assert cfg["metadata"] == meta
+    assert cfg["metadata"] == {**meta, "sae_lens_version": "6.0.0"}   # the format version
     assert (cfg["apply_b_dec_to_input"], cfg["rescale_acts_by_decoder_norm"]) == (True, False)
     assert (cfg["normalize_activations"], cfg["reshape_activations"]) == ("none", "none")
     assert not (tmp_path / "s" / ENCODER_STEPS_FILE).exists()
@@ -248,7 +248,7 @@ def test_written_folders_are_in_saelens_layout_and_round_trip(tmp_path, preset):
         with torch.no_grad():
             assert np.array_equal(model.encode(x).numpy() != 0, z_saelens != 0)
     back = load_sae(tmp_path / "s")
-    assert back.cfg == model.cfg and back.metadata == meta
+    assert back.cfg == model.cfg and back.metadata == cfg["metadata"]
     with torch.no_grad():
         assert torch.equal(back.encode(x), model.encode(x))
         assert torch.equal(back(x), model(x))
@@ -342,3 +342,12 @@ def test_layer_norm_matches_saelens_definition():
     with torch.no_grad():
         assert torch.equal(model.encode(x), plain.encode(xn))
         torch.testing.assert_close(model(x), plain(xn) * std + mu, rtol=1e-12, atol=1e-12)
+
+
+def test_register_without_saelens_names_the_package():
+    import importlib.util
+    if importlib.util.find_spec("sae_lens") is not None:
+        pytest.skip("SAELens is installed here: tests/test_sae_saelens_interop.py covers it")
+    from tensoralg.sae.saelens_compat import register
+    with pytest.raises(ImportError, match="SAELens is not installed"):
+        register()

@@ -57,6 +57,7 @@ ARCHITECTURES = {"topk": "topk", "abstopk": "abstopk", "standard": "relu", "jump
 # tensoralg's multi-step encoder: names SAELens does not know (it refuses them)
 MULTISTEP_ARCHITECTURES = {"tensoralg_multistep_topk": "topk",
                            "tensoralg_multistep_abstopk": "abstopk"}
+SAELENS_FORMAT_VERSION = "6.0.0"                   # the SAELens cfg.json format written here
 _SAELENS_CORE = ("W_enc", "b_enc", "W_dec", "b_dec")
 _LEGACY_ARCHITECTURES = ("isae",)                  # written by earlier tensoralg versions
 _RESCALE_ARCHITECTURES = ("topk", "abstopk")       # SAELens TopKSAEConfig / AbsTopKSAEConfig
@@ -84,6 +85,9 @@ def saelens_cfg(model: SparseAutoencoder) -> dict:
     if c.activation in _RESCALE_ARCHITECTURES:
         cfg["rescale_acts_by_decoder_norm"] = False
     cfg["metadata"] = dict(getattr(model, "metadata", {}) or {})
+    # SAELens reads this field to choose its config parser: absent (or < 6.0) means the
+    # pre-6.0 format, which drops the metadata; these folders are in the 6.x format
+    cfg["metadata"].setdefault("sae_lens_version", SAELENS_FORMAT_VERSION)
     return cfg
 
 
