@@ -220,9 +220,10 @@ def _cmd_train(args) -> int:
         meta = {"data": f"synthetic d={s['d']} m={s['m']} k={s['k']} n={s['n']} noise={s['noise']}",
                 "data_seed": args.data_seed}
     else:
+        from .hooks import read_activation_metadata
         data = as_activations(args.data, "--data")
         d_in = int(data.shape[1])
-        meta = {"data": str(args.data)}
+        meta = {"data": str(args.data), "metadata": read_activation_metadata(args.data)}
     if args.resume is not None:
         sae_cfg, preset = _resumed_config(args, d_in)
         d_sae, k = sae_cfg.d_sae, sae_cfg.k

@@ -645,7 +645,10 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             one ``"event": "density"`` record per checkpoint) and ``feature_density.png``.
         resume: a checkpoint folder written by this function to continue from (its SAE
             config must equal ``sae_cfg``); training continues up to ``train_cfg.steps``.
-        meta: extra flat entries for ``cfg.json`` (e.g. the data source).
+        meta: extra flat entries for ``cfg.json`` (e.g. the data source); its entry
+            ``"metadata"`` (a dict: ``model_name``, ``hook_name``, ``dataset_path``, ...) becomes
+            ``model.metadata``, written as ``cfg.json``'s ``metadata`` as SAELens does (a resumed
+            run keeps the checkpoint's when none is given).
     Returns:
         ``(model, history)``; ``history`` is the list of log records: ``step``, ``tokens``,
         ``loss``, ``recon`` (the batch FVU, also as ``fvu``), ``explained_variance``
@@ -695,6 +698,11 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         model.init_b_dec(sample * scale if scale != 1.0 else sample)
         _init_decoder(model, train_cfg, sample, scale)
     meta = dict(meta or {})
+    sae_meta = meta.pop("metadata", None)
+    if sae_meta is not None and not isinstance(sae_meta, dict):
+        raise ValueError(f"meta: entry 'metadata' must be a dict, got {type(sae_meta).__name__}")
+    model.metadata = dict(sae_meta if sae_meta is not None else
+                          (loaded.metadata if resume is not None else {}))
     out = Path(out) if out is not None else None
     last_good = str(out) if (out is not None and (out / tio.CONFIG_FILE).exists()) else None
     log_path = out / LOG_FILE if out is not None else None

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["QUICK_MODEL", "residual_stream_at", "train_quick_transformer",
+__all__ = ["QUICK_MODEL", "residual_stream_at", "resid_hook", "train_quick_transformer",
            "extract_transformer_activations"]
 
 # the model trained when no checkpoint is given (fields of audit.language.LanguageConfig):
@@ -46,11 +46,21 @@ DEFAULT_CHARS = 200_000
 WINDOW_BATCH_TOKENS = 16_384     # tokens per forward pass in the extraction
 
 
+def resid_hook(layer: int, n_layers: int) -> tuple[str, str] | None:
+    """The forward hook ``(hook_name, point)`` of :mod:`tensoralg.sae.hooks` that reads
+    ``h_layer`` of a :class:`~tensoralg.transformer.BilinearTransformer`: the input of block
+    ``layer``'s attention, ``("attn.{layer}", "input")``, for ``layer < n_layers``; ``None`` for
+    the final stream ``h_L``, which is no submodule's input or output (it is read from
+    ``forward_residual(..., return_final=True)``)."""
+    return (f"attn.{layer}", "input") if layer < n_layers else None
+
+
 def residual_stream_at(model, tokens, layer: int | None = None):
     """The residual stream ``h_layer`` ``(batch, T, d_model)`` of ``model`` on token ids
     ``tokens`` ``(batch, T)`` (module docstring: 0 = embedding, ``l`` = after block ``l``,
-    ``None`` = ``n_layers`` = final). Computed by the model's own forward pass (a pre-hook on
-    block ``layer``'s attention reads its input), without gradients.
+    ``None`` = ``n_layers`` = final). Computed by the model's own forward pass: for
+    ``layer < n_layers`` by :func:`tensoralg.sae.hooks.activations_at` at :func:`resid_hook`
+    (the forward stops there), without gradients.
 
     Raises:
         ValueError: ``layer`` not an integer in ``[0, n_layers]``; bad tokens (the model's own
@@ -58,21 +68,15 @@ def residual_stream_at(model, tokens, layer: int | None = None):
     """
     import torch
 
+    from .hooks import activations_at
+
     n_layers = model.hparams["n_layers"]
     layer = _check_layer(layer, n_layers, "layer")
+    hook = resid_hook(layer, n_layers)
+    if hook is not None:
+        return activations_at(model, hook[0], tokens, point=hook[1]).clone()
     with torch.no_grad():
-        h0 = model.residual_stream(tokens)
-        if layer == 0:
-            return h0.clone()
-        if layer == n_layers:
-            return model.forward_residual(h0, return_final=True)[1]
-        seen = []
-        hook = model.attn[layer].register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
-        try:
-            model.forward_residual(h0)
-        finally:
-            hook.remove()
-        return seen[0]
+        return model.forward_residual(model.residual_stream(tokens), return_final=True)[1]
 
 
 def _check_layer(layer, n_layers: int, name: str) -> int:
@@ -258,6 +262,17 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
                  "shape": list(acts.shape), "dtype": dtype, "n_windows": count, "n_ctx": n_ctx,
                  "rows": "window-major: row i * n_ctx + t is position t of window order[i]",
                  "window_order_seed": seed, "window_order": order.tolist(), "out": str(out)})
+    hook = resid_hook(layer, model.hparams["n_layers"])
+    # what an SAE trained on these rows records in cfg.json "metadata" (as SAELens)
+    info["metadata"] = {
+        "model_name": (str(checkpoint) if checkpoint is not None else
+                       "tensoralg BilinearTransformer trained here (sae activations)"),
+        "model_class_name": "BilinearTransformer",
+        "hook_name": hook[0] if hook else "final residual stream (forward_residual)",
+        "hook_point": hook[1] if hook else "return_final",
+        "dataset_path": f"tensoralg.corpus held-out split (sha256 "
+                        f"{corpus.provenance['sha256_text'][:16]}...)",
+        "context_size": n_ctx}
     atomic_write_bytes(out, buf.getvalue())
     atomic_write_json(str(out) + ".json", info)
     return info
