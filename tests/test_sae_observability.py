@@ -35,6 +35,34 @@ def test_lr_schedule_values():
             TrainConfig(**bad)
 
 
+@pytest.mark.parametrize("steps, warm", [(1, 0), (1, 1), (2, 1), (3, 2), (10, 0), (10, 4),
+                                         (57, 5), (57, 56)])
+@pytest.mark.parametrize("decay", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("end", [0.0, 0.1])
+def test_lr_scheduler_gives_the_closed_form_schedule(steps, warm, decay, end):
+    """make_lr_scheduler (torch.optim.lr_scheduler: LinearLR, CosineAnnealingLR, SequentialLR)
+    against TrainConfig.lr_at, step by step and resumed at every step. The schedulers update the
+    lr recursively (a product of per-step factors), so they differ from the closed form by a few
+    roundings: measured max 3.9e-16 absolute at lr 0.3 over this grid; tolerance 1e-12 relative
+    (plus 1e-15 absolute, for the lr_end = 0 end)."""
+    import warnings
+    from tensoralg.sae.training import make_lr_scheduler
+    tc = TrainConfig(steps=steps, lr=0.3, lr_warmup_steps=warm, lr_decay=decay, lr_end=0.3 * end)
+    want = [tc.lr_at(s) for s in range(steps)]
+    for start in range(steps):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.AdamW([p], lr=123.0)            # a restored lr is reset to tc.lr
+        sched = make_lr_scheduler(opt, tc, start)
+        got = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                # no scheduler-order warning
+            for _ in range(start, steps):
+                got.append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+        assert got == pytest.approx(want[start:], rel=1e-12, abs=1e-15)
+
+
 def test_log_records_match_an_independent_recount(syn, tmp_path, monkeypatch):
     codes = []
     real = models.SparseAutoencoder.loss
@@ -58,7 +86,8 @@ def test_log_records_match_an_independent_recount(syn, tmp_path, monkeypatch):
                                         rel=1e-12)
         assert r["fvu"] == pytest.approx(sum(f for _, f in window) / 4, rel=1e-12)
         assert r["explained_variance"] == pytest.approx(1 - r["fvu"], rel=1e-12)
-        assert r["lr"] == tc.lr_at(r["step"] - 1)
+        # the trainer's lr comes from torch.optim.lr_scheduler; lr_at is the closed form
+        assert r["lr"] == pytest.approx(tc.lr_at(r["step"] - 1), rel=1e-12, abs=1e-15)
         # dead: not fired in the last 3 batches (= dead_tokens samples) up to this step
         recent = torch.stack([a.any(0) for a, _ in codes[r["step"] - 3:r["step"]]]).any(0)
         assert r["dead_latents"] == int((~recent).sum())

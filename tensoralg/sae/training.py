@@ -36,7 +36,8 @@ from ._seeds import stream_generator
 from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
-__all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae", "as_activations"]
+__all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae",
+           "as_activations", "make_lr_scheduler"]
 
 TRAINER_STATE = "trainer_state"
 
@@ -171,7 +172,9 @@ class TrainConfig:
             raise ValueError(f"dead_tokens: expected None or an int >= 1, got {self.dead_tokens!r}")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based)."""
+        """Learning rate of optimizer step ``step`` (0-based), in closed form: the reference
+        that the ``torch.optim.lr_scheduler`` schedule the trainer runs
+        (:func:`make_lr_scheduler`) is tested against."""
         if step < self.lr_warmup_steps:
             return self.lr * (step + 1) / self.lr_warmup_steps
         if self.lr_decay == "constant":
@@ -181,6 +184,50 @@ class TrainConfig:
         if self.lr_decay == "linear":
             return self.lr_end + (self.lr - self.lr_end) * (1.0 - p)
         return self.lr_end + (self.lr - self.lr_end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def make_lr_scheduler(opt: torch.optim.Optimizer, train_cfg: TrainConfig, start: int = 0):
+    """The learning-rate schedule of ``train_cfg`` (:meth:`TrainConfig.lr_at`) as
+    ``torch.optim.lr_scheduler`` schedulers on ``opt``: ``LinearLR`` from ``1/W`` to 1 over the
+    ``W = lr_warmup_steps`` warmup steps, then ``LinearLR`` to ``lr_end/lr`` (linear) or
+    ``CosineAnnealingLR`` to ``lr_end`` (cosine) over the remaining ``steps - W`` steps, joined
+    by ``SequentialLR``; a constant decay keeps the factor 1. Call ``.step()`` after each
+    ``opt.step()``; the lr of step ``s`` is then ``opt.param_groups[i]["lr"]`` before it.
+
+    ``start``: the schedule is advanced to step ``start`` (a resumed run; the groups' ``lr`` is
+    first reset to ``train_cfg.lr``, so a restored optimizer state does not shift it).
+    """
+    import warnings
+
+    from torch.optim import lr_scheduler as sch
+
+    tc = train_cfg
+    for group in opt.param_groups:
+        group["lr"] = tc.lr
+        group.pop("initial_lr", None)
+    warm, span = tc.lr_warmup_steps, tc.steps - tc.lr_warmup_steps
+    end = tc.lr_end / tc.lr
+    if tc.lr_decay == "constant":
+        decay = sch.LambdaLR(opt, lambda s: 1.0)
+    elif span <= 1:                      # a single decay step is already at the end
+        decay = sch.LambdaLR(opt, lambda s: end)
+    elif tc.lr_decay == "linear":
+        decay = sch.LinearLR(opt, start_factor=1.0, end_factor=end, total_iters=span - 1)
+    else:
+        decay = sch.CosineAnnealingLR(opt, T_max=span - 1, eta_min=tc.lr_end)
+    if warm > 0:
+        for group in opt.param_groups:   # each scheduler's constructor steps once: undo
+            group["lr"] = tc.lr
+        ramp = (sch.LinearLR(opt, start_factor=1.0 / warm, end_factor=1.0, total_iters=warm - 1)
+                if warm > 1 else sch.LambdaLR(opt, lambda s: 1.0))   # lr_at(0) = lr for W = 1
+        sched = sch.SequentialLR(opt, [ramp, decay], milestones=[warm])
+    else:
+        sched = decay
+    with warnings.catch_warnings():      # replaying the steps of a resumed run: no opt.step
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start):
+            sched.step()
+    return sched
 
 
 def _ramp(step: int, warmup: int) -> float:
@@ -411,8 +458,10 @@ class _Stepper:
 
     KEYS = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
 
-    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0, pool=None):
+    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0, pool=None,
+                 start=0):
         self.model, self.opt, self.sae_cfg, self.train_cfg = model, opt, sae_cfg, train_cfg
+        self.sched = make_lr_scheduler(opt, train_cfg, start)
         self.dead, self.dead_tokens, self.scale, self.t0 = dead, dead_tokens, scale, t0
         self.fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
         self.fires_since_resample = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
@@ -431,9 +480,7 @@ class _Stepper:
         dead_mask = (dead >= sae_cfg.dead_tokens).to(x.device) if sae_cfg.auxk_alpha > 0 else None
         if train_cfg.multistep_start:
             model.refine_steps = 0 if step < train_cfg.multistep_start else None
-        self.lr = lr = train_cfg.lr_at(step)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        self.lr = self.opt.param_groups[0]["lr"]       # this step's, from the lr scheduler
         self.rip_ramp = rip_ramp = _ramp(step, train_cfg.rip_warmup_steps)
         self.aux_ramp = aux_ramp = _ramp(step, train_cfg.auxk_warmup_steps)
         if rip_ramp == 1.0 and aux_ramp == 1.0:
@@ -455,6 +502,7 @@ class _Stepper:
         else:
             gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         self.opt.step()
+        self.sched.step()
         model.normalize_decoder_()
         with torch.no_grad():
             active = parts["z"] != 0
@@ -721,7 +769,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     t0 = time.perf_counter()
     last_ckpt = start
     run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0,
-                   _pool(data, train_cfg, dtype, device))
+                   _pool(data, train_cfg, dtype, device), start=start)
     if fires_since_resample is not None:
         run.fires_since_resample.copy_(fires_since_resample)
     for step in steps:
