@@ -46,37 +46,30 @@ DEFAULT_CHARS = 200_000
 WINDOW_BATCH_TOKENS = 16_384     # tokens per forward pass in the extraction
 
 
-def resid_hook(layer: int, n_layers: int) -> tuple[str, str] | None:
-    """The forward hook ``(hook_name, point)`` of :mod:`tensoralg.sae.hooks` that reads
-    ``h_layer`` of a :class:`~tensoralg.transformer.BilinearTransformer`: the input of block
-    ``layer``'s attention, ``("attn.{layer}", "input")``, for ``layer < n_layers``; ``None`` for
-    the final stream ``h_L``, which is no submodule's input or output (it is read from
-    ``forward_residual(..., return_final=True)``)."""
-    return (f"attn.{layer}", "input") if layer < n_layers else None
+def resid_hook(layer: int, n_layers: int) -> tuple[str, str]:
+    """The forward hook ``(hook_name, point)`` of :mod:`tensoralg.sae.hooks` at the residual
+    stream ``h_layer`` of a :class:`~tensoralg.transformer.BilinearTransformer`: the output of
+    its identity hook point ``hook_resid.{layer}`` (``0`` embedding ... ``n_layers`` final)."""
+    _check_layer(layer, n_layers, "layer")
+    return f"hook_resid.{layer}", "output"
 
 
 def residual_stream_at(model, tokens, layer: int | None = None):
     """The residual stream ``h_layer`` ``(batch, T, d_model)`` of ``model`` on token ids
     ``tokens`` ``(batch, T)`` (module docstring: 0 = embedding, ``l`` = after block ``l``,
-    ``None`` = ``n_layers`` = final). Computed by the model's own forward pass: for
-    ``layer < n_layers`` by :func:`tensoralg.sae.hooks.activations_at` at :func:`resid_hook`
-    (the forward stops there), without gradients.
+    ``None`` = ``n_layers`` = final). Computed by the model's own forward pass, read by
+    :func:`tensoralg.sae.hooks.activations_at` at :func:`resid_hook` (the forward stops
+    there), without gradients.
 
     Raises:
         ValueError: ``layer`` not an integer in ``[0, n_layers]``; bad tokens (the model's own
             check).
     """
-    import torch
-
     from .hooks import activations_at
 
-    n_layers = model.hparams["n_layers"]
-    layer = _check_layer(layer, n_layers, "layer")
-    hook = resid_hook(layer, n_layers)
-    if hook is not None:
-        return activations_at(model, hook[0], tokens, point=hook[1]).clone()
-    with torch.no_grad():
-        return model.forward_residual(model.residual_stream(tokens), return_final=True)[1]
+    layer = _check_layer(layer, model.hparams["n_layers"], "layer")
+    name, point = resid_hook(layer, model.hparams["n_layers"])
+    return activations_at(model, name, tokens, point=point).clone()
 
 
 def _check_layer(layer, n_layers: int, name: str) -> int:
@@ -268,8 +261,7 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
         "model_name": (str(checkpoint) if checkpoint is not None else
                        "tensoralg BilinearTransformer trained here (sae activations)"),
         "model_class_name": "BilinearTransformer",
-        "hook_name": hook[0] if hook else "final residual stream (forward_residual)",
-        "hook_point": hook[1] if hook else "return_final",
+        "hook_name": hook[0], "hook_point": hook[1],
         "dataset_path": f"tensoralg.corpus held-out split (sha256 "
                         f"{corpus.provenance['sha256_text'][:16]}...)",
         "context_size": n_ctx}

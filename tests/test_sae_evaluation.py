@@ -1,0 +1,148 @@
+"""Downstream evaluation (tensoralg.sae.evaluation): the spliced model's next-token loss, zero
+ablation, "CE loss recovered" and KL, checked against a forward pass of the bilinear
+transformer written out by hand with the SAE applied in it, and cross-entropy / KL written in
+numpy float64 (1e-12 relative); invariants (a perfect SAE recovers everything, an SAE that
+outputs zeros nothing); any module through a hook; the errors."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tensoralg.sae.evaluation import evaluate_spliced, evaluate_transformer
+from tensoralg.sae.models import SAEConfig, SparseAutoencoder
+from tensoralg.transformer import BilinearTransformer
+
+V, D, T = 11, 8, 6
+
+
+def _model():
+    return BilinearTransformer(V, D, 2, 2, 4, 12, n_ctx=T, rope=10000.0, seed=3,
+                               dtype="float64").eval()
+
+
+def _tokens(n=10, seed=0):
+    return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _sae(activation="abstopk", k=3, m=16, seed=1):
+    return SparseAutoencoder(SAEConfig(D, m, k, activation=activation, dtype="float64"),
+                             seed=seed)
+
+
+def _by_hand(model, sae, layer, tokens):
+    """logits of the clean, spliced and zero-ablated model: the blocks' forward written out,
+    the residual stream replaced before block `layer` (after the last block for the final)."""
+    def run(replace):
+        with torch.no_grad():
+            h = model.embed[tokens]
+            ms, rot = model._mask_scale(T, h)
+            for i in range(2):
+                if i == layer:
+                    h = replace(h)
+                h = h + model.attn[i](h, ms, rot)
+                h = h + model.mlp[i](h)
+            if layer == 2:
+                h = replace(h)
+            return (h @ model.unembed.T).numpy()
+    return (run(lambda h: h), run(lambda h: sae(h.reshape(-1, D)).reshape(h.shape)),
+            run(torch.zeros_like))
+
+
+def _log_softmax(a):
+    a = a - a.max(-1, keepdims=True)
+    return a - np.log(np.exp(a).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_metrics_match_a_hand_written_forward(layer):
+    model, sae, tokens = _model(), _sae(), _tokens()
+    with torch.no_grad():
+        sae.b_dec.normal_(generator=torch.Generator().manual_seed(5))
+    res = evaluate_transformer(model, sae, layer, tokens, batch_size=3)
+    clean, spl, zero = _by_hand(model, sae, layer, tokens)
+    tgt = tokens[:, 1:].numpy().reshape(-1)
+    lp = {k: _log_softmax(v[:, :-1].reshape(-1, V)) for k, v in
+          (("clean", clean), ("spl", spl), ("zero", zero))}
+    ce = {k: -v[np.arange(len(tgt)), tgt].mean() for k, v in lp.items()}
+    kl = {k: (np.exp(lp["clean"]) * (lp["clean"] - lp[k])).sum(-1).mean() for k in ("spl", "zero")}
+    rel = dict(rel=1e-12, abs=1e-14)
+    assert res["loss_clean"] == pytest.approx(ce["clean"], **rel)
+    assert res["loss_spliced"] == pytest.approx(ce["spl"], **rel)
+    assert res["loss_zero"] == pytest.approx(ce["zero"], **rel)
+    assert res["kl_spliced"] == pytest.approx(kl["spl"], **rel)
+    assert res["kl_zero"] == pytest.approx(kl["zero"], **rel)
+    assert res["ce_loss_recovered"] == pytest.approx(
+        (ce["zero"] - ce["spl"]) / (ce["zero"] - ce["clean"]), rel=1e-10)
+    assert res["n_tokens"] == 10 * (T - 1) and res["n_rows"] == 10 * T and res["layer"] == layer
+    assert res["l0"] == 3.0
+    # fvu of the SAE on the rows it saw, from the residual stream read by the hook
+    from tensoralg.sae.transformer_acts import residual_stream_at
+    x = residual_stream_at(model, tokens, layer).reshape(-1, D)
+    with torch.no_grad():
+        want = float(((x - sae(x)) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
+    assert res["fvu"] == pytest.approx(want, rel=1e-10)
+
+
+def _identity_sae():
+    """AbsTopK with k = d_sae = d_in, W_enc = W_dec = I: x_hat = x exactly."""
+    sae = SparseAutoencoder(SAEConfig(D, D, D, activation="abstopk", dtype="float64"), seed=0)
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.eye(D, dtype=torch.float64))
+        sae.W_dec.copy_(torch.eye(D, dtype=torch.float64))
+    return sae
+
+
+def test_perfect_and_zero_saes_bound_the_recovered_loss():
+    model, tokens = _model(), _tokens()
+    perfect = evaluate_transformer(model, _identity_sae(), 1, tokens)
+    assert perfect["loss_spliced"] == perfect["loss_clean"] and perfect["kl_spliced"] == 0.0
+    assert perfect["ce_loss_recovered"] == 1.0 and perfect["fvu"] == 0.0
+    dead = _identity_sae()
+    with torch.no_grad():
+        dead.W_dec.zero_()
+    zero = evaluate_transformer(model, dead, 1, tokens)
+    assert zero["loss_spliced"] == zero["loss_zero"] and zero["ce_loss_recovered"] == 0.0
+    assert zero["kl_spliced"] == zero["kl_zero"] > 0
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D)
+        self.body = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+        self.head = nn.Linear(D, V)
+
+    def forward(self, tokens):
+        return self.head(self.body(self.emb(tokens)))
+
+
+def test_any_module_through_a_hook():
+    lm = TinyLM().double()
+    tokens = _tokens(8)
+    res = evaluate_spliced(lm, _identity_sae(), "body", [tokens[:4], tokens[4:]])
+    assert res["ce_loss_recovered"] == 1.0 and res["kl_spliced"] == 0.0
+    sae = _sae(activation="topk", k=2)
+    res = evaluate_spliced(lm, sae, "body.0", [tokens], point="input")
+    with torch.no_grad():
+        e = lm.emb(tokens)
+        logits = lm.head(lm.body(sae(e.reshape(-1, D)).reshape(e.shape)))
+        lp = torch.log_softmax(logits[:, :-1], -1).reshape(-1, V)
+        want = float(-lp[torch.arange(lp.shape[0]), tokens[:, 1:].reshape(-1)].mean())
+    assert res["loss_spliced"] == pytest.approx(want, rel=1e-12)
+
+
+def test_errors_before_work():
+    lm = TinyLM().double()
+    with pytest.raises(ValueError, match=r"'bdy' is not a submodule of TinyLM .*nearest: "
+                                         r"\['body'"):
+        evaluate_spliced(lm, _sae(), "bdy", [_tokens()])
+    with pytest.raises(ValueError, match=r"sae: d_in=8, but the activation at 'head' has shape"):
+        evaluate_spliced(lm, _sae(), "head", [_tokens()])
+    with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, 2\]"):
+        evaluate_transformer(_model(), _sae(), 3, _tokens())
+    with pytest.raises(ValueError, match=r"tokens: expected \(n_windows, T >= 2\)"):
+        evaluate_transformer(_model(), _sae(), 1, _tokens()[:, :1])
+    with pytest.raises(ValueError, match="no predicted tokens"):
+        evaluate_spliced(lm, _sae(), "body", [])
