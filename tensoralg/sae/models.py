@@ -454,7 +454,10 @@ class SparseAutoencoder(nn.Module):
         """``zeros.scatter(-1, idx, vals) @ W_dec`` (no ``b_dec``) without the dense code:
         ``embedding_bag`` sums the ``k`` selected atoms per row (``n k d`` multiply-adds
         instead of ``n m d``); differentiable in ``vals`` and ``W_dec``."""
-        return F.embedding_bag(idx, self.W_dec, per_sample_weights=vals, mode="sum")
+        # (under torch.autocast the codes may be in a lower dtype than W_dec: cast; a no-op
+        # otherwise)
+        return F.embedding_bag(idx, self.W_dec, per_sample_weights=vals.to(self.W_dec.dtype),
+                               mode="sum")
 
     def _encode_sparse(self, x: torch.Tensor):
         """``(idx, vals, pre)`` of already normalized ``x``: the code in sparse form and the
@@ -476,13 +479,13 @@ class SparseAutoencoder(nn.Module):
             if n * d * m + m * d * m + n_steps * n * k * m < n_steps * n * (d * m + k * d):
                 base, dec_gamma = xc @ gamma, self.W_dec @ gamma
                 for _ in range(n_steps):
-                    step = base - F.embedding_bag(idx, dec_gamma, per_sample_weights=vals,
-                                                  mode="sum")
-                    idx, vals = self._select(step.scatter_add(-1, idx, vals))
+                    step = base - F.embedding_bag(idx, dec_gamma, mode="sum",
+                                                  per_sample_weights=vals.to(dec_gamma.dtype))
+                    idx, vals = self._select(step.scatter_add(-1, idx, vals.to(step.dtype)))
             else:
                 for _ in range(n_steps):
                     step = (xc - self._decode_sparse(idx, vals)) @ gamma
-                    idx, vals = self._select(step.scatter_add(-1, idx, vals))
+                    idx, vals = self._select(step.scatter_add(-1, idx, vals.to(step.dtype)))
         return idx, vals, pre
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae",
-           "as_activations", "make_lr_scheduler"]
+           "as_activations", "make_lr_scheduler", "check_autocast"]
 
 TRAINER_STATE = "trainer_state"
 
@@ -100,6 +100,11 @@ class TrainConfig:
         resample_duplicates: also resample the rarer latent of every pair whose atoms have
             ``|cos| >`` this (0: off), so that two latents never keep one ground-truth atom.
         resample_until: no resampling after this step (0: until the end).
+        autocast: ``None`` (default: the SAE's own dtype), ``"bfloat16"`` or ``"float16"``: the
+            forward pass and loss run under ``torch.autocast`` in that dtype (weights, AdamW and
+            the decoder renormalization stay in float32; ``"float16"`` adds a
+            ``torch.amp.GradScaler``). Checked against the device before any work
+            (:func:`check_autocast`); refused for a float64 SAE.
         multistep_start: a multi-step encoder runs no refinement step (it is the single-step
             encoder ``act(W_enc(x - b_dec) + b_enc)``) before this step, its ``T`` steps from
             it on (0: from the start), so the dictionary can first be learned cheaply.
@@ -130,9 +135,11 @@ class TrainConfig:
     resample_pool: int = 8192
     resample_enc_scale: float = 1.0
     multistep_start: int = 0
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device, "device")
+        check_autocast(self.autocast, self.device)
         if self.decoder_init not in _DECODER_INITS:
             raise ValueError(f"decoder_init: expected one of {list(_DECODER_INITS)}, got "
                              f"{self.decoder_init!r}")
@@ -184,6 +191,40 @@ class TrainConfig:
         if self.lr_decay == "linear":
             return self.lr_end + (self.lr - self.lr_end) * (1.0 - p)
         return self.lr_end + (self.lr - self.lr_end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_autocast(autocast: str | None, device: str = "cpu") -> None:
+    """Check that ``torch.autocast`` in ``autocast`` (``"bfloat16"``/``"float16"``) runs on
+    ``device`` (the device type has autocast; CUDA bf16 needs ``torch.cuda.is_bf16_supported``;
+    torch does not disable it with a "target dtype is not supported" warning).
+
+    Raises:
+        ValueError: an unknown name, or a dtype the device lacks, naming both.
+    """
+    import warnings
+
+    if autocast is None:
+        return
+    if autocast not in _AUTOCAST:
+        raise ValueError(f"autocast: expected None, 'bfloat16' or 'float16', got {autocast!r}")
+    dev = torch.device(device)
+    if not torch.amp.is_autocast_available(dev.type):
+        raise ValueError(f"autocast: torch has no autocast for device type {dev.type!r} "
+                         f"(device={device!r})")
+    if dev.type == "cuda" and autocast == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"autocast: 'bfloat16' requested but the CUDA device {device!r} does "
+                         f"not support bfloat16; use 'float16' or None")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast(dev.type, dtype=_AUTOCAST[autocast]):
+            pass
+    bad = [w for w in caught if "not supported" in str(w.message)]
+    if bad:
+        raise ValueError(f"autocast: {autocast!r} is not supported by autocast on {device!r} "
+                         f"({str(bad[0].message).splitlines()[0]})")
 
 
 def make_lr_scheduler(opt: torch.optim.Optimizer, train_cfg: TrainConfig, start: int = 0):
@@ -462,6 +503,12 @@ class _Stepper:
                  start=0):
         self.model, self.opt, self.sae_cfg, self.train_cfg = model, opt, sae_cfg, train_cfg
         self.sched = make_lr_scheduler(opt, train_cfg, start)
+        if train_cfg.autocast is not None and sae_cfg.dtype == "float64":
+            raise ValueError("autocast: a float64 SAE is trained in float64 (exactness); use a "
+                             "float32 SAE with autocast")
+        self.device_type = model.W_dec.device.type
+        self.scaler = torch.amp.GradScaler(self.device_type,
+                                           enabled=train_cfg.autocast == "float16")
         self.dead, self.dead_tokens, self.scale, self.t0 = dead, dead_tokens, scale, t0
         self.fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
         self.fires_since_resample = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
@@ -483,25 +530,29 @@ class _Stepper:
         self.lr = self.opt.param_groups[0]["lr"]       # this step's, from the lr scheduler
         self.rip_ramp = rip_ramp = _ramp(step, train_cfg.rip_warmup_steps)
         self.aux_ramp = aux_ramp = _ramp(step, train_cfg.auxk_warmup_steps)
-        if rip_ramp == 1.0 and aux_ramp == 1.0:
-            parts = model.loss(x, dead_mask)
-        else:
-            parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
-                               aux_coef=aux_ramp * sae_cfg.auxk_alpha)
-        loss = parts["loss"]
+        with torch.autocast(self.device_type, dtype=_AUTOCAST.get(train_cfg.autocast),
+                            enabled=train_cfg.autocast is not None):
+            if rip_ramp == 1.0 and aux_ramp == 1.0:
+                parts = model.loss(x, dead_mask)
+            else:
+                parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
+                                   aux_coef=aux_ramp * sae_cfg.auxk_alpha)
+        loss = parts["loss"].float() if train_cfg.autocast is not None else parts["loss"]
         if not bool(torch.isfinite(loss)):
             raise TrainingDiverged(f"loss became {float(loss.detach())} at step {step} (recon="
                                    f"{float(parts['recon'])}, rip={float(parts['rip'])}); "
                                    f"{where}; try a smaller lr", step, last_good)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.opt)          # no-op unless float16 autocast
         model.remove_parallel_grad_()
         params = self.params
         if train_cfg.grad_clip > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
         else:
             gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        self.opt.step()
+        self.scaler.step(self.opt)              # opt.step() unless float16 autocast
+        self.scaler.update()
         self.sched.step()
         model.normalize_decoder_()
         with torch.no_grad():
