@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--presets", nargs="+", default=["topk", "abstopk", "isae-me"])
+    ap.add_argument("--auxk-alpha", type=float, default=None,
+                    help="AuxK weight for every preset (default: the presets' 1/32)")
+    ap.add_argument("--no-eval", action="store_true", help="FVU and dead latents only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -56,11 +59,21 @@ def main() -> None:
         if name in PRESETS:
             from dataclasses import replace
             tc = replace(tc, **schedule(name, tc.steps))
-        sae, hist = train(x, make_config(name, x.shape[1], a.m, a.k), tc)
+        over = {} if a.auxk_alpha is None else {"auxk_alpha": a.auxk_alpha}
+        sae, hist = train(x, make_config(name, x.shape[1], a.m, a.k, **over), tc)
         secs = time.time() - ts
         with torch.no_grad():
             z = sae.encode(x_eval)
         dead = int((~(z != 0).any(0)).sum())
+        if a.no_eval:
+            with torch.no_grad():
+                fvu = float(((x_eval - sae(x_eval)) ** 2).sum()
+                            / ((x_eval - x_eval.mean(0)) ** 2).sum())
+            print(f"{name:8s} auxk {sae.cfg.auxk_alpha:.4g}  fvu {fvu:.4f}  dead {dead:3d}  "
+                  f"(train log: {hist[-1]['dead_latents']})  ({secs:.0f}s)", flush=True)
+            res["presets"][name] = {"fvu": fvu, "dead_latents_eval": dead,
+                                    "auxk_alpha": sae.cfg.auxk_alpha, "train_seconds": secs}
+            continue
         ev = evaluate_transformer(model, sae, a.layer, W[n_train:])
         res["presets"][name] = {**ev, "dead_latents_eval": dead,
                                 "dead_latents_train_log": hist[-1]["dead_latents"],
