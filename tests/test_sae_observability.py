@@ -217,3 +217,26 @@ def test_autocast_training_runs_and_reconstructs_like_float32(syn, preset, autoc
         f32 = float(((syn.x - m32(syn.x)) ** 2).sum() / var)
         flo = float(((syn.x - mlo(syn.x)) ** 2).sum() / var)
     assert abs(flo - f32) < 0.02 and flo < 0.5
+
+
+def test_tensorboard_logging(syn, tmp_path):
+    """Optional: with the tensorboard package the log records become scalars in
+    OUT/tensorboard (read back with tensorboard's own event reader); without it, a clear error
+    when the config is made."""
+    import importlib.util
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ValueError, match=r"tensorboard: the optional package is not "
+                                             r"installed \(pip install tensorboard\)"):
+            TrainConfig(tensorboard=True)
+        return
+    with pytest.raises(ValueError, match="tensorboard=True writes OUT/tensorboard"):
+        train(syn.x, make_config("topk", 8, 12, 2), TrainConfig(steps=2, tensorboard=True))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, hist = train(syn.x, make_config("topk", 8, 12, 2),
+                    TrainConfig(steps=8, batch_size=32, log_every=4, tensorboard=True),
+                    out=tmp_path / "run")
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    fvu = acc.Scalars("sae/fvu")
+    assert [e.step for e in fvu] == [4, 8]
+    assert [e.value for e in fvu] == pytest.approx([r["fvu"] for r in hist], rel=1e-6)

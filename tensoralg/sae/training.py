@@ -43,6 +43,7 @@ TRAINER_STATE = "trainer_state"
 
 
 LOG_FILE = "train_log.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 DENSITY_PLOT = "feature_density.png"
 DEAD_TOKENS_DEFAULT = 10_000_000       # Gao et al. (2024): dead = not fired in 10M tokens
 _LR_DECAYS = ("constant", "linear", "cosine")
@@ -105,6 +106,10 @@ class TrainConfig:
             the decoder renormalization stay in float32; ``"float16"`` adds a
             ``torch.amp.GradScaler``). Checked against the device before any work
             (:func:`check_autocast`); refused for a float64 SAE.
+        tensorboard: also write each log record as TensorBoard scalars (``sae/fvu``,
+            ``sae/l0``, ``sae/dead_latents``, ``sae/lr``, ...) to ``OUT/tensorboard/`` (needs an
+            ``out`` folder and the optional package ``tensorboard``: ``pip install
+            tensorboard``; checked when the config is made).
         multistep_start: a multi-step encoder runs no refinement step (it is the single-step
             encoder ``act(W_enc(x - b_dec) + b_enc)``) before this step, its ``T`` steps from
             it on (0: from the start), so the dictionary can first be learned cheaply.
@@ -136,8 +141,15 @@ class TrainConfig:
     resample_enc_scale: float = 1.0
     multistep_start: int = 0
     autocast: str | None = None
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"tensorboard: the optional package is not installed (pip "
+                                 f"install tensorboard): {exc}") from None
         check_device(self.device, "device")
         check_autocast(self.autocast, self.device)
         if self.decoder_init not in _DECODER_INITS:
@@ -770,6 +782,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
     if train_cfg.ckpt_every and out is None:
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
+    if train_cfg.tensorboard and out is None:
+        raise ValueError("out: tensorboard=True writes OUT/tensorboard/; give an out folder")
     device = torch.device(train_cfg.device)
     dtype = torch.float64 if sae_cfg.dtype == "float64" else torch.float32
     model = SparseAutoencoder(sae_cfg, seed=_init_seed(train_cfg)).to(device)
@@ -823,6 +837,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                    _pool(data, train_cfg, dtype, device), start=start)
     if fires_since_resample is not None:
         run.fires_since_resample.copy_(fires_since_resample)
+    writer = None
     for step in steps:
         x = _rows(data, batches.indices(step), dtype, device)
         where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
@@ -834,6 +849,10 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             # no checkpoint in OUT: remove what this run wrote (its log), so that OUT is as
             # before (missing or empty) instead of a folder with a log and no SAE
             log_path.unlink(missing_ok=True)
+            if writer is not None:
+                writer.close()
+                import shutil
+                shutil.rmtree(out / TENSORBOARD_DIR, ignore_errors=True)
             if created_out:
                 try:
                     out.rmdir()
@@ -851,6 +870,15 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             if log_path is not None:
                 with open(log_path, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(rec) + "\n")
+            if train_cfg.tensorboard:
+                if writer is None:
+                    from torch.utils.tensorboard import SummaryWriter
+                    writer = SummaryWriter(str(out / TENSORBOARD_DIR))
+                for key, value in rec.items():
+                    if key != "step" and isinstance(value, (int, float)) and \
+                            not isinstance(value, bool):
+                        writer.add_scalar(f"sae/{key}", value, rec["step"])
+                writer.flush()
             if train_cfg.progress:
                 steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
                                   dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
@@ -869,6 +897,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                 last_good = str(out)
     if out is not None and start >= train_cfg.steps and not (out / tio.CONFIG_FILE).exists():
         _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
+    if writer is not None:
+        writer.close()
     seconds = time.perf_counter() - t0
     if out is not None and density_recs and start < train_cfg.steps:
         plot_density(density_recs[-5:], out / DENSITY_PLOT)
