@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--auxk-alpha", type=float, default=None,
                     help="AuxK weight for every preset (default: the presets' 1/32)")
     ap.add_argument("--no-eval", action="store_true", help="FVU and dead latents only")
+    ap.add_argument("--dump", default=None,
+                    help="save the train / held-out rows as DUMP_train.npy, DUMP_eval.npy")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -52,6 +54,9 @@ def main() -> None:
     x_eval = residual_stream_at(model, W[n_train:], a.layer).reshape(-1, model.hparams["d_model"])
     print(f"model trained in {time.time() - t0:.0f}s (train loss {tinfo['final_train_loss']:.3f});"
           f" {n_train} + {count - n_train} windows, rows {tuple(x.shape)} / {tuple(x_eval.shape)}")
+    if a.dump:
+        np.save(f"{a.dump}_train.npy", x.float().numpy())
+        np.save(f"{a.dump}_eval.npy", x_eval.float().numpy())
     res = {"steps": a.steps, "layer": a.layer, "m": a.m, "k": a.k, "lr": a.lr, "presets": {}}
     for name in a.presets:
         ts = time.time()

@@ -151,3 +151,15 @@ def test_training_records_the_activation_metadata(tmp_path):
     assert saved["model_name"] == "toy" and saved["hook_name"] == "1"
     assert saved["dataset_path"] == str(tmp_path / "a.npy")
     assert load_sae(tmp_path / "sae").metadata == saved
+
+
+def test_sae_train_cli_copies_the_metadata(tmp_path):
+    from tensoralg.cli import main
+    net = _net()
+    collect_activations(net, "1", _batches(), tmp_path / "a.npy", progress=False,
+                        metadata={"model_name": "toy", "context_size": 6})
+    assert main(["sae", "train", "--data", str(tmp_path / "a.npy"), "--preset", "topk",
+                 "--d-sae", "8", "--k", "2", "--steps", "3", "--batch-size", "16",
+                 "--no-progress", "--out", str(tmp_path / "sae")]) == 0
+    saved = json.loads((tmp_path / "sae" / "cfg.json").read_text())["metadata"]
+    assert (saved["model_name"], saved["hook_name"], saved["context_size"]) == ("toy", "1", 6)
