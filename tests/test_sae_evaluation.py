@@ -146,3 +146,13 @@ def test_errors_before_work():
         evaluate_transformer(_model(), _sae(), 1, _tokens()[:, :1])
     with pytest.raises(ValueError, match="no predicted tokens"):
         evaluate_spliced(lm, _sae(), "body", [])
+
+
+def test_nan_activation_is_refused():
+    lm = TinyLM().double()
+    with torch.no_grad():
+        lm.emb.weight[3, 0] = float("nan")
+    tokens = _tokens()
+    tokens[0, 0] = 3
+    with pytest.raises(ValueError, match=r"the activation at 'body' has NaN or inf"):
+        evaluate_spliced(lm, _sae(), "body", [tokens])
