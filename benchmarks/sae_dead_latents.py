@@ -23,6 +23,8 @@ ARMS = {
     "grad_clip=1": ({}, {"grad_clip": 1.0}),
     "decoder from samples": ({}, {"decoder_init": "data"}),
     "resample every 250": ({}, {"resample_every": 250, "resample_until": 1400}),
+    "AuxK window 250 steps": ({"dead_tokens": 64_000}, {}),
+    "AuxK window 1000 + a=1": ({"dead_tokens": 256_000, "auxk_alpha": 1.0}, {}),
 }
 
 
