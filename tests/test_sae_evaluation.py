@@ -156,3 +156,68 @@ def test_nan_activation_is_refused():
     tokens[0, 0] = 3
     with pytest.raises(ValueError, match=r"the activation at 'body' has NaN or inf"):
         evaluate_spliced(lm, _sae(), "body", [tokens])
+
+
+def _support_and_rows(sae, x):
+    """The most common support of the SAE's codes on rows x, and those rows."""
+    with torch.no_grad():
+        z = sae.encode(x)
+    sup = [tuple(torch.nonzero(r).flatten().tolist()) for r in z]
+    best = max(set(sup), key=sup.count)
+    return list(best), x[[s == best for s in sup]]
+
+
+@pytest.mark.parametrize("activation", ["abstopk", "topk"])
+def test_fixed_support_map_is_the_sae_on_that_support(activation):
+    sae = _sae(activation=activation, k=2, m=5)
+    with torch.no_grad():
+        sae.b_enc.normal_(generator=torch.Generator().manual_seed(2))
+        sae.b_dec.normal_(generator=torch.Generator().manual_seed(3))
+    x = torch.randn(4000, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    S, rows = _support_and_rows(sae, x)
+    assert rows.shape[0] > 10
+    from tensoralg.sae.evaluation import fixed_support_map
+    A, c = fixed_support_map(sae, S)
+    with torch.no_grad():
+        torch.testing.assert_close(rows @ A + c, sae(rows), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"support: expected distinct latent indices"):
+        fixed_support_map(sae, [0, 0])
+
+
+def test_spliced_network_similarity_is_exact_for_one_attention_block():
+    """A one-block attention-only transformer: the spliced network's forward equals the torch
+    model with the fixed-support map spliced in, and its exact Gaussian similarity to the
+    original agrees with Monte Carlo (within 4 standard errors); an identity SAE gives 1."""
+    import tensoralg
+    from tensoralg.sae.evaluation import fixed_support_map, spliced_network
+    from tensoralg.sae.hooks import spliced
+    model = BilinearTransformer(V, 6, 1, 1, 3, None, n_ctx=3, rope=None, seed=0,
+                                dtype="float64").eval()
+    sae = SparseAutoencoder(SAEConfig(6, 10, 3, activation="abstopk", dtype="float64"), seed=2)
+    S = [1, 4, 7]
+    net = spliced_network(model, sae, 0, S)
+    A, c = fixed_support_map(sae, S)
+    h = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad(), spliced(model, "hook_resid.0", lambda a: a @ A + c):
+        want = model.forward_residual(h).numpy()
+    np.testing.assert_allclose(net(h.numpy()), want, rtol=1e-12, atol=1e-12)
+    orig = model.to_network()
+    exact = tensoralg.similarity(orig, net)
+    mc = tensoralg.similarity(orig, net, method="montecarlo", n_samples=20000, seed=0)
+    assert abs(exact - float(mc)) <= 4 * mc.stderr + 1e-12 and -1 < exact < 1
+    ident = SparseAutoencoder(SAEConfig(6, 6, 6, activation="abstopk", dtype="float64"))
+    with torch.no_grad():
+        ident.W_enc.copy_(torch.eye(6, dtype=torch.float64))
+        ident.W_dec.copy_(torch.eye(6, dtype=torch.float64))
+    same = spliced_network(model, ident, 1, list(range(6)))
+    assert tensoralg.similarity(orig, same) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_spliced_network_of_a_deeper_model_is_refused_as_too_costly():
+    import tensoralg
+    from tensoralg.errors import CostTooHigh
+    from tensoralg.sae.evaluation import spliced_network
+    model = _model()
+    net = spliced_network(model, _sae(), 1, [0, 3, 5])
+    with pytest.raises(CostTooHigh, match="method='closure'"):
+        tensoralg.similarity(model.to_network(), net)

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from sae_lens.saes.sae import SAE, SAEConfig
 
 from .models import abstopk, topk
 
 
 def build_classes() -> dict:
+    """``{architecture: (SAE class, config class)}``; imports SAELens (ImportError without)."""
+    from sae_lens.saes.sae import SAE, SAEConfig
+
     @dataclass
     class MultistepSAEConfig(SAEConfig):
         """SAELens config of tensoralg's multi-step encoder (fields as in tensoralg's

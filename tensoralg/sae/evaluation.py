@@ -38,7 +38,8 @@ from torch import nn
 
 from .hooks import get_submodule, spliced
 
-__all__ = ["evaluate_spliced", "evaluate_transformer", "next_token_logits"]
+__all__ = ["evaluate_spliced", "evaluate_transformer", "next_token_logits", "fixed_support_map",
+           "spliced_network"]
 
 
 def next_token_logits(output, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,3 +210,60 @@ def evaluate_transformer(model, sae, layer: int | None, tokens: torch.Tensor,
     out = evaluate_spliced(model, sae, name, batches, point=point, progress=progress)
     out["layer"] = layer
     return out
+
+
+def fixed_support_map(sae, support) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map ``x ↦ x A + c`` (row convention, ``A (d_in, d_in)``, ``c (d_in,)``, float64)
+    that a single-step SAE computes on every input whose code has support ``support`` (for TopK
+    / ReLU / JumpReLU also: positive there and, for JumpReLU, above the threshold):
+    ``x̂ = ((x - b_dec) W_enc[:, S] + b_enc[S]) W_dec[S] + b_dec``, so
+    ``A = W_enc[:, S] W_dec[S]``, ``c = (b_enc[S] - b_dec W_enc[:, S]) W_dec[S] + b_dec``.
+
+    Raises:
+        ValueError: a multi-step encoder or ``layer_norm`` normalization (not affine on a
+            support); ``support`` not distinct latent indices in ``[0, d_sae)``.
+    """
+    cfg = sae.cfg
+    if cfg.encoder != "single" or cfg.normalize_activations != "none":
+        raise ValueError(f"sae: the fixed-support map is affine only for a single-step encoder "
+                         f"without normalization, got encoder={cfg.encoder!r}, "
+                         f"normalize_activations={cfg.normalize_activations!r}")
+    S = torch.as_tensor(support, dtype=torch.int64).reshape(-1)
+    if S.numel() == 0 or int(S.min()) < 0 or int(S.max()) >= cfg.d_sae or \
+            S.unique().numel() != S.numel():
+        raise ValueError(f"support: expected distinct latent indices in [0, {cfg.d_sae}), got "
+                         f"{S.tolist()}")
+    W_enc, W_dec = sae.W_enc.detach().double()[:, S], sae.W_dec.detach().double()[S]
+    b_enc, b_dec = sae.b_enc.detach().double()[S], sae.b_dec.detach().double()
+    return W_enc @ W_dec, (b_enc - b_dec @ W_enc) @ W_dec + b_dec
+
+
+def spliced_network(model, sae, layer: int | None, support):
+    """The exact tensoralg network (:meth:`BilinearTransformer.to_network`: residual stream
+    ``h_0`` -> logits) of ``model`` with the residual stream ``h_layer`` replaced by the SAE's
+    reconstruction on the fixed support ``support`` (:func:`fixed_support_map`, a ``Linear``
+    layer with bias inserted before block ``layer``, or before the unembedding for the final
+    stream). Its Gaussian similarity to ``model.to_network()`` is then
+    ``tensoralg.similarity(model.to_network(), spliced_network(...))``: computed exactly where
+    the project's exact sequence inner product applies (one bilinear-attention layer between
+    per-position linear layers: a one-block attention-only model), otherwise refused with
+    ``CostTooHigh`` naming the approximate methods (``method="closure"``/``"montecarlo"``).
+
+    Raises:
+        ValueError: ``layer`` out of range; see :func:`fixed_support_map`; an SAE whose
+            ``d_in`` is not ``d_model``.
+    """
+    from ..layers import Linear, Sequential
+    from .transformer_acts import _check_layer
+
+    n_layers = model.hparams["n_layers"]
+    layer = _check_layer(layer, n_layers, "layer")
+    if sae.cfg.d_in != model.hparams["d_model"]:
+        raise ValueError(f"sae: d_in={sae.cfg.d_in}, the model's residual stream has d_model="
+                         f"{model.hparams['d_model']}")
+    A, c = fixed_support_map(sae, support)
+    net = model.to_network()
+    per_block = 1 if model.mlp is None else 2
+    layers = list(net.layers)
+    layers.insert(layer * per_block, Linear(A.T.numpy(), c.numpy()))
+    return Sequential(layers)
