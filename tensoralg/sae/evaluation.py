@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hooks import get_submodule, spliced
+from .hooks import _call, get_submodule, spliced
 
 __all__ = ["evaluate_spliced", "evaluate_transformer", "next_token_logits", "fixed_support_map",
            "spliced_network"]
@@ -152,14 +152,12 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
         with torch.no_grad():
             for batch in tqdm(batches, desc=f"splice at {hook_name}", unit="batch",
                               disable=None if progress else True):
-                call = (lambda b: model(**b)) if isinstance(batch, dict) else (
-                    (lambda b: model(*b)) if isinstance(batch, (tuple, list)) else model)
                 with spliced(model, hook_name, finite, point):
-                    clean, targets = logits_fn(call(batch), batch)
+                    clean, targets = logits_fn(_call(model, batch), batch)
                 with spliced(model, hook_name, fn, point):
-                    spl, _ = logits_fn(call(batch), batch)
+                    spl, _ = logits_fn(_call(model, batch), batch)
                 with spliced(model, hook_name, torch.zeros_like, point):
-                    zero, _ = logits_fn(call(batch), batch)
+                    zero, _ = logits_fn(_call(model, batch), batch)
                 sums.add("ce_clean", F.cross_entropy(clean.double(), targets, reduction="sum"))
                 ce, kl = _ce_kl(clean, spl, targets)
                 sums.add("ce_spliced", ce)

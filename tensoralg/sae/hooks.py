@@ -258,8 +258,9 @@ def collect_activations(model: nn.Module, hook_name: str, batches: Iterable, out
         buf, buffered = [], 0
 
     total = len(batches) if hasattr(batches, "__len__") else None
+    # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
     bar = tqdm(total=total, initial=done, desc=f"activations at {hook_name}", unit="batch",
-               disable=not progress)
+               disable=None if progress else True)
     i = -1
     try:
         for i, batch in enumerate(batches):
