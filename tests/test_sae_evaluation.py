@@ -221,3 +221,41 @@ def test_spliced_network_of_a_deeper_model_is_refused_as_too_costly():
     net = spliced_network(model, _sae(), 1, [0, 3, 5])
     with pytest.raises(CostTooHigh, match="method='closure'"):
         tensoralg.similarity(model.to_network(), net)
+
+
+def test_sae_evaluate_command(tmp_path):
+    """`sae evaluate` (registered by cli.add_evaluate_parser): the layer from the SAE's
+    metadata, the last 20 % of the seeded held-out windows, the same numbers as
+    evaluate_transformer on those windows."""
+    import argparse
+    import json as _json
+
+    from tensoralg.audit.language import eval_windows
+    from tensoralg.checkpoint import save_checkpoint
+    from tensoralg.corpus import VOCAB, load_corpus
+    from tensoralg.sae.cli import add_evaluate_parser
+    from tensoralg.sae.formats import save_sae
+    model = BilinearTransformer(len(VOCAB), 8, 2, 2, 4, 12, n_ctx=6, seed=1).eval()
+    save_checkpoint(tmp_path / "ck", model, step=0)
+    sae = SparseAutoencoder(SAEConfig(8, 16, 3, activation="topk"), seed=0)
+    save_sae(tmp_path / "sae", sae, metadata={"hook_name": "hook_resid.1"})
+    top = argparse.ArgumentParser()
+    add_evaluate_parser(top.add_subparsers(dest="sae_command"))
+    args = top.parse_args(["evaluate", "--sae", str(tmp_path / "sae"), "--checkpoint",
+                           str(tmp_path / "ck"), "--chars", "30000", "--no-progress",
+                           "--json", str(tmp_path / "r.json")])
+    assert args.func(args) == 0
+    got = _json.loads((tmp_path / "r.json").read_text())
+    corpus = load_corpus(30000)
+    count = len(corpus.held_out) // 6
+    W = eval_windows(corpus.held_out, 6, count)[np.random.default_rng(0).permutation(count)]
+    n_eval = round(0.2 * count)
+    want = evaluate_transformer(model, sae, 1, torch.as_tensor(W[count - n_eval:]))
+    assert got["layer"] == 1 and got["n_windows"] == n_eval
+    for key in ("loss_clean", "loss_spliced", "loss_zero", "kl_spliced", "fvu"):
+        assert got[key] == want[key], key
+    save_sae(tmp_path / "nohook", sae)
+    args = top.parse_args(["evaluate", "--sae", str(tmp_path / "nohook"), "--checkpoint",
+                           str(tmp_path / "ck")])
+    with pytest.raises(ValueError, match="--layer: required"):
+        args.func(args)
