@@ -148,6 +148,10 @@ class BilinearTransformer(nn.Module):
         self.mlp = nn.ModuleList([_Mlp(d_model, d_mlp, dt) for _ in range(n_layers)]) \
             if d_mlp is not None else None
         self.unembed = nn.Parameter(torch.zeros((vocab, d_model), dtype=dt))
+        # hook points (identities, no parameters): hook_resid.l passes the residual stream h_l
+        # (0 = embedding, n_layers = final), so forward hooks can read or replace it
+        # (tensoralg.sae.hooks; as TransformerLens's hook_resid_pre)
+        self.hook_resid = nn.ModuleList([nn.Identity() for _ in range(n_layers + 1)])
         self.reset_parameters(seed)
 
     # ------------------------------------------------------------------------------------
@@ -218,9 +222,11 @@ class BilinearTransformer(nn.Module):
                              f"{self.hparams['d_model']}), got {tuple(h.shape)}")
         ms, rot = self._mask_scale(h.shape[1], h)
         for i, a in enumerate(self.attn):
+            h = self.hook_resid[i](h)
             h = h + a(h, ms, rot)
             if self.mlp is not None:
                 h = h + self.mlp[i](h)
+        h = self.hook_resid[len(self.attn)](h)
         logits = h @ self.unembed.T
         return (logits, h) if return_final else logits
 

@@ -64,11 +64,11 @@ def test_checkpoint_layout_and_roundtrip(syn, tmp_path):
     model, _ = train(syn.x, cfg, TrainConfig(steps=5, batch_size=64, ckpt_every=2), out=tmp_path / "run")
     from safetensors.torch import load_file
     w = load_file(str(tmp_path / "run" / "sae_weights.safetensors"))
-    assert set(w) == {"W_enc", "b_enc", "W_dec", "b_dec"}
-    assert set(load_file(str(tmp_path / "run" / "encoder_steps.safetensors"))) == {"step_scale"}
+    assert set(w) == {"W_enc", "b_enc", "W_dec", "b_dec", "step_scale"}
+    assert not (tmp_path / "run" / "encoder_steps.safetensors").exists()
     assert w["W_enc"].shape == (8, 12) and w["W_dec"].shape == (12, 8)
     c = json.loads((tmp_path / "run" / "cfg.json").read_text())
-    assert (c["d_in"], c["d_sae"], c["k"], c["architecture"]) == (8, 12, 2, "abstopk")
+    assert (c["d_in"], c["d_sae"], c["k"], c["architecture"]) == (8, 12, 2, "tensoralg_multistep_abstopk")
     assert c["train_step"] == 5 and "tensoralg_version" in c
     loaded = load_sae(tmp_path / "run")
     assert torch.equal(loaded.encode(syn.x[:50]), model.encode(syn.x[:50]))

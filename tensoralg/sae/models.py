@@ -29,7 +29,8 @@ __all__ = ["SAEConfig", "SparseAutoencoder", "select_topk", "select_topk_sort", 
            "rip_constants", "geometric_median", "unique_rows", "unique_rows_reference",
            "code_supports"]
 
-_ACTIVATIONS = ("topk", "abstopk")
+_ACTIVATIONS = ("topk", "abstopk", "relu", "jumprelu")
+DENSE_ACTIVATIONS = ("relu", "jumprelu")      # read from SAELens folders; inference only
 _ENCODERS = ("single", "multistep")
 _GAMMAS = ("free", "diag", "tied")
 _RIPS = ("none", "eig", "fro")
@@ -52,7 +53,12 @@ class SAEConfig:
         d_sae: number of latents / dictionary atoms ``m``.
         k: number of active latents per sample (``1 <= k <= d_sae``).
         activation: ``"topk"`` (ReLU pre-activations, keep the top k) or ``"abstopk"`` (keep the
-            k largest magnitudes with their sign).
+            k largest magnitudes with their sign); for inference on SAELens folders also
+            ``"relu"`` (SAELens ``standard``: ``z = relu(pre)``) and ``"jumprelu"`` (SAELens
+            ``jumprelu``, also what its BatchTopK trainers save: ``z = relu(pre) · [pre > θ]``
+            with a per-latent ``threshold`` θ; Rajamanoharan et al., "Jumping Ahead", 2024).
+            These two have no cap on the number of active latents: ``k`` must equal
+            ``d_sae``, the encoder must be ``"single"``, and they cannot be trained here.
         encoder: ``"single"`` (one affine map) or ``"multistep"`` (LISTA-style refinement).
         n_steps: refinement steps ``T`` of the multi-step encoder.
         gamma: step matrix ``Γ`` of the multi-step encoder: ``"free"`` (a learned
@@ -113,6 +119,11 @@ class SAEConfig:
         _choice("b_dec_init", self.b_dec_init, _B_DEC_INITS)
         _choice("dtype", self.dtype, tuple(_DTYPES))
         _choice("normalize_activations", self.normalize_activations, _NORMALIZATIONS)
+        if self.activation in DENSE_ACTIVATIONS and (self.k != self.d_sae
+                                                     or self.encoder != "single"):
+            raise ValueError(f"activation={self.activation!r}: expected k == d_sae={self.d_sae} "
+                             f"(no top-k cap) and encoder='single', got k={self.k}, "
+                             f"encoder={self.encoder!r}")
         for name in ("step_size", "rip_beta", "rip_delta", "auxk_alpha"):
             value = float(getattr(self, name))
             if not value == value or value in (float("inf"), float("-inf")) or value < 0:
@@ -374,6 +385,10 @@ class SparseAutoencoder(nn.Module):
         self.W_enc = nn.Parameter(W_dec.T.clone().to(dtype))
         self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, dtype=dtype))
         self.b_dec = nn.Parameter(torch.zeros(cfg.d_in, dtype=dtype))
+        # model / hook / data this SAE was trained on (cfg.json "metadata", as SAELens)
+        self.metadata: dict = {}
+        if cfg.activation == "jumprelu":
+            self.threshold = nn.Parameter(torch.zeros(cfg.d_sae, dtype=dtype))
         if cfg.encoder == "multistep":
             if cfg.gamma == "free":
                 self.W_step = nn.Parameter(cfg.step_size * W_dec.T.clone().to(dtype))
@@ -384,7 +399,11 @@ class SparseAutoencoder(nn.Module):
 
     # -- parts ---------------------------------------------------------------------------
     def activation(self, pre: torch.Tensor) -> torch.Tensor:
-        return abstopk(pre, self.cfg.k) if self.cfg.activation == "abstopk" else topk(pre, self.cfg.k)
+        act = self.cfg.activation
+        if act in DENSE_ACTIVATIONS:
+            z = torch.relu(pre)
+            return z * (pre > self.threshold).to(z.dtype) if act == "jumprelu" else z
+        return abstopk(pre, self.cfg.k) if act == "abstopk" else topk(pre, self.cfg.k)
 
     def step_matrix(self) -> torch.Tensor:
         """The multi-step encoder's ``Γ`` in row convention, ``(d_in, d_sae)``."""
@@ -415,6 +434,9 @@ class SparseAutoencoder(nn.Module):
         """``(codes, first pre-activation)``; the loss reuses the latter for AuxK."""
         if not normalized:
             x = self.normalize_input(x)[0]
+        if self.cfg.activation in DENSE_ACTIVATIONS:
+            pre = self.pre_activation(x)
+            return self.activation(pre), pre
         idx, vals, pre = self._encode_sparse(x)
         return _dense(idx, vals, self.cfg.d_sae), pre
 
@@ -432,7 +454,10 @@ class SparseAutoencoder(nn.Module):
         """``zeros.scatter(-1, idx, vals) @ W_dec`` (no ``b_dec``) without the dense code:
         ``embedding_bag`` sums the ``k`` selected atoms per row (``n k d`` multiply-adds
         instead of ``n m d``); differentiable in ``vals`` and ``W_dec``."""
-        return F.embedding_bag(idx, self.W_dec, per_sample_weights=vals, mode="sum")
+        # (under torch.autocast the codes may be in a lower dtype than W_dec: cast; a no-op
+        # otherwise)
+        return F.embedding_bag(idx, self.W_dec, per_sample_weights=vals.to(self.W_dec.dtype),
+                               mode="sum")
 
     def _encode_sparse(self, x: torch.Tensor):
         """``(idx, vals, pre)`` of already normalized ``x``: the code in sparse form and the
@@ -454,13 +479,13 @@ class SparseAutoencoder(nn.Module):
             if n * d * m + m * d * m + n_steps * n * k * m < n_steps * n * (d * m + k * d):
                 base, dec_gamma = xc @ gamma, self.W_dec @ gamma
                 for _ in range(n_steps):
-                    step = base - F.embedding_bag(idx, dec_gamma, per_sample_weights=vals,
-                                                  mode="sum")
-                    idx, vals = self._select(step.scatter_add(-1, idx, vals))
+                    step = base - F.embedding_bag(idx, dec_gamma, mode="sum",
+                                                  per_sample_weights=vals.to(dec_gamma.dtype))
+                    idx, vals = self._select(step.scatter_add(-1, idx, vals.to(step.dtype)))
             else:
                 for _ in range(n_steps):
                     step = (xc - self._decode_sparse(idx, vals)) @ gamma
-                    idx, vals = self._select(step.scatter_add(-1, idx, vals))
+                    idx, vals = self._select(step.scatter_add(-1, idx, vals.to(step.dtype)))
         return idx, vals, pre
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
@@ -492,6 +517,10 @@ class SparseAutoencoder(nn.Module):
         Returns a dict with ``loss`` (scalar), ``recon``, ``rip``, ``aux`` (scalars) and ``z``.
         """
         cfg = self.cfg
+        if cfg.activation in DENSE_ACTIVATIONS:
+            raise ValueError(f"activation={cfg.activation!r}: SAEs read from SAELens "
+                             f"'standard'/'jumprelu' folders are for inference; training "
+                             f"supports {[a for a in _ACTIVATIONS if a not in DENSE_ACTIVATIONS]}")
         x = self.normalize_input(x)[0]
         idx, vals, pre = self._encode_sparse(x)
         z = _dense(idx, vals, cfg.d_sae)

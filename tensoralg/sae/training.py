@@ -3,10 +3,11 @@ in-memory tensor or a memory-mapped ``.npy``, periodic checkpoints, resume, dete
 
 Checkpoint layout (the SAELens layout of :mod:`tensoralg.sae.formats`, written atomically):
 
-* ``OUT/sae_weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (SAELens names, shapes);
-  ``OUT/encoder_steps.safetensors`` — ``W_step`` / ``step_scale`` of a multi-step encoder;
-* ``OUT/cfg.json`` — flat: SAELens's fields (``architecture``, ``d_in``, ``d_sae``, ``k``,
-  ``apply_b_dec_to_input``, ...), the :class:`SAEConfig` and ``train_*`` entries;
+* ``OUT/sae_weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (SAELens names, shapes),
+  and ``W_step`` / ``step_scale`` of a multi-step encoder (whose folder is labelled with an
+  architecture SAELens refuses, ``tensoralg_multistep_*``);
+* ``OUT/cfg.json`` — SAELens's fields (``architecture``, ``d_in``, ``d_sae``, ``k``,
+  ``apply_b_dec_to_input``, ..., ``metadata``), the :class:`SAEConfig` and ``train_*`` entries;
 * ``OUT/trainer_state/`` — AdamW moments, dead-latent counters and the step, for resuming.
 
 Determinism: the initial weights come from ``seed`` (stream ``"init"``); the batch of step ``s``
@@ -35,12 +36,14 @@ from ._seeds import stream_generator
 from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
-__all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae", "as_activations"]
+__all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae",
+           "as_activations", "make_lr_scheduler", "check_autocast"]
 
 TRAINER_STATE = "trainer_state"
 
 
 LOG_FILE = "train_log.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 DENSITY_PLOT = "feature_density.png"
 DEAD_TOKENS_DEFAULT = 10_000_000       # Gao et al. (2024): dead = not fired in 10M tokens
 _LR_DECAYS = ("constant", "linear", "cosine")
@@ -98,6 +101,15 @@ class TrainConfig:
         resample_duplicates: also resample the rarer latent of every pair whose atoms have
             ``|cos| >`` this (0: off), so that two latents never keep one ground-truth atom.
         resample_until: no resampling after this step (0: until the end).
+        autocast: ``None`` (default: the SAE's own dtype), ``"bfloat16"`` or ``"float16"``: the
+            forward pass and loss run under ``torch.autocast`` in that dtype (weights, AdamW and
+            the decoder renormalization stay in float32; ``"float16"`` adds a
+            ``torch.amp.GradScaler``). Checked against the device before any work
+            (:func:`check_autocast`); refused for a float64 SAE.
+        tensorboard: also write each log record as TensorBoard scalars (``sae/fvu``,
+            ``sae/l0``, ``sae/dead_latents``, ``sae/lr``, ...) to ``OUT/tensorboard/`` (needs an
+            ``out`` folder and the optional package ``tensorboard``: ``pip install
+            tensorboard``; checked when the config is made).
         multistep_start: a multi-step encoder runs no refinement step (it is the single-step
             encoder ``act(W_enc(x - b_dec) + b_enc)``) before this step, its ``T`` steps from
             it on (0: from the start), so the dictionary can first be learned cheaply.
@@ -128,9 +140,18 @@ class TrainConfig:
     resample_pool: int = 8192
     resample_enc_scale: float = 1.0
     multistep_start: int = 0
+    autocast: str | None = None
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"tensorboard: the optional package is not installed (pip "
+                                 f"install tensorboard): {exc}") from None
         check_device(self.device, "device")
+        check_autocast(self.autocast, self.device)
         if self.decoder_init not in _DECODER_INITS:
             raise ValueError(f"decoder_init: expected one of {list(_DECODER_INITS)}, got "
                              f"{self.decoder_init!r}")
@@ -170,7 +191,9 @@ class TrainConfig:
             raise ValueError(f"dead_tokens: expected None or an int >= 1, got {self.dead_tokens!r}")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based)."""
+        """Learning rate of optimizer step ``step`` (0-based), in closed form: the reference
+        that the ``torch.optim.lr_scheduler`` schedule the trainer runs
+        (:func:`make_lr_scheduler`) is tested against."""
         if step < self.lr_warmup_steps:
             return self.lr * (step + 1) / self.lr_warmup_steps
         if self.lr_decay == "constant":
@@ -180,6 +203,84 @@ class TrainConfig:
         if self.lr_decay == "linear":
             return self.lr_end + (self.lr - self.lr_end) * (1.0 - p)
         return self.lr_end + (self.lr - self.lr_end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_autocast(autocast: str | None, device: str = "cpu") -> None:
+    """Check that ``torch.autocast`` in ``autocast`` (``"bfloat16"``/``"float16"``) runs on
+    ``device`` (the device type has autocast; CUDA bf16 needs ``torch.cuda.is_bf16_supported``;
+    torch does not disable it with a "target dtype is not supported" warning).
+
+    Raises:
+        ValueError: an unknown name, or a dtype the device lacks, naming both.
+    """
+    import warnings
+
+    if autocast is None:
+        return
+    if autocast not in _AUTOCAST:
+        raise ValueError(f"autocast: expected None, 'bfloat16' or 'float16', got {autocast!r}")
+    dev = torch.device(device)
+    if not torch.amp.is_autocast_available(dev.type):
+        raise ValueError(f"autocast: torch has no autocast for device type {dev.type!r} "
+                         f"(device={device!r})")
+    if dev.type == "cuda" and autocast == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"autocast: 'bfloat16' requested but the CUDA device {device!r} does "
+                         f"not support bfloat16; use 'float16' or None")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast(dev.type, dtype=_AUTOCAST[autocast]):
+            pass
+    bad = [w for w in caught if "not supported" in str(w.message)]
+    if bad:
+        raise ValueError(f"autocast: {autocast!r} is not supported by autocast on {device!r} "
+                         f"({str(bad[0].message).splitlines()[0]})")
+
+
+def make_lr_scheduler(opt: torch.optim.Optimizer, train_cfg: TrainConfig, start: int = 0):
+    """The learning-rate schedule of ``train_cfg`` (:meth:`TrainConfig.lr_at`) as
+    ``torch.optim.lr_scheduler`` schedulers on ``opt``: ``LinearLR`` from ``1/W`` to 1 over the
+    ``W = lr_warmup_steps`` warmup steps, then ``LinearLR`` to ``lr_end/lr`` (linear) or
+    ``CosineAnnealingLR`` to ``lr_end`` (cosine) over the remaining ``steps - W`` steps, joined
+    by ``SequentialLR``; a constant decay keeps the factor 1. Call ``.step()`` after each
+    ``opt.step()``; the lr of step ``s`` is then ``opt.param_groups[i]["lr"]`` before it.
+
+    ``start``: the schedule is advanced to step ``start`` (a resumed run; the groups' ``lr`` is
+    first reset to ``train_cfg.lr``, so a restored optimizer state does not shift it).
+    """
+    import warnings
+
+    from torch.optim import lr_scheduler as sch
+
+    tc = train_cfg
+    for group in opt.param_groups:
+        group["lr"] = tc.lr
+        group.pop("initial_lr", None)
+    warm, span = tc.lr_warmup_steps, tc.steps - tc.lr_warmup_steps
+    end = tc.lr_end / tc.lr
+    if tc.lr_decay == "constant":
+        decay = sch.LambdaLR(opt, lambda s: 1.0)
+    elif span <= 1:                      # a single decay step is already at the end
+        decay = sch.LambdaLR(opt, lambda s: end)
+    elif tc.lr_decay == "linear":
+        decay = sch.LinearLR(opt, start_factor=1.0, end_factor=end, total_iters=span - 1)
+    else:
+        decay = sch.CosineAnnealingLR(opt, T_max=span - 1, eta_min=tc.lr_end)
+    if warm > 0:
+        for group in opt.param_groups:   # each scheduler's constructor steps once: undo
+            group["lr"] = tc.lr
+        ramp = (sch.LinearLR(opt, start_factor=1.0 / warm, end_factor=1.0, total_iters=warm - 1)
+                if warm > 1 else sch.LambdaLR(opt, lambda s: 1.0))   # lr_at(0) = lr for W = 1
+        sched = sch.SequentialLR(opt, [ramp, decay], milestones=[warm])
+    else:
+        sched = decay
+    with warnings.catch_warnings():      # replaying the steps of a resumed run: no opt.step
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start):
+            sched.step()
+    return sched
 
 
 def _ramp(step: int, warmup: int) -> float:
@@ -410,8 +511,16 @@ class _Stepper:
 
     KEYS = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
 
-    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0, pool=None):
+    def __init__(self, model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0, pool=None,
+                 start=0):
         self.model, self.opt, self.sae_cfg, self.train_cfg = model, opt, sae_cfg, train_cfg
+        self.sched = make_lr_scheduler(opt, train_cfg, start)
+        if train_cfg.autocast is not None and sae_cfg.dtype == "float64":
+            raise ValueError("autocast: a float64 SAE is trained in float64 (exactness); use a "
+                             "float32 SAE with autocast")
+        self.device_type = model.W_dec.device.type
+        self.scaler = torch.amp.GradScaler(self.device_type,
+                                           enabled=train_cfg.autocast == "float16")
         self.dead, self.dead_tokens, self.scale, self.t0 = dead, dead_tokens, scale, t0
         self.fires = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
         self.fires_since_resample = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
@@ -430,30 +539,33 @@ class _Stepper:
         dead_mask = (dead >= sae_cfg.dead_tokens).to(x.device) if sae_cfg.auxk_alpha > 0 else None
         if train_cfg.multistep_start:
             model.refine_steps = 0 if step < train_cfg.multistep_start else None
-        self.lr = lr = train_cfg.lr_at(step)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        self.lr = self.opt.param_groups[0]["lr"]       # this step's, from the lr scheduler
         self.rip_ramp = rip_ramp = _ramp(step, train_cfg.rip_warmup_steps)
         self.aux_ramp = aux_ramp = _ramp(step, train_cfg.auxk_warmup_steps)
-        if rip_ramp == 1.0 and aux_ramp == 1.0:
-            parts = model.loss(x, dead_mask)
-        else:
-            parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
-                               aux_coef=aux_ramp * sae_cfg.auxk_alpha)
-        loss = parts["loss"]
+        with torch.autocast(self.device_type, dtype=_AUTOCAST.get(train_cfg.autocast),
+                            enabled=train_cfg.autocast is not None):
+            if rip_ramp == 1.0 and aux_ramp == 1.0:
+                parts = model.loss(x, dead_mask)
+            else:
+                parts = model.loss(x, dead_mask, rip_coef=rip_ramp * sae_cfg.rip_beta,
+                                   aux_coef=aux_ramp * sae_cfg.auxk_alpha)
+        loss = parts["loss"].float() if train_cfg.autocast is not None else parts["loss"]
         if not bool(torch.isfinite(loss)):
             raise TrainingDiverged(f"loss became {float(loss.detach())} at step {step} (recon="
                                    f"{float(parts['recon'])}, rip={float(parts['rip'])}); "
                                    f"{where}; try a smaller lr", step, last_good)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.opt)          # no-op unless float16 autocast
         model.remove_parallel_grad_()
         params = self.params
         if train_cfg.grad_clip > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
         else:
             gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        self.opt.step()
+        self.scaler.step(self.opt)              # opt.step() unless float16 autocast
+        self.scaler.update()
+        self.sched.step()
         model.normalize_decoder_()
         with torch.no_grad():
             active = parts["z"] != 0
@@ -644,7 +756,10 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             one ``"event": "density"`` record per checkpoint) and ``feature_density.png``.
         resume: a checkpoint folder written by this function to continue from (its SAE
             config must equal ``sae_cfg``); training continues up to ``train_cfg.steps``.
-        meta: extra flat entries for ``cfg.json`` (e.g. the data source).
+        meta: extra flat entries for ``cfg.json`` (e.g. the data source); its entry
+            ``"metadata"`` (a dict: ``model_name``, ``hook_name``, ``dataset_path``, ...) becomes
+            ``model.metadata``, written as ``cfg.json``'s ``metadata`` as SAELens does (a resumed
+            run keeps the checkpoint's when none is given).
     Returns:
         ``(model, history)``; ``history`` is the list of log records: ``step``, ``tokens``,
         ``loss``, ``recon`` (the batch FVU, also as ``fvu``), ``explained_variance``
@@ -667,6 +782,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
     if train_cfg.ckpt_every and out is None:
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
+    if train_cfg.tensorboard and out is None:
+        raise ValueError("out: tensorboard=True writes OUT/tensorboard/; give an out folder")
     device = torch.device(train_cfg.device)
     dtype = torch.float64 if sae_cfg.dtype == "float64" else torch.float32
     model = SparseAutoencoder(sae_cfg, seed=_init_seed(train_cfg)).to(device)
@@ -694,6 +811,11 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         model.init_b_dec(sample * scale if scale != 1.0 else sample)
         _init_decoder(model, train_cfg, sample, scale)
     meta = dict(meta or {})
+    sae_meta = meta.pop("metadata", None)
+    if sae_meta is not None and not isinstance(sae_meta, dict):
+        raise ValueError(f"meta: entry 'metadata' must be a dict, got {type(sae_meta).__name__}")
+    model.metadata = dict(sae_meta if sae_meta is not None else
+                          (loaded.metadata if resume is not None else {}))
     out = Path(out) if out is not None else None
     last_good = str(out) if (out is not None and (out / tio.CONFIG_FILE).exists()) else None
     log_path = out / LOG_FILE if out is not None else None
@@ -712,9 +834,10 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     t0 = time.perf_counter()
     last_ckpt = start
     run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0,
-                   _pool(data, train_cfg, dtype, device))
+                   _pool(data, train_cfg, dtype, device), start=start)
     if fires_since_resample is not None:
         run.fires_since_resample.copy_(fires_since_resample)
+    writer = None
     for step in steps:
         x = _rows(data, batches.indices(step), dtype, device)
         where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
@@ -726,6 +849,10 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             # no checkpoint in OUT: remove what this run wrote (its log), so that OUT is as
             # before (missing or empty) instead of a folder with a log and no SAE
             log_path.unlink(missing_ok=True)
+            if writer is not None:
+                writer.close()
+                import shutil
+                shutil.rmtree(out / TENSORBOARD_DIR, ignore_errors=True)
             if created_out:
                 try:
                     out.rmdir()
@@ -743,6 +870,15 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             if log_path is not None:
                 with open(log_path, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(rec) + "\n")
+            if train_cfg.tensorboard:
+                if writer is None:
+                    from torch.utils.tensorboard import SummaryWriter
+                    writer = SummaryWriter(str(out / TENSORBOARD_DIR))
+                for key, value in rec.items():
+                    if key != "step" and isinstance(value, (int, float)) and \
+                            not isinstance(value, bool):
+                        writer.add_scalar(f"sae/{key}", value, rec["step"])
+                writer.flush()
             if train_cfg.progress:
                 steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
                                   dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
@@ -761,6 +897,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                 last_good = str(out)
     if out is not None and start >= train_cfg.steps and not (out / tio.CONFIG_FILE).exists():
         _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
+    if writer is not None:
+        writer.close()
     seconds = time.perf_counter() - t0
     if out is not None and density_recs and start < train_cfg.steps:
         plot_density(density_recs[-5:], out / DENSITY_PLOT)

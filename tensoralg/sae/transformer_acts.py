@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["QUICK_MODEL", "residual_stream_at", "train_quick_transformer",
+__all__ = ["QUICK_MODEL", "residual_stream_at", "resid_hook", "train_quick_transformer",
            "extract_transformer_activations"]
 
 # the model trained when no checkpoint is given (fields of audit.language.LanguageConfig):
@@ -46,33 +46,30 @@ DEFAULT_CHARS = 200_000
 WINDOW_BATCH_TOKENS = 16_384     # tokens per forward pass in the extraction
 
 
+def resid_hook(layer: int, n_layers: int) -> tuple[str, str]:
+    """The forward hook ``(hook_name, point)`` of :mod:`tensoralg.sae.hooks` at the residual
+    stream ``h_layer`` of a :class:`~tensoralg.transformer.BilinearTransformer`: the output of
+    its identity hook point ``hook_resid.{layer}`` (``0`` embedding ... ``n_layers`` final)."""
+    _check_layer(layer, n_layers, "layer")
+    return f"hook_resid.{layer}", "output"
+
+
 def residual_stream_at(model, tokens, layer: int | None = None):
     """The residual stream ``h_layer`` ``(batch, T, d_model)`` of ``model`` on token ids
     ``tokens`` ``(batch, T)`` (module docstring: 0 = embedding, ``l`` = after block ``l``,
-    ``None`` = ``n_layers`` = final). Computed by the model's own forward pass (a pre-hook on
-    block ``layer``'s attention reads its input), without gradients.
+    ``None`` = ``n_layers`` = final). Computed by the model's own forward pass, read by
+    :func:`tensoralg.sae.hooks.activations_at` at :func:`resid_hook` (the forward stops
+    there), without gradients.
 
     Raises:
         ValueError: ``layer`` not an integer in ``[0, n_layers]``; bad tokens (the model's own
             check).
     """
-    import torch
+    from .hooks import activations_at
 
-    n_layers = model.hparams["n_layers"]
-    layer = _check_layer(layer, n_layers, "layer")
-    with torch.no_grad():
-        h0 = model.residual_stream(tokens)
-        if layer == 0:
-            return h0.clone()
-        if layer == n_layers:
-            return model.forward_residual(h0, return_final=True)[1]
-        seen = []
-        hook = model.attn[layer].register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
-        try:
-            model.forward_residual(h0)
-        finally:
-            hook.remove()
-        return seen[0]
+    layer = _check_layer(layer, model.hparams["n_layers"], "layer")
+    name, point = resid_hook(layer, model.hparams["n_layers"])
+    return activations_at(model, name, tokens, point=point).clone()
 
 
 def _check_layer(layer, n_layers: int, name: str) -> int:
@@ -258,6 +255,16 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
                  "shape": list(acts.shape), "dtype": dtype, "n_windows": count, "n_ctx": n_ctx,
                  "rows": "window-major: row i * n_ctx + t is position t of window order[i]",
                  "window_order_seed": seed, "window_order": order.tolist(), "out": str(out)})
+    hook = resid_hook(layer, model.hparams["n_layers"])
+    # what an SAE trained on these rows records in cfg.json "metadata" (as SAELens)
+    info["metadata"] = {
+        "model_name": (str(checkpoint) if checkpoint is not None else
+                       "tensoralg BilinearTransformer trained here (sae activations)"),
+        "model_class_name": "BilinearTransformer",
+        "hook_name": hook[0], "hook_point": hook[1],
+        "dataset_path": f"tensoralg.corpus held-out split (sha256 "
+                        f"{corpus.provenance['sha256_text'][:16]}...)",
+        "context_size": n_ctx}
     atomic_write_bytes(out, buf.getvalue())
     atomic_write_json(str(out) + ".json", info)
     return info
