@@ -215,6 +215,28 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
             covariance (:func:`tensoralg.distribution.input_distribution`), or ``cov`` with
             ``metric="frobenius"``.
     """
+    key = (metric, method, backend, strategy, output, n_ctx, position, n_samples, seed,
+           device, dtype, max_flops, max_memory, max_configurations)
+    types = tuple(type(v) for v in key)
+    if cov is None and all(t in _CACHEABLE for t in types):
+        # the types are part of the key: 1000 and 1000.0 are equal dict keys, not equal options
+        req = _RECENT.get((key, types))
+        if req is None:
+            req = _make_request(*key, None)
+            if len(_RECENT) >= 256:
+                _RECENT.clear()
+            _RECENT[(key, types)] = req
+        return req
+    return _make_request(*key, cov)
+
+
+#: Requests of hashable plain options, already validated (a warm call skips the checks).
+_RECENT: dict = {}
+_CACHEABLE = (type(None), str, int, float)
+
+
+def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_samples, seed,
+                  device, dtype, max_flops, max_memory, max_configurations, cov) -> Request:
     check_options(metric, method, backend, strategy)
     check_budget("max_flops", max_flops)
     check_budget("max_memory", max_memory)

@@ -204,3 +204,15 @@ def test_attention_similarity_is_symmetric_bit_for_bit():
         assert ta.similarity(x, y, n_ctx=4) == ta.similarity(y, x, n_ctx=4)
         assert ta.similarity(x, y, n_ctx=4, method="closure") == \
             ta.similarity(y, x, n_ctx=4, method="closure")
+
+
+def test_a_remembered_request_never_accepts_an_option_it_would_refuse():
+    """make_request remembers validated requests of plain options; 1000 and 1000.0 are equal
+    dict keys but not equal options (an int >= 2 against a float)."""
+    make_request(method="montecarlo", n_samples=1000)
+    with pytest.raises(ValueError, match="n_samples: expected an integer >= 2"):
+        make_request(method="montecarlo", n_samples=1000.0)
+    make_request(n_ctx=3)
+    with pytest.raises(ValueError, match="n_ctx: expected a positive int"):
+        make_request(n_ctx=3.0)
+    assert make_request(output=1) is make_request(output=1)
