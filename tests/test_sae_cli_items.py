@@ -21,7 +21,7 @@ def _parser():
 def test_every_sae_option_states_its_default():
     sae = _parser()._subparsers._group_actions[0].choices["sae"]
     subs = sae._subparsers._group_actions[0].choices
-    assert set(subs) == {"train", "stability", "bench", "activations"}
+    assert set(subs) == {"train", "stability", "bench", "activations", "evaluate"}
     for name, sub in subs.items():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction) or not action.option_strings:

@@ -693,9 +693,11 @@ def add_evaluate_parser(ss) -> None:
     :func:`add_parsers`)."""
     e = ss.add_parser("evaluate", help="splice an SAE into a bilinear transformer at its layer: "
                                        "next-token loss, CE loss recovered, KL on held-out text")
-    e.add_argument("--sae", required=True, help="SAE folder (tensoralg or SAELens layout)")
+    e.add_argument("--sae", required=True,
+                   help="SAE folder (tensoralg or SAELens layout; required)")
     e.add_argument("--checkpoint", required=True,
-                   help="BilinearTransformer checkpoint folder (weights.safetensors + cfg.json)")
+                   help="BilinearTransformer checkpoint folder (weights.safetensors + cfg.json; "
+                        "required)")
     e.add_argument("--layer", type=int, default=None,
                    help="residual stream h_L the SAE reads (default: from the SAE's metadata "
                         "hook_name hook_resid.L)")
@@ -706,7 +708,8 @@ def add_evaluate_parser(ss) -> None:
     e.add_argument("--eval-fraction", type=float, default=0.2,
                    help="evaluate on the last fraction of the ordered windows (default 0.2: "
                         "the rows `sae bench` holds out)")
-    e.add_argument("--no-progress", action="store_true", help="no progress bar")
-    e.add_argument("--json", help="also write the results as JSON here")
+    e.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (default: a bar on a terminal)")
+    e.add_argument("--json", help="also write the results as JSON here (default: none)")
     add_threads_option(e)
     e.set_defaults(func=_cmd_evaluate)
