@@ -34,6 +34,7 @@ __all__ = [
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate",
     "to_graph", "plan", "Plan", "CostTooHigh", "set_threads", "BilinearTransformer",
+    "from_torch",
 ]
 
 
@@ -43,4 +44,8 @@ def __getattr__(name: str):
         from .transformer import BilinearTransformer
 
         return BilinearTransformer
+    if name == "from_torch":   # torch is imported only when a module is compiled
+        from .compile import from_torch
+
+        return from_torch
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
