@@ -107,6 +107,8 @@ def _where(node) -> str:
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     src = ""
     files = [i for i, ln in enumerate(trace) if ln.strip().startswith("File ")]
+    user = [i for i in files if "/torch/" not in trace[i]]
+    files = user or files
     if files:
         ln = trace[files[-1]].strip()
         code = trace[files[-1] + 1].strip() if files[-1] + 1 < len(trace) else ""
@@ -242,6 +244,21 @@ class _Compiler:
         u = self.streams[stream]["from"]
         if u is not None and u in v.chain:
             return self.lin_sym(stream, v.chain[u], v.shape, v.pos)
+        common = set(v.chain) & set(self.syms[u].chain) if u is not None else set()
+        if common:   # v and u both affine images of an earlier w: is v an affine image of u?
+            w = max(common)
+            us = self.syms[u]
+            Gu = self.per_position(us.chain[w], us.shape, us.pos)
+            Gv = self.per_position(v.chain[w], v.shape, v.pos)
+            lift = np.concatenate([np.eye(1, Gu.shape[1]), Gu])
+            A = Gv @ np.linalg.pinv(lift)
+            if np.allclose(A @ lift, Gv, rtol=0, atol=_TOL * max(1.0, np.abs(Gv).max())):
+                per = [s for i, s in enumerate(v.shape[1:]) if v.pos is None or i != v.pos - 1]
+                M = A.reshape(tuple(per) + (A.shape[1],))
+                if v.pos is not None:
+                    M = np.broadcast_to(np.expand_dims(M, v.pos - 1),
+                                        tuple(v.shape[1:]) + (A.shape[1],)).copy()
+                return self.lin_sym(stream, M, v.shape, v.pos)
         raise self.fail("combines a value computed before a layer with that layer's output (a "
                         "skip connection across layers, or a value of an earlier residual "
                         "stream): not expressible as a chain of tensoralg layers")
@@ -441,14 +458,18 @@ class _Compiler:
             pairs.append((theta, first, second))
         pairs.sort(key=lambda p: -p[0])
         if not abs(pairs[0][0] - 1.0) < 1e-9:
-            raise self.fail(why)
+            raise self.fail(f"{why}; the fastest rotation turns by {pairs[0][0]!r} rad per "
+                            f"position instead of 1 (rotary tables computed in float32? compute "
+                            f"them in float64)")
         base = 10000.0 if E == 2 else pairs[1][0] ** (-E / 2)
         perm = [i for _, f, s in pairs for i in (f, s)]
         Rt = rope_rotations(T, E, base)
         Xp = X[:, perm]
         err = np.abs(np.einsum("tef,tfk->tek", Rt, np.broadcast_to(Xp[:1], Xp.shape)) - Xp).max()
         if not err <= 1e-10 * max(1.0, np.abs(X).max()):
-            raise self.fail(why)
+            raise self.fail(f"{why}; the closest rotary embedding (base {base:.6g}) is off by "
+                            f"{err:.3g} (rotary tables computed in float32? compute them in "
+                            f"float64)")
         return base, perm
 
 
@@ -480,6 +501,16 @@ class _Walker(_Compiler):
 
         if not _is_sym(a) and not _is_sym(b):
             return torch.add(a, b, alpha=alpha)
+        if not _is_sym(a) or not _is_sym(b):
+            zero = b if _is_sym(a) else a
+            if not np.any(_np(zero)):     # x + 0 (e.g. a where() branch of zeros)
+                v = a if _is_sym(a) else self.scale(b, alpha)
+                shape = tuple(np.broadcast_shapes(v.shape, np.shape(_np(zero))))
+                if isinstance(v, _Pattern):
+                    if v.shape != shape:
+                        raise self.fail("broadcasts an attention pattern")
+                    return v
+                return self.broadcast(v, shape)
         if isinstance(a, _Pattern) or isinstance(b, _Pattern):
             raise self.fail("adds to an attention score or pattern: the pattern of bilinear "
                             "attention is a product of two score forms times a constant mask")
@@ -1127,7 +1158,7 @@ class _Graph(_Walker):
         return self.op_sum(a, dim, keepdim, dtype, _mean=True)
 
     # -- linear maps and products ----------------------------------------------------------
-    def op_einsum(self, eq, ops):
+    def op_einsum(self, eq, ops, **kwargs):
         return self.einsum(eq, list(ops))
 
     def op_linear(self, x, w, b=None):
@@ -1370,6 +1401,10 @@ def _prescan(graph, user):
                                                                    list(node.kwargs.values()))):
             dep.add(node.name)
             name = _opname(node)
+            if name in ("div", "true_divide") and len(node.args) > 1 and \
+                    getattr(node.args[1], "name", None) in dep:
+                raise _fail(node, "divides by an activation (a data-dependent denominator) — "
+                                  "not polynomial")
             if name in NON_POLYNOMIAL_OPS or name.lstrip("_") in NON_POLYNOMIAL_OPS:
                 raise _fail(node, "is not polynomial; tensoralg compiles polynomial networks "
                                   "(linear maps, bilinear products, bilinear attention)")
