@@ -569,6 +569,11 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
     model.eval()
     if check is not None:
         check_export(model, *_check_pair_arg(check))
+    else:
+        warnings.warn("from_state_dict: no check=(module, inputs) given: a square weight stored "
+                      "transposed, (in, out) instead of (out, in), has the right shape and cannot "
+                      "be detected without comparing with the module's forward pass (or compile "
+                      "the module itself with tensoralg.from_torch)", stacklevel=2)
     return model
 
 
@@ -578,10 +583,14 @@ def _check_pair_arg(check: Any) -> tuple[Any, Any]:
     return check[0], check[1]
 
 
-def check_export(model: BilinearNet, module: Any, inputs: Any) -> float:
+def check_export(model: Any, module: Any, inputs: Any) -> float:
     """Compare ``model`` (an export) with ``module(inputs)``; return the max absolute difference.
 
-    ``inputs``: array or tensor ``(n, d_in)``. The export runs in float64; the tolerance is
+    ``model``: any tensoralg network (or an object with ``to_network()``: a
+    :class:`BilinearNet`, a transformer, a loaded checkpoint); ``module``: any callable (a torch
+    module is run on a float64 CPU copy of ``inputs`` as given).
+    ``inputs``: array or tensor ``(n, d_in)``, or ``(n, n_ctx, d_in)`` for a sequence model
+    (the network's input: the residual stream). The export runs in float64; the tolerance is
     ``1e-9`` of the largest reference output when ``module`` returns float64, ``1e-4`` otherwise
     (float32 forward passes round at about 1e-7 per operation).
 
@@ -590,11 +599,15 @@ def check_export(model: BilinearNet, module: Any, inputs: Any) -> float:
             over the tolerance (with the likely causes: residual flag, left-out biases,
             transposed weights).
     """
+    from .layers import as_network
+
+    net = as_network(model, "model")
     x = torch.as_tensor(inputs)
-    d_in = model.hparams["d_in"]
-    if x.ndim != 2 or x.shape[1] != d_in or x.shape[0] < 1:
-        raise ValueError(f"check: inputs must have shape (n, {d_in}) with n >= 1, got "
-                         f"{tuple(x.shape)}")
+    d_in = net.in_features
+    want = 3 if net.is_sequence_model else 2
+    if x.ndim != want or x.shape[-1] != d_in or x.shape[0] < 1:
+        raise ValueError(f"check: inputs must have shape (n, {'n_ctx, ' if want == 3 else ''}"
+                         f"{d_in}) with n >= 1, got {tuple(x.shape)}")
     if not torch.is_floating_point(x):
         x = x.to(torch.float64)
     with torch.no_grad():
@@ -604,7 +617,7 @@ def check_export(model: BilinearNet, module: Any, inputs: Any) -> float:
     ref64 = ref.to("cpu", torch.float64)
     if not torch.isfinite(ref64).all():
         raise ValueError("check: module(inputs) has NaN/inf entries")
-    ours = torch.from_numpy(np.asarray(model.to_network()(x.to("cpu", torch.float64).numpy()),
+    ours = torch.from_numpy(np.asarray(net(x.to("cpu", torch.float64).numpy()),
                                        dtype=np.float64))
     if ours.shape != ref64.shape:
         raise ValueError(f"check: the export gives outputs of shape {tuple(ours.shape)}, "

@@ -5,7 +5,8 @@ stays fast (heavy imports happen inside each command):
 
 * ``demo``, ``audit``, ``compare``, ``matrix`` — :mod:`tensoralg.audit.cli`;
 * ``sae`` — :mod:`tensoralg.sae.cli`;
-* ``decompose`` — :mod:`tensoralg.decompose_cli`.
+* ``decompose`` — :mod:`tensoralg.decompose_cli`;
+* ``import`` — :mod:`tensoralg.compile_cli`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit_cli.add_parsers(sub)
     sae_cli.add_parsers(sub)
     decompose_cli.add_parsers(sub)
+    from . import compile_cli   # tensoralg import (from_torch)
+
+    compile_cli.add_parsers(sub)
     _name_leaves(parser)
     return parser
 
