@@ -294,9 +294,10 @@ class _Compiler:
         u = self.syms[uid]
         if u.stream != len(self.streams) - 1:
             raise self.fail("a new layer from a value of an earlier stream")
-        layer, D = self.build_layer(u)
-        self.layers.append(layer)
-        self.layer_nodes.append((self.node, u))
+        layers, D = self.build_layer(u)
+        for layer in layers:
+            self.layers.append(layer)
+            self.layer_nodes.append((self.node, u if layer is layers[-1] else None))
         j = self.new_stream(D, uid)
         self.materialized[uid] = j
         return j
@@ -315,7 +316,10 @@ class _Compiler:
         return M[0]
 
     def build_layer(self, u: _Sym):
-        from .layers import Bilinear, Linear, Residual
+        """The layers computing ``u`` from its stream: ``([layer], D)`` or, when the
+        multilinear part reads the stream only through ``u``'s own affine part (an embedding
+        followed by a residual block), ``([Linear, Residual(...)], D)``."""
+        from .layers import Linear
 
         lin, bils, atts = None, [], []
         for k, M in u.terms.items():
@@ -324,27 +328,64 @@ class _Compiler:
             if core.kind == "lin":
                 lin = Mp
             elif core.kind == "bil":
-                bils.append((core, Mp))
+                bils.append((core.data, Mp))
             else:
-                atts.append((core, Mp))
-        D = next(iter([self.per_position(M, u.shape, u.pos) for M in u.terms.values()])).shape[0]
+                atts.append((core.data, Mp))
+        D = self.per_position(next(iter(u.terms.values())), u.shape, u.pos).shape[0]
         d = self.streams[u.stream]["d"]
-        F = d + 1
         if lin is None:
-            lin = np.zeros((D, F))
+            lin = np.zeros((D, d + 1))
+        if bils and atts:
+            raise self.fail("an attention layer and a bilinear MLP summed in one value (a "
+                            "parallel block): tensoralg layers compose in sequence only")
+        tol = _TOL * max(1.0, np.abs(lin).max())
+        W = lin[:, 1:]
+        plain = (D == d and np.allclose(W, np.eye(d), rtol=0, atol=tol)) or \
+            np.allclose(W, 0, rtol=0, atol=tol)
+        # an embedding (D < d) or an attention layer (which cannot absorb the affine part)
+        if (atts or (bils and D < d)) and not plain:
+            fac = self.factor_through(lin, bils, atts)
+            if fac is not None:
+                b = lin[:, 0]
+                first = Linear(W, None if np.allclose(b, 0, rtol=0, atol=tol) else b)
+                ident = np.concatenate([np.zeros((D, 1)), np.eye(D)], axis=1)
+                return [first, self.layer_from(ident, *fac, D, D)], D
+        return [self.layer_from(lin, bils, atts, D, d)], D
+
+    def factor_through(self, lin, bils, atts):
+        """Rewrite every factor ``X`` (rows over the lifted stream) as ``X' [e0; lin]`` when it
+        lies in that row space; None otherwise."""
+        lift = np.concatenate([np.eye(1, lin.shape[1]), lin])
+        P = np.linalg.pinv(lift)
+
+        def f(X):
+            Y = X @ P
+            if not np.allclose(Y @ lift, X, rtol=0, atol=1e-12 * max(1.0, np.abs(X).max())):
+                raise LookupError
+            return Y
+
+        try:
+            nb = [({"L": f(dat["L"]), "R": f(dat["R"])}, Mp) for dat, Mp in bils]
+            na = [({"factors": [(f(Q), f(K)) for Q, K in dat["factors"]], "C": dat["C"],
+                    "V": f(dat["V"])}, Mp) for dat, Mp in atts]
+        except LookupError:
+            return None
+        return nb, na
+
+    def layer_from(self, lin, bils, atts, D, d):
+        from .layers import Bilinear, Linear, Residual
+
+        F = d + 1
         bias, W = lin[:, 0], lin[:, 1:]
         tol = _TOL * max(1.0, np.abs(lin).max())
         is_id = D == d and np.allclose(W, np.eye(d), rtol=0, atol=tol)
         is_zero = np.allclose(W, 0, rtol=0, atol=tol)
         b = None if np.allclose(bias, 0, rtol=0, atol=tol) else bias
-        if bils and atts:
-            raise self.fail("an attention layer and a bilinear MLP summed in one value (a "
-                            "parallel block): tensoralg layers compose in sequence only")
         if not bils and not atts:
-            return Linear(W, b), D
+            return Linear(W, b)
         if bils:
-            L = np.concatenate([c.data["L"] for c, _ in bils])
-            R = np.concatenate([c.data["R"] for c, _ in bils])
+            L = np.concatenate([dat["L"] for dat, _ in bils])
+            R = np.concatenate([dat["R"] for dat, _ in bils])
             Dn = np.concatenate([Mp for _, Mp in bils], axis=1)
             if not is_id and not is_zero:   # affine part as hidden units (a . x~)(e0 . x~)
                 e0 = np.zeros((D, F))
@@ -355,12 +396,12 @@ class _Compiler:
             lb = None if not np.any(L[:, 0]) else L[:, 0]
             rb = None if not np.any(R[:, 0]) else R[:, 0]
             layer = Bilinear(L[:, 1:], R[:, 1:], Dn, lb, rb, b)
-            return (Residual(layer) if is_id else layer), D
+            return Residual(layer) if is_id else layer
         att = self.attention_layer(atts, b)
         if is_id:
-            return Residual(att), D
+            return Residual(att)
         if is_zero:
-            return att, D
+            return att
         raise self.fail("an attention output added to an affine map other than the identity (a "
                         "residual connection) is not expressible")
 
@@ -369,8 +410,8 @@ class _Compiler:
         from .layers import BilinearAttention
 
         parts = []
-        for core, Mp in atts:
-            parts.append(self.attention_params(core, Mp))
+        for dat, Mp in atts:
+            parts.append(self.attention_params(dat, Mp))
         ref = parts[0]
         for p in parts[1:]:
             if p["rope"] != ref["rope"] or not np.allclose(p["mask"], ref["mask"], rtol=1e-12,
@@ -389,8 +430,7 @@ class _Compiler:
         return BilinearAttention(**kw, o_bias=o_bias, mask=ref["mask"], scale=ref["scale"],
                                  rope=ref["rope"])
 
-    def attention_params(self, core, Mp):
-        dat = core.data
+    def attention_params(self, dat, Mp):
         (Q1, K1), (Q2, K2) = dat["factors"]
         E = max(Q1.shape[2], Q2.shape[2])
 
@@ -1523,7 +1563,7 @@ def _finish(c: _Graph, out, y):
                                          if seq else ""))
     lin = c.streams[out.stream]["lin"]
     if set(out.terms) == {lin}:
-        layer, _ = c.build_layer(out)
+        (layer,), _ = c.build_layer(out)
         W = layer.weight
         if not (c.layers and W.shape[0] == W.shape[1] and np.array_equal(W, np.eye(len(W)))
                 and layer.bias is None):
@@ -1597,6 +1637,8 @@ def _first_mismatch(c, net, xin, probe, graph, consts, user) -> str:
     h = xin
     for j, (layer, (node, u)) in enumerate(zip(net.layers, c.layer_nodes)):
         h = layer(h)
+        if u is None:   # an embedding split off the next layer: no node of its own
+            continue
         ref = env.get(getattr(u, "node", None) or node)
         if not isinstance(ref, torch.Tensor) or tuple(ref.shape) != u.shape:
             continue

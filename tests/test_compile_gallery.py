@@ -71,14 +71,28 @@ def test_gallery_compiles_verifies_and_round_trips(name, tmp_path):
     # two attention layers: exact similarity is refused today; forward equality checked above
 
 
+def _kinds(net):
+    return [type(layer).__name__ + ":" + type(getattr(layer, "inner", layer)).__name__
+            for layer in net.layers]
+
+
 def test_research_families_have_their_published_shape():
-    """The bilinear MLP is embed-folded blocks + head; the LM is 2 x (attention, MLP) residual
-    blocks with RoPE (base 10000), the 1/d_head scale and the folded final norm in W_U."""
+    """The bilinear MLP is embed -> residual bilinear blocks (the lerp weight folded into
+    ``down``) -> head; the LM is 2 x (attention, MLP) residual blocks with RoPE (base 10000),
+    the 1/d_head scale and the folded final norm in W_U."""
+    module, x, _ = G.GALLERY["bilinear_mlp_lerp"]()
+    net = ta.from_torch(module, x)
+    assert _kinds(net) == ["Linear:Linear", "Residual:Bilinear", "Residual:Bilinear",
+                           "Linear:Linear"]
+    # lerp(x, x + block(x), 0.7) = x + 0.7 block(x): down and its bias scaled by 0.7
+    blk = module.blocks[0]
+    assert np.allclose(net.layers[1].inner.down, 0.7 * blk.down.weight.detach().double().numpy(),
+                       rtol=0, atol=1e-15)
+    assert np.allclose(net.layers[0].weight, module.embed.weight.detach().double().numpy(),
+                       rtol=0, atol=1e-15)
     module, x, _ = G.GALLERY["bilinear_lm_2layer"]()
     net = ta.from_torch(module, x)
-    kinds = [type(layer).__name__ + ":" + type(getattr(layer, "inner", layer)).__name__
-             for layer in net.layers]
-    assert kinds == ["Residual:BilinearAttention", "Residual:Bilinear"] * 2 + ["Linear:Linear"]
+    assert _kinds(net) == ["Residual:BilinearAttention", "Residual:Bilinear"] * 2 + ["Linear:Linear"]
     att = net.layers[0].inner
     assert att.rope == pytest.approx(10000.0, rel=1e-9)
     assert att.scale == pytest.approx(1 / 4, rel=1e-12)
@@ -112,7 +126,7 @@ def test_symmetry_hidden_permutation_and_rescaling_bilinear_mlp():
             blk.down.weight.copy_(blk.down.weight[:, p])
 
     a, b = _sym("bilinear_mlp_lerp", edit)
-    assert not np.allclose(a.layers[0].left, b.layers[0].left)   # the weights did change
+    assert not np.allclose(a.layers[1].inner.left, b.layers[1].inner.left)   # weights changed
     assert abs(ta.similarity(a, b) - 1.0) <= 1e-12
 
 
@@ -213,10 +227,11 @@ def test_mismatch_is_refused_naming_the_layer(monkeypatch):
     orig = C._Compiler.build_layer
 
     def broken(self, u):
-        layer, D = orig(self, u)
-        if getattr(layer, "left_bias", None) is not None:
-            layer.left_bias = layer.left_bias + 1e-3
-        return layer, D
+        layers, D = orig(self, u)
+        for layer in layers:
+            if getattr(layer, "left_bias", None) is not None:
+                layer.left_bias = layer.left_bias + 1e-3
+        return layers, D
 
     monkeypatch.setattr(C._Compiler, "build_layer", broken)
     with pytest.raises(NotCompilable, match=r"first disagree at layer 0 \(Bilinear"):
