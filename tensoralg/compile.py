@@ -1379,12 +1379,23 @@ def _capture(module, x):
 
 
 def _capture_fx(module, x, first_exc):
+    """torch.fx's dispatcher-level tracer (``make_fx``, pre-dispatch ATen, fake tensors) on the
+    module as a function of its weights and input; refuses data-dependent control flow like
+    export. (``torch.fx.symbolic_trace`` cannot trace shape-dependent Python such as
+    ``x.view(B, T, ...)`` with ``B, T = x.shape``, most transformer code.)"""
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    named = dict(module.named_parameters())
+    named.update(dict(module.named_buffers()))
+    names, tensors = list(named), [t.detach() for t in named.values()]
+
+    def f(*args):
+        return torch.func.functional_call(module, dict(zip(names, args[:-1])), (args[-1],))
+
     try:
-        gm = torch.fx.symbolic_trace(module)
-        g = make_fx(gm)(x)
+        g = make_fx(f, tracing_mode="fake", pre_dispatch=True, record_module_stack=True,
+                    record_stack_traces=True)(*tensors, x)
     except Exception as exc:   # noqa: BLE001
         if _data_dependent(exc) or _data_dependent(first_exc):
             raise _control_flow(exc if _data_dependent(exc) else first_exc) from None
@@ -1392,10 +1403,12 @@ def _capture_fx(module, x, first_exc):
                             f"{_first_line(first_exc)}) nor torch.fx ({type(exc).__name__}: "
                             f"{_first_line(exc)}) could capture the module") from None
     consts, user = {}, None
+    places = [n for n in g.graph.nodes if n.op == "placeholder"]
+    for node, t in zip(places, tensors):
+        consts[node.name] = t
+    user = places[-1].name
     for node in g.graph.nodes:
-        if node.op == "placeholder":
-            user = node.name
-        elif node.op == "get_attr":
+        if node.op == "get_attr":
             consts[node.name] = getattr(g, node.target)
     return g.graph, consts, user
 

@@ -269,3 +269,23 @@ def test_gallery_compile_times_are_recorded():
     """Not a timing gate: the compile times are printed for the report (pytest -s)."""
     for name, t in sorted(COMPILE_TIMES.items()):
         print(f"compile {name}: {t:.2f} s")
+
+
+@pytest.mark.parametrize("name", ["bilinear_lm_2layer", "fused_qkv", "einsum_bilinear"])
+def test_fx_fallback_where_export_cannot_run(name, monkeypatch):
+    """torch.fx's make_fx captures the same modules when torch.export fails (simulated)."""
+    module, x, inputs = G.GALLERY[name]()
+    want = ta.from_torch(module, x, inputs=inputs)
+
+    def no_export(*args, **kwargs):
+        raise RuntimeError("export unavailable (simulated)")
+
+    monkeypatch.setattr(torch.export, "export", no_export)
+    got = ta.from_torch(module, x, inputs=inputs)
+    assert repr(got) == repr(want)
+    assert all(np.allclose(a, b, rtol=0, atol=1e-14) for a, b in zip(got.arrays(),
+                                                                      want.arrays()))
+    with pytest.raises(NotCompilable, match="data-dependent control flow at models.py"):
+        ta.from_torch(G.ControlFlow(), torch.randn(3, 4))
+    with pytest.raises(NotCompilable, match=r"aten\.relu\.default .*models\.py:\d+"):
+        ta.from_torch(G.ReluMLP(), torch.randn(3, 4))
