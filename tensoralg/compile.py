@@ -45,7 +45,6 @@ import itertools
 import math
 import operator
 import string
-from typing import Any
 
 import numpy as np
 
@@ -70,6 +69,7 @@ _MOVE = {
     "expand_copy", "slice_copy", "select_copy", "split_copy", "unbind_copy",
 }
 _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "true_divide", "lerp", "sum", "mean",
+           "bilinear",
            "matmul", "mm", "bmm", "linear", "einsum", "addmm", "square", "pow", "dropout",
            "masked_fill", "where", "to", "_to_copy", "type_as", "embedding", "index",
            "scaled_dot_product_attention"}
@@ -634,8 +634,10 @@ class _Walker(_Compiler):
         shape = tuple(out.shape)
         which = np.searchsorted(np.array(offs), src, side="right") - 1
         if len(shape) == 0 or shape[0] != self.B:
+            fold = " (heads folded into the batch, a (batch * heads, T, d_head) layout?)" \
+                if shape and shape[0] % self.B == 0 and shape[0] > self.B else ""
             raise self.fail(f"moves the batch axis (result of shape {shape}; the batch of "
-                            f"{self.B} must stay at axis 0)")
+                            f"{self.B} must stay at axis 0){fold}")
         coords = np.indices(shape)
         loc = src - np.array(offs)[which]
         pos_axis = None
@@ -645,7 +647,9 @@ class _Walker(_Compiler):
                 continue
             sc = np.unravel_index(loc[sel], s.shape)
             if not np.array_equal(sc[0], coords[0][sel]):
-                raise self.fail("mixes entries of different batch rows")
+                raise self.fail("folds the batch axis into another axis (e.g. heads into the "
+                                "batch, a (batch * heads, T, d_head) layout): keep the batch "
+                                "axis separate, e.g. (batch, heads, T, d_head)")
             if s.pos is not None:
                 cand = [ax for ax in range(1, len(shape)) if np.array_equal(sc[s.pos],
                                                                            coords[ax][sel])
@@ -1210,6 +1214,14 @@ class _Graph(_Walker):
 
         return self.move(torch.ops.aten.t.default, (w,), {})
 
+    def op_bilinear(self, x1, x2, w, b=None):   # nn.Bilinear: y_o = x1_i W_oij x2_j + b_o
+        if _is_sym(w) or _is_sym(b):
+            raise self.fail("a bilinear form whose weight depends on the input")
+        n = len(_shape(x1))
+        lead = "".join(_letters(n - 1, "oij"))
+        y = self.einsum(f"{lead}i,oij,{lead}j->{lead}o", [x1, _np(w), x2])
+        return y if b is None else self.add(y, b)
+
     def op_addmm(self, bias, a, b, beta=1, alpha=1):
         y = self.op_matmul(a, b)
         if alpha != 1:
@@ -1583,7 +1595,8 @@ def _finish(c: _Graph, out, y):
             c.layers.append(layer)
             c.layer_nodes.append((c.node, out))
     else:
-        others = [k for k in out.chain if k != out.id and c.syms[k].stream == out.stream]
+        others = [k for k in out.chain if k != out.id and c.syms[k].stream == out.stream
+                  and not c.syms[k].hidden]
         if others:   # the residual stream, then an affine head
             j = c.materialize(max(others))
             return _finish(c, c.rebase(out, j), y)

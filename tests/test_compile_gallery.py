@@ -92,7 +92,8 @@ def test_research_families_have_their_published_shape():
                        rtol=0, atol=1e-15)
     module, x, _ = G.GALLERY["bilinear_lm_2layer"]()
     net = ta.from_torch(module, x)
-    assert _kinds(net) == ["Residual:BilinearAttention", "Residual:Bilinear"] * 2 + ["Linear:Linear"]
+    assert _kinds(net) == ["Residual:BilinearAttention", "Residual:Bilinear"] * 2 + \
+        ["Linear:Linear"]
     att = net.layers[0].inner
     assert att.rope == pytest.approx(10000.0, rel=1e-9)
     assert att.scale == pytest.approx(1 / 4, rel=1e-12)

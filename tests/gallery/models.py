@@ -291,6 +291,19 @@ class LinearAttention(nn.Module):
         return (self.q(x) @ self.k(x).transpose(-1, -2)) @ self.v(x) / 4.0
 
 
+class TorchBilinear(nn.Module):
+    """``nn.Bilinear(x, x)`` (a full coefficient tensor with bias) between two ``nn.Linear``."""
+
+    def __init__(self, d_in=4, d=3, d_out=2):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.bil = nn.Bilinear(d, d, d_out)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.bil(h, h)
+
+
 GALLERY = {
     # name: factory -> (module, example_inputs, inputs)
     "bilinear_mlp_lerp": lambda: (_init(BilinearMLP(), 1), torch.randn(3, 6), "residual"),
@@ -310,6 +323,7 @@ GALLERY = {
     "tied_embedding": lambda: (_init(TiedEmbedding(), 9), torch.randint(0, 9, (2, 3)),
                                "residual"),
     "deep_bilinear": lambda: (_init(DeepBilinear(), 10), torch.randn(3, 4), "residual"),
+    "torch_nn_bilinear": lambda: (_init(TorchBilinear(), 12), torch.randn(3, 4), "residual"),
     "linear_attention": lambda: (_init(LinearAttention(d_model=4, d_head=2), 11),
                                  torch.randn(2, 3, 4),
                                  "residual"),
