@@ -1,5 +1,7 @@
-"""Checkpoints of :class:`tensoralg.nn.BilinearNet`: a folder with ``weights.safetensors`` and a
-flat ``cfg.json``, written atomically by :func:`tensoralg.io.save_folder`.
+"""Checkpoints of :class:`tensoralg.nn.BilinearNet`, of the bilinear transformer and of any
+tensoralg network (architecture ``tensoralg_network``, e.g. a module compiled by
+:func:`tensoralg.from_torch`): a folder with ``weights.safetensors`` and a flat ``cfg.json``,
+written atomically by :func:`tensoralg.io.save_folder` (format: ``docs/spec.md``).
 
 ``cfg.json`` holds the architecture and sizes (the model's :meth:`~tensoralg.nn.BilinearNet.config`),
 the weight dtype, the package version (``tensoralg_version``), the training ``step`` and free-form
@@ -385,6 +387,9 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     The forward probe stored by :func:`save_checkpoint` is recomputed and compared (relative
     tolerance ``PROBE_RTOL`` of the largest probe output); a checkpoint written before probes
     existed loads with a warning.
+
+    A ``tensoralg_network`` checkpoint loads as a :class:`SavedNetwork` (its ``network`` and
+    ``to_network()``).
 
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or ``weights.safetensors``.
