@@ -290,3 +290,33 @@ def test_fx_fallback_where_export_cannot_run(name, monkeypatch):
         ta.from_torch(G.ControlFlow(), torch.randn(3, 4))
     with pytest.raises(NotCompilable, match=r"aten\.relu\.default .*models\.py:\d+"):
         ta.from_torch(G.ReluMLP(), torch.randn(3, 4))
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(d_in=st.integers(1, 4), d_model=st.integers(1, 4), d_hidden=st.integers(1, 5),
+       d_out=st.integers(1, 3), n_layer=st.integers(1, 2), scale=st.floats(0.1, 2.0),
+       seed=st.integers(0, 1000))
+def test_property_bilinear_mlp_compiles_exactly_and_is_invariant(d_in, d_model, d_hidden, d_out,
+                                                                 n_layer, scale, seed):
+    """Any sizes: the compiled network is the module (forward, 1e-10), and a hidden
+    permutation with a left/right rescaling of every block leaves the similarity at 1."""
+    module = G._init(G.BilinearMLP(d_in, d_model, d_hidden, d_out, n_layer, scale), seed)
+    x = torch.randn(3, d_in, generator=torch.Generator().manual_seed(seed))
+    a = ta.from_torch(module, x)
+    x2 = np.random.default_rng(seed).normal(size=(5, d_in))
+    ref = _forward(module, torch.from_numpy(x2))
+    assert np.abs(a(x2) - ref).max() <= 1e-10 * max(np.abs(ref).max(), 1e-300)
+    other = copy.deepcopy(module)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for blk in other.blocks:
+            p = torch.randperm(d_hidden, generator=g)
+            for lin, c in ((blk.left, 2.5), (blk.right, 0.4)):
+                lin.weight.copy_(lin.weight[p] * c)
+                lin.bias.copy_(lin.bias[p] * c)
+            blk.down.weight.copy_(blk.down.weight[:, p])
+    b = ta.from_torch(other, x)
+    assert abs(ta.similarity(a, b) - 1.0) <= 1e-12
