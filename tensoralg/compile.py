@@ -612,7 +612,8 @@ class _Walker(_Compiler):
             return a
 
         vals = [a for a in _flat_args(args) if isinstance(a, _Sym)]
-        if any(isinstance(a, torch.Tensor) for a in _flat_args(args)) and vals:
+        if getattr(fn, "__name__", "").split(".")[0] in ("cat", "concat", "stack") and \
+                any(isinstance(a, torch.Tensor) for a in _flat_args(args)) and vals:
             # constants mixed with symbolic values (e.g. cat with a constant): make them symbolic
             stream = max(v.stream for v in vals)
             args = _replace(args, lambda a: self.const_sym(_np(a), tuple(a.shape) if a.ndim and
@@ -657,11 +658,14 @@ class _Walker(_Compiler):
                 if pos_axis is not None:
                     cand = [ax for ax in cand if ax == pos_axis]
                 if not cand:
-                    raise self.fail(f"mixes positions with other axes (result of shape {shape}): "
-                                    f"tensoralg layers act on every position alike")
+                    raise self.fail(f"selects positions or mixes them with other axes (result "
+                                    f"of shape {shape}): a compiled network keeps every "
+                                    f"position and acts on each alike (select after it)")
                 pos_axis = cand[0] if pos_axis is None or len(cand) == 1 else pos_axis
         if any(s.pos is not None for s in syms) and pos_axis is None:
-            raise self.fail("loses the position axis")
+            raise self.fail("selects or merges positions (e.g. the last token's output): a "
+                            "compiled network keeps every position; select after it (the API's "
+                            "position=t)")
         # per-sample gather of every linear map
         first = src[0].reshape(-1)
         w0 = which[0].reshape(-1)
