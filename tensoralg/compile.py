@@ -831,8 +831,9 @@ class _Walker(_Compiler):
         i = letters.index(p)
         M0 = np.take(M, [0], axis=i)
         if not np.allclose(M, M0, rtol=0, atol=_TOL * max(1.0, np.abs(M).max())):
-            raise self.fail("a product of position-dependent maps (e.g. rotary embeddings "
-                            "outside a query-key score) is not expressible")
+            raise self.fail("a product of factors whose affine maps depend on the position (a "
+                            "learned positional embedding or bias, or rotary embeddings outside "
+                            "a query-key score): tensoralg layers act on every position alike")
         return np.take(M, 0, axis=i)
 
     def scores(self, al, bl, out, a, b, Ma, Mb, pa, pb):

@@ -320,3 +320,45 @@ def test_property_bilinear_mlp_compiles_exactly_and_is_invariant(d_in, d_model, 
             blk.down.weight.copy_(blk.down.weight[:, p])
     b = ta.from_torch(other, x)
     assert abs(ta.similarity(a, b) - 1.0) <= 1e-12
+
+
+class _PositionalEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(7, 4), torch.nn.Embedding(3, 4)
+        self.mlp = G.BilinearBlock(4, 5)
+
+    def forward(self, idx):
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return h + self.mlp(h)
+
+
+class _ParallelBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = G.BilinearAttention(4, 2, 2, 3, rope=False)
+        self.mlp = G.BilinearBlock(4, 5)
+
+    def forward(self, x):
+        return x + self.attn(x) + self.mlp(x)
+
+
+class _ThreeScores(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2)
+        return (s * s * s) @ x
+
+
+@pytest.mark.parametrize("module, x, why", [
+    (_PositionalEmbedding(), torch.randint(0, 3, (2, 3)),
+     "depend on the position .a learned positional embedding"),
+    (_ParallelBlock(), torch.randn(2, 3, 4), "parallel block"),
+    (_ThreeScores(), torch.randn(2, 3, 4), "more than two score factors"),
+])
+def test_structure_the_layers_cannot_express_is_refused(module, x, why):
+    with pytest.raises(NotCompilable, match=why):
+        ta.from_torch(module, x)
