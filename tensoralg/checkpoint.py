@@ -566,7 +566,8 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
     if bad:
         raise ValueError(f"state_dict: {'; '.join(bad)} (sizes taken from the other weights: "
                          f"d_in={d_in}, d_out={d_out}, d_model={d_model}, d_hidden={d_hidden}, "
-                         f"each the size most tensors agree on)")
+                         f"each the size most tensors agree on; blocks of different widths: "
+                         f"compile the module with tensoralg.from_torch and save that)")
     for k, t in ours.items():
         if not torch.isfinite(t).all():
             raise ValueError(f"state_dict: {k!r} (their {names[k]!r}) has NaN/inf entries")

@@ -690,7 +690,6 @@ class _Walker(_Compiler):
         for k in chains:
             K = syms[0].chain[k].shape[-1]
             out_chain[k] = gather(lambda s: s.chain[k], K)
-        del first
         v = _Sym(shape, pos_axis, syms[0].stream, out_terms, out_chain,
                  all(s.hidden for s in syms))
         return self.register(v)
