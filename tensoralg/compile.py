@@ -1608,18 +1608,26 @@ def _finish(c: _Graph, out, y):
     return Sequential(c.layers)
 
 
-def _probe(c: _Graph, x, tokens):
+def _probe(c: _Graph, x, tokens, wide: bool = False):
+    """Deterministic verification inputs of the example's shape; ``wide``: at least 4 rows,
+    and for token ids every id of the vocabulary at least once."""
     import torch
 
     from .checkpoint import probe_input, probe_tokens
 
     shape = tuple(x.shape)
     if not tokens:
+        if wide:
+            shape = (max(4, shape[0]),) + shape[1:]
         return torch.from_numpy(probe_input(shape[-1], int(np.prod(shape[:-1]))).reshape(shape))
     vocab = c.vocab if c.vocab is not None else c.embed_weight.shape[0]
     n_ctx = shape[1] if len(shape) == 2 else 1
-    ids = probe_tokens(vocab, n_ctx, shape[0])
-    return torch.from_numpy(ids.reshape(shape))
+    ids = probe_tokens(vocab, n_ctx, shape[0]).reshape(shape[0], n_ctx)
+    if wide:
+        rows = -(-vocab // n_ctx)
+        every = (np.arange(rows * n_ctx) % vocab).reshape(rows, n_ctx)
+        ids = np.concatenate([ids, every])
+    return torch.from_numpy(ids.reshape((ids.shape[0],) + shape[1:]))
 
 
 def _net_input(c: _Graph, ids, tokens):
@@ -1630,19 +1638,34 @@ def _net_input(c: _Graph, ids, tokens):
     return c.embed_weight[ids.numpy()]
 
 
-def _verify(c: _Graph, net, m, x, tokens, graph, consts, user):
+def _compare(c, net, m, probe, tokens):
     import torch
 
-    probe = _probe(c, x, tokens)
     with torch.no_grad():
         ref = m(probe).numpy()
     xin = _net_input(c, probe, tokens)
     ours = np.asarray(net(xin))
     scale = float(np.abs(ref).max()) if ref.size else 0.0
     err = float(np.abs(ours - ref).max()) if ours.shape == ref.shape else float("inf")
-    if err <= RTOL * max(scale, np.finfo(np.float64).tiny):
-        return
-    where = _first_mismatch(c, net, xin, probe, graph, consts, user)
+    return err <= RTOL * max(scale, np.finfo(np.float64).tiny), err, scale, xin
+
+
+def _verify(c: _Graph, net, m, x, tokens, graph, consts, user):
+    """The compiled network against the module: on inputs of the example's shape (the captured
+    graph's, used to locate a difference) and on a wider batch (every token id)."""
+    probe = _probe(c, x, tokens)
+    ok, err, scale, xin = _compare(c, net, m, probe, tokens)
+    if ok:
+        wide = _probe(c, x, tokens, wide=True)
+        try:
+            ok, err, scale, _ = _compare(c, net, m, wide, tokens)
+        except Exception:   # noqa: BLE001 - a module that only runs at the example's batch
+            ok = True
+        if ok:
+            return
+        where = "they agree on the example-shaped inputs; the difference is on other rows"
+    else:
+        where = _first_mismatch(c, net, xin, probe, graph, consts, user)
     raise NotCompilable(f"from_torch: the compiled network differs from the module on the "
                         f"verification inputs: max |Δ| = {err:.3g} (outputs up to {scale:.3g}; "
                         f"tolerance {RTOL:g} relative); {where}")
