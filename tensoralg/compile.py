@@ -69,7 +69,7 @@ _MOVE = {
     "expand_copy", "slice_copy", "select_copy", "split_copy", "unbind_copy",
 }
 _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "true_divide", "lerp", "sum", "mean",
-           "bilinear",
+           "bilinear", "batch_norm",
            "matmul", "mm", "bmm", "linear", "einsum", "addmm", "square", "pow", "dropout",
            "masked_fill", "where", "to", "_to_copy", "type_as", "embedding", "index",
            "scaled_dot_product_attention"}
@@ -77,7 +77,7 @@ SUPPORTED_OPS = tuple(sorted((_MOVE | _LINEAR) - {"scaled_dot_product_attention"
 NON_POLYNOMIAL_OPS = (
     "softmax", "_softmax", "log_softmax", "_log_softmax", "relu", "relu_", "gelu", "silu",
     "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "reciprocal", "layer_norm",
-    "native_layer_norm", "rms_norm", "group_norm", "batch_norm", "native_batch_norm",
+    "native_layer_norm", "rms_norm", "group_norm", "native_batch_norm",
     "instance_norm", "abs", "sign", "max", "min", "amax", "amin", "clamp", "clamp_min",
     "clamp_max", "hardtanh", "leaky_relu", "elu", "softplus", "mish", "erf", "sin", "cos",
     "norm", "linalg_vector_norm", "scaled_dot_product_attention", "maximum", "minimum",
@@ -1225,6 +1225,21 @@ class _Graph(_Walker):
         lead = "".join(_letters(n - 1, "oij"))
         y = self.einsum(f"{lead}i,oij,{lead}j->{lead}o", [x1, _np(w), x2])
         return y if b is None else self.add(y, b)
+
+    def op_batch_norm(self, x, weight, bias, mean, var, training, momentum, eps,
+                      cudnn_enabled=False):
+        """Eval-mode batch norm: fixed running statistics, an affine map per channel (dim 1)."""
+        if training or mean is None or var is None:
+            raise self.fail("batch norm in training mode (batch statistics) is not polynomial")
+        if any(_is_sym(t) for t in (weight, bias, mean, var)):
+            raise self.fail("batch norm statistics that depend on the input")
+        C = _np(mean).shape[0]
+        w = np.ones(C) if weight is None else _np(weight)
+        b = np.zeros(C) if bias is None else _np(bias)
+        scale = w / np.sqrt(_np(var) + float(eps))
+        shape = (C,) + (1,) * (len(_shape(x)) - 2)
+        y = self.op_mul(x, scale.reshape(shape))
+        return self.add(y, (b - _np(mean) * scale).reshape(shape))
 
     def op_addmm(self, bias, a, b, beta=1, alpha=1):
         y = self.op_matmul(a, b)

@@ -362,3 +362,25 @@ class _ThreeScores(torch.nn.Module):
 def test_structure_the_layers_cannot_express_is_refused(module, x, why):
     with pytest.raises(NotCompilable, match=why):
         ta.from_torch(module, x)
+
+
+def test_eval_batch_norm_folds_into_an_affine_map():
+    """nn.BatchNorm1d in eval mode is y = (x - mean) / sqrt(var + eps) * w + b: affine. The
+    module is traced as an eval-mode copy: a module left in training mode stays so."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(4))
+        bn.running_var.copy_(torch.rand(4) + 0.5)
+        bn.weight.copy_(torch.randn(4))
+        bn.bias.copy_(torch.randn(4))
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), bn)
+    gate = G.GatedMLP(4, 5, 2)
+    G._init(gate, 3)
+    model = torch.nn.Sequential(m, gate).train()
+    net = ta.from_torch(model, torch.randn(3, 3))
+    assert model.training and bn.training   # the user's module is not modified
+    model.eval()
+    x = np.random.default_rng(0).normal(size=(6, 3))
+    ref = _forward(model, torch.from_numpy(x))
+    assert np.abs(net(x) - ref).max() <= 1e-10 * np.abs(ref).max()
