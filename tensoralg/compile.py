@@ -14,7 +14,7 @@ as a sum of linear images of *cores* (DESIGN.md sections 2, 3.7 and 4):
 
 Linear operations (reshapes, transposes, splits, concatenations, slicing, matmul/einsum/linear
 with a parameter, sums, scalar and constant scales, residual adds, ``lerp`` with a constant
-weight) act on the linear maps; a product of two values whose terms are not all affine first
+weight, eval-mode batch norm) act on the linear maps; a product of two values whose terms are not all affine first
 turns the latest residual-stream-like value they are both linear images of into a new layer
 (``Linear``, ``Bilinear``, ``Residual(Bilinear)``, ``BilinearAttention`` or
 ``Residual(BilinearAttention)``) and continues on its output. Operations on constants only
