@@ -31,6 +31,17 @@ FACTORY = textwrap.dedent('''
 
     def build(h=6):
         return Gated(h=h)
+
+
+    class Tok(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(7, 4)
+            self.l, self.r = nn.Linear(4, 5), nn.Linear(4, 5)
+
+        def forward(self, idx):
+            h = self.wte(idx)
+            return (self.l(h) * self.r(h)) @ self.l.weight
 ''')
 
 
@@ -62,6 +73,19 @@ def test_import_writes_a_verified_checkpoint(user_code, capsys):
     # compare accepts the imported checkpoint (a second import of the same weights: similarity 1)
     assert main(["import", "my_model:build", "w.pt", "--out", "ck2", "--input-shape", "3,5"]) == 0
     assert abs(ta.similarity(net, load_network(tmp / "ck2")) - 1.0) <= 1e-12
+
+
+def test_import_token_model(user_code):
+    tmp, _ = user_code
+    import my_model
+
+    torch.manual_seed(1)
+    torch.save(my_model.Tok().state_dict(), tmp / "tok.pt")
+    for inputs, d_in in (("residual", 4), ("tokens", 7)):
+        assert main(["import", "my_model:Tok", "tok.pt", "--out", f"t_{inputs}", "--tokens",
+                     "--inputs", inputs, "--input-shape", "2,3"]) == 0
+        cfg = json.loads((tmp / f"t_{inputs}" / "cfg.json").read_text())
+        assert cfg["d_in"] == d_in and cfg["inputs"] == inputs
 
 
 def test_import_bad_input_one_line_errors(user_code, capsys):
