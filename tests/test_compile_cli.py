@@ -141,7 +141,7 @@ def test_compare_matrix_blocks_and_decompose_read_compiled_checkpoints(tmp_path,
     """Compiled modules saved as checkpoints go through the CLI's compare, matrix (plain and
     blocked) and decompose, and the blocked matrix equals the in-memory similarity."""
     from tensoralg.checkpoint import save_checkpoint
-    from tests.gallery import models as G
+    from gallery import models as G
 
     paths, nets = [], []
     for i in range(3):

@@ -17,7 +17,7 @@ import tensoralg as ta  # noqa: E402
 from tensoralg.checkpoint import load_checkpoint, load_network, save_checkpoint  # noqa: E402
 from tensoralg.compile import NotCompilable  # noqa: E402
 
-from tests.gallery import models as G  # noqa: E402
+from gallery import models as G  # noqa: E402
 
 COMPILE_TIMES: dict[str, float] = {}
 
