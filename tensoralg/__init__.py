@@ -34,7 +34,8 @@ __all__ = [
     "Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate",
-    "to_graph", "plan", "Plan", "CostTooHigh", "CovarianceFactor", "set_threads", "BilinearTransformer",
+    "to_graph", "plan", "Plan", "CostTooHigh", "CovarianceFactor", "set_threads",
+    "BilinearTransformer", "from_torch",
 ]
 
 
@@ -44,4 +45,8 @@ def __getattr__(name: str):
         from .transformer import BilinearTransformer
 
         return BilinearTransformer
+    if name == "from_torch":   # torch is imported only when a module is compiled
+        from .compile import from_torch
+
+        return from_torch
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -126,6 +126,7 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
     """
     from safetensors import safe_open
 
+    from .checkpoint import NETWORK, network_shapes
     from .io import read_config
     from .nn import ARCHITECTURE
     from .transformer import ARCHITECTURE as TRANSFORMER
@@ -134,11 +135,12 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
     for p in paths:
         path = Path(p)
         cfg = read_config(path)
-        if cfg.get("architecture") not in (ARCHITECTURE, TRANSFORMER):
+        if cfg.get("architecture") not in (ARCHITECTURE, TRANSFORMER, NETWORK):
             raise ValueError(f"{path}: cfg.json architecture {cfg.get('architecture')!r} is not "
                              f"{ARCHITECTURE!r} or {TRANSFORMER!r}")
         try:
-            expected = _expected_shapes(cfg, shapes_cache)
+            expected = network_shapes(cfg) if cfg["architecture"] == NETWORK else \
+                _expected_shapes(cfg, shapes_cache)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path}: cfg.json does not describe a model: {exc}") from None
         weights = path / WEIGHTS_FILE
@@ -166,8 +168,10 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
                if got[k] != expected[k]]
         if bad:
             raise ValueError(f"{weights}: {'; '.join(bad)}")
-        seq = cfg["architecture"] == TRANSFORMER
-        arch = {k: cfg.get(k) for k in (_SEQ_ARCH_KEYS if seq else _ARCH_KEYS)}
+        seq = cfg["architecture"] == TRANSFORMER or bool(cfg.get("sequence"))
+        arch = {k: cfg.get(k) for k in (("architecture", "d_in", "d_out", "sequence")
+                                         if cfg["architecture"] == NETWORK else
+                                         _SEQ_ARCH_KEYS if seq else _ARCH_KEYS)}
         if first is None:
             first = (path, arch)
         elif arch != first[1]:
@@ -175,7 +179,7 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
                 raise ValueError(f"checkpoints: {path} is a {arch['architecture']!r} checkpoint, "
                                  f"{first[0]} a {first[1]['architecture']!r} one; a matrix "
                                  f"compares checkpoints of one kind")
-            if seq and arch["vocab"] != first[1]["vocab"]:
+            if seq and arch.get("vocab") != first[1].get("vocab"):
                 raise ValueError(f"checkpoints: the vocabularies differ ({first[0]}: vocab "
                                  f"{first[1]['vocab']}, {path}: vocab {arch['vocab']}); logits "
                                  f"of different vocabularies cannot be compared")
@@ -186,8 +190,8 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
         entry = {"path": str(p), "resolved": str(path.resolve()),
                  "cfg_sha256": _sha256(path / CONFIG_FILE), "weights_sha256": _sha256(weights),
                  "bytes": size, "step": cfg.get("step")}
-        if seq:
-            entry["n_ctx_trained"] = int(cfg["n_ctx"])
+        if seq:   # a tensoralg_network without a mask array works at any n_ctx
+            entry["n_ctx_trained"] = int(cfg["n_ctx"] or 1 << 30)
         out.append(entry)
     return out
 

@@ -1,5 +1,7 @@
-"""Checkpoints of :class:`tensoralg.nn.BilinearNet`: a folder with ``weights.safetensors`` and a
-flat ``cfg.json``, written atomically by :func:`tensoralg.io.save_folder`.
+"""Checkpoints of :class:`tensoralg.nn.BilinearNet`, of the bilinear transformer and of any
+tensoralg network (architecture ``tensoralg_network``, e.g. a module compiled by
+:func:`tensoralg.from_torch`): a folder with ``weights.safetensors`` and a flat ``cfg.json``,
+written atomically by :func:`tensoralg.io.save_folder` (format: ``docs/spec.md``).
 
 ``cfg.json`` holds the architecture and sizes (the model's :meth:`~tensoralg.nn.BilinearNet.config`),
 the weight dtype, the package version (``tensoralg_version``), the training ``step`` and free-form
@@ -56,7 +58,7 @@ from .transformer import ARCHITECTURE as TRANSFORMER, BilinearTransformer
 _MODELS = {ARCHITECTURE: BilinearNet, TRANSFORMER: BilinearTransformer}
 TRANSFORMER_PROBE_ROWS = 2
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_network", "from_state_dict",
+__all__ = ["NETWORK", "save_checkpoint", "load_checkpoint", "load_network", "from_state_dict",
            "check_export", "probe_input", "probe_tokens", "read_checkpoint_config", "FORMAT"]
 
 FORMAT = "tensoralg.checkpoint/1"
@@ -99,9 +101,236 @@ def _probe(model: "BilinearNet", rows: int = PROBE_ROWS) -> np.ndarray:
         return m(x).numpy()
 
 
-def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 0,
+# ----------------------------------------------------------------------------------------
+# any tensoralg network (hand-built Sequential, attention with biases, compiled modules)
+# ----------------------------------------------------------------------------------------
+
+NETWORK = "tensoralg_network"
+NETWORK_PROBE_ROWS = 2
+NETWORK_PROBE_N_CTX = 3   # sequence models without a mask array are probed at this length
+_NODE_FIELDS = {"linear": ("weight", "bias"),
+                "bilinear": ("left", "right", "down", "left_bias", "right_bias", "down_bias"),
+                "bilinear_attention": ("q1", "k1", "q2", "k2", "v", "o", "q1_bias", "k1_bias",
+                                       "q2_bias", "k2_bias", "v_bias", "o_bias")}
+
+
+def _flatten_network(net) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Pre-order node list (``cfg["nodes"]``) and tensors ``n{i}.{field}`` of a network tree."""
+    from .layers import Bilinear, BilinearAttention, Linear, Residual, Sequential
+
+    nodes, tensors = [], {}
+
+    def visit(layer):
+        i = len(nodes)
+        if isinstance(layer, Sequential):
+            nodes.append(f"sequential {len(layer.layers)}")
+            for sub in layer.layers:
+                visit(sub)
+            return
+        if isinstance(layer, Residual):
+            nodes.append("residual")
+            visit(layer.inner)
+            return
+        if isinstance(layer, BilinearAttention):
+            mask = layer.mask if isinstance(layer.mask, str) else "array"
+            nodes.append(f"bilinear_attention mask={mask} scale={float(layer.scale)!r} "
+                         f"rope={layer.rope!r}")
+            if mask == "array":
+                tensors[f"n{i}.mask"] = layer.mask
+        elif isinstance(layer, (Linear, Bilinear)):
+            nodes.append("linear" if isinstance(layer, Linear) else "bilinear")
+        else:
+            raise TypeError(f"model: unknown layer type {type(layer).__name__}")
+        for f in _NODE_FIELDS[nodes[-1].split()[0]]:
+            if getattr(layer, f) is not None:
+                tensors[f"n{i}.{f}"] = getattr(layer, f)
+
+    visit(net)
+    return nodes, tensors
+
+
+def _network_from_tensors(nodes: list, tensors: Mapping[str, Any], where: str):
+    """Rebuild the network of :func:`_flatten_network` (raises ValueError on any mismatch)."""
+    from .layers import Bilinear, BilinearAttention, Linear, Residual, Sequential
+
+    pos = [0]
+
+    def take():
+        if pos[0] >= len(nodes):
+            raise ValueError(f"{where}: cfg.json nodes end early")
+        i = pos[0]
+        pos[0] += 1
+        return i, str(nodes[i]).split()
+
+    def get(i, f):
+        t = tensors.get(f"n{i}.{f}")
+        return None if t is None else np.asarray(torch.as_tensor(t).to(torch.float64).numpy())
+
+    def build():
+        i, parts = take()
+        kind = parts[0]
+        if kind == "sequential":
+            return Sequential([build() for _ in range(int(parts[1]))])
+        if kind == "residual":
+            return Residual(build())
+        if kind not in _NODE_FIELDS:
+            raise ValueError(f"{where}: cfg.json node {i} has unknown kind {kind!r}")
+        kw = {f: get(i, f) for f in _NODE_FIELDS[kind]}
+        if kind == "linear":
+            return Linear(**kw)
+        if kind == "bilinear":
+            return Bilinear(**kw)
+        opts = dict(p.split("=", 1) for p in parts[1:])
+        mask = opts.get("mask", "causal")
+        rope = opts.get("rope", "None")
+        return BilinearAttention(**kw, mask=get(i, "mask") if mask == "array" else mask,
+                                 scale=float(opts["scale"]),
+                                 rope=None if rope == "None" else float(rope))
+
+    try:
+        net = build()
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"{where}: cfg.json nodes are malformed ({exc})") from None
+    if pos[0] != len(nodes):
+        raise ValueError(f"{where}: cfg.json has {len(nodes) - pos[0]} nodes after the network")
+    used = {f"n{i}.{f}" for i in range(len(nodes)) for f in
+            _NODE_FIELDS.get(str(nodes[i]).split()[0], ()) + ("mask",)}
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{where}: weights.safetensors holds tensors no node uses: {extra}")
+    return net
+
+
+def network_shapes(cfg: Mapping[str, Any]) -> dict:
+    """Tensor name -> shape of a ``tensoralg_network`` checkpoint, from its ``cfg.json``."""
+    out = {}
+    for entry in cfg.get("shapes", []):
+        name, _, dims = str(entry).partition("=")
+        out[name] = tuple(int(d) for d in dims.split("x")) if dims else ()
+    return out
+
+
+def _network_probe(net, rows: int, n_ctx: int | None) -> np.ndarray:
+    d = net.in_features
+    if net.is_sequence_model:
+        x = probe_input(d, rows * n_ctx).reshape(rows, n_ctx, d)
+    else:
+        x = probe_input(d, rows)
+    return np.asarray(net(x), dtype=np.float64).reshape(rows, -1)
+
+
+def _depth(net) -> int:
+    from .layers import Bilinear, BilinearAttention, Residual, Sequential
+
+    if isinstance(net, Sequential):
+        return sum(_depth(x) for x in net.layers)
+    if isinstance(net, Residual):
+        return _depth(net.inner)
+    return int(isinstance(net, (Bilinear, BilinearAttention)))
+
+
+def _save_network(path, net, step, provenance) -> Path:
+    if net.is_exact:
+        raise ValueError("model: a network with exact rational weights; safetensors stores "
+                         "floats (save its layer spec, net.to_spec(), as JSON instead)")
+    nodes, arrays = _flatten_network(net)
+    tensors = {}
+    for name, a in arrays.items():
+        a = np.asarray(a, dtype=np.float64)
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"model: tensor {name!r} has non-finite (NaN/inf) entries; refusing "
+                             f"to write {path}")
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(a))
+    seq = bool(net.is_sequence_model)
+    n_ctx = net.n_ctx if net.n_ctx is not None else (NETWORK_PROBE_N_CTX if seq else None)
+    arch = {"architecture": NETWORK, "d_in": int(net.in_features),
+            "d_out": int(net.out_features), "n_layers": _depth(net), "sequence": seq,
+            "n_ctx": net.n_ctx, "nodes": nodes,
+            "shapes": [f"{k}={'x'.join(str(d) for d in v.shape)}" for k, v in tensors.items()],
+            "dtype": "float64"}
+    cfg = {"format": FORMAT, **arch, "step": int(step)}
+    for key, value in dict(provenance or {}).items():
+        if key in arch or key in _RESERVED:
+            raise ValueError(f"provenance: key {key!r} would overwrite the checkpoint's "
+                             f"architecture entry")
+        if isinstance(value, dict):
+            raise ValueError(f"provenance: entry {key!r} is a dict; cfg.json is flat")
+        cfg[key] = value
+    cfg["probe_rows"] = NETWORK_PROBE_ROWS
+    cfg["probe_n_ctx"] = n_ctx
+    cfg["probe_output"] = [float(v) for v in _network_probe(net, NETWORK_PROBE_ROWS,
+                                                            n_ctx).ravel()]
+    return save_folder(path, tensors, cfg)
+
+
+class SavedNetwork:
+    """A loaded ``tensoralg_network`` checkpoint: ``network`` (the tensoralg layers) and its
+    ``cfg``; ``to_network()`` returns the network (the interface of the torch models)."""
+
+    def __init__(self, network, cfg):
+        self.network, self.cfg = network, dict(cfg)
+        self.hparams = {k: cfg.get(k) for k in ("d_in", "d_out", "n_layers", "n_ctx")}
+
+    def to_network(self, embedding: bool = False, n_ctx: int | None = None):
+        if embedding:
+            raise ValueError("embedding: a tensoralg_network checkpoint has no separate "
+                             "embedding (compile with inputs='tokens' for one-hot inputs)")
+        fixed = self.network.n_ctx
+        if n_ctx is not None and fixed is not None and n_ctx != fixed:
+            raise ValueError(f"n_ctx={n_ctx}: this network's attention mask fixes n_ctx={fixed}")
+        return self.network
+
+    def config(self) -> dict:
+        return dict(self.cfg)
+
+
+def _load_network(path, tensors, cfg) -> tuple[SavedNetwork, dict]:
+    nodes = cfg.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise ValueError(f"{path}: cfg.json of a {NETWORK!r} has no 'nodes' list")
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype}; weights must be "
+                             f"floating point")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{path}: tensor {name!r} has non-finite (NaN/inf) entries")
+    want = network_shapes(cfg)
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if want and want != got:
+        bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        raise ValueError(f"{path}: weights.safetensors does not match cfg.json shapes at {bad}")
+    try:
+        net = _network_from_tensors(nodes, tensors, str(path))
+    except ValueError as exc:
+        msg = str(exc)
+        raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+    if "probe_output" not in cfg:
+        warnings.warn(f"{path}: cfg.json has no forward probe; the config cannot be checked "
+                      f"against the weights", stacklevel=3)
+    else:
+        rows = int(cfg.get("probe_rows", NETWORK_PROBE_ROWS))
+        want_out = np.asarray(cfg["probe_output"], dtype=np.float64).reshape(rows, -1)
+        got_out = _network_probe(net, rows, cfg.get("probe_n_ctx"))
+        scale = float(np.max(np.abs(want_out))) if want_out.size else 0.0
+        if got_out.shape != want_out.shape or not float(np.max(np.abs(got_out - want_out))) <= \
+                PROBE_RTOL * max(scale, np.finfo(np.float64).tiny):
+            raise ValueError(f"{path}: weights and cfg.json do not compute the function saved "
+                             f"with them (forward probe differs); was cfg.json edited?")
+    return SavedNetwork(net, cfg), cfg
+
+
+def save_checkpoint(path: str | os.PathLike, model: Any, *, step: int = 0,
                     provenance: Mapping[str, Any] | None = None) -> Path:
     """Save ``model`` to folder ``path`` (weights then config, each written atomically).
+
+    ``model``: a :class:`BilinearNet`, a :class:`~tensoralg.transformer.BilinearTransformer`,
+    or any tensoralg network (``Linear``/``Bilinear``/``Residual``/``Sequential``/
+    ``BilinearAttention`` with biases, blocks of any widths, a network compiled by
+    :func:`tensoralg.from_torch`): the last kind is stored as architecture
+    ``"tensoralg_network"`` — tensors ``n{i}.{field}`` (float64) and, in ``cfg.json``, the
+    pre-order ``nodes`` of the layer tree (``"sequential 3"``, ``"residual"``, ``"linear"``,
+    ``"bilinear"``, ``"bilinear_attention mask=... scale=... rope=..."``), their ``shapes``,
+    ``d_in``, ``d_out``, ``n_layers`` (multilinear layers), ``sequence`` and the forward probe.
 
     Args:
         step: training step of this checkpoint.
@@ -114,10 +343,16 @@ def save_checkpoint(path: str | os.PathLike, model: BilinearNet, *, step: int = 
         ValueError: a weight with NaN/inf entries (naming the tensor; nothing is written),
             nested provenance values or a key that shadows the architecture config.
     """
+    from .layers import Layer
+
+    if isinstance(model, SavedNetwork):
+        model = model.network
+    if isinstance(model, Layer):
+        return _save_network(path, model, step, provenance)
     if not isinstance(model, (BilinearNet, BilinearTransformer)):
-        raise TypeError(f"model: expected a tensoralg.nn.BilinearNet or BilinearTransformer, got "
-                        f"{type(model).__name__} (wrap a state_dict with "
-                        f"tensoralg.checkpoint.from_state_dict first)")
+        raise TypeError(f"model: expected a tensoralg network, a tensoralg.nn.BilinearNet or a "
+                        f"BilinearTransformer, got {type(model).__name__} (compile a torch "
+                        f"module with tensoralg.from_torch first)")
     arch = model.config()
     cfg = {"format": FORMAT, **arch, "step": int(step)}
     for key, value in dict(provenance or {}).items():
@@ -153,6 +388,9 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     tolerance ``PROBE_RTOL`` of the largest probe output); a checkpoint written before probes
     existed loads with a warning.
 
+    A ``tensoralg_network`` checkpoint loads as a :class:`SavedNetwork` (its ``network`` and
+    ``to_network()``).
+
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or ``weights.safetensors``.
         ValueError: a corrupt/truncated file, another ``format`` version, a foreign
@@ -166,6 +404,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     if fmt != FORMAT:
         raise ValueError(f"{path}: cfg.json format {fmt!r} is not {FORMAT!r} (written by "
                          f"another tensoralg version?); this version reads {FORMAT!r}")
+    if cfg.get("architecture") == NETWORK:
+        return _load_network(path, tensors, cfg)
     cls = _MODELS.get(cfg.get("architecture"))
     if cls is None:
         raise ValueError(f"{path}: cfg.json architecture {cfg.get('architecture')!r} is not "
@@ -220,9 +460,11 @@ def _check_probe(path, model: BilinearNet, cfg: Mapping[str, Any]) -> None:
                          f"(residual, bias, n_layers)?")
 
 
-def load_network(path: str | os.PathLike):
-    """The exact tensoralg network of the checkpoint at ``path`` (see :func:`load_checkpoint`)."""
-    return load_checkpoint(path)[0].to_network()
+def load_network(path: str | os.PathLike, n_ctx: int | None = None):
+    """The exact tensoralg network of the checkpoint at ``path`` (see :func:`load_checkpoint`);
+    ``n_ctx``: the context length of a sequence model (a transformer's prefix)."""
+    model = load_checkpoint(path)[0]
+    return model.to_network() if n_ctx is None else model.to_network(n_ctx=n_ctx)
 
 
 def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, str] | None = None,
@@ -324,7 +566,8 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
     if bad:
         raise ValueError(f"state_dict: {'; '.join(bad)} (sizes taken from the other weights: "
                          f"d_in={d_in}, d_out={d_out}, d_model={d_model}, d_hidden={d_hidden}, "
-                         f"each the size most tensors agree on)")
+                         f"each the size most tensors agree on; blocks of different widths: "
+                         f"compile the module with tensoralg.from_torch and save that)")
     for k, t in ours.items():
         if not torch.isfinite(t).all():
             raise ValueError(f"state_dict: {k!r} (their {names[k]!r}) has NaN/inf entries")
@@ -332,6 +575,11 @@ def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, 
     model.eval()
     if check is not None:
         check_export(model, *_check_pair_arg(check))
+    else:
+        warnings.warn("from_state_dict: no check=(module, inputs) given: a square weight stored "
+                      "transposed, (in, out) instead of (out, in), has the right shape and cannot "
+                      "be detected without comparing with the module's forward pass (or compile "
+                      "the module itself with tensoralg.from_torch)", stacklevel=2)
     return model
 
 
@@ -341,10 +589,14 @@ def _check_pair_arg(check: Any) -> tuple[Any, Any]:
     return check[0], check[1]
 
 
-def check_export(model: BilinearNet, module: Any, inputs: Any) -> float:
+def check_export(model: Any, module: Any, inputs: Any) -> float:
     """Compare ``model`` (an export) with ``module(inputs)``; return the max absolute difference.
 
-    ``inputs``: array or tensor ``(n, d_in)``. The export runs in float64; the tolerance is
+    ``model``: any tensoralg network (or an object with ``to_network()``: a
+    :class:`BilinearNet`, a transformer, a loaded checkpoint); ``module``: any callable (a torch
+    module is run on a float64 CPU copy of ``inputs`` as given).
+    ``inputs``: array or tensor ``(n, d_in)``, or ``(n, n_ctx, d_in)`` for a sequence model
+    (the network's input: the residual stream). The export runs in float64; the tolerance is
     ``1e-9`` of the largest reference output when ``module`` returns float64, ``1e-4`` otherwise
     (float32 forward passes round at about 1e-7 per operation).
 
@@ -353,11 +605,15 @@ def check_export(model: BilinearNet, module: Any, inputs: Any) -> float:
             over the tolerance (with the likely causes: residual flag, left-out biases,
             transposed weights).
     """
+    from .layers import as_network
+
+    net = as_network(model, "model")
     x = torch.as_tensor(inputs)
-    d_in = model.hparams["d_in"]
-    if x.ndim != 2 or x.shape[1] != d_in or x.shape[0] < 1:
-        raise ValueError(f"check: inputs must have shape (n, {d_in}) with n >= 1, got "
-                         f"{tuple(x.shape)}")
+    d_in = net.in_features
+    want = 3 if net.is_sequence_model else 2
+    if x.ndim != want or x.shape[-1] != d_in or x.shape[0] < 1:
+        raise ValueError(f"check: inputs must have shape (n, {'n_ctx, ' if want == 3 else ''}"
+                         f"{d_in}) with n >= 1, got {tuple(x.shape)}")
     if not torch.is_floating_point(x):
         x = x.to(torch.float64)
     with torch.no_grad():
@@ -367,7 +623,7 @@ def check_export(model: BilinearNet, module: Any, inputs: Any) -> float:
     ref64 = ref.to("cpu", torch.float64)
     if not torch.isfinite(ref64).all():
         raise ValueError("check: module(inputs) has NaN/inf entries")
-    ours = torch.from_numpy(np.asarray(model.to_network()(x.to("cpu", torch.float64).numpy()),
+    ours = torch.from_numpy(np.asarray(net(x.to("cpu", torch.float64).numpy()),
                                        dtype=np.float64))
     if ours.shape != ref64.shape:
         raise ValueError(f"check: the export gives outputs of shape {tuple(ours.shape)}, "

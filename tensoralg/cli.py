@@ -7,7 +7,8 @@ each command):
 
 * ``demo``, ``audit``, ``compare``, ``matrix`` — :mod:`tensoralg.audit.cli`;
 * ``sae`` — :mod:`tensoralg.sae.cli`;
-* ``decompose`` — :mod:`tensoralg.decompose.cli`.
+* ``decompose`` — :mod:`tensoralg.decompose.cli`;
+* ``import`` — :mod:`tensoralg.compile_cli` (a user's torch module through ``from_torch``).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def command_modules() -> tuple:
     """The modules that register sub-commands, in the order of ``tensoralg --help``."""
+    from . import compile_cli
     from .audit import cli as audit
     from .decompose import cli as decompose
     from .sae import cli as sae
 
-    return (audit, sae, decompose)
+    return (audit, sae, decompose, compile_cli)
 
 
 def _name_leaves(parser: argparse.ArgumentParser) -> None:

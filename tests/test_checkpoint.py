@@ -113,7 +113,8 @@ def test_wrap_foreign_state_dict(tmp_path):
     names = {"embed.weight": "W_E", "blocks.0.left.weight": "W_l",
              "blocks.0.right.weight": "W_r", "blocks.0.down.weight": "W_d",
              "head.weight": "W_U"}
-    ours = from_state_dict(theirs.state_dict(), names, residual=True)
+    with pytest.warns(UserWarning, match="stored transposed"):   # no check= given
+        ours = from_state_dict(theirs.state_dict(), names, residual=True)
     assert ours.config()["dtype"] == "float64" and ours.config()["d_hidden"] == 8
     x = torch.randn(9, 6, dtype=torch.float64)
     with torch.no_grad():
