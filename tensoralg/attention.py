@@ -66,7 +66,7 @@ from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Seque
 from .strategies.executor import TORCH as _TORCH  # noqa: F401  (tests reset/inspect it)
 from .strategies.executor import ein as _ein
 from .strategies.executor import TORCH_CPU_FLOPS, torch_backend
-from .strategies.wick_terms import JoinedTermPair, TermSide, chaos_pair
+from .strategies.wick_terms import JoinedTermPair, TermSide, chaos_pair, stored_entries
 from .strategies.wick_terms import partial_matchings as _partial_matchings
 
 __all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity",
@@ -446,8 +446,49 @@ def _check_cost(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
             raise CostTooHigh(msg)
 
 
+#: Context length of the small trees that bound a long context's cost from shapes alone.
+SHAPE_CTX = 4
+
+
+def early_memory_refusal(req: Request, a: Any, b: Any) -> tuple[str, int] | None:
+    """``(message, bytes)`` when the chaos strategy's stored tensors alone, counted from shapes
+    at ``req.n_ctx`` (:func:`~tensoralg.strategies.wick_terms.stored_entries` on trees built
+    for ``SHAPE_CTX`` positions: feature sizes and zero patterns do not depend on the context),
+    exceed ``max_memory``; else None. Milliseconds, nothing ``n_ctx``-sized allocated, so an
+    absurd ``n_ctx`` is refused before the trees (their ``n_ctx x n_ctx`` masks) are built.
+    Only when the models leave ``n_ctx`` free (no mask array) and the configurations are
+    within budget (then :func:`exact_inner` refuses on them first, with their message)."""
+    a, b, n_ctx = _check_pair(a, b, req.n_ctx)
+    if n_ctx <= SHAPE_CTX or a.n_ctx is not None or b.n_ctx is not None:
+        return None   # (a mask array fixes the context: the trees are the models' own size)
+    _check_slices(req, a.out_features, n_ctx)
+    small = req.replace(n_ctx=SHAPE_CTX, position=None)
+    pa, pb, _, out_mode, sel = _exact_trees(small, a, b)
+    if sum(JoinedTermPair(x, y, sel, out_mode, np.einsum).count()
+           for x, y in _term_pairs(pa, pb)) > req.max_configurations:
+        return None
+    need = 8 * sum(stored_entries(t, side, n_ctx) for side, p in (("a", pa), ("b", pb))
+                   for t in p.nodes[0].terms)
+    max_memory = available_memory(req.backend, req.device) if req.max_memory is None \
+        else req.max_memory
+    if need <= max_memory:
+        return None
+    return (f"exact attention inner product: at n_ctx={n_ctx:,} the per-model chaos tensors "
+            f"alone take at least {need / 2**30:.3g} GiB (from shapes), over "
+            f"max_memory={float(max_memory) / 2**30:.3g} GiB. {ALTERNATIVES}, a shorter "
+            f"n_ctx, or raise max_memory"), need
+
+
+def _refuse_early(req: Request, a: Any, b: Any) -> None:
+    hit = early_memory_refusal(req, a, b)
+    if hit is not None:
+        raise CostTooHigh(hit[0])
+
+
 def exact_inner_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
     """:func:`exact_inner` of a validated request."""
+    if strategy == "chaos":
+        _refuse_early(req, a, b)
     pa, pb, n_ctx, out_mode, sel = _exact_trees(req, a, b)
     _check_cost(req, pa, pb, n_ctx, out_mode, sel, strategy)
     return _exact_value(req, pa, pb, n_ctx, out_mode, sel, strategy)
@@ -507,6 +548,8 @@ def exact_similarity(a: Any, b: Any, *, strategy: str = "chaos", **kw):
 
 def exact_similarity_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
     """:func:`exact_similarity` of a validated request."""
+    if strategy == "chaos":
+        _refuse_early(req, a, b)
     pa, pb, n_ctx, out_mode, sel = _exact_trees(req, a, b)
     args = (n_ctx, out_mode, sel, strategy)
     _check_cost(req, pa, pb, *args)
@@ -1599,6 +1642,9 @@ def exact_gram_req(req: Request, models, similarity: bool = False) -> np.ndarray
     """:func:`exact_gram` of a validated request (float64: numpy or torch backend)."""
     nets, n_ctx = _check_models(models, req.n_ctx)
     req = req.replace(n_ctx=n_ctx)
+    for net in nets:   # each model's own pair bounds the matrix's memory from below
+        if net.is_sequence_model:
+            _refuse_early(req, net, net)
     for i, net in enumerate(nets):  # every model's support checked before any contraction
         canonicalize(net, n_ctx, f"models[{i}]")
     vals = {}

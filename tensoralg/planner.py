@@ -614,8 +614,15 @@ def plan_sequence(req, na, nb) -> SequencePlan:
     plan = SequencePlan(strategy=None, reason="", n_ctx=n,
                         max_configurations=int(max_configurations), output=output,
                         position=position)
+    # refused from shapes alone, as inner refuses: then nothing n_ctx-sized is built, and the
+    # trees below (count, description) are the small ones (neither depends on n_ctx)
+    early = attention.early_memory_refusal(req, na, nb)
+    count_req = req
+    if early is not None:
+        n = attention.SHAPE_CTX
+        count_req = req.replace(n_ctx=n, position=None)
     try:
-        plan.n_configurations = attention.count_configurations_req(req, na, nb)
+        plan.n_configurations = attention.count_configurations_req(count_req, na, nb)
     except attention.AttentionNotSupported as exc:
         plan.supported = False
         plan.refused = f"exact inner product of sequence models: {exc}. {SEQUENCE_ALTERNATIVES}"
@@ -643,6 +650,11 @@ def plan_sequence(req, na, nb) -> SequencePlan:
                             f"configurations, over max_configurations={max_configurations:,}. "
                             f"{SEQUENCE_ALTERNATIVES}, or raise max_configurations")
             plan.reason = "over max_configurations"
+        elif early is not None:
+            plan.refused, plan.memory_bytes = early
+            plan.max_memory = float(available_memory(backend, device) if max_memory is None
+                                    else max_memory)
+            plan.reason = "over max_memory (from shapes alone)"
         else:
             plan.memory_bytes = attention.chaos_memory_bytes_req(req, na, nb)
             plan.max_memory = float(available_memory(backend, device) if max_memory is None

@@ -118,3 +118,46 @@ def test_chaos_memory_bytes_bad_input_before_any_work():
     two_layers = ta.Sequential([a.layers[0], a.layers[1], a.layers[1], a.layers[2]])
     with pytest.raises(A.AttentionNotSupported, match="a second attention layer"):
         A.chaos_memory_bytes(a, two_layers, n_ctx=3)
+
+
+# ---- an absurd n_ctx is refused from shapes alone (issue 22 item 6) -----------------------------
+
+def test_stored_entries_from_small_trees_equal_the_dry_run_at_the_real_context():
+    """The chaos tensors R[S] counted from shapes (trees built for SHAPE_CTX positions, the
+    context substituted) equal the entries the dry run stores at that context."""
+    rng = np.random.default_rng(11)
+    for bias in (False, True):
+        a = model(rng, 2, 4, 6, bias=bias)
+        small = A.canonicalize(a, A.SHAPE_CTX, "a")
+        for n in (5, 9):
+            full = A.canonicalize(a, n, "a")
+            for ts, tf in zip(small.nodes[0].terms, full.nodes[0].terms):
+                side = wick_terms.TermSide(tf, "a", np.einsum, n, False, dry=True)
+                dry = sum(int(np.prod(R[0].shape)) for R in side.R.values()
+                          if R[0] is not None)
+                assert wick_terms.stored_entries(ts, "a", n) == dry
+                assert wick_terms.stored_entries(tf, "a", n) == dry
+
+
+def test_an_absurd_context_is_refused_from_shapes_with_nothing_allocated():
+    """n_ctx = 10 000 (a 10^8-entry mask per model) took a minute and gigabytes before it was
+    refused; now plan and inner refuse with the same message, tracemalloc's peak staying
+    below a megabyte-scale bound (no n_ctx x n_ctx array is built)."""
+    rng = np.random.default_rng(12)
+    a, b = model(rng, 2, 4, 8), model(rng, 2, 4, 8)
+    tracemalloc.start()
+    try:
+        p = ta.plan(a, b, n_ctx=10_000)
+        with pytest.raises(ta.CostTooHigh) as info:
+            ta.inner(a, b, n_ctx=10_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert p.refused and "at n_ctx=10,000 the per-model chaos tensors alone" in p.refused
+    assert p.refused in str(info.value)
+    assert peak < 50 * 2**20, peak      # one 10^4 x 10^4 float64 mask alone is 800 MB
+    assert p.memory_bytes >= 8 * 10_000 ** 2      # at least one (t, s) tensor per model
+    with pytest.raises(ta.CostTooHigh, match="from shapes"):
+        ta.similarity(a, b, n_ctx=10_000)
+    # within the budget the early bound is silent and the dry run decides, as before
+    assert A.early_memory_refusal(A.make_request(n_ctx=6), a, b) is None

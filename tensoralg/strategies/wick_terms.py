@@ -374,32 +374,11 @@ class TermSide:
     def _layout(self):
         """For every set ``S`` of open legs: ``(S, closed legs, labels of R[S], the partial
         matchings of the closed legs (a generator))``; nothing is contracted."""
-        legs, n = self.legs, len(self.legs)
-        for S in range(1 << n):
-            opened = [i for i in range(n) if S >> i & 1]
-            closed = [i for i in range(n) if not S >> i & 1]
-            present = set(x for _, lab in self.inner for x in lab)
-            for i in closed:
-                present |= set(_leg_labels(legs[i], legs[i].pos))
-            wanted = [QUERY, OUTPUT] + [legs[i].pos for i in opened] + \
-                [x for i in opened for x in legs[i].labels]
-            wanted += [x for _, lab in self.outer for x in lab]
-            out = tuple(x for x in dict.fromkeys(wanted) if x in present)
-            sub_cap = [self.can_cap[i] for i in closed]
-            sub_pair = [[self.can_pair_leg[i] and self.can_pair_leg[j] for j in closed]
-                        for i in closed]
-            yield S, closed, out, partial_matchings(len(closed), sub_cap, sub_pair)
+        return _side_layout(self.inner, self.outer, self.legs, self.can_cap, self.can_pair_leg)
 
     def _sizes(self) -> dict:
         """Size of every label of this side (positions: ``n_ctx``)."""
-        size = {QUERY: self.n_ctx}
-        for arr, lab in self.static:
-            size.update(zip(lab, arr.shape[arr.ndim - len(lab):]))
-        for leg in self.legs:
-            size[leg.pos] = self.n_ctx
-            dims = leg.weight.shape[:-1]
-            size.update(zip(leg.labels, dims[len(dims) - len(leg.labels):]))
-        return size
+        return _side_sizes(self.static, self.legs, self.n_ctx)
 
     def _compute(self, n):
         legs = self.legs
@@ -455,6 +434,56 @@ class TermSide:
         return (tuple((lab, a.shape) for a, lab in self.static),
                 tuple((L.pos, L.labels, L.positional, L.weight.shape) for L in self.legs),
                 tuple(self.can_cap), tuple(self.can_pair_leg), self.n_ctx)
+
+
+def _side_layout(inner, outer, legs, can_cap, can_pair_leg):
+    """:meth:`TermSide._layout` of a side given by its parts."""
+    n = len(legs)
+    for S in range(1 << n):
+        opened = [i for i in range(n) if S >> i & 1]
+        closed = [i for i in range(n) if not S >> i & 1]
+        present = set(x for _, lab in inner for x in lab)
+        for i in closed:
+            present |= set(_leg_labels(legs[i], legs[i].pos))
+        wanted = [QUERY, OUTPUT] + [legs[i].pos for i in opened] + \
+            [x for i in opened for x in legs[i].labels]
+        wanted += [x for _, lab in outer for x in lab]
+        out = tuple(x for x in dict.fromkeys(wanted) if x in present)
+        sub_cap = [can_cap[i] for i in closed]
+        sub_pair = [[can_pair_leg[i] and can_pair_leg[j] for j in closed] for i in closed]
+        yield S, closed, out, partial_matchings(len(closed), sub_cap, sub_pair)
+
+
+def _side_sizes(static, legs, n_ctx: int) -> dict:
+    """Size of every label of a side; every position variable has ``n_ctx`` values (whatever
+    context its arrays were built for)."""
+    size = {QUERY: n_ctx}
+    for arr, lab in static:
+        size.update(zip(lab, arr.shape[arr.ndim - len(lab):]))
+    for leg in legs:
+        dims = leg.weight.shape[:-1]
+        size.update(zip(leg.labels, dims[len(dims) - len(leg.labels):]))
+    for x in _positions(legs):
+        size[x] = n_ctx
+    return size
+
+
+def stored_entries(term: Term, side: str, n_ctx: int) -> int:
+    """Entries of the chaos tensors ``R[S]`` a :class:`TermSide` of ``term`` stores when its
+    positions take ``n_ctx`` values, from shapes and zero patterns alone: no path search,
+    nothing allocated, and ``term`` may come from a tree built for a shorter context (its
+    feature sizes do not depend on it). A lower bound on the chaos strategy's peak memory (the
+    leg grams and the working set of a sum come on top)."""
+    static, legs, can_cap, can_pair = _network(term, side)
+    inner = [x for x in static if OUTPUT not in x[1]]
+    outer = [x for x in static if OUTPUT in x[1]]
+    size = _side_sizes(static, legs, n_ctx)
+    total = 0
+    for _, closed, out, matchings in _side_layout(inner, outer, legs, can_cap, can_pair):
+        if next(iter(matchings), None) is None or (not closed and not inner):
+            continue
+        total += math.prod(size[x] for x in out)
+    return total
 
 
 def _leg_labels(leg: Leg, pos: str):
