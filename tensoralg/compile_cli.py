@@ -20,17 +20,19 @@ def add_parsers(sub) -> None:
                     "network to --out.")
     p.add_argument("factory", metavar="MODULE:FACTORY")
     p.add_argument("ckpt", metavar="CKPT")
-    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder to write")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder to write (required; no default)")
     p.add_argument("--input-shape", required=True, metavar="B,[T,]D",
                    help="example input shape: batch,d (vectors), batch,n_ctx,d (sequences), or "
-                        "batch,n_ctx for token ids with --inputs tokens/--tokens")
+                        "batch,n_ctx for token ids with --inputs tokens/--tokens (required; no "
+                        "default)")
     p.add_argument("--tokens", action="store_true",
-                   help="the module reads integer token ids (example: zeros of --input-shape)")
+                   help="the module reads integer token ids (example: zeros of --input-shape; "
+                        "default: real-valued inputs)")
     p.add_argument("--inputs", choices=("residual", "tokens"), default="residual",
                    help="residual (default): the network reads the residual stream; tokens: "
                         "one-hot tokens")
     p.add_argument("--kwargs", default="{}", metavar="JSON",
-                   help="keyword arguments for FACTORY as a JSON object")
+                   help="keyword arguments for FACTORY as a JSON object (default {})")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write what was imported (folder, architecture, provenance) as "
                         "JSON here (default: none)")
