@@ -679,9 +679,12 @@ chaos_profile.__doc__ = """Wiener-chaos (Hermite order) decomposition on a Gauss
     ``= sum_{|alpha|=k} alpha! c^a_alpha c^b_alpha``, and the orders ``0..K`` sum to the total
     (the chaos spaces are orthogonal; Wiener 1938, Cameron & Martin 1947; DESIGN.md 3.6).
 
-    Scaling: for ``f(sigma x)`` the top order ``K`` scales exactly by ``sigma^(2K)``; every order
-    scales by ``sigma^(2n)`` when ``f`` is homogeneous of degree ``n``; lower orders of a
-    non-homogeneous ``f`` mix degrees (``He_k`` is not homogeneous).
+    Scaling: for ``f(sigma x)`` (inputs ``N(0, sigma^2 I)``: the slice ``sigma * P``) order ``k``
+    collects the monomial degrees ``k, k + 2, k + 4, ...``
+    (``C_k = sum_j (k+2j)!/(k! j! 2^j) tr^j M_{k+2j}``, DESIGN.md 3.6), so orders ``K`` and
+    ``K - 1`` scale exactly by ``sigma^(2K)`` and ``sigma^(2K-2)``; every order scales by
+    ``sigma^(2n)`` when ``f`` is homogeneous of degree ``n``; other orders mix degrees
+    (chaos orders are not homogeneous parts).
 
     The transform streams over the first variable's nodes, one block of ``m^(N-1)`` points at a
     time, keeping only the ``C(K + N, N)`` coefficients with ``|alpha| <= K`` per output.
