@@ -8,7 +8,9 @@ about 6e-5).
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,6 +102,25 @@ def test_attention_depth1_equals_exact_inner(n_ctx, d, kw):
         pytest.approx(ta.inner(a, b, n_ctx=n_ctx, position=t, output=1), rel=REL)
 
 
+def test_position_free_model_on_a_sequence_slice():
+    # a position-free model acts on every position separately; with the whole space at both
+    # positions each position is an independent copy: n_ctx * <a, b>
+    rng = np.random.default_rng(4)
+    a = rand_network(rng, "residual", d=2, log_scale=(-1, 1))
+    b = rand_network(rng, "bilinear", d=2, log_scale=(-1, 1))
+    r = quadrature_inner(a, b, np.eye(2), n_ctx=2)
+    assert r.value == pytest.approx(2 * ta.inner(a, b), rel=REL)
+    assert quadrature_inner(a, b, np.eye(2), n_ctx=2, position=1).value == \
+        pytest.approx(ta.inner(a, b), rel=REL)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_overflow_is_an_error_not_a_number():
+    big = ta.Sequential([ta.Bilinear([[1e200]], [[1e200]], [[1.0]])])
+    with pytest.raises(FloatingPointError, match="not finite"):
+        quadrature_inner(big, None, [[1.0]])
+
+
 def test_affine_slice_is_the_model_composed_with_the_map():
     # X = offset + B^T y with a non-orthonormal B: the same as f(Linear(B^T, offset)(y)) on
     # N(0, I_N), which tensoralg computes exactly as a network of input size N
@@ -163,6 +184,10 @@ def test_orders_sum_to_the_total(case):
     assert prof.norms_a.sum() == pytest.approx(prof.total_a, rel=REL)
     assert prof.norms_b.sum() == pytest.approx(prof.total_b, rel=REL)
     assert np.all(prof.norms_a >= 0) and np.all(prof.norms_b >= 0)
+    # batching is invisible: tiny batches that split the grid's blocks give the same numbers
+    small = chaos_profile(a, b, batch_size=5, **kw)
+    np.testing.assert_allclose(small.cross, prof.cross, rtol=1e-13, atol=1e-13 * abs(prof.total))
+    assert quadrature_inner(a, b, batch_size=7, **kw).value == pytest.approx(total.value, rel=1e-13)
     # Cauchy-Schwarz per order
     assert np.all(prof.cross ** 2 <= prof.norms_a * prof.norms_b * (1 + 1e-9) + 1e-300)
 
@@ -379,3 +404,22 @@ def test_mismatched_networks_and_zero_norm():
         quadrature_similarity(a, zero, np.eye(3))
     with pytest.raises(TypeError):
         quadrature_inner("not a network", a, np.eye(3))
+
+
+def test_oracle_reads_only_the_layers():
+    # independence rule (DESIGN.md 4): verify recomputes from definitions; these modules may
+    # import tensoralg's layers only (the forward pass), never products/attention/strategies
+    root = Path(__file__).resolve().parents[1] / "verify"
+    for name in ("quadrature.py", "planted.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "tensoralg":
+                mods = [f"tensoralg.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods = [node.module or ""]
+            else:
+                continue
+            for m in mods:
+                if m == "tensoralg" or m.startswith("tensoralg."):
+                    assert m == "tensoralg.layers", f"verify/{name} imports {m}"

@@ -116,7 +116,7 @@ def planted_attention(d: int, n_ctx: int, *, n_layers: int = 2, n_heads: int = 2
     Raises:
         ValueError: non-positive sizes, a bad ``scale`` or ``direction``.
     """
-    import tensoralg as ta
+    from tensoralg import layers as ta
 
     d, n_ctx = _check_int(d, "d"), _check_int(n_ctx, "n_ctx")
     n_layers, n_heads = _check_int(n_layers, "n_layers"), _check_int(n_heads, "n_heads")
@@ -155,7 +155,7 @@ def planted_bilinear(d: int, *, depth: int = 2, hidden: int = 2, d_out: int = 1,
     Raises:
         ValueError: non-positive sizes, a bad ``scale`` or ``direction``.
     """
-    import tensoralg as ta
+    from tensoralg import layers as ta
 
     d, depth = _check_int(d, "d"), _check_int(depth, "depth")
     hidden, d_out = _check_int(hidden, "hidden"), _check_int(d_out, "d_out")

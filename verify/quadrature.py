@@ -374,8 +374,14 @@ def _setup(nets: Sequence[Any], basis: Any, n_ctx, positions, degree, output, po
 
 
 def _values(s: _Setup, net, y: np.ndarray) -> np.ndarray:
-    """``g(y)`` for a batch ``y`` ``(n, N)``, flattened to ``(n, n_out)`` (positions x outputs)."""
+    """``g(y)`` for a batch ``y`` ``(n, N)``, flattened to ``(n, n_out)`` (positions x outputs).
+
+    Raises FloatingPointError when the forward pass overflows to inf/NaN on the grid."""
     out = np.asarray(net(s.slice.inputs(y)), dtype=np.float64)
+    if not np.all(np.isfinite(out)):
+        raise FloatingPointError(f"the network's values are not finite (inf/NaN) on the "
+                                 f"quadrature grid (nodes up to |y| = {s.nodes.max():.3g}): "
+                                 f"float64 overflow; rescale the network or the slice")
     if s.position is not None:
         out = out[:, s.position]
     if isinstance(s.output, int):
@@ -526,6 +532,7 @@ _ARGS_DOC = """
             ``n_ctx``; a bad ``position``/``output``/``degree``; a grid above ``max_points``
             (the message names ``N``, ``m`` and ``m^N``).
         TypeError: not a network.
+        FloatingPointError: the forward pass overflows float64 on the grid.
 """
 
 
@@ -607,8 +614,8 @@ def chaos_profile(a: Any, b: Any = None, basis: Any = None, *, n_ctx: Optional[i
     nets = (a,) if b is None else (a, b)
     s = _setup(nets, basis, n_ctx, positions, degree, output, position, max_points, batch_size)
     N, m, K = s.slice.n_variables, s.m, s.degree
-    # output width, from one evaluation at the origin (cheap; also checks the forward runs)
-    n_out = _values(s, s.nets[0], np.zeros((1, N))).shape[1]
+    n_out = (1 if s.output is not None else s.nets[0].out_features) * \
+        (s.slice.input_shape[0] if s.slice.is_sequence and s.position is None else 1)
     block = m ** (N - 1)
     n_coef = math.comb(K + N, N)
     need = 8.0 * n_out * len(s.nets) * (3 * block + n_coef) + 8.0 * block * (N + 2)
