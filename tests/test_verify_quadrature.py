@@ -190,6 +190,10 @@ def test_orders_sum_to_the_total(case):
     assert quadrature_inner(a, b, batch_size=7, **kw).value == pytest.approx(total.value, rel=1e-13)
     # Cauchy-Schwarz per order
     assert np.all(prof.cross ** 2 <= prof.norms_a * prof.norms_b * (1 + 1e-9) + 1e-300)
+    sim = prof.similarity_by_order()
+    assert np.all(np.abs(sim[np.isfinite(sim)]) <= 1 + 1e-9)
+    self_sim = chaos_profile(a, **kw).similarity_by_order()
+    np.testing.assert_allclose(self_sim[np.isfinite(self_sim)], 1.0, rtol=1e-12)
 
 
 def test_homogeneity_of_the_chaos_orders():
