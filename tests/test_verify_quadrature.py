@@ -269,6 +269,24 @@ def test_planted_two_layer_agrees_with_plain_monte_carlo_over_the_full_input():
     assert abs(mean - exact) < 4 * se
 
 
+def test_planted_two_layer_at_a_large_scale_defeats_plain_monte_carlo():
+    # the test bed of the Monte Carlo diagnostics: at sigma = 0.4 the norm of b sits in rare
+    # inputs; plain sampling (this seed) misses them with a small standard error (measured:
+    # truth 4.97e6, estimate 117.5 +- 1.7, largest share 0.004). Importance sampling on the 3 variables Xv with a wide
+    # proposal N(0, 2.5^2 I) confirms the oracle (an independent route to the same integral).
+    n_ctx, d = 3, 24
+    pb = planted_attention(d, n_ctx, scale=0.4, seed=2)
+    exact = quadrature_inner(pb.network, None, pb.slice()).value
+    mean, se, share = _plain_mc(pb.network, pb.network, n_ctx, d, 20_000, seed=5)
+    assert (mean - exact) / se < -100 and share < 0.05
+    s_q, n = 2.5, 40_000
+    Y = s_q * np.random.default_rng(3).standard_normal((n, n_ctx))
+    w = np.exp(n_ctx * math.log(s_q) - 0.5 * (Y ** 2).sum(1) * (1 - 1 / s_q ** 2))
+    g = pb.network(np.einsum("nt,d->ntd", Y, pb.direction))
+    h = np.einsum("nto,nto->n", g, g) * w
+    assert abs(h.mean() - exact) < 4 * h.std(ddof=1) / math.sqrt(n)
+
+
 def test_planted_depth1_equals_exact_inner_at_n_ctx_d_64():
     n_ctx, d = 4, 16
     pa = planted_attention(d, n_ctx, n_layers=1, d_out=2, seed=1)
