@@ -84,7 +84,8 @@ def mc(scales=(0.2, 0.3, 0.35, 0.4), samples=20_000):
                            ("aa", np.einsum("nto,nto->n", ya, ya)),
                            ("bb", np.einsum("nto,nto->n", yb, yb))):
                 se = s.std(ddof=1) / math.sqrt(samples)
-                row.append(f"{key} {s.mean():.4g} +- {se:.2g} (z {(s.mean() - truth[key]) / se:+.1f},"
+                z = (s.mean() - truth[key]) / se
+                row.append(f"{key} {s.mean():.4g} +- {se:.2g} (z {z:+.1f},"
                            f" max share {np.abs(s).max() / np.abs(s).sum():.3f})")
             print(f"  MC seed {seed}: " + "; ".join(row), flush=True)
 

@@ -63,6 +63,17 @@ def test_gauss_hermite_rule_moments():
     assert abs(w @ y ** 8 - 105.0) > 1.0  # degree 2m = 8 is not integrated exactly
 
 
+@pytest.mark.parametrize("m", [1, 6, 26, 40])
+def test_discrete_hermite_transform_is_orthogonal(m):
+    # sqrt(w_j) psi_k(y_j), k < m, is an orthogonal matrix (discrete orthogonality of the
+    # Gauss rule): the chaos coefficients are as well conditioned as the values
+    from verify.quadrature import _hermite_orthonormal
+
+    y, w = gauss_hermite(m)
+    Q = _hermite_orthonormal(y, m - 1) * np.sqrt(w)[None, :]
+    np.testing.assert_allclose(Q @ Q.T, np.eye(m), atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------
 # depth 1: equals tensoralg's exact inner product
 # ---------------------------------------------------------------------------------------
@@ -272,8 +283,9 @@ def test_planted_two_layer_agrees_with_plain_monte_carlo_over_the_full_input():
 def test_planted_two_layer_at_a_large_scale_defeats_plain_monte_carlo():
     # the test bed of the Monte Carlo diagnostics: at sigma = 0.4 the norm of b sits in rare
     # inputs; plain sampling (this seed) misses them with a small standard error (measured:
-    # truth 4.97e6, estimate 117.5 +- 1.7, largest share 0.004). Importance sampling on the 3 variables Xv with a wide
-    # proposal N(0, 2.5^2 I) confirms the oracle (an independent route to the same integral).
+    # truth 4.97e6, estimate 117.5 +- 1.7, largest share 0.004). Importance sampling on the 3
+    # variables Xv with a wide proposal N(0, 2.5^2 I) confirms the oracle (an independent
+    # route to the same integral).
     n_ctx, d = 3, 24
     pb = planted_attention(d, n_ctx, scale=0.4, seed=2)
     exact = quadrature_inner(pb.network, None, pb.slice()).value
@@ -349,7 +361,8 @@ def test_invariant_to_the_basis_within_its_span_and_symmetric(seed, n, kind):
 @given(seed=st.integers(0, 10_000))
 def test_sequence_invariant_to_per_position_rotation(seed):
     rng = np.random.default_rng(seed)
-    a = ta.Sequential([ta.Residual(_attention(rng, 3, heads=1)), ta.Linear(rng.standard_normal((1, 3)))])
+    a = ta.Sequential([ta.Residual(_attention(rng, 3, heads=1)),
+                       ta.Linear(rng.standard_normal((1, 3)))])
     b = _attention(rng, 3, heads=1, d_out=1)
     P0, P1 = _orthonormal(rng, 2, 3), _orthonormal(rng, 1, 3)
     Q = _orthonormal(rng, 2, 2)
@@ -426,6 +439,11 @@ def test_mismatched_networks_and_zero_norm():
         quadrature_similarity(a, zero, np.eye(3))
     with pytest.raises(TypeError):
         quadrature_inner("not a network", a, np.eye(3))
+    nan_spec = [{"type": "linear", "weight": [[float("nan"), 1.0, 0.0]] * 2, "bias": None}]
+    with pytest.raises(ValueError, match="non-finite"):
+        quadrature_inner(nan_spec, a, np.eye(3))
+    with pytest.raises(ValueError, match="output: .*non-finite"):
+        quadrature_inner(a, a, np.eye(3), output=[np.nan, 1.0])
 
 
 def test_oracle_reads_only_the_layers():
