@@ -89,6 +89,8 @@ def test_vector_whole_space_equals_exact_inner(kind, d):
     r = quadrature_inner(a, b, basis)
     exact = ta.inner(a, b)
     assert r.value == pytest.approx(exact, rel=REL)
+    more = quadrature_inner(a, b, basis, degree=r.degree + 2)   # more nodes: still exact
+    assert more.nodes == r.nodes + 2 and more.value == pytest.approx(exact, rel=REL)
     s = quadrature_similarity(a, b, basis)
     assert s.value == pytest.approx(ta.similarity(a, b), rel=REL)
     assert quadrature_inner(a, b, basis, output=1).value == \
