@@ -12,9 +12,13 @@ network or Wick code). Everything is recomputed from definitions:
   z-score agreement checks.
 * :mod:`verify.attention` — brute-force rational polynomial expansion of small sequence models
   (bilinear attention) and their exact Gaussian inner products.
+* :mod:`verify.quadrature` — exact Gauss–Hermite quadrature of inner products, similarities and
+  Wiener-chaos (Hermite order) profiles on low-dimensional Gaussian slices of any network, from
+  the forward pass alone; :mod:`verify.planted` — planted high-dimensional models (reads and
+  writes along one direction) whose full inner product is such a slice.
 
-``import verify`` is cheap: it loads only :mod:`verify.certify` (numpy); ``symbolic`` (sympy)
-and ``montecarlo`` load on first use, and ``verify.identifiability`` is never imported here.
+``import verify`` is cheap: it loads only :mod:`verify.certify` (numpy); ``symbolic`` (sympy),
+``montecarlo``, ``quadrature`` and ``planted`` load on first use, and ``verify.identifiability`` is never imported here.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["certify", "Certificate", "gaussian_inner_exact", "expand", "ExpansionTooLarge",
-           "symbolic", "montecarlo"]
+           "symbolic", "montecarlo", "quadrature", "planted"]
 
 from ._poly import ExpansionTooLarge
 from .certify import Certificate, certify, expand, gaussian_inner_exact  # binds the function
 
 
 def __getattr__(name: str):
-    if name in ("symbolic", "montecarlo", "identifiability", "attention"):
+    if name in ("symbolic", "montecarlo", "identifiability", "attention", "quadrature",
+                "planted"):
         return importlib.import_module(f"verify.{name}")
     raise AttributeError(f"module 'verify' has no attribute {name!r}")
