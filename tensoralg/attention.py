@@ -60,7 +60,8 @@ from .backends import available_memory
 from .errors import CostTooHigh
 from .request import Request, make_request
 from .results import similarity_from, swap_order
-from .strategies.montecarlo import MonteCarloEstimate, _radial_rule, ratio_estimate
+from .strategies.montecarlo import (MonteCarloEstimate, _radial_rule, inner_diagnostics,
+                                    ratio_diagnostics, ratio_estimate)
 from .layers import (BilinearAttention, Bilinear, Layer, Linear, Residual, Sequential,
                      as_array, as_network)
 from .strategies.executor import TORCH as _TORCH  # noqa: F401  (tests reset/inspect it)
@@ -659,12 +660,15 @@ def montecarlo_inner_req(req: Request, a: Any, b: Any, n_batches: int = 20):
     """:func:`montecarlo_inner` of a validated request."""
     draws, n = _mc_draws(req, a, b, n_batches, "montecarlo_inner")
     s1 = s2 = 0.0
+    kept = []
     for fa, fb, w in draws:
         p = _per_sample(fa, fb, req.output, req.position).reshape(-1, w.size) @ w
         s1, s2 = s1 + p.sum(), s2 + p @ p
+        kept.append(p)
     mean = s1 / n
     var = max(s2 / n - mean * mean, 0.0) * n / (n - 1)
-    return MonteCarloEstimate(float(mean), math.sqrt(var / n), n)
+    diag = inner_diagnostics(np.concatenate(kept), "<a,a>" if b is a else None)
+    return MonteCarloEstimate(float(mean), math.sqrt(var / n), n, diag)
 
 
 def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_000,
@@ -700,12 +704,16 @@ def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = 20)
     draws, n = _mc_draws(req, a, b, n_batches, "montecarlo_similarity")
     s1 = np.zeros(3)
     s2 = np.zeros((3, 3))
+    kept = []
     for fa, fb, w in draws:
         P = np.stack([_per_sample(x, y, req.output, req.position).reshape(-1, w.size) @ w
                       for x, y in ((fa, fb), (fa, fa), (fb, fb))])          # (3, size)
         s1 += P.sum(axis=1)
         s2 += P @ P.T
-    return ratio_estimate(s1, s2, n)
+        kept.append(P)
+    est = ratio_estimate(s1, s2, n)
+    return MonteCarloEstimate(float(est), est.stderr, n,
+                              ratio_diagnostics(np.concatenate(kept, axis=1)))
 
 
 # ----------------------------------------------------------------------------------------

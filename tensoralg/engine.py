@@ -130,11 +130,12 @@ def inner(req: Request, a: Any, b: Any):
         return seq
     U, keep = req.output_matrix(na.out_features)
     if req.method == "montecarlo":
-        mean, se = montecarlo.moments([na], [nb], U, keep, req.n_samples, req.seed,
-                                      req.backend, req.device, req.dtype)
+        mean, se, p = montecarlo.moments([na], [nb], U, keep, req.n_samples, req.seed,
+                                         req.backend, req.device, req.dtype, samples=True)
         if keep:
             return MonteCarloArray(mean[0, 0], se[0, 0], req.n_samples)
-        return MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]), req.n_samples)
+        diag = montecarlo.inner_diagnostics(p[:, 0, 0], "<a,a>" if b is a else None)
+        return MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]), req.n_samples, diag)
     same = b is a
     if req.exact and req.method == "exact":  # refuse before any rational work
         refuse_if_needed(refuse_exact_early([na], None if same else [nb], U, keep, req.metric,
@@ -160,7 +161,7 @@ def norm(req: Request, a: Any):
     if isinstance(val, MonteCarloEstimate):
         r = math.sqrt(max(float(val), 0.0))
         return MonteCarloEstimate(r, val.stderr / (2 * r) if r > 0 else float("inf"),
-                                  val.n_samples)
+                                  val.n_samples, val.diagnostics)
     return np.sqrt(np.maximum(val, 0.0)) if isinstance(val, np.ndarray) else math.sqrt(max(val, 0.0))
 
 
@@ -395,6 +396,7 @@ def _mc_combination(req: Request, left, right):
     beta = np.array([c for _, c in right], dtype=np.float64)
     nl = len(left)
     s1 = s2 = 0.0
+    kept = []
     for F, w in montecarlo.features(nets, np.asarray(U, dtype=np.float64), n_samples, req.seed,
                                     req.backend, req.device, req.dtype):
         fl = np.einsum("i,isqK->sqK", alpha, F[:nl])
@@ -402,12 +404,15 @@ def _mc_combination(req: Request, left, right):
         P = np.einsum(f"sqK,sqK,q->{'sK' if keep else 's'}", fl, fr, w)
         s1 = s1 + P.sum(axis=0)
         s2 = s2 + (P * P).sum(axis=0)
+        kept.append(P)
     mean = s1 / n_samples
     var = np.maximum(s2 / n_samples - mean * mean, 0.0) * n_samples / (n_samples - 1)
     se = np.sqrt(var / n_samples)
     if keep:
         return MonteCarloArray(mean, se, n_samples)
-    return MonteCarloEstimate(float(mean), float(se), n_samples)
+    diag = montecarlo.inner_diagnostics(np.concatenate(kept),
+                                        "||b - c||^2" if left == right else None)
+    return MonteCarloEstimate(float(mean), float(se), n_samples, diag)
 
 
 def inner_diff(req: Request, a: Any, b: Any, c: Any):
@@ -433,7 +438,7 @@ def diff_norm(req: Request, b: Any, c: Any):
             se = np.where(d > 0, np.asarray(d2.stderr) / (2 * d), np.inf)
         if isinstance(d2, MonteCarloArray):
             return MonteCarloArray(d, se, d2.n_samples)
-        return MonteCarloEstimate(float(d), float(se), d2.n_samples)
+        return MonteCarloEstimate(float(d), float(se), d2.n_samples, d2.diagnostics)
     try:
         G = gram(req, [b, c])
         bb, bc, cc = G[0, 0], G[0, 1], G[1, 1]

@@ -210,7 +210,7 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
             positive int; a device for a CPU-only backend or an unknown dtype/device;
             ``n_ctx`` not a positive int; ``position`` not None, ``"each"`` or an int;
             ``output`` not None, an int, ``"each"`` or a finite non-zero vector;
-            (``method="montecarlo"``) ``n_samples`` not an int >= 2, ``seed`` not a
+            (``method="montecarlo"``) ``n_samples`` not an int >= 6 (three replicates), ``seed`` not a
             non-negative int, or the exact backend; a ``cov`` that is not a valid input
             covariance (:func:`tensoralg.distribution.input_distribution`), or ``cov`` with
             ``metric="frobenius"``.
@@ -254,10 +254,9 @@ def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_
         if backend == "exact":
             raise ValueError("method='montecarlo' samples in floating point: use "
                              "backend='numpy' or 'torch'")
-        if not _is_int(n_samples) or n_samples < 2:
-            raise ValueError(f"n_samples: expected an integer >= 2, got {n_samples!r}")
-        if not _is_int(seed) or seed < 0:
-            raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+        from .strategies.montecarlo import check_mc
+
+        check_mc(n_samples, seed, backend)
     if cov is not None and metric != "gaussian":
         raise ValueError(f"cov: the input distribution belongs to the Gaussian metric; "
                          f"metric={metric!r} has none")

@@ -101,7 +101,7 @@ def test_unknown_option_names(nets):
         ta.inner(a, b, metric="frobenius", method="closure")
     with pytest.raises(ValueError, match="use backend='numpy' or 'torch'"):
         ta.inner(a, b, method="montecarlo", backend="exact")
-    with pytest.raises(ValueError, match="n_samples: expected an integer >= 2"):
+    with pytest.raises(ValueError, match="n_samples: expected an integer >= 6"):
         ta.inner(a, b, method="montecarlo", n_samples=1)
     with pytest.raises(ValueError, match="dtype: the numpy backend computes in float64"):
         ta.inner(a, b, dtype="float32")
@@ -172,7 +172,7 @@ def test_montecarlo_arguments_checked_by_every_entry_point(nets):
     a, b = nets
     for fn in (ta.inner, ta.similarity):
         for bad in (0, -5, 1, 1e3, True):
-            with pytest.raises(ValueError, match="n_samples: expected an integer >= 2"):
+            with pytest.raises(ValueError, match="n_samples: expected an integer >= 6"):
                 fn(a, b, method="montecarlo", n_samples=bad)
         with pytest.raises(ValueError, match="seed: expected a non-negative integer"):
             fn(a, b, method="montecarlo", seed=-1)

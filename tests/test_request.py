@@ -64,7 +64,7 @@ BAD = [
     (dict(output=[np.nan, 1.0]), "output: .*finite"),
     (dict(output=[0.0, 0.0]), "output: the direction u is zero"),
     (dict(output=np.eye(2)), "output: expected None, an int class index, a vector or 'each'"),
-    (dict(method="montecarlo", n_samples=1), "n_samples: expected an integer >= 2"),
+    (dict(method="montecarlo", n_samples=1), "n_samples: expected an integer >= 6"),
     (dict(method="montecarlo", seed=-1), "seed: expected a non-negative integer"),
     (dict(method="montecarlo", backend="exact"), "method='montecarlo' samples in floating point"),
 ]
@@ -210,7 +210,7 @@ def test_a_remembered_request_never_accepts_an_option_it_would_refuse():
     """make_request remembers validated requests of plain options; 1000 and 1000.0 are equal
     dict keys but not equal options (an int >= 2 against a float)."""
     make_request(method="montecarlo", n_samples=1000)
-    with pytest.raises(ValueError, match="n_samples: expected an integer >= 2"):
+    with pytest.raises(ValueError, match="n_samples: expected an integer >= 6"):
         make_request(method="montecarlo", n_samples=1000.0)
     make_request(n_ctx=3)
     with pytest.raises(ValueError, match="n_ctx: expected a positive int"):

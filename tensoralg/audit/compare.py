@@ -150,6 +150,13 @@ def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "m
                 entry["each"] = [float(v) for v in np.asarray(each, dtype=np.float64)]
             if getattr(g, "stderr", None) is not None:
                 entry["global_stderr"] = float(g.stderr)
+            if getattr(g, "diagnostics", None) is not None:   # Monte Carlo: the verdict
+                d = g.diagnostics
+                entry["reliable"] = bool(d.reliable)
+                entry["diagnostics"] = {"reason": d.reason, "max_share": d.max_share,
+                                        "replicates_max_z": d.max_z,
+                                        "replicates": [list(x) for x in d.replicates],
+                                        "certified_lower_bounds": d.lower_bounds}
             if getattr(each, "stderr", None) is not None:
                 entry["each_stderr"] = [float(v) for v in np.ravel(each.stderr)]
         except (ValueError, NotImplementedError) as exc:  # CostTooHigh is a ValueError
@@ -187,6 +194,12 @@ def compare_table(result: dict) -> str:
             rows.append([r["metric"], r["method"], "-", "-", "-", f"refused, see [{len(notes)}]"])
             continue
         stderr = f"±{r['global_stderr']:.1e}" if "global_stderr" in r else ""
+        if r.get("reliable") is False:   # a failed diagnostic is not an answer
+            notes.append(f"[{len(notes) + 1}] {r['metric']}/{r['method']}: "
+                         f"{r['diagnostics']['reason']}")
+            rows.append([r["metric"], r["method"], "no reliable estimate", "-", "-",
+                         f"see [{len(notes)}]"])
+            continue
         each = r.get("each")
         if each is None:   # sequence-model Monte Carlo: global only
             rows.append([r["metric"], r["method"], r["global"], "-", "-", stderr])

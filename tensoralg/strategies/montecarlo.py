@@ -4,31 +4,169 @@ the only option where no exact method is affordable."""
 
 from __future__ import annotations
 
+import math
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..backends import converter
 from ..layers import Layer
 
-__all__ = ["MonteCarloEstimate", "MonteCarloArray", "check_mc", "moments", "similarity",
-           "features", "warn_few", "MC_MIN_DIRECTIONS", "ratio_estimate"]
+__all__ = ["MonteCarloEstimate", "MonteCarloArray", "Diagnostics", "check_mc", "moments",
+           "similarity", "features", "warn_few", "MC_MIN_DIRECTIONS", "ratio_estimate",
+           "inner_diagnostics", "ratio_diagnostics", "certified_lower_bound", "MC_REPLICATES"]
+
+
+#: Diagnostics of every scalar Monte Carlo result (docs/mathematics.md §3.9): the directions
+#: split into this many independent replicates (disjoint, consecutive sets of directions)...
+MC_REPLICATES = 3
+#: ...reliable only when no single direction carries this share of any sum...
+MC_MAX_SHARE = 0.05
+#: ...and the replicates agree: every pairwise |z| at most this...
+MC_AGREE_Z = 3.0
+#: ...else only the certified lower bounds on the norms are reported, at this confidence.
+MC_LOWER_BOUND_CONFIDENCE = 0.999
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """Whether a Monte Carlo estimate can be trusted (docs/mathematics.md §3.9).
+
+    Attributes:
+        replicates: ``(estimate, stderr)`` of each of :data:`MC_REPLICATES` independent
+            replicates (disjoint sets of the directions, in draw order).
+        max_share: the largest share one direction has of any of the sums behind the estimate
+            (``max_i |p_i| / sum_i |p_i|``; for a similarity the largest over its three sums).
+        max_z: the largest pairwise ``|e_i - e_j| / sqrt(se_i^2 + se_j^2)`` of the replicates.
+        reliable: ``max_share < MC_MAX_SHARE`` and ``max_z <= MC_AGREE_Z``.
+        reason: why not, when not reliable ("" when reliable).
+        lower_bounds: certified lower bounds (confidence :data:`MC_LOWER_BOUND_CONFIDENCE`) on
+            the squared norms the samples saw, ``{"<a,a>": ..., "<b,b>": ...}`` (empty for a
+            cross inner product): ``E[Z] >= t P(Z >= t)`` with a Clopper-Pearson lower bound on
+            ``P(Z >= t)`` (Bonferroni over the thresholds tried), ``Z`` the per-direction
+            radial average of ``|f|^2`` (non-negative, mean the squared norm).
+    """
+
+    replicates: tuple
+    max_share: float
+    max_z: float
+    reliable: bool
+    reason: str
+    lower_bounds: dict
+
+    def summary(self) -> str:
+        reps = ", ".join(f"{v:.6g} ± {se:.2g}" for v, se in self.replicates)
+        lb = "; ".join(f"{k} >= {v:.4g}" for k, v in self.lower_bounds.items())
+        head = "reliable" if self.reliable else f"NOT reliable ({self.reason})"
+        return (f"{head}; replicates {reps}; largest single-direction share "
+                f"{self.max_share:.3g}; replicates' largest |z| {self.max_z:.2f}"
+                + (f"; certified lower bounds {lb}" if lb else ""))
 
 
 class MonteCarloEstimate(float):
-    """A Monte Carlo estimate: a float with its standard error ``stderr`` and ``n_samples``."""
+    """A Monte Carlo estimate (APPROXIMATE): a float with its standard error ``stderr``,
+    ``n_samples`` (directions) and, for scalar results, :class:`Diagnostics` (``reliable``,
+    ``diagnostics``). A value whose ``reliable`` is False is not an answer: print
+    ``no reliable estimate`` and the lower bounds instead."""
 
     stderr: float
     n_samples: int
+    diagnostics: "Diagnostics | None"
 
-    def __new__(cls, value: float, stderr: float, n_samples: int):
+    def __new__(cls, value: float, stderr: float, n_samples: int,
+                diagnostics: "Diagnostics | None" = None):
         obj = super().__new__(cls, value)
         obj.stderr = float(stderr)
         obj.n_samples = int(n_samples)
+        obj.diagnostics = diagnostics
         return obj
 
+    @property
+    def reliable(self) -> bool | None:
+        """The diagnostics' verdict (None where none were computed)."""
+        return None if self.diagnostics is None else self.diagnostics.reliable
+
     def __repr__(self) -> str:
-        return f"MonteCarloEstimate({float(self)!r} ± {self.stderr:.3g}, n={self.n_samples})"
+        tail = "" if self.diagnostics is None else \
+            (", reliable" if self.reliable else f", NOT reliable: {self.diagnostics.reason}")
+        return (f"MonteCarloEstimate({float(self)!r} ± {self.stderr:.3g}, "
+                f"n={self.n_samples}{tail})")
+
+
+def _share(p: np.ndarray) -> float:
+    a = np.abs(p)
+    total = a.sum()
+    return float(a.max() / total) if total > 0 else 1.0
+
+
+def certified_lower_bound(z: np.ndarray, confidence: float = MC_LOWER_BOUND_CONFIDENCE,
+                          n_thresholds: int = 16) -> float:
+    """A lower bound on ``E[Z]`` for iid samples ``z >= 0`` that holds with probability at least
+    ``confidence``: ``max_t t * p_lo(t)`` over ``n_thresholds`` sample quantiles ``t``, with
+    ``p_lo`` the one-sided Clopper-Pearson lower bound on ``P(Z >= t)`` at level
+    ``(1 - confidence) / n_thresholds`` (Markov's inequality ``E[Z] >= t P(Z >= t)``; Bonferroni
+    over the thresholds). Unlike the sample mean it cannot be fooled upward by rare large
+    values, only made loose."""
+    from scipy.stats import beta
+
+    z = np.sort(np.asarray(z, dtype=np.float64))
+    n = z.size
+    if n == 0 or z[-1] <= 0:
+        return 0.0
+    alpha = (1 - confidence) / n_thresholds
+    best = 0.0
+    for q in np.linspace(0.0, 1.0, n_thresholds, endpoint=False):
+        i = min(n - 1, int(q * n))
+        t = z[i]
+        if t <= 0:
+            continue
+        k = n - int(np.searchsorted(z, t, side="left"))    # samples >= t
+        best = max(best, float(t * beta.ppf(alpha, k, n - k + 1)))
+    return best
+
+
+def _agreement(reps: list) -> float:
+    z = 0.0
+    for i in range(len(reps)):
+        for j in range(i + 1, len(reps)):
+            (x, sx), (y, sy) = reps[i], reps[j]
+            den = math.sqrt(sx * sx + sy * sy)
+            z = max(z, abs(x - y) / den if den > 0 else (0.0 if x == y else math.inf))
+    return z
+
+
+def _verdict(reps, share, norms: dict) -> Diagnostics:
+    max_z = _agreement(reps)
+    why = []
+    if not share < MC_MAX_SHARE:
+        why.append(f"one direction carries {share:.0%} of a sum (>= {MC_MAX_SHARE:.0%})")
+    if not max_z <= MC_AGREE_Z:
+        why.append(f"the {len(reps)} independent replicates disagree (|z| = {max_z:.1f} > "
+                   f"{MC_AGREE_Z:g})")
+    lbs = {k: certified_lower_bound(v) for k, v in norms.items()}
+    return Diagnostics(tuple(reps), share, max_z, not why, "; ".join(why), lbs)
+
+
+def inner_diagnostics(p: np.ndarray, norm_name: str | None = None) -> Diagnostics:
+    """Diagnostics of a mean ``p.mean()`` of per-direction values ``p`` ``(n,)``;
+    ``norm_name`` (e.g. ``"<a,a>"``) when ``p`` estimates a squared norm (then its certified
+    lower bound is given)."""
+    reps = []
+    for part in np.array_split(p, MC_REPLICATES):
+        reps.append((float(part.mean()), float(part.std(ddof=1) / math.sqrt(part.size))))
+    return _verdict(reps, _share(p), {norm_name: p} if norm_name else {})
+
+
+def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
+    """Diagnostics of the similarity ratio of per-direction triples ``P`` ``(3, n)`` =
+    ``(p_ab, p_aa, p_bb)``."""
+    reps = []
+    for part in np.array_split(P, MC_REPLICATES, axis=1):
+        est = ratio_estimate(part.sum(axis=1), part @ part.T, part.shape[1])
+        reps.append((float(est), est.stderr))
+    share = max(_share(x) for x in P)
+    return _verdict(reps, share, {"<a,a>": P[1], "<b,b>": P[2]})
 
 
 class MonteCarloArray(np.ndarray):
@@ -127,24 +265,35 @@ def warn_few(n_samples: int) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+#: The fewest directions: two per replicate, for the replicates' standard errors.
+MC_MIN_SAMPLES = 2 * MC_REPLICATES
+
+
 def check_mc(n_samples, seed, backend) -> None:
     if backend == "exact":
         raise ValueError("method='montecarlo' samples in floating point: use backend='numpy' "
                          "or 'torch'")
-    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or n_samples < 2:
-        raise ValueError(f"n_samples: expected an integer >= 2, got {n_samples!r}")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or \
+            n_samples < MC_MIN_SAMPLES:
+        raise ValueError(f"n_samples: expected an integer >= {MC_MIN_SAMPLES} (the diagnostics "
+                         f"split the directions into {MC_REPLICATES} independent replicates), "
+                         f"got {n_samples!r}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
 
 
-def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype):
-    """Sample means and standard errors of <a_i, b_j> products (Na, Nb[, K])."""
+def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
+            samples: bool = False):
+    """Sample means and standard errors of <a_i, b_j> products (Na, Nb[, K]); with
+    ``samples`` also the per-direction values ``(n, Na, Nb[, K])`` (for the diagnostics of a
+    scalar result)."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     nets = list(nets_a) + list(nets_b)
     Na = len(nets_a)
     warn_few(n_samples)
     s1 = s2 = 0.0
+    kept = []
     for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype):
         Fa, Fb = F[:Na], F[Na:]
         if keep:
@@ -153,8 +302,12 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype):
             P = np.einsum("asqK,bsqK,q->sab", Fa, Fb, w)
         s1 = s1 + P.sum(axis=0)
         s2 = s2 + (P * P).sum(axis=0)
+        if samples:
+            kept.append(P)
     mean = s1 / n_samples
     var = np.maximum(s2 / n_samples - mean * mean, 0.0) * n_samples / (n_samples - 1)
+    if samples:
+        return mean, np.sqrt(var / n_samples), np.concatenate(kept)
     return mean, np.sqrt(var / n_samples)
 
 
@@ -164,6 +317,7 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
     U = np.asarray(U, dtype=np.float64)
     warn_few(n_samples)
     sums = None
+    kept = []
     for F, w in _mc_features([na, nb], U, n_samples, seed, backend, device, dtype):
         fa, fb = F[0], F[1]
         out = "sK" if keep else "s"
@@ -172,7 +326,13 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
         Z = np.stack([pab, paa, pbb])  # (3, s[, K])
         part = (Z.sum(axis=1), np.einsum("is...,js...->ij...", Z, Z))
         sums = part if sums is None else (sums[0] + part[0], sums[1] + part[1])
-    return ratio_estimate(sums[0], sums[1], n_samples, keep)
+        if not keep:
+            kept.append(Z)
+    est = ratio_estimate(sums[0], sums[1], n_samples, keep)
+    if keep:
+        return est
+    return MonteCarloEstimate(float(est), est.stderr, n_samples,
+                              ratio_diagnostics(np.concatenate(kept, axis=1)))
 
 
 def ratio_estimate(s1, s2, n_samples: int, keep: bool = False):
