@@ -79,10 +79,12 @@ __all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "cl
 DEFAULT_MAX_CONFIGURATIONS = 200_000
 
 #: The alternatives named when the exact attention path refuses (docs/mathematics.md §3.7).
-ALTERNATIVES = ("Alternatives: method='closure' (approximate from the second non-linear "
-                "layer on: the fast second-moment closure over (position, feature), equal to "
-                "the exact value for one attention layer) or method='montecarlo' (unbiased, "
-                "with a standard error)")
+ALTERNATIVES = ("Alternatives: method='closure' (the moment-closure similarity: APPROXIMATE "
+                "from the second non-linear layer on, the exact similarity of a surrogate whose "
+                "layers read Gaussians with the true second moments over (position, feature); "
+                "equal to the exact value for one attention layer; on trained two-layer "
+                "checkpoints not an estimate of the tensor similarity) or method='montecarlo' "
+                "(with a standard error and a reliability verdict)")
 
 
 class AttentionNotSupported(ValueError):
@@ -1403,8 +1405,15 @@ def _closure_triple_run(req: Request, a, b, need_self):
 
 def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
                   position: Any = None, backend: str = "numpy", device: Any = None):
-    """Gaussian closure (APPROXIMATE at depth >= 2; exact at depth 1) of the inner product
-    ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence models of any depth.
+    """The moment-closure inner product (APPROXIMATE at depth >= 2; exact at depth 1) of two
+    sequence models of any depth, in place of ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]``.
+
+    What it is (docs/mathematics.md §3.9): the exact Gaussian inner product of a surrogate in
+    which each layer reads a Gaussian with the true joint second moments of the layer before's
+    outputs. On exact low-dimensional slices of trained two-layer checkpoints the true
+    similarities were 0.175 and -0.246 where this gave 0.936 and +0.944 (the wrong sign on the
+    second): it tracks the low-degree part of the function, not the full similarity, and is
+    not an estimate of it there.
 
     What it computes (docs/mathematics.md §3.2 and §3.7). The state is the joint second moments
     of the two models' activations over (position, feature): means ``mu[t, i]`` and covariances
@@ -1500,8 +1509,9 @@ def closure_inner_req(req: Request, a: Any, b: Any):
 
 def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
                        position: Any = None, backend: str = "numpy", device: Any = None):
-    """``<a,b> / sqrt(<a,a> <b,b>)`` with the closure moments of one propagation
-    (APPROXIMATE at depth >= 2; see :func:`closure_inner` for what it is, its measured error,
+    """The moment-closure similarity: ``<a,b> / sqrt(<a,a> <b,b>)`` with the closure moments of
+    one propagation (APPROXIMATE at depth >= 2; see :func:`closure_inner` for what it is, its
+    measured error,
     ``backend`` and ``device``). Raises ValueError when a closure norm is zero or an inner
     product overflowed float64."""
     return closure_similarity_req(_closure_request(n_ctx, output, position, backend, device),

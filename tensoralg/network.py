@@ -681,8 +681,8 @@ class JoinedNetwork:
                 f"exact {self.metric} inner product: the joined network has "
                 f"{self.n_a + self.n_b} input legs, i.e. {total:,} Wick configurations, over "
                 f"max_configurations={max_configurations:,}. Alternatives: method='closure' "
-                f"(second-moment propagation, fast, approximate beyond depth 1) or "
-                f"method='montecarlo' (unbiased, with a standard error)")
+                f"(the moment-closure similarity: fast, APPROXIMATE beyond depth 1) or "
+                f"method='montecarlo' (with a standard error and a reliability verdict)")
         self.reps = self.configurations()
         exprs, shapes = [], []
         seen: dict[int, int] = {}

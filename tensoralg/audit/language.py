@@ -673,7 +673,11 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
         "tensor_similarity": {**sim_info, "approximate": method != "exact",
                               "note": ("exact Gaussian inner product (one attention layer)"
                                        if method == "exact" else
-                                       "closure: APPROXIMATE beyond depth 1 (docs/attention.md)"
+                                       "moment-closure similarity: APPROXIMATE beyond depth 1, "
+                                       "the similarity of a surrogate with Gaussian layer "
+                                       "inputs; on trained two-layer checkpoints not an "
+                                       "estimate of the tensor similarity "
+                                       "(docs/mathematics.md §3.9)"
                                        if method == "closure" else
                                        "Monte Carlo estimate, one sample set per pair")},
         "checkpoints": [{"name": names[i], "step": steps[i], "path": f"checkpoints/{names[i]}",
