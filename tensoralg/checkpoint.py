@@ -248,14 +248,7 @@ def _save_network(path, net, step, provenance) -> Path:
             "n_ctx": net.n_ctx, "nodes": nodes,
             "shapes": [f"{k}={'x'.join(str(d) for d in v.shape)}" for k, v in tensors.items()],
             "dtype": "float64"}
-    cfg = {"format": FORMAT, **arch, "step": int(step)}
-    for key, value in dict(provenance or {}).items():
-        if key in arch or key in _RESERVED:
-            raise ValueError(f"provenance: key {key!r} would overwrite the checkpoint's "
-                             f"architecture entry")
-        if isinstance(value, dict):
-            raise ValueError(f"provenance: entry {key!r} is a dict; cfg.json is flat")
-        cfg[key] = value
+    cfg = _config(arch, step, provenance)
     cfg["probe_rows"] = NETWORK_PROBE_ROWS
     cfg["probe_n_ctx"] = n_ctx
     cfg["probe_output"] = [float(v) for v in _network_probe(net, NETWORK_PROBE_ROWS,
@@ -319,6 +312,20 @@ def _load_network(path, tensors, cfg) -> tuple[SavedNetwork, dict]:
     return SavedNetwork(net, cfg), cfg
 
 
+def _config(arch: dict, step: int, provenance) -> dict:
+    """The flat ``cfg.json`` of a checkpoint: format, architecture, step and the provenance
+    entries (which may not overwrite the architecture or be nested)."""
+    cfg = {"format": FORMAT, **arch, "step": int(step)}
+    for key, value in dict(provenance or {}).items():
+        if key in arch or key in _RESERVED:
+            raise ValueError(f"provenance: key {key!r} would overwrite the checkpoint's "
+                             f"architecture entry")
+        if isinstance(value, dict):
+            raise ValueError(f"provenance: entry {key!r} is a dict; cfg.json is flat")
+        cfg[key] = value
+    return cfg
+
+
 def save_checkpoint(path: str | os.PathLike, model: Any, *, step: int = 0,
                     provenance: Mapping[str, Any] | None = None) -> Path:
     """Save ``model`` to folder ``path`` (weights then config, each written atomically).
@@ -354,14 +361,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, step: int = 0,
                         f"BilinearTransformer, got {type(model).__name__} (compile a torch "
                         f"module with tensoralg.from_torch first)")
     arch = model.config()
-    cfg = {"format": FORMAT, **arch, "step": int(step)}
-    for key, value in dict(provenance or {}).items():
-        if key in arch or key in _RESERVED:
-            raise ValueError(f"provenance: key {key!r} would overwrite the checkpoint's "
-                             f"architecture entry")
-        if isinstance(value, dict):
-            raise ValueError(f"provenance: entry {key!r} is a dict; cfg.json is flat")
-        cfg[key] = value
+    cfg = _config(arch, step, provenance)
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
     for name, t in tensors.items():
         if not torch.isfinite(t).all():

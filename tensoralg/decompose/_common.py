@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..canonical import _zeros  # noqa: F401  (used here and by the other decompose modules)
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential
 
 _DEPTH_HINT = ("eigen-components need a depth-1 network (at most one bilinear layer on any "
@@ -21,12 +22,6 @@ def bilinear_depth(net: Layer) -> int:
     return int(net.degree).bit_length() - 1
 
 
-def _zeros(shape, exact: bool) -> np.ndarray:
-    if exact:
-        out = np.empty(shape, dtype=object)
-        out.fill(Fraction(0))
-        return out
-    return np.zeros(shape)
 
 
 def _arr(a, exact: bool) -> np.ndarray:
