@@ -90,7 +90,8 @@ def test_closure_through_the_public_api_at_depth_two():
     a = ta.Sequential([ta.Residual(_attn(rng, d)), ta.Residual(_attn(rng, d)),
                        ta.Linear(rng.standard_normal((2, d)))])
     b = ta.Sequential([ta.Residual(_attn(rng, d)), ta.Linear(rng.standard_normal((2, d)))])
-    with pytest.raises(ta.CostTooHigh, match="method='closure' \\(approximate"):
+    with pytest.raises(ta.CostTooHigh,
+                       match="method='closure' \\(the moment-closure similarity: APPROXIMATE"):
         ta.similarity(a, b, n_ctx=2)
     s = ta.similarity(a, b, n_ctx=2, method="closure")
     assert s == attention.closure_similarity(a, b, n_ctx=2)
