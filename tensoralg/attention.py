@@ -141,7 +141,7 @@ def _unsupported(name: str, i: int, what: str) -> AttentionNotSupported:
     return AttentionNotSupported(
         f"{name}: the exact attention inner product handles one attention layer (with or "
         f"without a residual) between per-position Linear layers; layer {i} is {what}. "
-        f"Use montecarlo_inner or closure_inner (approximate) for deeper stacks")
+        f"Use method='montecarlo' or method='closure' (approximate) for deeper stacks")
 
 
 def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> Tree:
@@ -186,7 +186,7 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
         raise AttentionNotSupported(
             f"{name}: the exact attention inner product needs one node of linear and attention "
             f"terms after folding the affine layers, got {len(tree.nodes)} nodes; use "
-            f"montecarlo_inner or closure_inner (approximate)")
+            f"method='montecarlo' or method='closure' (approximate)")
     return tree
 
 
@@ -466,7 +466,10 @@ def early_memory_refusal(req: Request, a: Any, b: Any) -> tuple[str, int] | None
         return None   # (a mask array fixes the context: the trees are the models' own size)
     _check_slices(req, a.out_features, n_ctx)
     small = req.replace(n_ctx=SHAPE_CTX, position=None)
-    pa, pb, _, out_mode, sel = _exact_trees(small, a, b)
+    try:
+        pa, pb, _, out_mode, sel = _exact_trees(small, a, b)
+    except AttentionNotSupported:
+        return None   # outside the exact path: refused as such, by the callers' own check
     if sum(JoinedTermPair(x, y, sel, out_mode, np.einsum).count()
            for x, y in _term_pairs(pa, pb)) > req.max_configurations:
         return None

@@ -174,6 +174,9 @@ def input_distribution(cov: Any, exact: bool) -> InputDistribution:
         return STANDARD
     if isinstance(cov, CovarianceFactor):
         K = cov.K
+        if not np.any(K != 0):
+            raise ValueError(f"cov: the factor K of shape {K.shape} is zero; N(0, 0) is a "
+                             f"point, not a distribution")
         if exact and K.dtype != object:
             K = np.vectorize(Fraction, otypes=[object])(K)
         elif not exact:

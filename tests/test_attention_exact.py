@@ -216,7 +216,7 @@ def test_errors_before_any_contraction():
     a = attn(rng, residual=True)
     deep = ta.Sequential([a, attn(rng, residual=True)])
     with pytest.raises(A.AttentionNotSupported, match="layer 1 is a second attention layer.*"
-                                                      "montecarlo_inner"):
+                                                      "method='montecarlo'"):
         A.exact_inner(a, deep, n_ctx=2)
     mlp = ta.Sequential([a, ta.Residual(ta.Bilinear(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2))))])
     with pytest.raises(A.AttentionNotSupported, match="layer 1 is Residual"):

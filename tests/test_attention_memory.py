@@ -161,3 +161,18 @@ def test_an_absurd_context_is_refused_from_shapes_with_nothing_allocated():
         ta.similarity(a, b, n_ctx=10_000)
     # within the budget the early bound is silent and the dry run decides, as before
     assert A.early_memory_refusal(A.make_request(n_ctx=6), a, b) is None
+
+
+def test_a_two_layer_model_at_a_long_context_gets_a_refused_plan_not_an_error():
+    """The shape-only bound builds small trees; a model outside the exact path is left to the
+    plan's own refusal (was AttentionNotSupported raised by plan; found by a tester)."""
+    rng = np.random.default_rng(13)
+    g = lambda *s: rng.normal(size=s) / np.sqrt(s[-1])  # noqa: E731
+    at = lambda: ta.Residual(ta.BilinearAttention(*(g(1, 2, 4) for _ in range(5)), g(4, 1, 2)))  # noqa: E731
+    deep = ta.Sequential([at(), at(), ta.Linear(g(3, 4))])
+    p = ta.plan(deep, deep, n_ctx=10_000)
+    assert p.refused and "method='montecarlo' or method='closure'" in p.refused
+    assert "montecarlo_inner" not in p.refused
+    with pytest.raises(ta.CostTooHigh) as info:
+        ta.inner(deep, deep, n_ctx=10_000)
+    assert "montecarlo_inner" not in str(info.value)

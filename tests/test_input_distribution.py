@@ -227,3 +227,11 @@ def test_covariance_refusals_that_need_the_models_or_the_backend():
         ta.inner(a, b, cov=2.0, metric="frobenius")
     with pytest.raises(ValueError, match="cov: the blocked path"):
         ta.gram([a, b], cov=2.0, block_size=1)
+
+
+def test_a_zero_factor_is_refused_as_a_covariance():
+    from test_request import ENTRY_POINTS
+
+    for name, call in ENTRY_POINTS.items():
+        with pytest.raises(ValueError, match=r"cov: the factor K of shape \(2, 2\) is zero"):
+            call(dict(cov=ta.CovarianceFactor(np.zeros((2, 2)))))
