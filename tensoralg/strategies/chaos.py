@@ -73,6 +73,9 @@ class ChaosEstimate:
         whitened: whether the joint input covariance was whitened (``r < d``).
         metric: whether each model is expanded in its own embedded coordinates and the pair
             through the cross covariance ``E_a E_b^T`` (one model per side).
+        angles: whether each model is expanded in its own whitened embedded coordinates,
+            rotated to the principal (canonical) angles between the two embeddings, so that
+            the pair is a weighted sum over packed coefficients (one model per side, float).
     """
 
     r: int
@@ -83,6 +86,7 @@ class ChaosEstimate:
     whitened: bool
     refused: str | None = None
     metric: bool = False
+    angles: bool = False
 
     def summary(self) -> str:
         if self.refused:
@@ -91,6 +95,9 @@ class ChaosEstimate:
         if self.metric:
             w = (f"each model in its embedded coordinates (m = {self.r}), paired through "
                  f"E_a E_b^T")
+        if self.angles:
+            w = (f"each model in its own whitened embedded coordinates (r = {self.r}), rotated "
+                 f"to the principal angles between the embeddings")
         kind = "dense" if self.metric else "packed"
         return (f"chaos: degree {self.degree}, {w}, {self.n_features:,} {kind} coefficients per "
                 f"model, "
@@ -142,6 +149,68 @@ def whiten(cans: list[Canonical], exact: bool) -> tuple[list[Canonical], int]:
         E[:, 1:, 1:] = Kc
         out.append(replace(c, embed=E, d=r).folded())
     return out, r
+
+
+#: Whether the planner may use :func:`rotate_to_angles` (False: the expansions before it; for
+#: tests and benchmarks that compare the two).
+ALLOW_ANGLES = True
+
+
+def angles_apply(ca: Canonical, cb: Canonical, same: bool, exact: bool) -> bool:
+    """Whether :func:`rotate_to_angles` may serve a pair (from shapes): one float model per
+    side, both behind embeddings, at depth 2 or more (at depth 1 the other expansions are
+    already at the cost of their input)."""
+    return (ALLOW_ANGLES and not same and not exact and ca.embed is not None and cb.embed is not None
+            and ca.embed.shape[0] == 1 and cb.embed.shape[0] == 1
+            and max(ca.depth, cb.depth) >= 2)
+
+
+def _angles_rank_bound(ca: Canonical, cb: Canonical) -> int:
+    return max(ca.embed.shape[-2] - 1, cb.embed.shape[-2] - 1, 1)
+
+
+def _eig_rows(E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(W, lam)`` with ``E E^T = W diag(lam) W^T`` over the eigenvalues above
+    ``len * eps * max`` (as :func:`whiten`)."""
+    lam, W = np.linalg.eigh(E @ E.T)
+    keep = lam > max(lam.max(), 0.0) * len(lam) * np.finfo(np.float64).eps
+    return W[:, keep], lam[keep]
+
+
+def rotate_to_angles(ca: Canonical, cb: Canonical) -> tuple[list[Canonical], np.ndarray, int]:
+    """Each model of a pair in its own whitened embedded input, rotated so that the two
+    inputs are correlated coordinate by coordinate (float64; one model per side).
+
+    With ``E_a = K_a Q_a`` (``Q_a`` orthonormal rows, from the eigendecomposition of
+    ``E_a E_a^T``) and likewise for ``b``, the singular value decomposition
+    ``Q_a Q_b^T = V_a diag(s) V_b^T`` gives coordinates ``z_a = V_a^T Q_a x`` and
+    ``z_b = V_b^T Q_b x``, each ``N(0, I)``, with ``E[z_a z_b^T] = diag(s)``: the cosines of
+    the principal angles between the row spaces of the embeddings (Björck & Golub 1973). Each
+    network is expanded in its own ``z`` (width ``r = max(rank E_a, rank E_b)``, the shorter
+    padded with unused coordinates) and Mehler's formula
+    ``E[He_alpha(z_a) He_beta(z_b)] = delta_{alpha beta} alpha! s^alpha`` pairs the chaos
+    coefficients index by index (:func:`inner_angles`; docs/mathematics.md §3.6). Embedding
+    biases stay in the lifted constant. Returns ``([a, b] folded, s (r,), r)``.
+    """
+    Ea, Eb = ca.embed[0, 1:, 1:], cb.embed[0, 1:, 1:]
+    Wa, la = _eig_rows(Ea)
+    Wb, lb = _eig_rows(Eb)
+    M = (Wa.T @ (Ea @ Eb.T) @ Wb) / np.sqrt(la)[:, None] / np.sqrt(lb)[None, :]
+    Va, s, VbT = np.linalg.svd(M)
+    r = max(len(la), len(lb), 1)
+    cos = np.zeros(r)
+    cos[:len(s)] = s
+
+    def rotated(c: Canonical, K: np.ndarray) -> Canonical:
+        E = np.zeros((1, c.embed.shape[-2], r + 1))
+        E[0, 0, 0] = c.embed[0, 0, 0]
+        E[0, 1:, 0] = c.embed[0, 1:, 0]
+        E[0, 1:, 1:K.shape[1] + 1] = K
+        return replace(c, embed=E, d=r).folded()
+
+    a = rotated(ca, (Wa * np.sqrt(la)) @ Va)
+    b = rotated(cb, (Wb * np.sqrt(lb)) @ VbT.T)
+    return [a, b], cos, r
 
 
 # ----------------------------------------------------------------------------------------
@@ -825,6 +894,39 @@ def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
     return total
 
 
+def _angle_weights(s: np.ndarray, r: int, k: int) -> np.ndarray:
+    """``k! * k!/prod(mult!) * prod_j s[alpha_j]`` per packed multiset ``alpha`` of order
+    ``k`` (float64): the weights of :func:`inner_angles`."""
+    w = _float_weights(r, k)[0].copy()
+    for start, a in _multiset_blocks(r, k):
+        w[start:start + len(a)] *= np.prod(s[a], axis=1)
+    return w
+
+
+def inner_angles(Ca: list, Cb: list, s: np.ndarray, r: int, keep: bool):
+    """``sum_k k! sum_alpha s^alpha C_k^a[alpha] C_k^b[alpha]`` (packed, each value weighted
+    by the index tuples it stands for): ``E[f_a f_b]`` for chaos coefficients in two inputs
+    with ``E[z_a z_b^T] = diag(s)`` (:func:`rotate_to_angles`). ``(N_a, N_b)`` or
+    ``(N_a, N_b, K)`` with ``keep``."""
+    total = None
+    for k in range(min(len(Ca), len(Cb))):
+        A, B = Ca[k], Cb[k]
+        if A is None or B is None:
+            continue
+        w = _angle_weights(s, r, k)
+        if _is_torch(A):
+            import torch
+
+            w = torch.as_tensor(w, dtype=A.dtype, device=A.device)
+            t = (torch.einsum("akI,bkI->abk", A * w, B) if keep
+                 else (A * w).reshape(A.shape[0], -1) @ B.reshape(B.shape[0], -1).T)
+        else:
+            t = (np.einsum("akI,bkI->abk", A * w, B) if keep
+                 else (A * w).reshape(A.shape[0], -1) @ B.reshape(B.shape[0], -1).T)
+        total = t if total is None else total + t
+    return total
+
+
 def _sqrt_weighted(C: list, r: int, n: int) -> np.ndarray:
     """Float64 packed coefficients ``C_k (N, K, n_k)`` (orders ``k < n``; None: zero) times
     ``sqrt(w_k)`` (the weights of :func:`inner_packed`), side by side in one ``(N, F)`` array
@@ -960,17 +1062,19 @@ def _result(X, shape, exact):
     return X
 
 
-def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list):
+def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list,
+             cross_s: np.ndarray | None = None):
     """``sum_k k! <C_k^x, C_k^y>`` for each pair ``(x, y)`` of stack indices in ``pairs``,
     with the outputs expanded in chunks (:func:`_output_chunk`): summed over the chunks, or
-    joined along the output axis with ``keep``."""
+    joined along the output axis with ``keep``. With ``cross_s`` (the cosines of the
+    principal angles, :func:`rotate_to_angles`), a pair ``x != y`` is :func:`inner_angles`."""
     K = U.shape[0]
     kc = _output_chunk(cans, K, r)
     exact = cans[0].exact
     res: list = [[] for _ in pairs]
     for k0 in range(0, K, kc):
         F = _features_on(cans, U[k0:k0 + kc], r, conv)
-        if not keep and conv is None and not exact and len(pairs) > 1 and all(
+        if not keep and conv is None and not exact and len(pairs) > 1 and cross_s is None and all(
                 c.arrays()[0].shape[0] == 1 and any(A is not None for A in f)
                 for c, f in zip(cans, F)):
             # one model per side, float64 sums over outputs: each model's features weighted
@@ -984,6 +1088,9 @@ def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list):
         for q, (x, y) in enumerate(pairs):
             shape = (cans[x].arrays()[0].shape[0], cans[y].arrays()[0].shape[0]) + (
                 (min(K, k0 + kc) - k0,) if keep else ())
+            if cross_s is not None and x != y:
+                res[q].append(_result(inner_angles(F[x], F[y], cross_s, r, keep), shape, exact))
+                continue
             res[q].append(_result(inner_packed(F[x], F[y], r, keep), shape, exact))
         del F
     if keep:
@@ -992,12 +1099,22 @@ def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list):
     return [sum(parts[1:], parts[0]) for parts in res]
 
 
+def _route(ca: Canonical, cb: Canonical, U, keep: bool, same: bool) -> str:
+    """Which expansion :func:`estimate` costed for this pair: ``"angles"``, ``"metric"`` or
+    ``"whiten"`` (so that the computation follows the plan)."""
+    est = estimate(ca, cb, U.shape[0], keep, same, ca.exact)
+    return "angles" if est.angles else ("metric" if est.metric else "whiten")
+
+
 def cross(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, same: bool = False,
           conv=None):
     """Exact cross Gram ``<a_i, b_j>`` ``(N_a, N_b[, K])`` of two stacks through their chaos
     coefficients (numpy float64, or Fractions on exact stacks). ``conv``: maps NumPy arrays to
     another backend's (torch) for the expansion; the result comes back as NumPy float64."""
     exact = ca.exact
+    if _route(ca, cb, U, keep, same) == "angles":
+        cans, s, r = rotate_to_angles(ca, cb)
+        return _chunked(cans, U, keep, r, conv, [(0, 1)], cross_s=s)[0]
     if not same and metric_applies(ca, cb):
         return _metric_triple(ca, cb, U, keep, conv, False)[1]
     cans, r = whiten([ca] if same else [ca, cb], exact)
@@ -1007,6 +1124,9 @@ def cross(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, same: bool = 
 def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, conv=None):
     """``(<a,a>, <a,b>, <b,b>)`` of two stacks from one expansion of each (one joint
     whitening), for similarities."""
+    if _route(ca, cb, U, keep, False) == "angles":
+        cans, s, r = rotate_to_angles(ca, cb)
+        return tuple(_chunked(cans, U, keep, r, conv, [(0, 0), (0, 1), (1, 1)], cross_s=s))
     if metric_applies(ca, cb):
         return tuple(_metric_triple(ca, cb, U, keep, conv, True))
     cans, r = whiten([ca, cb], ca.exact)
@@ -1054,7 +1174,8 @@ def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
     """FLOPs and peak memory of :func:`cross` (and :func:`triple`), from the shapes alone
     (nothing allocated). A function of the shapes only, so kept per shapes (a fresh copy is
     returned: the planner marks refusals on it)."""
-    key = (_shape_key(ca), _shape_key(cb), int(K), bool(keep), bool(same), bool(exact))
+    key = (_shape_key(ca), _shape_key(cb), int(K), bool(keep), bool(same), bool(exact),
+           ALLOW_ANGLES)
     return replace(_estimate_cached(key, ca, cb))
 
 
@@ -1068,7 +1189,7 @@ _ESTIMATES: dict = {}
 def _estimate_cached(key: tuple, ca: Canonical, cb: Canonical) -> ChaosEstimate:
     est = _ESTIMATES.get(key)
     if est is None:
-        est = _estimate(ca, cb, *key[2:])
+        est = _estimate(ca, cb, *key[2:6])
         if len(_ESTIMATES) >= 256:
             _ESTIMATES.clear()
         _ESTIMATES[key] = est
@@ -1077,15 +1198,31 @@ def _estimate_cached(key: tuple, ca: Canonical, cb: Canonical) -> ChaosEstimate:
 
 def _estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
               exact: bool) -> ChaosEstimate:
+    if not same and metric_applies(ca, cb):
+        est = _estimate_metric(ca, cb, K, keep)
+    else:
+        cans = [ca] if same else [ca, cb]
+        r, whitened = _joint_rank_bound(cans)
+        if exact:
+            r, whitened = ca.d, False
+        est = _estimate_packed(ca, cb, K, keep, same, exact, r, whitened)
+    if angles_apply(ca, cb, same, exact):
+        alt = _estimate_packed(ca, cb, K, keep, same, exact, _angles_rank_bound(ca, cb), False)
+        d, m_a, m_b = ca.d, ca.embed.shape[-2] - 1, cb.embed.shape[-2] - 1
+        alt.flops += 2.0 * m_a * m_b * d + 2.0 * (m_a ** 3 + m_b ** 3) + 24.0 * m_a * m_b ** 2
+        alt.angles = True
+        if alt.flops < est.flops:
+            return alt
+    return est
+
+
+def _estimate_packed(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
+                     exact: bool, r: int, whitened: bool) -> ChaosEstimate:
+    """The packed expansion of every model in ``z ~ N(0, I_r)`` and its pair products."""
     cans = [ca] if same else [ca, cb]
     Na = ca.arrays()[0].shape[0]
     Nb = cb.arrays()[0].shape[0]
     deg = 2 ** max(ca.depth, cb.depth)
-    if not same and metric_applies(ca, cb):
-        return _estimate_metric(ca, cb, K, keep)
-    r, whitened = _joint_rank_bound(cans)
-    if exact:
-        r, whitened = ca.d, False
     kc = max(1, min(K, FEATURE_ELEMENTS // max(1, sum(
         c.arrays()[0].shape[0] * sum(n_packed(r, k) for k in range(_degrees(c) + 1))
         for c in cans))))
