@@ -27,7 +27,7 @@ from .prepare import check_pair, networks, scaled, stack_for
 from .distribution import STANDARD
 from .request import Request
 from .results import similarity_from, swap_order
-from .strategies import chaos, closure, montecarlo, wick
+from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
 
@@ -88,6 +88,8 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
         fn = attention.closure_inner_req if kind == "inner" else attention.closure_similarity_req
         return fn(req, na, nb)
     if req.method == "montecarlo":
+        if req.proposal == "modes":
+            return _guided(kind, req, na, nb)
         fn = attention.montecarlo_inner_req if kind == "inner" else \
             attention.montecarlo_similarity_req
         return fn(req, na, nb)
@@ -124,10 +126,28 @@ def _checked_pair(kind: str, req: Request, a, b):
     return na, nb, _POSITION_FREE
 
 
+def _guided(kind: str, req: Request, na: Layer, nb: Layer, n_ctx: int | None = None):
+    """Guided importance sampling (:mod:`tensoralg.strategies.guided`, APPROXIMATE), for
+    vectors and sequences alike."""
+    from .canonical import resolve_n_ctx
+
+    U, keep = req.output_matrix(na.out_features)
+    if _is_sequence(na, nb):
+        n_ctx = resolve_n_ctx([("a", na), ("b", nb)], req.n_ctx)
+        if isinstance(req.position, str):
+            raise ValueError("position: proposal='modes' estimates one number; pass None or "
+                             "an int (got 'each')")
+        req.check_position(n_ctx)
+    fn = guided.inner if kind == "inner" else guided.similarity
+    return fn(na, nb, U, keep, req.n_samples, req.seed, n_ctx, req.position)
+
+
 def inner(req: Request, a: Any, b: Any):
     na, nb, seq = _checked_pair("inner", req, a, b)
     if seq is not _POSITION_FREE:
         return seq
+    if req.method == "montecarlo" and req.proposal == "modes":
+        return _guided("inner", req, na, nb)
     U, keep = req.output_matrix(na.out_features)
     if req.method == "montecarlo":
         mean, se, p = montecarlo.moments([na], [nb], U, keep, req.n_samples, req.seed,
@@ -169,6 +189,8 @@ def similarity(req: Request, a: Any, b: Any):
     na, nb, seq = _checked_pair("similarity", req, a, b)
     if seq is not _POSITION_FREE:
         return seq
+    if req.method == "montecarlo" and req.proposal == "modes":
+        return _guided("similarity", req, na, nb)
     U, keep = req.output_matrix(na.out_features)
     backend = req.backend
     if req.method == "montecarlo":
@@ -277,7 +299,17 @@ def _check_sequence_free(name: str, nets: list) -> None:
                          f"attention layer)")
 
 
+def radial_only(req: Request, what: str) -> None:
+    """Raises ValueError when ``proposal="modes"`` reaches an entry point that estimates more
+    than one number (guided sampling is per pair: :func:`inner`, :func:`similarity`)."""
+    if req.proposal != "radial":
+        raise ValueError(f"proposal={req.proposal!r}: guided sampling estimates one pair; "
+                         f"{what} samples with proposal='radial' (use inner / similarity per "
+                         f"pair)")
+
+
 def cross_gram(req: Request, models_a, models_b):
+    radial_only(req, "cross_gram")
     same = models_a is models_b
     name_a, name_b = ("models", "models") if same else ("models_a", "models_b")
     nets_a = networks(models_a, name_a)
@@ -339,6 +371,7 @@ def _models_list(models: Any) -> list:
 
 def gram(req: Request, models):
     """``G[i, j] = <m_i, m_j>`` of a list of models (not blocked)."""
+    radial_only(req, "gram")
     models = _models_list(models)
     seq = _sequence_matrix("gram", req, models)
     if seq is not None:
@@ -348,6 +381,7 @@ def gram(req: Request, models):
 
 def similarity_matrix(req: Request, models):
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` of a list of models (not blocked)."""
+    radial_only(req, "similarity_matrix")
     models = _models_list(models)
     seq = _sequence_matrix("similarity_matrix", req, models)
     if seq is not None:
@@ -417,6 +451,7 @@ def _mc_combination(req: Request, left, right):
 
 def inner_diff(req: Request, a: Any, b: Any, c: Any):
     """``<a, b - c> = <a, b> - <a, c>``; Monte Carlo: one integrand ``f_a . (f_b - f_c)``."""
+    radial_only(req, "inner_diff")
     if req.method == "montecarlo":
         return _mc_combination(req, [(a, 1.0)], [(b, 1.0), (c, -1.0)])
     try:
@@ -431,6 +466,7 @@ def inner_diff(req: Request, a: Any, b: Any, c: Any):
 def diff_norm(req: Request, b: Any, c: Any):
     """``||b - c||`` from the Gram matrix of ``[b, c]``; Monte Carlo: the integrand
     ``|f_b - f_c|^2`` per sample, the delta-method standard error of its root."""
+    radial_only(req, "diff_norm")
     if req.method == "montecarlo":
         d2 = _mc_combination(req, [(b, 1.0), (c, -1.0)], [(b, 1.0), (c, -1.0)])
         d = np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
@@ -461,6 +497,7 @@ def diff_norm(req: Request, b: Any, c: Any):
 
 def plan(req: Request, a: Any, b: Any = None) -> Plan | SequencePlan:
     """The planner's decision for ``<a, b>`` (``<a, a>`` when ``b`` is None)."""
+    radial_only(req, "plan")
     na = as_network(a, "a")
     nb = na if b is None else as_network(b, "b")
     check_pair(na, nb)

@@ -81,7 +81,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           n_samples: int = MC_DEFAULT_SAMPLES, seed: int = 0, device: Any = None,
           dtype: Any = None, max_flops: float | None = None, max_memory: float | None = None,
           max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
-          position: Any = None, cov: Any = None):
+          position: Any = None, cov: Any = None, proposal: str = "radial"):
     """Inner product ``<f_a, f_b>`` of two networks with the same input and output sizes.
 
     Sequence models (with :class:`~tensoralg.BilinearAttention`; inputs ``(n, n_ctx, d)``) go
@@ -91,12 +91,16 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
 
     Returns a float (numpy/torch backends), a :class:`fractions.Fraction` (exact backend), a
     NumPy vector for ``output="each"``, or a :class:`MonteCarloEstimate` for
-    ``method="montecarlo"``.
+    ``method="montecarlo"`` (an estimate, APPROXIMATE, with its standard error and
+    ``diagnostics.reliable``). ``proposal="modes"`` (Monte Carlo only): guided importance
+    sampling around the integrand's modes, for deep models whose norm sits in rare inputs
+    (:mod:`tensoralg.strategies.guided`; docs/montecarlo.md).
     """
     req = make_request(metric=metric, method=method, backend=backend, strategy=strategy,
                        output=output, n_ctx=n_ctx, position=position, n_samples=n_samples,
                        seed=seed, device=device, dtype=dtype, max_flops=max_flops,
-                       max_memory=max_memory, max_configurations=max_configurations, cov=cov)
+                       max_memory=max_memory, max_configurations=max_configurations, cov=cov,
+                       proposal=proposal)
     return engine.inner(req, a, b)
 
 
@@ -106,20 +110,21 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                dtype: Any = None, max_flops: float | None = None,
                max_memory: float | None = None,
                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
-               position: Any = None, cov: Any = None):
+               position: Any = None, cov: Any = None, proposal: str = "radial"):
     """Tensor similarity ``<a, b> / (||a|| ||b||)`` in [-1, 1] (cosine of the two functions under
     the chosen metric). ``sim(a, a) = 1``; symmetric (bit for bit: the pair is computed in one
     canonical order); invariant to reparametrizations that keep the functions (exact method).
     Computed in a normalized gauge so that output scales of 1e±300 cancel exactly. Returns a
     float, an :class:`~tensoralg.results.ExactSimilarity` (exact backend, vector and sequence
     models alike), a vector (``output="each"``) or a :class:`MonteCarloEstimate`
-    (delta-method standard error). With the chaos strategy the three inner products come from
-    one expansion of each model.
+    (delta-method standard error; ``proposal="modes"`` as in :func:`inner`). With the chaos
+    strategy the three inner products come from one expansion of each model.
     """
     req = make_request(metric=metric, method=method, backend=backend, strategy=strategy,
                        output=output, n_ctx=n_ctx, position=position, n_samples=n_samples,
                        seed=seed, device=device, dtype=dtype, max_flops=max_flops,
-                       max_memory=max_memory, max_configurations=max_configurations, cov=cov)
+                       max_memory=max_memory, max_configurations=max_configurations, cov=cov,
+                       proposal=proposal)
     return engine.similarity(req, a, b)
 
 
@@ -155,6 +160,7 @@ def _blocked(kind: str, req: Request, models, opts: dict):
     (``out``, ``client``, ``workers``, ``block_size``, ``resume``) is given."""
     from . import blocks
 
+    engine.radial_only(req, kind)
     if req.exact:
         raise ValueError("out=/client=/workers=/block_size=: the blocked path computes in floating "
                          "point; use backend='numpy' or 'torch' (or drop those options)")

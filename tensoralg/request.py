@@ -31,6 +31,9 @@ __all__ = ["Request", "make_request", "METRICS", "METHODS", "STRATEGIES", "check
 METRICS = ("gaussian", "frobenius")
 METHODS = ("exact", "closure", "montecarlo")
 STRATEGIES = ("auto", "wick", "chaos")
+#: Monte Carlo proposals: directions with the radius integrated exactly (docs/mathematics.md
+#: §3.4), or the defensive mixture around the integrand's modes (§3.9, APPROXIMATE as well).
+PROPOSALS = ("radial", "modes")
 MC_DEFAULT_SAMPLES = 100_000
 #: Budgets of the exact method (docs/mathematics.md §3.1): FLOPs (float backends; the exact
 #: backend's rationals are far dearer per operation) and Wick configurations.
@@ -126,6 +129,8 @@ class Request:
         max_flops, max_memory, max_configurations: budgets of the exact method.
         distribution: the input distribution ``N(0, Σ)`` of the Gaussian metric
             (:class:`~tensoralg.distribution.InputDistribution`, from ``cov=``; §3.9).
+        proposal: the Monte Carlo proposal, ``"radial"`` or ``"modes"`` (guided importance
+            sampling, :mod:`tensoralg.strategies.guided`; §3.9).
     """
 
     metric: str = "gaussian"
@@ -143,6 +148,7 @@ class Request:
     max_memory: float | None = None
     max_configurations: int = DEFAULT_MAX_CONFIGURATIONS
     distribution: InputDistribution = STANDARD
+    proposal: str = "radial"
 
     @property
     def exact(self) -> bool:
@@ -201,7 +207,7 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
                  device: Any = None, dtype: Any = None, max_flops: Any = None,
                  max_memory: Any = None,
                  max_configurations: Any = DEFAULT_MAX_CONFIGURATIONS,
-                 cov: Any = None) -> Request:
+                 cov: Any = None, proposal: Any = "radial") -> Request:
     """Validate every option once, in a fixed order, and return the :class:`Request`.
 
     Raises:
@@ -213,10 +219,11 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
             (``method="montecarlo"``) ``n_samples`` not an int >= 6 (three replicates), ``seed`` not a
             non-negative int, or the exact backend; a ``cov`` that is not a valid input
             covariance (:func:`tensoralg.distribution.input_distribution`), or ``cov`` with
-            ``metric="frobenius"``.
+            ``metric="frobenius"``; a ``proposal`` other than ``"radial"`` / ``"modes"``, or
+            ``"modes"`` without ``method="montecarlo"``.
     """
     key = (metric, method, backend, strategy, output, n_ctx, position, n_samples, seed,
-           device, dtype, max_flops, max_memory, max_configurations)
+           device, dtype, max_flops, max_memory, max_configurations, proposal)
     types = tuple(type(v) for v in key)
     if cov is None and all(t in _CACHEABLE for t in types):
         # the types are part of the key: 1000 and 1000.0 are equal dict keys, not equal options
@@ -236,7 +243,8 @@ _CACHEABLE = (type(None), str, int, float)
 
 
 def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_samples, seed,
-                  device, dtype, max_flops, max_memory, max_configurations, cov) -> Request:
+                  device, dtype, max_flops, max_memory, max_configurations, proposal,
+                  cov) -> Request:
     check_options(metric, method, backend, strategy)
     check_budget("max_flops", max_flops)
     check_budget("max_memory", max_memory)
@@ -257,6 +265,12 @@ def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_
         from .strategies.montecarlo import check_mc
 
         check_mc(n_samples, seed, backend)
+    if not isinstance(proposal, str) or proposal not in PROPOSALS:
+        raise ValueError(f"proposal: unknown proposal {proposal!r}; expected one of "
+                         f"{', '.join(map(repr, PROPOSALS))}")
+    if proposal != "radial" and method != "montecarlo":
+        raise ValueError(f"proposal={proposal!r} is a Monte Carlo proposal; it needs "
+                         f"method='montecarlo', got method={method!r}")
     if cov is not None and metric != "gaussian":
         raise ValueError(f"cov: the input distribution belongs to the Gaussian metric; "
                          f"metric={metric!r} has none")
@@ -266,5 +280,6 @@ def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_
                    position=position if position is None or isinstance(position, str)
                    else int(position), n_samples=n_samples, seed=seed, device=device,
                    dtype=dtype, max_flops=max_flops, max_memory=max_memory,
-                   max_configurations=int(max_configurations), distribution=distribution)
+                   max_configurations=int(max_configurations), distribution=distribution,
+                   proposal=proposal)
 
