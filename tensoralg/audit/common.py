@@ -286,8 +286,10 @@ def choose_method(method: str, depth: int, net: Any) -> str:
     if method == "auto":
         return "montecarlo"
     raise ta.CostTooHigh(f"the exact similarity of this depth-{depth} architecture is over budget "
-                         f"({why}; planned before any training or contraction); use method='closure' (fast, exact only at depth 1) "
-                         f"or method='montecarlo' (an estimate with a standard error)")
+                         f"({why}; planned before any training or contraction); use "
+                         f"method='montecarlo' (an estimate with a standard error and "
+                         f"reliability verdict) or method='closure' (the moment-closure "
+                         f"similarity: fast, APPROXIMATE beyond depth 1)")
 
 
 def resolve_method(method: str, depth: int) -> str:
