@@ -251,3 +251,10 @@ def test_matrix_uncertainty_labels_the_closure_approximate():
     assert "APPROXIMATE" not in matrix_uncertainty("exact", 0, 0)["note"]
     mc = matrix_uncertainty("montecarlo", 1000, 3)
     assert mc["estimate"] is True and mc["n_samples"] == 1000 and mc["seed"] == 3
+
+
+def test_method_label_marks_only_the_closure_approximate():
+    from tensoralg.audit.common import CLOSURE_LABEL, method_label
+
+    assert method_label("closure") == CLOSURE_LABEL == "moment-closure (approximate)"
+    assert [method_label(m) for m in ("exact", "montecarlo")] == ["exact", "montecarlo"]

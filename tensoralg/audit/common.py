@@ -307,6 +307,15 @@ def resolve_method(method: str, depth: int) -> str:
 
 MC_SAMPLES = 100_000   # default Monte Carlo sample count of the audits
 
+#: How the closure is labelled wherever an audit, compare or matrix shows it: it is the
+#: moment-closure similarity, APPROXIMATE at depth >= 2 (docs/mathematics.md §3.2, §3.9).
+CLOSURE_LABEL = "moment-closure (approximate)"
+
+
+def method_label(method: str) -> str:
+    """The method as shown in tables, titles and figures: the closure labelled approximate."""
+    return CLOSURE_LABEL if method == "closure" else method
+
 
 def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
                     norm2_a: Sequence[float] | None = None, n_samples: int = MC_SAMPLES,

@@ -22,7 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import (MC_SAMPLES, check_file_writable, choose_method, format_table,
+from .common import (CLOSURE_LABEL, MC_SAMPLES, check_file_writable, choose_method,
+                     format_table, method_label,
                      matrix_uncertainty, progress, similarity_matrix, staged_output, stamp,
                      write_csv, write_json, write_json_copy)
 
@@ -31,13 +32,6 @@ from .common import (MC_SAMPLES, check_file_writable, choose_method, format_tabl
 FROBENIUS_METHODS = ("exact",)
 #: The methods `tensoralg compare` runs by default (the closure only when asked for).
 DEFAULT_METHODS = ("exact", "montecarlo")
-#: How the closure is labelled wherever compare / matrix show it.
-CLOSURE_LABEL = "moment-closure (approximate)"
-
-
-def method_label(method: str) -> str:
-    """The method as shown in tables and figures: the closure is labelled approximate."""
-    return CLOSURE_LABEL if method == "closure" else method
 
 
 def _load(path: str | Path):

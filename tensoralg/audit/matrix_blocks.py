@@ -31,7 +31,8 @@ import numpy as np
 
 from ._cliutil import apply_threads, check_paths, positive_int, report, run
 from .common import (MC_SAMPLES, check_file_writable, check_folder_path, choose_method,
-                     format_table, matrix_uncertainty, stamp, write_csv, write_json)
+                     format_table, matrix_uncertainty, method_label, stamp, write_csv,
+                     write_json)
 
 STORE = "blocks"
 BLOCK_OPTIONS = ("block_size", "resume", "scheduler", "workers")
@@ -178,12 +179,6 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
     if json_copy is not None:
         write_json(json_copy, result)
     return result
-
-
-def method_label(method: str) -> str:
-    from .compare import method_label as label
-
-    return label(method)
 
 
 def _write_outputs(out: Path, S: np.ndarray, labels: list[str], used: str, output, result) -> None:
