@@ -199,7 +199,7 @@ def _add_language(asub) -> None:
                         "--quick)")
     p.add_argument("--no-closure", action="store_true",
                    help="with the Monte Carlo matrix: skip the moment-closure (approximate) "
-                        "column shown beside it")
+                        "column shown beside it (default off: the column is shown)")
     _shared(p, "seed for initialisation, batches and Monte Carlo samples")
     p.set_defaults(func=cmd_language)
 
