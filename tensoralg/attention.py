@@ -50,7 +50,7 @@ import math
 import numbers
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import opt_einsum as oe
@@ -72,6 +72,7 @@ from .strategies.wick_terms import partial_matchings as _partial_matchings
 
 __all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "closure_similarity",
            "closure_triple", "closure_gram", "closure_cross_gram", "head_gram",
+           "montecarlo_similarity_pairs",
            "count_configurations", "chaos_memory_bytes", "canonicalize",
            "montecarlo_inner", "montecarlo_similarity", "AttentionNotSupported",
            "DEFAULT_MAX_CONFIGURATIONS"]
@@ -79,12 +80,12 @@ __all__ = ["exact_inner", "exact_similarity", "exact_gram", "closure_inner", "cl
 DEFAULT_MAX_CONFIGURATIONS = 200_000
 
 #: The alternatives named when the exact attention path refuses (docs/mathematics.md §3.7).
-ALTERNATIVES = ("Alternatives: method='closure' (the moment-closure similarity: APPROXIMATE "
-                "from the second non-linear layer on, the exact similarity of a surrogate whose "
-                "layers read Gaussians with the true second moments over (position, feature); "
-                "equal to the exact value for one attention layer; on trained two-layer "
-                "checkpoints not an estimate of the tensor similarity) or method='montecarlo' "
-                "(with a standard error and a reliability verdict)")
+ALTERNATIVES = ("Alternatives: method='montecarlo' (an estimate with a standard error and a "
+                "reliability verdict) or method='closure' (the moment-closure similarity: "
+                "APPROXIMATE from the second non-linear layer on, the exact similarity of a "
+                "surrogate whose layers read Gaussians with the true second moments over "
+                "(position, feature); equal to the exact value for one attention layer; on "
+                "trained two-layer checkpoints not an estimate of the tensor similarity)")
 
 
 class AttentionNotSupported(ValueError):
@@ -605,22 +606,39 @@ def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
         raise ValueError(f"n_samples: expected an int >= 2 * n_batches = {2 * n_batches}, got "
                          f"{req.n_samples!r}")
     a, b = a.astype_float(), b.astype_float()
-    size = int(req.n_samples) // int(n_batches)
-    d = a.in_features
-    r, w = _radial_rule(n_ctx * d, 2 * max(a.degree, b.degree))
+    points, n = _mc_points(req.seed, req.n_samples, n_batches, n_ctx, a.in_features,
+                           max(a.degree, b.degree))
+
+    def draws():
+        for X, wq in points:
+            yield a(X), b(X), wq
+
+    return draws(), n
+
+
+def _mc_points(seed, n_samples, n_batches, n_ctx, d, degree, chunk=None):
+    """The radial Monte Carlo points of :func:`_mc_draws`: a generator of ``(X, wq)`` over
+    ``n_batches`` batches of ``n_samples // n_batches`` directions (numpy
+    ``default_rng(seed)``), ``X`` ``(m Q, n_ctx, d)`` and ``wq`` ``(Q,)``; with ``chunk`` each
+    batch is cut into pieces of at most ``chunk`` directions (the same directions, in order),
+    and the number of directions."""
+    size = int(n_samples) // int(n_batches)
+    r, w = _radial_rule(n_ctx * d, 2 * degree)
     pts = np.concatenate([r, -r])
     wq = np.concatenate([w, w]) / 2
     Q = pts.size
+    step = size if chunk is None else max(1, int(chunk))
 
-    def draws():
-        rng = np.random.default_rng(int(req.seed))
+    def points():
+        rng = np.random.default_rng(int(seed))
         for _ in range(int(n_batches)):
             u = rng.standard_normal((size, n_ctx * d))
             u /= np.linalg.norm(u, axis=1, keepdims=True)
-            X = (u[:, None, :] * pts[None, :, None]).reshape(size * Q, n_ctx, d)
-            yield a(X), b(X), wq
+            for lo in range(0, size, step):
+                v = u[lo:lo + step]
+                yield (v[:, None, :] * pts[None, :, None]).reshape(len(v) * Q, n_ctx, d), wq
 
-    return draws(), size * int(n_batches)
+    return points(), size * int(n_batches)
 
 
 def _mc_request(n_ctx, n_samples, seed, output, position) -> Request:
@@ -719,6 +737,68 @@ def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = 20)
     est = ratio_estimate(s1, s2, n)
     return MonteCarloEstimate(float(est), est.stderr, n,
                               ratio_diagnostics(np.concatenate(kept, axis=1)))
+
+
+def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
+                                n_samples: int = 20_000, seed: int = 0, n_batches: int = 20,
+                                chunk: int = 25, progress: Any = None) -> dict:
+    """Monte Carlo similarity (APPROXIMATE: an estimate) of every pair of ``N`` sequence models
+    from ONE shared set of directions, each pair with its :class:`~tensoralg.strategies.montecarlo.Diagnostics` verdict.
+
+    The estimator of :func:`montecarlo_similarity` (directions uniform on the sphere of
+    ``R^(n_ctx d)`` drawn from numpy ``default_rng(seed)`` in ``n_batches`` batches, the radius
+    integrated exactly by the Gauss rule for the chi distribution; docs/mathematics.md §3.4,
+    §3.9), with the same directions for every pair: entry ``(i, j)`` equals
+    ``montecarlo_similarity(models[i], models[j], n_ctx=n_ctx, n_samples=n_samples,
+    seed=seed)`` up to rounding (the sums are grouped differently), including its diagnostics,
+    as long as the models share one degree (the Gauss rule is chosen for the largest degree of
+    all ``N``; it is exact for every smaller one too). Cost: each model is evaluated once per
+    point (``N`` forward passes, not ``N^2``), ``chunk`` directions at a time; memory
+    ``O(N^2 n_samples)`` for the per-direction products the diagnostics need.
+
+    Args:
+        models: ``N >= 2`` sequence models reading the same input, with the same outputs.
+        progress: None, or a callable wrapping an iterable (e.g. tqdm) over the chunks.
+
+    Returns:
+        ``{(i, j): MonteCarloEstimate}`` for ``i < j`` (``.stderr``, ``.n_samples``,
+        ``.diagnostics``; a value whose ``.reliable`` is False is not an answer).
+
+    Raises:
+        ValueError: fewer than two models; a pair :func:`montecarlo_similarity` refuses (other
+            input size or outputs, ``n_ctx``, ``n_samples`` below ``2 n_batches``); a sampled
+            norm that is zero.
+    """
+    nets = list(models)
+    if len(nets) < 2:
+        raise ValueError(f"models: expected at least two sequence models, got {len(nets)}")
+    req = _mc_request(n_ctx, n_samples, seed, None, None)
+    checked = [_check_pair(nets[0], m, req.n_ctx) for m in nets[1:]]
+    n_ctx = checked[0][2]
+    if any(c[2] != n_ctx for c in checked):
+        raise ValueError(f"n_ctx: the models resolve to different contexts "
+                         f"{sorted({c[2] for c in checked})}; give n_ctx")
+    _mc_draws(req, nets[0], nets[1], n_batches, "montecarlo_similarity_pairs")  # the checks
+    nets = [checked[0][0].astype_float()] + [c[1].astype_float() for c in checked]
+    points, n = _mc_points(req.seed, req.n_samples, n_batches, n_ctx, nets[0].in_features,
+                           max(m.degree for m in nets), chunk)
+    N = len(nets)
+    kept = []
+    for X, wq in (points if progress is None else progress(points)):
+        m = X.shape[0] // wq.size
+        F = np.stack([np.asarray(f(X), dtype=np.float64).reshape(m, wq.size, -1)
+                      for f in nets], axis=1)                    # (m, N, Q, K)
+        F *= np.sqrt(wq)[None, None, :, None]                    # Gauss weights are positive
+        F = F.reshape(m, N, -1)
+        kept.append(np.matmul(F, F.transpose(0, 2, 1)))          # (m, N, N): p_ij per direction
+    P = np.concatenate(kept, axis=0)                              # (n, N, N)
+    out = {}
+    for i in range(N):
+        for j in range(i + 1, N):
+            T = np.stack([P[:, i, j], P[:, i, i], P[:, j, j]])   # (3, n)
+            est = ratio_estimate(T.sum(axis=1), T @ T.T, n)
+            out[(i, j)] = MonteCarloEstimate(float(est), est.stderr, n, ratio_diagnostics(T))
+    return out
 
 
 # ----------------------------------------------------------------------------------------

@@ -44,9 +44,10 @@ CHAOS_SHORTCUT_FLOPS = 1e9
 #: configurations, symmetries and paths).
 BOUND_MIN_FLOPS = 1e8
 
-ALTERNATIVES = ("Alternatives: method='closure' (the moment-closure similarity: fast, "
-                "APPROXIMATE beyond depth 1), method='montecarlo' (with a standard error and a "
-                "reliability verdict), or raise max_flops / max_memory")
+ALTERNATIVES = ("Alternatives: method='montecarlo' (an estimate with a standard error and a "
+                "reliability verdict), method='closure' (the moment-closure similarity: fast, "
+                "APPROXIMATE beyond depth 1, not the tensor similarity there), or raise "
+                "max_flops / max_memory")
 
 
 @dataclass

@@ -104,3 +104,31 @@ def test_float64_overflow_and_underflow_give_clear_errors():
         ta.gram([], n_ctx=2, method="closure")
     with pytest.raises(ValueError, match="empty sequence of models"):
         ta.similarity_matrix([], n_ctx=2)
+
+
+def test_montecarlo_similarity_pairs_equals_the_per_pair_estimator():
+    """attention.montecarlo_similarity_pairs (one shared set of directions, every pair with
+    its verdict) gives each pair what montecarlo_similarity gives it with the same seed and
+    n_samples (the same directions; sums grouped differently, so rounding only), on two-layer
+    models (degree 25) and one-layer ones; refuses fewer than two models."""
+    rng = np.random.default_rng(5)
+    one = [_attn_model(rng, d=2, heads=h) for h in (1, 2, 1)]
+    two = [ta.Sequential([ta.Residual(m.layers[0].inner), ta.Residual(m.layers[0].inner),
+                          m.layers[1]]) for m in one]
+    for models in (one, two):
+        got = attention.montecarlo_similarity_pairs(models, n_ctx=2, n_samples=400, seed=7,
+                                                    chunk=7)
+        assert sorted(got) == [(0, 1), (0, 2), (1, 2)]
+        for (i, j), e in got.items():
+            want = attention.montecarlo_similarity(models[i], models[j], n_ctx=2,
+                                                   n_samples=400, seed=7)
+            assert float(e) == pytest.approx(float(want), rel=1e-10)
+            assert e.stderr == pytest.approx(want.stderr, rel=1e-10)
+            assert e.n_samples == want.n_samples == 400
+            assert e.reliable == want.reliable and e.diagnostics.reason == want.diagnostics.reason
+            assert e.diagnostics.max_share == pytest.approx(want.diagnostics.max_share,
+                                                            rel=1e-10)
+            for k, v in want.diagnostics.lower_bounds.items():
+                assert e.diagnostics.lower_bounds[k] == pytest.approx(v, rel=1e-10)
+    with pytest.raises(ValueError, match="models: expected at least two"):
+        attention.montecarlo_similarity_pairs(one[:1], n_ctx=2)

@@ -34,14 +34,21 @@ def ckpts(tmp_path_factory):
 
 def test_compare_all_methods(ckpts, tmp_path, capsys):
     _, (a, b, _) = ckpts
+    # the closure is not a default method any more (issue 21): asked for explicitly here
     rc = main(["compare", a, b, "--data", "digits", "--n-samples", "200000",
-               "--json", str(tmp_path / "c.json")])
+               "--methods", "exact,closure,montecarlo", "--json", str(tmp_path / "c.json")])
     assert rc == 0
     text = capsys.readouterr().out
     assert "gaussian" in text and "cka_logits" in text
+    # wherever the closure is shown it is labelled approximate: its row and its column
+    assert "gaussian  moment-closure (approximate)" in text
+    assert "gaussian/moment-closure (approximate)" in text
+    assert "gaussian/closure" not in text
     res = json.loads((tmp_path / "c.json").read_text())
     by = {(r["metric"], r["method"]): r for r in res["results"]}
     exact, closure, mc = (by[("gaussian", m)] for m in ("exact", "closure", "montecarlo"))
+    assert closure["approximate"] is True and closure["label"] == "moment-closure (approximate)"
+    assert "approximate" not in exact
     # depth 1: the closure is exact (docs/mathematics.md §3.2), an independent algorithm
     assert closure["global"] == pytest.approx(exact["global"], rel=1e-10)
     assert np.allclose(closure["each"], exact["each"], rtol=1e-10, atol=0)
@@ -117,11 +124,12 @@ def test_compare_runs_only_valid_metric_method_pairs(ckpts, tmp_path, capsys):
     text = capsys.readouterr().out
     res = json.loads((tmp_path / "c.json").read_text())
     ran = {(r["metric"], r["method"]) for r in res["results"]}
-    assert ran == {("gaussian", "exact"), ("gaussian", "closure"), ("gaussian", "montecarlo"),
-                   ("frobenius", "exact")}
-    assert {(s["metric"], s["method"]) for s in res["skipped"]} == {("frobenius", "closure"),
-                                                                    ("frobenius", "montecarlo")}
-    assert "skipped frobenius/closure, frobenius/montecarlo" in text and "exact-only" in text
+    # default methods exact and Monte Carlo: the closure runs only when asked for (issue 21)
+    assert res["config"]["methods"] == ["exact", "montecarlo"]
+    assert ran == {("gaussian", "exact"), ("gaussian", "montecarlo"), ("frobenius", "exact")}
+    assert {(s["metric"], s["method"]) for s in res["skipped"]} == {("frobenius", "montecarlo")}
+    assert "skipped frobenius/montecarlo" in text and "exact-only" in text
+    assert "closure" not in text
     assert all("error" not in r for r in res["results"])
     # only invalid combinations requested: an error, before any work
     assert main(["compare", a, b, "--metrics", "frobenius", "--methods", "closure,montecarlo"]) == 2
@@ -187,7 +195,12 @@ def test_monte_carlo_matrix_says_it_is_an_estimate(tmp_path, capsys):
     assert json.loads((tmp_path / "copy.json").read_text())["uncertainty"] == u
     assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"), "--method", "closure",
                  "--out", str(tmp_path / "m")]) == 0
-    assert json.loads((tmp_path / "m" / "matrix.json").read_text())["uncertainty"]["estimate"] is False
+    res = json.loads((tmp_path / "m" / "matrix.json").read_text())
+    assert res["uncertainty"]["estimate"] is False
+    # the closure, asked for, is labelled approximate in the JSON and the printed table
+    assert res["method_label"] == "moment-closure (approximate)" and res["approximate"] is True
+    assert "similarity matrix (moment-closure (approximate), all outputs)" in \
+        capsys.readouterr().out
 
 
 def test_compare_montecarlo_with_one_sample_is_refused_up_front(ckpts, capsys):
@@ -238,3 +251,10 @@ def test_matrix_uncertainty_labels_the_closure_approximate():
     assert "APPROXIMATE" not in matrix_uncertainty("exact", 0, 0)["note"]
     mc = matrix_uncertainty("montecarlo", 1000, 3)
     assert mc["estimate"] is True and mc["n_samples"] == 1000 and mc["seed"] == 3
+
+
+def test_method_label_marks_only_the_closure_approximate():
+    from tensoralg.audit.common import CLOSURE_LABEL, method_label
+
+    assert method_label("closure") == CLOSURE_LABEL == "moment-closure (approximate)"
+    assert [method_label(m) for m in ("exact", "montecarlo")] == ["exact", "montecarlo"]

@@ -211,10 +211,13 @@ def test_ngram_scores_perfect_model():
 # the audit
 # ---------------------------------------------------------------------------------------
 
-# tiny sizes; the architecture (two attention layers, closure) is the default unless n_layers
+# tiny sizes; the architecture (two attention layers, tensor similarity by Monte Carlo with
+# per-pair verdicts, the moment-closure beside it) is the default unless n_layers
 TINY_DEFAULT = dict(n_chars=20_480, d_model=4, n_heads=1, d_head=2, n_ctx=4, steps=20,
-                    checkpoints=3, batch_size=16, eval_windows=32, mc_pairs=1, mc_samples=300)
+                    checkpoints=3, batch_size=16, eval_windows=32, mc_pairs=1, mc_samples=300,
+                    mc_matrix_samples=300)
 TINY = {**TINY_DEFAULT, "n_layers": 1}     # the exact one-layer audit
+TINY_CLOSURE = {**TINY_DEFAULT, "method": "closure"}   # the closure matrix, asked for
 
 
 @pytest.fixture(scope="module")
@@ -233,15 +236,25 @@ def tiny_default_run(tmp_path_factory):
     return run_language(LanguageConfig(**TINY_DEFAULT), out), out
 
 
-def test_tiny_audit_end_to_end_default_two_layers_closure(tiny_default_run):
-    """The default audit (two attention layers, tensor similarity by the closure) end to end:
-    files, the recorded method, the matrix entry against an independent closure call on the
-    saved checkpoints, and a Monte Carlo check whose verdict matches its own z values."""
+@pytest.fixture(scope="module")
+def tiny_closure_run(tmp_path_factory):
+    from tensoralg.audit.language import LanguageConfig, run_language
+
+    out = tmp_path_factory.mktemp("lang3") / "run"
+    return run_language(LanguageConfig(**TINY_CLOSURE), out), out
+
+
+def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
+    """The audit with --method closure (two attention layers; since issue 21 the closure is
+    no default, so it is asked for) end to end: files, the recorded method, the matrix entry
+    against an independent closure call on the saved checkpoints, the closure labelled
+    approximate in the table, and a Monte Carlo check whose verdict matches its own z values
+    (z only where the Monte Carlo estimate is reliable)."""
     from tensoralg import attention
     from tensoralg.audit.language import Z_DISAGREE, LanguageConfig, language_table
 
     assert LanguageConfig().n_layers == 2 and LanguageConfig.quick().n_layers == 2
-    result, out = tiny_default_run
+    result, out = tiny_closure_run
     for f in ("language.json", "language.csv", "language_pairs.csv", "language_matrices.png",
               "language_ngrams.png"):
         assert (out / f).is_file()
@@ -261,10 +274,103 @@ def test_tiny_audit_end_to_end_default_two_layers_closure(tiny_default_run):
     mc = js["montecarlo_check"]
     assert len(mc) == 1 and mc[0]["stderr"] > 0 and "closure" in mc[0]
     summ = js["montecarlo_check_summary"]
-    assert summ["max_abs_z"] == pytest.approx(abs(mc[0]["z"]))
-    assert summ["agrees"] == (abs(mc[0]["z"]) <= Z_DISAGREE)
-    assert any("DISAGREES" in line for line in js["finding"]) == (not summ["agrees"])
-    assert "1-gram agr" in language_table(result)
+    if mc[0]["reliable"]:
+        assert summ["max_abs_z"] == pytest.approx(abs(mc[0]["z"]))
+        assert summ["agrees"] == (abs(mc[0]["z"]) <= Z_DISAGREE)
+    else:   # no reliable estimate: no value, no z, the reason and the lower bounds instead
+        assert mc[0]["montecarlo"] is None and mc[0]["z"] is None and mc[0]["reason"]
+        assert summ["agrees"] is None and set(mc[0]["certified_lower_bounds"]) == \
+            {"<a,a>", "<b,b>"}
+        assert any("MC no reliable estimate" in line for line in js["finding"])
+    assert any("DISAGREES" in line for line in js["finding"]) == (summ["agrees"] is False)
+    table = language_table(result)
+    assert "1-gram agr" in table and "moment-closure (approx.) to final" in table
+    assert "tensor sim to final" not in table
+    assert "moment-closure_(approximate)" in (out / "language_pairs.csv").read_text()
+    assert "tensor_similarity" not in (out / "language_pairs.csv").read_text()
+
+
+def test_tiny_audit_default_two_layers_is_monte_carlo_with_verdicts(tiny_default_run):
+    """The default two-layer audit (issue 21): no closure under the tensor-similarity heading.
+    Each pair's entry is the Monte Carlo estimate of an independent tensoralg.similarity call
+    on the saved checkpoints (same seed and directions) exactly when its diagnostics call it
+    reliable, and blank (no reliable estimate, with the reason and certified lower bounds)
+    otherwise; the closure is beside it, labelled approximate, equal to closure_similarity."""
+    from tensoralg import attention
+    from tensoralg.audit.language import CLOSURE_NAME, language_table
+
+    result, out = tiny_default_run
+    js = json.loads((out / "language.json").read_text())
+    assert js["config"]["resolved_method"] == "montecarlo"
+    assert js["tensor_similarity"]["label"] == "Monte Carlo, reliable entries only"
+    assert js["montecarlo_check"] == []           # the matrix itself is Monte Carlo
+    names = ["step_000000", "step_000001", "step_000020"]
+    nets = [load_checkpoint(out / "checkpoints" / n)[0].to_network() for n in names]
+    S = js["matrices"]["tensor similarity"]
+    C = np.array(js["moment_closure_approximate"]["matrix"])
+    assert js["moment_closure_approximate"]["label"] == CLOSURE_NAME
+    assert "APPROXIMATE" in js["moment_closure_approximate"]["note"]
+    assert len(js["pairs"]) == 3 and js["tensor_similarity"]["n_pairs"] == 3
+    for r in js["pairs"]:
+        i, j = r["i"], r["j"]
+        e = ta.similarity(nets[i], nets[j], method="montecarlo", n_ctx=4, n_samples=300, seed=0)
+        # same directions, sums grouped differently: the estimate agrees to rounding; the
+        # delta-method stderr of a similarity near 1 is a difference of nearly equal terms
+        # (g^T C g with r ~ 0.9999 here), so rounding of the per-direction products shows at
+        # ~1e-7 relative there; the verdict and replicates are compared as well
+        assert r["reliable"] == e.reliable and r["stderr"] == pytest.approx(e.stderr, rel=1e-6)
+        assert np.allclose(r["replicates"], e.diagnostics.replicates, rtol=1e-6, atol=0)
+        if e.reliable:
+            assert S[i][j] == pytest.approx(float(e), rel=1e-10) == r["montecarlo"]
+        else:
+            assert S[i][j] is None and S[j][i] is None and r["montecarlo"] is None
+            assert r["unreliable_estimate"] == pytest.approx(float(e), rel=1e-10)
+            assert r["reason"] and r["certified_lower_bounds"] == pytest.approx(
+                e.diagnostics.lower_bounds, rel=1e-10)
+        want = attention.closure_similarity(nets[i], nets[j], n_ctx=4)
+        assert C[i, j] == pytest.approx(want, rel=1e-10) == r[CLOSURE_NAME]
+    assert js["tensor_similarity"]["n_reliable"] == sum(r["reliable"] for r in js["pairs"])
+    table = language_table(result)
+    assert "Monte Carlo sim to final" in table and "moment-closure (approx.) to final" in table
+    assert ("no reliable estimate" in table) == (not js["pairs"][2]["reliable"])  # 0 vs 20
+    assert any(line.startswith("Monte Carlo (300 shared directions") for line in js["finding"])
+    head = (out / "language_pairs.csv").read_text().splitlines()[0]
+    assert "tensor_similarity_(montecarlo)" in head and "moment-closure_(approximate)" in head
+    assert "montecarlo_reliable" in head and ",tensor_similarity," not in head + ","
+
+
+def test_compare_and_matrix_of_two_layer_checkpoints_never_default_to_the_closure(
+        tiny_default_run, tmp_path, capsys):
+    """compare: exact (refused, naming Monte Carlo first) and Monte Carlo with its verdict; the
+    closure only when asked for, labelled. matrix (blocked or not): --method auto refused before
+    any work, naming the alternatives."""
+    from tensoralg.audit.compare import compare_table, run_compare, run_matrix
+    from tensoralg.audit.matrix_blocks import run_matrix_blocked
+    from tensoralg.cli import main
+
+    _, out = tiny_default_run
+    c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000001", "step_000020")]
+    r = run_compare(c[0], c[2], n_samples=300)
+    assert [x["method"] for x in r["results"]] == ["exact", "montecarlo"]
+    ex, mc = r["results"]
+    assert "error" in ex and ex["error"].index("method='montecarlo'") < \
+        ex["error"].index("method='closure'")
+    assert isinstance(mc["reliable"], bool)
+    text = compare_table(r)
+    assert ("no reliable estimate" in text) == (not mc["reliable"])
+    assert "gaussian  closure" not in text and "moment-closure (approximate)" not in text
+    rc = run_compare(c[0], c[2], methods=("closure",))
+    assert rc["results"][0]["approximate"] is True
+    assert "gaussian  moment-closure (approximate)" in compare_table(rc)
+    for fn, kw in ((run_matrix, {}), (run_matrix_blocked, {"block_size": 2})):
+        with pytest.raises(ValueError, match=r"--method auto: .*--method montecarlo.*--method "
+                                             r"closure \(the moment-closure similarity: "
+                                             r"APPROXIMATE"):
+            fn(c, tmp_path / "m", **kw)
+        assert not (tmp_path / "m").exists()
+    assert main(["matrix", *c, "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "--method auto" in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
 def test_montecarlo_check_summary_by_hand():
@@ -299,7 +405,11 @@ def test_tiny_one_layer_audit_exact(tiny_run):
     assert S[0, 2] == pytest.approx(float(ta.similarity(a.to_network(), b.to_network())),
                                     rel=1e-10)
     mc = js["montecarlo_check"][0]
-    assert abs(mc["exact"] - mc["montecarlo"]) <= 5 * mc["stderr"]
+    # the estimate: under "montecarlo" when its diagnostics call it reliable, otherwise only
+    # under "unreliable_estimate" (issue 21: an unreliable number is not an answer)
+    val = mc["montecarlo"] if mc["reliable"] else mc["unreliable_estimate"]
+    assert (mc["montecarlo"] is None) == (not mc["reliable"])
+    assert abs(mc["exact"] - val) <= 5 * mc["stderr"]
     assert js["finding"] and "table" not in js
     assert "1-gram agr" in language_table(result)
 
@@ -352,6 +462,15 @@ def test_audit_bad_input(tmp_path):
         run_language(LanguageConfig(**{**TINY, "checkpoints": 30}), tmp_path / "o")
     with pytest.raises(ValueError, match="--eval-windows"):
         run_language(LanguageConfig(**{**TINY, "eval_windows": 10_000}), tmp_path / "o")
+    with pytest.raises(ValueError, match="--method exact.*needs --method montecarlo"):
+        run_language(LanguageConfig(**{**TINY_DEFAULT, "method": "exact"}), tmp_path / "o")
+    with pytest.raises(ValueError, match="--mc-matrix-samples: expected >= 300.*got 299"):
+        run_language(LanguageConfig(**{**TINY_DEFAULT, "mc_matrix_samples": 299}),
+                     tmp_path / "o")
+    # the Monte Carlo matrix's sample count does not matter where there is none (one layer)
+    LanguageConfig(**{**TINY, "mc_matrix_samples": 299}).validate()
+    with pytest.raises(ValueError, match="closure: expected True or False, got 'yes'"):
+        run_language(LanguageConfig(**{**TINY_DEFAULT, "closure": "yes"}), tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
 
@@ -363,6 +482,28 @@ def test_cli_out_is_a_file(tmp_path, capsys):
     code = main(["audit", "language", "--quick", "--out", str(f)])
     assert code == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_transitions_skip_intervals_without_a_reliable_estimate():
+    """NaN entries (a Monte Carlo pair with no reliable estimate) are left out of the ranking,
+    the median and the correlation; none at all: no sharpest transition, "NOT assessed"."""
+    from tensoralg.audit.language import finding_text, transitions_finding
+
+    steps = [0, 1, 10, 100, 1000]
+    S = np.eye(5)
+    for i, v in enumerate([np.nan, 0.5, 0.9, 0.7]):
+        S[i, i + 1] = S[i + 1, i] = v
+    agreement = {2: [0.0, 0.1, 0.6, 0.61, 0.7]}
+    fin = transitions_finding(steps, {"tensor similarity": S}, agreement, k=3)
+    m = fin["metrics"]["tensor similarity"]
+    assert [t["interval"] for t in m["sharpest"]] == [1, 3, 2] and m["n_intervals_assessed"] == 3
+    assert m["sharpness_max_over_median"] == pytest.approx(0.5 / 0.3)   # median of 0.5 0.1 0.3
+    none = np.eye(5) + np.where(np.eye(5) == 0, np.nan, 0.0)
+    fin = transitions_finding(steps, {"tensor similarity": none}, agreement, k=3)
+    assert fin["metrics"]["tensor similarity"]["sharpest"] == []
+    text = finding_text(fin, "montecarlo", {2: 0.7})
+    assert "Monte Carlo, reliable entries only) transitions: none" in text[0]
+    assert any(line.startswith("NOT assessed") for line in text)
 
 
 def test_transitions_finding_by_hand():
@@ -406,10 +547,14 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
     a, b = (load_checkpoint(out / "checkpoints" / s)[0].to_network() for s in steps)
     est = ta.similarity(a, b, method="montecarlo", n_ctx=TINY["n_ctx"],
                         n_samples=mc["n_samples"], seed=mc["seed"])
-    assert mc["montecarlo"] == float(est) and mc["stderr"] == est.stderr
+    val = mc["montecarlo"] if mc["reliable"] else mc["unreliable_estimate"]
+    assert val == float(est) and mc["stderr"] == est.stderr and mc["reliable"] == est.reliable
     exact = attention.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
-    assert abs(exact - mc["montecarlo"]) <= 4 * mc["stderr"]
-    assert mc["z"] == pytest.approx((mc["exact"] - mc["montecarlo"]) / mc["stderr"])
+    assert abs(exact - val) <= 4 * mc["stderr"]
+    if mc["reliable"]:
+        assert mc["z"] == pytest.approx((mc["exact"] - val) / mc["stderr"])
+    else:   # no z against an unreliable estimate
+        assert mc["z"] is None and mc["reason"] == est.diagnostics.reason
 
 
 def test_compare_montecarlo_of_language_checkpoints_has_a_stderr(tiny_run):

@@ -441,15 +441,23 @@ def _lm_nets(paths, n_ctx=3):
 @pytest.mark.parametrize("depth, method", [(1, "exact"), (2, "closure")])
 def test_blocked_transformer_matrix_equals_unblocked(lm_ckpts, tmp_path, depth, method):
     """`tensoralg matrix` with blocks = without (1e-12; the blocks call the same attention
-    functions, so the entries agree to rounding), --method auto choosing as unblocked; and a
-    few Gram entries against the per-pair functions (one call per pair, nothing shared)."""
+    functions, so the entries agree to rounding), --method auto choosing as unblocked (exact at
+    one layer; refused at two, so the closure is asked for there: issue 21 made it no default);
+    and a few Gram entries against the per-pair functions (one call per pair, nothing shared)."""
     from tensoralg import attention
     from tensoralg.audit.compare import run_matrix
     from tensoralg.audit.matrix_blocks import run_matrix_blocked
 
     paths = lm_ckpts[depth]
-    ref = run_matrix(paths, tmp_path / "flat")
-    got = run_matrix_blocked(paths, tmp_path / "blocked", block_size=2)
+    kw = {} if depth == 1 else {"method": "closure"}
+    if depth == 2:
+        for fn, extra in ((run_matrix, {}), (run_matrix_blocked, {"block_size": 2})):
+            with pytest.raises(ValueError, match="--method auto: the exact similarity of "
+                                                 "depth-2 bilinear transformers is out of reach"):
+                fn(paths, tmp_path / "refused", **extra)
+        assert not (tmp_path / "refused").exists()
+    ref = run_matrix(paths, tmp_path / "flat", **kw)
+    got = run_matrix_blocked(paths, tmp_path / "blocked", block_size=2, **kw)
     assert ref["method"] == got["method"] == method and got["n_ctx"] == 3
     S_ref, S = np.array(ref["similarity_matrix"]), np.load(tmp_path / "blocked" / "matrix.npy")
     assert S.shape == (len(paths),) * 2 and np.max(np.abs(S - S_ref)) <= 1e-12

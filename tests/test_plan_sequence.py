@@ -115,3 +115,23 @@ def test_plan_checks_its_budget():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_configurations: expected a positive integer"):
             ta.plan(a, b, n_ctx=2, max_configurations=bad)
+
+
+def test_two_attention_layers_by_default_are_refused_never_the_closure():
+    """Issue 21: at depth 2 the default (method='exact', strategy='auto') of ta.similarity /
+    ta.inner / ta.plan refuses, naming Monte Carlo first and the closure as APPROXIMATE; there
+    is no method='auto' that could pick the closure; the closure runs only when asked for."""
+    a, b = _deep(1), _deep(2)
+    p = ta.plan(a, b, n_ctx=2)
+    assert p.refused and p.strategy is None
+    for fn in (ta.similarity, ta.inner):
+        with pytest.raises(ta.CostTooHigh) as err:
+            fn(a, b, n_ctx=2)
+        msg = str(err.value)
+        assert msg == p.refused
+        assert msg.index("method='montecarlo'") < msg.index("method='closure'")
+        assert "APPROXIMATE" in msg[msg.index("method='closure'"):]
+        with pytest.raises(ValueError, match="method: unknown method 'auto'"):
+            fn(a, b, n_ctx=2, method="auto")
+    got = ta.similarity(a, b, n_ctx=2, method="closure")
+    assert got == pytest.approx(attention.closure_similarity(a, b, n_ctx=2), rel=1e-12)

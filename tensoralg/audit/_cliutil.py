@@ -55,9 +55,10 @@ def run(args, name: str, fn):
         from .common import _reason
 
         why = _reason(str(exc))
-        raise ValueError(f"--method {getattr(args, 'method', 'exact')}: {why}; use --method closure "
-                         f"(fast; exact only at depth 1) or --method montecarlo (an estimate with "
-                         f"its standard error)") from None
+        raise ValueError(f"--method {getattr(args, 'method', 'exact')}: {why}; use --method "
+                         f"montecarlo (an estimate with its standard error and reliability "
+                         f"verdict) or --method closure (the moment-closure similarity: fast, "
+                         f"APPROXIMATE beyond depth 1)") from None
     except TrainingDiverged as exc:
         print(f"tensoralg {name}: error: {exc}; nothing was written", file=sys.stderr)
         return 1

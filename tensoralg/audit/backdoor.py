@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .common import (MC_SAMPLES, PATHS_NOTE, format_table, gap_finding, pair_similarity, pm,
-                     progress, run_staged, stamp, write_csv, write_json)
+                     progress, run_staged, stamp, write_csv, write_json, method_label)
 
 JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
@@ -181,7 +181,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         "n_samples": sim["n_samples"],
         "stderr_note": ("Monte Carlo: delta-method standard errors of the ratio estimates"
                         if se is not None else
-                        f"{sim['method']}: deterministic, no sampling error"),
+                        f"{method_label(sim['method'])}: deterministic, no sampling error"),
         "target_class": cfg.target,
         "attack_success_rate": asr_after,
         "attack_success_rate_before": asr_before,
@@ -228,7 +228,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     slice_bars(out / FIG_NAME, slices, cfg.target,
                {k: v for k, v in base.items() if k != "js_divergence"},
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
-               f"ASR {asr_after:.2f}, {sim['method']})",
+               f"ASR {asr_after:.2f}, {method_label(sim['method'])})",
                control=ctl["each"] if ctl is not None else None,
                global_similarity=result["global_similarity"])
     result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,

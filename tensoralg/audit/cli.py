@@ -124,8 +124,10 @@ def add_parsers(sub) -> None:
     c.add_argument("--data", choices=["digits", "none"], default="none",
                    help="also compute the data baselines on this data set (test split; "
                         "default none)")
-    c.add_argument("--methods", default="exact,closure,montecarlo",
-                   help="comma-separated methods (default exact,closure,montecarlo)")
+    c.add_argument("--methods", default="exact,montecarlo",
+                   help="comma-separated methods of exact, montecarlo, closure (default "
+                        "exact,montecarlo; closure: the moment-closure similarity, APPROXIMATE "
+                        "at depth >= 2, shown labelled)")
     c.add_argument("--metrics", default="gaussian,frobenius",
                    help="comma-separated metrics (default gaussian,frobenius)")
     c.add_argument("--n-samples", type=positive_int, default=None,
@@ -143,7 +145,9 @@ def add_parsers(sub) -> None:
                         "matrix output, which a completed run replaces")
     m.add_argument("--method", choices=METHODS, default="auto",
                    help="tensor similarity method (default auto: exact for depth <= 2, Monte "
-                        "Carlo where exact is refused)")
+                        "Carlo where exact is refused; bilinear transformers: exact for one "
+                        "layer, refused beyond, naming montecarlo and closure (the moment-"
+                        "closure similarity, APPROXIMATE))")
     m.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="compare one output slice instead of all outputs (default: all)")
     _n_samples(m)
@@ -166,11 +170,13 @@ def _add_language(asub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small size: 500 steps, 12 checkpoints, 60k characters (default off)")
     p.add_argument("--method", choices=LANG_METHODS, default="auto",
-                   help="tensor similarity method (default auto: closure for two or more layers, "
-                        "APPROXIMATE and checked by Monte Carlo; exact for one layer)")
+                   help="tensor similarity method (default auto: exact for one layer; Monte "
+                        "Carlo for two or more, every pair with its reliability verdict, the "
+                        "approximate moment-closure beside it as a labelled column; closure: "
+                        "the moment-closure matrix, APPROXIMATE beyond one layer)")
     p.add_argument("--layers", type=positive_int, default=None,
-                   help="attention blocks (default 2, tensor similarity by the approximate "
-                        "closure; 1 gives the exact one-layer audit)")
+                   help="attention blocks (default 2, tensor similarity by Monte Carlo; 1 gives "
+                        "the exact one-layer audit)")
     p.add_argument("--d-model", type=positive_int, default=None, help="residual width (default 16)")
     p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 2)")
     p.add_argument("--d-head", type=positive_int, default=None, help="head size (default 4)")
@@ -182,11 +188,18 @@ def _add_language(asub) -> None:
     p.add_argument("--chars", type=positive_int, default=None,
                    help="corpus size in characters (default 200000; 60000 with --quick)")
     p.add_argument("--mc-pairs", type=int, default=None,
-                   help="pairs re-estimated by Monte Carlo (default 3; 2 with --quick)")
+                   help="pairs of an exact or closure matrix re-estimated by Monte Carlo (default 3; 2 with --quick)")
     p.add_argument("--mc-samples", type=positive_int, default=None,
-                   help="Monte Carlo samples per checked pair: directions, radius integrated "
-                        "exactly (default 20000; 4000 with --quick); with --method montecarlo "
-                        "also the Gaussian samples of the matrix")
+                   help="Monte Carlo samples per checked pair of an exact or closure matrix: "
+                        "directions, radius integrated exactly (default 20000; 4000 with "
+                        "--quick)")
+    p.add_argument("--mc-matrix-samples", type=positive_int, default=None,
+                   help="Monte Carlo directions shared by all pairs of the Monte Carlo matrix "
+                        "(two or more layers, or --method montecarlo; default 4000, 1200 with "
+                        "--quick)")
+    p.add_argument("--no-closure", action="store_true",
+                   help="with the Monte Carlo matrix: skip the moment-closure (approximate) "
+                        "column shown beside it (default off: the column is shown)")
     _shared(p, "seed for initialisation, batches and Monte Carlo samples")
     p.set_defaults(func=cmd_language)
 
@@ -198,9 +211,12 @@ def cmd_language(args) -> int:
     for opt, key in (("layers", "n_layers"), ("d_model", "d_model"), ("heads", "n_heads"),
                      ("d_head", "d_head"), ("n_ctx", "n_ctx"), ("steps", "steps"),
                      ("checkpoints", "checkpoints"), ("chars", "n_chars"),
-                     ("mc_pairs", "mc_pairs"), ("mc_samples", "mc_samples")):
+                     ("mc_pairs", "mc_pairs"), ("mc_samples", "mc_samples"),
+                     ("mc_matrix_samples", "mc_matrix_samples")):
         if getattr(args, opt) is not None:
             kw[key] = getattr(args, opt)
+    if args.no_closure:
+        kw["closure"] = False
     cfg = LanguageConfig.quick(**kw) if args.quick else LanguageConfig(**kw)
     cfg.validate()
     out = check_paths(args, "runs/language")

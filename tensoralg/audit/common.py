@@ -286,8 +286,10 @@ def choose_method(method: str, depth: int, net: Any) -> str:
     if method == "auto":
         return "montecarlo"
     raise ta.CostTooHigh(f"the exact similarity of this depth-{depth} architecture is over budget "
-                         f"({why}; planned before any training or contraction); use method='closure' (fast, exact only at depth 1) "
-                         f"or method='montecarlo' (an estimate with a standard error)")
+                         f"({why}; planned before any training or contraction); use "
+                         f"method='montecarlo' (an estimate with a standard error and "
+                         f"reliability verdict) or method='closure' (the moment-closure "
+                         f"similarity: fast, APPROXIMATE beyond depth 1)")
 
 
 def resolve_method(method: str, depth: int) -> str:
@@ -304,6 +306,15 @@ def resolve_method(method: str, depth: int) -> str:
 
 
 MC_SAMPLES = 100_000   # default Monte Carlo sample count of the audits
+
+#: How the closure is labelled wherever an audit, compare or matrix shows it: it is the
+#: moment-closure similarity, APPROXIMATE at depth >= 2 (docs/mathematics.md §3.2, §3.9).
+CLOSURE_LABEL = "moment-closure (approximate)"
+
+
+def method_label(method: str) -> str:
+    """The method as shown in tables, titles and figures: the closure labelled approximate."""
+    return CLOSURE_LABEL if method == "closure" else method
 
 
 def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,

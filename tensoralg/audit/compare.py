@@ -2,9 +2,13 @@
 
 ``compare``: global and per-output tensor similarity of two checkpoints for every requested
 metric (``gaussian``: ``E[f_a . f_b]`` under ``x ~ N(0, I)``; ``frobenius``: symmetrised
-coefficient tensors) and method (``exact``; ``closure``: exact at depth 1, a different
-tree-restricted form beyond; ``montecarlo``: an unbiased estimate with its standard error), plus
-the data baselines on the digits test split when ``--data digits`` is given.
+coefficient tensors) and method (``exact``; ``montecarlo``: an unbiased estimate with its
+standard error and reliability verdict, shown only when reliable; ``closure``, only when asked
+for: the moment-closure similarity, exact at depth 1, a different tree-restricted quantity
+beyond, labelled "moment-closure (approximate)" wherever shown), plus the data baselines on the
+digits test split when ``--data digits`` is given. The default methods are exact and Monte
+Carlo: where exact is out of reach (two attention layers) the answer is Monte Carlo's verdict,
+never the closure (docs/mathematics.md §3.9).
 
 ``matrix``: the ``N x N`` similarity matrix of N same-shape checkpoints, one batched
 ``tensoralg.similarity_matrix`` call, as a heatmap and a CSV.
@@ -18,13 +22,16 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import (MC_SAMPLES, check_file_writable, choose_method, format_table,
+from .common import (CLOSURE_LABEL, MC_SAMPLES, check_file_writable, choose_method,
+                     format_table, method_label,
                      matrix_uncertainty, progress, similarity_matrix, staged_output, stamp,
                      write_csv, write_json, write_json_copy)
 
 # The Frobenius metric is a closed form of the weights (symmetrised coefficient tensors):
 # only the exact method computes it; closure and Monte Carlo are Gaussian-metric methods.
 FROBENIUS_METHODS = ("exact",)
+#: The methods `tensoralg compare` runs by default (the closure only when asked for).
+DEFAULT_METHODS = ("exact", "montecarlo")
 
 
 def _load(path: str | Path):
@@ -76,13 +83,15 @@ def valid_pairs(metrics: Sequence[str], methods: Sequence[str]
 SEQUENCE_MC_SAMPLES = 20_000
 
 
-def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "montecarlo"),
+def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
                 metrics: Sequence[str] = ("gaussian", "frobenius"), data: str = "none",
                 n_samples: int | None = None, seed: int = 0, show_progress: bool = False,
                 n_ctx: int | None = None) -> dict:
     """Every valid (metric, method) similarity of checkpoints ``a`` and ``b``.
 
-    Combinations that do not exist (``frobenius`` with ``closure``/``montecarlo``) are skipped
+    ``methods``: default exact and Monte Carlo; ``"closure"`` adds the moment-closure
+    similarity (APPROXIMATE at depth >= 2; its entry has ``"approximate": True`` and a
+    ``"label"``). Combinations that do not exist (``frobenius`` with ``closure``/``montecarlo``) are skipped
     and listed under ``skipped``; a combination the core refuses at run time (too costly) is
     recorded with its full error instead of failing the rest. ``seed``: the Monte Carlo seed
     and the digits split seed for ``data="digits"``. Bilinear-transformer checkpoints are
@@ -135,6 +144,11 @@ def run_compare(a: str, b: str, methods: Sequence[str] = ("exact", "closure", "m
     rows = []
     for metric, method in progress(pairs, "compare", show_progress):
         entry = {"metric": metric, "method": method}
+        if method == "closure":
+            entry.update(label=CLOSURE_LABEL, approximate=True,
+                         note="the moment-closure similarity: exact at depth 1, a different, "
+                              "approximate quantity at depth >= 2 (docs/mathematics.md §3.2, "
+                              "§3.9)")
         kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
         if seq:
             kw["n_ctx"] = n_ctx
@@ -191,21 +205,26 @@ def compare_table(result: dict) -> str:
     for r in result["results"]:
         if "error" in r:
             notes.append(f"[{len(notes) + 1}] {r['metric']}/{r['method']}: {r['error']}")
-            rows.append([r["metric"], r["method"], "-", "-", "-", f"refused, see [{len(notes)}]"])
+            rows.append([r["metric"], method_label(r["method"]), "-", "-", "-",
+                         f"refused, see [{len(notes)}]"])
             continue
-        stderr = f"±{r['global_stderr']:.1e}" if "global_stderr" in r else ""
+        stderr = f"±{r['global_stderr']:.1e}" if "global_stderr" in r else \
+            ("APPROXIMATE at depth >= 2" if r["method"] == "closure" else "")
         if r.get("reliable") is False:   # a failed diagnostic is not an answer
+            lbs = r["diagnostics"].get("certified_lower_bounds") or {}
             notes.append(f"[{len(notes) + 1}] {r['metric']}/{r['method']}: "
-                         f"{r['diagnostics']['reason']}")
+                         f"{r['diagnostics']['reason']}"
+                         + ("; certified lower bounds " + ", ".join(
+                             f"{k} >= {v:.4g}" for k, v in lbs.items()) if lbs else ""))
             rows.append([r["metric"], r["method"], "no reliable estimate", "-", "-",
                          f"see [{len(notes)}]"])
             continue
         each = r.get("each")
         if each is None:   # sequence-model Monte Carlo: global only
-            rows.append([r["metric"], r["method"], r["global"], "-", "-", stderr])
+            rows.append([r["metric"], method_label(r["method"]), r["global"], "-", "-", stderr])
             continue
         n_out = len(each)
-        rows.append([r["metric"], r["method"], r["global"], min(each),
+        rows.append([r["metric"], method_label(r["method"]), r["global"], min(each),
                      int(np.argmin(each)), stderr])
     out.append(format_table(["metric", "method", "global", "min slice", "argmin", "note"], rows))
     out += notes
@@ -215,10 +234,11 @@ def compare_table(result: dict) -> str:
         for s in skipped:
             by_reason.setdefault(s["reason"], []).append(f"{s['metric']}/{s['method']}")
         out += [f"skipped {', '.join(v)}: {k}" for k, v in by_reason.items()]
-    ok = [r for r in result["results"] if "each" in r]
+    ok = [r for r in result["results"] if "each" in r and r.get("reliable") is not False]
     if ok and n_out <= 32:
         out.append("")
-        out.append(format_table(["output"] + [f"{r['metric']}/{r['method']}" for r in ok],
+        out.append(format_table(["output"] + [f"{r['metric']}/{method_label(r['method'])}"
+                                              for r in ok],
                                 [[c] + [r["each"][c] for r in ok] for c in range(n_out)]))
     if "baselines" in result:
         out.append("")
@@ -241,6 +261,8 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
 
     Raises:
         ValueError: fewer than two checkpoints, mismatched sizes, a bad ``output`` or ``out``;
+            ``method="auto"`` for bilinear transformers of two or more layers (see
+            :func:`sequence_matrix_method`: no approximation is chosen by default);
         tensoralg.CostTooHigh: ``method="exact"`` over the exact budget (checked before any
             contraction).
     """
@@ -276,8 +298,8 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         if output is not None:
             raise ValueError("--output: not supported for bilinear-transformer checkpoints "
                              "(the matrix sums over all logits)")
+        used = sequence_matrix_method(method, depth)
         nets, n_ctx = sequence_networks([m for m, _ in loaded], cfgs, paths, n_ctx)
-        used = ("exact" if depth == 1 else "closure") if method == "auto" else method
         mat, _info = sequence_similarity_matrix_for_cli(nets, used, n_ctx, n_samples, seed)
     else:
         if n_ctx is not None:
@@ -297,6 +319,7 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
                            "output": output, "seed": seed, "n_samples": n_samples,
                            "n_ctx": n_ctx}),
         "labels": labels, "steps": [c.get("step") for c in cfgs], "method": used,
+        "method_label": method_label(used), "approximate": used != "exact",
         "metric": "gaussian", "output": output, "similarity_matrix": mat,
         "uncertainty": matrix_uncertainty(used, n_samples, seed), "seconds": seconds,
         "files": ["matrix.json", "matrix.csv", "matrix.png"],
@@ -305,13 +328,34 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     with staged_output(final, "matrix.json") as stage:
         write_csv(stage / "matrix.csv", ["checkpoint"] + labels,
                   ([lab] + [float(v) for v in row] for lab, row in zip(labels, mat)))
-        heatmaps(stage / "matrix.png", {f"tensor similarity ({used}, {what})": mat}, labels,
-                 "checkpoint x checkpoint similarity")
+        heatmaps(stage / "matrix.png",
+                 {(f"{CLOSURE_LABEL} similarity ({what}): not the tensor similarity at depth "
+                   f">= 2" if used == "closure" else f"tensor similarity ({used}, {what})"): mat},
+                 labels, "checkpoint x checkpoint similarity")
         write_json(stage / "matrix.json", result)
         result["out"] = str(final)
         if json_copy is not None:
             write_json_copy(json_copy, result, final, stage)
     return result
+
+
+def sequence_matrix_method(method: str, depth: int) -> str:
+    """The method of a similarity matrix of bilinear-transformer checkpoints: ``auto`` is exact
+    for one attention layer and REFUSED beyond (a one-line ValueError naming the alternatives,
+    before any work): the exact similarity of two attention layers is out of reach and the
+    moment-closure similarity is a different, approximate quantity there
+    (docs/mathematics.md §3.9), so it is computed only when asked for (``closure``)."""
+    if method != "auto":
+        return method
+    if depth == 1:
+        return "exact"
+    raise ValueError(f"--method auto: the exact similarity of depth-{depth} bilinear "
+                     f"transformers is out of reach, and no approximation is chosen for you; "
+                     f"use --method montecarlo (a shared-sample estimate, no per-entry "
+                     f"verdict), --method closure (the moment-closure similarity: APPROXIMATE, "
+                     f"not the tensor similarity at depth >= 2), `tensoralg compare A B` (one "
+                     f"pair's Monte Carlo estimate with its reliability verdict) or `tensoralg "
+                     f"audit language` (every pair with its verdict)")
 
 
 def sequence_similarity_matrix_for_cli(nets, method, n_ctx, n_samples, seed):
@@ -327,7 +371,7 @@ def matrix_table(result: dict) -> str:
     unc = result.get("uncertainty") or {}
     est = (f"; Monte Carlo estimate from {unc['n_samples']} samples, no per-entry standard "
            f"error" if unc.get("estimate") else "")
-    return "\n".join([f"similarity matrix ({result['method']}{est}, "
+    return "\n".join([f"similarity matrix ({method_label(result['method'])}{est}, "
                       f"{'all outputs' if result['output'] is None else 'output ' + str(result['output'])}):",
                       format_table([""] + short, [[s] + [float(v) for v in row]
                                                   for s, row in zip(short, mat)])])

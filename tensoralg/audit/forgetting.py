@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_uncertainty, pair_similarity,
-                     pm, progress, run_staged, similarity_matrix, stamp, write_csv, write_json)
+                     pm, progress, run_staged, similarity_matrix, stamp, write_csv, write_json,
+                     method_label)
 
 JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
@@ -228,9 +229,10 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                  for i in range(n) for j in range(n)]
     write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value", "stderr"], rows)
     class_heatmap(out / FIG_SLICES, slices.T, labels,
-                  f"slice similarity to the reference ({labels[ref_index]}, {method}); "
+                  f"slice similarity to the reference ({labels[ref_index]}, "
+                  f"{method_label(method)}); "
                   f"class {r} removed at '-{r}'")
-    heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method})": tensor_mat,
+    heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method_label(method)})": tensor_mat,
                                   "linear CKA (logits, test data)": cka,
                                   "weight cosine": wcos}, labels,
              "forgetting curriculum: checkpoint x checkpoint")
@@ -266,7 +268,7 @@ def forgetting_table(result: dict) -> str:
                     + [sl[str(c)] for c in range(10)]
                     + [result["test_accuracy_per_class"][lab][str(r)]])
     f = result["finding"]
-    method = f"{result['method']} {result['metric']} metric"
+    method = f"{method_label(result['method'])} {result['metric']} metric"
     lines = [f"slice similarity of each checkpoint to the reference ({result['reference_stage']}), "
              f"{method}:", format_table(header, rows), ""]
     if se is not None:

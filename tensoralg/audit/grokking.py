@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_uncertainty, progress,
-                     run_staged, similarity_matrix, stamp, write_csv, write_json)
+                     run_staged, similarity_matrix, stamp, write_csv, write_json, method_label)
 
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
@@ -309,5 +309,6 @@ def grokking_table(result: dict) -> str:
                  f"{f['grokking_delay']} steps later")
     return "\n".join([
         f"grokking audit: modular addition mod {cfg['P']}, {len(result['steps'])} checkpoints "
-        f"({method} {result['metric']} similarity, {result['seconds']['total']:.1f} s)",
+        f"({method_label(method)} {result['metric']} similarity, "
+        f"{result['seconds']['total']:.1f} s)",
         format_table(["step", "train acc", "val acc", "sim to final"], rows), "", grok, sat])

@@ -9,11 +9,17 @@ AdamW). Checkpoints are saved at log-spaced steps. Over all pairs of checkpoints
 * **tensor similarity** of the residual stream -> logits maps (Gaussian metric on the residual
   stream input, :meth:`BilinearTransformer.to_network`), through the public
   ``tensoralg.similarity_matrix`` when it accepts sequence models and otherwise a loop over
-  ``tensoralg.inner`` (self terms once per checkpoint). Two layers (the default) or more:
-  ``method="closure"``, which is APPROXIMATE beyond depth 1 (docs/attention.md; on trained
-  checkpoints it is far from Monte Carlo, docs/language.md). One layer (``n_layers=1``):
-  ``method="exact"``. A few pairs are re-estimated by Monte Carlo with their standard errors
-  either way, and the finding says whether they agree;
+  ``tensoralg.inner`` (self terms once per checkpoint). One layer (``n_layers=1``):
+  ``method="exact"``, and a few pairs are re-estimated by Monte Carlo with their standard
+  errors. Two layers (the default) or more, where the exact similarity is out of reach
+  (docs/mathematics.md §3.9): ``method="montecarlo"`` — every pair estimated from one shared
+  set of directions (:func:`tensoralg.attention.montecarlo_similarity_pairs`) with its
+  reliability verdict; an entry is reported only when reliable, otherwise "no reliable
+  estimate" with the reason and the certified lower bounds on the norms. The moment-closure
+  similarity (``method="closure"``, APPROXIMATE beyond depth 1: on trained checkpoints far from
+  the tensor similarity, docs/language.md) is shown beside it only as a column labelled
+  "moment-closure (approximate)" (``closure=False`` / ``--no-closure`` drops it), or as the
+  matrix when asked for with ``method="closure"``;
 * **output cosine**: mean cosine of the two logit vectors over held-out positions;
 * **linear CKA** of the final residual stream over held-out positions;
 * **weight cosine** of the flattened parameters (:mod:`tensoralg.baselines`).
@@ -63,12 +69,12 @@ Z_DISAGREE = 4.0
 class LanguageConfig:
     """Every parameter of a language audit (all recorded in the JSON).
 
-    Sizes: two attention layers (the issue's model; tensor similarity by the closure, which is
-    APPROXIMATE at depth 2) at d_model 16, n_ctx 8, 2 heads of 4. Measured on the shared 2-core
-    machine, one thread: the default run took 545 s (training 41 s, the 528-pair closure matrix
-    156 s, the Monte Carlo check of 3 pairs 340 s), ``--quick`` 75 s; ``n_layers=1`` gives the
-    exact one-layer audit. See docs/language.md, also for how far the closure is from Monte
-    Carlo on these checkpoints.
+    Sizes: two attention layers (the issue's model; tensor similarity by Monte Carlo with
+    ``mc_matrix_samples`` shared directions, the moment-closure matrix beside it as a labelled
+    approximation when ``closure``) at d_model 16, n_ctx 8, 2 heads of 4; ``n_layers=1`` gives
+    the exact one-layer audit. ``mc_pairs`` / ``mc_samples``: the Monte Carlo check of an exact
+    or (explicit) closure matrix. Measured times in docs/language.md, also for how far the
+    closure is from Monte Carlo on these checkpoints.
     """
 
     n_chars: int = 200_000
@@ -89,12 +95,14 @@ class LanguageConfig:
     method: str = "auto"
     mc_pairs: int = 3
     mc_samples: int = 20_000
+    mc_matrix_samples: int = 4000
+    closure: bool = True
     seed: int = 0
 
     @classmethod
     def quick(cls, **kw) -> "LanguageConfig":
         base = dict(n_chars=60_000, steps=500, checkpoints=12, eval_windows=128, mc_pairs=2,
-                    mc_samples=4000)
+                    mc_samples=4000, mc_matrix_samples=1200)
         base.update(kw)
         return cls(**base)
 
@@ -102,7 +110,7 @@ class LanguageConfig:
         from ..corpus import HELD_OUT_EVERY, SEGMENT
 
         for name in ("n_layers", "d_model", "n_heads", "d_head", "n_ctx", "steps", "batch_size",
-                     "eval_windows", "mc_samples"):
+                     "eval_windows", "mc_samples", "mc_matrix_samples"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got "
@@ -121,14 +129,21 @@ class LanguageConfig:
         if self.method == "exact" and self.n_layers > 1:
             raise ValueError(f"--method exact: the exact similarity of sequence models handles "
                              f"one attention layer; --layers {self.n_layers} needs --method "
-                             f"closure (approximate beyond depth 1) or montecarlo")
+                             f"montecarlo (the default there: estimates with a reliability "
+                             f"verdict) or closure (the moment-closure similarity, APPROXIMATE "
+                             f"beyond depth 1)")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr: expected a positive finite learning rate, got {self.lr}")
+        if not isinstance(self.closure, bool):
+            raise ValueError(f"closure: expected True or False, got {self.closure!r}")
         if self.mc_pairs < 0:
             raise ValueError(f"--mc-pairs: expected >= 0, got {self.mc_pairs}")
         if self.mc_samples < 300 and self.mc_pairs:
             raise ValueError(f"--mc-samples: expected >= 300 (fewer directions make the standard "
                              f"error unreliable), got {self.mc_samples}")
+        if self.mc_matrix_samples < 300 and self.resolved_method() == "montecarlo":
+            raise ValueError(f"--mc-matrix-samples: expected >= 300 (fewer directions make the "
+                             f"standard error unreliable), got {self.mc_matrix_samples}")
         max_windows = (self.n_chars // HELD_OUT_EVERY) // self.n_ctx
         if self.eval_windows > max_windows:
             raise ValueError(f"--eval-windows: {self.eval_windows} windows of {self.n_ctx} tokens "
@@ -136,9 +151,28 @@ class LanguageConfig:
                              f"characters of --chars {self.n_chars}; at most {max_windows}")
 
     def resolved_method(self) -> str:
+        """``auto``: exact for one attention layer; Monte Carlo (with per-pair verdicts) for two
+        or more, where the exact similarity is out of reach — never the closure, which is
+        APPROXIMATE there (docs/mathematics.md §3.9) and runs only when asked for."""
         if self.method != "auto":
             return self.method
-        return "exact" if self.n_layers == 1 else "closure"
+        return "exact" if self.n_layers == 1 else "montecarlo"
+
+
+#: How each method's numbers are labelled wherever they are shown (tables, figures, JSON).
+METHOD_LABELS = {"exact": "exact",
+                 "montecarlo": "Monte Carlo, reliable entries only",
+                 "closure": "moment-closure, APPROXIMATE"}
+#: The name of the closure matrix shown beside a Monte Carlo one.
+CLOSURE_NAME = "moment-closure (approximate)"
+
+
+def _shown(name: str, method: str) -> str:
+    """A matrix's name as shown in text and CSV headers: the tensor-similarity matrix carries
+    its method unless exact (an approximate number never sits under a plain heading)."""
+    if name != "tensor similarity" or method == "exact":
+        return name
+    return CLOSURE_NAME if method == "closure" else f"tensor similarity ({method})"
 
 
 def make_model(cfg: LanguageConfig, vocab: int):
@@ -356,6 +390,8 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> float | None:
     from scipy.stats import spearmanr
 
     x, y = np.asarray(x, float), np.asarray(y, float)
+    ok = np.isfinite(x) & np.isfinite(y)      # NaN: no reliable estimate for that interval
+    x, y = x[ok], y[ok]
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return None
     return float(spearmanr(x, y).statistic)
@@ -365,9 +401,10 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
                         k: int = N_TRANSITIONS) -> dict:
     """The numbers behind the finding (module docstring).
 
-    ``mats``: metric name -> ``(N, N)`` matrix (similarity-like, 1 = identical);
-    ``agreement``: n -> length-N n-gram agreement curve. Interval ``i`` is between checkpoints
-    ``i`` and ``i + 1``.
+    ``mats``: metric name -> ``(N, N)`` matrix (similarity-like, 1 = identical; NaN where a
+    Monte Carlo entry has no reliable estimate: such intervals are left out of the ranking,
+    the median and the correlation); ``agreement``: n -> length-N n-gram agreement curve.
+    Interval ``i`` is between checkpoints ``i`` and ``i + 1``.
     """
     steps = list(steps)
     N = len(steps)
@@ -387,8 +424,9 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
                  "ngram_total_change": total.tolist(), "metrics": {}}
     for name, M in mats.items():
         ch = consecutive_change(M)
-        order = [int(i) for i in np.argsort(-ch, kind="stable")[:k]]
-        med = float(np.median(ch)) if len(ch) else float("nan")
+        finite = np.flatnonzero(np.isfinite(ch))
+        order = [int(finite[i]) for i in np.argsort(-ch[finite], kind="stable")[:k]]
+        med = float(np.median(ch[finite])) if len(finite) else float("nan")
         tops = []
         for i in order:
             near = sorted(n for n, j in fastest.items() if abs(j - i) <= 1)
@@ -400,6 +438,7 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
                          "order_specific_fastest_within_1_interval": near_x})
         out["metrics"][name] = {
             "change": ch.tolist(),
+            "n_intervals_assessed": int(len(finite)),
             "sharpest": tops,
             "sharpness_max_over_median": (float(ch[order[0]] / med) if order and med > 0
                                           else None),
@@ -431,23 +470,30 @@ def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
                    + (f"; fastest {'/'.join(str(n) for n in t['ngram_orders_fastest_within_1_interval'])}-gram learning within one interval)"
                       if t["ngram_orders_fastest_within_1_interval"] else "; no n-gram order learns fastest there)")
                    for t in ts["sharpest"])
-    lines.append(f"sharpest tensor-similarity ({method}) transitions: {tr}")
+    label = METHOD_LABELS.get(method, method)
+    lines.append(f"sharpest tensor-similarity ({label}) transitions: "
+                 + (tr or "none: no interval between consecutive checkpoints has a reliable "
+                          "estimate"))
     fast = "; ".join(f"{n}-gram: steps {v['steps'][0]}->{v['steps'][1]} (+{v['agreement_gain']:.3f})"
                      for n, v in fin["ngram_fastest_interval"].items())
     lines.append(f"fastest n-gram agreement gains: {fast}")
     fmt = lambda v: "n/a" if v is None else f"{v:+.2f}"  # noqa: E731
     lines.append("Spearman(consecutive change, total n-gram change): " + ", ".join(
-        f"{k} {fmt(v['spearman_with_ngram_change'])}" for k, v in fin["metrics"].items()))
+        f"{_shown(k, method)} {fmt(v['spearman_with_ngram_change'])}"
+        for k, v in fin["metrics"].items()))
     lines.append("sharpest/median consecutive change: " + ", ".join(
-        f"{k} {('n/a' if v['sharpness_max_over_median'] is None else format(v['sharpness_max_over_median'], '.1f'))}"
+        f"{_shown(k, method)} {('n/a' if v['sharpness_max_over_median'] is None else format(v['sharpness_max_over_median'], '.1f'))}"
         for k, v in fin["metrics"].items()))
     n_al, n_same, k = (ts["n_sharpest_aligned_with_ngram"],
                        ts["n_sharpest_same_interval_as_ngram"], len(ts["sharpest"]))
     c1, c0 = fin["chance_within_1_interval"], fin["chance_same_interval"]
     # "reproduced" needs alignment clearly above what randomly placed transitions would give
-    if k and n_same / k > c0 and n_al / k > c1 and n_al >= 2:
+    if not k:
+        verdict = "NOT assessed (no reliable tensor-similarity estimate between consecutive " \
+                  "checkpoints)"
+    elif n_same / k > c0 and n_al / k > c1 and n_al >= 2:
         verdict = "reproduced"
-    elif k and (n_same / k > c0 or n_al / k > c1):
+    elif n_same / k > c0 or n_al / k > c1:
         verdict = "partly reproduced"
     else:
         verdict = "NOT reproduced (no better than chance)"
@@ -585,11 +631,23 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     times["baselines_s"] = time.perf_counter() - t
 
     nets = [m.to_network() for _, m in snaps]
-    S, sim_info = sequence_similarity_matrix(nets, method, cfg.n_ctx, show_progress,
-                                             n_samples=cfg.mc_samples, seed=cfg.seed)
-    times["tensor_similarity_s"] = sim_info["seconds"]
+    pairs: list = []
+    closure_S = None
+    if method == "montecarlo":
+        S, pairs, sim_info = montecarlo_pair_matrix(nets, cfg.n_ctx, cfg.mc_matrix_samples,
+                                                    cfg.seed, steps, show_progress)
+        if cfg.closure:   # beside it, labelled: the moment-closure similarity (approximate)
+            closure_S, cinfo = sequence_similarity_matrix(nets, "closure", cfg.n_ctx,
+                                                          show_progress)
+            sim_info["closure_seconds"] = cinfo["seconds"]
+            for r in pairs:
+                r[CLOSURE_NAME] = float(closure_S[r["i"], r["j"]])
+    else:
+        S, sim_info = sequence_similarity_matrix(nets, method, cfg.n_ctx, show_progress,
+                                                 n_samples=cfg.mc_samples, seed=cfg.seed)
+    times["tensor_similarity_s"] = sim_info["seconds"] + sim_info.get("closure_seconds", 0.0)
 
-    # Monte Carlo check of a few pairs
+    # Monte Carlo check of a few pairs of an exact or (explicitly asked) closure matrix
     t = time.perf_counter()
     mc = []
     for i, j in _mc_pairs(N, consecutive_change(S), cfg.mc_pairs if method != "montecarlo" else 0):
@@ -598,31 +656,37 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
         e = ta.similarity(nets[i], nets[j], method="montecarlo", n_ctx=cfg.n_ctx,
                           n_samples=cfg.mc_samples, seed=cfg.seed)
         est, se = float(e), float(e.stderr)
+        d = e.diagnostics
         mc.append({"i": i, "j": j, "steps": [steps[i], steps[j]], method: float(S[i, j]),
-                   "montecarlo": est, "stderr": se,
+                   "montecarlo": est if d.reliable else None,
+                   "unreliable_estimate": None if d.reliable else est, "stderr": se,
+                   "reliable": bool(d.reliable), "reason": d.reason,
+                   "certified_lower_bounds": d.lower_bounds,
                    "stderr_method": "delta method on the ratio of means of per-direction "
                                     "products (tensoralg.attention.montecarlo_similarity)",
-                   "z": (float(S[i, j]) - float(est)) / se if se > 0 else None,
+                   "z": ((float(S[i, j]) - est) / se if se > 0 and d.reliable else None),
                    "n_samples": cfg.mc_samples, "seed": cfg.seed})
     times["montecarlo_check_s"] = time.perf_counter() - t
 
     mats = {"tensor similarity": S, "output cosine": out_cos, "linear CKA": cka,
             "weight cosine": wcos}
+    if closure_S is not None:
+        mats[CLOSURE_NAME] = closure_S
     agreement = {n: [s["agreement"][n] for s in scores] for n in ORDERS}
     fin = transitions_finding(steps, mats, agreement)
     text = finding_text(fin, method, {n: agreement[n][-1] for n in ORDERS})
-    if "stderr" in sim_info:
-        se_c = np.array([sim_info["stderr"][i][i + 1] for i in range(N - 1)])
-        text.append(f"the tensor-similarity matrix is a Monte Carlo estimate: standard errors of "
-                    f"the consecutive entries median {np.median(se_c):.3g}, max {se_c.max():.3g} "
-                    f"({cfg.mc_samples} shared samples); transitions smaller than ~2 standard "
-                    f"errors are noise")
+    if method == "montecarlo":
+        text += montecarlo_text(pairs, N, sim_info, closure_S is not None)
     if mc:
         worst = max(abs(r["z"]) for r in mc if r["z"] is not None) if any(
             r["z"] is not None for r in mc) else None
+        label = METHOD_LABELS.get(method, method)
         text.append("Monte Carlo check: " + "; ".join(
-            f"steps {r['steps'][0]} vs {r['steps'][1]}: {method} {r[method]:.4f}, MC "
-            f"{r['montecarlo']:.4f} ± {r['stderr']:.4f}" for r in mc)
+            f"steps {r['steps'][0]} vs {r['steps'][1]}: {label} {r[method]:.4f}, MC "
+            + (f"{r['montecarlo']:.4f} ± {r['stderr']:.4f}" if r["reliable"] else
+               f"no reliable estimate ({r['reason']}; certified lower bounds "
+               + ", ".join(f"{k} >= {v:.4g}" for k, v in r["certified_lower_bounds"].items())
+               + ")") for r in mc)
             + ("" if worst is None else f" (largest |z| = {worst:.1f})"))
         if worst is not None and worst > Z_DISAGREE:
             if method == "exact":
@@ -641,14 +705,19 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     from .plotting import heatmaps
 
     labels = [str(s) for s in steps]
-    heatmaps(stage / MATRIX_FIG, {f"tensor similarity ({method})": S, "output cosine": out_cos,
-                                  "linear CKA (final residual)": cka, "weight cosine": wcos},
-             labels, "language checkpoints: four similarity matrices", axis_label="step")
-    _ngram_figure(stage / NGRAM_FIG, steps, agreement, fin)
+    shown = {f"tensor similarity ({METHOD_LABELS.get(method, method)})": S,
+             "output cosine": out_cos, "linear CKA (final residual)": cka, "weight cosine": wcos}
+    if closure_S is not None:
+        shown[f"{CLOSURE_NAME}: not the tensor similarity"] = closure_S
+    heatmaps(stage / MATRIX_FIG, shown, labels,
+             f"language checkpoints: {len(shown)} similarity matrices"
+             + ("; Monte Carlo blank where no reliable estimate" if method == "montecarlo"
+                else ""), axis_label="step")
+    _ngram_figure(stage / NGRAM_FIG, steps, agreement, fin, METHOD_LABELS.get(method, method))
     header = (["checkpoint", "step", "train_loss", "held_out_loss", "held_out_accuracy"]
               + [f"agreement_{n}gram" for n in ORDERS] + [f"kl_{n}gram" for n in ORDERS]
-              + [f"{k.replace(' ', '_')}_to_final" for k in mats]
-              + [f"{k.replace(' ', '_')}_change_to_next" for k in mats])
+              + [f"{_shown(k, method).replace(' ', '_')}_to_final" for k in mats]
+              + [f"{_shown(k, method).replace(' ', '_')}_change_to_next" for k in mats])
     rows = []
     for i in range(N):
         rows.append([names[i], steps[i], hist["loss"][i], scores[i]["loss"],
@@ -657,9 +726,21 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
                     + [float(M[i, -1]) for M in mats.values()]
                     + [(float(1 - M[i, i + 1]) if i + 1 < N else None) for M in mats.values()])
     write_csv(stage / CSV_NAME, header, rows)
+    by_pair = {(r["i"], r["j"]): r for r in pairs}
+    mc_cols = ["montecarlo_estimate_or_blank", "montecarlo_stderr", "montecarlo_reliable",
+               "montecarlo_reason"] if pairs else []
+
+    def mc_row(i, j):
+        r = by_pair.get((min(i, j), max(i, j)))
+        if not mc_cols:
+            return []
+        if r is None:
+            return [None, None, None, None]
+        return [r["montecarlo"], r["stderr"], r["reliable"], r["reason"]]
+
     write_csv(stage / PAIRS_CSV, ["i", "j", "step_i", "step_j"] +
-              [k.replace(" ", "_") for k in mats],
-              ([i, j, steps[i], steps[j]] + [float(M[i, j]) for M in mats.values()]
+              [_shown(k, method).replace(" ", "_") for k in mats] + mc_cols,
+              ([i, j, steps[i], steps[j]] + [float(M[i, j]) for M in mats.values()] + mc_row(i, j)
                for i in range(N) for j in range(N)))
     times["outputs_s"] = time.perf_counter() - t
     times["total_s"] = time.perf_counter() - t_all
@@ -671,15 +752,19 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
         "model": {**make_model(cfg, V).config(), "exported": "residual stream -> logits "
                   "(Gaussian metric on the residual stream input; docs/language.md)"},
         "tensor_similarity": {**sim_info, "approximate": method != "exact",
+                              "label": METHOD_LABELS.get(method, method),
                               "note": ("exact Gaussian inner product (one attention layer)"
                                        if method == "exact" else
-                                       "moment-closure similarity: APPROXIMATE beyond depth 1, "
-                                       "the similarity of a surrogate with Gaussian layer "
-                                       "inputs; on trained two-layer checkpoints not an "
-                                       "estimate of the tensor similarity "
-                                       "(docs/mathematics.md §3.9)"
-                                       if method == "closure" else
-                                       "Monte Carlo estimate, one sample set per pair")},
+                                       CLOSURE_NOTE if method == "closure" else
+                                       "Monte Carlo estimates from one shared set of directions "
+                                       "(tensoralg.attention.montecarlo_similarity_pairs); an "
+                                       "entry is in the matrix only when its diagnostics call "
+                                       "it reliable (NaN/null otherwise: no reliable estimate, "
+                                       "see pairs)")},
+        "pairs": pairs,
+        **({"moment_closure_approximate": {"matrix": closure_S, "label": CLOSURE_NAME,
+                                           "note": CLOSURE_NOTE}}
+           if closure_S is not None else {}),
         "checkpoints": [{"name": names[i], "step": steps[i], "path": f"checkpoints/{names[i]}",
                          "train_loss": hist["loss"][i], **scores[i]} for i in range(N)],
         "matrices": {k: v for k, v in mats.items()},
@@ -701,7 +786,83 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     return result
 
 
-def _ngram_figure(path: Path, steps, agreement, fin) -> Path:
+CLOSURE_NOTE = ("moment-closure similarity: APPROXIMATE beyond depth 1, the similarity of a "
+                "surrogate with Gaussian layer inputs; on trained two-layer checkpoints not an "
+                "estimate of the tensor similarity (docs/mathematics.md §3.9)")
+
+
+def montecarlo_pair_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed: int,
+                           steps: Sequence[int], show_progress: bool = False
+                           ) -> tuple[np.ndarray, list, dict]:
+    """Every pair's Monte Carlo similarity with its verdict, from one shared set of directions
+    (:func:`tensoralg.attention.montecarlo_similarity_pairs`; each entry equals
+    ``tensoralg.similarity(a, b, method="montecarlo", n_ctx=n_ctx, n_samples=n_samples,
+    seed=seed)`` up to rounding).
+
+    Returns ``(S, pairs, info)``: ``S`` ``(N, N)`` with ones on the diagonal, the estimate
+    where reliable and NaN where not; ``pairs``: one record per ``i < j`` (``montecarlo`` is
+    None when unreliable, the number then kept only under ``unreliable_estimate``, not an
+    answer; ``reason``, ``certified_lower_bounds``, the replicates); ``info``:
+    what ran, the counts and the seconds.
+    """
+    from ..attention import montecarlo_similarity_pairs
+
+    t0 = time.perf_counter()
+    bar = (lambda it: progress(it, "tensor similarity (Monte Carlo)", True)) \
+        if show_progress else None
+    est = montecarlo_similarity_pairs(nets, n_ctx=n_ctx, n_samples=n_samples, seed=seed,
+                                      progress=bar)
+    N = len(nets)
+    S = np.eye(N)
+    pairs = []
+    for (i, j), e in est.items():
+        d = e.diagnostics
+        S[i, j] = S[j, i] = float(e) if d.reliable else np.nan
+        pairs.append({"i": i, "j": j, "steps": [steps[i], steps[j]],
+                      "montecarlo": float(e) if d.reliable else None,
+                      "unreliable_estimate": None if d.reliable else float(e),
+                      "stderr": e.stderr,
+                      "reliable": bool(d.reliable), "reason": d.reason,
+                      "max_share": d.max_share, "replicates_max_z": d.max_z,
+                      "replicates": [list(x) for x in d.replicates],
+                      "certified_lower_bounds": d.lower_bounds})
+    n_rel = sum(r["reliable"] for r in pairs)
+    info = {"method": "montecarlo", "n_ctx": n_ctx, "n_samples": n_samples, "seed": seed,
+            "path": "shared-direction radial Monte Carlo with per-pair diagnostics "
+                    "(tensoralg.attention.montecarlo_similarity_pairs)",
+            "n_pairs": len(pairs), "n_reliable": n_rel,
+            "n_consecutive_reliable": sum(r["reliable"] for r in pairs if r["j"] == r["i"] + 1),
+            "seconds": time.perf_counter() - t0}
+    return S, pairs, info
+
+
+def montecarlo_text(pairs: list, N: int, info: dict, with_closure: bool) -> list[str]:
+    """The finding's lines on a Monte Carlo matrix: how many pairs are reliable, the
+    consecutive entries (value or "no reliable estimate" with the reason), the closure beside
+    them labelled approximate."""
+    lines = [f"Monte Carlo ({info['n_samples']} shared directions, seed {info['seed']}): "
+             f"{info['n_reliable']} of {info['n_pairs']} pairs have a reliable estimate, "
+             f"{info['n_consecutive_reliable']} of {N - 1} consecutive pairs; the rest: no "
+             f"reliable estimate (not shown in the matrix)"]
+    bad = [r["reason"] for r in pairs if not r["reliable"]]
+    if bad:
+        heavy = sum("one direction carries" in x for x in bad)
+        split = sum("disagree" in x for x in bad)
+        lines.append(f"why not reliable: in {heavy} pairs one direction carries >= 5 % of a sum "
+                     f"(heavy tail), in {split} the 3 independent replicates disagree (|z| > 3)")
+    cons = [r for r in pairs if r["j"] == r["i"] + 1]
+    lines.append("consecutive pairs, Monte Carlo" + (f" | {CLOSURE_NAME}" if with_closure else "")
+                 + ": " + "; ".join(
+                     f"{r['steps'][0]}->{r['steps'][1]} "
+                     + (f"{r['montecarlo']:.4f} ± {r['stderr']:.4f}" if r["reliable"] else
+                        "no reliable estimate (lower bounds " + ", ".join(
+                            f"{k} >= {v:.3g}" for k, v in r["certified_lower_bounds"].items())
+                        + ")")
+                     + (f" | {r[CLOSURE_NAME]:.4f}" if with_closure else "") for r in cons))
+    return lines
+
+
+def _ngram_figure(path: Path, steps, agreement, fin, label: str = "exact") -> Path:
     from .plotting import _plt
     from .common import save_figure
 
@@ -717,11 +878,12 @@ def _ngram_figure(path: Path, steps, agreement, fin) -> Path:
             a_.axvspan(lo, hi, color="tab:red", alpha=0.15 if r else 0.3, lw=0)
     ax.set_xscale("log")
     ax.set_ylabel("top-1 agreement with n-gram")
-    ax.set_title("n-gram learning; shaded: sharpest tensor-similarity transitions")
+    ax.set_title(f"n-gram learning; shaded: sharpest tensor-similarity ({label}) transitions")
     ax.legend(fontsize=7, loc="upper left")
     mid = np.sqrt(x[:-1] * x[1:])
     for name, v in fin["metrics"].items():
-        ax2.plot(mid, v["change"], marker=".", label=name)
+        ax2.plot(mid, v["change"], marker=".",
+                 label=f"{name} ({label})" if name == "tensor similarity" else name)
     ax2.set_xscale("log")
     ax2.set_xlabel("training step")
     ax2.set_ylabel("1 - M[i, i+1]")
@@ -731,13 +893,21 @@ def _ngram_figure(path: Path, steps, agreement, fin) -> Path:
 
 def language_table(result: dict) -> str:
     rows = []
-    S = np.asarray(result["matrices"]["tensor similarity"])
+    S = np.asarray(result["matrices"]["tensor similarity"], dtype=float)
+    method = result["config"].get("resolved_method", "exact")
+    C = result.get("moment_closure_approximate")
+    C = None if C is None else np.asarray(C["matrix"], dtype=float)
     for i, c in enumerate(result["checkpoints"]):
+        v = float(S[i, -1])
         rows.append([c["step"], c["loss"]] + [c["agreement"][str(n)] if str(n) in c["agreement"]
                                               else c["agreement"][n] for n in ORDERS]
-                    + [float(S[i, -1])])
+                    + [v if np.isfinite(v) else "no reliable estimate"]
+                    + ([] if C is None else [float(C[i, -1])]))
+    head = {"exact": "tensor sim to final", "montecarlo": "Monte Carlo sim to final",
+            "closure": "moment-closure (approx.) to final"}.get(method, f"{method} to final")
     lines = [format_table(["step", "held-out loss"] + [f"{n}-gram agr" for n in ORDERS]
-                          + ["tensor sim to final"], rows), ""]
+                          + [head] + ([] if C is None else
+                                      ["moment-closure (approx.) to final"]), rows), ""]
     lines += result["finding"]
     tm = result["times"]
     lines.append(f"time: {tm['total_s']:.1f} s wall, {tm['cpu_s']:.1f} s CPU (train "

@@ -15,7 +15,8 @@ store; an existing store needs ``--resume`` and must have been made from the sam
 block; rerun the same command with ``--resume``.
 
 Bilinear-transformer checkpoints are accepted with ``--n-ctx`` as in the unblocked ``matrix``
-(exact for one layer, the closure beyond; see :func:`run_matrix_blocked`).
+(exact for one layer; beyond, ``--method auto`` is refused and the moment-closure similarity,
+APPROXIMATE, runs only with ``--method closure``; see :func:`run_matrix_blocked`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import numpy as np
 
 from ._cliutil import apply_threads, check_paths, positive_int, report, run
 from .common import (MC_SAMPLES, check_file_writable, check_folder_path, choose_method,
-                     format_table, matrix_uncertainty, stamp, write_csv, write_json)
+                     format_table, matrix_uncertainty, method_label, stamp, write_csv,
+                     write_json)
 
 STORE = "blocks"
 BLOCK_OPTIONS = ("block_size", "resume", "scheduler", "workers")
@@ -87,8 +89,9 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
 
     Bilinear-transformer checkpoints (as in the unblocked ``tensoralg matrix``): residual stream
     -> logits maps over ``n_ctx`` positions (default the shortest trained context, longer
-    refused), summed over all logits; ``method="auto"`` is exact for one layer and the
-    (approximate) closure beyond, as unblocked; Monte Carlo and ``output`` are refused.
+    refused), summed over all logits; ``method="auto"`` is exact for one layer and refused
+    beyond, as unblocked (``method="closure"``: the moment-closure similarity, APPROXIMATE,
+    only when asked for); Monte Carlo and ``output`` are refused.
 
     Raises:
         ValueError: fewer than two checkpoints, a corrupt checkpoint (named), mismatched
@@ -124,8 +127,10 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
             raise ValueError("--method montecarlo: the blocked path of bilinear-transformer "
                              "checkpoints is exact (one layer) or closure; drop the block "
                              "options for the shared-sample Monte Carlo matrix")
+        from .compare import sequence_matrix_method
+
+        used = sequence_matrix_method(method, depth)   # auto beyond one layer: refused
         n_ctx = blocks.sequence_n_ctx(prints, n_ctx)
-        used = ("exact" if depth == 1 else "closure") if method == "auto" else method
     else:
         if n_ctx is not None:
             raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
@@ -160,6 +165,7 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
                            "block_size": kw["block_size"], "resume": resume,
                            "scheduler": scheduler, "workers": workers, "n_ctx": n_ctx}),
         "labels": labels, "steps": [p.get("step") for p in prints], "method": used,
+        "method_label": method_label(used), "approximate": used != "exact",
         "metric": "gaussian", "output": output, "n_ctx": n_ctx,
         "similarity_matrix": S.tolist() if n <= 1000 else None,
         "similarity_matrix_file": "matrix.npy",
@@ -188,7 +194,8 @@ def _write_outputs(out: Path, S: np.ndarray, labels: list[str], used: str, outpu
     write_csv(out / "matrix.csv", ["checkpoint"] + labels,
               ([lab] + [float(v) for v in row] for lab, row in zip(labels, S)))
     what = "all outputs" if output is None else f"output {output}"
-    title = f"tensor similarity ({used}, {what})"
+    title = (f"{method_label(used)} similarity ({what}): not the tensor similarity at depth >= 2"
+             if used == "closure" else f"tensor similarity ({used}, {what})")
     if len(labels) <= 60:
         heatmaps(out / "matrix.png", {title: S}, labels, "checkpoint x checkpoint similarity")
     else:
@@ -227,7 +234,8 @@ def blocked_table(result: dict) -> str:
         return head + "\n" + matrix_table(result)
     S = np.load(Path(result["out"]) / "matrix.npy")
     off = S[~np.eye(n, dtype=bool)]
-    return "\n".join([head, f"similarity matrix {n} x {n} ({result['method']}): off-diagonal "
+    return "\n".join([head, f"similarity matrix {n} x {n} ({method_label(result['method'])}): "
+                            f"off-diagonal "
                             f"min {off.min():.4f}, median {np.median(off):.4f}, max "
                             f"{off.max():.4f} (full matrix in matrix.npy / matrix.csv)",
                       format_table(["", "min", "max"], [["off-diagonal", float(off.min()),

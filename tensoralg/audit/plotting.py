@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .common import save_figure
+from .common import method_label, save_figure
 
 
 def _plt():
@@ -115,7 +115,7 @@ def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float]
     ax1.plot(x, train_acc, "o-", ms=3, label="train accuracy")
     ax1.plot(x, val_acc, "o-", ms=3, label="validation accuracy")
     ax1.plot(x, sim_to_final, "s-", ms=3, color="tab:red",
-             label=f"tensor similarity to final ({method})")
+             label=f"tensor similarity to final ({method_label(method)})")
     ax1.set_xscale("log")
     ax1.set_xlabel("training step (step 0 drawn at 1)")
     ax1.set_ylim(-0.02, 1.02)
