@@ -664,7 +664,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                 pa, pb = f0.tree(ks), f1.tree(ks)
                 exact_ip[K] = (_tree_inner(pa, pb, n_ctx), _tree_inner(pa, pa, n_ctx),
                                _tree_inner(pb, pb, n_ctx))
-            except (CostTooHigh, attention.AttentionNotSupported, ValueError) as exc:
+            except (CostTooHigh, attention.AttentionNotSupported) as exc:
                 why[K] = f"exact path refused: {str(exc)[:100]}"
         for K in Ks:
             if K in exact_ip or K < max(deg_a, deg_b):
@@ -687,8 +687,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                     t = f.tree({k})
                     try:
                         prof[side][k] = _tree_inner(t, t, n_ctx)
-                    except (CostTooHigh, ValueError):
-                        pass
+                    except CostTooHigh:
+                        pass        # estimated below
 
     for K in Ks:
         if K in exact_ip:

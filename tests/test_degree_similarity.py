@@ -196,7 +196,7 @@ def test_parts_sum_to_f_two_layers_and_homogeneity():
                                    atol=1e-9 * np.abs(P2).max())
 
 
-def test_complex_forward_keeps_real_forward_bitwise():
+def test_complex_forward_matches_real_forward():
     net = _two_layer(2, bias=True)
     X = np.random.default_rng(1).standard_normal((3, 2, 2))
     y = net(X)
