@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,9 +63,8 @@ from .layers import Bilinear, Layer, Linear, Sequential, as_network
 from .prepare import check_pair
 from .request import make_request
 from .results import similarity_from
-from .strategies.montecarlo import (MonteCarloEstimate, certified_lower_bound,
-                                    inner_diagnostics, ratio_diagnostics, ratio_estimate,
-                                    warn_few)
+from .strategies.montecarlo import (MonteCarloEstimate, _verdict, inner_diagnostics,
+                                    ratio_diagnostics, ratio_estimate, warn_few)
 
 __all__ = ["degree_similarity", "homogeneous_parts", "DegreeSimilarity",
            "DEGREE_DEFAULT_SAMPLES"]
@@ -513,12 +512,19 @@ def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, chunk=409
         P = np.concatenate(trip[K], axis=1)
         raw = P
         if K in exact_lower:
-            P = P - np.concatenate(cv[K], axis=1) + np.asarray(exact_lower[K][1])[:, None]
+            rem = P - np.concatenate(cv[K], axis=1)      # the sampled remainder
+            P = rem + np.asarray(exact_lower[K][1])[:, None]
+        else:
+            rem = P
         est = ratio_estimate(P.sum(axis=1), P @ P.T, P.shape[1])
         diag = ratio_diagnostics(P)
-        # certified lower bounds from the raw (non-negative) per-direction norms
-        diag = replace(diag, lower_bounds={"<a,a>": certified_lower_bound(raw[1]),
-                                           "<b,b>": certified_lower_bound(raw[2])})
+        # the largest share is one direction's remainder against the whole sum (the exact
+        # block is not sampled, so it must not dilute a heavy-tailed remainder); the certified
+        # lower bounds come from the raw (non-negative) per-direction norms
+        tot = np.abs(raw).sum(axis=1)
+        share = float(max(np.abs(rem[i]).max() / tot[i] if tot[i] > 0 else 1.0
+                          for i in range(3)))
+        diag = _verdict(list(diag.replicates), share, {"<a,a>": raw[1], "<b,b>": raw[2]})
         out[K] = MonteCarloEstimate(float(est), est.stderr, P.shape[1], diag)
     profs = []
     for side in (0, 1):

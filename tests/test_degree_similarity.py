@@ -332,3 +332,19 @@ def test_bad_arguments_one_line():
         degree_similarity(_mlp(1, out=2), _mlp(2, out=3))
     with pytest.raises(ValueError, match="m:"):
         homogeneous_parts(a, np.zeros((1, 2)), m=4)
+
+
+def test_attention_then_bilinear_mlp_first_order_exact():
+    """Residual attention then a residual bilinear MLP, no biases: the first composition has
+    degree 2 - 1 + 5 = 6, so S<=2 and S<=5 are exact (X + A(X) + B(X) on one node)."""
+    def model(seed):
+        r = np.random.default_rng(seed)
+        return ta.Sequential([ta.Residual(_attn(r, 2, 2, 1, False, 0.5)),
+                              ta.Residual(_bil(r, 2, 3, 2, False)),
+                              ta.Linear(r.standard_normal((2, 2)))])
+    a, b = model(1), model(2)
+    r = degree_similarity(a, b, n_ctx=2, max_degree=(2, 5), n_samples=60)
+    assert r.exact(2) and r.exact(5)
+    for K in (2, 5):
+        assert r[K] == pytest.approx(_sim(_quad_truncated(a, b, K, (2, 2))), rel=1e-10)
+    assert r.profile_a[3] == r.profile_a[4] == 0.0   # degrees 1, 2, 5, 6, 10 only
