@@ -38,12 +38,14 @@ Exact where the truncation is a network the exact engines compute:
 
 Everything else by Monte Carlo (approximate; :func:`_mc`): the radial estimator of
 :mod:`tensoralg.strategies.montecarlo` on the truncation. Per direction ``theta`` the parts
-``P_k(rho theta)`` come from one DFT (``m`` complex forward passes) at the typical radius
-``rho = sqrt(D)``, and ``f_{<=K}(r theta) = sum_k (r/rho)^k P_k(rho theta)``, so the radial
+``P_k(rho theta)`` come from the DFT (``m`` complex forward passes per input scale, each part
+read at the scale of smallest rounding bound) at the typical radius ``rho = sqrt(D)``, and ``f_{<=K}(r theta) = sum_k (r/rho)^k P_k(rho theta)``, so the radial
 integral is exact given the chi moments ``E[r^n]`` (antithetic ``±theta``: odd ``k + l``
 cancel). The largest exact lower truncation is the control variate (its exact inner products
-replace its sample means). Diagnostics as :mod:`tensoralg.strategies.montecarlo`: an estimate
-whose ``reliable`` is False is not an answer.
+replace its sample means). Diagnostics as :mod:`tensoralg.strategies.montecarlo` (three
+replicates, their agreement, the largest single-direction share — here of the sampled
+remainder against the whole sum, so that the exact block does not dilute a heavy tail): an
+estimate whose ``reliable`` is False is not an answer.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ from .strategies.montecarlo import (MonteCarloEstimate, _verdict, inner_diagnost
 __all__ = ["degree_similarity", "homogeneous_parts", "DegreeSimilarity",
            "DEGREE_DEFAULT_SAMPLES"]
 
-#: Default number of Monte Carlo directions of :func:`degree_similarity` (each costs ``m``
-#: complex forward passes per model, ``m = degree + 1``).
+#: Default number of Monte Carlo directions of :func:`degree_similarity` (each costs
+#: ``3 m`` complex forward passes per model, ``m = degree + 1``).
 DEGREE_DEFAULT_SAMPLES = 3_000
 
 _DISCLAIMER = ("S<=K is the similarity of the degree-<=K truncations f_<=K = sum_{k<=K} P_k: a "
@@ -465,9 +467,16 @@ def _chi_ratio(D: int, n: int, rho: float) -> float:
                     - n * math.log(rho))
 
 
-def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, chunk=4096):
+#: Input scales of the Monte Carlo DFT (fewer than :data:`DFT_SCALES`: 3 x (degree + 1)
+#: forward passes per direction and model).
+MC_SCALES = (1.0, 0.125, 0.015625)
+
+
+def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, need=(None, None),
+        chunk=4096):
     """Per-direction triples for each ``K`` in ``Ks`` and per-degree norms (radial estimator on
-    the DFT parts). ``exact_lower[K] = (K0, (ab, aa, bb))``: the control variate."""
+    the DFT parts). ``exact_lower[K] = (K0, (ab, aa, bb))``: the control variate; ``need``:
+    per model the degrees whose norm is wanted (None: all up to ``kmax_profile``)."""
     d = na.in_features
     shape = (d,) if n_ctx is None else (n_ctx, d)
     D = int(np.prod(shape))
@@ -487,8 +496,8 @@ def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, chunk=409
         u = rng.standard_normal((s, D))
         u *= rho / np.linalg.norm(u, axis=1, keepdims=True)
         X = u.reshape((s,) + shape)
-        Pa = _dft_parts(na, X, ma)[:ka + 1].reshape(ka + 1, s, -1)
-        Pb = _dft_parts(nb, X, mb)[:kb + 1].reshape(kb + 1, s, -1)
+        Pa = _dft_parts(na, X, ma, MC_SCALES)[:ka + 1].reshape(ka + 1, s, -1)
+        Pb = _dft_parts(nb, X, mb, MC_SCALES)[:kb + 1].reshape(kb + 1, s, -1)
         Gab = np.einsum("ksx,lsx->skl", Pa, Pb)
         Gaa = np.einsum("ksx,lsx->skl", Pa, Pa)
         Gbb = np.einsum("ksx,lsx->skl", Pb, Pb)
@@ -529,10 +538,11 @@ def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, chunk=409
     profs = []
     for side in (0, 1):
         Z = np.concatenate(prof[side], axis=0)
+        ks = [k for k in range(Z.shape[1]) if need[side] is None or k in need[side]]
         profs.append({k: MonteCarloEstimate(float(Z[:, k].mean()),
                                             float(Z[:, k].std(ddof=1) / math.sqrt(Z.shape[0])),
                                             Z.shape[0], inner_diagnostics(Z[:, k], "<P,P>"))
-                      for k in range(Z.shape[1])})
+                      for k in ks})
     return out, profs
 
 
@@ -585,7 +595,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             model's degree is allowed (its truncation is the model).
         cov: the input distribution ``N(0, Σ)`` as in :func:`tensoralg.inner` (folded into the
             models: ``P_k ∘ K`` are the parts of ``f ∘ K``).
-        n_samples: Monte Carlo directions (each ``degree + 1`` complex forward passes per model).
+        n_samples: Monte Carlo directions (each ``3 (degree + 1)`` complex forward passes per
+            model: the DFT at the scales :data:`MC_SCALES`).
         seed: the Monte Carlo seed (numpy ``default_rng``).
 
     Returns:
@@ -603,6 +614,10 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
     seq = na.is_sequence_model or nb.is_sequence_model
+    if seq and any(not x.is_sequence_model and x.degree > 1 for x in (na, nb)):
+        raise ValueError("a and b: a sequence model (with attention) compared with a "
+                         "position-free network of degree > 1; compare two sequence models (a "
+                         "per-position affine map is accepted)")
     if seq:
         n_ctx = resolve_n_ctx([("a", na), ("b", nb)], req.n_ctx)
     elif req.n_ctx is not None:
@@ -714,7 +729,10 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             below = [k for k in exact_ip if k < K]
             if below:
                 lower[K] = (max(below), exact_ip[max(below)])
-        mc_vals, mc_prof = _mc(na, nb, n_ctx, todo or [min(Ks)], lower, n_samples, seed, kprof)
+        need = tuple({k for k in range(min(kprof, dg) + 1) if k not in prof[s]}
+                     for s, dg in ((0, deg_a), (1, deg_b)))
+        mc_vals, mc_prof = _mc(na, nb, n_ctx, todo or [min(Ks)], lower, n_samples, seed, kprof,
+                               need)
         n_used = n_samples
         for K in todo:
             values[K] = mc_vals[K]

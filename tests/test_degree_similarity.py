@@ -330,6 +330,8 @@ def test_bad_arguments_one_line():
         degree_similarity(_two_layer(1), _two_layer(2))
     with pytest.raises(ValueError, match="out"):
         degree_similarity(_mlp(1, out=2), _mlp(2, out=3))
+    with pytest.raises(ValueError, match="sequence model"):
+        degree_similarity(_two_layer(1, d_in=2, out=2), _mlp(2), n_ctx=2)
     with pytest.raises(ValueError, match="m:"):
         homogeneous_parts(a, np.zeros((1, 2)), m=4)
 
