@@ -302,7 +302,8 @@ def test_repr_says_different_question_and_hides_unreliable():
     from verify.planted import planted_attention
     pa = planted_attention(4, 3, seed=1, bias=False).network
     pb = planted_attention(4, 3, seed=2, bias=False).network
-    r = degree_similarity(pa, pb, n_ctx=3, max_degree=(5, 9), n_samples=60)
+    with pytest.warns(RuntimeWarning, match="n_samples=60 < 300"):
+        r = degree_similarity(pa, pb, n_ctx=3, max_degree=(5, 9), n_samples=60)
     assert r.exact(5)
     if not r[9].reliable:
         assert "no reliable estimate" in repr(r)
