@@ -27,13 +27,14 @@ from .products import (
     similarity_matrix,
 )
 from .network import to_graph
+from .degree import DegreeSimilarity, degree_similarity
 from .threads import set_threads
 
 __all__ = [
     "__version__",
     "Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
-    "inner_diff", "diff_norm", "MonteCarloEstimate",
+    "inner_diff", "diff_norm", "MonteCarloEstimate", "degree_similarity", "DegreeSimilarity",
     "to_graph", "plan", "Plan", "CostTooHigh", "CovarianceFactor", "set_threads",
     "BilinearTransformer", "from_torch",
 ]

@@ -534,6 +534,15 @@ def _exact_value(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
     return total
 
 
+def tree_inner_req(req: Request, pa: Tree, pb: Tree, n_ctx: int):
+    """Exact inner product (sum over query positions and outputs) of two float64 one-node
+    trees of linear and attention terms built directly, e.g. the truncations of
+    :mod:`tensoralg.degree`; the cost is checked first (CostTooHigh over the budget)."""
+    sel = _selector(n_ctx, None, False)
+    _check_cost(req, pa, pb, n_ctx, (), sel, "chaos")
+    return _exact_value(req, pa, pb, n_ctx, (), sel, "chaos")
+
+
 def _floatify(tree: Tree) -> Tree:
     """An exact tree in float64 (:meth:`~tensoralg.canonical.Tree.map`)."""
     if not tree.exact:

@@ -134,8 +134,8 @@ def _prepare_input(x: Any, d: int, sequence: bool = False,
     squeeze = False
     if not _is_torch(x):
         x = np.asarray(x)
-        if x.dtype != object:
-            x = x.astype(np.float64, copy=False)
+        if x.dtype != object:  # complex input stays complex (homogeneous parts, degree.py)
+            x = x.astype(np.complex128 if np.iscomplexobj(x) else np.float64, copy=False)
     if sequence:
         if x.ndim != 3 or x.shape[2] != d:
             raise ValueError(f"x: a network with attention expects a batch of sequences of shape "
@@ -540,6 +540,8 @@ def _einsum(like: Any):
         import torch
 
         return torch.einsum
+    if np.iscomplexobj(like):   # complex inputs (homogeneous parts): BLAS-backed contractions
+        return lambda *ops: np.einsum(*ops, optimize=True)
     return np.einsum
 
 
