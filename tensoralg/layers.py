@@ -42,7 +42,7 @@ def _is_torch(x: Any) -> bool:
     return mod.startswith("torch")
 
 
-def _to_fraction(v: Any, name: str) -> Fraction:
+def _to_fraction(v: Any, name: str, what: str = "weights") -> Fraction:
     if isinstance(v, Fraction):
         return v
     if isinstance(v, bool):
@@ -57,7 +57,7 @@ def _to_fraction(v: Any, name: str) -> Fraction:
     if isinstance(v, numbers.Real):
         f = float(v)
         if not np.isfinite(f):
-            raise ValueError(f"{name}: non-finite value {f!r}; weights must be finite")
+            raise ValueError(f"{name}: non-finite value {f!r}; {what} must be finite")
         return Fraction(f)
     raise TypeError(f"{name}: cannot read {type(v).__name__} {v!r} as a number")
 
@@ -71,11 +71,11 @@ def _flatten(seq: Any) -> list:
     return [seq]
 
 
-def as_array(value: Any, name: str, ndim: int) -> np.ndarray:
+def as_array(value: Any, name: str, ndim: int, what: str = "weights") -> np.ndarray:
     """Read ``value`` as a float64 array or, for rational input, an object array of Fractions.
 
     Raises ``ValueError`` naming ``name`` on a wrong number of dimensions, an empty array or a
-    non-finite entry.
+    non-finite entry (``what`` must be finite: ``"weights"`` by default).
     """
     if _is_torch(value):
         value = value.detach().to("cpu")
@@ -94,7 +94,8 @@ def as_array(value: Any, name: str, ndim: int) -> np.ndarray:
         if exact:
             arr = np.array(value, dtype=object)
             shape = arr.shape
-            arr = np.array([_to_fraction(v, name) for v in arr.reshape(-1)] or [], dtype=object)
+            arr = np.array([_to_fraction(v, name, what) for v in arr.reshape(-1)] or [],
+                           dtype=object)
             arr = arr.reshape(shape)
         else:
             try:
@@ -108,7 +109,7 @@ def as_array(value: Any, name: str, ndim: int) -> np.ndarray:
     if arr.dtype != object and not np.all(np.isfinite(arr)):
         bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
         raise ValueError(f"{name}: {bad} non-finite (NaN or inf) entries in an array of shape "
-                         f"{arr.shape}; weights must be finite")
+                         f"{arr.shape}; {what} must be finite")
     return arr
 
 
