@@ -1,8 +1,10 @@
 """The audit command line: registration, the demo, and errors for bad paths and options."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -287,9 +289,9 @@ print(rc, 'torch' in sys.modules)
 def test_bad_input_is_answered_before_torch_is_imported(argv, msg, tmp_path):
     # torch costs seconds to import; a bad path or option is refused before (tester item 9)
     (tmp_path / "a_file").write_text("x")
+    root = str(Path(__file__).resolve().parents[1])   # this checkout's tensoralg
     out = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path,
-                         env={**__import__("os").environ, "PYTHONPATH": str(
-                             __import__("pathlib").Path(__file__).resolve().parents[1])})
+                         env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
     assert msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
