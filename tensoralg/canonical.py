@@ -793,10 +793,11 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
         return None
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 1:
         raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
+    notes = {name: getattr(m, "n_ctx_note", "") for name, m in models}
     for name, n in fixed.items():
         if n != n_ctx:
             raise ValueError(f"n_ctx={n_ctx} differs from {name}'s attention mask of shape "
-                             f"({n}, {n})")
+                             f"({n}, {n}){notes[name]}")
     return int(n_ctx)
 
 

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     name = getattr(args, "prog_name", "tensoralg")
     _terminate_as_interrupt()
     try:
-        if getattr(args, "threads", None) is not None:  # every command has --threads
+        # every command has --threads; a command marked ``own_threads`` applies it itself after
+        # checking its paths and options, so that bad input is answered before torch is imported
+        if getattr(args, "threads", None) is not None and not getattr(args, "own_threads", False):
             from .threads import set_threads
             set_threads(args.threads)
         rc = args.func(args)

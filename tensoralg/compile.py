@@ -427,8 +427,14 @@ class _Compiler:
         for k in ("q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias"):
             if not np.any(kw[k]):
                 kw[k] = None
-        return BilinearAttention(**kw, o_bias=o_bias, mask=ref["mask"], scale=ref["scale"],
-                                 rope=ref["rope"])
+        layer = BilinearAttention(**kw, o_bias=o_bias, mask=ref["mask"], scale=ref["scale"],
+                                  rope=ref["rope"])
+        n = layer.n_ctx
+        layer._n_ctx_note = (f"; the network was compiled by ta.from_torch at n_ctx={n} (the "
+                             f"example inputs' length) and is fixed there: to use another n_ctx, "
+                             f"compile again with example inputs of that length (ta.from_torch; "
+                             f"the --input-shape of tensoralg import)")
+        return layer
 
     def attention_params(self, dat, Mp):
         (Q1, K1), (Q2, K2) = dat["factors"]

@@ -37,7 +37,7 @@ def add_parsers(sub) -> None:
                    help="also write what was imported (folder, architecture, provenance) as "
                         "JSON here (default: none)")
     add_threads_option(p)
-    p.set_defaults(func=run_import)
+    p.set_defaults(func=run_import, own_threads=True)
 
 
 def _factory(spec: str):
@@ -78,8 +78,12 @@ def _state_dict(path: str):
     try:
         sd = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as exc:   # noqa: BLE001
-        raise ValueError(f"CKPT: {path}: not a torch state dict readable with weights_only=True "
-                         f"({str(exc).splitlines()[0][:200]})") from None
+        # torch's own message is not passed on: it advises weights_only=False, which runs
+        # arbitrary code from the file
+        raise ValueError(f"CKPT: {path}: corrupt, or not a state dict of tensors "
+                         f"(torch.load(weights_only=True) refused it: {type(exc).__name__}); "
+                         f"save module.state_dict() with torch.save, or as .safetensors") \
+            from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
@@ -102,7 +106,32 @@ def load_into(module, sd, where: str = "CKPT") -> None:
     module.load_state_dict(sd, strict=True)
 
 
+def _check_out(path: str):
+    """``--out`` before any import: a folder that does not exist yet (below folders), an empty
+    folder or an earlier checkpoint folder (holding ``cfg.json``), which is overwritten — what
+    :func:`tensoralg.checkpoint.save_checkpoint` writes into without removing anything else."""
+    from pathlib import Path
+
+    from .audit.common import check_folder_path
+    from .io import CONFIG_FILE
+
+    expected = ("expected a folder that does not exist yet, an empty folder or a checkpoint "
+                "folder to overwrite")
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {path} is an existing file; {expected}")
+    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_FILE).is_file():
+        raise ValueError(f"--out: {path} is a folder that is neither empty nor a checkpoint "
+                         f"folder (no {CONFIG_FILE}); {expected}")
+    return check_folder_path(out, "--out")   # a path below a file
+
+
 def run_import(args: argparse.Namespace) -> int:
+    _check_out(args.out)
+    if args.json:
+        from .audit.common import check_file_writable
+
+        check_file_writable(args.json, "--json")
     try:
         kwargs = json.loads(args.kwargs)
     except json.JSONDecodeError as exc:
@@ -116,6 +145,9 @@ def run_import(args: argparse.Namespace) -> int:
                          f"{args.input_shape!r}") from None
     if not shape or any(s < 1 for s in shape):
         raise ValueError(f"--input-shape: sizes must be positive, got {args.input_shape!r}")
+    from .audit._cliutil import apply_threads
+
+    apply_threads(args)
     fn = _factory(args.factory)
     import torch
 

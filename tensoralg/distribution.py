@@ -38,7 +38,7 @@ class CovarianceFactor:
     def __init__(self, K: Any):
         from .layers import as_array
 
-        self.K = as_array(K, "cov (factor K)", 2)
+        self.K = as_array(K, "cov (factor K)", 2, "the factor K")
 
     def __repr__(self) -> str:
         return f"CovarianceFactor(shape={self.K.shape})"
@@ -134,9 +134,9 @@ def _sqrt_entries(vals: list, exact: bool, what: str) -> np.ndarray:
     return np.array(out, dtype=object)
 
 
-def _factor_of_matrix(S: np.ndarray, what: str) -> np.ndarray:
+def _factor_of_matrix(S: np.ndarray, what: str, hint: str = "") -> np.ndarray:
     """A float64 factor ``K`` with ``K Kᵀ = S`` of a symmetric PSD matrix (eigen-decomposition,
-    so singular ``S`` is fine), after the checks.
+    so singular ``S`` is fine), after the checks; ``hint`` ends their messages.
 
     Raises:
         ValueError: not symmetric or not positive semidefinite (to the tolerances above).
@@ -147,11 +147,11 @@ def _factor_of_matrix(S: np.ndarray, what: str) -> np.ndarray:
     asym = float(np.max(np.abs(S - S.T)))
     if asym > _SYM_RTOL * scale:
         raise ValueError(f"cov: the {what} of shape {S.shape} is not symmetric "
-                         f"(max |S - S^T| = {asym:.3g})")
+                         f"(max |S - S^T| = {asym:.3g}){hint}")
     lam, V = np.linalg.eigh((S + S.T) / 2)
     if lam[0] < -_PSD_RTOL * max(lam[-1], 0.0):
         raise ValueError(f"cov: the {what} of shape {S.shape} is not positive semidefinite "
-                         f"(smallest eigenvalue {lam[0]:.3g})")
+                         f"(smallest eigenvalue {lam[0]:.3g}){hint}")
     return V * np.sqrt(np.clip(lam, 0.0, None))[None, :]
 
 
@@ -197,7 +197,7 @@ def input_distribution(cov: Any, exact: bool) -> InputDistribution:
                          f"(d, d) covariance, (n, d) activations or a CovarianceFactor; got "
                          f"{type(cov).__name__} of {np.ndim(cov)} dimensions")
     try:
-        arr = as_array(cov, "cov", np.ndim(cov))
+        arr = as_array(cov, "cov", np.ndim(cov), "a covariance (or activations)")
     except TypeError as exc:
         raise ValueError(str(exc)) from None
     if arr.ndim == 1:
@@ -213,8 +213,10 @@ def input_distribution(cov: Any, exact: bool) -> InputDistribution:
             raise ValueError("cov: with backend='exact' a full covariance matrix needs a "
                              "rational factor; pass cov=ta.CovarianceFactor(K) with a rational "
                              "K (K K^T = Sigma)")
+        hint = (f"; a square ({d}, {d}) array is read as a covariance matrix — activations "
+                f"need more rows than features (n > d = {d})")
         return InputDistribution("full", _factor_of_matrix(np.asarray(arr, np.float64),
-                                                           "covariance matrix"), d)
+                                                           "covariance matrix", hint), d)
     if n < d:
         raise ValueError(f"cov: activations of shape {arr.shape} have fewer rows ({n}) than "
                          f"features ({d}); their sample covariance would be singular — give "

@@ -42,7 +42,7 @@ def _is_torch(x: Any) -> bool:
     return mod.startswith("torch")
 
 
-def _to_fraction(v: Any, name: str) -> Fraction:
+def _to_fraction(v: Any, name: str, what: str = "weights") -> Fraction:
     if isinstance(v, Fraction):
         return v
     if isinstance(v, bool):
@@ -57,7 +57,7 @@ def _to_fraction(v: Any, name: str) -> Fraction:
     if isinstance(v, numbers.Real):
         f = float(v)
         if not np.isfinite(f):
-            raise ValueError(f"{name}: non-finite value {f!r}; weights must be finite")
+            raise ValueError(f"{name}: non-finite value {f!r}; {what} must be finite")
         return Fraction(f)
     raise TypeError(f"{name}: cannot read {type(v).__name__} {v!r} as a number")
 
@@ -71,11 +71,11 @@ def _flatten(seq: Any) -> list:
     return [seq]
 
 
-def as_array(value: Any, name: str, ndim: int) -> np.ndarray:
+def as_array(value: Any, name: str, ndim: int, what: str = "weights") -> np.ndarray:
     """Read ``value`` as a float64 array or, for rational input, an object array of Fractions.
 
     Raises ``ValueError`` naming ``name`` on a wrong number of dimensions, an empty array or a
-    non-finite entry.
+    non-finite entry (``what`` must be finite: ``"weights"`` by default).
     """
     if _is_torch(value):
         value = value.detach().to("cpu")
@@ -94,7 +94,8 @@ def as_array(value: Any, name: str, ndim: int) -> np.ndarray:
         if exact:
             arr = np.array(value, dtype=object)
             shape = arr.shape
-            arr = np.array([_to_fraction(v, name) for v in arr.reshape(-1)] or [], dtype=object)
+            arr = np.array([_to_fraction(v, name, what) for v in arr.reshape(-1)] or [],
+                           dtype=object)
             arr = arr.reshape(shape)
         else:
             try:
@@ -108,7 +109,7 @@ def as_array(value: Any, name: str, ndim: int) -> np.ndarray:
     if arr.dtype != object and not np.all(np.isfinite(arr)):
         bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
         raise ValueError(f"{name}: {bad} non-finite (NaN or inf) entries in an array of shape "
-                         f"{arr.shape}; weights must be finite")
+                         f"{arr.shape}; {what} must be finite")
     return arr
 
 
@@ -130,7 +131,7 @@ def _numeric(w: np.ndarray, like: Any):
 
 
 def _prepare_input(x: Any, d: int, sequence: bool = False,
-                   n_ctx: int | None = None) -> tuple[Any, bool]:
+                   n_ctx: int | None = None, note: str = "") -> tuple[Any, bool]:
     squeeze = False
     if not _is_torch(x):
         x = np.asarray(x)
@@ -142,7 +143,7 @@ def _prepare_input(x: Any, d: int, sequence: bool = False,
                              f"(n, n_ctx, {d}), got {tuple(x.shape)} (one sequence: pass x[None])")
         if n_ctx is not None and x.shape[1] != n_ctx:
             raise ValueError(f"x: has n_ctx={x.shape[1]} positions (shape {tuple(x.shape)}) but the "
-                             f"attention mask is ({n_ctx}, {n_ctx})")
+                             f"attention mask is ({n_ctx}, {n_ctx}){note}")
         return x, squeeze
     if x.ndim == 1:
         x, squeeze = x[None, :], True
@@ -163,7 +164,8 @@ class Layer:
     out_features: int
 
     def __call__(self, x: Any) -> Any:
-        x, squeeze = _prepare_input(x, self.in_features, self.is_sequence_model, self.n_ctx)
+        x, squeeze = _prepare_input(x, self.in_features, self.is_sequence_model, self.n_ctx,
+                                    self.n_ctx_note)
         y = self._forward(x)
         return y[0] if squeeze else y
 
@@ -184,6 +186,13 @@ class Layer:
     def n_ctx(self) -> int | None:
         """The sequence length fixed by an attention mask array; None when any length works."""
         return None
+
+    @property
+    def n_ctx_note(self) -> str:
+        """Why the mask fixes ``n_ctx`` and how to get another length (ends the messages that
+        refuse another ``n_ctx``): set by :func:`tensoralg.from_torch` on the attention layers
+        it compiles; ``""`` otherwise."""
+        return ""
 
     @property
     def is_exact(self) -> bool:
@@ -343,6 +352,10 @@ class Residual(Layer):
     def n_ctx(self) -> int | None:
         return self.inner.n_ctx
 
+    @property
+    def n_ctx_note(self) -> str:
+        return self.inner.n_ctx_note
+
     def _forward(self, x):
         return x + self.inner._forward(x)
 
@@ -396,6 +409,10 @@ class Sequential(Layer):
     @property
     def n_ctx(self) -> int | None:
         return self._n_ctx
+
+    @property
+    def n_ctx_note(self) -> str:
+        return next((n for n in (layer.n_ctx_note for layer in self.layers) if n), "")
 
     def _forward(self, x):
         for layer in self.layers:
@@ -677,6 +694,10 @@ class BilinearAttention(Layer):
         return None if isinstance(self.mask, str) else int(self.mask.shape[0])
 
     @property
+    def n_ctx_note(self) -> str:
+        return getattr(self, "_n_ctx_note", "")
+
+    @property
     def degree(self) -> int:
         return 5
 
@@ -694,7 +715,7 @@ class BilinearAttention(Layer):
         if not isinstance(self.mask, str):
             if self.mask.shape[0] != n_ctx:
                 raise ValueError(f"n_ctx={n_ctx} differs from the attention mask of shape "
-                                 f"{self.mask.shape}")
+                                 f"{self.mask.shape}{self.n_ctx_note}")
             return self.mask
         m = np.ones((n_ctx, n_ctx), dtype=np.int64)
         if self.mask == "causal":

@@ -27,7 +27,7 @@ import numpy as np
 from . import engine
 from .network import DEFAULT_MAX_CONFIGURATIONS
 from .planner import Plan, SequencePlan
-from .request import MC_DEFAULT_SAMPLES, Request, make_request
+from .request import Request, make_request
 from .results import ExactSimilarity
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
 
@@ -44,7 +44,9 @@ _DOC_KW = """
             closure, docs/mathematics.md §3.2: exact at depth 1, APPROXIMATE for depth >= 2 — the exact value
             of a different, tree-restricted form, not E[f_a f_b]; it does not certify functional
             reparametrizations of deep networks), or ``"montecarlo"`` (unbiased estimate from
-            ``n_samples`` random directions drawn with ``seed``, the radius along each
+            ``n_samples`` random directions (default 100 000) drawn with ``seed`` (default 0;
+            both for ``"montecarlo"`` only: given with another method they raise
+            ValueError), the radius along each
             integrated exactly by a Gauss rule at ``±r_q`` — 2, 4, 6, 10 network evaluations
             per direction for networks of degree 1, 2, 4, 8; carries ``.stderr``, which covers
             from ``MC_MIN_DIRECTIONS = 300`` directions on — fewer give a RuntimeWarning).
@@ -78,7 +80,7 @@ _DOC_KW = """
 
 def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           backend: str = "numpy", output: Any = None, *, strategy: str = "auto",
-          n_samples: int = MC_DEFAULT_SAMPLES, seed: int = 0, device: Any = None,
+          n_samples: int | None = None, seed: int | None = None, device: Any = None,
           dtype: Any = None, max_flops: float | None = None, max_memory: float | None = None,
           max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
           position: Any = None, cov: Any = None, proposal: str = "radial"):
@@ -106,7 +108,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
 
 def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                backend: str = "numpy", output: Any = None, *, strategy: str = "auto",
-               n_samples: int = MC_DEFAULT_SAMPLES, seed: int = 0, device: Any = None,
+               n_samples: int | None = None, seed: int | None = None, device: Any = None,
                dtype: Any = None, max_flops: float | None = None,
                max_memory: float | None = None,
                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,

@@ -165,6 +165,8 @@ class Request:
         kept)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name != "distribution"}
+        if changes.get("method", self.method) != "montecarlo":   # (their defaults, unused)
+            fields = {k: v for k, v in fields.items() if k not in ("n_samples", "seed")}
         return dataclasses.replace(make_request(**{**fields, **changes}),
                                    distribution=self.distribution)
 
@@ -203,7 +205,7 @@ class Request:
 
 def make_request(*, metric: str = "gaussian", method: str = "exact", backend: str = "numpy",
                  strategy: str = "auto", output: Any = None, n_ctx: Any = None,
-                 position: Any = None, n_samples: Any = MC_DEFAULT_SAMPLES, seed: Any = 0,
+                 position: Any = None, n_samples: Any = None, seed: Any = None,
                  device: Any = None, dtype: Any = None, max_flops: Any = None,
                  max_memory: Any = None,
                  max_configurations: Any = DEFAULT_MAX_CONFIGURATIONS,
@@ -217,7 +219,8 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
             ``n_ctx`` not a positive int; ``position`` not None, ``"each"`` or an int;
             ``output`` not None, an int, ``"each"`` or a finite non-zero vector;
             (``method="montecarlo"``) ``n_samples`` not an int >= 6 (three replicates), ``seed`` not a
-            non-negative int, or the exact backend; a ``cov`` that is not a valid input
+            non-negative int, or the exact backend; ``n_samples`` or ``seed`` given (not None)
+            with another method, which does not sample; a ``cov`` that is not a valid input
             covariance (:func:`tensoralg.distribution.input_distribution`), or ``cov`` with
             ``metric="frobenius"``; a ``proposal`` other than ``"radial"`` / ``"modes"``, or
             ``"modes"`` without ``method="montecarlo"``.
@@ -258,6 +261,14 @@ def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_
             and not _is_int(position):
         raise ValueError(f"position: expected None, 'each' or an int, got {position!r}")
     output = _check_output(output)
+    if method != "montecarlo":   # given explicitly to a method that does not sample
+        for name, value in (("n_samples", n_samples), ("seed", seed)):
+            if value is not None:
+                raise ValueError(f"{name}: applies to method='montecarlo' only; "
+                                 f"method={method!r} does not sample (drop {name}, or pass "
+                                 f"method='montecarlo'), got {name}={value!r}")
+    n_samples = MC_DEFAULT_SAMPLES if n_samples is None else n_samples
+    seed = 0 if seed is None else seed
     if method == "montecarlo":
         if backend == "exact":
             raise ValueError("method='montecarlo' samples in floating point: use "

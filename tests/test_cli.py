@@ -1,8 +1,10 @@
 """The audit command line: registration, the demo, and errors for bad paths and options."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +267,31 @@ def test_output_folder_gets_the_usual_mode(tmp_path):
         os.umask(old)
     mode = stat.S_IMODE((tmp_path / "g").stat().st_mode)
     assert mode == 0o777 & ~0o027, oct(mode)     # not mkdtemp's 0o700
+
+
+_NO_TORCH = """
+import sys
+from tensoralg.cli import main
+rc = main(sys.argv[1:])
+print(rc, 'torch' in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["compare", "missing_a", "missing_b"], "missing_a: no such checkpoint folder"),
+    (["matrix", "missing_a", "missing_b"], "missing_a: no such checkpoint folder"),
+    (["decompose", "missing_a"], "CKPT: missing_a is not a checkpoint folder"),
+    (["compare", "missing_a", "missing_b", "--n-samples", "3"], "--n-samples: expected an integer >= 6"),
+    (["audit", "backdoor", "--n-samples", "5"], "--n-samples: expected an integer >= 6"),
+    (["import", "m:f", "w.pt", "--out", "a_file", "--input-shape", "1,2"],
+     "--out: a_file is an existing file"),
+])
+def test_bad_input_is_answered_before_torch_is_imported(argv, msg, tmp_path):
+    # torch costs seconds to import; a bad path or option is refused before (tester item 9)
+    (tmp_path / "a_file").write_text("x")
+    root = str(Path(__file__).resolve().parents[1])   # this checkout's tensoralg
+    out = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
+    assert msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

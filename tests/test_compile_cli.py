@@ -160,3 +160,42 @@ def test_compare_matrix_blocks_and_decompose_read_compiled_checkpoints(tmp_path,
     assert main(["decompose", paths[0], "--out", str(tmp_path / "dec")]) == 0
     assert (tmp_path / "dec" / "decompose.json").is_file()
     capsys.readouterr()
+
+
+def test_import_refuses_an_unusable_out_before_importing_the_module(tmp_path, monkeypatch,
+                                                                   capsys):
+    # tester item 3: --out an existing file was a raw OS error, after compiling
+    (tmp_path / "marker_mod.py").write_text(
+        "open('imported', 'w').close()\ndef build():\n    raise AssertionError\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("x")
+    for out, msg in (("a_file", "--out: a_file is an existing file; expected a folder that "
+                                "does not exist yet, an empty folder or a checkpoint folder"),
+                     ("full", "--out: full is a folder that is neither empty nor a checkpoint "
+                              "folder (no cfg.json)"),
+                     ("a_file/sub", "--out: a_file/sub cannot be created: a_file is a file")):
+        assert main(["import", "marker_mod:build", "w.pt", "--out", out,
+                     "--input-shape", "3,5"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert msg in err and "\n" not in err, err
+    assert not (tmp_path / "imported").exists()   # the module was never imported
+
+
+class _NotATensor:
+    pass
+
+
+def test_a_corrupt_pt_file_is_named_without_torchs_unsafe_advice(user_code, capsys):
+    # tester item 10: torch's message advises weights_only=False (runs code from the file)
+    tmp, _ = user_code
+    torch.save({"a.weight": _NotATensor()}, tmp / "pickled.pt")   # refused by weights_only
+    (tmp / "garbage.pt").write_bytes(b"not a checkpoint" * 8)
+    (tmp / "cut.pt").write_bytes((tmp / "w.pt").read_bytes()[:60])
+    for name in ("pickled.pt", "garbage.pt", "cut.pt"):
+        assert main(["import", "my_model:build", name, "--out", "x", "--input-shape", "3,5"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"CKPT: {name}: corrupt, or not a state dict of tensors" in err, err
+        assert "weights_only=False" not in err and "`False`" not in err and "\n" not in err, err

@@ -155,6 +155,32 @@ def test_symmetry_head_permutation_fused_qkv():
     assert abs(ta.similarity(a, b, n_ctx=3) - 1.0) <= 1e-12
 
 
+def test_a_compiled_attention_model_at_another_n_ctx_says_it_is_fixed_and_how_to_recompile():
+    # tester item 12: was the generic mask-shape error
+    module, x, inputs = G.GALLERY["fused_qkv"]()
+    net = ta.from_torch(module, x, inputs=inputs)
+    T = x.shape[1]
+    note = (f"; the network was compiled by ta.from_torch at n_ctx={T} (the example inputs' "
+            f"length) and is fixed there: to use another n_ctx, compile again with example "
+            f"inputs of that length (ta.from_torch; the --input-shape of tensoralg import)")
+    seq = np.zeros((2, T + 1, net.in_features))
+    calls = [(lambda: net(seq), f"x: has n_ctx={T + 1} positions"),
+             (lambda: ta.inner(net, net, n_ctx=T + 1), f"n_ctx={T + 1} differs from a's"),
+             (lambda: ta.similarity(net, net, n_ctx=T - 1, method="closure"),
+              f"n_ctx={T - 1} differs from a's"),
+             (lambda: ta.plan(net, n_ctx=T + 2), f"n_ctx={T + 2} differs from a's")]
+    for call, head in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = str(info.value)
+        assert msg.startswith(head) and msg.endswith(note) and "\n" not in msg, msg
+    # a hand-built layer with a mask array keeps the plain message
+    hand = ta.BilinearAttention(*[np.ones((1, 2, 3))] * 5, np.ones((3, 1, 2)), mask=np.eye(4))
+    with pytest.raises(ValueError, match=r"^n_ctx=5 differs from a's attention mask of shape "
+                                         r"\(4, 4\)$"):
+        ta.inner(hand, hand, n_ctx=5)
+
+
 @pytest.mark.parametrize("name", sorted(G.NON_POLYNOMIAL))
 def test_non_polynomial_modules_are_refused_naming_the_operator(name):
     factory, shape, op = G.NON_POLYNOMIAL[name]

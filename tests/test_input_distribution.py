@@ -196,7 +196,15 @@ def test_sequence_models_read_the_covariance_at_every_position():
                                          "symmetric"),
     (np.array([[1.0, 2.0], [2.0, 1.0]]), "not positive semidefinite \\(smallest eigenvalue -1"),
     (np.zeros((2, 2)), "cov: the covariance matrix is zero"),
-    (np.array([[1.0, np.nan], [np.nan, 1.0]]), "cov: .*finite"),
+    (np.array([[1.0, np.nan], [np.nan, 1.0]]),
+     "cov: 2 non-finite \\(NaN or inf\\) entries in an array of shape \\(2, 2\\); a "
+     "covariance \\(or activations\\) must be finite$"),
+    (np.array([[1.0, np.inf, 0.0]]).T, "cov: 1 non-finite .*; a covariance \\(or activations\\) "
+                                       "must be finite$"),
+    # square activations (n = d) are read as a covariance: the refusal says so (tester item 5)
+    (np.arange(64.0).reshape(8, 8), "cov: the covariance matrix of shape \\(8, 8\\) is not "
+     "symmetric \\(max .*\\); a square \\(8, 8\\) array is read as a covariance matrix — "
+     "activations need more rows than features \\(n > d = 8\\)$"),
     (-1.0, "cov: a scalar variance must be positive"),
     (float("inf"), "cov: a scalar variance must be finite"),
     ([1.0, 0.0], "cov: a diagonal covariance needs positive variances"),
@@ -235,3 +243,11 @@ def test_a_zero_factor_is_refused_as_a_covariance():
     for name, call in ENTRY_POINTS.items():
         with pytest.raises(ValueError, match=r"cov: the factor K of shape \(2, 2\) is zero"):
             call(dict(cov=ta.CovarianceFactor(np.zeros((2, 2)))))
+
+
+def test_a_non_finite_factor_is_refused_as_a_covariance_factor():
+    # tester item 6: the message named weights, not the covariance
+    with pytest.raises(ValueError, match=r"^cov \(factor K\): 1 non-finite \(NaN or inf\) entries "
+                                         r"in an array of shape \(2, 2\); the factor K must be "
+                                         r"finite$"):
+        ta.CovarianceFactor([[1.0, np.nan], [0.0, 1.0]])

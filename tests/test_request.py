@@ -67,6 +67,13 @@ BAD = [
     (dict(method="montecarlo", n_samples=1), "n_samples: expected an integer >= 6"),
     (dict(method="montecarlo", seed=-1), "seed: expected a non-negative integer"),
     (dict(method="montecarlo", backend="exact"), "method='montecarlo' samples in floating point"),
+    # tester item 7: n_samples / seed given to a method that does not sample (were ignored)
+    (dict(n_samples=100), "^n_samples: applies to method='montecarlo' only; method='exact' does "
+                          "not sample \\(drop n_samples, or pass method='montecarlo'\\), got "
+                          "n_samples=100$"),
+    (dict(method="closure", n_samples=100_000), "^n_samples: applies to method='montecarlo' only; "
+                                               "method='closure'"),
+    (dict(seed=3), "^seed: applies to method='montecarlo' only; method='exact' does not sample"),
 ]
 
 
@@ -142,6 +149,13 @@ def test_the_request_is_immutable_and_replace_revalidates():
         req.replace(n_ctx=-3)
     with pytest.raises(TypeError):
         make_request(not_an_option=1)
+    # Monte Carlo options: defaults when not given, kept by replace, dropped with the method
+    mc = make_request(method="montecarlo", n_samples=600, seed=4)
+    assert (mc.replace(n_ctx=3).n_samples, mc.replace(n_ctx=3).seed) == (600, 4)
+    assert mc.replace(method="exact").method == "exact"
+    assert (make_request(method="montecarlo").n_samples, make_request().seed) == (100_000, 0)
+    with pytest.raises(ValueError, match="^n_samples: applies to method='montecarlo' only"):
+        mc.replace(method="closure", n_samples=600)
 
 
 # ---- the three defects named in issue 20 (each failed before) ----------------------------

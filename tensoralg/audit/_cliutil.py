@@ -31,6 +31,25 @@ def fraction(text: str) -> float:
     return v
 
 
+def check_n_samples(n: int | None, option: str = "--n-samples") -> None:
+    """Monte Carlo directions: at least ``MC_MIN_SAMPLES`` (the diagnostics split them into
+    ``MC_REPLICATES`` replicates of two or more), or None for the command's default."""
+    from ..strategies.montecarlo import MC_MIN_SAMPLES, MC_REPLICATES
+
+    if n is not None and n < MC_MIN_SAMPLES:
+        raise ValueError(f"{option}: expected an integer >= {MC_MIN_SAMPLES} (Monte Carlo splits "
+                         f"the directions into {MC_REPLICATES} replicates of at least 2), got {n}")
+
+
+def check_checkpoints(paths) -> None:
+    """Each checkpoint folder exists and holds ``cfg.json`` (the errors loading would give,
+    before any heavy import: :func:`tensoralg.io.read_config`)."""
+    from ..io import read_config
+
+    for p in paths:
+        read_config(p)
+
+
 def check_paths(args, default_out: str | None = None) -> Path | None:
     """Validate ``--json`` (really writable: a probe file is created and deleted next to it) and
     ``--out`` before any work."""

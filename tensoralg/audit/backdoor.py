@@ -66,8 +66,9 @@ class BackdoorConfig:
         if not (0.0 < self.poison_fraction < 1.0):
             raise ValueError(f"--poison-fraction: expected a fraction in (0, 1), got "
                              f"{self.poison_fraction}")
-        if self.n_samples < 2:
-            raise ValueError(f"--n-samples: expected an integer >= 2, got {self.n_samples}")
+        from ._cliutil import check_n_samples
+
+        check_n_samples(self.n_samples)
         for name in ("steps", "finetune_steps", "d_model", "d_hidden", "n_layers", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got "

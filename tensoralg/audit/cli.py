@@ -19,7 +19,8 @@ import argparse
 import time
 
 from ..threads import add_threads_option
-from ._cliutil import apply_threads, check_paths, fraction, positive_int, report, run
+from ._cliutil import (apply_threads, check_checkpoints, check_n_samples, check_paths, fraction,
+                       positive_int, report, run)
 from .common import METHODS
 
 
@@ -68,7 +69,7 @@ def add_parsers(sub) -> None:
                                    "vs. CKA / output cosine / JS / weight cosine, attack success "
                                    "rate and accuracy.")
     _common(p, "runs/demo")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, own_threads=True)
 
     audit = sub.add_parser("audit", help="checkpoint audits: backdoor, forgetting, grokking, "
                                          "language")
@@ -91,7 +92,7 @@ def add_parsers(sub) -> None:
                    help="residual stream width (default 32)")
     b.add_argument("--d-hidden", type=positive_int, default=64,
                    help="hidden units per bilinear block (default 64)")
-    b.set_defaults(func=cmd_backdoor)
+    b.set_defaults(func=cmd_backdoor, own_threads=True)
 
     f = asub.add_parser("forgetting", help="class curriculum on digits: per-class similarity")
     _common(f, "runs/forgetting")
@@ -101,7 +102,7 @@ def add_parsers(sub) -> None:
                    help="training steps per curriculum stage (default 600; 150 with --quick)")
     f.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
-    f.set_defaults(func=cmd_forgetting)
+    f.set_defaults(func=cmd_forgetting, own_threads=True)
 
     g = asub.add_parser("grokking", help="modular addition: checkpoint similarity matrix")
     _common(g, "runs/grokking")
@@ -114,7 +115,7 @@ def add_parsers(sub) -> None:
                    help="number of checkpoints on the log schedule (default 24; 12 with --quick)")
     g.add_argument("--train-fraction", type=fraction, default=None,
                    help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
-    g.set_defaults(func=cmd_grokking)
+    g.set_defaults(func=cmd_grokking, own_threads=True)
 
     _add_language(asub)
 
@@ -131,12 +132,12 @@ def add_parsers(sub) -> None:
     c.add_argument("--metrics", default="gaussian,frobenius",
                    help="comma-separated metrics (default gaussian,frobenius)")
     c.add_argument("--n-samples", type=positive_int, default=None,
-                   help="Monte Carlo directions (at least 2; default 100000, and 20000 for "
+                   help="Monte Carlo directions (at least 6; default 100000, and 20000 for "
                         "bilinear-transformer checkpoints, where each direction costs 6 (one "
                         "layer) to 26 (two layers) forward passes per model)")
     _n_ctx(c)
     _shared(c, "Monte Carlo seed and the digits split seed for --data digits")
-    c.set_defaults(func=cmd_compare)
+    c.set_defaults(func=cmd_compare, own_threads=True)
 
     m = sub.add_parser("matrix", help="similarity matrix over checkpoints (heatmap + CSV)")
     m.add_argument("checkpoints", nargs="+", help="checkpoint folders (two or more)")
@@ -156,7 +157,7 @@ def add_parsers(sub) -> None:
     from .matrix_blocks import add_options as _block_options
 
     _block_options(m)  # --block-size, --resume, --scheduler, --workers (tensoralg.blocks)
-    m.set_defaults(func=cmd_matrix)
+    m.set_defaults(func=cmd_matrix, own_threads=True)
 
 
 def _add_language(asub) -> None:
@@ -201,7 +202,7 @@ def _add_language(asub) -> None:
                    help="with the Monte Carlo matrix: skip the moment-closure (approximate) "
                         "column shown beside it (default off: the column is shown)")
     _shared(p, "seed for initialisation, batches and Monte Carlo samples")
-    p.set_defaults(func=cmd_language)
+    p.set_defaults(func=cmd_language, own_threads=True)
 
 
 def cmd_language(args) -> int:
@@ -299,10 +300,10 @@ def cmd_compare(args) -> int:
 
     methods = _split(args.methods, "--methods", ("exact", "closure", "montecarlo"))
     metrics = _split(args.metrics, "--metrics", ("gaussian", "frobenius"))
-    if "montecarlo" in methods and args.n_samples is not None and args.n_samples < 2:
-        raise ValueError(f"--n-samples: expected an integer >= 2 with --methods montecarlo, got "
-                         f"{args.n_samples}")
+    if "montecarlo" in methods:   # without Monte Carlo the sample count is not used
+        check_n_samples(args.n_samples)
     check_paths(args)
+    check_checkpoints([args.a, args.b])   # before torch is imported (by apply_threads)
     apply_threads(args)
     result = run(args, "compare", lambda: run_compare(
         args.a, args.b, methods=methods, metrics=metrics, data=args.data,
@@ -315,10 +316,12 @@ def cmd_matrix(args) -> int:
     from .compare import matrix_table, run_matrix
     from .matrix_blocks import cmd_matrix_blocked, wants_blocks
 
+    check_n_samples(args.n_samples)
     if wants_blocks(args):
         return cmd_matrix_blocked(args)
 
     out = check_paths(args, "runs/matrix")
+    check_checkpoints(args.checkpoints)   # before torch is imported (by apply_threads)
     apply_threads(args)
     result = run(args, "matrix", lambda: run_matrix(args.checkpoints, out, method=args.method,
                                                     output=args.output, seed=args.seed,

@@ -274,8 +274,9 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     final = check_output_folder(out, "matrix.json")
     if json_copy is not None:
         check_file_writable(json_copy, "--json")
-    if n_samples < 2:
-        raise ValueError(f"--n-samples: expected an integer >= 2, got {n_samples}")
+    from ._cliutil import check_n_samples
+
+    check_n_samples(n_samples)
     loaded = [_load(p) for p in paths]
     cfgs = [c for _, c in loaded]
     _same_shape(cfgs, paths)

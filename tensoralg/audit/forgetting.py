@@ -60,8 +60,9 @@ class ForgettingConfig:
             raise ValueError(f"--removed-class: expected a digit class 0..9, got {self.removed_class}")
         if not (1 <= self.n_base <= 8):
             raise ValueError(f"n_base: expected 1..8 initial classes, got {self.n_base}")
-        if self.n_samples < 2:
-            raise ValueError(f"--n-samples: expected an integer >= 2, got {self.n_samples}")
+        from ._cliutil import check_n_samples
+
+        check_n_samples(self.n_samples)
         if self.stage_steps < 1:
             raise ValueError(f"--stage-steps: expected a positive integer, got {self.stage_steps}")
 

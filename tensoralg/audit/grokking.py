@@ -100,8 +100,9 @@ class GrokkingConfig:
         if self.checkpoints > self.steps + 1:
             raise ValueError(f"--checkpoints: at most --steps + 1 = {self.steps + 1} distinct "
                              f"checkpoint steps (0..{self.steps}), got {self.checkpoints}")
-        if self.n_samples < 2:
-            raise ValueError(f"--n-samples: expected an integer >= 2, got {self.n_samples}")
+        from ._cliutil import check_n_samples
+
+        check_n_samples(self.n_samples)
 
 
 def log_schedule(steps: int, n: int) -> list[int]:

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._cliutil import apply_threads, check_paths, positive_int, report, run
+from ._cliutil import apply_threads, check_checkpoints, check_paths, positive_int, report, run
 from .common import (MC_SAMPLES, check_file_writable, check_folder_path, choose_method,
                      format_table, matrix_uncertainty, method_label, stamp, write_csv,
                      write_json)
@@ -245,6 +245,7 @@ def blocked_table(result: dict) -> str:
 def cmd_matrix_blocked(args) -> int:
     """Handler of ``tensoralg matrix`` with a blocked option. Ctrl-C: exit 130, store kept."""
     check_paths(args)
+    check_checkpoints(args.checkpoints)   # before torch is imported (by apply_threads)
     apply_threads(args)
     out = Path(args.out or "runs/matrix")
 

@@ -39,7 +39,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the JSON to PATH (default: none)")
     add_threads_option(p)
-    p.set_defaults(func=cmd_decompose)
+    p.set_defaults(func=cmd_decompose, own_threads=True)
 
 
 def _load(path: str, option: str):
@@ -120,11 +120,17 @@ def table(result: dict) -> str:
 def cmd_decompose(args) -> int:
     from ..audit.common import (check_file_writable, check_folder_path, staged_output,
                                write_json)
-    from .report import eigenvector_figure
+    from ..audit._cliutil import apply_threads
 
+    for path, option in ((args.checkpoint, "CKPT"), (args.diff, "--diff")):
+        if path is not None and not Path(path).is_dir():   # before torch is imported
+            raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
     if args.json:
         check_file_writable(args.json, "--json")
     out = check_folder_path(args.out or "runs/decompose", "--out")
+    apply_threads(args)
+    from .report import eigenvector_figure
+
     result, eig = decompose_checkpoint(args.checkpoint, args.diff, args.output, args.k)
     with staged_output(out, JSON_NAME) as stage:
         files = [JSON_NAME]
