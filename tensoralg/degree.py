@@ -550,6 +550,12 @@ def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, need=(Non
 # the entry point
 # ----------------------------------------------------------------------------------------
 
+#: The truncations reported when ``max_degree`` is not given (docs/mathematics.md §3.9): the
+#: affine part, one attention layer's degree, and one composition of a layer-2 leg with a
+#: layer-1 head (where induction heads live).
+DEFAULT_MAX_DEGREE = (1, 5, 9)
+
+
 def _check_max_degree(max_degree) -> tuple:
     vals = (max_degree,) if isinstance(max_degree, numbers.Integral) and \
         not isinstance(max_degree, bool) else max_degree
@@ -567,7 +573,7 @@ def _check_max_degree(max_degree) -> tuple:
 
 
 def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
-                      max_degree: Any = (1, 5, 9), cov: Any = None,
+                      max_degree: Any = None, cov: Any = None,
                       n_samples: int = DEGREE_DEFAULT_SAMPLES, seed: int = 0) -> DegreeSimilarity:
     """Degree-resolved similarity ``S<=K`` of two networks, for each ``K`` in ``max_degree``,
     and the profiles ``||P_k||^2`` (docs/mathematics.md §3.9, "Homogeneous parts").
@@ -591,8 +597,10 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
         a, b: networks with the same input and output sizes (sequence models: inputs
             ``(n, n_ctx, d)``).
         n_ctx: the sequence length (sequence models; optional when a mask array fixes it).
-        max_degree: a positive int or a strictly increasing sequence of them; a ``K`` above a
-            model's degree is allowed (its truncation is the model).
+        max_degree: a positive int or a strictly increasing sequence of them, at most the
+            models' degree (``S<=degree`` is the full similarity); None: those of
+            :data:`DEFAULT_MAX_DEGREE` below the degree, and the degree itself when it is at
+            most 9 (so that a shallow model's report ends with its full similarity).
         cov: the input distribution ``N(0, Σ)`` as in :func:`tensoralg.inner` (folded into the
             models: ``P_k ∘ K`` are the parts of ``f ∘ K``).
         n_samples: Monte Carlo directions (each ``3 (degree + 1)`` complex forward passes per
@@ -604,11 +612,12 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
         ``r.notes``, ``r.profile_a``, ``r.profile_b``; its ``repr`` says what is exact).
 
     Raises:
-        ValueError: a bad ``max_degree``, ``n_ctx``, ``cov``, ``n_samples`` or ``seed``;
+        ValueError: a bad ``max_degree`` (or one above both models' degree), ``n_ctx``,
+            ``cov``, ``n_samples`` or ``seed``;
             models of different input/output sizes; a sequence model compared with a
             position-free network; (after the exact work) a truncation of norm zero.
     """
-    Ks = _check_max_degree(max_degree)
+    Ks = None if max_degree is None else _check_max_degree(max_degree)
     req = make_request(method="montecarlo", n_ctx=n_ctx, n_samples=n_samples, seed=seed,
                        cov=cov)
     na, nb = as_network(a, "a"), as_network(b, "b")
@@ -626,6 +635,13 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     na = req.distribution.apply(na, "a", False)
     nb = req.distribution.apply(nb, "b", False)
     deg_a, deg_b = na.degree, nb.degree
+    top = max(deg_a, deg_b)
+    if Ks is None:
+        Ks = tuple(k for k in DEFAULT_MAX_DEGREE if k < top) + (
+            (top,) if top <= max(DEFAULT_MAX_DEGREE) else ())
+    elif max(Ks) > top:
+        raise ValueError(f"max_degree: {max(Ks)} is above the models' degree {top} (a: "
+                         f"{deg_a}, b: {deg_b}); S<={top} is already the full similarity")
     kprof = min(max(Ks), max(deg_a, deg_b))
 
     values, method, notes = {}, {}, {}

@@ -213,14 +213,16 @@ def test_complex_forward_matches_real_forward():
 
 def test_position_free_every_K_exact_against_quadrature():
     a, b = _mlp(1, bias=True), _mlp(2, bias=True)
-    r = degree_similarity(a, b, max_degree=(1, 2, 3, 4, 6))
+    r = degree_similarity(a, b, max_degree=(1, 2, 3, 4))
     assert all(r.exact(K) for K in r.keys())
     for K in (1, 2, 3, 4):
         t = _quad_truncated(a, b, K, (2,))
         assert r[K] == pytest.approx(_sim(t), rel=1e-10, abs=1e-12)
-    # at or above the degree: the full similarity
+    # at the degree: the full similarity; above it: refused, naming the degree
     assert r[4] == pytest.approx(ta.similarity(a, b), rel=1e-12)
-    assert r[6] == pytest.approx(ta.similarity(a, b), rel=1e-12)
+    with pytest.raises(ValueError, match=r"max_degree: 6 is above the models' degree 4"):
+        degree_similarity(a, b, max_degree=(1, 6))
+    assert tuple(degree_similarity(a, b).keys()) == (1, 4)   # default: (1, 5, 9) below 4, and 4
     # the profiles: ||P_k||^2 by quadrature of each DFT part
     m = 5
     y, w = gauss_hermite(m)
