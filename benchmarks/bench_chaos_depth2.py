@@ -15,14 +15,11 @@ Model: embed Linear(d_model -> d_model), Residual(Bilinear(d_model, H)) twice, L
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
+from _timing import run_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,13 +67,7 @@ CODE = textwrap.dedent("""
 def run(src: Path, dm: int, H: int, do_run: bool, kw: str = "{}") -> dict:
     code = (CODE.replace("DM", str(dm)).replace("HH", str(H))
             .replace("RUNFLAG", str(do_run)).replace("KWARGS", kw))
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", TENSORALG_CACHE_DIR="")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=str(src))
-    if out.returncode != 0:
-        return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json(code, src)
 
 
 def main() -> None:

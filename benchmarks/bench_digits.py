@@ -17,14 +17,11 @@ An earlier checkout: ``mkdir /tmp/ta-before && git archive c64f062 | tar -x -C /
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
+from _timing import run_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,13 +67,7 @@ CODE = textwrap.dedent("""
 def run(src: Path, default: bool, mc: int, H: int) -> dict:
     code = (CODE.replace("DEFAULT", str(default)).replace("MC", str(mc))
             .replace("HH", str(H)))
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", TENSORALG_CACHE_DIR="")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         cwd=str(src))
-    if out.returncode != 0:
-        return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json(code, src)
 
 
 def main() -> None:
