@@ -98,7 +98,8 @@ def _dft_once(net: Layer, X: np.ndarray, m: int):
     return (np.fft.fft(F, axis=0) / m).real, size
 
 
-def _dft_parts(net: Layer, X: np.ndarray, m: int, scales=DFT_SCALES) -> np.ndarray:
+def _dft_parts(net: Layer, X: np.ndarray, m: int, scales=DFT_SCALES,
+               with_bound: bool = False):
     """``(m, n, ...)``: ``P_k(X)`` for ``k < m`` (``m`` > degree), the real part of the DFT.
 
     Homogeneity, ``P_k(X) = lam^{-k} P_k(lam X)``: each part is read at the scale ``lam`` of
@@ -118,7 +119,7 @@ def _dft_parts(net: Layer, X: np.ndarray, m: int, scales=DFT_SCALES) -> np.ndarr
         take = e < err
         best = np.where(take.reshape(take.shape + (1,) * (P.ndim - 2)), P, best)
         err = np.minimum(e, err)
-    return best
+    return (best, err) if with_bound else best
 
 
 def homogeneous_parts(net: Any, X: Any, *, m: int | None = None) -> np.ndarray:
@@ -169,7 +170,12 @@ def _affine_part(net: Layer, n_ctx: int | None):
         return c, J[:, None, :]
     E = np.eye(n_ctx * d).reshape(n_ctx * d, n_ctx, d)
     c = np.asarray(net(np.zeros((1, n_ctx, d))), dtype=np.float64)[0]
-    J = _dft_parts(net, E, net.degree + 1)[1]
+    P, bound = _dft_parts(net, E, net.degree + 1, with_bound=True)
+    J = P[1]
+    # below the DFT's rounding (eps times the largest value it summed, times m): an exact
+    # zero of the function cannot be told from it, and is not reported as a linear part
+    noise = 4 * (net.degree + 1) * np.finfo(np.float64).eps * bound[1]
+    J[np.abs(J).reshape(len(J), -1).max(axis=1) <= noise] = 0.0
     return c, J
 
 
@@ -659,6 +665,15 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
         Kmax = min(max(Ks), max(deg_a, deg_b))
         ga, gb = _graded(na, Kmax), _graded(nb, Kmax)
         plain = make_request()
+        # the affine part exactly from the graded network (a zero linear part is an exact
+        # zero, not the DFT's rounding noise)
+        a1, b1 = ga.part({0, 1}), gb.part({0, 1})
+        exact_ip[1] = (engine.inner(plain, a1, b1), engine.inner(plain, a1, a1),
+                       engine.inner(plain, b1, b1))
+        for side, g in ((0, ga), (1, gb)):
+            p1 = g.part({1})
+            prof[side][0] = float(np.sum(g.y0 ** 2))
+            prof[side][1] = float(engine.inner(plain, p1, p1))
         try:
             for K in Ks:
                 if K == 1:

@@ -353,3 +353,23 @@ def test_attention_then_bilinear_mlp_first_order_exact():
     for K in (2, 5):
         assert r[K] == pytest.approx(_sim(_quad_truncated(a, b, K, (2, 2))), rel=1e-10)
     assert r.profile_a[3] == r.profile_a[4] == 0.0   # degrees 1, 2, 5, 6, 10 only
+
+
+def test_a_zero_affine_part_is_zero_not_rounding_noise():
+    """Bias-free models without a residual have P_0 = P_1 = 0 exactly: S<=1 is undefined (a
+    norm-zero truncation), not a similarity of the DFT's rounding noise (it was 0.378,
+    labelled exact, with ||P_1||^2 = 1e-33)."""
+    g = lambda s: ta.Bilinear(*(np.random.default_rng(s).normal(size=z)  # noqa: E731
+                                for z in [(8, 6), (8, 6), (3, 8)]))
+    with pytest.raises(ValueError, match="norm zero"):
+        degree_similarity(g(0), g(1), max_degree=1)
+    r = degree_similarity(g(0), g(1), max_degree=2)
+    assert r.profile_a[0] == 0.0 and r.profile_a[1] == 0.0
+    rng = np.random.default_rng(0)
+
+    def attn():
+        return ta.Sequential([ta.BilinearAttention(*(rng.normal(size=(2, 2, 4)) for _ in range(5)),
+                                                   rng.normal(size=(4, 2, 2))),
+                              ta.Linear(rng.normal(size=(3, 4)))])
+    with pytest.raises(ValueError, match="norm zero"):
+        degree_similarity(attn(), attn(), n_ctx=3, max_degree=1)

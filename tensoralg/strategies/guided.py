@@ -118,7 +118,7 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
     dim = int(np.prod(shape))
     rng = np.random.default_rng(seed)
     found = []
-    Ut = torch.as_tensor(np.asarray(U, dtype=np.float64))
+    Ut = torch.as_tensor(np.array(U, dtype=np.float64))  # a copy: U may be read-only
     for net in nets:
         starts = [rng.standard_normal((random_starts,) + shape)
                   * np.repeat(np.linspace(1.0, 3.0, random_starts), dim).reshape(
