@@ -259,3 +259,13 @@ def test_method_label_marks_only_the_closure_approximate():
 
     assert method_label("closure") == CLOSURE_LABEL == "moment-closure (approximate)"
     assert [method_label(m) for m in ("exact", "montecarlo")] == ["exact", "montecarlo"]
+
+
+def test_a_negative_seed_is_refused_by_the_parser(ckpts, capsys):
+    """--seed -1 was accepted and only the Monte Carlo row said so (exit 0); a fresh-eyes
+    tester found it. Now argparse refuses it, exit 2, before any work."""
+    _, (a, b, _) = ckpts
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", a, b, "--seed", "-1"])
+    assert exc.value.code == 2
+    assert "--seed: expected an integer >= 0, got -1" in capsys.readouterr().err

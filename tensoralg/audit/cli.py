@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..threads import add_threads_option
+from ..threads import add_threads_option, nonneg_int
 from ._cliutil import (apply_threads, check_checkpoints, check_n_samples, check_paths, fraction,
                        positive_int, report, run)
 from .common import METHODS
@@ -26,7 +26,7 @@ from .common import METHODS
 
 def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
     """The options every command here takes: --seed, --json, --no-progress, --threads."""
-    p.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default 0)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help=f"{seed_help} (default 0)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the result JSON to PATH (a file path; default: none)")
     p.add_argument("--no-progress", action="store_true",
