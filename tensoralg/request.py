@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
