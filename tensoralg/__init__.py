@@ -27,7 +27,8 @@ from .products import (
     similarity_matrix,
 )
 from .network import to_graph
-from .degree import DegreeSimilarity, degree_similarity
+from .degree import (DegreeSimilarity, DegreeSimilarityMatrix, degree_similarity,
+                     degree_similarity_matrix)
 from .threads import set_threads
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
     "inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
     "inner_diff", "diff_norm", "MonteCarloEstimate", "degree_similarity", "DegreeSimilarity",
+    "degree_similarity_matrix", "DegreeSimilarityMatrix",
     "to_graph", "plan", "Plan", "CostTooHigh", "CovarianceFactor", "set_threads",
     "BilinearTransformer", "from_torch",
 ]

@@ -68,8 +68,8 @@ from .results import similarity_from
 from .strategies.montecarlo import (MonteCarloEstimate, _verdict, inner_diagnostics,
                                     ratio_diagnostics, ratio_estimate, warn_few)
 
-__all__ = ["degree_similarity", "homogeneous_parts", "DegreeSimilarity",
-           "DEGREE_DEFAULT_SAMPLES"]
+__all__ = ["degree_similarity", "degree_similarity_matrix", "homogeneous_parts",
+           "DegreeSimilarity", "DegreeSimilarityMatrix", "DEGREE_DEFAULT_SAMPLES"]
 
 #: Default number of Monte Carlo directions of :func:`degree_similarity` (each costs
 #: ``3 m`` complex forward passes per model, ``m = degree + 1``).
@@ -776,3 +776,177 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     order = lambda d: dict(sorted(d.items()))  # noqa: E731
     return DegreeSimilarity(dict(sorted(values.items())), method, notes, order(prof[0]),
                             order(prof[1]), deg_a, deg_b, req.distribution.describe(), n_used)
+
+
+# ----------------------------------------------------------------------------------------
+# the exact matrix: each model's part once, then the pairs
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class DegreeSimilarityMatrix:
+    """Exact degree-resolved similarity matrices of ``N`` models: ``r[K]`` is the ``(N, N)``
+    matrix of ``S<=K`` (a DIFFERENT QUESTION from the full similarity, not an approximation of
+    it: :class:`DegreeSimilarity`).
+
+    Attributes:
+        similarity: ``{K: (N, N) float64}``, symmetric, ones on the diagonal.
+        gram: ``{K: (N, N) float64}``: the inner products ``<f_{<=K}^i, f_{<=K}^j>`` under the
+            metric.
+        notes: ``{K: how it was computed}``; distribution: the input distribution.
+    """
+
+    similarity: dict
+    gram: dict
+    notes: dict
+    distribution: str
+    disclaimer: str = field(default=_DISCLAIMER, repr=False)
+
+    def __getitem__(self, K):
+        if K not in self.similarity:
+            raise KeyError(f"S<={K!r} was not computed; computed: {sorted(self.similarity)} "
+                           f"(max_degree=)")
+        return self.similarity[K]
+
+    def keys(self):
+        return self.similarity.keys()
+
+    def __repr__(self) -> str:
+        n = len(next(iter(self.gram.values())))
+        lines = [f"DegreeSimilarityMatrix ({n} models; inputs {self.distribution}; exact)",
+                 f"  note: {self.disclaimer}"]
+        lines += [f"  S<={K}: {self.notes[K]}" for K in self.similarity]
+        return "\n".join(lines)
+
+
+def _tree_gram(trees: list, n_ctx: int) -> np.ndarray:
+    """The exact Gram matrix of one-node float64 trees (linear and attention terms), each
+    model's chaos form (:class:`~tensoralg.strategies.wick_terms.TermSide`) built once per
+    side, then every unordered pair (:func:`~tensoralg.strategies.wick_terms.chaos_pair`);
+    the cost of each model's own pair is checked first (CostTooHigh)."""
+    from .strategies.wick_terms import TermSide, chaos_pair
+
+    req = make_request(n_ctx=n_ctx)
+    sel = attention._selector(n_ctx, None, False)
+    for t in trees:
+        attention._check_cost(req, t, t, n_ctx, (), sel, "chaos")
+    sides = [{s: [TermSide(x, s, np.einsum, n_ctx, False) for x in t.nodes[0].terms]
+              for s in ("a", "b")} for t in trees]
+    N = len(trees)
+    G = np.zeros((N, N))
+    for i in range(N):
+        for j in range(i, N):
+            total = 0.0
+            for x in sides[i]["a"]:
+                for y in sides[j]["b"]:
+                    val, _ = chaos_pair(x, y, sel, (), np.einsum, req.max_configurations)
+                    if val is not None:
+                        total += float(val)
+            G[i, j] = G[j, i] = total
+    return G
+
+
+def _gram_similarity(G: np.ndarray, K: int) -> np.ndarray:
+    d = np.diag(G)
+    if np.any(d <= 0):
+        i = int(np.argmin(d))
+        raise ValueError(f"models[{i}]: the degree-<={K} truncation has norm zero, so S<={K} "
+                         f"is undefined")
+    S = G / np.sqrt(np.outer(d, d))
+    S = np.clip(S, -1.0, 1.0)
+    np.fill_diagonal(S, 1.0)
+    return S
+
+
+def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
+                             max_degree: Any = (1, 5), cov: Any = None
+                             ) -> DegreeSimilarityMatrix:
+    """The exact ``S<=K`` matrices of ``N`` models (e.g. the checkpoints of a training run),
+    for each ``K`` in ``max_degree``: each model's truncation and chaos form once, then the
+    ``N (N + 1) / 2`` pairs (docs/mathematics.md §3.9, "Homogeneous parts").
+
+    Exact only, as :func:`degree_similarity` computes them: ``S<=1`` for every model (the
+    affine part); every ``K`` of position-free networks (the graded network); for bias-free
+    sequence models ``K`` below the first composition degree (``S<=5`` of two attention
+    layers: one node holding both layers' heads), and the full similarity of one attention
+    layer. A ``K`` outside these is refused (estimate it per pair with
+    :func:`degree_similarity`, which samples it by Monte Carlo with its diagnostics).
+
+    Args:
+        models: a sequence of ``N >= 1`` networks of the same input and output sizes.
+        n_ctx: the sequence length (sequence models; optional when a mask array fixes it).
+        max_degree: a positive int or a strictly increasing sequence of them (default
+            ``(1, 5)``), at most the models' largest degree.
+        cov: the input distribution ``N(0, Σ)`` as in :func:`tensoralg.inner`.
+
+    Returns:
+        :class:`DegreeSimilarityMatrix` (``r[K]``: the ``(N, N)`` similarity matrix).
+
+    Raises:
+        ValueError: no models; a bad ``max_degree``, ``n_ctx`` or ``cov``; models of different
+            sizes, or sequence models mixed with position-free networks of degree > 1; a ``K``
+            that is not exact for some model (named, with why); a truncation of norm zero.
+        CostTooHigh: a model's own pair over the exact path's budget (before the pairs).
+    """
+    Ks = _check_max_degree(max_degree)
+    req = make_request(n_ctx=n_ctx, cov=cov)
+    if isinstance(models, (Layer, str, bytes)) or not hasattr(models, "__len__") or \
+            len(models) == 0:
+        raise ValueError(f"models: expected a non-empty sequence of networks, got "
+                         f"{type(models).__name__}")
+    nets = [as_network(m, f"models[{i}]") for i, m in enumerate(models)]
+    for i, x in enumerate(nets[1:], 1):
+        if (x.in_features, x.out_features) != (nets[0].in_features, nets[0].out_features):
+            raise ValueError(f"models[{i}]: {x.in_features} inputs and {x.out_features} "
+                             f"outputs, models[0]: {nets[0].in_features} and "
+                             f"{nets[0].out_features}; every model must read the same x and "
+                             f"give the same outputs")
+    seq = any(x.is_sequence_model for x in nets)
+    if seq:
+        bad = [i for i, x in enumerate(nets) if not x.is_sequence_model and x.degree > 1]
+        if bad:
+            raise ValueError(f"models[{bad[0]}]: a position-free network of degree > 1 among "
+                             f"sequence models (with attention)")
+        n_ctx = resolve_n_ctx([(f"models[{i}]", x) for i, x in enumerate(nets)], req.n_ctx)
+    elif req.n_ctx is not None:
+        raise ValueError("n_ctx: only for sequence models (with attention)")
+    nets = [x.astype_float() if x.is_exact else x for x in nets]
+    nets = [req.distribution.apply(x, f"models[{i}]", False) for i, x in enumerate(nets)]
+    degs = [x.degree for x in nets]
+    top = max(degs)
+    if max(Ks) > top:
+        raise ValueError(f"max_degree: {max(Ks)} is above the models' largest degree {top}")
+    grams, notes = {}, {}
+    if 1 in Ks:
+        aff = [_affine_part(x, n_ctx) for x in nets]
+        grams[1] = np.array([[_affine_inner(p, q) for q in aff] for p in aff])
+        notes[1] = "exact: affine part (P_0 + J X)"
+    rest = [K for K in Ks if K != 1]
+    if rest and not seq:
+        graded = [_graded(x, max(rest)) for x in nets]
+        plain = make_request()
+        for K in rest:
+            parts = [x if K >= dg else g.part(set(range(K + 1)))
+                     for x, g, dg in zip(nets, graded, degs)]
+            grams[K] = np.asarray(engine.gram(plain, parts), dtype=np.float64)
+            notes[K] = "exact: graded network of the canonical chain"
+    elif rest:
+        fos = [_first_order(x, n_ctx, max(rest)) for x in nets]
+        for K in rest:
+            if K >= top and all(dg == top for dg in degs) and all(
+                    f is None or K >= f.k_star for f, _ in fos):
+                grams[K] = attention.exact_gram_req(make_request(n_ctx=n_ctx), nets)
+                notes[K] = "exact: the models themselves (one attention layer)"
+                continue
+            for i, (f, why) in enumerate(fos):
+                if f is None or K >= f.k_star:
+                    why = why or (f"K={K} reaches the first composition degree "
+                                  f"{int(f.k_star)} (a later layer's leg reading an earlier "
+                                  f"layer's output): no single-node form")
+                    raise ValueError(f"max_degree: S<={K} is not exact for models[{i}] ({why}); "
+                                     f"degree_similarity(a, b) estimates it by Monte Carlo "
+                                     f"per pair")
+            grams[K] = _tree_gram([f.tree(set(range(K + 1))) for f, _ in fos], n_ctx)
+            notes[K] = "exact: first-order paths, one node (exact attention path)"
+    sims = {K: _gram_similarity(grams[K], K) for K in Ks}
+    return DegreeSimilarityMatrix(sims, {K: grams[K] for K in Ks}, {K: notes[K] for K in Ks},
+                                  req.distribution.describe())

@@ -373,3 +373,54 @@ def test_a_zero_affine_part_is_zero_not_rounding_noise():
                               ta.Linear(rng.normal(size=(3, 4)))])
     with pytest.raises(ValueError, match="norm zero"):
         degree_similarity(attn(), attn(), n_ctx=3, max_degree=1)
+
+
+# ---------------------------------------------------------------------------------------
+# the exact matrix (each model's part once, then the pairs)
+# ---------------------------------------------------------------------------------------
+
+def test_matrix_two_attention_layers_against_quadrature():
+    """Every entry of the S<=1 and S<=5 matrices of three two-layer models against the
+    quadrature truth of that pair's truncations (independent of the chaos engine)."""
+    ms = [_two_layer(s, rope=100.0) for s in (3, 4, 5)]
+    r = ta.degree_similarity_matrix(ms, n_ctx=2, max_degree=(1, 5))
+    assert isinstance(r, ta.DegreeSimilarityMatrix) and list(r.keys()) == [1, 5]
+    for K in (1, 5):
+        S = r[K]
+        assert S.shape == (3, 3) and np.array_equal(S, S.T) and np.all(np.diag(S) == 1.0)
+        for i, j in itertools.combinations(range(3), 2):
+            q = _quad_truncated(ms[i], ms[j], K, (2, 2))
+            assert S[i, j] == pytest.approx(_sim(q), rel=1e-10)
+            assert r.gram[K][i, j] == pytest.approx(q[0], rel=1e-10)
+    assert "different question" in repr(r)
+
+
+def test_matrix_position_free_and_one_layer_full():
+    """Position-free: every K from the graded network, against quadrature; one attention
+    layer: K at the degree is the full similarity (the models themselves)."""
+    ms = [_mlp(s) for s in (1, 2, 3)]
+    r = ta.degree_similarity_matrix(ms, max_degree=(2, 4))
+    for i, j in itertools.combinations(range(3), 2):
+        for K in (2, 4):
+            assert r[K][i, j] == pytest.approx(_sim(_quad_truncated(ms[i], ms[j], K, (2,))),
+                                               rel=1e-10)
+    one = [_one_layer(s, bias=False) for s in (7, 8)]
+    r = ta.degree_similarity_matrix(one, n_ctx=2, max_degree=5)
+    assert r[5][0, 1] == pytest.approx(ta.similarity(one[0], one[1], n_ctx=2), rel=1e-12)
+
+
+@pytest.mark.parametrize("models, kw, match", [
+    ([], {}, r"models: expected a non-empty sequence"),
+    ("two", {}, r"models: expected a non-empty sequence of networks, got str"),
+    ([_two_layer(1), _two_layer(2, d_in=3)], {"n_ctx": 2}, r"models\[1\]: 3 inputs"),
+    ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": (1, 9)},
+     r"S<=9 is not exact for models\[0\].*composition degree 9.*degree_similarity"),
+    ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": 30}, r"above the models'"),
+    ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": (5, 1)}, r"increasing"),
+    ([_mlp(1), _mlp(2)], {"n_ctx": 2}, r"n_ctx: only for sequence models"),
+    ([_two_layer(1, bias=True), _two_layer(2)], {"n_ctx": 2, "max_degree": 5},
+     r"S<=5 is not exact for models\[0\] \(biases"),
+])
+def test_matrix_bad_input(models, kw, match):
+    with pytest.raises(ValueError, match=match):
+        ta.degree_similarity_matrix(models, **kw)
