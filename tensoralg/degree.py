@@ -50,6 +50,7 @@ estimate whose ``reliable`` is False is not an answer.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -252,13 +253,12 @@ def _graded(net: Layer, K: int) -> _Graded:
 # ----------------------------------------------------------------------------------------
 
 @dataclass
-class _FirstOrder:
-    """The first-order terms of a bias-free tree: ``terms[k]`` the one-node terms of degree
-    ``k`` (``k = 1``: the linear path), exact for truncations below ``k_star``; ``degrees``:
-    the degrees a bias-free part can have (others are exactly zero)."""
+class _Unrolled:
+    """The unrolled paths of a bias-free tree: ``terms[k]`` the one-node terms of degree ``k``
+    (``k = 1``: the linear path), every path of degree at most the cap; ``degrees``: the
+    degrees up to the cap that a part can have (the others vanish exactly)."""
 
     terms: dict
-    k_star: float
     degrees: set
     d_in: int
     d_out: int
@@ -337,8 +337,62 @@ def _merge_attention(terms: list, n_ctx: int) -> list:
     return out
 
 
-def _first_order(net: Layer, n_ctx: int, cap: int) -> tuple[_FirstOrder | None, str]:
-    """The first-order paths of ``net`` (module docstring), or ``(None, why not)``."""
+def _renamed(term: Term, j: int, pos: str, link: str) -> Term:
+    """``term`` (an element of the expansion, over the network input) substituted into leg
+    ``j`` of a later term: its query position becomes the leg's position ``pos``, its output
+    label the link label ``link``, every other label (internal indices, key positions) gets
+    the suffix ``_j`` so that it stays apart from the outer term's."""
+    def ren(x):
+        if x == QUERY:
+            return pos
+        if x == OUTPUT:
+            return link
+        return f"{x}_{j}"
+    legs = tuple(Leg(leg.name, leg.weight, tuple(ren(x) for x in leg.labels), ren(leg.pos),
+                     leg.positional) for leg in term.legs)
+    cores = tuple((a, tuple(ren(x) for x in lab)) for a, lab in term.cores)
+    return Term(term.kind, legs, cores, term.out)
+
+
+def _symmetrized(t: Term) -> Term:
+    """A bilinear term ``D((L y)(R y))`` as the same function with ``L' = [L; R]``,
+    ``R' = [R; L]`` and ``D' = [D, D] / 2`` (hidden label ``h``), symmetric in its two legs."""
+    (L, R), (D, lab) = [leg.weight for leg in t.legs], t.cores[0]
+    ax = lab.index("h")
+    legs = (t.legs[0].with_weight(np.concatenate([L, R], axis=0)),
+            t.legs[1].with_weight(np.concatenate([R, L], axis=0)))
+    return Term(t.kind, legs, ((np.concatenate([D, D], axis=ax) / 2, lab),), t.out)
+
+
+def _compose(t: Term, choice: tuple, lam: np.ndarray) -> Term:
+    """Term ``t`` of a node with each leg ``j`` reading either the linear part of the node's
+    input (``choice[j]`` None: the leg's weight times the lifted linear map ``lam``) or one
+    non-linear element of the expansion (``choice[j]`` a Term over the network input: its
+    output contracted with the leg's non-constant columns, a new core)."""
+    if all(c is None for c in choice):
+        return Term(t.kind, tuple(leg.with_weight(leg.weight @ lam) for leg in t.legs),
+                    t.cores, t.out)
+    legs, cores = [], list(t.cores)
+    for j, (leg, c) in enumerate(zip(t.legs, choice)):
+        if c is None:
+            legs.append(leg.with_weight(leg.weight @ lam))
+            continue
+        link = f"c_{j}"
+        w = leg.weight[..., 1:]
+        cores.append((w, ((leg.pos,) if leg.positional else ()) + leg.labels + (link,)))
+        inner = _renamed(c, j, leg.pos, link)
+        legs.extend(inner.legs)
+        cores.extend(inner.cores)
+    return Term("composed", tuple(legs), tuple(cores), t.out)
+
+
+def _unrolled(net: Layer, n_ctx: int, cap: int) -> tuple[_Unrolled | None, str]:
+    """Every homogeneous path of ``net`` of degree at most ``cap`` as terms of one node
+    (module docstring), or ``(None, why not)``: the folded canonical tree of a bias-free
+    model unrolled node by node — each leg of each term reads either the linear part of its
+    input (the residual stream) or one non-linear term of the expansion so far, and a term
+    whose legs read terms of degrees ``n_j`` has degree ``sum n_j`` (homogeneous: no lifted
+    constant anywhere)."""
     tree = sequence_tree(net, n_ctx, "net", fold=True)
     tree = tree.map(lambda a: np.asarray(a, dtype=np.float64)) if tree.exact else tree
     for node in tree.nodes:
@@ -349,49 +403,69 @@ def _first_order(net: Layer, n_ctx: int, cap: int) -> tuple[_FirstOrder | None, 
             if any(leg.can_cap for leg in t.legs):
                 return None, ("biases (a lifted constant) make the truncation a sum over "
                               "lower-degree compositions, not one attention layer")
-    nonlin = [[t.degree for t in node.terms if t.kind != "linear"] for node in tree.nodes]
-    k_star = math.inf
-    for l1 in range(len(nonlin)):
-        for l2 in range(l1 + 1, len(nonlin)):
-            for n1 in nonlin[l1]:
-                for n2 in nonlin[l2]:
-                    k_star = min(k_star, n2 - 1 + n1)
-    # the degrees a part can have: S_0 = {1}; a term of degree n maps S to sums of n elements
-    S = {1}
+    lam = np.eye(tree.d_in + 1)[1:]   # the linear part of the expansion: (d, D_0)
+    nonlin: list = []                 # (degree, Term over the network input)
     for node in tree.nodes:
-        new = set()
-        for t in node.terms:
-            sums = {0}
-            for _ in range(t.degree):
-                sums = {a + b for a in sums for b in S if a + b <= cap}
-            new |= sums
-        S = new
-    # Lambda_{<l}: lifted (D_l, D_0); the output projection after l: (d_out, d_l_out)
-    D0 = tree.d_in + 1
-    befores, lam = [], np.eye(D0)
-    Ws = []
-    for node in tree.nodes:
-        befores.append(lam)
+        lifted = _lift_rows(lam, False)
         W = _linear_W(node, node.d_in + 1, node.d_out)
-        Ws.append(W)
-        lam = _lift_rows(W, False) @ lam
-    terms = {1: [Term("linear", (Leg("W", lam[1:], (OUTPUT,), QUERY),), (), (QUERY, OUTPUT))]}
-    after = np.eye(tree.d_out)
-    for l in range(len(tree.nodes) - 1, -1, -1):
-        for t in tree.nodes[l].terms:
+        new = [(k, c.project_output(W[:, 1:])) for k, c in nonlin]
+        options = [(0, None)] + nonlin   # degree 0 stands for the linear part (degree 1)
+        for t in node.terms:
             if t.kind == "linear":
                 continue
-            legs = tuple(leg.with_weight(leg.weight @ befores[l]) for leg in t.legs)
-            t2 = Term(t.kind, legs, t.cores, t.out).project_output(after)
-            terms.setdefault(t.degree, []).append(t2)
-        after = after @ Ws[l][:, 1:]
+            if t.kind == "bilinear" and nonlin:
+                # symmetrized, (L h)(R h) = (L' h)(R' h) with L' = [L; R], R' = [R; L] and half
+                # of D twice: the legs read the same input, so a pair of choices and its swap
+                # are one term, counted twice (a quarter of the joined pairs to contract)
+                t = _symmetrized(t)
+                for c1, c2 in itertools.combinations_with_replacement(range(len(options)), 2):
+                    k = max(1, options[c1][0]) + max(1, options[c2][0])
+                    if k <= cap:
+                        term = _compose(t, (options[c1][1], options[c2][1]), lifted)
+                        if c1 != c2:
+                            term = term.project_output(2.0 * np.eye(node.d_out))
+                        new.append((k, term))
+                continue
+            for choice in itertools.product(options, repeat=t.degree):
+                k = sum(max(1, c[0]) for c in choice)
+                if k <= cap:
+                    new.append((k, _compose(t, tuple(c[1] for c in choice), lifted)))
+        lam = W @ lifted
+        nonlin = new
+    terms = {1: [Term("linear", (Leg("W", lam, (OUTPUT,), QUERY),), (), (QUERY, OUTPUT))]}
+    for k, t in nonlin:
+        terms.setdefault(k, []).append(t)
     terms = {k: _merge_attention(v, n_ctx) for k, v in terms.items()}
-    if any(k >= k_star for k in terms):
-        return None, "a term of degree beyond the first composition"
-    return _FirstOrder(terms, k_star, S, tree.d_in, tree.d_out, n_ctx), ""
+    return _Unrolled(terms, set(terms), tree.d_in, tree.d_out, n_ctx), ""
+
+
+def _configurations_bound(pa: Tree, pb: Tree) -> int:
+    """The Wick configurations of the exact path on two bias-free one-node trees: the perfect
+    matchings ``(n - 1)!!`` of each term pair's ``n`` joined legs (no leg can be capped), a
+    cheap upper bound that is reached for generic weights (pruning only removes legs whose
+    weights vanish)."""
+    total = 0
+    for x in pa.nodes[0].terms:
+        for y in pb.nodes[0].terms:
+            n = x.degree + y.degree
+            if n % 2 == 0:
+                total += math.prod(range(n - 1, 0, -2))
+    return total
+
+
+def _check_bound(pa: Tree, pb: Tree) -> None:
+    from .request import DEFAULT_MAX_CONFIGURATIONS
+
+    n = _configurations_bound(pa, pb)
+    if n > DEFAULT_MAX_CONFIGURATIONS:
+        legs = max(x.degree for x in pa.nodes[0].terms) + max(y.degree for y in pb.nodes[0].terms)
+        raise CostTooHigh(f"the exact path would contract about {n:.3g} Wick configurations "
+                          f"(up to {legs} legs joined), over max_configurations="
+                          f"{DEFAULT_MAX_CONFIGURATIONS:,}")
 
 
 def _tree_inner(pa: Tree, pb: Tree, n_ctx: int) -> float:
+    _check_bound(pa, pb)
     return float(attention.tree_inner_req(make_request(n_ctx=n_ctx), pa, pb, n_ctx))
 
 
@@ -697,8 +771,9 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                     why[K] = f"exact graded network over budget ({str(exc)[:80]}...)"
         how = "exact: graded network of the canonical chain"
     else:
-        fo = [_first_order(x, n_ctx, kprof) for x in (na, nb)]
-        how = "exact: first-order paths, one node (exact attention path)"
+        fo = [_unrolled(x, n_ctx, kprof) for x in (na, nb)]
+        how = "exact: the paths of degree <= K unrolled into one node (exact attention path)"
+        done: dict = {}   # the degrees present below K, per side -> the exact triple
         for K in Ks:
             if K == 1:
                 continue
@@ -706,22 +781,21 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                 why[K] = (fo[0][1] or fo[1][1])
                 continue
             f0, f1 = fo[0][0], fo[1][0]
-            if K >= f0.k_star or K >= f1.k_star:
-                why[K] = (f"K={K} reaches the first composition degree "
-                          f"{int(min(f0.k_star, f1.k_star))} (a later layer's leg reading an "
-                          f"earlier layer's output): no single-node form")
+            key = tuple(frozenset(k for k in f.degrees if k <= K) for f in (f0, f1))
+            if key in done:
+                exact_ip[K] = done[key]
                 continue
             ks = set(range(K + 1))
             try:
                 pa, pb = f0.tree(ks), f1.tree(ks)
-                exact_ip[K] = (_tree_inner(pa, pb, n_ctx), _tree_inner(pa, pa, n_ctx),
-                               _tree_inner(pb, pb, n_ctx))
+                exact_ip[K] = done[key] = (_tree_inner(pa, pb, n_ctx), _tree_inner(pa, pa, n_ctx),
+                                           _tree_inner(pb, pb, n_ctx))
             except (CostTooHigh, attention.AttentionNotSupported) as exc:
-                why[K] = f"exact path refused: {str(exc)[:100]}"
+                why[K] = f"exact path refused: {exc}"
         for K in Ks:
-            if K in exact_ip or K < max(deg_a, deg_b):
+            if K in exact_ip or K < max(deg_a, deg_b) or (fo[0][0] and fo[1][0]):
                 continue
-            try:   # f_<=K is the model itself: the exact path of one attention layer
+            try:   # with biases, f_<=K is the model itself: the exact path of one attention layer
                 plain = make_request(n_ctx=n_ctx)
                 exact_ip[K] = (attention.exact_inner_req(plain, na, nb),
                                attention.exact_inner_req(plain, na, na),
@@ -735,7 +809,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             for k in range(2, kprof + 1):
                 if k not in f.degrees:
                     prof[side][k] = 0.0     # vanishes structurally (bias-free)
-                elif k < f.k_star:
+                else:
                     t = f.tree({k})
                     try:
                         prof[side][k] = _tree_inner(t, t, n_ctx)
@@ -828,6 +902,7 @@ def _tree_gram(trees: list, n_ctx: int) -> np.ndarray:
     req = make_request(n_ctx=n_ctx)
     sel = attention._selector(n_ctx, None, False)
     for t in trees:
+        _check_bound(t, t)
         attention._check_cost(req, t, t, n_ctx, (), sel, "chaos")
     sides = [{s: [TermSide(x, s, np.einsum, n_ctx, False) for x in t.nodes[0].terms]
               for s in ("a", "b")} for t in trees]
@@ -930,23 +1005,28 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
             grams[K] = np.asarray(engine.gram(plain, parts), dtype=np.float64)
             notes[K] = "exact: graded network of the canonical chain"
     elif rest:
-        fos = [_first_order(x, n_ctx, max(rest)) for x in nets]
+        fos = [_unrolled(x, n_ctx, max(rest)) for x in nets]
         for K in rest:
-            if K >= top and all(dg == top for dg in degs) and all(
-                    f is None or K >= f.k_star for f, _ in fos):
-                grams[K] = attention.exact_gram_req(make_request(n_ctx=n_ctx), nets)
-                notes[K] = "exact: the models themselves (one attention layer)"
-                continue
+            if K >= top and all(dg == top for dg in degs) and any(f is None for f, _ in fos):
+                try:    # with biases: the models themselves (one attention layer)
+                    grams[K] = attention.exact_gram_req(make_request(n_ctx=n_ctx), nets)
+                    notes[K] = "exact: the models themselves (one attention layer)"
+                    continue
+                except attention.AttentionNotSupported:
+                    pass
             for i, (f, why) in enumerate(fos):
-                if f is None or K >= f.k_star:
-                    why = why or (f"K={K} reaches the first composition degree "
-                                  f"{int(f.k_star)} (a later layer's leg reading an earlier "
-                                  f"layer's output): no single-node form")
+                if f is None:
                     raise ValueError(f"max_degree: S<={K} is not exact for models[{i}] ({why}); "
                                      f"degree_similarity(a, b) estimates it by Monte Carlo "
                                      f"per pair")
-            grams[K] = _tree_gram([f.tree(set(range(K + 1))) for f, _ in fos], n_ctx)
-            notes[K] = "exact: first-order paths, one node (exact attention path)"
+            try:
+                grams[K] = _tree_gram([f.tree(set(range(K + 1))) for f, _ in fos], n_ctx)
+            except CostTooHigh as exc:
+                raise ValueError(f"max_degree: S<={K} is not exact here ({exc}); "
+                                 f"degree_similarity(a, b) estimates it by Monte Carlo per "
+                                 f"pair") from None
+            notes[K] = ("exact: the paths of degree <= K unrolled into one node (exact "
+                        "attention path)")
     sims = {K: _gram_similarity(grams[K], K) for K in Ks}
     return DegreeSimilarityMatrix(sims, {K: grams[K] for K in Ks}, {K: notes[K] for K in Ks},
                                   req.distribution.describe())

@@ -339,20 +339,36 @@ def test_bad_arguments_one_line():
         homogeneous_parts(a, np.zeros((1, 2)), m=4)
 
 
-def test_attention_then_bilinear_mlp_first_order_exact():
-    """Residual attention then a residual bilinear MLP, no biases: the first composition has
-    degree 2 - 1 + 5 = 6, so S<=2 and S<=5 are exact (X + A(X) + B(X) on one node)."""
+def test_attention_then_bilinear_mlp_block_exact_to_degree_9():
+    """One standard block (residual attention, then a residual bilinear MLP), no biases:
+    f = U(h + M(h)), h = X + A(X), M(h) = D((L h)(R h)) has parts of degrees 1, 2, 5 (X, M(X),
+    A(X)), 6 (the MLP reading A in one factor: L X * R A + L A * R X) and 10 (in both). The
+    unrolled one-node form makes every S<=K with K <= 9 exact (degree 6 joins 12 legs); S<=10,
+    the full similarity, joins 20 legs (~6.5e8 Wick configurations): refused, and estimated.
+    Truth by quadrature over the 4 input variables."""
     def model(seed):
         r = np.random.default_rng(seed)
         return ta.Sequential([ta.Residual(_attn(r, 2, 2, 1, False, 0.5)),
                               ta.Residual(_bil(r, 2, 3, 2, False)),
                               ta.Linear(r.standard_normal((2, 2)))])
     a, b = model(1), model(2)
-    r = degree_similarity(a, b, n_ctx=2, max_degree=(2, 5), n_samples=60)
-    assert r.exact(2) and r.exact(5)
-    for K in (2, 5):
+    r = degree_similarity(a, b, n_ctx=2, max_degree=(2, 5, 6, 9, 10), n_samples=300)
+    assert [r.exact(K) for K in (2, 5, 6, 9, 10)] == [True] * 4 + [False]
+    for K in (2, 5, 6):
         assert r[K] == pytest.approx(_sim(_quad_truncated(a, b, K, (2, 2))), rel=1e-10)
-    assert r.profile_a[3] == r.profile_a[4] == 0.0   # degrees 1, 2, 5, 6, 10 only
+    assert r[9] == r[6]                  # no parts of degree 7, 8, 9
+    assert "20 legs joined" in r.notes[10] and "control variate: exact S<=9" in r.notes[10]
+    assert [r.profile_a[k] for k in (3, 4, 7, 8, 9)] == [0.0] * 5
+    q = _quad_part_norms(a, (6,), (2, 2))
+    assert r.profile_a[6] == pytest.approx(q[6], rel=1e-10)
+
+
+def test_two_attention_layers_S9_refused_with_its_count():
+    """Two attention layers: S<=9 adds a layer-2 leg reading a layer-1 head (9 legs a side,
+    18 joined, ~8.6e8 configurations): over the budget, so estimated, and the note says why."""
+    r = degree_similarity(_two_layer(1), _two_layer(2), n_ctx=2, max_degree=(5, 9), n_samples=300)
+    assert r.exact(5) and not r.exact(9)
+    assert "18 legs joined" in r.notes[9] and "max_configurations=200,000" in r.notes[9]
 
 
 def test_a_zero_affine_part_is_zero_not_rounding_noise():
@@ -414,7 +430,8 @@ def test_matrix_position_free_and_one_layer_full():
     ("two", {}, r"models: expected a non-empty sequence of networks, got str"),
     ([_two_layer(1), _two_layer(2, d_in=3)], {"n_ctx": 2}, r"models\[1\]: 3 inputs"),
     ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": (1, 9)},
-     r"S<=9 is not exact for models\[0\].*composition degree 9.*degree_similarity"),
+     r"S<=9 is not exact here \(the exact path would contract about 8.6.e\+08 Wick "
+     r"configurations \(up to 18 legs joined\).*degree_similarity"),
     ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": 30}, r"above the models'"),
     ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": (5, 1)}, r"increasing"),
     ([_mlp(1), _mlp(2)], {"n_ctx": 2}, r"n_ctx: only for sequence models"),

@@ -289,6 +289,7 @@ class JoinedTermPair:
 
 
 _COMPILED: dict = {}
+_PLANS: dict = {}
 
 
 def compile_sum(key, build):
@@ -310,8 +311,10 @@ def compile_sum(key, build):
             ushapes.append(tuple(size[x] for x in dict.fromkeys(lab)))
         if len(specs) == 1:
             expr = (lambda sub_: (lambda x: oe.contract(sub_, x)))(sub)
-        else:
-            expr = Plan(sub, ushapes)
+        else:   # contractions of one shape up to the names of their labels share a path
+            expr = _PLANS.get((sub, tuple(ushapes)))
+            if expr is None:
+                expr = _PLANS[(sub, tuple(ushapes))] = Plan(sub, ushapes)
         compiled.append((specs, expr))
     _COMPILED[key] = compiled
     return compiled
