@@ -892,7 +892,8 @@ class DegreeSimilarityMatrix:
         return "\n".join(lines)
 
 
-def _tree_gram(trees: list, n_ctx: int) -> np.ndarray:
+def _tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = None
+               ) -> np.ndarray:
     """The exact Gram matrix of one-node float64 trees (linear and attention terms), each
     model's chaos form (:class:`~tensoralg.strategies.wick_terms.TermSide`) built once per
     side, then every unordered pair (:func:`~tensoralg.strategies.wick_terms.chaos_pair`);
@@ -904,19 +905,20 @@ def _tree_gram(trees: list, n_ctx: int) -> np.ndarray:
     for t in trees:
         _check_bound(t, t)
         attention._check_cost(req, t, t, n_ctx, (), sel, "chaos")
-    sides = [{s: [TermSide(x, s, np.einsum, n_ctx, False) for x in t.nodes[0].terms]
-              for s in ("a", "b")} for t in trees]
     N = len(trees)
     G = np.zeros((N, N))
-    for i in range(N):
-        for j in range(i, N):
-            total = 0.0
-            for x in sides[i]["a"]:
-                for y in sides[j]["b"]:
-                    val, _ = chaos_pair(x, y, sel, (), np.einsum, req.max_configurations)
-                    if val is not None:
-                        total += float(val)
-            G[i, j] = G[j, i] = total
+    with attention._torch_backend(backend, device, "degree_similarity_matrix"):
+        sides = [{s: [TermSide(x, s, np.einsum, n_ctx, False) for x in t.nodes[0].terms]
+                  for s in ("a", "b")} for t in trees]
+        for i in range(N):
+            for j in range(i, N):
+                total = 0.0
+                for x in sides[i]["a"]:
+                    for y in sides[j]["b"]:
+                        val, _ = chaos_pair(x, y, sel, (), np.einsum, req.max_configurations)
+                        if val is not None:
+                            total += float(val)
+                G[i, j] = G[j, i] = total
     return G
 
 
@@ -933,7 +935,8 @@ def _gram_similarity(G: np.ndarray, K: int) -> np.ndarray:
 
 
 def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
-                             max_degree: Any = (1, 5), cov: Any = None
+                             max_degree: Any = (1, 5), cov: Any = None,
+                             backend: str = "numpy", device: Any = None
                              ) -> DegreeSimilarityMatrix:
     """The exact ``S<=K`` matrices of ``N`` models (e.g. the checkpoints of a training run),
     for each ``K`` in ``max_degree``: each model's truncation and chaos form once, then the
@@ -952,6 +955,9 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         max_degree: a positive int or a strictly increasing sequence of them (default
             ``(1, 5)``), at most the models' largest degree.
         cov: the input distribution ``N(0, Σ)`` as in :func:`tensoralg.inner`.
+        backend, device: ``"numpy"`` (default) or ``"torch"`` on ``device`` (CUDA when
+            available and ``device`` is None): the larger contractions of the sequence
+            models' pairs run there in float64 (the same values up to rounding).
 
     Returns:
         :class:`DegreeSimilarityMatrix` (``r[K]``: the ``(N, N)`` similarity matrix).
@@ -963,7 +969,10 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         CostTooHigh: a model's own pair over the exact path's budget (before the pairs).
     """
     Ks = _check_max_degree(max_degree)
-    req = make_request(n_ctx=n_ctx, cov=cov)
+    req = make_request(n_ctx=n_ctx, cov=cov, backend=backend, device=device)
+    if req.backend not in ("numpy", "torch"):
+        raise ValueError(f"backend: degree_similarity_matrix runs in float64 on 'numpy' or "
+                         f"'torch', got {backend!r}")
     if isinstance(models, (Layer, str, bytes)) or not hasattr(models, "__len__") or \
             len(models) == 0:
         raise ValueError(f"models: expected a non-empty sequence of networks, got "
@@ -1020,7 +1029,8 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
                                      f"degree_similarity(a, b) estimates it by Monte Carlo "
                                      f"per pair")
             try:
-                grams[K] = _tree_gram([f.tree(set(range(K + 1))) for f, _ in fos], n_ctx)
+                grams[K] = _tree_gram([f.tree(set(range(K + 1))) for f, _ in fos], n_ctx,
+                                      req.backend, req.device)
             except CostTooHigh as exc:
                 raise ValueError(f"max_degree: S<={K} is not exact here ({exc}); "
                                  f"degree_similarity(a, b) estimates it by Monte Carlo per "

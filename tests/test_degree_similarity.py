@@ -441,3 +441,23 @@ def test_matrix_position_free_and_one_layer_full():
 def test_matrix_bad_input(models, kw, match):
     with pytest.raises(ValueError, match=match):
         ta.degree_similarity_matrix(models, **kw)
+
+
+def test_matrix_torch_backend_agrees(monkeypatch):
+    """backend='torch' (here torch's CPU device) runs the pairs' larger contractions in torch
+    float64: the same matrix to rounding; an unknown backend is refused before any work."""
+    from tensoralg.strategies import executor
+
+    ms = [_two_layer(s, d=4) for s in (3, 4)]
+    ref = ta.degree_similarity_matrix(ms, n_ctx=3, max_degree=5)
+    uploads = []
+    orig = executor.to_device
+    monkeypatch.setattr(executor, "to_device", lambda *a: uploads.append(1) or orig(*a))
+    from tensoralg import attention
+
+    monkeypatch.setattr(attention, "_TORCH_CPU_FLOPS", 0.0)   # every contraction in torch
+    tor = ta.degree_similarity_matrix(ms, n_ctx=3, max_degree=5, backend="torch", device="cpu")
+    assert uploads, "no contraction ran in torch"
+    np.testing.assert_allclose(tor.gram[5], ref.gram[5], rtol=1e-12)
+    with pytest.raises(ValueError, match="backend: degree_similarity_matrix runs in float64"):
+        ta.degree_similarity_matrix(ms, n_ctx=3, backend="exact")
