@@ -526,10 +526,6 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
             return sb.outer[key[1]][0]
         if kind == "sel":
             return sel
-        if kind == "OO":
-            if key not in grams:
-                grams[key] = _outer_cross(sa.outer[0], sb.outer[0], ein)[0]
-            return grams[key]
         if key not in grams:
             grams[key] = _gram(la[key[1]], lb[key[2]], ein)
         return grams[key]
@@ -548,11 +544,6 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
                     items.append((S_a, S_b, tuple(zip(open_a, perm))))
     if len(items) > budget:
         raise OverBudget()
-    # one output core a side and the output summed: their product over the output label is
-    # formed once (it would otherwise ride along every bijection's contraction)
-    merge_outer = len(sa.outer) == 1 and len(sb.outer) == 1 and OUTPUT not in out_mode and \
-        not any(OUTPUT in leg.labels for leg in la + lb)
-    oo_labels = _outer_cross(sa.outer[0], sb.outer[0], None)[1] if merge_outer else ()
     key = ("cross", sa.signature(), sb.signature(),
            tuple(sorted((k, v[1]) for k, v in sa.R.items())),
            tuple(sorted((k, v[1]) for k, v in sb.R.items())), out_mode, sel.shape)
@@ -568,11 +559,8 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
                 specs.append((("Ra", S_a), rel(sa.R[S_a][1])))
             if sb.R[S_b][0] is not None:
                 specs.append((("Rb", S_b), rel(sb.R[S_b][1])))
-            if merge_outer:
-                specs.append((("OO",), oo_labels))
-            else:
-                specs += [(("Oa", k), lab) for k, (_, lab) in enumerate(sa.outer)]
-                specs += [(("Ob", k), lab) for k, (_, lab) in enumerate(sb.outer)]
+            specs += [(("Oa", k), lab) for k, (_, lab) in enumerate(sa.outer)]
+            specs += [(("Ob", k), lab) for k, (_, lab) in enumerate(sb.outer)]
             for i, j in pairs:
                 specs.append((("g", i, j), _gram_labels(la[i], lb[j], uf.find(la[i].pos))))
             yield specs, out_mode, [fetch(k).shape for k, _ in specs]
@@ -581,22 +569,6 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
     if sa.dry or sb.dry:  # the cross grams stay alive through the sum
         return sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g"), len(items)
     return run_sum(compiled, fetch, ein), len(items)
-
-
-def _outer_cross(oa, ob, ein):
-    """``(array, labels)``: the two output cores contracted over the output label (the other
-    labels kept; ``ein`` None: the labels only)."""
-    (A, la), (B, lb) = oa, ob
-    out = tuple(x for x in dict.fromkeys(la + lb) if x != OUTPUT)
-    if ein is None:
-        return None, out
-    syms = {lab: oe.get_symbol(k) for k, lab in enumerate(dict.fromkeys(la + lb))}
-    sub = ("".join(syms[x] for x in la) + "," + "".join(syms[x] for x in lb) + "->"
-           + "".join(syms[x] for x in out))
-    if isinstance(A, Shape) or isinstance(B, Shape):
-        size = dict(zip(la, A.shape)) | dict(zip(lb, B.shape))
-        return Shape(tuple(size[x] for x in out)), out
-    return ein(sub, A, B), out
 
 
 class Shape:
