@@ -138,8 +138,13 @@ def _guided(kind: str, req: Request, na: Layer, nb: Layer, n_ctx: int | None = N
             raise ValueError("position: proposal='modes' estimates one number; pass None or "
                              "an int (got 'each')")
         req.check_position(n_ctx)
+    device = None
+    if req.backend == "torch":
+        from .backends import torch_device
+
+        device = torch_device(req.device)
     fn = guided.inner if kind == "inner" else guided.similarity
-    return fn(na, nb, U, keep, req.n_samples, req.seed, n_ctx, req.position)
+    return fn(na, nb, U, keep, req.n_samples, req.seed, n_ctx, req.position, device)
 
 
 def inner(req: Request, a: Any, b: Any):

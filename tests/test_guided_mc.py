@@ -96,6 +96,25 @@ def test_bad_input():
         ta.gram([a, a], method="montecarlo", proposal="modes")
 
 
+def test_torch_backend_runs_the_search_and_the_forwards_on_the_device(planted, monkeypatch):
+    """backend='torch' (here torch's CPU device): the same modes and samples, the forward
+    passes in torch float64 on the device — the estimate agrees with numpy's to rounding;
+    backend='exact' is refused (sampling is floating point)."""
+    a, b, _ = planted
+    kw = dict(method="montecarlo", proposal="modes", n_samples=600, seed=3, n_ctx=2)
+    ref = ta.similarity(a.network, b.network, **kw)
+    calls = []
+    orig = guided._forward
+    monkeypatch.setattr(guided, "_forward", lambda net, x, dev: calls.append(dev) or
+                        orig(net, x, dev))
+    tor = ta.similarity(a.network, b.network, backend="torch", device="cpu", **kw)
+    assert calls and all(str(d) == "cpu" for d in calls)
+    assert float(tor) == pytest.approx(float(ref), rel=1e-10)
+    assert tor.stderr == pytest.approx(ref.stderr, rel=1e-8)
+    with pytest.raises(ValueError, match="method='montecarlo' samples in floating point"):
+        ta.inner(a.network, a.network, backend="exact", **kw)
+
+
 @pytest.mark.slow
 def test_planted_coverage_over_seeds(planted):
     """Over 40 seeds, the reliable guided estimates of <b,b> fall beyond 3 SE in at most 5 %."""

@@ -25,6 +25,7 @@ that carry the norm it can still be wrong, which the diagnostics may or may not 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -81,12 +82,12 @@ def _read_directions(net: Layer, Ut, shape: tuple, position, rng, n_points: int 
 
     x = torch.tensor(rng.standard_normal((n_points,) + shape)
                      * np.linspace(1.0, 3.0, n_points).reshape((n_points,) + (1,) * len(shape)),
-                     requires_grad=True)
+                     requires_grad=True, device=Ut.device)
     y = net(x) @ Ut.T
     if x.dim() == 3 and position is not None:
         y = y[:, position]
     (y * y).sum().backward()
-    G = x.grad.detach().numpy()
+    G = x.grad.detach().cpu().numpy()
     G = G / np.maximum(np.linalg.norm(G.reshape(n_points, -1), axis=1), 1e-300).reshape(
         (n_points,) + (1,) * len(shape))  # each point counts once
     out = []
@@ -101,7 +102,7 @@ def _read_directions(net: Layer, Ut, shape: tuple, position, rng, n_points: int 
 
 def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
                position: int | None = None, steps: int = STEPS,
-               random_starts: int = RANDOM_STARTS) -> np.ndarray:
+               random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
     """Local maxima of ``log |U f(x)|^2 - |x|^2 / 2`` for each network, by Adam (torch,
     float64) from ``random_starts`` Gaussian starts at radii ``1..3 sqrt(dim)`` and from
     starts along the directions the model reads (:func:`_read_directions`; for sequences one
@@ -110,7 +111,8 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
     directions where the top-degree part grows fastest (where rare inputs carry the norm)
     before the full term pulls it back to the mode at that scale. Keeps the modes within
     :data:`MODE_WINDOW` nats of the model's best (merging those within :data:`MODE_MERGE`)
-    and returns them with their negatives, ``(2 k, *shape)`` float64.
+    and returns them with their negatives, ``(2 k, *shape)`` float64. ``device``: the torch
+    device of the ascent (None: the CPU; the starts are drawn by numpy either way).
     """
     import torch
 
@@ -118,7 +120,8 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
     dim = int(np.prod(shape))
     rng = np.random.default_rng(seed)
     found = []
-    Ut = torch.as_tensor(np.array(U, dtype=np.float64))  # a copy: U may be read-only
+    dev = torch.device("cpu") if device is None else device
+    Ut = torch.as_tensor(np.array(U, dtype=np.float64), device=dev)  # a copy: U may be read-only
     for net in nets:
         starts = [rng.standard_normal((random_starts,) + shape)
                   * np.repeat(np.linspace(1.0, 3.0, random_starts), dim).reshape(
@@ -140,12 +143,12 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
         hold = np.concatenate(hold)
         lam0 = np.repeat(np.asarray(TEMPERS, dtype=np.float64), len(x0))
         x = torch.tensor(np.concatenate([x0] * len(TEMPERS)), dtype=torch.float64,
-                         requires_grad=True)
-        held = torch.as_tensor(np.concatenate([hold] * len(TEMPERS)))
+                         requires_grad=True, device=dev)
+        held = torch.as_tensor(np.concatenate([hold] * len(TEMPERS)), device=dev)
         opt = torch.optim.Adam([x], lr=0.05)
         ramp = max(1, (2 * steps) // 3)
         for step in range(steps):
-            lam = torch.as_tensor(lam0 ** max(0.0, 1.0 - step / ramp))
+            lam = torch.as_tensor(lam0 ** max(0.0, 1.0 - step / ramp), device=dev)
             opt.zero_grad()
             xe = x * held if step < ramp else x
             loss = -_objective(net, Ut, xe, position, lam).sum()
@@ -155,8 +158,8 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
                 with torch.no_grad():
                     x.mul_(held)
         with torch.no_grad():
-            J = _objective(net, Ut, x, position, 1.0).numpy()
-        m = x.detach().numpy()
+            J = _objective(net, Ut, x, position, 1.0).cpu().numpy()
+        m = x.detach().cpu().numpy()
         ok = np.isfinite(J) & np.all(np.isfinite(m.reshape(len(m), -1)), axis=1)
         m, J = m[ok], J[ok]
         # the modes that matter: within MODE_WINDOW nats of the best, near-duplicates merged
@@ -200,6 +203,15 @@ def draws(modes: np.ndarray, n: int, seed: int, beta: float = BETA, chunk: int =
         done += s
 
 
+def _forward(net: Layer, x: np.ndarray, device) -> np.ndarray:
+    """``net(x)`` as float64 numpy, evaluated in torch on ``device`` when one is given."""
+    if device is None:
+        return np.asarray(net(x))
+    import torch
+
+    return net(torch.as_tensor(x, device=device)).cpu().numpy()
+
+
 def _products(fa: np.ndarray, fb: np.ndarray, U: np.ndarray, position) -> np.ndarray:
     ya, yb = fa @ U.T, fb @ U.T
     if ya.ndim == 3 and position is not None:
@@ -214,9 +226,11 @@ def _check_scalar(keep: bool) -> None:
 
 
 def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed: int,
-          n_ctx: int | None = None, position: int | None = None) -> MonteCarloEstimate:
+          n_ctx: int | None = None, position: int | None = None,
+          device: Any = None) -> MonteCarloEstimate:
     """``<f_a, f_b>`` by guided importance sampling (APPROXIMATE; module docstring): a
-    :class:`MonteCarloEstimate` with its standard error and diagnostics.
+    :class:`MonteCarloEstimate` with its standard error and diagnostics. ``device``: the torch
+    device of the mode search and the forward passes (None: the CPU, forward in numpy).
 
     Raises:
         ValueError: ``output="each"`` (one number only).
@@ -224,8 +238,9 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
     _check_scalar(keep)
     warn_few(n_samples)
     same = nb is na
-    modes = find_modes([na] if same else [na, nb], U, n_ctx, seed, position)
-    p = np.concatenate([w * _products(np.asarray(na(x)), np.asarray(nb(x)), U, position)
+    modes = find_modes([na] if same else [na, nb], U, n_ctx, seed, position, device=device)
+    p = np.concatenate([w * _products(_forward(na, x, device), _forward(nb, x, device), U,
+                                      position)
                         for x, w in draws(modes, n_samples, seed + 1)])
     n = len(p)
     diag = inner_diagnostics(p, "<a,a>" if same else None)
@@ -233,7 +248,8 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
 
 
 def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed: int,
-               n_ctx: int | None = None, position: int | None = None) -> MonteCarloEstimate:
+               n_ctx: int | None = None, position: int | None = None,
+               device: Any = None) -> MonteCarloEstimate:
     """``<a, b> / (||a|| ||b||)`` by guided importance sampling (APPROXIMATE): the ratio of the
     three weighted means, delta-method standard error, diagnostics over the three sums.
 
@@ -242,10 +258,10 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
     """
     _check_scalar(keep)
     warn_few(n_samples)
-    modes = find_modes([na, nb], U, n_ctx, seed, position)
+    modes = find_modes([na, nb], U, n_ctx, seed, position, device=device)
     parts = []
     for x, w in draws(modes, n_samples, seed + 1):
-        fa, fb = np.asarray(na(x)), np.asarray(nb(x))
+        fa, fb = _forward(na, x, device), _forward(nb, x, device)
         parts.append(np.stack([w * _products(fa, fb, U, position),
                                w * _products(fa, fa, U, position),
                                w * _products(fb, fb, U, position)]))
