@@ -272,21 +272,31 @@ def test_output_folder_gets_the_usual_mode(tmp_path):
 _NO_TORCH = """
 import sys
 from tensoralg.cli import main
-rc = main(sys.argv[1:])
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:     # argparse's errors (usage line + one error line)
+    rc = exc.code
 print(rc, 'torch' in sys.modules)
 """
 
-
-@pytest.mark.parametrize("argv, msg", [
-    (["compare", "missing_a", "missing_b"], "missing_a: no such checkpoint folder"),
-    (["matrix", "missing_a", "missing_b"], "missing_a: no such checkpoint folder"),
-    (["decompose", "missing_a"], "CKPT: missing_a is not a checkpoint folder"),
-    (["compare", "missing_a", "missing_b", "--n-samples", "3"], "--n-samples: expected an integer >= 6"),
-    (["audit", "backdoor", "--n-samples", "5"], "--n-samples: expected an integer >= 6"),
+# argv, the error, and whether it is an argparse error (the command's usage line first)
+_BAD_INPUT = [
+    (["compare", "missing_a", "missing_b"], "missing_a: no such checkpoint folder", False),
+    (["matrix", "missing_a", "missing_b"], "missing_a: no such checkpoint folder", False),
+    (["decompose", "missing_a"], "CKPT: missing_a is not a checkpoint folder", False),
+    (["compare", "missing_a", "missing_b", "--n-samples", "3"],
+     "tensoralg compare: error: argument --n-samples: expected an integer >= 6", True),
+    (["matrix", "missing_a", "missing_b", "--n-samples", "0"],
+     "tensoralg matrix: error: argument --n-samples: expected an integer >= 6", True),
+    (["audit", "backdoor", "--n-samples", "5"],
+     "tensoralg audit backdoor: error: argument --n-samples: expected an integer >= 6", True),
     (["import", "m:f", "w.pt", "--out", "a_file", "--input-shape", "1,2"],
-     "--out: a_file is an existing file"),
-])
-def test_bad_input_is_answered_before_torch_is_imported(argv, msg, tmp_path):
+     "--out: a_file is an existing file", False),
+]
+
+
+@pytest.mark.parametrize("argv, msg, usage", _BAD_INPUT)
+def test_bad_input_is_answered_before_torch_is_imported(argv, msg, usage, tmp_path):
     # torch costs seconds to import; a bad path or option is refused before (tester item 9)
     (tmp_path / "a_file").write_text("x")
     root = str(Path(__file__).resolve().parents[1])   # this checkout's tensoralg
@@ -294,4 +304,10 @@ def test_bad_input_is_answered_before_torch_is_imported(argv, msg, tmp_path):
                          text=True, timeout=120, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
-    assert msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    if usage:   # like every argparse error: the command's usage, then one error line
+        leaf = msg.split(":")[0]
+        assert lines[0].startswith(f"usage: {leaf} ") and msg in lines[-1], out.stderr
+        assert sum("error" in line for line in lines) == 1, out.stderr
+    else:
+        assert msg in out.stderr and len(lines) == 1, out.stderr

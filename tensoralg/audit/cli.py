@@ -19,7 +19,7 @@ import argparse
 import time
 
 from ..threads import add_threads_option, nonneg_int
-from ._cliutil import (apply_threads, check_checkpoints, check_n_samples, check_paths, fraction,
+from ._cliutil import (apply_threads, check_checkpoints, check_paths, fraction, mc_samples,
                        positive_int, report, run)
 from .common import METHODS
 
@@ -56,7 +56,7 @@ def _n_ctx(p: argparse.ArgumentParser) -> None:
 def _n_samples(p: argparse.ArgumentParser) -> None:
     from .common import MC_SAMPLES
 
-    p.add_argument("--n-samples", type=positive_int, default=MC_SAMPLES,
+    p.add_argument("--n-samples", type=mc_samples, default=MC_SAMPLES,
                    help=f"Monte Carlo directions when the method is montecarlo (default "
                         f"{MC_SAMPLES}); the standard errors shrink like 1/sqrt(N)")
 
@@ -131,7 +131,7 @@ def add_parsers(sub) -> None:
                         "at depth >= 2, shown labelled)")
     c.add_argument("--metrics", default="gaussian,frobenius",
                    help="comma-separated metrics (default gaussian,frobenius)")
-    c.add_argument("--n-samples", type=positive_int, default=None,
+    c.add_argument("--n-samples", type=mc_samples, default=None,
                    help="Monte Carlo directions (at least 6; default 100000, and 20000 for "
                         "bilinear-transformer checkpoints, where each direction costs 6 (one "
                         "layer) to 26 (two layers) forward passes per model)")
@@ -300,8 +300,6 @@ def cmd_compare(args) -> int:
 
     methods = _split(args.methods, "--methods", ("exact", "closure", "montecarlo"))
     metrics = _split(args.metrics, "--metrics", ("gaussian", "frobenius"))
-    if "montecarlo" in methods:   # without Monte Carlo the sample count is not used
-        check_n_samples(args.n_samples)
     check_paths(args)
     check_checkpoints([args.a, args.b])   # before torch is imported (by apply_threads)
     apply_threads(args)
@@ -316,7 +314,6 @@ def cmd_matrix(args) -> int:
     from .compare import matrix_table, run_matrix
     from .matrix_blocks import cmd_matrix_blocked, wants_blocks
 
-    check_n_samples(args.n_samples)
     if wants_blocks(args):
         return cmd_matrix_blocked(args)
 
