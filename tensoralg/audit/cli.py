@@ -28,7 +28,9 @@ def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
     """The options every command here takes: --seed, --json, --no-progress, --threads."""
     p.add_argument("--seed", type=nonneg_int, default=0, help=f"{seed_help} (default 0)")
     p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the result JSON to PATH (a file path; default: none)")
+                   help="also write the result JSON to PATH (a file path; missing folders on "
+                        "the way are created, as for --out; checked before any work; default: "
+                        "none)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (default: shown; they are hidden anyway when stderr "
                         "is not a terminal)")

@@ -112,7 +112,7 @@ class MonteCarloEstimate(float):
         return format(self._refusal(), f"{(m['fill'] or '') if align else ''}{align}"
                                        f"{m['width']}")
 
-    def __str__(self) -> str:
+        """``print(x)``: the refusal when unreliable, else :meth:`__repr__` (value ± stderr)."""
         """``print(x)``: the refusal when unreliable, else the :meth:`__repr__` (value ± stderr)."""
         return self._refusal() if self.reliable is False else repr(self)
 
