@@ -107,8 +107,11 @@ def test_compare_and_matrix_errors(ckpts, tmp_path, capsys):
     assert "same input and output sizes" in capsys.readouterr().err
     assert main(["compare", str(other), str(other), "--data", "digits"]) == 2
     assert "64 -> 10" in capsys.readouterr().err
-    assert main(["compare", paths[0], paths[1], "--methods", "exact,quick"]) == 2
-    assert "--methods" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:     # an argparse error: usage line, exit 2
+        main(["compare", paths[0], paths[1], "--methods", "exact,quick"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("usage: tensoralg compare") and \
+        "argument --methods: expected a comma-separated subset" in err
     assert main(["matrix", paths[0], "--out", str(tmp_path / "m")]) == 2
     assert "at least two" in capsys.readouterr().err
     assert main(["matrix", *paths, "--output", "10", "--out", str(tmp_path / "m")]) == 2

@@ -286,6 +286,11 @@ _BAD_INPUT = [
     (["decompose", "missing_a"], "CKPT: missing_a is not a checkpoint folder", False),
     (["compare", "missing_a", "missing_b", "--n-samples", "3"],
      "tensoralg compare: error: argument --n-samples: expected an integer >= 6", True),
+    (["compare", "missing_a", "missing_b", "--methods", "exact,bogus"],
+     "tensoralg compare: error: argument --methods: expected a comma-separated subset of "
+     "['exact', 'closure', 'montecarlo'], got 'exact,bogus'", True),
+    (["compare", "missing_a", "missing_b", "--metrics", ","],
+     "tensoralg compare: error: argument --metrics: expected a comma-separated subset", True),
     (["matrix", "missing_a", "missing_b", "--n-samples", "0"],
      "tensoralg matrix: error: argument --n-samples: expected an integer >= 6", True),
     (["audit", "backdoor", "--n-samples", "5"],

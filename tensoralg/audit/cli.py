@@ -128,10 +128,12 @@ def add_parsers(sub) -> None:
                    help="also compute the data baselines on this data set (test split; "
                         "default none)")
     c.add_argument("--methods", default="exact,montecarlo",
+                   type=_subset(("exact", "closure", "montecarlo")),
                    help="comma-separated methods of exact, montecarlo, closure (default "
                         "exact,montecarlo; closure: the moment-closure similarity, APPROXIMATE "
                         "at depth >= 2, shown labelled)")
     c.add_argument("--metrics", default="gaussian,frobenius",
+                   type=_subset(("gaussian", "frobenius")),
                    help="comma-separated metrics (default gaussian,frobenius)")
     c.add_argument("--n-samples", type=mc_samples, default=None,
                    help="Monte Carlo directions (at least 6; default 100000, and 20000 for "
@@ -300,8 +302,7 @@ def cmd_grokking(args) -> int:
 def cmd_compare(args) -> int:
     from .compare import compare_table, run_compare
 
-    methods = _split(args.methods, "--methods", ("exact", "closure", "montecarlo"))
-    metrics = _split(args.metrics, "--metrics", ("gaussian", "frobenius"))
+    methods, metrics = args.methods, args.metrics    # lists (argparse type _subset)
     check_paths(args)
     check_checkpoints([args.a, args.b])   # before torch is imported (by apply_threads)
     apply_threads(args)
@@ -329,11 +330,15 @@ def cmd_matrix(args) -> int:
     return report(args, result, matrix_table, json_written=True)
 
 
-def _split(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
-    items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))  # dedupe, keep order
-    bad = [t for t in items if t not in allowed]
-    if not items or bad:
-        raise ValueError(f"{option}: expected a comma-separated subset of {list(allowed)}, got "
-                         f"{text!r}")
-    return items
+def _subset(allowed: tuple[str, ...]):
+    """argparse type: a comma-separated subset of ``allowed`` (deduplicated, in order), so that
+    a bad list is reported with the command's usage line like every other bad option."""
+    def parse(text: str) -> list[str]:
+        items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+        bad = [t for t in items if t not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of "
+                                             f"{list(allowed)}, got {text!r}")
+        return items
+    return parse
 
