@@ -62,7 +62,8 @@ __all__ = ["NETWORK", "save_checkpoint", "load_checkpoint", "load_network", "fro
            "check_export", "probe_input", "probe_tokens", "read_checkpoint_config", "FORMAT"]
 
 FORMAT = "tensoralg.checkpoint/1"
-_RESERVED = {"format", "architecture", "step", "tensoralg_version", "probe_rows", "probe_output"}
+_RESERVED = {"format", "architecture", "step", "tensoralg_version", "probe_rows", "probe_output",
+             "n_ctx_note"}
 PROBE_ROWS = 4
 # Relative tolerance of the forward probe: both sides are float64 forward passes of the same
 # weights, so they differ only by rounding (about 1e-16 times the depth's condition); 1e-9
@@ -248,6 +249,8 @@ def _save_network(path, net, step, provenance) -> Path:
             "n_ctx": net.n_ctx, "nodes": nodes,
             "shapes": [f"{k}={'x'.join(str(d) for d in v.shape)}" for k, v in tensors.items()],
             "dtype": "float64"}
+    if net.n_ctx_note:   # optional: how a compiled network's fixed n_ctx came about
+        arch["n_ctx_note"] = str(net.n_ctx_note)
     cfg = _config(arch, step, provenance)
     cfg["probe_rows"] = NETWORK_PROBE_ROWS
     cfg["probe_n_ctx"] = n_ctx
@@ -270,7 +273,8 @@ class SavedNetwork:
                              "embedding (compile with inputs='tokens' for one-hot inputs)")
         fixed = self.network.n_ctx
         if n_ctx is not None and fixed is not None and n_ctx != fixed:
-            raise ValueError(f"n_ctx={n_ctx}: this network's attention mask fixes n_ctx={fixed}")
+            raise ValueError(f"n_ctx={n_ctx}: this network's attention mask fixes n_ctx={fixed}"
+                             f"{self.network.n_ctx_note}")
         return self.network
 
     def config(self) -> dict:
@@ -297,6 +301,7 @@ def _load_network(path, tensors, cfg) -> tuple[SavedNetwork, dict]:
     except ValueError as exc:
         msg = str(exc)
         raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+    _restore_n_ctx_note(net, cfg.get("n_ctx_note"), path)
     if "probe_output" not in cfg:
         warnings.warn(f"{path}: cfg.json has no forward probe; the config cannot be checked "
                       f"against the weights", stacklevel=3)
@@ -310,6 +315,30 @@ def _load_network(path, tensors, cfg) -> tuple[SavedNetwork, dict]:
             raise ValueError(f"{path}: weights and cfg.json do not compute the function saved "
                              f"with them (forward probe differs); was cfg.json edited?")
     return SavedNetwork(net, cfg), cfg
+
+
+def _restore_n_ctx_note(net, note, path) -> None:
+    """Give the attention layers with a fixed n_ctx (a mask array) the saved ``n_ctx_note``
+    (:func:`tensoralg.from_torch` sets it on each of them; absent in older checkpoints and for
+    networks without one: nothing to do)."""
+    from .layers import BilinearAttention, Residual, Sequential
+
+    if note is None:
+        return
+    if not isinstance(note, str):
+        raise ValueError(f"{path}: cfg.json 'n_ctx_note' must be a string, got "
+                         f"{type(note).__name__}")
+
+    def visit(layer):
+        if isinstance(layer, Sequential):
+            for sub in layer.layers:
+                visit(sub)
+        elif isinstance(layer, Residual):
+            visit(layer.inner)
+        elif isinstance(layer, BilinearAttention) and layer.n_ctx is not None:
+            layer._n_ctx_note = note
+
+    visit(net)
 
 
 def _config(arch: dict, step: int, provenance) -> dict:
@@ -337,7 +366,9 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, step: int = 0,
     ``"tensoralg_network"`` — tensors ``n{i}.{field}`` (float64) and, in ``cfg.json``, the
     pre-order ``nodes`` of the layer tree (``"sequential 3"``, ``"residual"``, ``"linear"``,
     ``"bilinear"``, ``"bilinear_attention mask=... scale=... rope=..."``), their ``shapes``,
-    ``d_in``, ``d_out``, ``n_layers`` (multilinear layers), ``sequence`` and the forward probe.
+    ``d_in``, ``d_out``, ``n_layers`` (multilinear layers), ``sequence``, the forward probe and,
+    for a network compiled by :func:`tensoralg.from_torch` with attention, ``n_ctx_note`` (the
+    n_ctx it was compiled at and how to recompile; optional: older checkpoints load without).
 
     Args:
         step: training step of this checkpoint.

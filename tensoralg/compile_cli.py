@@ -35,7 +35,8 @@ def add_parsers(sub) -> None:
                    help="keyword arguments for FACTORY as a JSON object (default {})")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write what was imported (folder, architecture, provenance) as "
-                        "JSON here (default: none)")
+                        "JSON to PATH (a file path; missing folders on the way are created, as "
+                        "for --out; checked before any work; default: none)")
     add_threads_option(p)
     p.set_defaults(func=run_import, own_threads=True)
 

@@ -143,7 +143,8 @@ def _guided(kind: str, req: Request, na: Layer, nb: Layer, n_ctx: int | None = N
         from .backends import torch_device
 
         device = torch_device(req.device)
-    fn = guided.inner if kind == "inner" else guided.similarity
+    fn = {"inner": guided.inner, "similarity": guided.similarity,
+          "diff_sq": guided.diff_sq}[kind]
     return fn(na, nb, U, keep, req.n_samples, req.seed, n_ctx, req.position, device)
 
 
@@ -305,12 +306,13 @@ def _check_sequence_free(name: str, nets: list) -> None:
 
 
 def radial_only(req: Request, what: str) -> None:
-    """Raises ValueError when ``proposal="modes"`` reaches an entry point that estimates more
-    than one number (guided sampling is per pair: :func:`inner`, :func:`similarity`)."""
+    """Raises ValueError when ``proposal="modes"`` reaches an entry point without guided
+    sampling (it searches the modes of one integrand: :func:`inner`, :func:`similarity`,
+    :func:`diff_norm`)."""
     if req.proposal != "radial":
-        raise ValueError(f"proposal={req.proposal!r}: guided sampling estimates one pair; "
-                         f"{what} samples with proposal='radial' (use inner / similarity per "
-                         f"pair)")
+        raise ValueError(f"proposal={req.proposal!r}: guided sampling (the modes of one "
+                         f"integrand, one number per call) is implemented for inner, similarity "
+                         f"and diff_norm; {what} samples with proposal='radial'")
 
 
 def cross_gram(req: Request, models_a, models_b):
@@ -427,6 +429,10 @@ def _mc_combination(req: Request, left, right):
     nets = [as_network(m, "model") for m, _ in left + right]
     for n in nets[1:]:
         check_pair(nets[0], n)
+    if _is_sequence(*nets):     # the radial sampler here draws single vectors, not sequences
+        raise ValueError("models: sequence models (with attention) have no radial Monte Carlo "
+                         "estimate of a difference here; use diff_norm(..., proposal='modes') "
+                         "or inner / similarity per pair (method='montecarlo')")
     nets = [_fold(req, n, "model") for n in nets]
     U, keep = req.output_matrix(nets[0].out_features)
     n_samples = req.n_samples
@@ -468,12 +474,26 @@ def inner_diff(req: Request, a: Any, b: Any, c: Any):
     return inner(req, a, b) - inner(req, a, c)
 
 
+def _guided_diff_sq(req: Request, b: Any, c: Any):
+    """``||b - c||^2`` by guided importance sampling (:func:`guided.diff_sq`), for vectors and
+    sequences alike (as :func:`_guided`)."""
+    if req.metric != "gaussian":
+        raise ValueError("metric='frobenius' has no Monte Carlo estimate; use method='exact'")
+    nb, nc = as_network(b, "b"), as_network(c, "c")
+    check_pair(nb, nc)
+    nb, nc = _fold(req, nb, "b"), (None if c is b else _fold(req, nc, "c"))
+    nc = nb if nc is None else nc
+    if not _is_sequence(nb, nc) and (req.n_ctx is not None or req.position is not None):
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
+    return _guided("diff_sq", req, nb, nc)
+
+
 def diff_norm(req: Request, b: Any, c: Any):
     """``||b - c||`` from the Gram matrix of ``[b, c]``; Monte Carlo: the integrand
     ``|f_b - f_c|^2`` per sample, the delta-method standard error of its root."""
-    radial_only(req, "diff_norm")
     if req.method == "montecarlo":
-        d2 = _mc_combination(req, [(b, 1.0), (c, -1.0)], [(b, 1.0), (c, -1.0)])
+        d2 = _guided_diff_sq(req, b, c) if req.proposal == "modes" else \
+            _mc_combination(req, [(b, 1.0), (c, -1.0)], [(b, 1.0), (c, -1.0)])
         d = np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
         with np.errstate(divide="ignore", invalid="ignore"):
             se = np.where(d > 0, np.asarray(d2.stderr) / (2 * d), np.inf)

@@ -240,7 +240,14 @@ def diff_norm(b: Any, c: Any, **kwargs):
     ``eps * (||b||^2 + ||c||^2)``, so tiny differences between large networks are best measured
     with backend="exact". ``output="each"`` gives a vector (one norm per output). With
     ``method="montecarlo"`` the integrand is ``|f_b - f_c|^2`` per sample and the standard
-    error of the norm is the delta-method one, ``se(d^2) / (2 d)``."""
+    error of the norm is the delta-method one, ``se(d^2) / (2 d)``; ``proposal="modes"``:
+    guided importance sampling of ``|f_b - f_c|^2`` (modes of ``f_b``, ``f_c`` and ``f_b - f_c``;
+    vector and sequence models, one number, with the diagnostics of :func:`inner`; the radial
+    default takes position-free networks only).
+
+    Raises:
+        ValueError: ``proposal="modes"`` with ``output="each"``; radial Monte Carlo of sequence
+            models; the errors of :func:`inner`."""
     return engine.diff_norm(make_request(**kwargs), b, c)
 
 

@@ -107,8 +107,11 @@ def test_compare_and_matrix_errors(ckpts, tmp_path, capsys):
     assert "same input and output sizes" in capsys.readouterr().err
     assert main(["compare", str(other), str(other), "--data", "digits"]) == 2
     assert "64 -> 10" in capsys.readouterr().err
-    assert main(["compare", paths[0], paths[1], "--methods", "exact,quick"]) == 2
-    assert "--methods" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:     # an argparse error: usage line, exit 2
+        main(["compare", paths[0], paths[1], "--methods", "exact,quick"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("usage: tensoralg compare") and \
+        "argument --methods: expected a comma-separated subset" in err
     assert main(["matrix", paths[0], "--out", str(tmp_path / "m")]) == 2
     assert "at least two" in capsys.readouterr().err
     assert main(["matrix", *paths, "--output", "10", "--out", str(tmp_path / "m")]) == 2
@@ -205,13 +208,21 @@ def test_monte_carlo_matrix_says_it_is_an_estimate(tmp_path, capsys):
 
 def test_compare_montecarlo_with_one_sample_is_refused_up_front(ckpts, capsys):
     _, (a, b, _) = ckpts
-    for n in ("1", "3", "5"):   # 6 = 3 replicates of 2 directions (was a refused row for 3)
-        assert main(["compare", a, b, "--methods", "montecarlo", "--n-samples", n]) == 2
-        err = capsys.readouterr().err
-        assert "--n-samples: expected an integer >= 6" in err and err.count("\n") == 1, err
-    # without Monte Carlo the sample count is irrelevant
+    # 6 = 3 replicates of 2 directions; an argparse error like any other bad option: the
+    # command's usage line, then one error line (it printed no usage; fresh-eyes tester),
+    # whatever --methods says (as --seed -1 is refused whether or not a method samples)
+    for methods in ("montecarlo", "exact"):
+        for n in ("1", "3", "5"):
+            with pytest.raises(SystemExit) as exc:
+                main(["compare", a, b, "--methods", methods, "--n-samples", n])
+            assert exc.value.code == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert lines[0].startswith("usage: tensoralg compare"), lines
+            assert lines[-1] == (f"tensoralg compare: error: argument --n-samples: expected an "
+                                 f"integer >= 6 (Monte Carlo splits the directions into 3 "
+                                 f"replicates of at least 2), got '{n}'"), lines
     assert main(["compare", a, b, "--methods", "exact", "--metrics", "gaussian",
-                 "--n-samples", "1"]) == 0
+                 "--n-samples", "6"]) == 0
 
 
 def test_matrix_refuses_mixed_architectures_whatever_the_method(tmp_path, capsys):

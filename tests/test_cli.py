@@ -272,21 +272,54 @@ def test_output_folder_gets_the_usual_mode(tmp_path):
 _NO_TORCH = """
 import sys
 from tensoralg.cli import main
-rc = main(sys.argv[1:])
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:     # argparse's errors (usage line + one error line)
+    rc = exc.code
 print(rc, 'torch' in sys.modules)
 """
 
-
-@pytest.mark.parametrize("argv, msg", [
-    (["compare", "missing_a", "missing_b"], "missing_a: no such checkpoint folder"),
-    (["matrix", "missing_a", "missing_b"], "missing_a: no such checkpoint folder"),
-    (["decompose", "missing_a"], "CKPT: missing_a is not a checkpoint folder"),
-    (["compare", "missing_a", "missing_b", "--n-samples", "3"], "--n-samples: expected an integer >= 6"),
-    (["audit", "backdoor", "--n-samples", "5"], "--n-samples: expected an integer >= 6"),
+# argv, the error, and whether it is an argparse error (the command's usage line first)
+_BAD_INPUT = [
+    (["compare", "missing_a", "missing_b"], "missing_a: no such checkpoint folder", False),
+    (["matrix", "missing_a", "missing_b"], "missing_a: no such checkpoint folder", False),
+    (["decompose", "missing_a"], "CKPT: missing_a is not a checkpoint folder", False),
+    (["compare", "missing_a", "missing_b", "--n-samples", "3"],
+     "tensoralg compare: error: argument --n-samples: expected an integer >= 6", True),
+    (["compare", "missing_a", "missing_b", "--methods", "exact,bogus"],
+     "tensoralg compare: error: argument --methods: expected a comma-separated subset of "
+     "['exact', 'closure', 'montecarlo'], got 'exact,bogus'", True),
+    (["compare", "missing_a", "missing_b", "--metrics", ","],
+     "tensoralg compare: error: argument --metrics: expected a comma-separated subset", True),
+    (["matrix", "missing_a", "missing_b", "--n-samples", "0"],
+     "tensoralg matrix: error: argument --n-samples: expected an integer >= 6", True),
+    (["audit", "backdoor", "--n-samples", "5"],
+     "tensoralg audit backdoor: error: argument --n-samples: expected an integer >= 6", True),
     (["import", "m:f", "w.pt", "--out", "a_file", "--input-shape", "1,2"],
-     "--out: a_file is an existing file"),
-])
-def test_bad_input_is_answered_before_torch_is_imported(argv, msg, tmp_path):
+     "--out: a_file is an existing file", False),
+    # the sae commands check their paths and options before importing torch too (they took
+    # ~9 s to refuse a missing folder; fresh-eyes tester)
+    (["sae", "train", "--synthetic", "4,8,2", "--out", "a_file"], "--out: a_file is a file", False),
+    (["sae", "train", "--data", "missing.npy", "--d-sae", "8", "--k", "2", "--out", "o"],
+     "--data: missing.npy: no such file", False),
+    (["sae", "train", "--synthetic", "4,8,2", "--out", "o", "--resume", "missing"],
+     "--resume: missing: no such checkpoint folder", False),
+    (["sae", "stability", "missing_a", "missing_b"], "RUN_A: missing_a: no such checkpoint folder",
+     False),
+    (["sae", "bench", "--out", "a_file"], "--out: a_file exists and is not a folder", False),
+    (["sae", "bench", "--data", "missing.npy"], "--data: missing.npy: no such file", False),
+    (["sae", "activations", "--out", "x.txt"], "--out: expected a .npy file path", False),
+    (["sae", "activations", "--source", "transformer", "--out", "a_file/x.npy"],
+     "--out: a_file/x.npy cannot be created: a_file is a file", False),
+    (["sae", "activations", "--source", "transformer", "--checkpoint", "missing", "--out",
+      "x.npy"], "--checkpoint: missing: no such checkpoint folder", False),
+    (["sae", "evaluate", "--sae", "missing", "--checkpoint", "missing"],
+     "--sae: missing: no such checkpoint folder", False),
+]
+
+
+@pytest.mark.parametrize("argv, msg, usage", _BAD_INPUT)
+def test_bad_input_is_answered_before_torch_is_imported(argv, msg, usage, tmp_path):
     # torch costs seconds to import; a bad path or option is refused before (tester item 9)
     (tmp_path / "a_file").write_text("x")
     root = str(Path(__file__).resolve().parents[1])   # this checkout's tensoralg
@@ -294,4 +327,85 @@ def test_bad_input_is_answered_before_torch_is_imported(argv, msg, tmp_path):
                          text=True, timeout=120, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
-    assert msg in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    if usage:   # like every argparse error: the command's usage, then one error line
+        leaf = msg.split(":")[0]
+        assert lines[0].startswith(f"usage: {leaf} ") and msg in lines[-1], out.stderr
+        assert sum("error" in line for line in lines) == 1, out.stderr
+    else:
+        assert msg in out.stderr and len(lines) == 1, out.stderr
+
+
+# every command that takes --json, with arguments that reach its --json check ("ck" holds a
+# cfg.json, enough for the checks made before --json)
+_JSON_ARGV = {
+    ("demo",): [], ("audit", "backdoor"): [], ("audit", "forgetting"): [],
+    ("audit", "grokking"): [], ("audit", "language"): [], ("compare",): ["ck", "ck"],
+    ("matrix",): ["ck", "ck"], ("decompose",): ["ck"],
+    ("import",): ["m:f", "w.pt", "--out", "o", "--input-shape", "1,2"],
+    ("sae", "train"): ["--synthetic", "4,8,2", "--out", "o"], ("sae", "stability"): ["ck", "ck"],
+    ("sae", "bench"): [], ("sae", "activations"): ["--out", "x.npy"],
+    ("sae", "evaluate"): ["--sae", "ck", "--checkpoint", "ck"],
+}
+
+_JSON_LOOP = """
+import json, sys
+from tensoralg.cli import main
+for argv in json.loads(sys.argv[1]):
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    print(json.dumps([argv[:2], rc, 'torch' in sys.modules]))
+"""
+
+
+def _leaf_commands(parser, path=()):
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, child in dict(action.choices).items():
+            yield from _leaf_commands(child, path + (name,))
+
+
+def test_every_json_option_is_checked_before_any_work_the_same_way(tmp_path):
+    """One rule for --json PATH in every command (fresh-eyes tester: it silently created missing
+    folders): like --out, missing folders on the way are created, the help says so, and a path
+    that cannot be written (below a file, a folder) is refused before any work, without
+    importing torch."""
+    with_json = {path for path, p in _leaf_commands(build_parser())
+                 if any("--json" in a.option_strings for a in p._actions)}
+    assert with_json == set(_JSON_ARGV)        # a new command with --json is added here
+    for path, p in _leaf_commands(build_parser()):
+        if path in with_json:
+            (act,) = [a for a in p._actions if "--json" in a.option_strings]
+            assert act.metavar == "PATH" and "missing folders on the way are created, as for " \
+                "--out" in " ".join(act.help.split()), path
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "cfg.json").write_text('{"d_sae": 8}')
+    (tmp_path / "a_dir").mkdir()
+    root = str(Path(__file__).resolve().parents[1])
+    for bad, msg in (("a_file/r.json", "--json: a_file/r.json cannot be created: a_file is a "
+                                       "file, not a folder"),
+                     ("a_dir", "--json: a_dir is a folder; expected a file path")):
+        argvs = [[*path, *args, "--json", bad] for path, args in _JSON_ARGV.items()]
+        out = subprocess.run([sys.executable, "-c", _JSON_LOOP, json.dumps(argvs)],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": root})
+        rows = [json.loads(line) for line in out.stdout.splitlines()]
+        assert len(rows) == len(argvs), out.stderr
+        assert all(rc == 2 and not torch for _, rc, torch in rows), rows
+        errs = out.stderr.strip().splitlines()
+        assert len(errs) == len(argvs) and all(msg in e for e in errs), errs
+
+
+def test_json_creates_missing_folders_like_out(tmp_path, capsys):
+    target = tmp_path / "new" / "deeper" / "train.json"
+    assert main(["sae", "train", "--synthetic", "4,8,2,64", "--steps", "0", "--batch-size",
+                 "16", "--no-progress", "--out", str(tmp_path / "new" / "sae"),
+                 "--json", str(target)]) == 0
+    assert json.loads(target.read_text())["command"] == "sae train"

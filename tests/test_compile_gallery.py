@@ -181,6 +181,46 @@ def test_a_compiled_attention_model_at_another_n_ctx_says_it_is_fixed_and_how_to
         ta.inner(hand, hand, n_ctx=5)
 
 
+def test_the_n_ctx_note_survives_a_checkpoint_and_old_checkpoints_still_load(tmp_path):
+    """A compiled attention model's n_ctx_note (which n_ctx, how to recompile) is saved as the
+    optional flat cfg.json key ``n_ctx_note`` (it was lost on saving; fresh-eyes tester);
+    a checkpoint without it (older ones) loads with no note, as before."""
+    module, x, inputs = G.GALLERY["fused_qkv"]()
+    net = ta.from_torch(module, x, inputs=inputs)
+    T = x.shape[1]
+    assert net.n_ctx_note.startswith(f"; the network was compiled by ta.from_torch at n_ctx={T}")
+    path = save_checkpoint(tmp_path / "c", net)
+    cfg = json.loads((path / "cfg.json").read_text())
+    assert cfg["n_ctx_note"] == net.n_ctx_note
+    back = load_network(path)
+    assert back.n_ctx_note == net.n_ctx_note
+    for call in (lambda: ta.inner(back, back, n_ctx=T + 1),
+                 lambda: load_network(path, n_ctx=T + 1),
+                 lambda: back(np.zeros((1, T + 1, back.in_features)))):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value).endswith(net.n_ctx_note), str(info.value)
+    save_checkpoint(tmp_path / "again", back)        # and it survives a second round trip
+    assert load_network(tmp_path / "again").n_ctx_note == net.n_ctx_note
+    # an older checkpoint (no key): loads, no note, the plain message
+    del cfg["n_ctx_note"]
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    old = load_network(path)
+    assert old.n_ctx_note == "" and all(np.array_equal(a, b)
+                                        for a, b in zip(net.arrays(), old.arrays()))
+    with pytest.raises(ValueError, match=r"differs from a's attention mask of shape \(\d+, \d+\)$"):
+        ta.inner(old, old, n_ctx=T + 1)
+    # a note that is not a string is refused; provenance may not set it
+    (path / "cfg.json").write_text(json.dumps({**cfg, "n_ctx_note": 3}))
+    with pytest.raises(ValueError, match="cfg.json 'n_ctx_note' must be a string, got int"):
+        load_network(path)
+    with pytest.raises(ValueError, match="provenance: key 'n_ctx_note' would overwrite"):
+        save_checkpoint(tmp_path / "p", ta.Linear(np.eye(2)), provenance={"n_ctx_note": "x"})
+    # a network without attention has no key
+    save_checkpoint(tmp_path / "lin", ta.Linear(np.eye(2)))
+    assert "n_ctx_note" not in json.loads((tmp_path / "lin" / "cfg.json").read_text())
+
+
 @pytest.mark.parametrize("name", sorted(G.NON_POLYNOMIAL))
 def test_non_polynomial_modules_are_refused_naming_the_operator(name):
     factory, shape, op = G.NON_POLYNOMIAL[name]

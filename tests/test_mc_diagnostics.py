@@ -123,3 +123,30 @@ def test_the_compare_table_prints_no_number_for_an_unreliable_estimate():
     text = compare_table(result)
     assert "no reliable estimate" in text and "0.1235" not in text
     assert "one direction carries 90% of a sum" in text and "0.5000" in text
+
+
+def test_an_unreliable_estimate_never_formats_as_a_number():
+    """Fresh-eyes tester: ``f"{est:.4f}"`` of an estimate failing its diagnostics printed the
+    number. Every numeric format spec (and ``print``) now gives the refusal with its reason;
+    ``float`` and arithmetic still see the value. The estimate is the needle's (flagged at
+    seed 0: one direction carries most of the sum)."""
+    f = _needle()
+    est = ta.inner(f, f, method="montecarlo", n_samples=600, seed=0)
+    assert est.reliable is False
+    refusal = f"no reliable estimate ({est.diagnostics.reason})"
+    for spec in ("", ".4f", ".6g", "e", ".2%", "+08.3f", ",.1f", "10.2f", "=12.1f"):
+        assert format(est, spec) == refusal, spec
+    assert str(est) == f"{est}" == refusal and "NOT reliable" in repr(est)
+    assert format(est, ">90.2f") == refusal.rjust(90)       # fill, alignment and width kept
+    assert format(est, "*<90") == refusal.ljust(90, "*")
+    value = float(est)
+    assert type(value) is float and est + 1 == value + 1 and 2 * est == 2 * value
+    assert f"{est + 0:.4f}" == f"{value:.4f}"               # arithmetic gives plain floats
+    # a reliable (or undiagnosed) estimate formats as before
+    rng = np.random.default_rng(0)
+    a = _bilinear(rng)
+    good = ta.inner(a, a, method="montecarlo", n_samples=600)
+    assert good.reliable and f"{good:.4f}" == f"{float(good):.4f}"
+    assert str(good) == repr(good) == f"{good}"
+    plain = mc.MonteCarloEstimate(0.5, 0.1, 10)
+    assert f"{plain:.2f}" == "0.50" and str(plain) == repr(plain)

@@ -47,11 +47,16 @@ def test_every_command_has_threads_with_a_stated_default():
         assert opt.default == 1 and "default 1" in opt.help, path
 
 
-def test_cli_applies_threads_before_the_command(restore_threads, tmp_path, capsys):
-    # a command that fails on its input (exit 2) has still applied --threads first
+def test_cli_applies_threads_once_the_input_is_checked(restore_threads, tmp_path, capsys):
+    # every command checks its paths and options first (answered without importing torch:
+    # tests/test_cli.py), then applies --threads before any work
+    ta.set_threads(1)
     rc = main(["sae", "stability", str(tmp_path / "a"), str(tmp_path / "b"), "--threads", "2"])
-    assert rc == 2
-    assert torch.get_num_threads() == 2
+    assert rc == 2 and "RUN_A:" in capsys.readouterr().err
+    assert torch.get_num_threads() == 1
+    rc = main(["sae", "train", "--synthetic", "4,8,2,64", "--steps", "0", "--batch-size", "16",
+               "--no-progress", "--out", str(tmp_path / "s"), "--threads", "2"])
+    assert rc == 0 and torch.get_num_threads() == 2
     with pytest.raises(SystemExit):
         main(["matrix", "x", "--threads", "-1"])
     assert "expected an integer >= 0" in capsys.readouterr().err

@@ -31,6 +31,22 @@ def fraction(text: str) -> float:
     return v
 
 
+def mc_samples(text: str) -> int:
+    """argparse type of ``--n-samples``: an integer >= ``MC_MIN_SAMPLES`` (so that a bad count
+    is reported with the command's usage line, like every other bad option)."""
+    from ..strategies.montecarlo import MC_MIN_SAMPLES, MC_REPLICATES
+
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is None or v < MC_MIN_SAMPLES:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= {MC_MIN_SAMPLES} (Monte Carlo splits the directions into "
+            f"{MC_REPLICATES} replicates of at least 2), got {text!r}")
+    return v
+
+
 def check_n_samples(n: int | None, option: str = "--n-samples") -> None:
     """Monte Carlo directions: at least ``MC_MIN_SAMPLES`` (the diagnostics split them into
     ``MC_REPLICATES`` replicates of two or more), or None for the command's default."""

@@ -19,7 +19,7 @@ import argparse
 import time
 
 from ..threads import add_threads_option, nonneg_int
-from ._cliutil import (apply_threads, check_checkpoints, check_n_samples, check_paths, fraction,
+from ._cliutil import (apply_threads, check_checkpoints, check_paths, fraction, mc_samples,
                        positive_int, report, run)
 from .common import METHODS
 
@@ -28,7 +28,9 @@ def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
     """The options every command here takes: --seed, --json, --no-progress, --threads."""
     p.add_argument("--seed", type=nonneg_int, default=0, help=f"{seed_help} (default 0)")
     p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the result JSON to PATH (a file path; default: none)")
+                   help="also write the result JSON to PATH (a file path; missing folders on "
+                        "the way are created, as for --out; checked before any work; default: "
+                        "none)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (default: shown; they are hidden anyway when stderr "
                         "is not a terminal)")
@@ -56,7 +58,7 @@ def _n_ctx(p: argparse.ArgumentParser) -> None:
 def _n_samples(p: argparse.ArgumentParser) -> None:
     from .common import MC_SAMPLES
 
-    p.add_argument("--n-samples", type=positive_int, default=MC_SAMPLES,
+    p.add_argument("--n-samples", type=mc_samples, default=MC_SAMPLES,
                    help=f"Monte Carlo directions when the method is montecarlo (default "
                         f"{MC_SAMPLES}); the standard errors shrink like 1/sqrt(N)")
 
@@ -126,12 +128,14 @@ def add_parsers(sub) -> None:
                    help="also compute the data baselines on this data set (test split; "
                         "default none)")
     c.add_argument("--methods", default="exact,montecarlo",
+                   type=_subset(("exact", "closure", "montecarlo")),
                    help="comma-separated methods of exact, montecarlo, closure (default "
                         "exact,montecarlo; closure: the moment-closure similarity, APPROXIMATE "
                         "at depth >= 2, shown labelled)")
     c.add_argument("--metrics", default="gaussian,frobenius",
+                   type=_subset(("gaussian", "frobenius")),
                    help="comma-separated metrics (default gaussian,frobenius)")
-    c.add_argument("--n-samples", type=positive_int, default=None,
+    c.add_argument("--n-samples", type=mc_samples, default=None,
                    help="Monte Carlo directions (at least 6; default 100000, and 20000 for "
                         "bilinear-transformer checkpoints, where each direction costs 6 (one "
                         "layer) to 26 (two layers) forward passes per model)")
@@ -298,10 +302,7 @@ def cmd_grokking(args) -> int:
 def cmd_compare(args) -> int:
     from .compare import compare_table, run_compare
 
-    methods = _split(args.methods, "--methods", ("exact", "closure", "montecarlo"))
-    metrics = _split(args.metrics, "--metrics", ("gaussian", "frobenius"))
-    if "montecarlo" in methods:   # without Monte Carlo the sample count is not used
-        check_n_samples(args.n_samples)
+    methods, metrics = args.methods, args.metrics    # lists (argparse type _subset)
     check_paths(args)
     check_checkpoints([args.a, args.b])   # before torch is imported (by apply_threads)
     apply_threads(args)
@@ -316,7 +317,6 @@ def cmd_matrix(args) -> int:
     from .compare import matrix_table, run_matrix
     from .matrix_blocks import cmd_matrix_blocked, wants_blocks
 
-    check_n_samples(args.n_samples)
     if wants_blocks(args):
         return cmd_matrix_blocked(args)
 
@@ -330,11 +330,15 @@ def cmd_matrix(args) -> int:
     return report(args, result, matrix_table, json_written=True)
 
 
-def _split(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
-    items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))  # dedupe, keep order
-    bad = [t for t in items if t not in allowed]
-    if not items or bad:
-        raise ValueError(f"{option}: expected a comma-separated subset of {list(allowed)}, got "
-                         f"{text!r}")
-    return items
+def _subset(allowed: tuple[str, ...]):
+    """argparse type: a comma-separated subset of ``allowed`` (deduplicated, in order), so that
+    a bad list is reported with the command's usage line like every other bad option."""
+    def parse(text: str) -> list[str]:
+        items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+        bad = [t for t in items if t not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of "
+                                             f"{list(allowed)}, got {text!r}")
+        return items
+    return parse
 

@@ -102,7 +102,8 @@ def check_folder_path(path: str | Path, option: str = "--out") -> Path:
 
 def check_file_path(path: str | Path, option: str = "--json") -> Path:
     """Refuse, before any work, a file path that cannot be written: an existing folder, or a path
-    below a file. Creates nothing.
+    below a file. Creates nothing: missing folders on the way are created when the file is
+    written (as for ``--out``).
 
     Raises:
         ValueError: naming ``option`` and the offending path.
@@ -111,7 +112,12 @@ def check_file_path(path: str | Path, option: str = "--json") -> Path:
     if path.is_dir():
         raise ValueError(f"{option}: {path} is a folder; expected a file path (e.g. "
                          f"{path / 'result.json'})")
-    check_folder_path(path.parent, option)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option}: {path} cannot be created: {parent} is a file, not "
+                                 f"a folder")
+            break
     return path
 
 

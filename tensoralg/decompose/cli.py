@@ -37,7 +37,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default runs/decompose)")
     p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the JSON to PATH (default: none)")
+                   help="also write the JSON to PATH (a file path; missing folders on the way "
+                        "are created, as for --out; checked before any work; default: none)")
     add_threads_option(p)
     p.set_defaults(func=cmd_decompose, own_threads=True)
 

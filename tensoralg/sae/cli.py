@@ -13,6 +13,9 @@ from ..threads import add_threads_option
 __all__ = ["add_parsers", "add_evaluate_parser"]
 
 PRESET_NAMES = ("topk", "abstopk", "isae", "isae-me", "isae-me-dl")
+#: Help of every ``--json`` here (as the other commands': missing folders created, as for --out).
+JSON_HELP = ("also write {} as JSON to PATH (a file path; missing folders on the way are "
+             "created, as for --out; checked before any work; default: none)")
 
 
 def _stamp(payload: dict, args: argparse.Namespace) -> dict:
@@ -38,6 +41,46 @@ def _synthetic_spec(text: str) -> dict:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected d,m,k[,n[,noise]] numbers, got {text!r}") from exc
     return spec
+
+
+def _check_json(args) -> None:
+    """``--json`` really writable (:func:`tensoralg.audit.common.check_file_writable`); before
+    any work and before torch is imported."""
+    if getattr(args, "json", None):
+        from ..audit.common import check_file_writable
+        check_file_writable(args.json, "--json")
+
+
+def _check_npy(path, flag: str) -> None:
+    """The cheap part of :func:`tensoralg.sae.training.as_activations` (a .npy file that
+    exists), before torch is imported; the contents are checked when it is read."""
+    from pathlib import Path
+
+    if path is None:
+        return
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{flag}: {path}: no such file")
+    if Path(path).suffix != ".npy":
+        raise ValueError(f"{flag}: expected a .npy file of shape (n, d), got {path}")
+
+
+def _check_folder(path, flag: str) -> None:
+    """A folder holding a readable ``cfg.json`` (:func:`tensoralg.io.read_config`), before
+    torch is imported; the weights are checked when it is loaded."""
+    from ..io import read_config
+
+    if path is None:
+        return
+    try:
+        read_config(path)
+    except (OSError, ValueError) as exc:
+        raise type(exc)(f"{flag}: {exc}") from None
+
+
+def _threads(args) -> None:
+    """``--threads`` applied (torch imported) once the paths and options are checked."""
+    from ..audit._cliutil import apply_threads
+    apply_threads(args)
 
 
 def _check_int(value, flag: str, low: int, what: str = "") -> None:
@@ -167,9 +210,6 @@ def _cmd_train(args) -> int:
     from pathlib import Path
 
     from ..io import save_folder
-    from .presets import make_config
-    from .synthetic import make_synthetic
-    from .training import TrainConfig, TrainingDiverged, as_activations, train
 
     if (args.data is None) == (args.synthetic is None):
         raise ValueError("give exactly one of --data X.npy or --synthetic d,m,k[,n[,noise]]")
@@ -192,6 +232,8 @@ def _cmd_train(args) -> int:
         k = args.k if args.k is not None else s["k"]
         if not 1 <= k <= d_sae:
             raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
+    _check_npy(args.data, "--data")
+    _check_folder(args.resume, "--resume")
     _check_out(args.out)
     # a run never writes into another run's folder: an --out holding an earlier run (other than
     # the --resume folder, continued in place) is replaced as a whole once this run completes
@@ -199,9 +241,12 @@ def _cmd_train(args) -> int:
     if staged:
         from ..audit.common import check_output_folder
         check_output_folder(args.out, "cfg.json")     # e.g. refuses --out . (it is replaced)
-    if args.json:
-        from ..audit.common import check_file_writable
-        check_file_writable(args.json, "--json")
+    _check_json(args)
+    _threads(args)
+    from .presets import make_config
+    from .synthetic import make_synthetic
+    from .training import TrainConfig, TrainingDiverged, as_activations, train
+
     try:
         tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                            seed=args.seed, ckpt_every=args.ckpt_every,
@@ -296,6 +341,14 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_stability(args) -> int:
+    _check_int(args.seed, "--seed", 0)
+    _check_int(args.max_samples, "--max-samples", 1)
+    _check_folder(args.run_a, "RUN_A")
+    _check_folder(args.run_b, "RUN_B")
+    _check_npy(args.data, "--data")
+    _check_folder(args.ground_truth, "--ground-truth")
+    _check_json(args)
+    _threads(args)
     import numpy as np
     import torch
 
@@ -304,7 +357,6 @@ def _cmd_stability(args) -> int:
     from .models import rip_constants
     from .training import as_activations, load_sae
 
-    _check_int(args.seed, "--seed", 0)
     a, b = load_sae(args.run_a), load_sae(args.run_b)
     if a.cfg.d_in != b.cfg.d_in:
         raise ValueError(f"RUN_A, RUN_B: different d_in ({a.cfg.d_in} vs {b.cfg.d_in})")
@@ -346,8 +398,6 @@ def _cmd_stability(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .bench import format_table, run_bench
-
     overrides = {k: getattr(args, k) for k in ("d", "m", "k", "steps", "lr", "n_train", "batch_size")
                  if getattr(args, k) is not None}
     for flag, value in (("--seed", args.seed), ("--data-seed", args.data_seed)):
@@ -356,9 +406,11 @@ def _cmd_bench(args) -> int:
     if args.out:   # the audits' rules: new, empty, or an earlier `sae bench` output; before any work
         from ..audit.common import check_output_folder
         check_output_folder(args.out, "bench.json")
-    if args.json:
-        from ..audit.common import check_file_writable
-        check_file_writable(args.json, "--json")
+    _check_npy(args.data, "--data")
+    _check_json(args)
+    _threads(args)
+    from .bench import format_table, run_bench
+
     r = run_bench(args.presets, quick=args.quick, seeds=args.seeds, data=args.data, out=args.out,
                   seed=args.seed, data_seed=args.data_seed, eval_fraction=args.eval_fraction,
                   progress=not (args.no_progress or args.quiet),
@@ -379,7 +431,26 @@ _TRANSFORMER_ONLY = (("--checkpoint", "checkpoint"), ("--chars", "chars"),
                      ("--dtype", "dtype"))
 
 
+def _check_activations_paths(args) -> None:
+    """``--out`` (a writable .npy path, as ``sae train``/``bench`` read), ``--save-checkpoint``
+    (new) and ``--json``, before torch is imported (the extraction checks them again)."""
+    from pathlib import Path
+
+    from ..audit.common import check_file_writable, check_folder_path
+
+    if Path(args.out).suffix != ".npy" or Path(args.out).is_dir():
+        raise ValueError(f"--out: expected a .npy file path (sae train/bench read .npy), got "
+                         f"{args.out}")
+    check_file_writable(args.out, "--out")
+    if args.save_checkpoint is not None:
+        check_folder_path(args.save_checkpoint, "--save-checkpoint")
+        if Path(args.save_checkpoint).exists():
+            raise ValueError(f"--save-checkpoint: {args.save_checkpoint} exists; give a new path")
+    _check_json(args)
+
+
 def _cmd_activations(args) -> int:
+    _check_activations_paths(args)
     if args.source == "transformer":
         return _cmd_activations_transformer(args)
     from .activations import extract_activations, real_extra_available
@@ -391,12 +462,11 @@ def _cmd_activations(args) -> int:
     for flag, key, default in _MINILM_ONLY:
         if getattr(args, key) is None:
             setattr(args, key, default)
+    _check_json(args)
     ok, why = real_extra_available()
     if not ok:    # one line through the CLI's error handler, not an ImportError traceback
         raise ValueError(f"the optional extra is missing: {why}")
-    if args.json:
-        from ..audit.common import check_file_writable
-        check_file_writable(args.json, "--json")
+    _threads(args)
     layer = 3 if args.layer is None else args.layer
     info = extract_activations(args.out, layer=layer, max_texts=args.max_texts,
                                max_tokens=args.max_tokens, batch_size=args.batch_size)
@@ -422,9 +492,9 @@ def _cmd_activations_transformer(args) -> int:
     _check_int(args.train_steps, "--train-steps", 1)
     _check_int(args.seed, "--seed", 0)
     _check_int(args.windows, "--windows", 1)
-    if args.json:
-        from ..audit.common import check_file_writable
-        check_file_writable(args.json, "--json")
+    _check_folder(args.checkpoint, "--checkpoint")
+    _check_json(args)
+    _threads(args)
     train = {"steps": args.train_steps} if args.train_steps is not None else None
     try:
         info = extract_transformer_activations(
@@ -529,9 +599,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar (default: shown; it is hidden anyway when stderr is not "
                         "a terminal)")
-    t.add_argument("--json", help="also write the loss history and summary as JSON here "
-                                  "(default: none)")
-    t.set_defaults(func=_cmd_train)
+    t.add_argument("--json", metavar="PATH",
+                   help=JSON_HELP.format("the loss history and summary"))
+    t.set_defaults(func=_cmd_train, own_threads=True)
 
     s = ss.add_parser("stability", help="compare two trained SAEs (DCS, code IoU, code l2, dead "
                                         "latents)")
@@ -545,9 +615,9 @@ def add_parsers(sub) -> None:
                                           "--synthetic; default: none)")
     s.add_argument("--seed", type=int, default=0,
                    help="seed of the random-dictionary baseline (random_dcs; default 0)")
-    s.add_argument("--json", help="also write the results as JSON here (default: none)")
+    s.add_argument("--json", metavar="PATH", help=JSON_HELP.format("the results"))
     add_threads_option(s)
-    s.set_defaults(func=_cmd_stability)
+    s.set_defaults(func=_cmd_stability, own_threads=True)
 
     b = ss.add_parser("bench", help="train every preset with several seeds and report stability")
     b.add_argument("--quick", action="store_true",
@@ -572,7 +642,7 @@ def add_parsers(sub) -> None:
     b.add_argument("--out", help="folder for bench.json, bench.md, bench.png (default: none): new, "
                                  "empty, or an earlier `sae bench` output, which is replaced as a "
                                  "whole once the run completes")
-    b.add_argument("--json", help="also write the results as JSON here (default: none)")
+    b.add_argument("--json", metavar="PATH", help=JSON_HELP.format("the results"))
     b.add_argument("--seed", type=int, default=0,
                    help="first model seed (seeds --seed, --seed+1, ...; default 0)")
     b.add_argument("--data-seed", type=int, default=12345,
@@ -581,7 +651,7 @@ def add_parsers(sub) -> None:
                    help="no progress bar per training run (default: shown; hidden anyway when "
                         "stderr is not a terminal)")
     b.add_argument("--quiet", action="store_true", help="no per-seed log lines (default: printed)")
-    b.set_defaults(func=_cmd_bench)
+    b.set_defaults(func=_cmd_bench, own_threads=True)
 
     a = ss.add_parser("activations", help="extract real activations: hidden states of "
                                           "all-MiniLM-L6-v2 (optional extra) or the residual "
@@ -624,9 +694,9 @@ def add_parsers(sub) -> None:
                         "(default 0)")
     a.add_argument("--dtype", choices=("float32", "float64"), default=None,
                    help="transformer: dtype of the .npy (default float32; computed in float64)")
-    a.add_argument("--json", help="also write the extraction info as JSON here (default: none)")
+    a.add_argument("--json", metavar="PATH", help=JSON_HELP.format("the extraction info"))
     add_threads_option(a)
-    a.set_defaults(func=_cmd_activations)
+    a.set_defaults(func=_cmd_activations, own_threads=True)
     add_evaluate_parser(ss)
 
 
@@ -635,6 +705,13 @@ def _cmd_evaluate(args) -> int:
     the held-out corpus windows that ``sae activations --source transformer`` reads (same
     ``--chars`` and ``--seed`` give the same window order); the last ``--eval-fraction`` of
     them are the rows ``sae bench`` holds out."""
+    _check_int(args.seed, "--seed", 0)
+    if not 0 < args.eval_fraction <= 1:
+        raise ValueError(f"--eval-fraction: expected a number in (0, 1], got {args.eval_fraction}")
+    _check_folder(args.sae, "--sae")
+    _check_folder(args.checkpoint, "--checkpoint")
+    _check_json(args)
+    _threads(args)
     import numpy as np
     import torch
 
@@ -644,12 +721,6 @@ def _cmd_evaluate(args) -> int:
     from .formats import load_sae
     from .transformer_acts import DEFAULT_CHARS, _load_transformer
 
-    _check_int(args.seed, "--seed", 0)
-    if not 0 < args.eval_fraction <= 1:
-        raise ValueError(f"--eval-fraction: expected a number in (0, 1], got {args.eval_fraction}")
-    if args.json:
-        from ..audit.common import check_file_writable
-        check_file_writable(args.json, "--json")
     sae = load_sae(args.sae)
     layer = args.layer
     hook = sae.metadata.get("hook_name", "")
@@ -710,6 +781,6 @@ def add_evaluate_parser(ss) -> None:
                         "the rows `sae bench` holds out)")
     e.add_argument("--no-progress", action="store_true",
                    help="no progress bar (default: a bar on a terminal)")
-    e.add_argument("--json", help="also write the results as JSON here (default: none)")
+    e.add_argument("--json", metavar="PATH", help=JSON_HELP.format("the results"))
     add_threads_option(e)
-    e.set_defaults(func=_cmd_evaluate)
+    e.set_defaults(func=_cmd_evaluate, own_threads=True)

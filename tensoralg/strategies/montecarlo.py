@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,11 +65,19 @@ class Diagnostics:
                 + (f"; certified lower bounds {lb}" if lb else ""))
 
 
+#: A format spec (Python's format mini-language), its fill, alignment and width named.
+_SPEC = re.compile(r"(?:(?P<fill>.)?(?P<align>[<>=^]))?[-+ ]?z?#?0?(?P<width>\d*)[,_]?"
+                   r"(?:\.\d+)?[a-zA-Z%]?", re.DOTALL)
+
+
 class MonteCarloEstimate(float):
     """A Monte Carlo estimate (APPROXIMATE): a float with its standard error ``stderr``,
     ``n_samples`` (directions) and, for scalar results, :class:`Diagnostics` (``reliable``,
-    ``diagnostics``). A value whose ``reliable`` is False is not an answer: print
-    ``no reliable estimate`` and the lower bounds instead."""
+    ``diagnostics``). A value whose ``reliable`` is False is not an answer: it formats
+    (``f"{x:.4f}"``, ``f"{x}"``, ``print(x)``) as ``no reliable estimate (<reason>)`` (its
+    ``repr`` keeps the number, marked ``NOT reliable``, for debugging), while ``float(x)`` and
+    arithmetic still give the number (arithmetic returns plain floats). printf-style
+    ``"%.4f" % x`` converts to a float first and cannot be intercepted: use ``format``."""
 
     stderr: float
     n_samples: int
@@ -86,6 +95,26 @@ class MonteCarloEstimate(float):
     def reliable(self) -> bool | None:
         """The diagnostics' verdict (None where none were computed)."""
         return None if self.diagnostics is None else self.diagnostics.reliable
+
+    def _refusal(self) -> str:
+        return f"no reliable estimate ({self.diagnostics.reason})"
+
+    def __format__(self, spec: str) -> str:
+        """A reliable (or undiagnosed) estimate formats as a float; an unreliable one, for any
+        format spec, as ``no reliable estimate (<reason>)`` (a value failing its diagnostics is
+        never printed as an answer), keeping the spec's fill, alignment and width."""
+        if self.reliable is not False:
+            return float.__format__(self, spec) if spec else str(self)
+        m = _SPEC.fullmatch(spec)
+        if m is None:
+            return self._refusal()
+        align = {"=": ">", None: ""}.get(m["align"], m["align"])
+        return format(self._refusal(), f"{(m['fill'] or '') if align else ''}{align}"
+                                       f"{m['width']}")
+
+    def __str__(self) -> str:
+        """``print(x)``: the refusal when unreliable, else :meth:`__repr__` (value ± stderr)."""
+        return self._refusal() if self.reliable is False else repr(self)
 
     def __repr__(self) -> str:
         tail = "" if self.diagnostics is None else \
