@@ -1,4 +1,4 @@
-"""Measure the sequence closure (tensoralg.attention.closure_inner, APPROXIMATE at depth >= 2)
+"""Measure the sequence closure (tensoralg.strategies.closure.closure_inner, APPROXIMATE at depth >= 2)
 against Monte Carlo on random two-layer attention-only models; numbers for docs/attention.md.
 
     python benchmarks/attention_closure_error.py [weight_scale=0.3] [bias]
@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np, time, math
 import tensoralg as ta
 from tensoralg import attention as A
+from tensoralg.strategies import closure as C
 
 def model(rng, d=3, H=1, dh=2, bias=False):
     g = lambda *s: rng.standard_normal(s) * SCALE
@@ -29,7 +30,7 @@ for seed in range(4):
     rng = np.random.default_rng(100 + seed)
     a, b = model(rng, bias=bias), model(rng, bias=bias)
     t = time.time()
-    aa, ab, bb = A.closure_triple(a, b, n_ctx=3)
+    aa, ab, bb = C.closure_triple(a, b, n_ctx=3)
     tc = time.time() - t
     kw = dict(n_ctx=3, n_samples=400_000, seed=0)
     maa, mab, mbb = (A.montecarlo_inner(x, y, **kw) for x, y in ((a, a), (a, b), (b, b)))

@@ -72,6 +72,7 @@ def main() -> None:
 def language(argv: list[str]) -> None:
     """Closure vs radial Monte Carlo on a language audit's checkpoints (see the module doc)."""
     from tensoralg import attention as A
+    from tensoralg.strategies import closure as C
     from tensoralg.checkpoint import load_checkpoint
     from tensoralg.strategies.montecarlo import ratio_estimate
 
@@ -97,7 +98,7 @@ def language(argv: list[str]) -> None:
         a = load_checkpoint(run / "checkpoints" / names[i])[0].to_network()
         b = load_checkpoint(run / "checkpoints" / names[j])[0].to_network()
         t = time.perf_counter()
-        aa, ab, bb = (float(v) for v in A.closure_triple(a, b, n_ctx=n_ctx))
+        aa, ab, bb = (float(v) for v in C.closure_triple(a, b, n_ctx=n_ctx))
         print(f"steps {steps[i]} vs {steps[j]}: closure sim {ab / np.sqrt(aa * bb):.4f}, "
               f"<a,a> {aa:.4g}, <b,b> {bb:.4g}, <a,b> {ab:.4g} ({time.perf_counter() - t:.1f} s)")
         means = []

@@ -327,19 +327,20 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
       :func:`tensoralg.attention.exact_gram`; off the diagonal each entry is
       :func:`tensoralg.attention.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
     * ``method="closure"`` (APPROXIMATE at depth >= 2, exact at depth 1): the diagonal block is
-      :func:`tensoralg.attention.closure_gram`; off the diagonal
-      :func:`tensoralg.attention.closure_cross_gram` (the cross pairs only; equal to the
+      :func:`tensoralg.strategies.closure.closure_gram`; off the diagonal
+      :func:`tensoralg.strategies.closure.closure_cross_gram` (the cross pairs only; equal to the
       corresponding block of ``closure_gram(rows + cols)``, same operations).
     """
     from . import attention
+    from .strategies import closure
 
     n_ctx, output, method = opts["n_ctx"], opts["output"], opts["method"]
     a = [_load(r, n_ctx, True) for r in rows]
     b = None if cols is None else [_load(c, n_ctx, True) for c in cols]
     if method == "closure":
         if b is None:
-            return attention.closure_gram(a, n_ctx=n_ctx, output=output)
-        return attention.closure_cross_gram(a, b, n_ctx=n_ctx, output=output)
+            return closure.closure_gram(a, n_ctx=n_ctx, output=output)
+        return closure.closure_cross_gram(a, b, n_ctx=n_ctx, output=output)
     kw = {} if opts.get("max_configurations") is None else \
         {"max_configurations": opts["max_configurations"]}
     if b is None:

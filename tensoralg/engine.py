@@ -81,11 +81,11 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
                          "per-position affine map is accepted)")
     if req.metric != "gaussian":
         raise ValueError("sequence models: only metric='gaussian' is implemented")
-    if req.method == "closure":  # APPROXIMATE at depth >= 2 (attention.closure_inner)
+    if req.method == "closure":  # APPROXIMATE at depth >= 2 (strategies.closure.closure_inner)
         if req.backend not in ("numpy", "torch"):
             raise ValueError(f"method='closure' for sequence models runs in float64: use "
                              f"backend='numpy' or 'torch', got {req.backend!r}")
-        fn = attention.closure_inner_req if kind == "inner" else attention.closure_similarity_req
+        fn = closure.closure_inner_req if kind == "inner" else closure.closure_similarity_req
         return fn(req, na, nb)
     if req.method == "montecarlo":
         if req.proposal == "modes":
@@ -295,8 +295,8 @@ def _check_sequence_free(name: str, nets: list) -> None:
                          f"takes position-free networks. For sequence models use "
                          f"ta.gram(models_a + models_b, n_ctx=...) (exact: one attention "
                          f"layer) and read its off-diagonal block, or "
-                         f"tensoralg.attention.closure_cross_gram (APPROXIMATE beyond one "
-                         f"attention layer)")
+                         f"tensoralg.strategies.closure.closure_cross_gram (APPROXIMATE beyond "
+                         f"one attention layer)")
 
 
 def radial_only(req: Request, what: str) -> None:
@@ -356,7 +356,7 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     if req.distribution is not STANDARD:
         models = [_fold(req, as_network(m, f"models[{i}]"), f"models[{i}]")
                   for i, m in enumerate(models)]
-    fn = attention.closure_gram_req if req.method == "closure" else attention.exact_gram_req
+    fn = closure.closure_gram_req if req.method == "closure" else attention.exact_gram_req
     return fn(req, models, similarity=kind == "similarity_matrix")
 
 

@@ -28,7 +28,7 @@ from .canonical import Canonical
 from .errors import CostTooHigh
 from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
                       WickPlan, n_wick_configurations)
-from .prepare import float_stacks_for_exact
+from .prepare import check_slices, float_stacks_for_exact
 from .request import check_budget
 from .strategies import chaos, wick
 
@@ -611,7 +611,7 @@ def plan_sequence(req, na, nb) -> SequencePlan:
     backend, device, output, position = req.backend, req.device, req.output, req.position
     n = sequence_n_ctx(na, nb, req.n_ctx)
     req = req.replace(n_ctx=n)
-    attention._check_slices(req, na.out_features, n)
+    check_slices(req, na.out_features, n)
     plan = SequencePlan(strategy=None, reason="", n_ctx=n,
                         max_configurations=int(max_configurations), output=output,
                         position=position)

@@ -251,6 +251,7 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     approximate in the table, and a Monte Carlo check whose verdict matches its own z values
     (z only where the Monte Carlo estimate is reliable)."""
     from tensoralg import attention
+    from tensoralg.strategies import closure
     from tensoralg.audit.language import Z_DISAGREE, LanguageConfig, language_table
 
     assert LanguageConfig().n_layers == 2 and LanguageConfig.quick().n_layers == 2
@@ -269,7 +270,7 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     a, _ = load_checkpoint(out / "checkpoints" / "step_000000")
     b, _ = load_checkpoint(out / "checkpoints" / "step_000020")
     assert a.config()["n_layers"] == 2
-    assert S[0, 2] == pytest.approx(attention.closure_similarity(a.to_network(), b.to_network(),
+    assert S[0, 2] == pytest.approx(closure.closure_similarity(a.to_network(), b.to_network(),
                                                                  n_ctx=4), rel=1e-10)
     mc = js["montecarlo_check"]
     assert len(mc) == 1 and mc[0]["stderr"] > 0 and "closure" in mc[0]
@@ -297,6 +298,7 @@ def test_tiny_audit_default_two_layers_is_monte_carlo_with_verdicts(tiny_default
     reliable, and blank (no reliable estimate, with the reason and certified lower bounds)
     otherwise; the closure is beside it, labelled approximate, equal to closure_similarity."""
     from tensoralg import attention
+    from tensoralg.strategies import closure
     from tensoralg.audit.language import CLOSURE_NAME, language_table
 
     result, out = tiny_default_run
@@ -327,7 +329,7 @@ def test_tiny_audit_default_two_layers_is_monte_carlo_with_verdicts(tiny_default
             assert r["unreliable_estimate"] == pytest.approx(float(e), rel=1e-10)
             assert r["reason"] and r["certified_lower_bounds"] == pytest.approx(
                 e.diagnostics.lower_bounds, rel=1e-10)
-        want = attention.closure_similarity(nets[i], nets[j], n_ctx=4)
+        want = closure.closure_similarity(nets[i], nets[j], n_ctx=4)
         assert C[i, j] == pytest.approx(want, rel=1e-10) == r[CLOSURE_NAME]
     assert js["tensor_similarity"]["n_reliable"] == sum(r["reliable"] for r in js["pairs"])
     table = language_table(result)
@@ -538,6 +540,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
     saved checkpoints (same n_samples and seed: the same number, not just a close one) with
     its delta-method standard error; the exact one-layer value lies within 4 of them."""
     from tensoralg import attention
+    from tensoralg.strategies import closure
 
     result, out = tiny_run
     js = json.loads((out / "language.json").read_text())

@@ -445,6 +445,7 @@ def test_blocked_transformer_matrix_equals_unblocked(lm_ckpts, tmp_path, depth, 
     one layer; refused at two, so the closure is asked for there: issue 21 made it no default);
     and a few Gram entries against the per-pair functions (one call per pair, nothing shared)."""
     from tensoralg import attention
+    from tensoralg.strategies import closure
     from tensoralg.audit.compare import run_matrix
     from tensoralg.audit.matrix_blocks import run_matrix_blocked
 
@@ -464,7 +465,7 @@ def test_blocked_transformer_matrix_equals_unblocked(lm_ckpts, tmp_path, depth, 
     assert np.all(np.diag(S) == 1.0) and np.array_equal(S, S.T)
     G = blocks.gram(paths, block_size=2, method=method)
     nets = _lm_nets(paths)
-    pair = attention.exact_inner if method == "exact" else attention.closure_inner
+    pair = attention.exact_inner if method == "exact" else closure.closure_inner
     for i, j in [(0, len(paths) - 1), (1, 2), (2, 2)]:
         assert G[i, j] == pytest.approx(pair(nets[i], nets[j], n_ctx=3), rel=1e-12)
 

@@ -10,6 +10,7 @@ import pytest
 
 import tensoralg as ta
 from tensoralg import attention
+from tensoralg.strategies import closure
 from tensoralg.planner import SequencePlan
 from test_attention_exact import attn
 
@@ -134,4 +135,4 @@ def test_two_attention_layers_by_default_are_refused_never_the_closure():
         with pytest.raises(ValueError, match="method: unknown method 'auto'"):
             fn(a, b, n_ctx=2, method="auto")
     got = ta.similarity(a, b, n_ctx=2, method="closure")
-    assert got == pytest.approx(attention.closure_similarity(a, b, n_ctx=2), rel=1e-12)
+    assert got == pytest.approx(closure.closure_similarity(a, b, n_ctx=2), rel=1e-12)
