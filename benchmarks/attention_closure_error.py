@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np, time, math
 import tensoralg as ta
 from tensoralg import attention as A
+from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C
 
 def model(rng, d=3, H=1, dh=2, bias=False):
@@ -33,7 +34,7 @@ for seed in range(4):
     aa, ab, bb = C.closure_triple(a, b, n_ctx=3)
     tc = time.time() - t
     kw = dict(n_ctx=3, n_samples=400_000, seed=0)
-    maa, mab, mbb = (A.montecarlo_inner(x, y, **kw) for x, y in ((a, a), (a, b), (b, b)))
+    maa, mab, mbb = (MC.montecarlo_inner(x, y, **kw) for x, y in ((a, a), (a, b), (b, b)))
     cs = ab / math.sqrt(aa * bb); ms = float(mab) / math.sqrt(float(maa) * float(mbb))
     print(f"seed {seed} bias={bias}: closure sim {cs:.4f}  MC sim {ms:.4f}  |err| {abs(cs-ms):.4f} | "
           f"<a,a> closure {aa:.4f} MC {float(maa):.4f}+-{maa.stderr:.4f} ratio {aa/float(maa):.3f} | "

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 
 import tensoralg as ta  # noqa: E402
 from tensoralg import attention as A  # noqa: E402
+from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def bench_small():
         warm, _ = timed(lambda: A.exact_inner(a, b, n_ctx=2), 5)
         warm_sim, sim = timed(lambda: A.exact_similarity(a, b, n_ctx=2), 3)
         t = time.perf_counter()
-        mc = A.montecarlo_inner(a, b, n_ctx=2, n_samples=100_000, seed=1)
+        mc = MC.montecarlo_inner(a, b, n_ctx=2, n_samples=100_000, seed=1)
         # time to reach a standard error of 1e-2 |value|, from the measured SE (1/sqrt(n))
         t_mc = (time.perf_counter() - t) * (mc.stderr / (1e-2 * abs(val))) ** 2
         print(f"biases={bias!s:5}  Wick configurations (matchings) {n_conf:6d}  inner {val:.6g}  "
@@ -161,6 +162,7 @@ try:  # this checkout, or an older one with the closure in tensoralg.attention
     C.closure_similarity
 except (ImportError, AttributeError):
     from tensoralg import attention as C
+    from tensoralg.strategies import montecarlo as MC
 sys.path.insert(0, sys.argv[6])
 from bench_attention import two_layer
 d, n, H, dh = map(int, sys.argv[2:6])

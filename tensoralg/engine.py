@@ -90,8 +90,8 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
     if req.method == "montecarlo":
         if req.proposal == "modes":
             return _guided(kind, req, na, nb)
-        fn = attention.montecarlo_inner_req if kind == "inner" else \
-            attention.montecarlo_similarity_req
+        fn = montecarlo.montecarlo_inner_req if kind == "inner" else \
+            montecarlo.montecarlo_similarity_req
         return fn(req, na, nb)
     try:
         if kind == "inner":

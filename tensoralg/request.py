@@ -41,6 +41,26 @@ DEFAULT_MAX_FLOPS_EXACT = 2e7
 DEFAULT_MAX_CONFIGURATIONS = 200_000
 
 
+#: Monte Carlo diagnostics (docs/mathematics.md §3.9): the directions split into this many
+#: independent replicates (disjoint, consecutive sets of directions).
+MC_REPLICATES = 3
+#: The fewest directions: two per replicate, for the replicates' standard errors.
+MC_MIN_SAMPLES = 2 * MC_REPLICATES
+
+
+def check_mc(n_samples, seed, backend) -> None:
+    if backend == "exact":
+        raise ValueError("method='montecarlo' samples in floating point: use backend='numpy' "
+                         "or 'torch'")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or \
+            n_samples < MC_MIN_SAMPLES:
+        raise ValueError(f"n_samples: expected an integer >= {MC_MIN_SAMPLES} (the diagnostics "
+                         f"split the directions into {MC_REPLICATES} independent replicates), "
+                         f"got {n_samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
@@ -269,11 +289,6 @@ def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_
     n_samples = MC_DEFAULT_SAMPLES if n_samples is None else n_samples
     seed = 0 if seed is None else seed
     if method == "montecarlo":
-        if backend == "exact":
-            raise ValueError("method='montecarlo' samples in floating point: use "
-                             "backend='numpy' or 'torch'")
-        from .strategies.montecarlo import check_mc
-
         check_mc(n_samples, seed, backend)
     if not isinstance(proposal, str) or proposal not in PROPOSALS:
         raise ValueError(f"proposal: unknown proposal {proposal!r}; expected one of "

@@ -11,6 +11,7 @@ import pytest
 
 import tensoralg as ta
 from tensoralg import attention as A
+from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C
 from tensoralg.request import Request, make_request
 from tensoralg.results import ExactSimilarity
@@ -100,8 +101,8 @@ def test_sequence_entry_points_give_the_same_error():
         "exact_similarity": lambda kw: A.exact_similarity(U, U, **kw),
         "closure_inner": lambda kw: C.closure_inner(U, U, **kw),
         "closure_similarity": lambda kw: C.closure_similarity(U, U, **kw),
-        "montecarlo_inner": lambda kw: A.montecarlo_inner(U, U, **kw),
-        "montecarlo_similarity": lambda kw: A.montecarlo_similarity(U, U, **kw),
+        "montecarlo_inner": lambda kw: MC.montecarlo_inner(U, U, **kw),
+        "montecarlo_similarity": lambda kw: MC.montecarlo_similarity(U, U, **kw),
         "count_configurations": lambda kw: A.count_configurations(U, U, **kw),
         "chaos_memory_bytes": lambda kw: A.chaos_memory_bytes(U, U, **kw),
         "inner": lambda kw: ta.inner(U, U, **kw),

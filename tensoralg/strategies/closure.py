@@ -991,7 +991,7 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
 
     Measured error (4 random two-layer attention-only pairs ``Residual(attn) ->
     Residual(attn) -> Linear``, d=3, n_ctx=3, 1 head, d_head=2, causal, no biases, weights
-    N(0, 0.3^2); against :func:`montecarlo_inner` with 400 000 samples;
+    N(0, 0.3^2); against :func:`~tensoralg.strategies.montecarlo.montecarlo_inner` with 400 000 samples;
     ``benchmarks/attention_closure_error.py``, table in ``docs/attention.md``): similarity
     error 0.0012, 0.0138, 0.0268, 0.0040; raw ``<a,a>`` closure / Monte Carlo 0.995
     (5.7727 vs 5.8028 +- 0.0158), 1.000 (39.385 vs 39.401 +- 0.039), 1.012 (4.5021 vs
