@@ -11,7 +11,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np, time, math
 import tensoralg as ta
-from tensoralg import attention as A
 from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C
 

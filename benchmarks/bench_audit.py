@@ -71,7 +71,6 @@ def main() -> None:
 
 def language(argv: list[str]) -> None:
     """Closure vs radial Monte Carlo on a language audit's checkpoints (see the module doc)."""
-    from tensoralg import attention as A
     from tensoralg.strategies import montecarlo as MC
     from tensoralg.strategies import closure as C
     from tensoralg.checkpoint import load_checkpoint

@@ -35,7 +35,7 @@ def main() -> None:
     import tensoralg as ta
     from tensoralg import degree
     from tensoralg.request import make_request
-    from tensoralg import attention
+    from tensoralg.strategies import wick_terms
 
     d, n_ctx, heads, dh = (int(x) for x in args.size.split(","))
     rng = np.random.default_rng(0)
@@ -71,7 +71,7 @@ def main() -> None:
     for i in range(len(models)):
         for j in range(i, len(models)):
             t1 = time.perf_counter()
-            G[i, j] = G[j, i] = float(attention.tree_inner_req(req, parts[i], parts[j], n_ctx))
+            G[i, j] = G[j, i] = float(wick_terms.tree_inner_req(req, parts[i], parts[j], n_ctx))
             times.append(time.perf_counter() - t1)
     t_pairs = time.perf_counter() - t0
     dg = np.sqrt(np.diag(G))

@@ -57,7 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from . import attention, engine
+from . import engine
+from .strategies import wick_terms as attention
 from .canonical import (KEY, OUTPUT, QUERY, Leg, Node, Term, Tree, _lift_rows, canonicalize,
                         resolve_n_ctx, sequence_tree)
 from .errors import CostTooHigh

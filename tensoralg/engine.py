@@ -5,8 +5,8 @@ once, :mod:`tensoralg.request`) and call the function of the same name here; so 
 blocked matrix (:mod:`tensoralg.blocks`). Nothing here checks an option again. The flow is
 prepare (pair checks, canonical stacks: :mod:`tensoralg.prepare`) -> plan
 (:mod:`tensoralg.planner`) -> strategy (:mod:`tensoralg.strategies`); sequence models (with
-bilinear attention) go through :mod:`tensoralg.attention`. Units: inner products have the
-units of output squared; similarities are dimensionless in [-1, 1].
+bilinear attention) go through the same strategy modules (their sequence functions). Units:
+inner products have the units of output squared; similarities are dimensionless in [-1, 1].
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def _is_sequence(*nets) -> bool:
 
 
 def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
-    """Sequence models (bilinear attention, docs/mathematics.md §3.7) through
-    :mod:`tensoralg.attention`: exact for one attention layer, Monte Carlo and the
-    (approximate) closure at any depth; refusals name the alternatives."""
-    from . import attention
+    """Sequence models (bilinear attention, docs/mathematics.md §3.7): exact for one attention
+    layer (:mod:`~tensoralg.strategies.wick_terms`), Monte Carlo and the (approximate) closure
+    at any depth; refusals name the alternatives."""
+    from .strategies import wick_terms
 
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             getattr(n, "is_sequence_model", False) or n.degree <= 1 for n in (na, nb)):
@@ -95,11 +95,11 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
         return fn(req, na, nb)
     try:
         if kind == "inner":
-            return attention.exact_inner_req(req, na, nb)
-        return attention.exact_similarity_req(req, na, nb)
-    except attention.AttentionNotSupported as exc:
+            return wick_terms.exact_inner_req(req, na, nb)
+        return wick_terms.exact_similarity_req(req, na, nb)
+    except wick_terms.AttentionNotSupported as exc:
         raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
-                          f"{attention.ALTERNATIVES}") from None
+                          f"{wick_terms.ALTERNATIVES}") from None
 
 
 _POSITION_FREE = object()
@@ -113,7 +113,7 @@ def _fold(req: Request, net: Layer, name: str) -> Layer:
 
 def _checked_pair(kind: str, req: Request, a, b):
     """The pair checked (and composed with the input distribution's factor); sequence models
-    answered through :mod:`tensoralg.attention` (returned as the third item), else
+    answered through :func:`_sequence` (returned as the third item), else
     ``_POSITION_FREE``."""
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
@@ -335,10 +335,10 @@ def cross_gram(req: Request, models_a, models_b):
 
 def _sequence_matrix(kind: str, req: Request, models: list):
     """Gram / similarity matrices of sequence models (with attention) through
-    :mod:`tensoralg.attention` (per-model work once); None for position-free models."""
+    :mod:`tensoralg.strategies.wick_terms` / :mod:`~tensoralg.strategies.closure` (per-model work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
         return None  # (specs, folders and modules go the position-free way, unchanged)
-    from . import attention
+    from .strategies import wick_terms
 
     for i, m in enumerate(models):  # as inner: a sequence model is not compared with an MLP
         if isinstance(m, Layer) and not m.is_sequence_model and m.degree > 1:
@@ -356,7 +356,7 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     if req.distribution is not STANDARD:
         models = [_fold(req, as_network(m, f"models[{i}]"), f"models[{i}]")
                   for i, m in enumerate(models)]
-    fn = closure.closure_gram_req if req.method == "closure" else attention.exact_gram_req
+    fn = closure.closure_gram_req if req.method == "closure" else wick_terms.exact_gram_req
     return fn(req, models, similarity=kind == "similarity_matrix")
 
 

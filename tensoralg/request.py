@@ -3,7 +3,7 @@ validation module and opt_einsum's parse -> plan -> execute).
 
 Every public entry point (``inner``, ``norm``, ``similarity``, ``gram``, ``cross_gram``,
 ``similarity_matrix``, ``inner_diff``, ``diff_norm``, ``plan`` and the sequence-model functions
-of :mod:`tensoralg.attention`) turns its keyword arguments into one immutable :class:`Request`
+of :mod:`tensoralg.strategies`) turns its keyword arguments into one immutable :class:`Request`
 with :func:`make_request` before any work. Everything below (planner, strategies, blocks)
 receives the request and does not check its options again, so the same bad argument gives the
 same one-line ``ValueError`` from every entry point. What depends on the models (an output

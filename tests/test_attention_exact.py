@@ -11,7 +11,7 @@ import sympy as sp
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tensoralg as ta
-from tensoralg import attention as A
+from tensoralg.strategies import wick_terms as A
 from tensoralg.strategies import montecarlo as MC
 from verify.attention import expand_sequence, sequence_inner_exact
 
