@@ -26,7 +26,7 @@ from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact
 from .prepare import check_pair, networks, scaled, stack_for
 from .distribution import STANDARD
 from .request import Request
-from .results import similarity_from, swap_order
+from .results import gram_to_similarity, similarity_from, swap_order
 from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
@@ -401,16 +401,8 @@ def similarity_matrix(req: Request, models):
         _refuse_gram_early(req, nets, nets, U, keep, True, "models", "models")
     c, _ = stack_for(nets, req.backend, "models")
     X = _gram_blocks(req, c, c, U, keep, True)
-    dg = np.einsum("ii...->i...", X)
-    if req.exact:
-        Xf = np.vectorize(float, otypes=[float])(X)
-        dgf = np.vectorize(float, otypes=[float])(dg)
-    else:
-        Xf, dgf = X, dg
-    if np.any(dgf <= 0):
-        raise ValueError(f"similarity_matrix: models {np.flatnonzero(np.atleast_1d(dgf <= 0)).tolist()} "
-                         f"have norm zero; similarity is undefined")
-    return np.clip(Xf / np.sqrt(np.einsum("i...,j...->ij...", dgf, dgf)), -1.0, 1.0)
+    Xf = np.vectorize(float, otypes=[float])(X) if req.exact else X
+    return gram_to_similarity(Xf)
 
 
 def _mc_combination(req: Request, left, right):

@@ -21,7 +21,6 @@ shared by every position; exact at depth 1, APPROXIMATE deeper (measured error i
 from __future__ import annotations
 
 import itertools
-import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -916,16 +915,6 @@ def _closure_pair_value(ma: _ClosureModel, mb: _ClosureModel, U, keep: bool, sel
     return val
 
 
-def _closure_output(output: Any, d_out: int):
-    if output is None or isinstance(output, str):
-        return np.eye(d_out), isinstance(output, str)
-    if isinstance(output, numbers.Integral):
-        return np.eye(d_out)[[int(output)]], False
-    u = np.asarray(output.detach().cpu().double().numpy() if hasattr(output, "detach")
-                   else output, dtype=np.float64)
-    return u[None], False
-
-
 def _n_stages(net: Layer, n_ctx: int, name: str) -> int:
     return len(_schedule(_closure_nodes(net, n_ctx, name))[0])
 
@@ -940,7 +929,7 @@ def _closure_triple_run(req: Request, a, b, need_self):
     check_slices(req, a.out_features, n_ctx)
     swap = need_self and swap_order(a, b)   # a similarity: the pair's canonical order
     a, b = a.astype_float(), b.astype_float()
-    U, keep = _closure_output(req.output, a.out_features)
+    U, keep = req.output_matrix(a.out_features)
     sel = _selector(n_ctx, req.position, False)
     each_t = isinstance(req.position, str)
     depth = max(_n_stages(a, n_ctx, "a"), _n_stages(b, n_ctx, "b"))
@@ -1084,10 +1073,10 @@ def closure_similarity_req(req: Request, a: Any, b: Any):
 
 
 
-def _closure_setup(nets, n_ctx, output, position, names):
-    U, keep = _closure_output(output, nets[0].out_features)
-    sel = _selector(n_ctx, position, False)
-    each_t = isinstance(position, str)
+def _closure_setup(req: Request, nets, n_ctx, names):
+    U, keep = req.output_matrix(nets[0].out_features)
+    sel = _selector(n_ctx, req.position, False)
+    each_t = isinstance(req.position, str)
     depth = max(_n_stages(m, n_ctx, nm) for m, nm in zip(nets, names))
     cm = [_ClosureModel(m, n_ctx, nm, depth) for m, nm in zip(nets, names)]
     return cm, (U, keep, sel, each_t)
@@ -1123,8 +1112,7 @@ def closure_gram_req(req: Request, models, similarity: bool = False) -> np.ndarr
     nets = [m.astype_float() for m in nets]
     vals = {}
     with torch_backend(req.backend, req.device, "closure_gram"):
-        cm, args = _closure_setup(nets, n_ctx, req.output, req.position,
-                                  [f"models[{i}]" for i in range(len(nets))])
+        cm, args = _closure_setup(req, nets, n_ctx, [f"models[{i}]" for i in range(len(nets))])
         for i in range(len(cm)):
             for j in range(i, len(cm)):
                 vals[(i, j)] = _closure_pair_value(cm[i], cm[j] if i != j else cm[i], *args)
@@ -1161,7 +1149,7 @@ def closure_cross_gram(models_a, models_b, *, n_ctx: Any = None, output: Any = N
     names = [f"models_a[{i}]" for i in range(na)] + \
         [f"models_b[{j}]" for j in range(len(nets) - na)]
     with torch_backend(req.backend, req.device, "closure_cross_gram"):
-        cm, args = _closure_setup(nets, n_ctx, req.output, req.position, names)
+        cm, args = _closure_setup(req, nets, n_ctx, names)
         vals = [[_closure_pair_value(cm[i], cm[j], *args) for j in range(na, len(cm))]
                 for i in range(na)]
     return np.asarray(vals, dtype=np.float64)
