@@ -1,4 +1,4 @@
-"""Measure the sequence closure (tensoralg.attention.closure_inner, APPROXIMATE at depth >= 2)
+"""Measure the sequence closure (tensoralg.strategies.closure.closure_inner, APPROXIMATE at depth >= 2)
 against Monte Carlo on random two-layer attention-only models; numbers for docs/attention.md.
 
     python benchmarks/attention_closure_error.py [weight_scale=0.3] [bias]
@@ -11,7 +11,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np, time, math
 import tensoralg as ta
-from tensoralg import attention as A
+from tensoralg.strategies import montecarlo as MC
+from tensoralg.strategies import closure as C
 
 def model(rng, d=3, H=1, dh=2, bias=False):
     g = lambda *s: rng.standard_normal(s) * SCALE
@@ -29,10 +30,10 @@ for seed in range(4):
     rng = np.random.default_rng(100 + seed)
     a, b = model(rng, bias=bias), model(rng, bias=bias)
     t = time.time()
-    aa, ab, bb = A.closure_triple(a, b, n_ctx=3)
+    aa, ab, bb = C.closure_triple(a, b, n_ctx=3)
     tc = time.time() - t
     kw = dict(n_ctx=3, n_samples=400_000, seed=0)
-    maa, mab, mbb = (A.montecarlo_inner(x, y, **kw) for x, y in ((a, a), (a, b), (b, b)))
+    maa, mab, mbb = (MC.montecarlo_inner(x, y, **kw) for x, y in ((a, a), (a, b), (b, b)))
     cs = ab / math.sqrt(aa * bb); ms = float(mab) / math.sqrt(float(maa) * float(mbb))
     print(f"seed {seed} bias={bias}: closure sim {cs:.4f}  MC sim {ms:.4f}  |err| {abs(cs-ms):.4f} | "
           f"<a,a> closure {aa:.4f} MC {float(maa):.4f}+-{maa.stderr:.4f} ratio {aa/float(maa):.3f} | "

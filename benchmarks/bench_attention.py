@@ -41,7 +41,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tensoralg as ta  # noqa: E402
-from tensoralg import attention as A  # noqa: E402
+from tensoralg.strategies import wick_terms as A  # noqa: E402
+from tensoralg.strategies import montecarlo as MC
+from tensoralg.strategies import closure as C  # noqa: E402
 
 
 def model(rng, d, H, dh, bias, residual=True):
@@ -72,7 +74,7 @@ def bench_small():
         warm, _ = timed(lambda: A.exact_inner(a, b, n_ctx=2), 5)
         warm_sim, sim = timed(lambda: A.exact_similarity(a, b, n_ctx=2), 3)
         t = time.perf_counter()
-        mc = A.montecarlo_inner(a, b, n_ctx=2, n_samples=100_000, seed=1)
+        mc = MC.montecarlo_inner(a, b, n_ctx=2, n_samples=100_000, seed=1)
         # time to reach a standard error of 1e-2 |value|, from the measured SE (1/sqrt(n))
         t_mc = (time.perf_counter() - t) * (mc.stderr / (1e-2 * abs(val))) ** 2
         print(f"biases={bias!s:5}  Wick configurations (matchings) {n_conf:6d}  inner {val:.6g}  "
@@ -92,7 +94,11 @@ for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, sys.argv[1])
 import numpy as np, torch
 torch.set_num_threads(1)
-from tensoralg import attention as A
+try:  # this checkout, or an older one with the exact path in tensoralg.attention
+    from tensoralg.strategies import wick_terms as A
+    A.exact_inner
+except (ImportError, AttributeError):
+    from tensoralg import attention as A
 sys.path.insert(0, sys.argv[2])
 from bench_attention import model
 rng = np.random.default_rng(0)
@@ -155,16 +161,21 @@ sys.path.insert(0, sys.argv[1])
 import numpy as np, torch
 torch.set_num_threads(1)
 import tensoralg as ta
-from tensoralg import attention as A
+try:  # this checkout, or an older one with the closure in tensoralg.attention
+    from tensoralg.strategies import closure as C
+    C.closure_similarity
+except (ImportError, AttributeError):
+    from tensoralg import attention as C
+    from tensoralg.strategies import montecarlo as MC
 sys.path.insert(0, sys.argv[6])
 from bench_attention import two_layer
 d, n, H, dh = map(int, sys.argv[2:6])
 rng = np.random.default_rng(0)
 a, b = two_layer(rng, d, H, dh), two_layer(rng, d, H, dh)
 c = two_layer(rng, d, H, dh)
-t = time.perf_counter(); s = A.closure_similarity(a, b, n_ctx=n); cold = time.perf_counter() - t
+t = time.perf_counter(); s = C.closure_similarity(a, b, n_ctx=n); cold = time.perf_counter() - t
 # warm: a second, new pair of the same architecture (per-structure caches warm, no moments)
-t = time.perf_counter(); A.closure_similarity(a, c, n_ctx=n); warm = time.perf_counter() - t
+t = time.perf_counter(); C.closure_similarity(a, c, n_ctx=n); warm = time.perf_counter() - t
 print(json.dumps(dict(sim=s, cold=cold, warm=warm)))
 """
 
@@ -218,7 +229,7 @@ def bench_closure_matrix(size=(8, 4, 2, 4), n_models=12):
     S = ta.similarity_matrix(models, n_ctx=n, method="closure")
     total = time.perf_counter() - t
     t = time.perf_counter()
-    A.closure_similarity(models[0], models[1], n_ctx=n)
+    C.closure_similarity(models[0], models[1], n_ctx=n)
     pair = time.perf_counter() - t
     print(f"{n_models}x{n_models} matrix {total:.1f} s ({n_models * (n_models + 1) // 2} entries; "
           f"one closure_similarity pair {pair:.2f} s, i.e. {pair * n_models * (n_models - 1) / 2:.0f}"
@@ -236,7 +247,7 @@ def closure_flops(size=(64, 8, 4, 16), contract=False):
     rng = np.random.default_rng(0)
     a, b = two_layer(rng, d, H, dh), two_layer(rng, d, H, dh)
     total, count = [0], [0]
-    real = A._ein
+    real = C._ein
 
     def counting(sub, *ops, keep=None):
         if len(ops) > 1:
@@ -250,13 +261,13 @@ def closure_flops(size=(64, 8, 4, 16), contract=False):
         for lab, o in zip(lhs.split(","), ops):
             size.update(zip(lab, o.shape))
         return (np.zeros if out == "to" else np.ones)(tuple(size[x] for x in out))
-    A._ein = counting
+    C._ein = counting
     try:
         t = time.perf_counter()
-        A.closure_similarity(a, b, n_ctx=n)
+        C.closure_similarity(a, b, n_ctx=n)
         wall = time.perf_counter() - t
     finally:
-        A._ein = real
+        C._ein = real
     return total[0], count[0], wall
 
 

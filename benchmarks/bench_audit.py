@@ -9,7 +9,7 @@
 the closure against Monte Carlo on the checkpoints of a `tensoralg audit language` run (default
 pairs: those of the run's own Monte Carlo check). Per pair, the closure's raw moments
 ``<a,a>, <a,b>, <b,b>`` and similarity, and per seed the radial Monte Carlo estimate
-(``tensoralg.attention.montecarlo_similarity``'s estimator: directions uniform on the sphere,
+(``tensoralg.strategies.montecarlo.montecarlo_similarity``'s estimator: directions uniform on the sphere,
 the radius integrated by a Gauss rule exact for the degree) of the same moments, with the share
 of each self moment carried by its single largest direction (heavy tails) and a Markov lower
 bound on each self moment. The bound needs only that the per-direction ``p_aa`` is nonnegative
@@ -71,7 +71,8 @@ def main() -> None:
 
 def language(argv: list[str]) -> None:
     """Closure vs radial Monte Carlo on a language audit's checkpoints (see the module doc)."""
-    from tensoralg import attention as A
+    from tensoralg.strategies import montecarlo as MC
+    from tensoralg.strategies import closure as C
     from tensoralg.checkpoint import load_checkpoint
     from tensoralg.strategies.montecarlo import ratio_estimate
 
@@ -97,15 +98,15 @@ def language(argv: list[str]) -> None:
         a = load_checkpoint(run / "checkpoints" / names[i])[0].to_network()
         b = load_checkpoint(run / "checkpoints" / names[j])[0].to_network()
         t = time.perf_counter()
-        aa, ab, bb = (float(v) for v in A.closure_triple(a, b, n_ctx=n_ctx))
+        aa, ab, bb = (float(v) for v in C.closure_triple(a, b, n_ctx=n_ctx))
         print(f"steps {steps[i]} vs {steps[j]}: closure sim {ab / np.sqrt(aa * bb):.4f}, "
               f"<a,a> {aa:.4g}, <b,b> {bb:.4g}, <a,b> {ab:.4g} ({time.perf_counter() - t:.1f} s)")
         means = []
         for seed in seeds:
             t = time.perf_counter()
-            draws, n = A._mc_draws(a, b, n_ctx, args.directions, seed, None, None, 20,
+            draws, n = MC._mc_draws(a, b, n_ctx, args.directions, seed, None, None, 20,
                                    "bench_audit language", radial=True)
-            P = np.concatenate([np.stack([A._per_sample(x, y, None, None).reshape(-1, w.size) @ w
+            P = np.concatenate([np.stack([MC._per_sample(x, y, None, None).reshape(-1, w.size) @ w
                                           for x, y in ((fa, fb), (fa, fa), (fb, fb))])
                                 for fa, fb, w in draws], axis=1)        # (3, n): ab, aa, bb
             e = ratio_estimate(P.sum(1), P @ P.T, n)

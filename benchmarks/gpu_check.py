@@ -126,7 +126,8 @@ def check_attention(ta, device, timed, size) -> int:
     product (d_model 8, n_ctx 2, 2 heads) and the closure of a pair of two-layer attention-only
     models (issue 9's size on a GPU: its target is under 1 s per pair). Returns the number of
     disagreements (relative error above 1e-10 of the Cauchy-Schwarz scale)."""
-    from tensoralg import attention as A
+    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import closure as C
 
     size = size or ("64,8,4,16" if device.type == "cuda" else "16,8,2,4")
     d, n, heads, dh = (int(x) for x in size.split(","))
@@ -144,7 +145,7 @@ def check_attention(ta, device, timed, size) -> int:
     failed = 0
     rows = [("exact one layer (8, 2, 2, 4)", A.exact_inner, model(8, 2, 4, 1),
              model(8, 2, 4, 1), 2),
-            (f"closure two layers ({size})", A.closure_inner, model(d, heads, dh, 2),
+            (f"closure two layers ({size})", C.closure_inner, model(d, heads, dh, 2),
              model(d, heads, dh, 2), n)]
     for name, fn, a, b, n_ctx in rows:
         scale = np.sqrt(abs(fn(a, a, n_ctx=n_ctx) * fn(b, b, n_ctx=n_ctx)))

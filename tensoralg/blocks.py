@@ -31,7 +31,7 @@ Before any block runs, every checkpoint's ``cfg.json`` and safetensors header is
 so a corrupt checkpoint fails the run naming the file.
 
 Sequence models (bilinear-transformer checkpoints, or models with attention given in memory;
-``n_ctx=``): blocks run in float64 NumPy through :mod:`tensoralg.attention` with the functions of
+``n_ctx=``): blocks run in float64 NumPy with the functions of
 the unblocked ``tensoralg.gram(models, n_ctx=...)`` — ``exact_gram`` / ``exact_inner`` (at most
 one attention layer) or ``closure_gram`` (approximate at depth >= 2) — see
 :func:`_sequence_block`; Monte Carlo and ``output="each"`` are refused for them up front.
@@ -324,30 +324,31 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
     computed by the same operations:
 
     * ``method="exact"`` (at most one attention layer): the diagonal block is
-      :func:`tensoralg.attention.exact_gram`; off the diagonal each entry is
-      :func:`tensoralg.attention.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
+      :func:`tensoralg.strategies.wick_terms.exact_gram`; off the diagonal each entry is
+      :func:`tensoralg.strategies.wick_terms.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
     * ``method="closure"`` (APPROXIMATE at depth >= 2, exact at depth 1): the diagonal block is
-      :func:`tensoralg.attention.closure_gram`; off the diagonal
-      :func:`tensoralg.attention.closure_cross_gram` (the cross pairs only; equal to the
+      :func:`tensoralg.strategies.closure.closure_gram`; off the diagonal
+      :func:`tensoralg.strategies.closure.closure_cross_gram` (the cross pairs only; equal to the
       corresponding block of ``closure_gram(rows + cols)``, same operations).
     """
-    from . import attention
+    from .strategies import wick_terms
+    from .strategies import closure
 
     n_ctx, output, method = opts["n_ctx"], opts["output"], opts["method"]
     a = [_load(r, n_ctx, True) for r in rows]
     b = None if cols is None else [_load(c, n_ctx, True) for c in cols]
     if method == "closure":
         if b is None:
-            return attention.closure_gram(a, n_ctx=n_ctx, output=output)
-        return attention.closure_cross_gram(a, b, n_ctx=n_ctx, output=output)
+            return closure.closure_gram(a, n_ctx=n_ctx, output=output)
+        return closure.closure_cross_gram(a, b, n_ctx=n_ctx, output=output)
     kw = {} if opts.get("max_configurations") is None else \
         {"max_configurations": opts["max_configurations"]}
     if b is None:
-        return attention.exact_gram(a, n_ctx=n_ctx, output=output, **kw)
+        return wick_terms.exact_gram(a, n_ctx=n_ctx, output=output, **kw)
     G = np.empty((len(a), len(b)))
     for i, x in enumerate(a):
         for j, y in enumerate(b):
-            G[i, j] = float(attention.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
+            G[i, j] = float(wick_terms.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
     return G
 
 
@@ -361,7 +362,7 @@ def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
         tensoralg.CostTooHigh: ``method="exact"`` for a model the exact attention path does
             not handle (two attention layers, an MLP block), naming the alternative.
     """
-    from . import attention
+    from .strategies import wick_terms
     from .errors import CostTooHigh
 
     if opts["method"] not in SEQUENCE_METHODS:
@@ -386,8 +387,8 @@ def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
         for i, r in enumerate(probe):
             net = _load(r, opts["n_ctx"], True)
             try:
-                attention.count_configurations(net, net, n_ctx=opts["n_ctx"])
-            except attention.AttentionNotSupported as exc:
+                wick_terms.count_configurations(net, net, n_ctx=opts["n_ctx"])
+            except wick_terms.AttentionNotSupported as exc:
                 raise CostTooHigh(f"method='exact' for sequence models[{i}]: {exc}; use "
                                   f"method='closure' (exact at depth 1, approximate beyond)"
                                   ) from None
@@ -688,7 +689,7 @@ _API_DOC = """
             the context length; for transformer checkpoints default the shortest trained one,
             longer refused. Their blocks run in float64 NumPy with ``method="exact"`` (at most
             one attention layer) or ``"closure"`` (approximate at depth >= 2) through
-            :mod:`tensoralg.attention`, the functions of the unblocked matrix.
+            :mod:`tensoralg.strategies.wick_terms`, the functions of the unblocked matrix.
         device: ``"auto"`` (default: each worker uses CUDA through the torch backend when
             ``torch.cuda.is_available()``, else the NumPy backend), ``"cpu"`` or ``"cuda"``.
         threads: torch CPU threads per block task (default 1).

@@ -5,8 +5,8 @@ once, :mod:`tensoralg.request`) and call the function of the same name here; so 
 blocked matrix (:mod:`tensoralg.blocks`). Nothing here checks an option again. The flow is
 prepare (pair checks, canonical stacks: :mod:`tensoralg.prepare`) -> plan
 (:mod:`tensoralg.planner`) -> strategy (:mod:`tensoralg.strategies`); sequence models (with
-bilinear attention) go through :mod:`tensoralg.attention`. Units: inner products have the
-units of output squared; similarities are dimensionless in [-1, 1].
+bilinear attention) go through the same strategy modules (their sequence functions). Units:
+inner products have the units of output squared; similarities are dimensionless in [-1, 1].
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact
 from .prepare import check_pair, networks, scaled, stack_for
 from .distribution import STANDARD
 from .request import Request
-from .results import similarity_from, swap_order
+from .results import gram_to_similarity, similarity_from, swap_order
 from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
@@ -69,10 +69,10 @@ def _is_sequence(*nets) -> bool:
 
 
 def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
-    """Sequence models (bilinear attention, docs/mathematics.md §3.7) through
-    :mod:`tensoralg.attention`: exact for one attention layer, Monte Carlo and the
-    (approximate) closure at any depth; refusals name the alternatives."""
-    from . import attention
+    """Sequence models (bilinear attention, docs/mathematics.md §3.7): exact for one attention
+    layer (:mod:`~tensoralg.strategies.wick_terms`), Monte Carlo and the (approximate) closure
+    at any depth; refusals name the alternatives."""
+    from .strategies import wick_terms
 
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             getattr(n, "is_sequence_model", False) or n.degree <= 1 for n in (na, nb)):
@@ -81,25 +81,25 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
                          "per-position affine map is accepted)")
     if req.metric != "gaussian":
         raise ValueError("sequence models: only metric='gaussian' is implemented")
-    if req.method == "closure":  # APPROXIMATE at depth >= 2 (attention.closure_inner)
+    if req.method == "closure":  # APPROXIMATE at depth >= 2 (strategies.closure.closure_inner)
         if req.backend not in ("numpy", "torch"):
             raise ValueError(f"method='closure' for sequence models runs in float64: use "
                              f"backend='numpy' or 'torch', got {req.backend!r}")
-        fn = attention.closure_inner_req if kind == "inner" else attention.closure_similarity_req
+        fn = closure.closure_inner_req if kind == "inner" else closure.closure_similarity_req
         return fn(req, na, nb)
     if req.method == "montecarlo":
         if req.proposal == "modes":
             return _guided(kind, req, na, nb)
-        fn = attention.montecarlo_inner_req if kind == "inner" else \
-            attention.montecarlo_similarity_req
+        fn = montecarlo.montecarlo_inner_req if kind == "inner" else \
+            montecarlo.montecarlo_similarity_req
         return fn(req, na, nb)
     try:
         if kind == "inner":
-            return attention.exact_inner_req(req, na, nb)
-        return attention.exact_similarity_req(req, na, nb)
-    except attention.AttentionNotSupported as exc:
+            return wick_terms.exact_inner_req(req, na, nb)
+        return wick_terms.exact_similarity_req(req, na, nb)
+    except wick_terms.AttentionNotSupported as exc:
         raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
-                          f"{attention.ALTERNATIVES}") from None
+                          f"{wick_terms.ALTERNATIVES}") from None
 
 
 _POSITION_FREE = object()
@@ -113,7 +113,7 @@ def _fold(req: Request, net: Layer, name: str) -> Layer:
 
 def _checked_pair(kind: str, req: Request, a, b):
     """The pair checked (and composed with the input distribution's factor); sequence models
-    answered through :mod:`tensoralg.attention` (returned as the third item), else
+    answered through :func:`_sequence` (returned as the third item), else
     ``_POSITION_FREE``."""
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
@@ -301,8 +301,8 @@ def _check_sequence_free(name: str, nets: list) -> None:
                          f"takes position-free networks. For sequence models use "
                          f"ta.gram(models_a + models_b, n_ctx=...) (exact: one attention "
                          f"layer) and read its off-diagonal block, or "
-                         f"tensoralg.attention.closure_cross_gram (APPROXIMATE beyond one "
-                         f"attention layer)")
+                         f"tensoralg.strategies.closure.closure_cross_gram (APPROXIMATE beyond "
+                         f"one attention layer)")
 
 
 def radial_only(req: Request, what: str) -> None:
@@ -342,10 +342,10 @@ def cross_gram(req: Request, models_a, models_b):
 
 def _sequence_matrix(kind: str, req: Request, models: list):
     """Gram / similarity matrices of sequence models (with attention) through
-    :mod:`tensoralg.attention` (per-model work once); None for position-free models."""
+    :mod:`tensoralg.strategies.wick_terms` / :mod:`~tensoralg.strategies.closure` (per-model work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
         return None  # (specs, folders and modules go the position-free way, unchanged)
-    from . import attention
+    from .strategies import wick_terms
 
     for i, m in enumerate(models):  # as inner: a sequence model is not compared with an MLP
         if isinstance(m, Layer) and not m.is_sequence_model and m.degree > 1:
@@ -363,7 +363,7 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     if req.distribution is not STANDARD:
         models = [_fold(req, as_network(m, f"models[{i}]"), f"models[{i}]")
                   for i, m in enumerate(models)]
-    fn = attention.closure_gram_req if req.method == "closure" else attention.exact_gram_req
+    fn = closure.closure_gram_req if req.method == "closure" else wick_terms.exact_gram_req
     return fn(req, models, similarity=kind == "similarity_matrix")
 
 
@@ -408,16 +408,8 @@ def similarity_matrix(req: Request, models):
         _refuse_gram_early(req, nets, nets, U, keep, True, "models", "models")
     c, _ = stack_for(nets, req.backend, "models")
     X = _gram_blocks(req, c, c, U, keep, True)
-    dg = np.einsum("ii...->i...", X)
-    if req.exact:
-        Xf = np.vectorize(float, otypes=[float])(X)
-        dgf = np.vectorize(float, otypes=[float])(dg)
-    else:
-        Xf, dgf = X, dg
-    if np.any(dgf <= 0):
-        raise ValueError(f"similarity_matrix: models {np.flatnonzero(np.atleast_1d(dgf <= 0)).tolist()} "
-                         f"have norm zero; similarity is undefined")
-    return np.clip(Xf / np.sqrt(np.einsum("i...,j...->ij...", dgf, dgf)), -1.0, 1.0)
+    Xf = np.vectorize(float, otypes=[float])(X) if req.exact else X
+    return gram_to_similarity(Xf)
 
 
 def _mc_combination(req: Request, left, right):

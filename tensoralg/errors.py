@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TrainingDiverged", "CostTooHigh"]
+__all__ = ["TrainingDiverged", "CostTooHigh", "AttentionNotSupported"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -25,3 +25,7 @@ class CostTooHigh(ValueError):
     the budget. Raised by the planner before any contraction or allocation; the message names
     each strategy's estimate and the alternatives (``method="closure"``, ``"montecarlo"``, or a
     larger budget)."""
+
+
+class AttentionNotSupported(ValueError):
+    """The exact attention path does not handle this model (raised before any contraction)."""

@@ -22,15 +22,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .attention import ALTERNATIVES as SEQUENCE_ALTERNATIVES
 from .backends import available_memory, itemsize
 from .canonical import Canonical
 from .errors import CostTooHigh
 from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
                       WickPlan, n_wick_configurations)
-from .prepare import float_stacks_for_exact
+from .prepare import check_slices, float_stacks_for_exact
 from .request import check_budget
 from .strategies import chaos, wick
+from .strategies.wick_terms import ALTERNATIVES as SEQUENCE_ALTERNATIVES
 
 __all__ = ["Plan", "SequencePlan", "make_plan", "plan_sequence", "refuse_exact_early",
            "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
@@ -465,15 +465,15 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
 
 # ----------------------------------------------------------------------------------------
 # sequence models (bilinear attention, docs/mathematics.md §3.7): what ``inner`` does through
-# tensoralg.attention
+# tensoralg.strategies.wick_terms
 # ----------------------------------------------------------------------------------------
 
 @dataclass
 class SequencePlan:
     """What :func:`tensoralg.inner` does for a pair of sequence models (with
     :class:`~tensoralg.BilinearAttention`) with the same options, decided before any
-    contraction: the exact one-attention-layer path of :mod:`tensoralg.attention`
-    (:func:`~tensoralg.attention.exact_inner`) with its number of Wick configurations, or the
+    contraction: the exact one-attention-layer path of :mod:`tensoralg.strategies.wick_terms`
+    (:func:`~tensoralg.strategies.wick_terms.exact_inner`) with its number of Wick configurations, or the
     refusal and its alternatives.
 
     Attributes:
@@ -482,13 +482,13 @@ class SequencePlan:
         refused: the refusal message (naming the alternatives) exactly when ``inner`` with the
             same options refuses: with :class:`~tensoralg.CostTooHigh` for a model outside the
             exact path (``AttentionNotSupported``: e.g. two attention layers), or with the
-            ValueError of :func:`~tensoralg.attention.exact_inner` when the configurations
+            ValueError of :func:`~tensoralg.strategies.wick_terms.exact_inner` when the configurations
             exceed ``max_configurations``; None otherwise.
         supported: whether both models are within the exact path (at most one attention layer
             between per-position Linear layers).
         n_configurations: Wick configurations (partial matchings after zero-pattern pruning,
             summed over the term pairs) that the exact path contracts —
-            :func:`~tensoralg.attention.count_configurations` of the output-sliced models —
+            :func:`~tensoralg.strategies.wick_terms.count_configurations` of the output-sliced models —
             or None for an unsupported model.
         max_configurations: the budget applied (the only one the attention path reads;
             ``max_flops`` / ``max_memory`` do not apply to it).
@@ -497,7 +497,7 @@ class SequencePlan:
             canonical trees added; 10 for two attention layers of depth 1), or None when a
             model has no canonical tree.
         memory_bytes: the estimated peak memory of the exact path
-            (:func:`tensoralg.attention.chaos_memory_bytes`), None when it was not reached;
+            (:func:`tensoralg.strategies.wick_terms.chaos_memory_bytes`), None when it was not reached;
             max_memory: the budget it was held against (bytes).
         terms_a, terms_b: each model's canonical tree (:func:`tensoralg.canonical.tree`), one
             line per node: its terms with their legs and the positions they read.
@@ -541,7 +541,7 @@ class SequencePlan:
                 lines.append(f"  {side}: {line}")
         legs = "" if self.n_legs is None else f"{self.n_legs} legs joined"
         if self.supported:
-            lines.append(f"exact one-attention-layer path (tensoralg.attention): "
+            lines.append(f"exact one-attention-layer path (tensoralg.strategies.wick_terms): "
                          f"{self.n_configurations:,} Wick configurations"
                          f"{', up to ' + legs if legs else ''} "
                          f"(max_configurations={self.max_configurations:,})")
@@ -550,7 +550,7 @@ class SequencePlan:
                              f"{self.memory_bytes / 2**30:.3g} GiB (max_memory="
                              f"{self.max_memory / 2**30:.3g} GiB)")
         else:
-            lines.append("exact one-attention-layer path (tensoralg.attention): not available"
+            lines.append("exact one-attention-layer path (tensoralg.strategies.wick_terms): not available"
                          + (f" (the unrolled trees: {legs})" if legs else ""))
         if self.refused:
             lines.append(f"REFUSED: {self.refused}")
@@ -585,10 +585,10 @@ def plan_sequence(req, na, nb) -> SequencePlan:
     checks :func:`tensoralg.inner` makes, in its order, then the exact attention path's
     configuration count (cheap: nothing is contracted).
 
-    The count is :func:`tensoralg.attention.count_configurations` with the same ``output``
+    The count is :func:`tensoralg.strategies.wick_terms.count_configurations` with the same ``output``
     slice and ``backend`` (the zero patterns of the sliced terms decide which legs can be
     capped); within ``max_configurations``, the estimated peak memory is
-    :func:`tensoralg.attention.chaos_memory_bytes` (a dry run: paths found and cached, nothing
+    :func:`tensoralg.strategies.wick_terms.chaos_memory_bytes` (a dry run: paths found and cached, nothing
     contracted) against ``max_memory``. So ``refused`` is set exactly when ``inner`` refuses,
     with its message.
 
@@ -597,7 +597,8 @@ def plan_sequence(req, na, nb) -> SequencePlan:
             position-free network of degree > 1, a metric other than Gaussian, ``n_ctx``
             missing or in disagreement with a mask, an ``output`` or ``position`` out of range.
     """
-    from . import attention, canonical
+    from . import canonical
+    from .strategies import wick_terms
     from .network import sequence_n_ctx
 
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
@@ -611,20 +612,20 @@ def plan_sequence(req, na, nb) -> SequencePlan:
     backend, device, output, position = req.backend, req.device, req.output, req.position
     n = sequence_n_ctx(na, nb, req.n_ctx)
     req = req.replace(n_ctx=n)
-    attention._check_slices(req, na.out_features, n)
+    check_slices(req, na.out_features, n)
     plan = SequencePlan(strategy=None, reason="", n_ctx=n,
                         max_configurations=int(max_configurations), output=output,
                         position=position)
     # refused from shapes alone, as inner refuses: then nothing n_ctx-sized is built, and the
     # trees below (count, description) are the small ones (neither depends on n_ctx)
-    early = attention.early_memory_refusal(req, na, nb)
+    early = wick_terms.early_memory_refusal(req, na, nb)
     count_req = req
     if early is not None:
-        n = attention.SHAPE_CTX
+        n = wick_terms.SHAPE_CTX
         count_req = req.replace(n_ctx=n, position=None)
     try:
-        plan.n_configurations = attention.count_configurations_req(count_req, na, nb)
-    except attention.AttentionNotSupported as exc:
+        plan.n_configurations = wick_terms.count_configurations_req(count_req, na, nb)
+    except wick_terms.AttentionNotSupported as exc:
         plan.supported = False
         plan.refused = f"exact inner product of sequence models: {exc}. {SEQUENCE_ALTERNATIVES}"
         plan.reason = "a model outside the exact attention path"
@@ -657,10 +658,10 @@ def plan_sequence(req, na, nb) -> SequencePlan:
                                     else max_memory)
             plan.reason = "over max_memory (from shapes alone)"
         else:
-            plan.memory_bytes = attention.chaos_memory_bytes_req(req, na, nb)
+            plan.memory_bytes = wick_terms.chaos_memory_bytes_req(req, na, nb)
             plan.max_memory = float(available_memory(backend, device) if max_memory is None
                                     else max_memory)
-            plan.refused = attention.memory_refusal(plan.memory_bytes, plan.max_memory)
+            plan.refused = wick_terms.memory_refusal(plan.memory_bytes, plan.max_memory)
             if plan.refused:
                 plan.reason = "over max_memory"
     if plan.supported and not plan.refused:

@@ -4,6 +4,7 @@ as in scikit-learn's ``utils.validation``)."""
 
 from __future__ import annotations
 
+import contextvars
 import numbers
 import threading
 import weakref
@@ -15,12 +16,13 @@ from typing import Any
 import numpy as np
 
 from .backends import fraction_array
-from .canonical import Canonical, Stage, canonicalize, stack
+from .canonical import Canonical, Stage, canonicalize, resolve_n_ctx, stack
 from .layers import Bilinear, Layer, Linear, Residual, Sequential, _map_arrays, as_network
-from .request import make_request
+from .request import Request, make_request
 
 __all__ = ["check_pair", "output_matrix", "networks", "stack_for", "normalize", "scaled",
-           "PREPARED", "PreparedCache"]
+           "PREPARED", "PreparedCache", "check_sequence_pair", "check_sequence_models",
+           "check_slices"]
 
 def check_pair(na: Layer, nb: Layer) -> None:
     if na.in_features != nb.in_features:
@@ -381,3 +383,61 @@ def scaled(X, ka, kb, backend):
 
 def as_fraction_result(X, keep: bool):
     return np.vectorize(Fraction, otypes=[object])(X) if keep else Fraction(X)
+
+
+# ----------------------------------------------------------------------------------------
+# sequence models (every strategy: exact terms, closure, Monte Carlo)
+# ----------------------------------------------------------------------------------------
+
+#: Set inside a Gram matrix of sequence models, whose per-position affine members are paired
+#: with themselves on the diagonal (a pair without attention, valid there).
+_IN_SEQUENCE_GRAM = contextvars.ContextVar("in_sequence_gram", default=False)
+
+
+def check_sequence_pair(a: Any, b: Any, n_ctx: Any):
+    """Two sequence models read as networks with the same input and output sizes, and their
+    sequence length: ``(a, b, n_ctx)``."""
+    a, b = as_network(a, "a"), as_network(b, "b")
+    if not (a.is_sequence_model or b.is_sequence_model or _IN_SEQUENCE_GRAM.get()):
+        raise ValueError("a and b: neither model holds attention; these are position-free networks: "
+                         "use tensoralg.inner")
+    if a.in_features != b.in_features:
+        raise ValueError(f"a and b must read the same input: a has in_features={a.in_features}, "
+                         f"b has in_features={b.in_features}")
+    if a.out_features != b.out_features:
+        raise ValueError(f"a and b must have the same number of outputs: a has "
+                         f"out_features={a.out_features}, b has out_features={b.out_features}")
+    return a, b, resolve_n_ctx([("a", a), ("b", b)], n_ctx)
+
+
+def check_slices(req: Request, d_out: int, n_ctx: int) -> None:
+    """The request's ``output`` and ``position`` against the models' output size and
+    ``n_ctx`` (their form was checked by :func:`tensoralg.request.make_request`)."""
+    req.output_matrix(d_out)
+    req.check_position(n_ctx)
+
+
+def check_sequence_models(models, n_ctx):
+    """The sequence models of a Gram matrix as networks, and their one sequence length:
+    ``(nets, n_ctx)``."""
+    nets = [as_network(m, f"models[{i}]") for i, m in enumerate(models)]
+    if len(nets) < 1:
+        raise ValueError("models: expected at least one model")
+    # one sequence length for all of them (every mask that fixes one, named models[i]) before
+    # the pairwise size checks, which then run at that length
+    n_ctx = resolve_n_ctx([(f"models[{i}]", net) for i, net in enumerate(nets)], n_ctx)
+    for i, net in enumerate(nets[1:], 1):
+        check_sequence_pair(nets[0], net, n_ctx)
+    return nets, check_sequence_pair(nets[0], nets[-1], n_ctx)[2]
+
+
+def _selector(n_ctx: int, position: Any, exact: bool) -> np.ndarray:
+    """The query positions summed: ones at every position, or at ``position`` only."""
+    sel = np.zeros(n_ctx, dtype=object if exact else np.float64)
+    one, zero = (Fraction(1), Fraction(0)) if exact else (1.0, 0.0)
+    sel[:] = zero
+    if position is None or isinstance(position, str):
+        sel[:] = one
+    else:
+        sel[int(position)] = one
+    return sel

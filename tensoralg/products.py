@@ -87,7 +87,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     """Inner product ``<f_a, f_b>`` of two networks with the same input and output sizes.
 
     Sequence models (with :class:`~tensoralg.BilinearAttention`; inputs ``(n, n_ctx, d)``) go
-    through :mod:`tensoralg.attention`: the sum runs over query positions too (``position=t``
+    through the sequence functions of :mod:`tensoralg.strategies`: the sum runs over query positions too (``position=t``
     slices one, ``"each"`` keeps them), ``n_ctx`` is the sequence length (optional when a mask
     array fixes it).
 
@@ -267,13 +267,13 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
 
     Sequence models (with :class:`~tensoralg.BilinearAttention`; ``n_ctx`` and ``position`` as
     in :func:`inner`): a :class:`~tensoralg.planner.SequencePlan` of what :func:`inner` does
-    with the same options — the exact one-attention-layer path of :mod:`tensoralg.attention`
+    with the same options — the exact one-attention-layer path of :mod:`tensoralg.strategies.wick_terms`
     with its number of Wick configurations, each model's canonical tree (terms, legs and the
     positions they read), or the refusal (a model outside the exact path, e.g. two attention
     layers; over ``max_configurations``: both :class:`~tensoralg.CostTooHigh`) naming
     the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
     when :func:`inner` refuses; within ``max_configurations`` the estimated peak memory
-    (:func:`tensoralg.attention.chaos_memory_bytes`, a dry run) is held against
+    (:func:`tensoralg.strategies.wick_terms.chaos_memory_bytes`, a dry run) is held against
     ``max_memory``. ``max_flops``, ``strategy`` and ``dtype`` do not apply to that path.
 
     Raises:

@@ -3,7 +3,7 @@ validation module and opt_einsum's parse -> plan -> execute).
 
 Every public entry point (``inner``, ``norm``, ``similarity``, ``gram``, ``cross_gram``,
 ``similarity_matrix``, ``inner_diff``, ``diff_norm``, ``plan`` and the sequence-model functions
-of :mod:`tensoralg.attention`) turns its keyword arguments into one immutable :class:`Request`
+of :mod:`tensoralg.strategies`) turns its keyword arguments into one immutable :class:`Request`
 with :func:`make_request` before any work. Everything below (planner, strategies, blocks)
 receives the request and does not check its options again, so the same bad argument gives the
 same one-line ``ValueError`` from every entry point. What depends on the models (an output
@@ -39,6 +39,26 @@ MC_DEFAULT_SAMPLES = 100_000
 DEFAULT_MAX_FLOPS = 2e11
 DEFAULT_MAX_FLOPS_EXACT = 2e7
 DEFAULT_MAX_CONFIGURATIONS = 200_000
+
+
+#: Monte Carlo diagnostics (docs/mathematics.md §3.9): the directions split into this many
+#: independent replicates (disjoint, consecutive sets of directions).
+MC_REPLICATES = 3
+#: The fewest directions: two per replicate, for the replicates' standard errors.
+MC_MIN_SAMPLES = 2 * MC_REPLICATES
+
+
+def check_mc(n_samples, seed, backend) -> None:
+    if backend == "exact":
+        raise ValueError("method='montecarlo' samples in floating point: use backend='numpy' "
+                         "or 'torch'")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or \
+            n_samples < MC_MIN_SAMPLES:
+        raise ValueError(f"n_samples: expected an integer >= {MC_MIN_SAMPLES} (the diagnostics "
+                         f"split the directions into {MC_REPLICATES} independent replicates), "
+                         f"got {n_samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -269,11 +289,6 @@ def _make_request(metric, method, backend, strategy, output, n_ctx, position, n_
     n_samples = MC_DEFAULT_SAMPLES if n_samples is None else n_samples
     seed = 0 if seed is None else seed
     if method == "montecarlo":
-        if backend == "exact":
-            raise ValueError("method='montecarlo' samples in floating point: use "
-                             "backend='numpy' or 'torch'")
-        from .strategies.montecarlo import check_mc
-
         check_mc(n_samples, seed, backend)
     if not isinstance(proposal, str) or proposal not in PROPOSALS:
         raise ValueError(f"proposal: unknown proposal {proposal!r}; expected one of "

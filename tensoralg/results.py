@@ -16,7 +16,7 @@ import numpy as np
 
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
-__all__ = ["ExactSimilarity", "MonteCarloEstimate", "MonteCarloArray", "similarity_from",
+__all__ = ["ExactSimilarity", "MonteCarloEstimate", "MonteCarloArray", "similarity_from", "gram_to_similarity",
            "swap_order"]
 
 
@@ -138,3 +138,16 @@ def swap_order(a: Any, b: Any) -> bool:
         if order:
             return order > 0
     return False
+
+
+def gram_to_similarity(G: np.ndarray) -> np.ndarray:
+    """``G_ij / sqrt(G_ii G_jj)`` clipped to [-1, 1] of a float Gram matrix ``(N, N, ...)``.
+
+    Raises:
+        ValueError: a model whose diagonal entry is ``<= 0`` (named by index)."""
+    dg = np.einsum("ii...->i...", G)
+    if np.any(dg <= 0):
+        zero = np.flatnonzero(np.atleast_1d(dg <= 0).reshape(len(dg), -1).any(1)).tolist()
+        raise ValueError(f"similarity_matrix: models {zero} have norm zero; similarity is "
+                         f"undefined")
+    return np.clip(G / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1.0, 1.0)

@@ -1,5 +1,5 @@
 """Sequence models through the public API (ta.inner / ta.similarity dispatch to
-tensoralg.attention), checked against verify's independent brute-force expansion."""
+tensoralg.strategies), checked against verify's independent brute-force expansion."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg import attention
+from tensoralg.strategies import wick_terms
+from tensoralg.strategies import montecarlo as MC
 
 
 def _attn_model(rng, d=2, heads=1, d_head=2, out=2, residual=True):
@@ -29,7 +30,7 @@ def test_inner_and_similarity_dispatch_to_the_attention_module():
     assert got == want
     assert abs(ta.inner(a, b, n_ctx=2) - float(want)) <= 1e-10 * abs(float(want))
     s = ta.similarity(a, b, n_ctx=2)
-    assert s == pytest.approx(attention.exact_similarity(a, b, n_ctx=2), rel=1e-12)
+    assert s == pytest.approx(wick_terms.exact_similarity(a, b, n_ctx=2), rel=1e-12)
     assert abs(ta.similarity(b, a, n_ctx=2) - s) <= 1e-14
     each = ta.inner(a, b, n_ctx=2, position="each")
     assert np.asarray(each).shape == (2,) and float(np.sum(each)) == pytest.approx(float(want))
@@ -107,7 +108,7 @@ def test_float64_overflow_and_underflow_give_clear_errors():
 
 
 def test_montecarlo_similarity_pairs_equals_the_per_pair_estimator():
-    """attention.montecarlo_similarity_pairs (one shared set of directions, every pair with
+    """montecarlo_similarity_pairs (one shared set of directions, every pair with
     its verdict) gives each pair what montecarlo_similarity gives it with the same seed and
     n_samples (the same directions; sums grouped differently, so rounding only), on two-layer
     models (degree 25) and one-layer ones; refuses fewer than two models."""
@@ -116,11 +117,11 @@ def test_montecarlo_similarity_pairs_equals_the_per_pair_estimator():
     two = [ta.Sequential([ta.Residual(m.layers[0].inner), ta.Residual(m.layers[0].inner),
                           m.layers[1]]) for m in one]
     for models in (one, two):
-        got = attention.montecarlo_similarity_pairs(models, n_ctx=2, n_samples=400, seed=7,
+        got = MC.montecarlo_similarity_pairs(models, n_ctx=2, n_samples=400, seed=7,
                                                     chunk=7)
         assert sorted(got) == [(0, 1), (0, 2), (1, 2)]
         for (i, j), e in got.items():
-            want = attention.montecarlo_similarity(models[i], models[j], n_ctx=2,
+            want = MC.montecarlo_similarity(models[i], models[j], n_ctx=2,
                                                    n_samples=400, seed=7)
             assert float(e) == pytest.approx(float(want), rel=1e-10)
             assert e.stderr == pytest.approx(want.stderr, rel=1e-10)
@@ -131,4 +132,4 @@ def test_montecarlo_similarity_pairs_equals_the_per_pair_estimator():
             for k, v in want.diagnostics.lower_bounds.items():
                 assert e.diagnostics.lower_bounds[k] == pytest.approx(v, rel=1e-10)
     with pytest.raises(ValueError, match="models: expected at least two"):
-        attention.montecarlo_similarity_pairs(one[:1], n_ctx=2)
+        MC.montecarlo_similarity_pairs(one[:1], n_ctx=2)

@@ -1,5 +1,5 @@
 """Gaussian closure over (position, feature) second moments for sequence models
-(tensoralg.attention.closure_inner): exact at depth 1 (checked against the exact strategy,
+(tensoralg.closure.closure_inner): exact at depth 1 (checked against the exact strategy,
 itself checked against verify's brute force in test_attention_exact.py), approximate deeper."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg import attention
+from tensoralg.strategies import closure, executor, wick_terms
 
 
 _ALL_BIASES = ("q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias")
@@ -37,11 +37,11 @@ def test_closure_equals_exact_at_depth_one_without_biases():
                        ta.Linear(rng.standard_normal((2, d)))])
     b = ta.Sequential([_attn(rng, d, 1, mask="none"), ta.Linear(rng.standard_normal((2, d)))])
     for x, y in ((a, b), (a, a), (b, b), (b, a)):
-        want = attention.exact_inner(x, y, n_ctx=3)
-        assert _rel(attention.closure_inner(x, y, n_ctx=3), want) <= 1e-10
-    s = attention.closure_similarity(a, b, n_ctx=3)
-    assert _rel(s, attention.exact_similarity(a, b, n_ctx=3)) <= 1e-10
-    assert abs(attention.closure_similarity(b, a, n_ctx=3) - s) <= 1e-14
+        want = wick_terms.exact_inner(x, y, n_ctx=3)
+        assert _rel(closure.closure_inner(x, y, n_ctx=3), want) <= 1e-10
+    s = closure.closure_similarity(a, b, n_ctx=3)
+    assert _rel(s, wick_terms.exact_similarity(a, b, n_ctx=3)) <= 1e-10
+    assert abs(closure.closure_similarity(b, a, n_ctx=3) - s) <= 1e-14
 
 
 # Every bias (and an embedding bias) makes every leg cappable: 9 496 matchings per attention
@@ -61,8 +61,8 @@ def test_closure_equals_exact_at_depth_one_with_biases_rope_mask_and_slices(bias
     b = ta.Sequential([ta.Residual(_attn(rng, d, 1, bias=True if every else biases[::-1])),
                        ta.Linear(rng.standard_normal((2, d)))])
     for kw in (dict(position=1, output=[0.5, -2.0]), dict(position="each", output="each")):
-        want = np.asarray(attention.exact_inner(a, b, n_ctx=n, **kw), dtype=np.float64)
-        got = np.asarray(attention.closure_inner(a, b, n_ctx=n, **kw))
+        want = np.asarray(wick_terms.exact_inner(a, b, n_ctx=n, **kw), dtype=np.float64)
+        got = np.asarray(closure.closure_inner(a, b, n_ctx=n, **kw))
         assert got.shape == want.shape
         assert np.all(np.abs(got - want) <= 1e-10 * np.abs(want).max())
 
@@ -80,8 +80,8 @@ def test_a_second_layer_that_writes_nothing_keeps_the_depth_one_value():
     U = ta.Linear(rng.standard_normal((2, d)), rng.standard_normal(2))
     one = ta.Sequential([ta.Residual(at1), U])
     deep = ta.Sequential([ta.Residual(at1), ta.Residual(silent), U])
-    want = attention.exact_inner(one, one, n_ctx=3)
-    assert _rel(attention.closure_inner(deep, one, n_ctx=3), want) <= 1e-10
+    want = wick_terms.exact_inner(one, one, n_ctx=3)
+    assert _rel(closure.closure_inner(deep, one, n_ctx=3), want) <= 1e-10
 
 
 def test_closure_through_the_public_api_at_depth_two():
@@ -94,14 +94,14 @@ def test_closure_through_the_public_api_at_depth_two():
                        match="method='closure' \\(the moment-closure similarity: APPROXIMATE"):
         ta.similarity(a, b, n_ctx=2)
     s = ta.similarity(a, b, n_ctx=2, method="closure")
-    assert s == attention.closure_similarity(a, b, n_ctx=2)
+    assert s == closure.closure_similarity(a, b, n_ctx=2)
     assert abs(ta.similarity(b, a, n_ctx=2, method="closure") - s) <= 1e-14
     assert abs(s) <= 1 + 1e-12
     assert ta.similarity(a, a, n_ctx=2, method="closure") == pytest.approx(1.0, abs=1e-12)
-    assert ta.inner(a, b, n_ctx=2, method="closure") == attention.closure_inner(a, b, n_ctx=2)
+    assert ta.inner(a, b, n_ctx=2, method="closure") == closure.closure_inner(a, b, n_ctx=2)
     # b is depth 1: its closure norm is exact
     assert _rel(ta.inner(b, b, n_ctx=2, method="closure"),
-                attention.exact_inner(b, b, n_ctx=2)) <= 1e-10
+                wick_terms.exact_inner(b, b, n_ctx=2)) <= 1e-10
 
 
 def test_closure_bad_input_is_refused_before_work():
@@ -114,13 +114,13 @@ def test_closure_bad_input_is_refused_before_work():
     two = ta.Sequential([ta.Residual(ta.Sequential([at, bil])),
                          ta.Linear(rng.standard_normal((2, d)))])
     with pytest.raises(ValueError, match="Residual block holding 2 non-linear layers"):
-        attention.closure_inner(two, a, n_ctx=2)
+        closure.closure_inner(two, a, n_ctx=2)
     with pytest.raises(ValueError, match="closure' for sequence models runs in float64"):
         ta.similarity(a, a, n_ctx=2, method="closure", backend="exact")
     with pytest.raises(ValueError, match="position: expected"):
-        attention.closure_inner(a, a, n_ctx=2, position=5)
+        closure.closure_inner(a, a, n_ctx=2, position=5)
     with pytest.raises(ValueError, match="n_ctx: required"):
-        attention.closure_inner(a, a)
+        closure.closure_inner(a, a)
 
 
 # ---- the fast closure (chaos form, readout at the last stage) against the previous
@@ -174,7 +174,7 @@ def test_fast_closure_equals_the_previous_implementation_at_depth_two(case):
     from _closure_oracle import _closure_triple as old_triple
 
     _, a, b, kw, n = case
-    new = attention.closure_triple(a, b, n_ctx=n, output=kw.get("output"),
+    new = closure.closure_triple(a, b, n_ctx=n, output=kw.get("output"),
                                    position=kw.get("position"))
     old = old_triple(a, b, n, kw.get("output"), kw.get("position"))
     for x, y in zip(new, old):
@@ -196,28 +196,28 @@ def test_gram_and_similarity_matrix_of_sequence_models():
     assert G.shape == S.shape == (3, 3)
     for i, x in enumerate(models):
         for j, y in enumerate(models):
-            assert _rel(G[i, j], attention.closure_inner(x, y, n_ctx=2)) <= 1e-12
-            assert abs(S[i, j] - attention.closure_similarity(x, y, n_ctx=2)) <= 1e-12
-    each = attention.closure_gram(models, n_ctx=2, position="each", output="each")
+            assert _rel(G[i, j], closure.closure_inner(x, y, n_ctx=2)) <= 1e-12
+            assert abs(S[i, j] - closure.closure_similarity(x, y, n_ctx=2)) <= 1e-12
+    each = closure.closure_gram(models, n_ctx=2, position="each", output="each")
     assert each.shape == (3, 3, 2, 2)
     # same terms summed in another order: float64 rounding only (the 1e-12 used above)
     assert np.allclose(each.sum(axis=(2, 3)), G, rtol=1e-12, atol=0)
     # exact at depth 1: the self terms once per model, the same values as exact_inner
     one = [models[2], ta.Sequential([ta.Residual(_attn(rng, d)), ta.Linear(g(2, d))])]
     E = ta.gram(one, n_ctx=2)
-    assert _rel(E[0, 1], attention.exact_inner(one[0], one[1], n_ctx=2)) <= 1e-12
+    assert _rel(E[0, 1], wick_terms.exact_inner(one[0], one[1], n_ctx=2)) <= 1e-12
     assert _rel(ta.similarity_matrix(one, n_ctx=2)[0, 1],
-                attention.exact_similarity(one[0], one[1], n_ctx=2)) <= 1e-12
+                wick_terms.exact_similarity(one[0], one[1], n_ctx=2)) <= 1e-12
     with pytest.raises(ValueError, match="method='closure' or 'exact'"):
         ta.gram(one, n_ctx=2, method="montecarlo")
     with pytest.raises(ValueError, match="at least one model"):
-        attention.closure_gram([], n_ctx=2)
+        closure.closure_gram([], n_ctx=2)
     # the cross Gram is the off-diagonal block of the Gram of both lists (same operations)
-    X = attention.closure_cross_gram(models[:1], iter(models[1:]), n_ctx=2)
+    X = closure.closure_cross_gram(models[:1], iter(models[1:]), n_ctx=2)
     assert X.shape == (1, 2)
     assert np.array_equal(X, G[:1, 1:])
     with pytest.raises(ValueError, match="both be non-empty"):
-        attention.closure_cross_gram(models, [], n_ctx=2)
+        closure.closure_cross_gram(models, [], n_ctx=2)
 
 
 # ---- backend="torch": the larger contractions in torch float64 (on the CPU here; CUDA when
@@ -226,41 +226,41 @@ def test_gram_and_similarity_matrix_of_sequence_models():
 def test_closure_and_exact_on_the_torch_backend_equal_numpy(monkeypatch):
     pytest.importorskip("torch")
     # every contraction on torch (the default threshold would leave these small ones to numpy)
-    monkeypatch.setattr(attention, "_TORCH_CPU_FLOPS", 0.0)
+    monkeypatch.setattr(executor, "TORCH_CPU_FLOPS", 0.0)
     name, a, b, kw, n = next(c for c in _depth_two_cases() if c[0].startswith("different"))
-    want = attention.closure_inner(a, b, n_ctx=n, **kw)
-    got = attention.closure_inner(a, b, n_ctx=n, backend="torch", device="cpu", **kw)
+    want = closure.closure_inner(a, b, n_ctx=n, **kw)
+    got = closure.closure_inner(a, b, n_ctx=n, backend="torch", device="cpu", **kw)
     assert got.shape == want.shape
     # sums of the same products in another grouping: a few ulps of the largest term
     assert np.all(np.abs(got - want) <= 1e-12 * np.abs(want).max())
     models = [a, b]
-    G = attention.closure_gram(models, n_ctx=n, backend="torch", device="cpu")
+    G = closure.closure_gram(models, n_ctx=n, backend="torch", device="cpu")
     # the same sums, grouped differently by torch's matmul: rounding only, as for the inner
-    assert np.allclose(G, attention.closure_gram(models, n_ctx=n), rtol=1e-12, atol=0)
-    X = attention.closure_cross_gram([a], [b], n_ctx=n, backend="torch", device="cpu")
+    assert np.allclose(G, closure.closure_gram(models, n_ctx=n), rtol=1e-12, atol=0)
+    X = closure.closure_cross_gram([a], [b], n_ctx=n, backend="torch", device="cpu")
     assert _rel(X[0, 0], G[0, 1]) <= 1e-12
     rng = np.random.default_rng(3)
     one = [ta.Sequential([ta.Residual(_attn(rng, 2, 2, bias=True)),
                           ta.Linear(rng.standard_normal((2, 2)))]) for _ in range(2)]
-    e_np = attention.exact_inner(one[0], one[1], n_ctx=3)
-    e_t = attention.exact_inner(one[0], one[1], n_ctx=3, backend="torch", device="cpu")
+    e_np = wick_terms.exact_inner(one[0], one[1], n_ctx=3)
+    e_t = wick_terms.exact_inner(one[0], one[1], n_ctx=3, backend="torch", device="cpu")
     assert _rel(e_t, e_np) <= 1e-12
     # the context is per call: numpy again afterwards
-    assert getattr(attention._TORCH, "exec", None) is None
+    assert getattr(executor.TORCH, "exec", None) is None
 
 
 def test_closure_backend_and_device_are_checked_before_any_work():
     rng = np.random.default_rng(4)
     a = ta.Sequential([ta.Residual(_attn(rng, 2)), ta.Linear(rng.standard_normal((2, 2)))])
     with pytest.raises(ValueError, match="backend: .*'numpy' or 'torch', got 'jax'"):
-        attention.closure_inner(a, a, n_ctx=2, backend="jax")
+        closure.closure_inner(a, a, n_ctx=2, backend="jax")
     with pytest.raises(ValueError, match="device: only backend='torch'"):
-        attention.closure_similarity(a, a, n_ctx=2, device="cpu")
+        closure.closure_similarity(a, a, n_ctx=2, device="cpu")
     with pytest.raises(ValueError, match="device: only backend='torch'"):
-        attention.exact_inner(a, a, n_ctx=2, backend="exact", device="cpu")
+        wick_terms.exact_inner(a, a, n_ctx=2, backend="exact", device="cpu")
     with pytest.raises(ValueError, match="device: unknown torch device"):
-        attention.closure_gram([a], n_ctx=2, backend="torch", device="tpu:7")
+        closure.closure_gram([a], n_ctx=2, backend="torch", device="tpu:7")
     import torch
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
-            attention.closure_inner(a, a, n_ctx=2, backend="torch", device="cuda")
+            closure.closure_inner(a, a, n_ctx=2, backend="torch", device="cuda")

@@ -11,7 +11,8 @@ import sympy as sp
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tensoralg as ta
-from tensoralg import attention as A
+from tensoralg.strategies import wick_terms as A
+from tensoralg.strategies import montecarlo as MC
 from verify.attention import expand_sequence, sequence_inner_exact
 
 
@@ -60,7 +61,7 @@ def test_brute_force_agrees_with_monte_carlo():
     a = attn(rng, rope=10.0, residual=True)
     b = attn(rng, H=2, residual=True)
     exact = float(sequence_inner_exact(a, b, 2))
-    mc = A.montecarlo_inner(a, b, n_ctx=2, n_samples=200_000, seed=3)
+    mc = MC.montecarlo_inner(a, b, n_ctx=2, n_samples=200_000, seed=3)
     assert abs(float(mc) - exact) <= 4 * mc.stderr
 
 
@@ -205,7 +206,7 @@ def test_monte_carlo_within_four_standard_errors():
     a = attn(rng, H=2, residual=True, rope=10.0)
     b = attn(rng, residual=True, mask="none")
     exact = A.exact_inner(a, b, n_ctx=2)
-    mc = A.montecarlo_inner(a, b, n_ctx=2, n_samples=100_000, seed=1)
+    mc = MC.montecarlo_inner(a, b, n_ctx=2, n_samples=100_000, seed=1)
     assert mc.stderr > 0 and abs(float(mc) - exact) <= 4 * mc.stderr
 
 
@@ -239,7 +240,7 @@ def test_errors_before_any_contraction():
     with pytest.raises(ValueError, match="backend"):
         A.exact_inner(a, a, n_ctx=2, backend="torch-ish")
     with pytest.raises(ValueError, match="n_samples"):
-        A.montecarlo_inner(a, a, n_ctx=2, n_samples=3)
+        MC.montecarlo_inner(a, a, n_ctx=2, n_samples=3)
 
 
 def test_head_gram_sums_to_the_attention_term_and_matches_brute_force():

@@ -1,4 +1,4 @@
-"""The exact attention path's memory estimate (attention.chaos_memory_bytes, a dry run) against
+"""The exact attention path's memory estimate (wick_terms.chaos_memory_bytes, a dry run) against
 tracemalloc's measured peak, and the refusal it drives in exact_inner and plan."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg import attention as A
+from tensoralg.strategies import wick_terms as A
 from tensoralg.strategies import wick_terms
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg import attention as A
+from tensoralg.strategies import wick_terms as A
 from tensoralg import canonical
 from tensoralg.strategies import wick_terms
 from verify.attention import sequence_inner_exact

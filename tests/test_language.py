@@ -250,7 +250,7 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     against an independent closure call on the saved checkpoints, the closure labelled
     approximate in the table, and a Monte Carlo check whose verdict matches its own z values
     (z only where the Monte Carlo estimate is reliable)."""
-    from tensoralg import attention
+    from tensoralg.strategies import closure, wick_terms
     from tensoralg.audit.language import Z_DISAGREE, LanguageConfig, language_table
 
     assert LanguageConfig().n_layers == 2 and LanguageConfig.quick().n_layers == 2
@@ -269,7 +269,7 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     a, _ = load_checkpoint(out / "checkpoints" / "step_000000")
     b, _ = load_checkpoint(out / "checkpoints" / "step_000020")
     assert a.config()["n_layers"] == 2
-    assert S[0, 2] == pytest.approx(attention.closure_similarity(a.to_network(), b.to_network(),
+    assert S[0, 2] == pytest.approx(closure.closure_similarity(a.to_network(), b.to_network(),
                                                                  n_ctx=4), rel=1e-10)
     mc = js["montecarlo_check"]
     assert len(mc) == 1 and mc[0]["stderr"] > 0 and "closure" in mc[0]
@@ -296,7 +296,7 @@ def test_tiny_audit_default_two_layers_is_monte_carlo_with_verdicts(tiny_default
     on the saved checkpoints (same seed and directions) exactly when its diagnostics call it
     reliable, and blank (no reliable estimate, with the reason and certified lower bounds)
     otherwise; the closure is beside it, labelled approximate, equal to closure_similarity."""
-    from tensoralg import attention
+    from tensoralg.strategies import closure, wick_terms
     from tensoralg.audit.language import CLOSURE_NAME, language_table
 
     result, out = tiny_default_run
@@ -327,7 +327,7 @@ def test_tiny_audit_default_two_layers_is_monte_carlo_with_verdicts(tiny_default
             assert r["unreliable_estimate"] == pytest.approx(float(e), rel=1e-10)
             assert r["reason"] and r["certified_lower_bounds"] == pytest.approx(
                 e.diagnostics.lower_bounds, rel=1e-10)
-        want = attention.closure_similarity(nets[i], nets[j], n_ctx=4)
+        want = closure.closure_similarity(nets[i], nets[j], n_ctx=4)
         assert C[i, j] == pytest.approx(want, rel=1e-10) == r[CLOSURE_NAME]
     assert js["tensor_similarity"]["n_reliable"] == sum(r["reliable"] for r in js["pairs"])
     table = language_table(result)
@@ -537,7 +537,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
     """The audit's Monte Carlo check of a pair is ta.similarity(method="montecarlo") on the
     saved checkpoints (same n_samples and seed: the same number, not just a close one) with
     its delta-method standard error; the exact one-layer value lies within 4 of them."""
-    from tensoralg import attention
+    from tensoralg.strategies import closure, wick_terms
 
     result, out = tiny_run
     js = json.loads((out / "language.json").read_text())
@@ -549,7 +549,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
                         n_samples=mc["n_samples"], seed=mc["seed"])
     val = mc["montecarlo"] if mc["reliable"] else mc["unreliable_estimate"]
     assert val == float(est) and mc["stderr"] == est.stderr and mc["reliable"] == est.reliable
-    exact = attention.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
+    exact = wick_terms.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
     assert abs(exact - val) <= 4 * mc["stderr"]
     if mc["reliable"]:
         assert mc["z"] == pytest.approx((mc["exact"] - val) / mc["stderr"])

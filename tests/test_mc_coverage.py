@@ -124,7 +124,8 @@ def _attn_pairs():
     """Three pairs of one-layer attention models (d = 2, n_ctx = 2): heads, biases, RoPE,
     residual, masks varied; similarities between -0.05 and 0.02, so the ratio is not pinned
     near +-1 where its standard error would be tiny."""
-    from tensoralg import attention as A
+    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import montecarlo as MC
 
     def attn(rng, H=1, bias=True, residual=False, **kw):
         W = lambda *s: rng.normal(size=s)  # noqa: E731
@@ -145,12 +146,13 @@ def _attn_pairs():
 
 
 def _sequence_z(n_samples=N_DIR, seeds=SEEDS):
-    from tensoralg import attention as A
+    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import montecarlo as MC
 
     z, se = [], []
     for a, b, exact in _attn_pairs():
         for seed in range(seeds):
-            est = A.montecarlo_similarity(a, b, n_ctx=2, n_samples=n_samples, seed=seed,
+            est = MC.montecarlo_similarity(a, b, n_ctx=2, n_samples=n_samples, seed=seed,
                                           n_batches=2)
             z.append((float(est) - exact) / est.stderr)
             se.append(est.stderr)
@@ -171,10 +173,11 @@ def test_sequence_similarity_through_ta_similarity_carries_the_stderr():
     est = ta.similarity(a, b, n_ctx=2, method="montecarlo", n_samples=N_DIR, seed=5)
     assert isinstance(est, ta.MonteCarloEstimate) and est.n_samples == N_DIR
     assert 0 < est.stderr and abs(float(est) - exact) <= 4 * est.stderr
-    # the same draws as attention.montecarlo_similarity with its default batching
-    from tensoralg import attention as A
+    # the same draws as MC.montecarlo_similarity with its default batching
+    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import montecarlo as MC
 
-    same = A.montecarlo_similarity(a, b, n_ctx=2, n_samples=N_DIR, seed=5)
+    same = MC.montecarlo_similarity(a, b, n_ctx=2, n_samples=N_DIR, seed=5)
     assert float(same) == float(est) and same.stderr == est.stderr
 
 
@@ -214,7 +217,8 @@ def _sequence_inner_z(estimate):
     """|z| of ``estimate(a, b, seed)`` against the exact one-layer inner product (exact Wick
     sum, checked against verify's rational brute force in test_attention_exact), 3 pairs x 100
     seeds."""
-    from tensoralg import attention as A
+    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import montecarlo as MC
 
     z = []
     for a, b, _ in _attn_pairs():
@@ -229,10 +233,11 @@ def test_sequence_inner_stderr_covers():
     """The radial estimator of montecarlo_inner: over 300 runs the exact value lies beyond 3
     standard errors in at most 4 (1.3 %; nominal 0.27 %, i.e. ~0.8 expected: 5 or more has
     probability ~ 1e-2 under the nominal rate) and beyond 2 in at most 24 (as _assert_covers)."""
-    from tensoralg import attention as A
+    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import montecarlo as MC
 
     def radial(a, b, seed):
-        est = A.montecarlo_inner(a, b, n_ctx=2, n_samples=N_DIR, seed=seed, n_batches=2)
+        est = MC.montecarlo_inner(a, b, n_ctx=2, n_samples=N_DIR, seed=seed, n_batches=2)
         return float(est), est.stderr
 
     z = _sequence_inner_z(radial)

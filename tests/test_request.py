@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg import attention as A
+from tensoralg.strategies import wick_terms as A
+from tensoralg.strategies import montecarlo as MC
+from tensoralg.strategies import closure as C
 from tensoralg.request import Request, make_request
 from tensoralg.results import ExactSimilarity
 from verify.attention import sequence_inner_exact
@@ -93,14 +95,14 @@ def test_every_entry_point_gives_the_same_error_before_any_work(kw, msg):
 
 
 def test_sequence_entry_points_give_the_same_error():
-    """The sequence-model functions of tensoralg.attention build the same request."""
+    """The sequence-model functions of tensoralg.strategies (wick_terms, montecarlo, closure) build the same request."""
     calls = {
         "exact_inner": lambda kw: A.exact_inner(U, U, **kw),
         "exact_similarity": lambda kw: A.exact_similarity(U, U, **kw),
-        "closure_inner": lambda kw: A.closure_inner(U, U, **kw),
-        "closure_similarity": lambda kw: A.closure_similarity(U, U, **kw),
-        "montecarlo_inner": lambda kw: A.montecarlo_inner(U, U, **kw),
-        "montecarlo_similarity": lambda kw: A.montecarlo_similarity(U, U, **kw),
+        "closure_inner": lambda kw: C.closure_inner(U, U, **kw),
+        "closure_similarity": lambda kw: C.closure_similarity(U, U, **kw),
+        "montecarlo_inner": lambda kw: MC.montecarlo_inner(U, U, **kw),
+        "montecarlo_similarity": lambda kw: MC.montecarlo_similarity(U, U, **kw),
         "count_configurations": lambda kw: A.count_configurations(U, U, **kw),
         "chaos_memory_bytes": lambda kw: A.chaos_memory_bytes(U, U, **kw),
         "inner": lambda kw: ta.inner(U, U, **kw),

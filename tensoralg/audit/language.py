@@ -805,7 +805,7 @@ def montecarlo_pair_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed
     answer; ``reason``, ``certified_lower_bounds``, the replicates); ``info``:
     what ran, the counts and the seconds.
     """
-    from ..attention import montecarlo_similarity_pairs
+    from ..strategies.montecarlo import montecarlo_similarity_pairs
 
     t0 = time.perf_counter()
     bar = (lambda it: progress(it, "tensor similarity (Monte Carlo)", True)) \

@@ -7,10 +7,13 @@
   many models are one matrix product.
 * :mod:`.wick_terms` — exact: the same Wick sum for terms whose legs carry positions
   (sequence models with one attention layer, docs/mathematics.md §3.7), read from
-  :func:`tensoralg.canonical.sequence_tree`.
+  :func:`tensoralg.canonical.sequence_tree`, and the exact path of sequence models built on it
+  (``exact_inner``, ``exact_gram``, ``head_gram``, cost and memory estimates).
 * :mod:`.executor` — how the terms' contractions run: batched matmul steps, cached paths, torch.
-* :mod:`.closure` — APPROXIMATE beyond depth 1: second-moment propagation (docs/mathematics.md §3.2).
-* :mod:`.montecarlo` — unbiased sampling with standard errors (docs/mathematics.md §3.4).
+* :mod:`.closure` — APPROXIMATE beyond depth 1: second-moment propagation (docs/mathematics.md §3.2),
+  for position-free networks and, over (position, feature), for sequence models.
+* :mod:`.montecarlo` — unbiased sampling with standard errors (docs/mathematics.md §3.4), for both
+  kinds of model.
 
 Each exact strategy estimates its own cost (FLOPs, peak memory) before any work;
 :mod:`tensoralg.planner` chooses between them.
