@@ -222,6 +222,12 @@ def test_errors_before_any_contraction():
     mlp = ta.Sequential([a, ta.Residual(ta.Bilinear(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2))))])
     with pytest.raises(A.AttentionNotSupported, match="layer 1 is Residual"):
         A.exact_inner(mlp, a, n_ctx=2)
+    # the refusal says why, in numbers: a block of degree 10 = 5 * 2 unrolled joins 20 legs,
+    # 19!! = 654,729,075 configurations; two attention layers (degree 25) 50 legs, 49!!
+    with pytest.raises(A.AttentionNotSupported, match=r"join 20 legs \(about 6\.5e\+08 Wick"):
+        A.exact_inner(mlp, a, n_ctx=2)
+    with pytest.raises(A.AttentionNotSupported, match=r"join 50 legs \(about 5\.8e\+31 Wick"):
+        A.exact_inner(a, deep, n_ctx=2)
     with pytest.raises(ValueError, match="neither model holds attention"):
         A.exact_inner(ta.Linear(np.ones((2, 2))), ta.Linear(np.ones((2, 2))), n_ctx=2)
     with pytest.raises(ValueError, match="n_ctx: required"):

@@ -670,11 +670,28 @@ def _attention_core(net: Layer):
     return None
 
 
-def _unsupported(name: str, i: int, what: str) -> AttentionNotSupported:
+def _unsupported(name: str, i: int, what: str, degree: int | None = None
+                 ) -> AttentionNotSupported:
+    """The refusal of a model outside the exact path; ``degree``: the model's polynomial
+    degree when it composes non-linear layers, whose unrolled one-node form (every leg
+    reading the residual stream or an earlier layer's term, :mod:`tensoralg.degree`) has a
+    term of that degree: its pair with itself joins ``2 degree`` legs, ``(2 degree - 1)!!``
+    Wick configurations."""
+    unrolled = ""
+    if degree is not None:
+        n = 2 * degree
+        count = float(math.prod(range(n - 1, 0, -2)))
+        unrolled = (f" Unrolled into one node, its top-degree term paired with itself would "
+                    f"join {n} legs (about {count:.2g} Wick configurations, against "
+                    f"max_configurations={DEFAULT_MAX_CONFIGURATIONS:,}): out of reach; "
+                    f"ta.degree_similarity(a, b, n_ctx=...) computes the lower-degree parts "
+                    f"exactly where they fit (S<=5 of two attention layers, S<=9 of an "
+                    f"attention + MLP block).")
     return AttentionNotSupported(
         f"{name}: the exact attention inner product handles one attention layer (with or "
-        f"without a residual) between per-position Linear layers; layer {i} is {what}. "
-        f"Use method='montecarlo' or method='closure' (approximate) for deeper stacks")
+        f"without a residual) between per-position Linear layers; layer {i} is {what}."
+        f"{unrolled} Use method='montecarlo' or method='closure' (approximate) for deeper "
+        f"stacks")
 
 
 def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> Tree:
@@ -708,10 +725,11 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
         kinds = {t.kind for t in node.terms}
         if kinds <= {"linear"}:
             continue
+        deep = net.degree if seen else None   # a second non-linear layer composes
         if not kinds <= {"linear", "attention"}:
-            raise _unsupported(name, i, type(layers[i]).__name__)
+            raise _unsupported(name, i, type(layers[i]).__name__, deep)
         if seen:
-            raise _unsupported(name, i, "a second attention layer")
+            raise _unsupported(name, i, "a second attention layer", deep)
         seen = True
     tree = tree.folded()
     if len(tree.nodes) != 1 or any(t.kind not in ("linear", "attention")
