@@ -150,3 +150,22 @@ def test_an_unreliable_estimate_never_formats_as_a_number():
     assert str(good) == repr(good) == f"{good}"
     plain = mc.MonteCarloEstimate(0.5, 0.1, 10)
     assert f"{plain:.2f}" == "0.50" and str(plain) == repr(plain)
+
+
+def test_audit_pair_similarity_keeps_the_verdict():
+    """Fresh-eyes tester: the audits' Monte Carlo similarity (audit.common.pair_similarity)
+    dropped the verdict, so the backdoor and forgetting tables printed an unreliable global
+    similarity as a number. It now carries ``global_reliable`` and the table cell (``pm``)
+    says "no reliable estimate"; a reliable one prints as before."""
+    from tensoralg.audit.common import pair_similarity, pm
+
+    f = _needle()
+    g = _needle(seed=1)
+    r = pair_similarity(f, g, "montecarlo", n_samples=600, seed=0)
+    assert r["global_reliable"] is False and r["global_reason"]
+    cell = pm(r["global"], r["global_stderr"])
+    assert cell.startswith("no reliable estimate (") and f"{float(r['global']):.4f}" not in cell
+    r = pair_similarity(ta.Bilinear(np.eye(3), np.eye(3), np.ones((1, 3))),
+                        ta.Bilinear(np.eye(3), np.eye(3), np.ones((1, 3))), "montecarlo",
+                        n_samples=600, seed=0)
+    assert r["global_reliable"] is True and pm(r["global"], r["global_stderr"]).startswith("1.0000 ±")

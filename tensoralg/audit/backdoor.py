@@ -176,6 +176,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         **stamp("audit backdoor", asdict(cfg)),
         "global_similarity": sim["global"],
         "global_similarity_stderr": sim["global_stderr"],
+        "global_similarity_reliable": sim.get("global_reliable"),
         "slice_similarity": {str(c): v for c, v in enumerate(slices)},
         "slice_similarity_stderr": (None if se is None else
                                     {str(c): v for c, v in enumerate(se)}),

@@ -342,7 +342,10 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
     approximation, accurate when the standard error is small against the norms).
 
     Returns ``{"global", "each", "method", "global_stderr", "each_stderr", "n_samples",
-    "seed", "inner_each", "norm2_a_each", "norm2_b_each"}``; the stderr entries,
+    "seed", "inner_each", "norm2_a_each", "norm2_b_each"}`` (Monte Carlo adds
+    ``"global_reliable"`` and ``"global_reason"``: the global estimate's verdict; an unreliable
+    ``"global"`` is the :class:`~tensoralg.MonteCarloEstimate`, which never formats as a
+    number; the per-class slices carry no verdict of their own); the stderr entries,
     ``n_samples`` and ``seed`` are ``None`` and the inner products are present only for
     the deterministic methods. Under ``auto``, an exact computation refused as too costly
     (``CostTooHigh``) is redone by Monte Carlo and ``method`` says so.
@@ -371,7 +374,12 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
         kw = {"method": "montecarlo", "n_samples": n_samples, "seed": seed}
         each = ta.similarity(a, b, output="each", **kw)
         glob = ta.similarity(a, b, **kw)
-        return {"global": float(glob), "each": [float(v) for v in np.asarray(each)],
+        # the global estimate carries its verdict: an unreliable one stays a MonteCarloEstimate
+        # (formatting prints "no reliable estimate (<reason>)", float() still the value)
+        return {"global": glob if glob.reliable is False else float(glob),
+                "global_reliable": glob.reliable,
+                "global_reason": None if glob.diagnostics is None else glob.diagnostics.reason,
+                "each": [float(v) for v in np.asarray(each)],
                 "method": m, "global_stderr": float(glob.stderr),
                 "each_stderr": [float(v) for v in np.ravel(each.stderr)],
                 "n_samples": int(glob.n_samples), "seed": seed,
@@ -447,7 +455,10 @@ def matrix_uncertainty(method: str, n_samples: int, seed: int) -> dict:
 
 
 def pm(value: float, stderr: float | None) -> Any:
-    """``value`` as is (deterministic) or ``"v ± se"`` text for a Monte Carlo estimate."""
+    """``value`` as is (deterministic) or ``"v ± se"`` text for a Monte Carlo estimate; an
+    estimate that failed its diagnostics as ``"no reliable estimate (<reason>)"``."""
+    if getattr(value, "reliable", None) is False:
+        return str(value)
     if stderr is None:
         return value
     return f"{value:.4f} ± {stderr:.1g}" if stderr < 1e-4 else f"{value:.4f} ± {stderr:.4f}"

@@ -199,6 +199,8 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         "global_similarity_to_reference": {lab: s["global"] for lab, s in zip(labels, per_stage)},
         "global_similarity_to_reference_stderr": {lab: s["global_stderr"]
                                                   for lab, s in zip(labels, per_stage)},
+        "global_similarity_to_reference_reliable": {lab: s.get("global_reliable")
+                                                    for lab, s in zip(labels, per_stage)},
         "slice_similarity_to_reference": {lab: {str(c): float(v) for c, v in enumerate(row)}
                                           for lab, row in zip(labels, slices)},
         "slice_similarity_to_reference_stderr": (
