@@ -789,6 +789,8 @@ def test_degree_report_bad_input(tmp_path, capsys):
                     ({"metrics": ()}, "--metrics: expected distinct"),
                     ({"metrics": ("vocab", "vocab")}, "--metrics: expected distinct"),
                     ({"metrics": "vocab"}, "--metrics: expected distinct"),
+                    ({"deep_metrics": ("vocab",), "metrics": ("residual",)},
+                     "--deep-metrics: expected distinct names among --metrics residual"),
                     ({"deep_pairs": 3}, "--deep-pairs: 3 intervals requested, --checkpoints 3"),
                     ({"deep_pairs": -1}, "--deep-pairs: expected a non-negative integer"),
                     ({"degree_samples": 299}, "--degree-samples: expected >= 300.*got 299"),
@@ -799,7 +801,11 @@ def test_degree_report_bad_input(tmp_path, capsys):
     # the sample counts do not matter where nothing is sampled
     LanguageConfig(**{**TINY_DEFAULT, "deep_pairs": 0, "degree_samples": 1}).validate()
     assert not (tmp_path / "o").exists()
+    assert LanguageConfig.quick().deep_metrics == ("heldout",)
+    assert LanguageConfig.quick(metrics=("vocab", "residual")).deep_metrics == ("vocab",)
+    assert LanguageConfig().deep_metrics is None          # the default: every metric
     for args in (["--metrics", "residual,tokens"], ["--deep-pairs", "-1"],
+                 ["--deep-metrics", "vocab,vocab"],
                  ["--degree-samples", "0"]):
         with pytest.raises(SystemExit) as e:
             main(["audit", "language", "--quick", "--out", str(tmp_path / "o")] + args)

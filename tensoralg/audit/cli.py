@@ -199,6 +199,10 @@ def _add_language(asub) -> None:
                    help="degree report: consecutive intervals (the sharpest exact S<=5 ones "
                         "per metric) where S<=9 and the guided full similarity are estimated "
                         "(default 3; 1 with --quick; 0 skips them)")
+    p.add_argument("--deep-metrics", type=_metric_list, default=None,
+                   help="degree report: the metrics under which S<=9 and the guided full "
+                        "similarity are estimated (default: every one of --metrics; heldout "
+                        "with --quick)")
     p.add_argument("--degree-samples", type=positive_int, default=None,
                    help="degree report: Monte Carlo directions of S<=9 per pair (default 1000; "
                         "300 with --quick)")
@@ -244,7 +248,8 @@ def cmd_language(args) -> int:
                      ("checkpoints", "checkpoints"), ("chars", "n_chars"),
                      ("mc_pairs", "mc_pairs"), ("mc_samples", "mc_samples"),
                      ("mc_matrix_samples", "mc_matrix_samples"), ("metrics", "metrics"),
-                     ("deep_pairs", "deep_pairs"), ("degree_samples", "degree_samples"),
+                     ("deep_pairs", "deep_pairs"), ("deep_metrics", "deep_metrics"),
+                     ("degree_samples", "degree_samples"),
                      ("guided_samples", "guided_samples")):
         if getattr(args, opt) is not None:
             kw[key] = getattr(args, opt)

@@ -6,12 +6,20 @@ The experiment (issue 10). An attention-only :class:`~tensoralg.transformer.Bili
 is trained on the character-level corpus of :mod:`tensoralg.corpus` (next-token cross-entropy,
 AdamW). Checkpoints are saved at log-spaced steps. Over all pairs of checkpoints:
 
+Two layers (the default) or more: the **degree report** (:mod:`tensoralg.audit.language_degree`,
+issue 21 item 7): under three input metrics (residual stream ``N(0, I)``, the paper's
+vocabulary-space metric, a covariance matched to the held-out residual stream) the exact
+``S<=1`` and ``S<=5`` matrices over all checkpoints, ``S<=9`` and the guided full similarity
+(Monte Carlo, with verdicts) on the sharpest ``S<=5`` intervals, and per metric and degree
+whether the sharpest transitions line up with n-gram learning. The matrices below are what
+``method`` ``exact`` (one layer, the default there), ``montecarlo`` or ``closure`` compute:
+
 * **tensor similarity** of the residual stream -> logits maps (Gaussian metric on the residual
   stream input, :meth:`BilinearTransformer.to_network`), through the public
   ``tensoralg.similarity_matrix`` when it accepts sequence models and otherwise a loop over
   ``tensoralg.inner`` (self terms once per checkpoint). One layer (``n_layers=1``):
   ``method="exact"``, and a few pairs are re-estimated by Monte Carlo with their standard
-  errors. Two layers (the default) or more, where the exact similarity is out of reach
+  errors. Two layers or more, where the exact similarity is out of reach
   (docs/mathematics.md §3.9): ``method="montecarlo"`` — every pair estimated from one shared
   set of directions (:func:`tensoralg.attention.montecarlo_similarity_pairs`) with its
   reliability verdict; an entry is reported only when reliable, otherwise "no reliable
@@ -65,10 +73,13 @@ Z_DISAGREE = 4.0
 class LanguageConfig:
     """Every parameter of a language audit (all recorded in the JSON).
 
-    Sizes: two attention layers (the issue's model; tensor similarity by Monte Carlo with
-    ``mc_matrix_samples`` shared directions, the moment-closure matrix beside it as a labelled
-    approximation when ``closure``) at d_model 16, n_ctx 8, 2 heads of 4; ``n_layers=1`` gives
-    the exact one-layer audit. ``mc_pairs`` / ``mc_samples``: the Monte Carlo check of an exact
+    Sizes: two attention layers (the issue's model) at d_model 16, n_ctx 8, 2 heads of 4, and
+    the degree report (``metrics``; ``S<=9`` with ``degree_samples`` directions and the guided
+    full similarity with ``guided_samples`` samples on the ``deep_pairs`` sharpest ``S<=5``
+    intervals under each of ``deep_metrics``, None: every metric); ``method="montecarlo"``:
+    tensor similarity by Monte Carlo with ``mc_matrix_samples`` shared directions, the
+    moment-closure matrix beside it as a labelled approximation when ``closure``;
+    ``n_layers=1`` gives the exact one-layer audit. ``mc_pairs`` / ``mc_samples``: the Monte Carlo check of an exact
     or (explicit) closure matrix. Measured times in docs/language.md, also for how far the
     closure is from Monte Carlo on these checkpoints.
     """
@@ -95,6 +106,7 @@ class LanguageConfig:
     closure: bool = True
     metrics: tuple = ("residual", "vocab", "heldout")
     deep_pairs: int = 3
+    deep_metrics: tuple | None = None
     degree_samples: int = 1000
     guided_samples: int = 2000
     seed: int = 0
@@ -105,6 +117,9 @@ class LanguageConfig:
                     mc_samples=4000, mc_matrix_samples=1200, deep_pairs=1, degree_samples=300,
                     guided_samples=1000)
         base.update(kw)
+        if "deep_metrics" not in kw:   # S<=9 and the guided similarity under one metric only
+            ms = tuple(base.get("metrics", cls.metrics))
+            base["deep_metrics"] = ("heldout",) if "heldout" in ms else ms[:1]
         return cls(**base)
 
     def validate(self) -> None:
@@ -150,6 +165,11 @@ class LanguageConfig:
                 any(x not in METRIC_NAMES for x in m) or len(set(m)) != len(m):
             raise ValueError(f"--metrics: expected distinct names from {list(METRIC_NAMES)} "
                              f"(comma-separated), got {m!r}")
+        d = self.deep_metrics
+        if d is not None and (isinstance(d, str) or not isinstance(d, (tuple, list)) or
+                              any(x not in m for x in d) or len(set(d)) != len(d)):
+            raise ValueError(f"--deep-metrics: expected distinct names among --metrics "
+                             f"{','.join(m)} (comma-separated), got {d!r}")
         if self.method == "degree" and self.n_layers < 2:
             raise ValueError(f"--method degree: the degree report is for two or more layers "
                              f"(S<=9 is above a one-layer model's degree 5); --layers "
@@ -162,7 +182,7 @@ class LanguageConfig:
         if self.deep_pairs > self.checkpoints - 1:
             raise ValueError(f"--deep-pairs: {self.deep_pairs} intervals requested, "
                              f"--checkpoints {self.checkpoints} have {self.checkpoints - 1}")
-        if self.resolved_method() == "degree" and self.deep_pairs:
+        if self.resolved_method() == "degree" and self.deep_pairs and self.deep_metrics != ():
             for name in ("degree_samples", "guided_samples"):
                 if getattr(self, name) < 300:
                     raise ValueError(f"--{name.replace('_', '-')}: expected >= 300 (fewer "

@@ -60,6 +60,7 @@ DEGREES = ("S<=1", "S<=5", "S<=9", "full")
 DEGREE_LABELS = {"S<=1": "S<=1 (exact)", "S<=5": "S<=5 (exact)",
                  "S<=9": "S<=9 (Monte Carlo)", "full": "full similarity (guided Monte Carlo)"}
 NO_ESTIMATE = "no reliable estimate"
+NOT_ESTIMATED = "NOT assessed (not estimated under this metric: --deep-metrics, --deep-pairs)"
 
 
 def matrix_name(degree: str, metric: str) -> str:
@@ -221,10 +222,12 @@ def run_metric(metric: str, models: Sequence[Any], steps: Sequence[int], K: np.n
     out["S<=5"] = {"matrix": S5, "exact": True, "how": r5.notes[5],
                    "distribution": r5.distribution,
                    "gram_diagonal": np.diag(r5.gram[5]).tolist()}
-    idx = deep_intervals(S5, cfg.deep_pairs)
+    deep = cfg.deep_metrics is None or metric in cfg.deep_metrics
+    idx = deep_intervals(S5, cfg.deep_pairs) if deep else []
     out["deep_intervals"] = idx
     out["deep_selection"] = (f"the {len(idx)} consecutive intervals with the largest exact "
-                             f"S<=5 change under this metric")
+                             f"S<=5 change under this metric" if deep else
+                             "none: this metric is not among --deep-metrics")
     s9, full = [], []
     t9 = tg = 0.0
     for i in progress(idx, f"S<=9 and guided ({metric})", show_progress):
@@ -361,7 +364,9 @@ def metric_line(head: str, t: dict, fin: dict, extra: str = "") -> str:
             f"{fin['chance_same_interval']:.2f} each), {t['n_sharpest_aligned_with_ngram']} "
             f"within one (chance {fin['chance_within_1_interval']:.2f}), "
             f"{t['n_sharpest_in_top_k_ngram_change']} among the {fin['top_k']} intervals of "
-            f"largest total n-gram change (chance {fin['chance_top_k_ngram']:.2f}); Spearman "
+            f"largest total n-gram change (chance {fin['chance_top_k_ngram']:.2f}), "
+            f"{t['n_sharpest_within_1_of_order_specific']} within one of an order-specific "
+            f"peak (chance {fin['chance_within_1_of_order_specific']:.2f}); Spearman "
             f"with the n-gram change {fmt(t['spearman_with_ngram_change'])} over "
             f"{t['n_intervals_assessed']} intervals{where}")
 
@@ -400,7 +405,10 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
     agreement = {n: [s["agreement"][n] for s in scores] for n in ORDERS}
     fin = transitions_finding(steps, mats, agreement)
 
-    text = ["fastest n-gram agreement gains: " + "; ".join(
+    text = ["order-specific learning (agreement[n] - agreement[n-1]) fastest at: " + "; ".join(
+        f"{n}-gram: {v['steps'][0]}->{v['steps'][1]} (+{v['gain_over_lower_order']:.3f})"
+        for n, v in fin["order_specific_fastest_interval"].items()),
+        "fastest n-gram agreement gains: " + "; ".join(
         f"{n}-gram: steps {v['steps'][0]}->{v['steps'][1]} (+{v['agreement_gain']:.3f})"
         for n, v in fin["ngram_fastest_interval"].items())
         + "; largest total n-gram change: " + ", ".join(
@@ -409,15 +417,22 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
     for metric in cfg.metrics:
         for deg in DEGREES:
             name = matrix_name(deg, metric)
-            extra = ""
-            if deg in ("S<=9", "full"):
-                prs = deep[metric][deg]["pairs"]
-                extra = (f" [estimated on {len(prs)} of {N - 1} intervals (the sharpest S<=5 "
-                         f"ones), reliable on {sum(r['reliable'] for r in prs)}]")
-            text.append(metric_line(f"{DEGREE_LABELS[deg]} under {METRIC_LABELS[metric]}",
-                                    fin["metrics"][name], fin, extra))
+            head = f"{DEGREE_LABELS[deg]} under {METRIC_LABELS[metric]}"
             table[name] = _finding_record(fin, name, deep[metric][deg]["pairs"]
                                           if deg in ("S<=9", "full") else None)
+            if deg in ("S<=1", "S<=5"):
+                text.append(metric_line(head, fin["metrics"][name], fin))
+                continue
+            prs = deep[metric][deg]["pairs"]
+            if not prs:
+                table[name]["verdict"] = NOT_ESTIMATED
+                text.append(f"{head}: {NOT_ESTIMATED}")
+                continue
+            text.append(metric_line(head, fin["metrics"][name], fin, (
+                f" [estimated on {len(prs)} of {N - 1} intervals, those where S<=5 changes "
+                f"most, so its counts below inherit S<=5's selection and the chance levels "
+                f"are those of all {N - 1} intervals; reliable on "
+                f"{sum(r['reliable'] for r in prs)}]")))
     for name in DATA_METRICS:
         text.append(metric_line(f"{name} (data metric)", fin["metrics"][name], fin))
         table[name] = _finding_record(fin, name, None)
@@ -517,6 +532,8 @@ def _finding_record(fin: dict, name: str, pairs) -> dict:
            "n_same_interval_as_fastest_ngram": t["n_sharpest_same_interval_as_ngram"],
            "n_within_1_of_fastest_ngram": t["n_sharpest_aligned_with_ngram"],
            "n_in_top_k_ngram_change": t["n_sharpest_in_top_k_ngram_change"],
+           "n_within_1_of_order_specific": t["n_sharpest_within_1_of_order_specific"],
+           "chance_within_1_of_order_specific": fin["chance_within_1_of_order_specific"],
            "spearman_with_ngram_change": t["spearman_with_ngram_change"],
            "sharpness_max_over_median": t["sharpness_max_over_median"],
            "sharpest": [{"steps": x["steps"], "change": x["change"]} for x in t["sharpest"]],
