@@ -791,13 +791,20 @@ def test_degree_report_bad_input(tmp_path, capsys):
                     ({"metrics": "vocab"}, "--metrics: expected distinct"),
                     ({"deep_metrics": ("vocab",), "metrics": ("residual",)},
                      "--deep-metrics: expected distinct names among --metrics residual"),
-                    ({"deep_pairs": 3}, "--deep-pairs: 3 intervals requested, --checkpoints 3"),
                     ({"deep_pairs": -1}, "--deep-pairs: expected a non-negative integer"),
                     ({"degree_samples": 299}, "--degree-samples: expected >= 300.*got 299"),
                     ({"guided_samples": 10}, "--guided-samples: expected >= 300.*got 10"),
                     ({"method": "degree", "n_layers": 1}, "--method degree: .*two or more")):
         with pytest.raises(ValueError, match=msg):
             run_language(LanguageConfig(**{**TINY_DEFAULT, **kw}), tmp_path / "o")
+    # more deep pairs than intervals: all of them (tensoralg.sae trains with 2 checkpoints)
+    from tensoralg.audit.language_degree import deep_intervals
+
+    LanguageConfig(**{**TINY_DEFAULT, "deep_pairs": 5}).validate()
+    S = np.eye(3)
+    S[0, 1] = S[1, 0] = 0.9
+    S[1, 2] = S[2, 1] = 0.5
+    assert deep_intervals(S, 5) == [1, 0]
     # the sample counts do not matter where nothing is sampled
     LanguageConfig(**{**TINY_DEFAULT, "deep_pairs": 0, "degree_samples": 1}).validate()
     assert not (tmp_path / "o").exists()

@@ -198,7 +198,7 @@ def _add_language(asub) -> None:
     p.add_argument("--deep-pairs", type=nonneg_int, default=None,
                    help="degree report: consecutive intervals (the sharpest exact S<=5 ones "
                         "per metric) where S<=9 and the guided full similarity are estimated "
-                        "(default 3; 1 with --quick; 0 skips them)")
+                        "(default 3; 1 with --quick; 0 skips them; at most all intervals)")
     p.add_argument("--deep-metrics", type=_metric_list, default=None,
                    help="degree report: the metrics under which S<=9 and the guided full "
                         "similarity are estimated (default: every one of --metrics; heldout "

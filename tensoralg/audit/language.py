@@ -179,9 +179,6 @@ class LanguageConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a non-negative "
                                  f"integer, got {v!r}")
-        if self.deep_pairs > self.checkpoints - 1:
-            raise ValueError(f"--deep-pairs: {self.deep_pairs} intervals requested, "
-                             f"--checkpoints {self.checkpoints} have {self.checkpoints - 1}")
         if self.resolved_method() == "degree" and self.deep_pairs and self.deep_metrics != ():
             for name in ("degree_samples", "guided_samples"):
                 if getattr(self, name) < 300:
