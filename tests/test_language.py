@@ -211,13 +211,14 @@ def test_ngram_scores_perfect_model():
 # the audit
 # ---------------------------------------------------------------------------------------
 
-# tiny sizes; the architecture (two attention layers, tensor similarity by Monte Carlo with
-# per-pair verdicts, the moment-closure beside it) is the default unless n_layers
+# tiny sizes; the architecture (two attention layers, the degree report under three metrics)
+# is the default unless n_layers
 TINY_DEFAULT = dict(n_chars=20_480, d_model=4, n_heads=1, d_head=2, n_ctx=4, steps=20,
                     checkpoints=3, batch_size=16, eval_windows=32, mc_pairs=1, mc_samples=300,
-                    mc_matrix_samples=300)
+                    mc_matrix_samples=300, deep_pairs=1, degree_samples=300, guided_samples=300)
 TINY = {**TINY_DEFAULT, "n_layers": 1}     # the exact one-layer audit
 TINY_CLOSURE = {**TINY_DEFAULT, "method": "closure"}   # the closure matrix, asked for
+TINY_MC = {**TINY_DEFAULT, "method": "montecarlo"}     # the radial Monte Carlo matrix
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +235,14 @@ def tiny_default_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("lang2") / "run"
     return run_language(LanguageConfig(**TINY_DEFAULT), out), out
+
+
+@pytest.fixture(scope="module")
+def tiny_mc_run(tmp_path_factory):
+    from tensoralg.audit.language import LanguageConfig, run_language
+
+    out = tmp_path_factory.mktemp("lang4") / "run"
+    return run_language(LanguageConfig(**TINY_MC), out), out
 
 
 @pytest.fixture(scope="module")
@@ -290,8 +299,9 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     assert "tensor_similarity" not in (out / "language_pairs.csv").read_text()
 
 
-def test_tiny_audit_default_two_layers_is_monte_carlo_with_verdicts(tiny_default_run):
-    """The default two-layer audit (issue 21): no closure under the tensor-similarity heading.
+def test_tiny_audit_montecarlo_two_layers_with_verdicts(tiny_mc_run):
+    """The two-layer audit with --method montecarlo (the default from issue 21 until the
+    degree report, item 7): no closure under the tensor-similarity heading.
     Each pair's entry is the Monte Carlo estimate of an independent tensoralg.similarity call
     on the saved checkpoints (same seed and directions) exactly when its diagnostics call it
     reliable, and blank (no reliable estimate, with the reason and certified lower bounds)
@@ -299,7 +309,7 @@ def test_tiny_audit_default_two_layers_is_monte_carlo_with_verdicts(tiny_default
     from tensoralg.strategies import closure, wick_terms
     from tensoralg.audit.language import CLOSURE_NAME, language_table
 
-    result, out = tiny_default_run
+    result, out = tiny_mc_run
     js = json.loads((out / "language.json").read_text())
     assert js["config"]["resolved_method"] == "montecarlo"
     assert js["tensor_similarity"]["label"] == "Monte Carlo, reliable entries only"
@@ -462,10 +472,10 @@ def test_audit_bad_input(tmp_path):
         run_language(LanguageConfig(**{**TINY, "checkpoints": 30}), tmp_path / "o")
     with pytest.raises(ValueError, match="--eval-windows"):
         run_language(LanguageConfig(**{**TINY, "eval_windows": 10_000}), tmp_path / "o")
-    with pytest.raises(ValueError, match="--method exact.*needs --method montecarlo"):
+    with pytest.raises(ValueError, match="--method exact.*needs --method degree.*montecarlo"):
         run_language(LanguageConfig(**{**TINY_DEFAULT, "method": "exact"}), tmp_path / "o")
     with pytest.raises(ValueError, match="--mc-matrix-samples: expected >= 300.*got 299"):
-        run_language(LanguageConfig(**{**TINY_DEFAULT, "mc_matrix_samples": 299}),
+        run_language(LanguageConfig(**{**TINY_MC, "mc_matrix_samples": 299}),
                      tmp_path / "o")
     # the Monte Carlo matrix's sample count does not matter where there is none (one layer)
     LanguageConfig(**{**TINY, "mc_matrix_samples": 299}).validate()
@@ -581,3 +591,231 @@ def test_compare_of_language_checkpoints_defaults_to_fewer_monte_carlo_direction
     r = compare.run_compare(c[0], c[1], methods=("montecarlo",), seed=3)
     assert r["config"]["n_samples"] == 300
     assert r["results"][0]["global_stderr"] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# the degree report (issue 21, item 7): the default at two layers
+# ---------------------------------------------------------------------------------------
+
+def _tiny_transformers(n=3, **kw):
+    args = dict(vocab=7, d_model=3, n_layers=2, n_heads=1, d_head=2, d_mlp=None, n_ctx=3,
+                rope=10.0)
+    args.update(kw)
+    return [_model(seed=s, **args).double().eval() for s in range(n)]
+
+
+def test_degree_report_structure_and_the_three_metrics(tiny_default_run):
+    """The default two-layer run is the degree report: for each of the three metrics the exact
+    S<=1 and S<=5 matrices over all checkpoints, S<=9 and the guided full similarity on the
+    sharpest S<=5 interval, every number with the distribution it used, the finding per
+    metric and degree; the files."""
+    from tensoralg.audit.language import LanguageConfig, language_table
+    from tensoralg.audit.language_degree import DEGREES, METRIC_NAMES, matrix_name
+
+    assert LanguageConfig().resolved_method() == "degree"
+    assert LanguageConfig.quick().resolved_method() == "degree"
+    result, out = tiny_default_run
+    for f in ("language.json", "language.csv", "language_pairs.csv", "language_deep.csv",
+              "language_matrices.png", "language_data_matrices.png", "language_ngrams.png"):
+        assert (out / f).is_file()
+    js = json.loads((out / "language.json").read_text())
+    assert js["report"] == "degree" and js["config"]["resolved_method"] == "degree"
+    assert list(js["metrics_used"]) == list(METRIC_NAMES) == js["config"]["metrics"]
+    used = js["metrics_used"]
+    assert used["residual"]["distribution"] == "N(0, I)" and "residual" in used["residual"]["input"]
+    assert used["vocab"]["distribution"] == "N(0, I)" and "one-hot" in used["vocab"]["input"]
+    hc = js["heldout_covariance"]
+    assert f"K of shape (97, {hc['n_seen']})" in used["heldout"]["distribution"]
+    assert sum(hc["frequencies"]) == pytest.approx(1.0, rel=1e-12)
+    assert len(hc["unseen_token_ids"]) == 97 - hc["n_seen"]
+    for m in METRIC_NAMES:
+        d = js["degree_report"][m]
+        for deg in ("S<=1", "S<=5"):
+            S = np.array(d[deg]["matrix"])
+            assert S.shape == (3, 3) and np.allclose(S, S.T) and np.allclose(np.diag(S), 1)
+            assert d[deg]["exact"] is True and d[deg]["distribution"] == used[m]["distribution"]
+            assert js["matrices"][matrix_name(deg, m)] == d[deg]["matrix"]
+        assert len(d["deep_intervals"]) == 1
+        for deg in ("S<=9", "full"):
+            (r,) = d[deg]["pairs"]
+            assert d[deg]["exact"] is False and r["distribution"] == used[m]["distribution"]
+            assert r["j"] == r["i"] + 1 == d["deep_intervals"][0] + 1
+            assert r["stderr"] > 0 and r["n_samples"] == 300 and "computed_on" in r
+            if r["reliable"]:
+                assert r["value"] is not None and r["unreliable_estimate"] is None
+            else:
+                assert r["value"] is None and isinstance(r["unreliable_estimate"], float)
+                assert r["reason"]
+        for deg in DEGREES:
+            f = js["finding_by_metric"][matrix_name(deg, m)]
+            assert {"verdict", "spearman_with_ngram_change", "n_in_top_k_ngram_change",
+                    "not_lined_up", "chance_top_k_ngram"} <= set(f)
+    assert js["affine_check"]["max_relative_difference_of_gram"] < 1e-10
+    assert all(k in js["times"] for k in ("train_s", "degree_report_s", "total_s", "cpu_s"))
+    assert set(js["times"]["degree_report_by_metric_s"]) == set(METRIC_NAMES)
+    table = language_table(result)
+    assert "S<=9 (MC)" in table and "full (guided MC)" in table and "1-S<=5 hld" in table
+    assert sum(line.startswith("S<=5 (exact) under") for line in js["finding"]) == 3
+
+
+def test_degree_report_never_prints_an_unreliable_number(tiny_default_run):
+    """Wherever an estimate is shown (table, CSV), an unreliable one is "no reliable
+    estimate", never its number; a reliable one is value ± stderr."""
+    from tensoralg.audit.language import language_table
+    from tensoralg.audit.language_degree import NO_ESTIMATE, deep_rows, matrix_name, shown
+
+    result, out = tiny_default_run
+    bad = {"reliable": False, "value": None, "unreliable_estimate": 0.123456, "stderr": 0.01,
+           "reason": "one direction carries 50% of a sum (>= 5%)"}
+    assert shown(bad) == NO_ESTIMATE and "0.12" not in shown(bad)
+    assert shown({**bad, "reliable": True, "value": 0.5}) == "0.5000 ± 0.0100"
+    S = {matrix_name(d, "residual"): np.eye(2) for d in ("S<=1", "S<=5")}
+    deep = {"residual": {"S<=9": {"pairs": [{**bad, "i": 0, "j": 1, "steps": [0, 7]}]},
+                         "full": {"pairs": [{**bad, "i": 0, "j": 1, "steps": [0, 7]}]}}}
+    (row,) = deep_rows(deep, ["residual"], S)
+    assert row[5] == row[7] == NO_ESTIMATE and not any("0.123" in str(c) for c in row)
+    import csv
+
+    js = json.loads((out / "language.json").read_text())
+    rows = list(csv.DictReader((out / "language_deep.csv").open()))
+    lines = language_table(result).splitlines()
+    n = 0
+    for m, d in js["degree_report"].items():
+        for r9, rf in zip(d["S<=9"]["pairs"], d["full"]["pairs"]):
+            (row,) = [x for x in rows if x["metric"] == m and
+                      [int(x["step_i"]), int(x["step_j"])] == r9["steps"]]
+            (line,) = [x for x in lines if x.split()[:2] == [m, f"{r9['steps'][0]}->"
+                                                             f"{r9['steps'][1]}"]]
+            for r, col in ((r9, "S<=9 (Monte Carlo)"), (rf, "full (guided Monte Carlo)")):
+                want = (f"{r['value']:.4f} ± {r['stderr']:.4f}" if r["reliable"]
+                        else NO_ESTIMATE)
+                assert row[col] == want and want in line
+                n += 1
+            assert line.count(NO_ESTIMATE) == (not r9["reliable"]) + (not rf["reliable"])
+    assert n == 6
+
+
+def test_degree_matrix_entries_equal_degree_similarity_on_a_pair(tiny_default_run):
+    """The S<=1 (closed form) and S<=5 (degree_similarity_matrix) entries of each metric equal
+    an independent ta.degree_similarity call on two saved checkpoints (S<=1 there by the DFT
+    of the affine part), the held-out covariance rebuilt from the corpus."""
+    from tensoralg.corpus import load_corpus
+
+    _, out = tiny_default_run
+    js = json.loads((out / "language.json").read_text())
+    a, _ = load_checkpoint(out / "checkpoints" / "step_000001")
+    b, _ = load_checkpoint(out / "checkpoints" / "step_000020")
+    held = load_corpus(TINY_DEFAULT["n_chars"]).held_out
+    p = np.bincount(held, minlength=97) / len(held)
+    seen = p > 0
+    cov = {"residual": None, "vocab": None,
+           "heldout": ta.CovarianceFactor(np.diag(np.sqrt(p))[:, seen])}
+    for m, emb in (("residual", False), ("vocab", True), ("heldout", True)):
+        r = ta.degree_similarity(a.to_network(embedding=emb), b.to_network(embedding=emb),
+                                 n_ctx=4, max_degree=(1, 5), cov=cov[m])
+        assert r.exact(1) and r.exact(5)
+        d = js["degree_report"][m]
+        assert d["S<=1"]["matrix"][1][2] == pytest.approx(float(r[1]), rel=1e-10)
+        assert d["S<=5"]["matrix"][1][2] == pytest.approx(float(r[5]), rel=1e-10)
+        assert r.distribution == d["S<=5"]["distribution"]
+
+
+@pytest.mark.parametrize("metric", ["residual", "vocab", "heldout"])
+def test_affine_gram_equals_the_library(metric):
+    """The closed-form S<=1 Gram (direct path W_U W_E^T K) equals degree_similarity_matrix's
+    (the DFT of the affine part on the basis inputs) for every metric, with an MLP too."""
+    from tensoralg.audit.language_degree import (affine_gram, metric_cov, metric_factor,
+                                                 metric_networks)
+
+    for kw in ({}, {"d_mlp": 4}):
+        models = _tiny_transformers(**kw)
+        p = np.array([0.3, 0.0, 0.1, 0.2, 0.15, 0.25, 0.0])
+        K = np.diag(np.sqrt(p))[:, p > 0]
+        Kf = metric_factor(metric, 7, K)
+        G = affine_gram(models, metric, Kf, 3)
+        lib = ta.degree_similarity_matrix(metric_networks(models, metric), n_ctx=3,
+                                          max_degree=(1,), cov=metric_cov(metric, Kf))
+        np.testing.assert_allclose(G, lib.gram[1], rtol=1e-10, atol=1e-12 * np.abs(G).max())
+
+
+@pytest.mark.parametrize("metric", ["vocab", "heldout"])
+def test_pair_networks_are_an_exact_change_of_variables(metric):
+    """In vocabulary space the pair's networks on their joint input span have the same exact
+    S<=5 Gram as the full one-hot networks under the metric."""
+    from tensoralg.audit.language_degree import (metric_cov, metric_factor, metric_networks,
+                                                 pair_networks)
+
+    a, b = _tiny_transformers(2)
+    p = np.array([0.3, 0.0, 0.1, 0.2, 0.15, 0.25, 0.0])
+    Kf = metric_factor(metric, 7, np.diag(np.sqrt(p))[:, p > 0])
+    na, nb, q = pair_networks(a, b, metric, Kf)
+    assert q == min(6, Kf.shape[1]) and na.in_features == nb.in_features == q
+    red = ta.degree_similarity_matrix([na, nb], n_ctx=3, max_degree=(5,))
+    full = ta.degree_similarity_matrix(metric_networks([a, b], metric), n_ctx=3,
+                                       max_degree=(5,), cov=metric_cov(metric, Kf))
+    np.testing.assert_allclose(red.gram[5], full.gram[5], rtol=1e-10)
+
+
+def test_heldout_factor():
+    from tensoralg.audit.language_degree import heldout_factor
+
+    K, rec = heldout_factor(np.array([0, 2, 2, 3, 0, 2]), 5)
+    np.testing.assert_allclose(K @ K.T, np.diag([2, 0, 3, 1, 0]) / 6, rtol=1e-15)
+    assert K.shape == (5, 3) and rec["unseen_token_ids"] == [1, 4] and rec["singular"]
+    with pytest.raises(ValueError, match="held_out: no tokens"):
+        heldout_factor(np.array([], dtype=int), 5)
+    with pytest.raises(ValueError, match=r"held_out: token ids outside \[0, 5\)"):
+        heldout_factor(np.array([0, 5]), 5)
+
+
+def test_transitions_top_k_ngram_intervals_by_hand():
+    from tensoralg.audit.language import transitions_finding
+
+    steps = [0, 1, 10, 100, 1000]
+    S = np.eye(5)
+    for i in range(4):
+        S[i, i + 1] = S[i + 1, i] = [0.9, 0.5, 0.98, 0.97][i]      # sharpest: 1, then 0
+    agreement = {2: [0.0, 0.05, 0.6, 0.65, 0.9]}                    # changes .05 .55 .05 .25
+    fin = transitions_finding(steps, {"m": S}, agreement, k=2)
+    assert fin["top_k_ngram_change_intervals"] == [1, 3] and fin["chance_top_k_ngram"] == 0.5
+    assert fin["metrics"]["m"]["n_sharpest_in_top_k_ngram_change"] == 1   # 1 yes, 0 no
+
+
+def test_degree_report_bad_input(tmp_path, capsys):
+    from tensoralg.audit.language import LanguageConfig, run_language
+    from tensoralg.cli import main
+
+    for kw, msg in (({"metrics": ("residual", "tokens")}, "--metrics: expected distinct"),
+                    ({"metrics": ()}, "--metrics: expected distinct"),
+                    ({"metrics": ("vocab", "vocab")}, "--metrics: expected distinct"),
+                    ({"metrics": "vocab"}, "--metrics: expected distinct"),
+                    ({"deep_metrics": ("vocab",), "metrics": ("residual",)},
+                     "--deep-metrics: expected distinct names among --metrics residual"),
+                    ({"deep_pairs": -1}, "--deep-pairs: expected a non-negative integer"),
+                    ({"degree_samples": 299}, "--degree-samples: expected >= 300.*got 299"),
+                    ({"guided_samples": 10}, "--guided-samples: expected >= 300.*got 10"),
+                    ({"method": "degree", "n_layers": 1}, "--method degree: .*two or more")):
+        with pytest.raises(ValueError, match=msg):
+            run_language(LanguageConfig(**{**TINY_DEFAULT, **kw}), tmp_path / "o")
+    # more deep pairs than intervals: all of them (tensoralg.sae trains with 2 checkpoints)
+    from tensoralg.audit.language_degree import deep_intervals
+
+    LanguageConfig(**{**TINY_DEFAULT, "deep_pairs": 5}).validate()
+    S = np.eye(3)
+    S[0, 1] = S[1, 0] = 0.9
+    S[1, 2] = S[2, 1] = 0.5
+    assert deep_intervals(S, 5) == [1, 0]
+    # the sample counts do not matter where nothing is sampled
+    LanguageConfig(**{**TINY_DEFAULT, "deep_pairs": 0, "degree_samples": 1}).validate()
+    assert not (tmp_path / "o").exists()
+    assert LanguageConfig.quick().deep_metrics == ("heldout",)
+    assert LanguageConfig.quick(metrics=("vocab", "residual")).deep_metrics == ("vocab",)
+    assert LanguageConfig().deep_metrics is None          # the default: every metric
+    for args in (["--metrics", "residual,tokens"], ["--deep-pairs", "-1"],
+                 ["--deep-metrics", "vocab,vocab"],
+                 ["--degree-samples", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(["audit", "language", "--quick", "--out", str(tmp_path / "o")] + args)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert args[0] in err and "Traceback" not in err

@@ -164,6 +164,18 @@ def add_parsers(sub) -> None:
     m.set_defaults(func=cmd_matrix, own_threads=True)
 
 
+def _metric_list(text: str) -> tuple:
+    """``--metrics``: comma-separated names of the degree report's metrics."""
+    from .language_degree import METRIC_NAMES
+
+    names = tuple(x.strip() for x in text.split(","))
+    if not names or any(x not in METRIC_NAMES for x in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct names from "
+                                         f"{','.join(METRIC_NAMES)}, comma-separated; got "
+                                         f"{text!r}")
+    return names
+
+
 def _add_language(asub) -> None:
     from .language import METHODS as LANG_METHODS
 
@@ -173,12 +185,34 @@ def _add_language(asub) -> None:
                    help="output folder (default runs/language); must be new, empty or an earlier "
                         "run of this audit, which a completed run replaces")
     p.add_argument("--quick", action="store_true",
-                   help="small size: 500 steps, 12 checkpoints, 60k characters (default off)")
+                   help="small size: 500 steps, 10 checkpoints, 60k characters (default off)")
     p.add_argument("--method", choices=LANG_METHODS, default="auto",
-                   help="tensor similarity method (default auto: exact for one layer; Monte "
-                        "Carlo for two or more, every pair with its reliability verdict, the "
-                        "approximate moment-closure beside it as a labelled column; closure: "
-                        "the moment-closure matrix, APPROXIMATE beyond one layer)")
+                   help="tensor similarity method (default auto: exact for one layer; for two "
+                        "or more the degree report: exact S<=1 and S<=5 matrices, S<=9 and the "
+                        "guided full similarity by Monte Carlo with verdicts, under three "
+                        "metrics; montecarlo: every pair by radial Monte Carlo with its "
+                        "verdict, the approximate moment-closure beside it as a labelled "
+                        "column; closure: the moment-closure matrix, APPROXIMATE beyond one "
+                        "layer)")
+    p.add_argument("--metrics", type=_metric_list, default=None,
+                   help="degree report: comma-separated input metrics among residual (N(0, I) "
+                        "on the residual stream), vocab (N(0, I) on one-hot tokens through "
+                        "each checkpoint's embedding), heldout (vocabulary space, covariance "
+                        "the held-out token frequencies) (default all three)")
+    p.add_argument("--deep-pairs", type=nonneg_int, default=None,
+                   help="degree report: consecutive intervals (the sharpest exact S<=5 ones "
+                        "per metric) where S<=9 and the guided full similarity are estimated "
+                        "(default 3; 1 with --quick; 0 skips them; at most all intervals)")
+    p.add_argument("--deep-metrics", type=_metric_list, default=None,
+                   help="degree report: the metrics under which S<=9 and the guided full "
+                        "similarity are estimated (default: every one of --metrics; heldout "
+                        "with --quick)")
+    p.add_argument("--degree-samples", type=positive_int, default=None,
+                   help="degree report: Monte Carlo directions of S<=9 per pair (default 1000; "
+                        "300 with --quick)")
+    p.add_argument("--guided-samples", type=positive_int, default=None,
+                   help="degree report: samples of the guided full similarity per pair "
+                        "(default 2000; 1000 with --quick)")
     p.add_argument("--layers", type=positive_int, default=None,
                    help="attention blocks (default 2, tensor similarity by Monte Carlo; 1 gives "
                         "the exact one-layer audit)")
@@ -189,7 +223,7 @@ def _add_language(asub) -> None:
     p.add_argument("--steps", type=positive_int, default=None,
                    help="training steps (default 3000; 500 with --quick)")
     p.add_argument("--checkpoints", type=positive_int, default=None,
-                   help="checkpoints on the log schedule (default 32; 12 with --quick)")
+                   help="checkpoints on the log schedule (default 32; 10 with --quick)")
     p.add_argument("--chars", type=positive_int, default=None,
                    help="corpus size in characters (default 200000; 60000 with --quick)")
     p.add_argument("--mc-pairs", type=int, default=None,
@@ -217,7 +251,10 @@ def cmd_language(args) -> int:
                      ("d_head", "d_head"), ("n_ctx", "n_ctx"), ("steps", "steps"),
                      ("checkpoints", "checkpoints"), ("chars", "n_chars"),
                      ("mc_pairs", "mc_pairs"), ("mc_samples", "mc_samples"),
-                     ("mc_matrix_samples", "mc_matrix_samples")):
+                     ("mc_matrix_samples", "mc_matrix_samples"), ("metrics", "metrics"),
+                     ("deep_pairs", "deep_pairs"), ("deep_metrics", "deep_metrics"),
+                     ("degree_samples", "degree_samples"),
+                     ("guided_samples", "guided_samples")):
         if getattr(args, opt) is not None:
             kw[key] = getattr(args, opt)
     if args.no_closure:

@@ -6,12 +6,20 @@ The experiment (issue 10). An attention-only :class:`~tensoralg.transformer.Bili
 is trained on the character-level corpus of :mod:`tensoralg.corpus` (next-token cross-entropy,
 AdamW). Checkpoints are saved at log-spaced steps. Over all pairs of checkpoints:
 
+Two layers (the default) or more: the **degree report** (:mod:`tensoralg.audit.language_degree`,
+issue 21 item 7): under three input metrics (residual stream ``N(0, I)``, the paper's
+vocabulary-space metric, a covariance matched to the held-out residual stream) the exact
+``S<=1`` and ``S<=5`` matrices over all checkpoints, ``S<=9`` and the guided full similarity
+(Monte Carlo, with verdicts) on the sharpest ``S<=5`` intervals, and per metric and degree
+whether the sharpest transitions line up with n-gram learning. The matrices below are what
+``method`` ``exact`` (one layer, the default there), ``montecarlo`` or ``closure`` compute:
+
 * **tensor similarity** of the residual stream -> logits maps (Gaussian metric on the residual
   stream input, :meth:`BilinearTransformer.to_network`), through the public
   ``tensoralg.similarity_matrix`` when it accepts sequence models and otherwise a loop over
   ``tensoralg.inner`` (self terms once per checkpoint). One layer (``n_layers=1``):
   ``method="exact"``, and a few pairs are re-estimated by Monte Carlo with their standard
-  errors. Two layers (the default) or more, where the exact similarity is out of reach
+  errors. Two layers or more, where the exact similarity is out of reach
   (docs/mathematics.md §3.9): ``method="montecarlo"`` — every pair estimated from one shared
   set of directions (:func:`tensoralg.attention.montecarlo_similarity_pairs`) with its
   reliability verdict; an entry is reported only when reliable, otherwise "no reliable
@@ -51,15 +59,11 @@ from .grokking import log_schedule  # the same log-spaced checkpoint steps
 from .common import (PATHS_NOTE, format_table, progress, write_csv, write_json,
                      check_output_folder, check_file_writable, staged_output, stamp,
                      write_json_copy)
+from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, N_TRANSITIONS, NGRAM_FIG,  # noqa: F401
+                              ORDERS, PAIRS_CSV, _spearman, consecutive_change,
+                              transitions_finding)
 
-JSON_NAME = "language.json"
-CSV_NAME = "language.csv"
-PAIRS_CSV = "language_pairs.csv"
-MATRIX_FIG = "language_matrices.png"
-NGRAM_FIG = "language_ngrams.png"
-METHODS = ("auto", "exact", "closure", "montecarlo")
-ORDERS = (1, 2, 3, 4)
-N_TRANSITIONS = 3
+METHODS = ("auto", "exact", "closure", "montecarlo", "degree")
 # |z| beyond which the Monte Carlo check reports a disagreement: a Gaussian is beyond 4 with
 # probability 6e-5, so with the default 3 pairs a correct standard error trips it ~2e-4 of the time
 Z_DISAGREE = 4.0
@@ -69,10 +73,13 @@ Z_DISAGREE = 4.0
 class LanguageConfig:
     """Every parameter of a language audit (all recorded in the JSON).
 
-    Sizes: two attention layers (the issue's model; tensor similarity by Monte Carlo with
-    ``mc_matrix_samples`` shared directions, the moment-closure matrix beside it as a labelled
-    approximation when ``closure``) at d_model 16, n_ctx 8, 2 heads of 4; ``n_layers=1`` gives
-    the exact one-layer audit. ``mc_pairs`` / ``mc_samples``: the Monte Carlo check of an exact
+    Sizes: two attention layers (the issue's model) at d_model 16, n_ctx 8, 2 heads of 4, and
+    the degree report (``metrics``; ``S<=9`` with ``degree_samples`` directions and the guided
+    full similarity with ``guided_samples`` samples on the ``deep_pairs`` sharpest ``S<=5``
+    intervals under each of ``deep_metrics``, None: every metric); ``method="montecarlo"``:
+    tensor similarity by Monte Carlo with ``mc_matrix_samples`` shared directions, the
+    moment-closure matrix beside it as a labelled approximation when ``closure``;
+    ``n_layers=1`` gives the exact one-layer audit. ``mc_pairs`` / ``mc_samples``: the Monte Carlo check of an exact
     or (explicit) closure matrix. Measured times in docs/language.md, also for how far the
     closure is from Monte Carlo on these checkpoints.
     """
@@ -97,13 +104,22 @@ class LanguageConfig:
     mc_samples: int = 20_000
     mc_matrix_samples: int = 4000
     closure: bool = True
+    metrics: tuple = ("residual", "vocab", "heldout")
+    deep_pairs: int = 3
+    deep_metrics: tuple | None = None
+    degree_samples: int = 1000
+    guided_samples: int = 2000
     seed: int = 0
 
     @classmethod
     def quick(cls, **kw) -> "LanguageConfig":
-        base = dict(n_chars=60_000, steps=500, checkpoints=12, eval_windows=128, mc_pairs=2,
-                    mc_samples=4000, mc_matrix_samples=1200)
+        base = dict(n_chars=60_000, steps=500, checkpoints=10, eval_windows=128, mc_pairs=2,
+                    mc_samples=4000, mc_matrix_samples=1200, deep_pairs=1, degree_samples=300,
+                    guided_samples=1000)
         base.update(kw)
+        if "deep_metrics" not in kw:   # S<=9 and the guided similarity under one metric only
+            ms = tuple(base.get("metrics", cls.metrics))
+            base["deep_metrics"] = ("heldout",) if "heldout" in ms else ms[:1]
         return cls(**base)
 
     def validate(self) -> None:
@@ -129,9 +145,10 @@ class LanguageConfig:
         if self.method == "exact" and self.n_layers > 1:
             raise ValueError(f"--method exact: the exact similarity of sequence models handles "
                              f"one attention layer; --layers {self.n_layers} needs --method "
-                             f"montecarlo (the default there: estimates with a reliability "
-                             f"verdict) or closure (the moment-closure similarity, APPROXIMATE "
-                             f"beyond depth 1)")
+                             f"degree (the default there: exact S<=1 and S<=5, S<=9 and the "
+                             f"full similarity by Monte Carlo with verdicts), montecarlo "
+                             f"(estimates with a reliability verdict) or closure (the "
+                             f"moment-closure similarity, APPROXIMATE beyond depth 1)")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr: expected a positive finite learning rate, got {self.lr}")
         if not isinstance(self.closure, bool):
@@ -141,6 +158,33 @@ class LanguageConfig:
         if self.mc_samples < 300 and self.mc_pairs:
             raise ValueError(f"--mc-samples: expected >= 300 (fewer directions make the standard "
                              f"error unreliable), got {self.mc_samples}")
+        from .language_degree import METRIC_NAMES
+
+        m = self.metrics
+        if isinstance(m, str) or not isinstance(m, (tuple, list)) or not m or \
+                any(x not in METRIC_NAMES for x in m) or len(set(m)) != len(m):
+            raise ValueError(f"--metrics: expected distinct names from {list(METRIC_NAMES)} "
+                             f"(comma-separated), got {m!r}")
+        d = self.deep_metrics
+        if d is not None and (isinstance(d, str) or not isinstance(d, (tuple, list)) or
+                              any(x not in m for x in d) or len(set(d)) != len(d)):
+            raise ValueError(f"--deep-metrics: expected distinct names among --metrics "
+                             f"{','.join(m)} (comma-separated), got {d!r}")
+        if self.method == "degree" and self.n_layers < 2:
+            raise ValueError(f"--method degree: the degree report is for two or more layers "
+                             f"(S<=9 is above a one-layer model's degree 5); --layers "
+                             f"{self.n_layers} has the exact similarity (--method auto)")
+        for name in ("deep_pairs", "degree_samples", "guided_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')}: expected a non-negative "
+                                 f"integer, got {v!r}")
+        if self.resolved_method() == "degree" and self.deep_pairs and self.deep_metrics != ():
+            for name in ("degree_samples", "guided_samples"):
+                if getattr(self, name) < 300:
+                    raise ValueError(f"--{name.replace('_', '-')}: expected >= 300 (fewer "
+                                     f"directions make the standard error unreliable), got "
+                                     f"{getattr(self, name)}")
         if self.mc_matrix_samples < 300 and self.resolved_method() == "montecarlo":
             raise ValueError(f"--mc-matrix-samples: expected >= 300 (fewer directions make the "
                              f"standard error unreliable), got {self.mc_matrix_samples}")
@@ -151,12 +195,14 @@ class LanguageConfig:
                              f"characters of --chars {self.n_chars}; at most {max_windows}")
 
     def resolved_method(self) -> str:
-        """``auto``: exact for one attention layer; Monte Carlo (with per-pair verdicts) for two
-        or more, where the exact similarity is out of reach — never the closure, which is
-        APPROXIMATE there (docs/mathematics.md §3.9) and runs only when asked for."""
+        """``auto``: exact for one attention layer; for two or more, where the exact
+        similarity is out of reach, the degree report (exact S<=1 and S<=5 matrices, S<=9 and
+        the guided full similarity by Monte Carlo with verdicts, under three metrics:
+        :mod:`tensoralg.audit.language_degree`) — never the closure, which is APPROXIMATE
+        there (docs/mathematics.md §3.9) and runs only when asked for."""
         if self.method != "auto":
             return self.method
-        return "exact" if self.n_layers == 1 else "montecarlo"
+        return "exact" if self.n_layers == 1 else "degree"
 
 
 #: How each method's numbers are labelled wherever they are shown (tables, figures, JSON).
@@ -380,89 +426,6 @@ def montecarlo_similarity_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int
 # transitions and the finding
 # ----------------------------------------------------------------------------------------
 
-def consecutive_change(M: np.ndarray) -> np.ndarray:
-    """``1 - M[i, i+1]`` for consecutive checkpoints, length ``N - 1``."""
-    M = np.asarray(M, dtype=np.float64)
-    return 1.0 - np.array([M[i, i + 1] for i in range(len(M) - 1)])
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float | None:
-    from scipy.stats import spearmanr
-
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    ok = np.isfinite(x) & np.isfinite(y)      # NaN: no reliable estimate for that interval
-    x, y = x[ok], y[ok]
-    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return None
-    return float(spearmanr(x, y).statistic)
-
-
-def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
-                        k: int = N_TRANSITIONS) -> dict:
-    """The numbers behind the finding (module docstring).
-
-    ``mats``: metric name -> ``(N, N)`` matrix (similarity-like, 1 = identical; NaN where a
-    Monte Carlo entry has no reliable estimate: such intervals are left out of the ranking,
-    the median and the correlation); ``agreement``: n -> length-N n-gram agreement curve.
-    Interval ``i`` is between checkpoints ``i`` and ``i + 1``.
-    """
-    steps = list(steps)
-    N = len(steps)
-    dA = {n: np.diff(np.asarray(a, float)) for n, a in agreement.items()}
-    total = np.sum([np.abs(v) for v in dA.values()], axis=0)
-    fastest = {n: int(np.argmax(v)) for n, v in dA.items()}
-    # order-specific learning: what order n adds over order n - 1 (all orders agree on the most
-    # common next characters, so their raw curves jump together early in training)
-    orders = sorted(agreement)
-    dX = {n: np.diff(np.asarray(agreement[n], float) - np.asarray(agreement[p], float))
-          for p, n in zip(orders, orders[1:])}
-    fastest_x = {n: int(np.argmax(v)) for n, v in dX.items()}
-    out: dict = {"intervals": [[steps[i], steps[i + 1]] for i in range(N - 1)],
-                 "ngram_fastest_interval": {n: {"interval": i, "steps": [steps[i], steps[i + 1]],
-                                                "agreement_gain": float(dA[n][i])}
-                                            for n, i in fastest.items()},
-                 "ngram_total_change": total.tolist(), "metrics": {}}
-    for name, M in mats.items():
-        ch = consecutive_change(M)
-        finite = np.flatnonzero(np.isfinite(ch))
-        order = [int(finite[i]) for i in np.argsort(-ch[finite], kind="stable")[:k]]
-        med = float(np.median(ch[finite])) if len(finite) else float("nan")
-        tops = []
-        for i in order:
-            near = sorted(n for n, j in fastest.items() if abs(j - i) <= 1)
-            same = sorted(n for n, j in fastest.items() if j == i)
-            near_x = sorted(n for n, j in fastest_x.items() if abs(j - i) <= 1)
-            tops.append({"interval": i, "steps": [steps[i], steps[i + 1]], "change": float(ch[i]),
-                         "ngram_orders_fastest_same_interval": same,
-                         "ngram_orders_fastest_within_1_interval": near,
-                         "order_specific_fastest_within_1_interval": near_x})
-        out["metrics"][name] = {
-            "change": ch.tolist(),
-            "n_intervals_assessed": int(len(finite)),
-            "sharpest": tops,
-            "sharpness_max_over_median": (float(ch[order[0]] / med) if order and med > 0
-                                          else None),
-            "spearman_with_ngram_change": _spearman(ch, total),
-            "n_sharpest_aligned_with_ngram": sum(bool(t["ngram_orders_fastest_within_1_interval"])
-                                                 for t in tops),
-            "n_sharpest_same_interval_as_ngram": sum(bool(t["ngram_orders_fastest_same_interval"])
-                                                     for t in tops),
-            "n_sharpest_within_1_of_order_specific": sum(
-                bool(t["order_specific_fastest_within_1_interval"]) for t in tops),
-        }
-    # chance level: the fraction of intervals that are within one of some fastest interval
-    n_int = N - 1
-    covered = {j + d for j in fastest.values() for d in (-1, 0, 1) if 0 <= j + d < n_int}
-    out["chance_within_1_interval"] = len(covered) / n_int if n_int else None
-    out["chance_same_interval"] = len(set(fastest.values())) / n_int if n_int else None
-    out["order_specific_fastest_interval"] = {
-        n: {"interval": i, "steps": [steps[i], steps[i + 1]],
-            "gain_over_lower_order": float(dX[n][i])} for n, i in fastest_x.items()}
-    cov_x = {j + d for j in fastest_x.values() for d in (-1, 0, 1) if 0 <= j + d < n_int}
-    out["chance_within_1_of_order_specific"] = len(cov_x) / n_int if n_int else None
-    return out
-
-
 def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
     lines = []
     ts = fin["metrics"]["tensor similarity"]
@@ -629,6 +592,13 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
             cka[i, j] = cka[j, i] = linear_cka(finals[i], finals[j])
             wcos[i, j] = wcos[j, i] = weight_cosine(snaps[i][1], snaps[j][1])
     times["baselines_s"] = time.perf_counter() - t
+    if method == "degree":   # the default at two or more layers (issue 21, item 7)
+        from .language_degree import run_degree_report
+
+        return run_degree_report(cfg, stage, show_progress, dict(
+            corpus=corpus, V=V, snaps=snaps, names=names, steps=steps, hist=hist,
+            scores=scores, out_cos=out_cos, cka=cka, wcos=wcos, times=times, t_all=t_all,
+            cpu_all=cpu_all, model_config=make_model(cfg, V).config()))
 
     nets = [m.to_network() for _, m in snaps]
     pairs: list = []
@@ -892,6 +862,10 @@ def _ngram_figure(path: Path, steps, agreement, fin, label: str = "exact") -> Pa
 
 
 def language_table(result: dict) -> str:
+    if result.get("report") == "degree":
+        from .language_degree import degree_table
+
+        return degree_table(result)
     rows = []
     S = np.asarray(result["matrices"]["tensor similarity"], dtype=float)
     method = result["config"].get("resolved_method", "exact")
