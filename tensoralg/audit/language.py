@@ -21,7 +21,7 @@ whether the sharpest transitions line up with n-gram learning. The matrices belo
   ``method="exact"``, and a few pairs are re-estimated by Monte Carlo with their standard
   errors. Two layers or more, where the exact similarity is out of reach
   (docs/mathematics.md §3.9): ``method="montecarlo"`` — every pair estimated from one shared
-  set of directions (:func:`tensoralg.attention.montecarlo_similarity_pairs`) with its
+  set of directions (:func:`tensoralg.strategies.montecarlo.montecarlo_similarity_pairs`) with its
   reliability verdict; an entry is reported only when reliable, otherwise "no reliable
   estimate" with the reason and the certified lower bounds on the norms. The moment-closure
   similarity (``method="closure"``, APPROXIMATE beyond depth 1: on trained checkpoints far from
@@ -622,7 +622,7 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
     mc = []
     for i, j in _mc_pairs(N, consecutive_change(S), cfg.mc_pairs if method != "montecarlo" else 0):
         # ratio of Monte Carlo means with its delta-method standard error (directions sampled,
-        # radius integrated exactly: tensoralg.attention.montecarlo_similarity)
+        # radius integrated exactly: tensoralg.strategies.montecarlo.montecarlo_similarity)
         e = ta.similarity(nets[i], nets[j], method="montecarlo", n_ctx=cfg.n_ctx,
                           n_samples=cfg.mc_samples, seed=cfg.seed)
         est, se = float(e), float(e.stderr)
@@ -633,7 +633,7 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
                    "reliable": bool(d.reliable), "reason": d.reason,
                    "certified_lower_bounds": d.lower_bounds,
                    "stderr_method": "delta method on the ratio of means of per-direction "
-                                    "products (tensoralg.attention.montecarlo_similarity)",
+                                    "products (tensoralg.strategies.montecarlo.montecarlo_similarity)",
                    "z": ((float(S[i, j]) - est) / se if se > 0 and d.reliable else None),
                    "n_samples": cfg.mc_samples, "seed": cfg.seed})
     times["montecarlo_check_s"] = time.perf_counter() - t
@@ -727,7 +727,7 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
                                        if method == "exact" else
                                        CLOSURE_NOTE if method == "closure" else
                                        "Monte Carlo estimates from one shared set of directions "
-                                       "(tensoralg.attention.montecarlo_similarity_pairs); an "
+                                       "(tensoralg.strategies.montecarlo.montecarlo_similarity_pairs); an "
                                        "entry is in the matrix only when its diagnostics call "
                                        "it reliable (NaN/null otherwise: no reliable estimate, "
                                        "see pairs)")},
@@ -765,7 +765,7 @@ def montecarlo_pair_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed
                            steps: Sequence[int], show_progress: bool = False
                            ) -> tuple[np.ndarray, list, dict]:
     """Every pair's Monte Carlo similarity with its verdict, from one shared set of directions
-    (:func:`tensoralg.attention.montecarlo_similarity_pairs`; each entry equals
+    (:func:`tensoralg.strategies.montecarlo.montecarlo_similarity_pairs`; each entry equals
     ``tensoralg.similarity(a, b, method="montecarlo", n_ctx=n_ctx, n_samples=n_samples,
     seed=seed)`` up to rounding).
 
@@ -799,7 +799,7 @@ def montecarlo_pair_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed
     n_rel = sum(r["reliable"] for r in pairs)
     info = {"method": "montecarlo", "n_ctx": n_ctx, "n_samples": n_samples, "seed": seed,
             "path": "shared-direction radial Monte Carlo with per-pair diagnostics "
-                    "(tensoralg.attention.montecarlo_similarity_pairs)",
+                    "(tensoralg.strategies.montecarlo.montecarlo_similarity_pairs)",
             "n_pairs": len(pairs), "n_reliable": n_rel,
             "n_consecutive_reliable": sum(r["reliable"] for r in pairs if r["j"] == r["i"] + 1),
             "seconds": time.perf_counter() - t0}
