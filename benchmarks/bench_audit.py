@@ -7,7 +7,7 @@
 
 `python benchmarks/bench_audit.py language RUN [--directions 5000] [--seeds 1,2,3] [i:j ...]`:
 the closure against Monte Carlo on the checkpoints of a `tensoralg audit language` run (default
-pairs: those of the run's own Monte Carlo check). Per pair, the closure's raw moments
+pairs: those of the run's own Monte Carlo check, `--method montecarlo` runs; give them otherwise). Per pair, the closure's raw moments
 ``<a,a>, <a,b>, <b,b>`` and similarity, and per seed the radial Monte Carlo estimate
 (``tensoralg.strategies.montecarlo.montecarlo_similarity``'s estimator: directions uniform on the sphere,
 the radius integrated by a Gauss rule exact for the degree) of the same moments, with the share
@@ -74,6 +74,7 @@ def language(argv: list[str]) -> None:
     from tensoralg.strategies import montecarlo as MC
     from tensoralg.strategies import closure as C
     from tensoralg.checkpoint import load_checkpoint
+    from tensoralg.request import make_request
     from tensoralg.strategies.montecarlo import ratio_estimate
 
     ap = argparse.ArgumentParser(prog="bench_audit.py language")
@@ -90,8 +91,11 @@ def language(argv: list[str]) -> None:
     steps = [c["step"] for c in js["checkpoints"]]
     n_ctx = js["config"]["n_ctx"]
     seeds = [int(x) for x in args.seeds.split(",")]
-    pairs = ([tuple(int(v) for v in p.split(":")) for p in args.pairs] or
-             [(r["i"], r["j"]) for r in js["montecarlo_check"]])
+    pairs = [tuple(int(v) for v in p.split(":")) for p in args.pairs] or \
+        [(r["i"], r["j"]) for r in js.get("montecarlo_check") or []]
+    if not pairs:
+        ap.error(f"{run}: no pairs given and the run has no Monte Carlo check (a degree-report "
+                 f"run): pass them as i:j")
     print(f"{run}: {js['config']['n_layers']} layer(s), d_model {js['config']['d_model']}, "
           f"n_ctx {n_ctx}; {args.directions} directions per seed, seeds {seeds}")
     for i, j in pairs:
@@ -104,8 +108,9 @@ def language(argv: list[str]) -> None:
         means = []
         for seed in seeds:
             t = time.perf_counter()
-            draws, n = MC._mc_draws(a, b, n_ctx, args.directions, seed, None, None, 20,
-                                   "bench_audit language", radial=True)
+            req = make_request(method="montecarlo", n_ctx=n_ctx, n_samples=args.directions,
+                               seed=seed)
+            draws, n = MC._mc_draws(req, a, b, 20, "bench_audit language")
             P = np.concatenate([np.stack([MC._per_sample(x, y, None, None).reshape(-1, w.size) @ w
                                           for x, y in ((fa, fb), (fa, fa), (fb, fb))])
                                 for fa, fb, w in draws], axis=1)        # (3, n): ab, aa, bb
