@@ -730,12 +730,21 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     values, method, notes = {}, {}, {}
     exact_ip: dict = {}                # K -> (ab, aa, bb), exact
     prof = [{}, {}]
-    aff = (_affine_part(na, n_ctx), _affine_part(nb, n_ctx))
-    for side, p in enumerate(aff):
-        prof[side][0] = float(np.sum(p[0] ** 2))
-        prof[side][1] = float(np.sum(p[1] ** 2))
-    exact_ip[1] = (_affine_inner(aff[0], aff[1]), _affine_inner(aff[0], aff[0]),
-                   _affine_inner(aff[1], aff[1]))
+    fo = [_unrolled(x, n_ctx, kprof) for x in (na, nb)] if seq else [(None, "")] * 2
+    if fo[0][0] is not None and fo[1][0] is not None:
+        # bias-free: P_0 = 0 and P_1 is the unrolled linear path, contracted exactly
+        t1 = [f.tree({1}) for f, _ in fo]
+        exact_ip[1] = (_tree_inner(t1[0], t1[1], n_ctx), _tree_inner(t1[0], t1[0], n_ctx),
+                       _tree_inner(t1[1], t1[1], n_ctx))
+        for side in (0, 1):
+            prof[side][0], prof[side][1] = 0.0, float(exact_ip[1][1 + side])
+    elif seq:   # with biases: the affine part read by the DFT (position-free: graded, below)
+        aff = (_affine_part(na, n_ctx), _affine_part(nb, n_ctx))
+        for side, p in enumerate(aff):
+            prof[side][0] = float(np.sum(p[0] ** 2))
+            prof[side][1] = float(np.sum(p[1] ** 2))
+        exact_ip[1] = (_affine_inner(aff[0], aff[1]), _affine_inner(aff[0], aff[0]),
+                       _affine_inner(aff[1], aff[1]))
     why = {}
 
     if not seq:
@@ -774,7 +783,6 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                     why[K] = f"exact graded network over budget ({str(exc)[:80]}...)"
         how = "exact: graded network of the canonical chain"
     else:
-        fo = [_unrolled(x, n_ctx, kprof) for x in (na, nb)]
         how = "exact: the paths of degree <= K unrolled into one node (exact attention path)"
         done: dict = {}   # the degrees present below K, per side -> the exact triple
         for K in Ks:
@@ -1002,11 +1010,15 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     if max(Ks) > top:
         raise ValueError(f"max_degree: {max(Ks)} is above the models' largest degree {top}")
     grams, notes = {}, {}
-    if 1 in Ks:
-        aff = [_affine_part(x, n_ctx) for x in nets]
-        grams[1] = np.array([[_affine_inner(p, q) for q in aff] for p in aff])
-        notes[1] = "exact: affine part (P_0 + J X)"
     rest = [K for K in Ks if K != 1]
+    fos = [_unrolled(x, n_ctx, max(Ks)) for x in nets] if seq else []
+    if 1 in Ks:
+        if seq and all(f is not None for f, _ in fos):   # bias-free: the linear path, exactly
+            grams[1] = _tree_gram([f.tree({1}) for f, _ in fos], n_ctx, req.backend, req.device)
+        else:
+            aff = [_affine_part(x, n_ctx) for x in nets]
+            grams[1] = np.array([[_affine_inner(p, q) for q in aff] for p in aff])
+        notes[1] = "exact: affine part (P_0 + J X)"
     if rest and not seq:
         graded = [_graded(x, max(rest)) for x in nets]
         plain = make_request()
@@ -1016,7 +1028,6 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
             grams[K] = np.asarray(engine.gram(plain, parts), dtype=np.float64)
             notes[K] = "exact: graded network of the canonical chain"
     elif rest:
-        fos = [_unrolled(x, n_ctx, max(rest)) for x in nets]
         for K in rest:
             if K >= top and all(dg == top for dg in degs) and any(f is None for f, _ in fos):
                 try:    # with biases: the models themselves (one attention layer)
