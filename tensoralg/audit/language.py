@@ -60,8 +60,8 @@ from .common import (PATHS_NOTE, format_table, progress, write_csv, write_json,
                      check_output_folder, check_file_writable, staged_output, stamp,
                      write_json_copy)
 from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, N_TRANSITIONS, NGRAM_FIG,  # noqa: F401
-                              ORDERS, PAIRS_CSV, _spearman, consecutive_change,
-                              transitions_finding)
+                              NGRAM_DEFINITION, ORDERS, PAIRS_CSV, _spearman,
+                              consecutive_change, transitions_finding)
 
 METHODS = ("auto", "exact", "closure", "montecarlo", "degree")
 # |z| beyond which the Monte Carlo check reports a disagreement: a Gaussian is beyond 4 with
@@ -742,10 +742,7 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
         "montecarlo_check_summary": _mc_summary(mc, method),
         "transitions": fin,
         "finding": text,
-        "ngram_definition": ("agreement[n]: fraction of held-out positions t >= 2 where the "
-                             "model's argmax next token equals the argmax of the corpus n-gram "
-                             "predictor (train-split counts, back-off to shorter contexts when "
-                             "unseen); kl[n] = mean KL(P_n || softmax(logits)) in nats"),
+        "ngram_definition": NGRAM_DEFINITION,
         "times": times,
         "threads": {"torch": torch.get_num_threads(),
                     "note": "torch and BLAS threads as set by --threads (default 1)"},

@@ -15,6 +15,11 @@ MATRIX_FIG = "language_matrices.png"
 NGRAM_FIG = "language_ngrams.png"
 ORDERS = (1, 2, 3, 4)
 N_TRANSITIONS = 3
+#: What the n-gram agreement in every language report's JSON means.
+NGRAM_DEFINITION = ("agreement[n]: fraction of held-out positions t >= 2 where the model's "
+                    "argmax next token equals the argmax of the corpus n-gram predictor "
+                    "(train-split counts, back-off to shorter contexts when unseen); kl[n] = "
+                    "mean KL(P_n || softmax(logits)) in nats")
 
 
 def consecutive_change(M: np.ndarray) -> np.ndarray:

@@ -377,8 +377,8 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
     import torch
 
     from .common import PATHS_NOTE, stamp, write_json
-    from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, NGRAM_FIG, ORDERS,
-                                  PAIRS_CSV, transitions_finding)
+    from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, NGRAM_DEFINITION,
+                                  NGRAM_FIG, ORDERS, PAIRS_CSV, transitions_finding)
     from .plotting import heatmaps
 
     times = c["times"]
@@ -502,10 +502,7 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
         "transitions": fin,
         "finding": text,
         "finding_by_metric": table,
-        "ngram_definition": ("agreement[n]: fraction of held-out positions t >= 2 where the "
-                             "model's argmax next token equals the argmax of the corpus n-gram "
-                             "predictor (train-split counts, back-off to shorter contexts when "
-                             "unseen); kl[n] = mean KL(P_n || softmax(logits)) in nats"),
+        "ngram_definition": NGRAM_DEFINITION,
         "times": times,
         "threads": {"torch": torch.get_num_threads(),
                     "note": "torch and BLAS threads as set by --threads (default 1)"},
