@@ -897,9 +897,12 @@ class DegreeSimilarityMatrix:
 
     def __repr__(self) -> str:
         n = len(next(iter(self.gram.values())))
-        lines = [f"DegreeSimilarityMatrix ({n} models; inputs {self.distribution}; exact)",
-                 f"  note: {self.disclaimer}"]
-        lines += [f"  S<={K}: {self.notes[K]}" for K in self.similarity]
+        lines = [f"DegreeSimilarityMatrix ({n} model{'s' if n != 1 else ''}; inputs "
+                 f"{self.distribution}; exact)", f"  note: {self.disclaimer}"]
+        for K, S in self.similarity.items():
+            lines.append(f"  S<={K} ({self.notes[K]}):")
+            body = np.array2string(S, precision=6, floatmode="fixed", max_line_width=96)
+            lines += ["    " + line for line in body.splitlines()]
         return "\n".join(lines)
 
 
@@ -979,14 +982,16 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         CostTooHigh: a model's own pair over the exact path's budget (before the pairs).
     """
     Ks = _check_max_degree(max_degree)
-    req = make_request(n_ctx=n_ctx, cov=cov, backend=backend, device=device)
-    if req.backend not in ("numpy", "torch"):
+    if not isinstance(backend, str) or backend not in ("numpy", "torch"):
         raise ValueError(f"backend: degree_similarity_matrix runs in float64 on 'numpy' or "
                          f"'torch', got {backend!r}")
-    if isinstance(models, (Layer, str, bytes)) or not hasattr(models, "__len__") or \
-            len(models) == 0:
+    req = make_request(n_ctx=n_ctx, cov=cov, backend=backend, device=device)
+    if isinstance(models, (Layer, str, bytes, dict)) or not hasattr(models, "__iter__"):
         raise ValueError(f"models: expected a non-empty sequence of networks, got "
                          f"{type(models).__name__}")
+    models = list(models)
+    if not models:
+        raise ValueError("models: expected a non-empty sequence of networks, got an empty one")
     nets = [as_network(m, f"models[{i}]") for i, m in enumerate(models)]
     for i, x in enumerate(nets[1:], 1):
         if (x.in_features, x.out_features) != (nets[0].in_features, nets[0].out_features):

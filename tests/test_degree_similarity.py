@@ -409,6 +409,10 @@ def test_matrix_two_attention_layers_against_quadrature():
             assert S[i, j] == pytest.approx(_sim(q), rel=1e-10)
             assert r.gram[K][i, j] == pytest.approx(q[0], rel=1e-10)
     assert "different question" in repr(r)
+    assert f"{S[0, 1]:.6f}" in repr(r)           # the matrices themselves are shown
+    # any iterable of models (a generator here) gives the same matrices
+    assert np.array_equal(ta.degree_similarity_matrix((m for m in ms), n_ctx=2,
+                                                      max_degree=(1, 5))[5], r[5])
 
 
 def test_matrix_position_free_and_one_layer_full():
@@ -427,6 +431,7 @@ def test_matrix_position_free_and_one_layer_full():
 
 @pytest.mark.parametrize("models, kw, match", [
     ([], {}, r"models: expected a non-empty sequence"),
+    ({"a": 1}, {}, r"models: expected a non-empty sequence of networks, got dict"),
     ("two", {}, r"models: expected a non-empty sequence of networks, got str"),
     ([_two_layer(1), _two_layer(2, d_in=3)], {"n_ctx": 2}, r"models\[1\]: 3 inputs"),
     ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": (1, 9)},

@@ -727,7 +727,10 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
             continue
         deep = net.degree if seen else None   # a second non-linear layer composes
         if not kinds <= {"linear", "attention"}:
-            raise _unsupported(name, i, type(layers[i]).__name__, deep)
+            what = type(layers[i]).__name__
+            if isinstance(layers[i], Residual):   # e.g. Residual(Bilinear): a bilinear MLP
+                what += f"({', '.join(type(x).__name__ for x in _flatten_layers(layers[i].inner))})"
+            raise _unsupported(name, i, what, deep)
         if seen:
             raise _unsupported(name, i, "a second attention layer", deep)
         seen = True
