@@ -149,7 +149,8 @@ def test_compare_seed_and_common_options(ckpts, tmp_path):
                      "--json", str(p)]) == 0
         res = json.loads(p.read_text())
         assert res["config"]["seed"] == seed
-        mc.setdefault(seed, []).append(res["results"][0]["global"])
+        r = res["results"][0]   # an unreliable estimate sits under its own name, global null
+        mc.setdefault(seed, []).append(r["global"] if r["reliable"] else r["unreliable_estimate"])
     assert mc[1][0] == mc[1][1] and mc[0][0] != mc[1][0]   # the seed drives the samples
 
 
@@ -280,3 +281,30 @@ def test_a_negative_seed_is_refused_by_the_parser(ckpts, capsys):
         main(["compare", a, b, "--seed", "-1"])
     assert exc.value.code == 2
     assert "--seed: expected an integer >= 0, got -1" in capsys.readouterr().err
+
+
+def test_compare_json_never_stores_an_unreliable_estimate_as_the_answer(ckpts, tmp_path,
+                                                                         monkeypatch):
+    """Fresh-eyes tester: compare's JSON wrote a failed Monte Carlo similarity under "global"
+    (with "reliable": false beside it). The similarity here is a real estimate that failed its
+    diagnostics (the degree-8 needle of tests/test_mc_diagnostics.py, flagged at seed 0); the
+    JSON must carry null as the answer and the value under its own name."""
+    import tensoralg as ta
+
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=48)
+    v /= np.linalg.norm(v)
+    needle = ta.Sequential([ta.Bilinear(v[None], v[None], np.ones((1, 1)))] +
+                           [ta.Bilinear(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))] * 2)
+    failed = ta.inner(needle, needle, method="montecarlo", n_samples=600, seed=0)
+    assert failed.reliable is False
+    real = ta.similarity
+    monkeypatch.setattr(ta, "similarity", lambda *a, **k: failed if k.get("method") ==
+                        "montecarlo" and k.get("output") is None else real(*a, **k))
+    _, (a, b, _) = ckpts
+    p = tmp_path / "c.json"
+    assert main(["compare", a, b, "--methods", "montecarlo", "--metrics", "gaussian",
+                 "--n-samples", "600", "--no-progress", "--json", str(p)]) == 0
+    r = json.loads(p.read_text())["results"][0]
+    assert r["global"] is None and r["reliable"] is False
+    assert r["unreliable_estimate"] == float(failed) and r["diagnostics"]["reason"]

@@ -167,6 +167,9 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
             if getattr(g, "diagnostics", None) is not None:   # Monte Carlo: the verdict
                 d = g.diagnostics
                 entry["reliable"] = bool(d.reliable)
+                if not d.reliable:   # not an answer: kept under its own name, global null
+                    entry["unreliable_estimate"] = entry["global"]
+                    entry["global"] = None
                 entry["diagnostics"] = {"reason": d.reason, "max_share": d.max_share,
                                         "replicates_max_z": d.max_z,
                                         "replicates": [list(x) for x in d.replicates],
