@@ -105,8 +105,8 @@ class BilinearNet(nn.Module):
         for name, value in (("d_in", d_in), ("d_out", d_out), ("d_model", d_model),
                             ("d_hidden", d_hidden), ("n_layers", n_layers)):
             check_positive_int(value, name)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed: expected an integer, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
         dt = torch_dtype(dtype)
         self.hparams = dict(d_in=d_in, d_out=d_out, d_model=d_model, d_hidden=d_hidden,
                             n_layers=n_layers, bias=bool(bias), residual=bool(residual),

@@ -136,8 +136,8 @@ class BilinearTransformer(nn.Module):
         if isinstance(attn_scale, bool) or not isinstance(attn_scale, (int, float)) or \
                 not math.isfinite(attn_scale) or attn_scale <= 0:
             raise ValueError(f"attn_scale: expected a positive finite number, got {attn_scale!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed: expected an integer, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
         dt = torch_dtype(dtype)
         self.hparams = dict(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                             d_head=d_head, d_mlp=d_mlp, n_ctx=n_ctx, rope=rope,

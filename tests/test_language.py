@@ -89,6 +89,9 @@ def test_bad_arguments():
         BilinearTransformer(5, 4, 1, 1, 2, n_ctx=4, attn_scale=0.0)
     with pytest.raises(ValueError, match="n_ctx"):
         BilinearTransformer(5, 4, 1, 1, 2, n_ctx=0)
+    # like every other seed of the library and the CLI (found by a fresh-eyes tester)
+    with pytest.raises(ValueError, match=r"seed: expected an integer >= 0, got -1"):
+        BilinearTransformer(5, 4, 1, 1, 2, n_ctx=4, seed=-1)
 
 
 # ---------------------------------------------------------------------------------------

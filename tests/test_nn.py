@@ -89,6 +89,7 @@ def test_training_is_deterministic_and_learns():
     (dict(d_in=3, d_out=3, n_layers=0), "n_layers"),
     (dict(d_in=3, d_out=3, dtype="float16"), "dtype"),
     (dict(d_in=3, d_out=3, seed=1.5), "seed"),
+    (dict(d_in=3, d_out=3, seed=-1), r"seed: expected an integer >= 0, got -1"),
 ])
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
