@@ -20,6 +20,8 @@ squared; similarity is dimensionless in [-1, 1].
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any, Iterable
 
 import numpy as np
@@ -76,6 +78,21 @@ _DOC_KW = """
             (similarity) a network of norm zero.
         CostTooHigh: an exact computation over budget.
 """
+
+
+_REQUEST_KEYS = tuple(inspect.signature(make_request).parameters)
+
+
+def _request(fn: str, **kwargs) -> Request:
+    """:func:`~tensoralg.request.make_request` for the public function ``fn``: an unknown
+    keyword (a typo) is a TypeError naming ``fn``, the closest option and every option."""
+    bad = [k for k in kwargs if k not in _REQUEST_KEYS]
+    if bad:
+        close = difflib.get_close_matches(bad[0], _REQUEST_KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{fn}() got an unexpected keyword argument {bad[0]!r}{hint}; its "
+                        f"options: {', '.join(_REQUEST_KEYS)}")
+    return make_request(**kwargs)
 
 
 def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
@@ -140,7 +157,8 @@ def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "
     Na*Nb calls). Keywords as :func:`inner` (``strategy``, ``n_samples``, ``seed``, ``device``,
     ``dtype``, the budgets). Returns a float64 array (object array of Fractions with
     backend="exact"; a :class:`MonteCarloArray` with ``.stderr`` for method="montecarlo")."""
-    req = make_request(metric=metric, method=method, backend=backend, output=output, **kwargs)
+    req = _request("cross_gram", metric=metric, method=method, backend=backend, output=output,
+                   **kwargs)
     return engine.cross_gram(req, models_a, models_b)
 
 
@@ -186,7 +204,7 @@ def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str =
     """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` a sympy expression
     (``sqrt`` of a rational), with ``"montecarlo"`` an estimate with a delta-method stderr.
     Keywords as :func:`inner`."""
-    req = make_request(metric=metric, method=method, backend=backend, output=output, **kwargs)
+    req = _request("norm", metric=metric, method=method, backend=backend, output=output, **kwargs)
     return engine.norm(req, a)
 
 
@@ -203,7 +221,7 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
     ``block_size=`` and ``resume=``; the matrix is then computed by :mod:`tensoralg.blocks`
     (docs/distributed.md)."""
     blocked, kw = _split_block_options(kwargs)
-    req = make_request(metric=metric, method=method, backend=backend, output=output, **kw)
+    req = _request("gram", metric=metric, method=method, backend=backend, output=output, **kw)
     if _wants_blocks(blocked):
         return _blocked("gram", req, engine._models_list(models), blocked)
     return engine.gram(req, models)
@@ -216,7 +234,8 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
     ``out=``/``client=``/``workers=``/``block_size=``/``resume=`` as in :func:`gram` (blocked,
     resumable, optionally on Dask). Keywords as :func:`inner`."""
     blocked, kw = _split_block_options(kwargs)
-    req = make_request(metric=metric, method=method, backend=backend, output=output, **kw)
+    req = _request("similarity_matrix", metric=metric, method=method, backend=backend,
+                   output=output, **kw)
     if _wants_blocks(blocked):
         return _blocked("similarity_matrix", req, engine._models_list(models), blocked)
     return engine.similarity_matrix(req, models)
@@ -230,7 +249,7 @@ def inner_diff(a: Any, b: Any, c: Any, **kwargs):
     ``eps * ||a|| (||b|| + ||c||)``). With ``method="montecarlo"`` the per-sample integrand is
     ``f_a . (f_b - f_c)``, so the returned estimate's ``.stderr`` accounts for the correlation
     of the two terms."""
-    return engine.inner_diff(make_request(**kwargs), a, b, c)
+    return engine.inner_diff(_request("inner_diff", **kwargs), a, b, c)
 
 
 def diff_norm(b: Any, c: Any, **kwargs):
@@ -248,7 +267,7 @@ def diff_norm(b: Any, c: Any, **kwargs):
     Raises:
         ValueError: ``proposal="modes"`` with ``output="each"``; radial Monte Carlo of sequence
             models; the errors of :func:`inner`."""
-    return engine.diff_norm(make_request(**kwargs), b, c)
+    return engine.diff_norm(_request("diff_norm", **kwargs), b, c)
 
 
 def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,

@@ -232,3 +232,15 @@ def test_a_remembered_request_never_accepts_an_option_it_would_refuse():
     with pytest.raises(ValueError, match="n_ctx: expected a positive int"):
         make_request(n_ctx=3.0)
     assert make_request(output=1) is make_request(output=1)
+
+
+def test_a_misspelt_keyword_names_the_function_and_the_option_it_meant():
+    """Tester finding: ``diff_norm(a, b, n_sample=...)`` used to fail inside make_request()."""
+    for name, call in ENTRY_POINTS.items():
+        with pytest.raises(TypeError, match="unexpected keyword argument 'n_sample'") as info:
+            call(dict(n_sample=100))
+        text = str(info.value)
+        assert f"{name}()" in text, text
+        assert "make_request" not in text, text
+        if name not in ("inner", "similarity", "plan"):   # explicit signatures: Python's own
+            assert "did you mean 'n_samples'?" in text, text
