@@ -66,7 +66,7 @@ from .canonical import (KEY, OUTPUT, QUERY, Leg, Node, Term, Tree, _lift_rows, c
                         resolve_n_ctx, sequence_tree)
 from .errors import CostTooHigh
 from .layers import Bilinear, Layer, Linear, Sequential, as_network
-from .prepare import check_pair
+from .prepare import check_pair, check_sizes
 from .request import make_request
 from .results import similarity_from
 from .strategies.montecarlo import (MonteCarloEstimate, _verdict, inner_diagnostics,
@@ -704,7 +704,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     req = make_request(method="montecarlo", n_ctx=n_ctx, n_samples=n_samples, seed=seed,
                        cov=cov)
     na, nb = as_network(a, "a"), as_network(b, "b")
-    check_pair(na, nb)
+    check_pair(na, nb, sliceable=False)
     seq = na.is_sequence_model or nb.is_sequence_model
     if seq and any(not x.is_sequence_model and x.degree > 1 for x in (na, nb)):
         raise ValueError("a and b: a sequence model (with attention) compared with a "
@@ -993,12 +993,7 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     if not models:
         raise ValueError("models: expected a non-empty sequence of networks, got an empty one")
     nets = [as_network(m, f"models[{i}]") for i, m in enumerate(models)]
-    for i, x in enumerate(nets[1:], 1):
-        if (x.in_features, x.out_features) != (nets[0].in_features, nets[0].out_features):
-            raise ValueError(f"models[{i}]: {x.in_features} inputs and {x.out_features} "
-                             f"outputs, models[0]: {nets[0].in_features} and "
-                             f"{nets[0].out_features}; every model must read the same x and "
-                             f"give the same outputs")
+    check_sizes(nets[0], nets[1:], "models", offset=1, ref_name="models[0]")
     seq = any(x.is_sequence_model for x in nets)
     if seq:
         bad = [i for i, x in enumerate(nets) if not x.is_sequence_model and x.degree > 1]

@@ -24,14 +24,30 @@ __all__ = ["check_pair", "output_matrix", "networks", "stack_for", "normalize", 
            "PREPARED", "PreparedCache", "check_sequence_pair", "check_sequence_models",
            "check_slices"]
 
-def check_pair(na: Layer, nb: Layer) -> None:
+def check_pair(na: Layer, nb: Layer, sliceable: bool = True) -> None:
+    """Both networks read the same input and give the same outputs. ``sliceable``: the caller
+    takes ``output=`` (the message then offers slicing one output)."""
     if na.in_features != nb.in_features:
         raise ValueError(f"input dimensions differ: a takes {na.in_features} inputs, b takes "
                          f"{nb.in_features}; both networks must read the same x")
     if na.out_features != nb.out_features:
+        hint = "slice one output (output=c or a direction u) or compare" if sliceable else \
+            "compare"
         raise ValueError(f"output dimensions differ: a gives {na.out_features} outputs, b gives "
-                         f"{nb.out_features}; slice one output (output=c or a direction u) or "
-                         f"compare networks with the same outputs")
+                         f"{nb.out_features}; {hint} networks with the same outputs")
+
+
+def check_sizes(ref: Layer, others, name: str, offset: int = 0,
+                ref_name: str = "networks[0]") -> None:
+    """Every network of ``others`` (``name[offset]``, ``name[offset + 1]``, ...) reads the
+    inputs and gives the outputs of ``ref`` (``ref_name``)."""
+    for i, n in enumerate(others, start=offset):
+        if n.in_features != ref.in_features:
+            raise ValueError(f"{name}[{i}]: reads {n.in_features} inputs but {ref_name} reads "
+                             f"{ref.in_features}; every network must read the same input")
+        if n.out_features != ref.out_features:
+            raise ValueError(f"{name}[{i}]: has {n.out_features} outputs but {ref_name} has "
+                             f"{ref.out_features}; every network must have the same outputs")
 
 
 def output_matrix(output: Any, O: int, exact: bool) -> tuple[np.ndarray, bool]:

@@ -94,17 +94,6 @@ def _eye(n: int, exact: bool) -> np.ndarray:
     return out
 
 
-def _check_sizes(ref: Layer, others: Sequence[Layer], name: str, offset: int = 0,
-                 ref_name: str = "networks[0]") -> None:
-    for i, n in enumerate(others, start=offset):
-        if n.in_features != ref.in_features:
-            raise ValueError(f"{name}[{i}]: reads {n.in_features} inputs but {ref_name} reads "
-                             f"{ref.in_features}; every network must read the same input")
-        if n.out_features != ref.out_features:
-            raise ValueError(f"{name}[{i}]: has {n.out_features} outputs but {ref_name} has "
-                             f"{ref.out_features}; every network must have the same outputs")
-
-
 def _gram_mixed(nets: Sequence[Layer], metric: str, backend: str, output: Any,
                 on_cost: str = "raise") -> np.ndarray:
     """``G[i, j] = <n_i, n_j>`` with one :func:`tensoralg.cross_gram` call per pair of

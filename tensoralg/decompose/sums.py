@@ -11,7 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
-from ._common import (_arr, _check_sizes, _coef, _eye, _gram_mixed, _output_vector, _type_key,
+from ..prepare import check_sizes as _check_sizes
+from ._common import (_arr, _coef, _eye, _gram_mixed, _output_vector, _type_key,
                       _zeros, bilinear_depth)
 from .spectral import as_bilinear_depth1
 
