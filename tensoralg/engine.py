@@ -488,7 +488,10 @@ def diff_norm(req: Request, b: Any, c: Any):
             _mc_combination(req, [(b, 1.0), (c, -1.0)], [(b, 1.0), (c, -1.0)])
         d = np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
         with np.errstate(divide="ignore", invalid="ignore"):
-            se = np.where(d > 0, np.asarray(d2.stderr) / (2 * d), np.inf)
+            # d = 0 with se(d^2) = 0: the integrand vanished on every sample (so, with
+            # probability 1, identically: a polynomial); otherwise the delta method
+            se2 = np.asarray(d2.stderr)
+            se = np.where(d > 0, se2 / (2 * d), np.where(se2 == 0, 0.0, np.inf))
         if isinstance(d2, MonteCarloArray):
             return MonteCarloArray(d, se, d2.n_samples)
         return MonteCarloEstimate(float(d), float(se), d2.n_samples, d2.diagnostics)

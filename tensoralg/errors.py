@@ -1,8 +1,23 @@
-"""Exceptions shared across tensoralg."""
+"""Exceptions (and the warning helper) shared across tensoralg."""
 
 from __future__ import annotations
 
-__all__ = ["TrainingDiverged", "CostTooHigh", "AttentionNotSupported"]
+import os
+import sys
+import warnings
+
+__all__ = ["TrainingDiverged", "CostTooHigh", "AttentionNotSupported", "warn_caller"]
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_caller(message: str, category: type = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside the tensoralg package (the
+    user's line), however deep inside the package the warning is raised."""
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class TrainingDiverged(RuntimeError):

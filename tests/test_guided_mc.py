@@ -52,6 +52,29 @@ def test_diff_norm_agrees_with_exact(depth):
     assert 0 < d.diagnostics.lower_bounds["||b - c||^2"] <= exact ** 2
 
 
+@pytest.mark.parametrize("proposal", ["radial", "modes"])
+def test_the_distance_of_a_model_to_itself_is_a_reliable_zero(proposal):
+    """``||b - b||``: the integrand is zero on every sample, so the estimate is 0 ± 0 and
+    reliable (a non-zero polynomial vanishes on a null set only); it was reported NOT reliable
+    ("one direction carries 100 % of a sum") with an infinite standard error (fresh-eyes
+    tester). A model whose norm is zero still makes a similarity undefined."""
+    b = _bilinear(1, 2)
+    d = ta.diff_norm(b, b, method="montecarlo", proposal=proposal, n_samples=400, seed=0)
+    assert float(d) == 0.0 and d.stderr == 0.0 and d.reliable, repr(d)
+    assert f"{d:.3f}" == "0.000"
+    zero = ta.Sequential([ta.Bilinear(np.zeros((6, 5)), np.ones((6, 5)), np.ones((2, 6)))])
+    with pytest.raises(ValueError, match="sampled norm is zero"):
+        ta.similarity(_bilinear(1), zero, method="montecarlo", proposal=proposal,
+                      n_samples=400, seed=0)
+
+
+def test_the_distance_of_a_sequence_model_to_itself_is_a_reliable_zero():
+    m = ta.BilinearTransformer(7, 6, 2, 2, 2, n_ctx=3, seed=1)
+    d = ta.diff_norm(m, m, method="montecarlo", proposal="modes", n_samples=400, seed=0,
+                     n_ctx=3)
+    assert float(d) == 0.0 and d.stderr == 0.0 and d.reliable, repr(d)
+
+
 def test_diff_norm_of_planted_sequence_models_agrees_with_quadrature(planted):
     """Two planted attention models (norms in rare inputs): guided ``||a - b||`` against the
     Gauss-Hermite oracle's ``sqrt(<a,a> - 2<a,b> + <b,b>)`` (the models read the same

@@ -81,8 +81,14 @@ def test_radial_integral_is_exact(d):
 
 def test_few_directions_warn():
     a, b = _pairs("bilinear", 1)[0]
-    with pytest.warns(RuntimeWarning, match="under-cover"):
-        ta.inner(a, b, method="montecarlo", n_samples=50)
+    for call in (lambda: ta.inner(a, b, method="montecarlo", n_samples=50),
+                 lambda: ta.similarity(a, b, method="montecarlo", n_samples=50),
+                 lambda: ta.diff_norm(a, b, method="montecarlo", n_samples=50)):
+        with pytest.warns(RuntimeWarning, match="under-cover") as record:
+            call()
+        # attributed to the caller's line, not to a line inside tensoralg (tester finding)
+        assert [w.filename for w in record] == [__file__] * len(record), \
+            [w.filename for w in record]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ta.inner(a, b, method="montecarlo", n_samples=N_DIR)

@@ -129,9 +129,13 @@ class MonteCarloEstimate(float):
 
 
 def _share(p: np.ndarray) -> float:
+    """The largest single-sample share ``max |p_i| / sum |p_i|`` of a sum; 0 when every sample
+    is exactly zero: the integrands are polynomials in the input, and a non-zero polynomial
+    vanishes only on a set of measure zero, so a sum that is zero on every sample (of any
+    proposal with a density) is zero with probability 1 (e.g. ``||b - b||``)."""
     a = np.abs(p)
     total = a.sum()
-    return float(a.max() / total) if total > 0 else 1.0
+    return float(a.max() / total) if total > 0 else 0.0
 
 
 def certified_lower_bound(z: np.ndarray, confidence: float = MC_LOWER_BOUND_CONFIDENCE,
@@ -297,12 +301,11 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
 
 def warn_few(n_samples: int) -> None:
     if n_samples < MC_MIN_DIRECTIONS:
-        import warnings
+        from ..errors import warn_caller
 
-        warnings.warn(f"n_samples={n_samples} < {MC_MIN_DIRECTIONS}: the Monte Carlo standard "
-                      f"error may under-cover (measured on depth-2 pairs: at 100 directions the "
-                      f"truth lay beyond 3 SE in 1.3 % of runs instead of 0.27 %)",
-                      RuntimeWarning, stacklevel=4)
+        warn_caller(f"n_samples={n_samples} < {MC_MIN_DIRECTIONS}: the Monte Carlo standard "
+                    f"error may under-cover (measured on depth-2 pairs: at 100 directions the "
+                    f"truth lay beyond 3 SE in 1.3 % of runs instead of 0.27 %)", RuntimeWarning)
 
 
 def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
