@@ -31,3 +31,16 @@ def check_positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return value
+
+
+def check_finite_parameters(module: Any) -> None:
+    """Every parameter of ``module`` is finite; else a ValueError naming the first bad one
+    (its dotted name, e.g. ``attn.0.q1``, shape and count), before anything is exported. The
+    exported network may not read every parameter (``BilinearTransformer.to_network`` leaves
+    the embedding out by default), but a checkpoint holding NaN or inf is corrupt either way."""
+    for name, p in module.named_parameters():
+        bad = int((~torch.isfinite(p.detach())).sum())
+        if bad:
+            raise ValueError(f"{name}: {bad} non-finite (NaN or inf) entries in the "
+                             f"{type(module).__name__} parameter of shape {tuple(p.shape)}; "
+                             f"weights must be finite")

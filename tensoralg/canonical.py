@@ -775,11 +775,15 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
     a sequence model and ``n_ctx`` is None.
 
     Raises:
-        ValueError: ``n_ctx`` not a positive int; masks fixing different lengths; ``n_ctx``
-            that differs from a mask; a sequence model without ``n_ctx`` and no mask fixing it.
+        ValueError: ``n_ctx`` not a positive int; masks fixing different lengths (unless
+            ``n_ctx`` is given and every such mask is causal); ``n_ctx`` that differs from a
+            mask, except a shorter one of a causal mask (the exact prefix model,
+            :meth:`~tensoralg.layers.BilinearAttention.mask_matrix`); a sequence model without
+            ``n_ctx`` and no mask fixing it.
     """
     fixed = {name: m.n_ctx for name, m in models if m.n_ctx is not None}
-    if len(set(fixed.values())) > 1:
+    if len(set(fixed.values())) > 1 and (n_ctx is None or not all(
+            getattr(m, "prefix_ok", False) for name, m in models if name in fixed)):
         shown = ", ".join(f"{k}: n_ctx={v}" for k, v in fixed.items())
         raise ValueError(f"{' and '.join(fixed)}: attention masks fix different sequence "
                          f"lengths ({shown})")
@@ -794,10 +798,14 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 1:
         raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
     notes = {name: getattr(m, "n_ctx_note", "") for name, m in models}
+    prefix = {name: getattr(m, "prefix_ok", False) for name, m in models}
     for name, n in fixed.items():
+        if n_ctx < n and prefix[name]:
+            continue    # the exact prefix model: the masks' leading blocks (mask_matrix)
         if n != n_ctx:
+            why = " (not causal: a shorter context is no prefix of it)" if n_ctx < n else ""
             raise ValueError(f"n_ctx={n_ctx} differs from {name}'s attention mask of shape "
-                             f"({n}, {n}){notes[name]}")
+                             f"({n}, {n}){notes[name] or why}")
     return int(n_ctx)
 
 

@@ -131,7 +131,8 @@ def _numeric(w: np.ndarray, like: Any):
 
 
 def _prepare_input(x: Any, d: int, sequence: bool = False,
-                   n_ctx: int | None = None, note: str = "") -> tuple[Any, bool]:
+                   n_ctx: int | None = None, note: str = "", prefix: bool = False
+                   ) -> tuple[Any, bool]:
     squeeze = False
     if not _is_torch(x):
         x = np.asarray(x)
@@ -141,7 +142,8 @@ def _prepare_input(x: Any, d: int, sequence: bool = False,
         if x.ndim != 3 or x.shape[2] != d:
             raise ValueError(f"x: a network with attention expects a batch of sequences of shape "
                              f"(n, n_ctx, {d}), got {tuple(x.shape)} (one sequence: pass x[None])")
-        if n_ctx is not None and x.shape[1] != n_ctx:
+        # a causal mask reads a shorter sequence as the prefix model (its leading block)
+        if n_ctx is not None and x.shape[1] != n_ctx and not (prefix and x.shape[1] < n_ctx):
             raise ValueError(f"x: has n_ctx={x.shape[1]} positions (shape {tuple(x.shape)}) but the "
                              f"attention mask is ({n_ctx}, {n_ctx}){note}")
         return x, squeeze
@@ -165,7 +167,7 @@ class Layer:
 
     def __call__(self, x: Any) -> Any:
         x, squeeze = _prepare_input(x, self.in_features, self.is_sequence_model, self.n_ctx,
-                                    self.n_ctx_note)
+                                    self.n_ctx_note, self.prefix_ok)
         y = self._forward(x)
         return y[0] if squeeze else y
 
@@ -186,6 +188,16 @@ class Layer:
     def n_ctx(self) -> int | None:
         """The sequence length fixed by an attention mask array; None when any length works."""
         return None
+
+    @property
+    def prefix_ok(self) -> bool:
+        """Whether a context ``n`` shorter than the masks' ``n_ctx`` is this network's exact
+        prefix model: every attention mask is causal (``mask="causal"``, or an array with no
+        non-zero entry above the diagonal; ``"none"`` is not), so positions ``< n`` read
+        positions ``< n`` only and the masks' leading ``(n, n)`` blocks give them. Not for a
+        layer compiled by :func:`tensoralg.from_torch` (its mask was traced at one length; the
+        module may scale by the length, so it says how to compile again: ``n_ctx_note``)."""
+        return True
 
     @property
     def n_ctx_note(self) -> str:
@@ -353,6 +365,10 @@ class Residual(Layer):
         return self.inner.n_ctx
 
     @property
+    def prefix_ok(self) -> bool:
+        return self.inner.prefix_ok
+
+    @property
     def n_ctx_note(self) -> str:
         return self.inner.n_ctx_note
 
@@ -409,6 +425,10 @@ class Sequential(Layer):
     @property
     def n_ctx(self) -> int | None:
         return self._n_ctx
+
+    @property
+    def prefix_ok(self) -> bool:
+        return all(layer.prefix_ok for layer in self.layers)
 
     @property
     def n_ctx_note(self) -> str:
@@ -518,7 +538,11 @@ def as_network(net: Any, name: str = "network") -> Layer:
     if isinstance(net, Layer):
         return net
     if hasattr(net, "to_network") and callable(net.to_network):
-        return as_network(net.to_network(), name)
+        try:
+            exported = net.to_network()
+        except ValueError as exc:   # e.g. a NaN parameter: say which argument holds it
+            raise ValueError(f"{name}: {exc}") from None
+        return as_network(exported, name)
     if isinstance(net, (list, tuple)) and net and all(isinstance(x, Layer) for x in net):
         return Sequential(net)
     if isinstance(net, (list, tuple, dict)):
@@ -694,6 +718,12 @@ class BilinearAttention(Layer):
         return None if isinstance(self.mask, str) else int(self.mask.shape[0])
 
     @property
+    def prefix_ok(self) -> bool:
+        if isinstance(self.mask, str):
+            return self.mask == "causal"
+        return not self.n_ctx_note and not np.any(np.triu(np.asarray(self.mask != 0), 1))
+
+    @property
     def n_ctx_note(self) -> str:
         return getattr(self, "_n_ctx_note", "")
 
@@ -707,12 +737,18 @@ class BilinearAttention(Layer):
     def mask_matrix(self, n_ctx: int) -> np.ndarray:
         """The ``(n_ctx, n_ctx)`` mask (Fractions when the layer is exact, else float64).
 
+        A causal mask array (:attr:`prefix_ok`) longer than ``n_ctx`` gives its leading block: the
+        exact prefix model.
+
         Raises:
-            ValueError: ``n_ctx`` differs from a mask array's size.
+            ValueError: ``n_ctx`` differs from a mask array's size (and is not a shorter prefix
+                of a causal one).
         """
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1:
             raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
         if not isinstance(self.mask, str):
+            if n_ctx < self.mask.shape[0] and self.prefix_ok:
+                return self.mask[:n_ctx, :n_ctx]
             if self.mask.shape[0] != n_ctx:
                 raise ValueError(f"n_ctx={n_ctx} differs from the attention mask of shape "
                                  f"{self.mask.shape}{self.n_ctx_note}")

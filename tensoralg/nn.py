@@ -154,8 +154,14 @@ class BilinearNet(nn.Module):
         ``Sequential([Linear(embed), Bilinear | Residual(Bilinear), ..., Linear(head)])``; the
         float32 weights are widened to float64 exactly, so ``net(x)`` equals ``self.double()(x)``
         up to float64 rounding of the forward pass.
+
+        Raises:
+            ValueError: a parameter with NaN or inf entries (named, e.g. ``blocks.0.left.weight``).
         """
+        from ._torchutil import check_finite_parameters
         from .layers import Linear, Sequential
+
+        check_finite_parameters(self)
 
         def lin(m):
             return Linear(m.weight.detach(), None if m.bias is None else m.bias.detach())

@@ -244,10 +244,13 @@ class BilinearTransformer(nn.Module):
                 the exact prefix model).
 
         Raises:
-            ValueError: ``n_ctx`` not an integer in ``[1, trained n_ctx]``.
+            ValueError: ``n_ctx`` not an integer in ``[1, trained n_ctx]``; a parameter with
+                NaN or inf entries (named, e.g. ``attn.0.q1``), the embedding included.
         """
+        from ._torchutil import check_finite_parameters
         from .layers import Bilinear, BilinearAttention, Linear, Residual, Sequential
 
+        check_finite_parameters(self)
         trained = self.hparams["n_ctx"]
         n = trained if n_ctx is None else n_ctx
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= trained:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -211,3 +213,30 @@ def test_zero_direction_and_device_without_torch(nets):
         ta.similarity(a, b, output=np.zeros(2))
     with pytest.raises(ValueError, match="device: only backend='torch' runs on a device"):
         ta.inner(a, b, device="cuda")
+
+
+@pytest.mark.parametrize("where", ["embed", "attn.0.v", "unembed"])
+def test_a_nan_parameter_of_a_transformer_is_named_with_its_argument(where):
+    """Tester finding: a NaN in the embedding (which the residual-stream metric does not read)
+    was answered silently, and a NaN elsewhere was reported as ``v: ...`` without saying which
+    model. Now every parameter is checked when the module is exported."""
+    import torch
+
+    good = ta.BilinearTransformer(7, 6, 1, 2, 2, n_ctx=3, seed=1)
+    bad = ta.BilinearTransformer(7, 6, 1, 2, 2, n_ctx=3, seed=2)
+    with torch.no_grad():
+        dict(bad.named_parameters())[where].view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=rf"^b: {re.escape(where)}: 1 non-finite \(NaN or inf\) "
+                                         rf"entries in the BilinearTransformer parameter"):
+        ta.similarity(good, bad, n_ctx=3)
+
+
+def test_an_infinite_parameter_of_a_bilinear_net_is_named():
+    import torch
+    from tensoralg.nn import BilinearNet
+
+    net = BilinearNet(4, 2, d_model=5, d_hidden=6, n_layers=1)
+    with torch.no_grad():
+        net.blocks[0].down.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"^models\[1\]: blocks.0.down.weight: 1 non-finite"):
+        ta.similarity_matrix([BilinearNet(4, 2, d_model=5, d_hidden=6, n_layers=1), net])

@@ -135,3 +135,34 @@ def test_two_attention_layers_by_default_are_refused_never_the_closure():
             fn(a, b, n_ctx=2, method="auto")
     got = ta.similarity(a, b, n_ctx=2, method="closure")
     assert got == pytest.approx(closure.closure_similarity(a, b, n_ctx=2), rel=1e-12)
+
+
+def test_a_shorter_context_of_a_causal_mask_array_is_the_prefix_model():
+    """Tester finding: ``compare`` accepted an ``n_ctx`` below a checkpoint's trained context
+    (the exact prefix model) while the library refused it. A causal mask array (no entry above
+    the diagonal) now reads a shorter context as its leading block, in every entry point and
+    in the forward pass; a non-causal mask, a longer context and a compiled module still
+    refuse."""
+    a = ta.BilinearTransformer(7, 6, 1, 2, 2, n_ctx=4, seed=1)
+    b = ta.BilinearTransformer(7, 6, 1, 2, 2, n_ctx=3, seed=2)
+    na, nb = a.to_network(), b.to_network()
+    assert (na.n_ctx, nb.n_ctx) == (4, 3) and na.prefix_ok
+    pa, pb = a.to_network(n_ctx=2), b.to_network(n_ctx=2)   # masks built at length 2
+    for kw in ({}, {"method": "closure"}):
+        assert abs(ta.similarity(na, nb, n_ctx=2, **kw) - ta.similarity(pa, pb, **kw)) <= 1e-12
+    assert abs(ta.inner(na, nb, n_ctx=2) - ta.inner(pa, pb)) <= 1e-12 * abs(ta.inner(pa, pb))
+    # the forward pass: positions < 2 of a length-4 input only read positions < 2
+    x = np.random.default_rng(0).normal(size=(5, 4, 6))
+    np.testing.assert_allclose(na(x[:, :2]), na(x)[:, :2], rtol=1e-13, atol=1e-13)
+    with pytest.raises(ValueError, match=r"^n_ctx=4 differs from b's attention mask of shape "
+                                         r"\(3, 3\)$"):
+        ta.similarity(na, nb, n_ctx=4)
+    rng = np.random.default_rng(3)
+    full = attn(rng, H=1, dh=2, d=2, dv=1, mask=np.ones((3, 3)))
+    assert not full.prefix_ok
+    with pytest.raises(ValueError, match=r"n_ctx=2 differs from a's attention mask of shape "
+                                         r"\(3, 3\) \(not causal: a shorter context is no "
+                                         r"prefix of it\)$"):
+        ta.inner(full, full, n_ctx=2)
+    with pytest.raises(ValueError, match="x: has n_ctx=2 positions"):
+        full(np.zeros((1, 2, 2)))
