@@ -826,3 +826,18 @@ def test_degree_report_bad_input(tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert args[0] in err and "Traceback" not in err
+
+
+def test_a_stack_that_overflows_at_initialisation_says_so(tmp_path):
+    """Tester finding: ``--layers 4`` stopped with "learning rate too high?" at step 1, before
+    any update; the initial model itself overflows (degree 5^4 in the embeddings)."""
+    from tensoralg.audit.language import LanguageConfig, make_model, train_language_model
+    from tensoralg.nn import TrainingDiverged
+
+    cfg = LanguageConfig(**{**TINY, "n_layers": 5, "d_model": 16, "steps": 3})
+    model = make_model(cfg, 97)
+    toks = np.random.default_rng(0).integers(0, 97, size=400)
+    with pytest.raises(TrainingDiverged, match=r"at step 1, before any update: the initial "
+                                               r"5-layer model's logits overflow .*degree "
+                                               r"5\^5 = 3125"):
+        train_language_model(model, toks, cfg, [0], lambda step, m: None)

@@ -214,8 +214,9 @@ def _add_language(asub) -> None:
                    help="degree report: samples of the guided full similarity per pair "
                         "(default 2000; 1000 with --quick)")
     p.add_argument("--layers", type=positive_int, default=None,
-                   help="attention blocks (default 2, tensor similarity by Monte Carlo; 1 gives "
-                        "the exact one-layer audit)")
+                   help="attention blocks (default 2: the degree report, exact S<=1 and S<=5 "
+                        "with S<=9 and the guided full similarity by Monte Carlo; 1 gives the "
+                        "exact one-layer audit; 4 or more overflow at initialisation)")
     p.add_argument("--d-model", type=positive_int, default=None, help="residual width (default 16)")
     p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 2)")
     p.add_argument("--d-head", type=positive_int, default=None, help="head size (default 4)")
