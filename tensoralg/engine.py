@@ -158,9 +158,12 @@ def inner(req: Request, a: Any, b: Any):
     if req.method == "montecarlo":
         mean, se, p = montecarlo.moments([na], [nb], U, keep, req.n_samples, req.seed,
                                          req.backend, req.device, req.dtype, samples=True)
-        if keep:
-            return MonteCarloArray(mean[0, 0], se[0, 0], req.n_samples)
-        diag = montecarlo.inner_diagnostics(p[:, 0, 0], "<a,a>" if b is a else None)
+        name = "<a,a>" if b is a else None
+        if keep:   # one verdict per output slice
+            return MonteCarloArray(mean[0, 0], se[0, 0], req.n_samples,
+                                   [montecarlo.inner_diagnostics(p[:, 0, 0, k], name)
+                                    for k in range(p.shape[-1])])
+        diag = montecarlo.inner_diagnostics(p[:, 0, 0], name)
         return MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]), req.n_samples, diag)
     same = b is a
     if req.exact and req.method == "exact":  # refuse before any rational work
@@ -445,10 +448,13 @@ def _mc_combination(req: Request, left, right):
     mean = s1 / n_samples
     var = np.maximum(s2 / n_samples - mean * mean, 0.0) * n_samples / (n_samples - 1)
     se = np.sqrt(var / n_samples)
-    if keep:
-        return MonteCarloArray(mean, se, n_samples)
-    diag = montecarlo.inner_diagnostics(np.concatenate(kept),
-                                        "||b - c||^2" if left == right else None)
+    name = "||b - c||^2" if left == right else None
+    P = np.concatenate(kept)
+    if keep:   # one verdict per output slice
+        return MonteCarloArray(mean, se, n_samples,
+                               [montecarlo.inner_diagnostics(P[:, k], name)
+                                for k in range(P.shape[-1])])
+    diag = montecarlo.inner_diagnostics(P, name)
     return MonteCarloEstimate(float(mean), float(se), n_samples, diag)
 
 
@@ -493,7 +499,7 @@ def diff_norm(req: Request, b: Any, c: Any):
             se2 = np.asarray(d2.stderr)
             se = np.where(d > 0, se2 / (2 * d), np.where(se2 == 0, 0.0, np.inf))
         if isinstance(d2, MonteCarloArray):
-            return MonteCarloArray(d, se, d2.n_samples)
+            return MonteCarloArray(d, se, d2.n_samples, d2.diagnostics)
         return MonteCarloEstimate(float(d), float(se), d2.n_samples, d2.diagnostics)
     try:
         G = gram(req, [b, c])

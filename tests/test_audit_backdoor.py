@@ -129,7 +129,19 @@ def test_monte_carlo_audit_records_its_standard_errors(tmp_path, capsys):
     assert np.allclose([se[str(c)] for c in range(10)], each.stderr, rtol=1e-12, atol=0)
     f = res["finding"]
     assert f["gap_stderr"] == pytest.approx(np.hypot(se["9"], se[str(f["lowest_other_class"])]))
-    assert f["gap_within_2_stderr"] == (abs(f["gap"]) <= 2 * f["gap_stderr"])
+    # each slice carries the library's own verdict; a finding that leans on a slice without a
+    # reliable estimate is not assessed, and the table prints no number for such a slice
+    rel = res["slice_similarity_reliable"]
+    assert [rel[str(c)] for c in range(10)] == each.reliable.tolist()
+    bad = [c for c in range(10) if not rel[str(c)]]
+    if bad:
+        assert f["assessed"] is False and not f["target_slice_is_clearly_lowest"]
+        assert f["not_assessed"].endswith(", ".join(map(str, bad)))
+        assert "finding not assessed: no reliable Monte Carlo estimate" in text
+        assert text.count("no reliable estimate") >= len(bad)
+    else:
+        assert f["assessed"] is True
+        assert f["gap_within_2_stderr"] == (abs(f["gap"]) <= 2 * f["gap_stderr"])
     lines = (out / "backdoor.csv").read_text().splitlines()
     assert lines[0] == "quantity,class,value,stderr"
     row9 = next(ln for ln in lines if ln.startswith("slice_similarity,9,"))
@@ -148,6 +160,12 @@ def test_gap_finding_is_stderr_aware():
     assert f["gap_within_2_stderr"] and not f["target_slice_is_clearly_lowest"]
     f = gap_finding(each, [0.001] * 4, 3)            # same gap, 0.0014 stderr: clear
     assert not f["gap_within_2_stderr"] and f["target_slice_is_clearly_lowest"]
+    # a slice without a reliable Monte Carlo estimate: no verdict (even a clear-looking gap)
+    f = gap_finding(each, [0.001] * 4, 3, [True, False, True, True])
+    assert f["assessed"] is False and not f["target_slice_is_clearly_lowest"]
+    assert f["target_slice_is_lowest"] is None and f["gap_within_2_stderr"] is None
+    assert f["not_assessed"] == "no reliable Monte Carlo estimate for slice(s) 1"
+    assert gap_finding(each, [0.001] * 4, 3, [True] * 4)["assessed"] is True
     f = gap_finding(each, None, 3)                   # deterministic: any positive gap
     assert f["gap_stderr"] is None and f["target_slice_is_clearly_lowest"]
     assert not gap_finding(each, None, 0)["target_slice_is_lowest"]

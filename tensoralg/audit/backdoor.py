@@ -180,6 +180,8 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         "slice_similarity": {str(c): v for c, v in enumerate(slices)},
         "slice_similarity_stderr": (None if se is None else
                                     {str(c): v for c, v in enumerate(se)}),
+        "slice_similarity_reliable": (None if sim.get("each_reliable") is None else
+                                      {str(c): v for c, v in enumerate(sim["each_reliable"])}),
         "n_samples": sim["n_samples"],
         "stderr_note": ("Monte Carlo: delta-method standard errors of the ratio estimates"
                         if se is not None else
@@ -192,7 +194,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         "baselines": base,
         "method": sim["method"],
         "metric": "gaussian",
-        "finding": gap_finding(slices, se, cfg.target),
+        "finding": gap_finding(slices, se, cfg.target, sim.get("each_reliable")),
         "data": data.provenance,
         "n_test": int(len(data.X_test)),
         "checkpoints": {"clean": "checkpoints/clean", "backdoored": "checkpoints/backdoored"},
@@ -208,6 +210,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
             "slice_similarity": {str(c): v for c, v in enumerate(ctl["each"])},
             "slice_similarity_stderr": (None if ctl["each_stderr"] is None else
                                         {str(c): v for c, v in enumerate(ctl["each_stderr"])}),
+            "slice_similarity_reliable": (
+                None if ctl.get("each_reliable") is None else
+                {str(c): v for c, v in enumerate(ctl["each_reliable"])}),
             "clean_accuracy": accuracy(control, data.X_test, data.y_test),
             "baselines": base_ctl,
         }
@@ -227,7 +232,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     rows += [(f"baseline:{k}", "", v) for k, v in base.items()]
     rows = [tuple(r) + (None,) * (4 - len(r)) for r in rows]
     write_csv(out / CSV_NAME, ["quantity", "class", "value", "stderr"], rows)
-    slice_bars(out / FIG_NAME, slices, cfg.target,
+    shown = [v if ok else float("nan") for v, ok in  # a bar is not drawn for a non-answer
+             zip(slices, sim.get("each_reliable") or [True] * len(slices))]
+    slice_bars(out / FIG_NAME, shown, cfg.target,
                {k: v for k, v in base.items() if k != "js_divergence"},
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
                f"ASR {asr_after:.2f}, {method_label(sim['method'])})",
@@ -276,13 +283,18 @@ def backdoor_table(result: dict) -> str:
     se = result.get("slice_similarity_stderr")
     control = result.get("control", {})
     ctl, ctl_se = control.get("slice_similarity"), control.get("slice_similarity_stderr")
+    rel = result.get("slice_similarity_reliable") or {}
+    ctl_rel = control.get("slice_similarity_reliable") or {}
     f = result["finding"]
     header = ["class", "tensor sim (slice)"] + (["control (clean FT)"] if ctl else []) + ["note"]
     rows = []
     for c, v in result["slice_similarity"].items():
-        row = [c, pm(v, se and se[c])] + ([pm(ctl[c], ctl_se and ctl_se[c])] if ctl else [])
+        row = [c, pm(v, se and se[c], rel.get(c))] + \
+            ([pm(ctl[c], ctl_se and ctl_se[c], ctl_rel.get(c))] if ctl else [])
         if int(c) != target:
             note = ""
+        elif f.get("assessed") is False:
+            note = "<- target (not assessed)"
         elif f.get("target_slice_is_clearly_lowest"):
             note = "<- target (lowest)"
         elif f["target_slice_is_lowest"]:
@@ -309,13 +321,16 @@ def backdoor_table(result: dict) -> str:
     gap = f"gap {g:.3f}" if isinstance(g, float) else f"gap {g}"
     if f.get("gap_within_2_stderr"):
         gap += " — within 2 standard errors: not distinguishable at this sample count"
+    if f.get("assessed") is False:
+        compared = f"finding not assessed: {f['not_assessed']}"
+    else:
+        compared = (f"target slice {f['target_slice']:.3f} vs lowest other "
+                    f"{f['lowest_other_slice']:.3f} (class {f.get('lowest_other_class')}); {gap}")
     lines += ["",
               f"attack success rate (trigger -> {target}): {result['attack_success_rate']:.3f} "
               f"(clean model: {result['attack_success_rate_before']:.3f})",
               f"clean test accuracy: {acc['before']:.3f} before, {acc['after']:.3f} after",
-              f"similarity method: {method} ({result['metric']} metric); "
-              f"target slice {f['target_slice']:.3f} vs lowest other "
-              f"{f['lowest_other_slice']:.3f} (class {f.get('lowest_other_class')}); {gap}"]
+              f"similarity method: {method} ({result['metric']} metric); {compared}"]
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
     return "\n".join(lines)

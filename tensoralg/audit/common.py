@@ -345,7 +345,7 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
     "seed", "inner_each", "norm2_a_each", "norm2_b_each"}`` (Monte Carlo adds
     ``"global_reliable"`` and ``"global_reason"``: the global estimate's verdict; an unreliable
     ``"global"`` is the :class:`~tensoralg.MonteCarloEstimate`, which never formats as a
-    number; the per-class slices carry no verdict of their own); the stderr entries,
+    number; and ``"each_reliable"`` / ``"each_reason"``: each slice's verdict); the stderr entries,
     ``n_samples`` and ``seed`` are ``None`` and the inner products are present only for
     the deterministic methods. Under ``auto``, an exact computation refused as too costly
     (``CostTooHigh``) is redone by Monte Carlo and ``method`` says so.
@@ -380,6 +380,8 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
                 "global_reliable": glob.reliable,
                 "global_reason": None if glob.diagnostics is None else glob.diagnostics.reason,
                 "each": [float(v) for v in np.asarray(each)],
+                "each_reliable": [bool(v) for v in each.reliable],
+                "each_reason": [d.reason for d in each.diagnostics],
                 "method": m, "global_stderr": float(glob.stderr),
                 "each_stderr": [float(v) for v in np.ravel(each.stderr)],
                 "n_samples": int(glob.n_samples), "seed": seed,
@@ -392,13 +394,22 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
             "norm2_a_each": aa.tolist(), "norm2_b_each": bb.tolist()}
 
 
-def gap_finding(each: Sequence[float], each_stderr: Sequence[float] | None, cls: int) -> dict:
+def unreliable_slices(each_reliable: Sequence[bool] | None) -> list[int]:
+    """The slices whose Monte Carlo estimate failed its diagnostics (none for exact methods)."""
+    return [] if each_reliable is None else [c for c, ok in enumerate(each_reliable) if not ok]
+
+
+def gap_finding(each: Sequence[float], each_stderr: Sequence[float] | None, cls: int,
+                each_reliable: Sequence[bool] | None = None) -> dict:
     """Is slice ``cls`` below every other slice, and by more than its sampling noise?
 
     ``gap = min_{c != cls} each[c] - each[cls]`` with, for Monte Carlo, the standard error
     ``sqrt(se[cls]^2 + se[c*]^2)`` (``c*`` the lowest other class; the two estimates share their
     samples, so this ignores their covariance — an approximation). The gap is called
-    *significant* when it exceeds 2 standard errors (exact methods: any positive gap)."""
+    *significant* when it exceeds 2 standard errors (exact methods: any positive gap).
+    ``each_reliable`` (Monte Carlo): a slice without a reliable estimate makes "lowest" a claim
+    about a number that is not an answer, so the finding is then not assessed (``assessed``
+    False, ``not_assessed`` says which slices; the clearly-lowest verdict is False)."""
     others = [c for c in range(len(each)) if c != cls]
     low = min(others, key=lambda c: each[c])
     gap = float(each[low] - each[cls])
@@ -406,7 +417,17 @@ def gap_finding(each: Sequence[float], each_stderr: Sequence[float] | None, cls:
     if each_stderr is not None:
         se = float(math.hypot(each_stderr[cls], each_stderr[low]))
     lowest = bool(each[cls] < each[low])
-    return {"target_slice": float(each[cls]), "lowest_other_slice": float(each[low]),
+    bad = unreliable_slices(each_reliable)
+    if bad:
+        return {"target_slice": float(each[cls]), "lowest_other_slice": float(each[low]),
+                "lowest_other_class": int(low), "gap": gap, "gap_stderr": se,
+                "target_slice_is_lowest": None, "gap_within_2_stderr": None,
+                "target_slice_is_clearly_lowest": False, "assessed": False,
+                "not_assessed": f"no reliable Monte Carlo estimate for slice(s) "
+                                f"{', '.join(map(str, bad))}",
+                "rule": "clearly lowest: gap > 2 standard errors, every slice reliable"}
+    return {"assessed": True,
+            "target_slice": float(each[cls]), "lowest_other_slice": float(each[low]),
             "lowest_other_class": int(low), "gap": gap, "gap_stderr": se,
             "target_slice_is_lowest": lowest,
             "gap_within_2_stderr": None if se is None else bool(abs(gap) <= 2 * se),
@@ -454,11 +475,14 @@ def matrix_uncertainty(method: str, n_samples: int, seed: int) -> dict:
                      "--methods montecarlo`; the error shrinks like 1/sqrt(n_samples).")}
 
 
-def pm(value: float, stderr: float | None) -> Any:
+def pm(value: float, stderr: float | None, reliable: bool | None = None) -> Any:
     """``value`` as is (deterministic) or ``"v ± se"`` text for a Monte Carlo estimate; an
-    estimate that failed its diagnostics as ``"no reliable estimate (<reason>)"``."""
+    estimate that failed its diagnostics (``value.reliable`` or ``reliable`` False) as
+    ``"no reliable estimate"`` (with ``(<reason>)`` when the value carries one)."""
     if getattr(value, "reliable", None) is False:
         return str(value)
+    if reliable is False:
+        return "no reliable estimate"
     if stderr is None:
         return value
     return f"{value:.4f} ± {stderr:.1g}" if stderr < 1e-4 else f"{value:.4f} ± {stderr:.4f}"

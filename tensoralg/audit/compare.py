@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .common import (CLOSURE_LABEL, MC_SAMPLES, check_file_writable, choose_method,
-                     format_table, method_label,
+                     format_table, method_label, pm,
                      matrix_uncertainty, progress, similarity_matrix, staged_output, stamp,
                      write_csv, write_json, write_json_copy)
 
@@ -176,6 +176,8 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
                                         "certified_lower_bounds": d.lower_bounds}
             if getattr(each, "stderr", None) is not None:
                 entry["each_stderr"] = [float(v) for v in np.ravel(each.stderr)]
+            if getattr(each, "reliable", None) is not None:   # Monte Carlo: each slice's verdict
+                entry["each_reliable"] = [bool(v) for v in np.ravel(each.reliable)]
         except (ValueError, NotImplementedError) as exc:  # CostTooHigh is a ValueError
             entry["error"] = f"{type(exc).__name__}: {exc}"
         entry["seconds"] = time.perf_counter() - t
@@ -227,6 +229,10 @@ def compare_table(result: dict) -> str:
             rows.append([r["metric"], method_label(r["method"]), r["global"], "-", "-", stderr])
             continue
         n_out = len(each)
+        if not all(r.get("each_reliable") or [True]):   # "min slice" would lean on a non-answer
+            rows.append([r["metric"], method_label(r["method"]), r["global"],
+                         "no reliable estimate", "-", stderr])
+            continue
         rows.append([r["metric"], method_label(r["method"]), r["global"], min(each),
                      int(np.argmin(each)), stderr])
     out.append(format_table(["metric", "method", "global", "min slice", "argmin", "note"], rows))
@@ -242,7 +248,9 @@ def compare_table(result: dict) -> str:
         out.append("")
         out.append(format_table(["output"] + [f"{r['metric']}/{method_label(r['method'])}"
                                               for r in ok],
-                                [[c] + [r["each"][c] for r in ok] for c in range(n_out)]))
+                                [[c] + [pm(r["each"][c], None, (r.get("each_reliable") or
+                                                                   [None] * n_out)[c])
+                                        for r in ok] for c in range(n_out)]))
     if "baselines" in result:
         out.append("")
         out.append(format_table(["baseline (digits test split)", "value"],

@@ -23,7 +23,7 @@ import numpy as np
 
 from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_uncertainty, pair_similarity,
                      pm, progress, run_staged, similarity_matrix, stamp, write_csv, write_json,
-                     method_label)
+                     method_label, unreliable_slices)
 
 JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
@@ -171,6 +171,9 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     gap_se = float(np.hypot(ses[i_rm, r], ses[i_rm, low])) if mc else None
     rec = float(slices[i_re, r] - slices[i_rm, r])
     rec_se = float(np.hypot(ses[i_re, r], ses[i_rm, r])) if mc else None
+    rel = [s.get("each_reliable") for s in per_stage]
+    bad_rm = unreliable_slices(rel[i_rm])
+    bad_re = [r] if r in unreliable_slices(rel[i_re]) else []
     finding = {
         "removed_class": r,
         "reference_stage": labels[ref_index],
@@ -181,10 +184,16 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         "other_slices_min_after_readd": float(slices[i_re, others].min()),
         "collapse_gap": gap,
         "collapse_gap_stderr": gap_se,
-        "collapses": bool(gap > (2 * gap_se if mc else 0.0)),
+        # a verdict that leans on a slice without a reliable estimate is not given (None)
+        "collapses": None if bad_rm else bool(gap > (2 * gap_se if mc else 0.0)),
         "recovery": rec,
         "recovery_stderr": rec_se,
-        "recovers": bool(rec > (2 * rec_se if mc else 0.0)),
+        "recovers": None if bad_rm or bad_re else bool(rec > (2 * rec_se if mc else 0.0)),
+        "not_assessed": ("; ".join(x for x in (
+            f"{labels[i_rm]}: no reliable estimate for slice(s) {', '.join(map(str, bad_rm))}"
+            if bad_rm else "",
+            f"{labels[i_re]}: no reliable estimate for slice {r}" if bad_re else "") if x)
+            or None),
         "rule": ("collapses: removed slice below the lowest other slice at removal; recovers: "
                  "removed slice higher after re-adding than at removal" +
                  ("; each by more than 2 standard errors (sqrt of the summed variances, "
@@ -205,6 +214,9 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                                           for lab, row in zip(labels, slices)},
         "slice_similarity_to_reference_stderr": (
             {lab: {str(c): float(v) for c, v in enumerate(row)} for lab, row in zip(labels, ses)}
+            if mc else None),
+        "slice_similarity_to_reference_reliable": (
+            {lab: {str(c): bool(v) for c, v in enumerate(row)} for lab, row in zip(labels, rel)}
             if mc else None),
         "n_samples": cfg.n_samples if mc else None,
         "test_accuracy_per_class": {lab: {str(c): v for c, v in enumerate(row)}
@@ -265,10 +277,12 @@ def forgetting_table(result: dict) -> str:
     gse = result.get("global_similarity_to_reference_stderr") or {}
     header = ["stage", "global"] + [f"c{c}" for c in range(10)] + [f"acc c{r}"]
     rows = []
+    rel = result.get("slice_similarity_to_reference_reliable") or {}
     for lab in labels:
         sl = result["slice_similarity_to_reference"][lab]
+        ok = rel.get(lab, {})
         rows.append([lab, pm(result["global_similarity_to_reference"][lab], gse.get(lab))]
-                    + [sl[str(c)] for c in range(10)]
+                    + [pm(sl[str(c)], None, ok.get(str(c))) for c in range(10)]
                     + [result["test_accuracy_per_class"][lab][str(r)]])
     f = result["finding"]
     method = f"{method_label(result['method'])} {result['metric']} metric"
@@ -282,7 +296,8 @@ def forgetting_table(result: dict) -> str:
         f"class {r}: {pm(f['removed_slice_at_removal'], se and se[labels[-2]][str(r)])} after "
         f"removal (other classes >= {f['other_slices_min_at_removal']:.3f}), "
         f"{f['removed_slice_after_readd']:.3f} after re-adding; collapses: {f['collapses']}, "
-        f"recovers: {f['recovers']}" + (" (each > 2 standard errors)" if se is not None else ""))
+        f"recovers: {f['recovers']}" + (" (each > 2 standard errors)" if se is not None else "")
+        + (f"; not assessed: {f['not_assessed']}" if f.get("not_assessed") else ""))
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
     return "\n".join(lines)

@@ -208,18 +208,36 @@ def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
 
 
 class MonteCarloArray(np.ndarray):
-    """A NumPy array of Monte Carlo estimates with an array ``stderr`` of the same shape."""
+    """A NumPy array of Monte Carlo estimates (APPROXIMATE) with an array ``stderr`` of the
+    same shape and, for the per-output slices of ``inner`` / ``similarity`` / ``inner_diff`` /
+    ``diff_norm`` (``output="each"``), one :class:`Diagnostics` per entry (``diagnostics``, a
+    tuple in flattened order; ``reliable``: a bool array of the same shape, None where no
+    diagnostics were computed, e.g. Gram matrices). An entry whose ``reliable`` is False is not
+    an answer (the same tests as :class:`MonteCarloEstimate`)."""
 
-    def __new__(cls, values, stderr, n_samples: int):
+    def __new__(cls, values, stderr, n_samples: int, diagnostics=None):
         obj = np.asarray(values, dtype=np.float64).view(cls)
         obj.stderr = np.asarray(stderr, dtype=np.float64)
         obj.n_samples = int(n_samples)
+        obj.diagnostics = None if diagnostics is None else tuple(diagnostics)
+        if obj.diagnostics is not None and len(obj.diagnostics) != obj.size:
+            raise ValueError(f"diagnostics: {len(obj.diagnostics)} for {obj.size} entries")
         return obj
 
     def __array_finalize__(self, obj):
         if obj is not None:
             self.stderr = getattr(obj, "stderr", None)
             self.n_samples = getattr(obj, "n_samples", 0)
+            # a slice, a reshape or arithmetic is another array: the verdicts were of the
+            # entries as estimated, so they stay with the original only
+            self.diagnostics = None
+
+    @property
+    def reliable(self) -> np.ndarray | None:
+        """Per entry, the diagnostics' verdict (None where none were computed)."""
+        if self.diagnostics is None:
+            return None
+        return np.array([d.reliable for d in self.diagnostics], dtype=bool).reshape(self.shape)
 
 
 # Monte Carlo over directions, radius integrated exactly (spherical-radial decomposition):
@@ -352,13 +370,13 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
         Z = np.stack([pab, paa, pbb])  # (3, s[, K])
         part = (Z.sum(axis=1), np.einsum("is...,js...->ij...", Z, Z))
         sums = part if sums is None else (sums[0] + part[0], sums[1] + part[1])
-        if not keep:
-            kept.append(Z)
+        kept.append(Z)
     est = ratio_estimate(sums[0], sums[1], n_samples, keep)
-    if keep:
-        return est
-    return MonteCarloEstimate(float(est), est.stderr, n_samples,
-                              ratio_diagnostics(np.concatenate(kept, axis=1)))
+    Z = np.concatenate(kept, axis=1)
+    if keep:   # one verdict per output slice
+        return MonteCarloArray(est, est.stderr, n_samples,
+                               [ratio_diagnostics(Z[..., k]) for k in range(Z.shape[-1])])
+    return MonteCarloEstimate(float(est), est.stderr, n_samples, ratio_diagnostics(Z))
 
 
 def ratio_estimate(s1, s2, n_samples: int, keep: bool = False):
