@@ -343,11 +343,21 @@ def cross_gram(req: Request, models_a, models_b):
     return scaled(_gram_blocks(req, ca, cb, U, keep, same), ka, kb, req.backend)
 
 
+def _exported(models: list) -> list:
+    """The models with every module that exports itself (``to_network()``: a
+    ``BilinearTransformer``, a ``BilinearNet``, a compiled module) replaced by its network, so
+    that a transformer module is recognised as a sequence model (``gram([module, module])``
+    went the position-free way and failed); specs and checkpoint folders stay as they are (a
+    folder is loaded when its turn comes)."""
+    return [as_network(m, f"models[{i}]") if not isinstance(m, Layer) and
+            callable(getattr(m, "to_network", None)) else m for i, m in enumerate(models)]
+
+
 def _sequence_matrix(kind: str, req: Request, models: list):
     """Gram / similarity matrices of sequence models (with attention) through
     :mod:`tensoralg.strategies.wick_terms` / :mod:`~tensoralg.strategies.closure` (per-model work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
-        return None  # (specs, folders and modules go the position-free way, unchanged)
+        return None  # (specs and folders go the position-free way, unchanged)
     from .strategies import wick_terms
 
     for i, m in enumerate(models):  # as inner: a sequence model is not compared with an MLP
@@ -382,7 +392,7 @@ def _models_list(models: Any) -> list:
 def gram(req: Request, models):
     """``G[i, j] = <m_i, m_j>`` of a list of models (not blocked)."""
     radial_only(req, "gram")
-    models = _models_list(models)
+    models = _exported(_models_list(models))
     seq = _sequence_matrix("gram", req, models)
     if seq is not None:
         return seq
@@ -392,7 +402,7 @@ def gram(req: Request, models):
 def similarity_matrix(req: Request, models):
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` of a list of models (not blocked)."""
     radial_only(req, "similarity_matrix")
-    models = _models_list(models)
+    models = _exported(_models_list(models))
     seq = _sequence_matrix("similarity_matrix", req, models)
     if seq is not None:
         return seq

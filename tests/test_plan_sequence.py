@@ -166,3 +166,21 @@ def test_a_shorter_context_of_a_causal_mask_array_is_the_prefix_model():
         ta.inner(full, full, n_ctx=2)
     with pytest.raises(ValueError, match="x: has n_ctx=2 positions"):
         full(np.zeros((1, 2, 2)))
+
+
+def test_matrices_and_diffs_take_transformer_modules():
+    """Fresh-eyes tester: gram / similarity_matrix / diff_norm of BilinearTransformer modules
+    failed (the modules were not recognised as sequence models: a cross_gram error whose
+    advice was the failing call, or 'unknown layer type BilinearAttention'), while similarity
+    took them. Each entry equals the pair's own inner product / similarity."""
+    ms = [ta.BilinearTransformer(7, 6, 1, 2, 2, n_ctx=3, seed=s) for s in (0, 1)]
+    G = ta.gram(ms, n_ctx=3)
+    for i in range(2):
+        for j in range(2):
+            assert abs(G[i, j] - ta.inner(ms[i], ms[j], n_ctx=3)) <= 1e-12 * abs(G[i, i])
+    S = ta.similarity_matrix(ms, n_ctx=3)
+    assert abs(S[0, 1] - ta.similarity(ms[0], ms[1], n_ctx=3)) <= 1e-12
+    Sc = ta.similarity_matrix(ms, n_ctx=3, method="closure")
+    assert abs(Sc[0, 1] - ta.similarity(ms[0], ms[1], n_ctx=3, method="closure")) <= 1e-12
+    d = ta.diff_norm(ms[0], ms[1], n_ctx=3)
+    assert abs(d ** 2 - (G[0, 0] - 2 * G[0, 1] + G[1, 1])) <= 1e-10 * G.trace()
