@@ -200,3 +200,26 @@ def test_per_output_slices_carry_each_its_verdict():
     assert each.reliable.tolist() == [False, True], [x.reason for x in each.diagnostics]
     # arithmetic and slicing give other arrays: the verdicts stay with the estimate
     assert (each * 2).diagnostics is None and each[:1].reliable is None
+
+
+def test_an_absurd_sample_count_is_refused_before_sampling():
+    """Fresh-eyes tester: ``n_samples=10**15`` ran for ten minutes until killed. Every Monte
+    Carlo path (radial and guided, vector and sequence models, inner / similarity / diffs /
+    gram) refuses forward passes beyond ``MC_MAX_FLOPS`` before drawing a sample."""
+    rng = np.random.default_rng(0)
+    a, b = _bilinear(rng, o=3), _bilinear(rng, o=3)
+    t = ta.BilinearTransformer(7, 6, 1, 2, 2, n_ctx=3, seed=0)
+    huge = dict(method="montecarlo", n_samples=10 ** 15)
+    calls = [lambda: ta.inner(a, b, **huge), lambda: ta.similarity(a, b, **huge),
+             lambda: ta.similarity(a, b, proposal="modes", **huge),
+             lambda: ta.diff_norm(a, b, **huge), lambda: ta.gram([a, b], **huge),
+             lambda: ta.inner_diff(a, a, b, **huge),
+             lambda: ta.similarity(t, t, n_ctx=3, **huge),
+             lambda: ta.inner(t, t, n_ctx=3, proposal="modes", **huge)]
+    for call in calls:
+        with pytest.raises(ta.CostTooHigh, match=r"^n_samples=1000000000000000: about .* FLOPs "
+                                                 r"of forward passes .* over the Monte Carlo "
+                                                 r"budget of 1e\+14"):
+            call()
+    # an ordinary count is far below the budget (2 * 53 weights x 4 points x 1e5 directions)
+    assert mc.forward_flops(a) * 4 * 100_000 < mc.MC_MAX_FLOPS

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from ..layers import Layer
-from .montecarlo import (MonteCarloEstimate, inner_diagnostics, ratio_diagnostics,
+from .montecarlo import (MonteCarloEstimate, check_sampling_cost, inner_diagnostics,
+                         ratio_diagnostics,
                          ratio_estimate, warn_few)
 
 __all__ = ["find_modes", "log_proposal_ratio", "draws", "inner", "similarity", "diff_sq", "BETA"]
@@ -237,6 +238,7 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
         ValueError: ``output="each"`` (one number only).
     """
     _check_scalar(keep)
+    check_sampling_cost([na, nb], n_samples, 1, n_ctx)
     warn_few(n_samples)
     same = nb is na
     modes = find_modes([na] if same else [na, nb], U, n_ctx, seed, position, device=device)
@@ -258,6 +260,7 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
         ValueError: ``output="each"``; a sampled norm of zero.
     """
     _check_scalar(keep)
+    check_sampling_cost([na, nb], n_samples, 1, n_ctx)
     warn_few(n_samples)
     modes = find_modes([na, nb], U, n_ctx, seed, position, device=device)
     parts = []
@@ -295,6 +298,7 @@ def diff_sq(nb: Layer, nc: Layer, U: np.ndarray, keep: bool, n_samples: int, see
         ValueError: ``output="each"`` (one number only).
     """
     _check_scalar(keep)
+    check_sampling_cost([nb, nc], n_samples, 1, n_ctx)
     warn_few(n_samples)
     modes = find_modes([nb, nc, _Difference(nb, nc)], U, n_ctx, seed, position, device=device)
     parts = []

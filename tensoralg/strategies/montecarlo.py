@@ -287,6 +287,7 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
     d = nets[0].in_features
     pts, wq = _radial_points(d, 2 * max(n.degree for n in nets))
     Q = pts.size
+    check_sampling_cost(nets, n_samples, Q)
     chunk = max(1, chunk // Q)
     if backend == "torch":
         import torch
@@ -315,6 +316,34 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
         yield np.stack([(np.asarray(net(x), dtype=np.float64) @ U.T).reshape(s, Q, -1)
                         for net in nets]), wq
         done += s
+
+
+#: FLOPs of forward passes above which a Monte Carlo request is refused before any sampling
+#: (hours on one core: an n_samples with a few zeros too many, not a long run someone meant)
+MC_MAX_FLOPS = 1e14
+
+
+def forward_flops(net: Any, n_ctx: int | None = None) -> float:
+    """About the FLOPs of one forward evaluation of ``net``: two per stored weight entry, per
+    position for a sequence model (the attention mask, ``n_ctx^2`` entries, stands for the
+    scores). An order of magnitude for refusing absurd sample counts, not a benchmark."""
+    size = sum(int(np.size(a)) for a in net.arrays()) if hasattr(net, "arrays") else 0
+    return 2.0 * max(size, 1) * (n_ctx or 1)
+
+
+def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = None) -> None:
+    """Refuse (CostTooHigh, before any sampling) ``n_samples`` directions at ``points``
+    evaluations each whose forward passes would cost more than :data:`MC_MAX_FLOPS`."""
+    per = sum(forward_flops(n, n_ctx) for n in nets)
+    total = float(n_samples) * points * per
+    if total > MC_MAX_FLOPS:
+        from ..errors import CostTooHigh
+
+        raise CostTooHigh(f"n_samples={n_samples}: about {total:.1e} FLOPs of forward passes "
+                          f"({n_samples} directions x {points} evaluation points x about "
+                          f"{per:.1e} FLOPs), over the Monte Carlo budget of {MC_MAX_FLOPS:.0e} "
+                          f"(hours on one core); use fewer samples (the standard error "
+                          f"shrinks like 1/sqrt(n_samples))")
 
 
 def warn_few(n_samples: int) -> None:
@@ -447,6 +476,9 @@ def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
         raise ValueError(f"n_samples: expected an int >= 2 * n_batches = {2 * n_batches}, got "
                          f"{req.n_samples!r}")
     a, b = a.astype_float(), b.astype_float()
+    check_sampling_cost([a, b], req.n_samples,
+                        _radial_points(n_ctx * a.in_features, 2 * max(a.degree, b.degree))[0].size,
+                        n_ctx)
     points, n = _mc_points(req.seed, req.n_samples, n_batches, n_ctx, a.in_features,
                            max(a.degree, b.degree))
 
