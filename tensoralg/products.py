@@ -54,8 +54,10 @@ _DOC_KW = """
             from ``MC_MIN_DIRECTIONS = 300`` directions on — fewer give a RuntimeWarning).
         backend: ``"numpy"`` (float64), ``"torch"`` (``device``: default CUDA when available,
             else CPU; ``dtype``: default float64), or ``"exact"`` (rational arithmetic).
-        output: ``None`` (sum over outputs), an int ``c`` (the class slice ``f_c``), a vector ``u``
-            of length ``out`` (the direction ``u . f``) or ``"each"`` (one value per output).
+        output: ``None`` (sum over outputs), an int ``c`` (the class slice ``f_c``; a negative
+            ``c`` counts from the last output, as a Python index: ``-1`` is the last), a vector
+            ``u`` of length ``out`` (the direction ``u . f``) or ``"each"`` (one value per
+            output).
         strategy: the exact representation: ``"auto"`` (default: the cheaper of the two within
             budget, see :mod:`tensoralg.planner`), ``"wick"`` (tensor-network Wick sum) or
             ``"chaos"`` (Gaussian chaos / Hermite coefficients, docs/mathematics.md §3.6; Gaussian metric).
