@@ -30,7 +30,7 @@ from . import engine
 from .network import DEFAULT_MAX_CONFIGURATIONS
 from .planner import Plan, SequencePlan
 from .request import Request, make_request
-from .results import ExactSimilarity
+from .results import ExactSimilarity, mark_closure
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
 
 __all__ = ["inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
@@ -122,7 +122,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                        seed=seed, device=device, dtype=dtype, max_flops=max_flops,
                        max_memory=max_memory, max_configurations=max_configurations, cov=cov,
                        proposal=proposal)
-    return engine.inner(req, a, b)
+    return mark_closure(req, engine.inner(req, a, b))
 
 
 def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
@@ -146,7 +146,7 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                        seed=seed, device=device, dtype=dtype, max_flops=max_flops,
                        max_memory=max_memory, max_configurations=max_configurations, cov=cov,
                        proposal=proposal)
-    return engine.similarity(req, a, b)
+    return mark_closure(req, engine.similarity(req, a, b))
 
 
 def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "gaussian",
@@ -207,7 +207,7 @@ def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str =
     (``sqrt`` of a rational), with ``"montecarlo"`` an estimate with a delta-method stderr.
     Keywords as :func:`inner`."""
     req = _request("norm", metric=metric, method=method, backend=backend, output=output, **kwargs)
-    return engine.norm(req, a)
+    return mark_closure(req, engine.norm(req, a))
 
 
 def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",

@@ -16,8 +16,8 @@ import numpy as np
 
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
-__all__ = ["ExactSimilarity", "MonteCarloEstimate", "MonteCarloArray", "similarity_from", "gram_to_similarity",
-           "swap_order"]
+__all__ = ["ExactSimilarity", "MomentClosureValue", "MonteCarloEstimate", "MonteCarloArray",
+           "similarity_from", "gram_to_similarity", "swap_order"]
 
 
 class ExactSimilarity(float):
@@ -48,6 +48,29 @@ class ExactSimilarity(float):
             digits = len(str(self.squared.numerator)) + len(str(self.squared.denominator))
             text = f"sign * sqrt(p/q), {digits} digits: see .exact"
         return f"ExactSimilarity({float(self)!r}, exact={text})"
+
+
+class MomentClosureValue(float):
+    """A value of ``method="closure"`` (the moment-closure inner product or similarity,
+    docs/closure.md): a float whose ``repr`` says what it is. Exact at depth 1; from the
+    second non-linear layer on, the exact value of a surrogate in which each layer reads a
+    Gaussian with the true second moments of the layer before, APPROXIMATE as the tensor
+    similarity (on trained two-layer transformers not an estimate of it: docs/mathematics.md
+    §3.9). Arithmetic gives plain floats; ``print``, ``str`` and formatting give the number."""
+
+    __str__ = float.__repr__   # print and f-strings: the number (tables label the method)
+
+    def __repr__(self) -> str:
+        return (f"MomentClosureValue({float(self)!r}: the moment-closure value, exact at "
+                f"depth 1, APPROXIMATE from the second non-linear layer on)")
+
+
+def mark_closure(req: Any, value: Any) -> Any:
+    """``value`` as a :class:`MomentClosureValue` when ``req`` asked for the closure and it is
+    one float (arrays and exact results are returned as they are)."""
+    if getattr(req, "method", None) == "closure" and type(value) in (float, np.float64):
+        return MomentClosureValue(value)
+    return value
 
 
 def similarity_from(ab: Any, aa: Any, bb: Any, exact: bool, what: str = ""):

@@ -244,3 +244,33 @@ def test_a_misspelt_keyword_names_the_function_and_the_option_it_meant():
         assert "make_request" not in text, text
         if name not in ("inner", "similarity", "plan"):   # explicit signatures: Python's own
             assert "did you mean 'n_samples'?" in text, text
+
+
+def test_a_closure_value_says_what_it_is():
+    """Fresh-eyes tester: method='closure' at depth 2 returned a bare float 30x off the exact
+    similarity with nothing on it saying so. It is a MomentClosureValue: the number (str,
+    format, arithmetic and JSON as a float) whose repr names the moment closure and where it
+    is approximate; arrays and exact-backend results are unchanged."""
+    import json
+
+    from tensoralg.results import MomentClosureValue
+
+    rng = np.random.default_rng(0)
+
+    def net():
+        return ta.Sequential([ta.Bilinear(rng.normal(size=(5, 4)), rng.normal(size=(5, 4)),
+                                          rng.normal(size=(3, 5))),
+                              ta.Bilinear(rng.normal(size=(5, 3)), rng.normal(size=(5, 3)),
+                                          rng.normal(size=(3, 5)))])
+
+    a, b = net(), net()
+    tr = ta.BilinearTransformer(7, 6, 2, 2, 2, n_ctx=3, seed=0)
+    for v in (ta.similarity(a, b, method="closure"), ta.inner(a, b, method="closure"),
+              ta.norm(a, method="closure"), ta.similarity(tr, tr, n_ctx=3, method="closure")):
+        assert type(v) is MomentClosureValue
+        assert "moment-closure" in repr(v) and "APPROXIMATE" in repr(v)
+        assert str(v) == repr(float(v)) and f"{v:.3f}" == f"{float(v):.3f}"
+        assert json.loads(json.dumps(v)) == float(v) and type(v * 2) is float
+    assert not isinstance(ta.similarity(a, b, method="closure", output="each"),
+                          MomentClosureValue)
+    assert not isinstance(ta.similarity(a, b), MomentClosureValue)
