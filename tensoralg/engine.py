@@ -406,17 +406,14 @@ def similarity_matrix(req: Request, models):
     seq = _sequence_matrix("similarity_matrix", req, models)
     if seq is not None:
         return seq
-    if req.method == "montecarlo":
-        G = gram(req, models)
-        dg = np.einsum("ii...->i...", np.asarray(G))
-        if np.any(dg <= 0):
-            raise ValueError("similarity_matrix: a model has (sampled) norm zero")
-        return np.clip(np.asarray(G) / np.sqrt(np.einsum("i...,j...->ij...", dg, dg)), -1, 1)
     nets = networks(models, "models")
     for n in nets[1:]:
         check_pair(nets[0], n)
     nets = [_fold(req, n, f"models[{i}]") for i, n in enumerate(nets)]
     U, keep = req.output_matrix(nets[0].out_features)
+    if req.method == "montecarlo":   # per entry: a standard error and a verdict
+        return montecarlo.similarity_matrix(nets, U, keep, req.n_samples, req.seed,
+                                            req.backend, req.device, req.dtype)
     if req.exact and req.method == "exact":  # refuse before any rational work
         _refuse_gram_early(req, nets, nets, U, keep, True, "models", "models")
     c, _ = stack_for(nets, req.backend, "models")

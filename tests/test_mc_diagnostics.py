@@ -223,3 +223,48 @@ def test_an_absurd_sample_count_is_refused_before_sampling():
             call()
     # an ordinary count is far below the budget (2 * 53 weights x 4 points x 1e5 directions)
     assert mc.forward_flops(a) * 4 * 100_000 < mc.MC_MAX_FLOPS
+
+
+def test_a_monte_carlo_similarity_matrix_carries_errors_and_verdicts_per_entry():
+    """Fresh-eyes tester: a Monte Carlo similarity_matrix was a bare array that looked exact.
+    Each entry now carries the standard error and the verdict of the pair's own estimate from
+    the same directions (ta.similarity with the same seed: equal to rounding), the diagonal is
+    1 ± 0, and a needle model is flagged in its row."""
+    from tensoralg.results import gram_to_similarity
+
+    rng = np.random.default_rng(2)
+    nets = [ta.Sequential([_bilinear(rng, d=4, h=5, o=3), _bilinear(rng, d=3, h=5, o=3)])
+            for _ in range(3)]
+    kw = dict(method="montecarlo", n_samples=3000, seed=1)
+    S = ta.similarity_matrix(nets, **kw)
+    assert isinstance(S, mc.MonteCarloArray) and S.reliable.shape == (3, 3)
+    np.testing.assert_allclose(S, gram_to_similarity(np.asarray(ta.gram(nets, **kw))),
+                               rtol=1e-12, atol=1e-15)
+    for i in range(3):
+        assert S[i, i] == 1.0 and S.stderr[i, i] == 0.0
+        for j in range(3):
+            if i == j:
+                continue
+            one = ta.similarity(nets[i], nets[j], **kw)
+            assert float(S[i, j]) == pytest.approx(float(one), rel=1e-12)
+            assert S.stderr[i, j] == pytest.approx(one.stderr, rel=1e-9)
+            d = S.diagnostics[3 * i + j]
+            assert d.reliable == one.reliable
+            assert d.max_share == pytest.approx(one.diagnostics.max_share, rel=1e-9)
+            for (x, sx), (y, sy) in zip(d.replicates, one.diagnostics.replicates):
+                assert x == pytest.approx(y, rel=1e-12) and sx == pytest.approx(sy, rel=1e-9)
+    each = ta.similarity_matrix(nets, output="each", **kw)
+    assert each.shape == each.stderr.shape == each.reliable.shape == (3, 3, 3)
+    one = ta.similarity(nets[0], nets[1], output="each", **kw)
+    np.testing.assert_allclose(each[0, 1], one, rtol=1e-12)
+    np.testing.assert_allclose(each.stderr[0, 1], one.stderr, rtol=1e-9)
+    # a needle among other models: every entry of its row and column is flagged (the needle's
+    # norm, in every such entry's ratio, sits in a few directions)
+    f = _needle(d=4, depth=3)
+    others = [ta.Sequential([ta.Bilinear(rng.normal(size=(1, 4)), rng.normal(size=(1, 4)),
+                                         np.ones((1, 1)))] + [ta.Bilinear(np.ones((1, 1)),
+                                                                          np.ones((1, 1)),
+                                                                          np.ones((1, 1)))] * 2)
+              for _ in range(2)]
+    R = ta.similarity_matrix([f] + others, method="montecarlo", n_samples=600, seed=0)
+    assert not R.reliable[0, 1:].any() and not R.reliable[1:, 0].any()

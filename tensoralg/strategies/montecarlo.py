@@ -408,6 +408,86 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
     return MonteCarloEstimate(float(est), est.stderr, n_samples, ratio_diagnostics(Z))
 
 
+def _ratio_se(n, sx, sy, sz, sxx, syy, szz, sxy, sxz, syz):
+    """``(r, se)`` of ``r = x / sqrt(y z)`` from the sums over ``n`` samples of ``x, y, z`` and
+    of their products (arrays of one shape): the delta method of :func:`ratio_estimate`."""
+    mx, my, mz = sx / n, sy / n, sz / n
+    f = n / (n - 1)
+    cxx, cyy, czz = (sxx / n - mx * mx) * f, (syy / n - my * my) * f, (szz / n - mz * mz) * f
+    cxy, cxz, cyz = (sxy / n - mx * my) * f, (sxz / n - mx * mz) * f, (syz / n - my * mz) * f
+    r = mx / np.sqrt(my * mz)
+    gx, gy, gz = 1 / np.sqrt(my * mz), -r / (2 * my), -r / (2 * mz)
+    var = (gx * gx * cxx + gy * gy * cyy + gz * gz * czz
+           + 2 * (gx * gy * cxy + gx * gz * cxz + gy * gz * cyz)) / n
+    return r, np.sqrt(np.maximum(var, 0.0))
+
+
+def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype
+                      ) -> MonteCarloArray:
+    """``S[i, j] = <i, j> / sqrt(<i, i> <j, j>)`` of ``N`` networks from one set of sampled
+    directions (radial estimator), with, per entry, the delta-method standard error of the
+    ratio (:func:`ratio_estimate`: the covariance of ``(p_ij, p_ii, p_jj)`` over the
+    directions) and the :class:`Diagnostics` of the three sums behind it (largest
+    single-direction share; :data:`MC_REPLICATES` consecutive replicates; no certified lower
+    bounds: those need every sample). Streams the directions: memory ``O(N^2 K)``.
+
+    Raises:
+        ValueError: a model with sampled norm zero (named by index)."""
+    check_mc(n_samples, seed, backend)
+    U = np.asarray(U, dtype=np.float64)
+    warn_few(n_samples)
+    N = len(nets)
+    bounds = np.cumsum([len(x) for x in np.array_split(np.arange(n_samples), MC_REPLICATES)])
+    names = ("x", "xx", "xd", "dx", "dd")   # p_ij, p_ij^2, p_ij p_ii, p_ij p_jj, p_ii p_jj
+    sums = [dict.fromkeys(names, 0.0) for _ in range(MC_REPLICATES)]
+    absum, absmax = 0.0, 0.0
+    done = 0
+    for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype):
+        P = np.einsum(f"asqK,bsqK,q->sab{'K' if keep else ''}", F, F, w)
+        dgl = np.einsum("sii...->si...", P)   # (s, N[, K])
+        absum = absum + np.abs(P).sum(axis=0)
+        absmax = np.maximum(absmax, np.abs(P).max(axis=0))
+        lo = 0
+        while lo < len(P):   # split the chunk at the replicates' boundaries
+            g = int(np.searchsorted(bounds, done + lo, side="right"))
+            hi = min(len(P), int(bounds[g]) - done)
+            p, d = P[lo:hi], dgl[lo:hi]
+            acc = sums[g]
+            acc["x"] = acc["x"] + p.sum(axis=0)
+            acc["xx"] = acc["xx"] + (p * p).sum(axis=0)
+            acc["xd"] = acc["xd"] + (p * d[:, :, None]).sum(axis=0)
+            acc["dx"] = acc["dx"] + (p * d[:, None, :]).sum(axis=0)
+            acc["dd"] = acc["dd"] + (d[:, :, None] * d[:, None, :]).sum(axis=0)
+            lo = hi
+        done += len(P)
+
+    def estimate(n, acc):
+        x, xx = acc["x"], acc["xx"]
+        y = np.einsum("ii...->i...", x)
+        yy = np.einsum("ii...->i...", xx)
+        if np.any(y <= 0):
+            zero = sorted(set(np.flatnonzero(np.atleast_1d(y <= 0).reshape(N, -1).any(1))))
+            raise ValueError(f"similarity_matrix: models {zero} have sampled norm zero; "
+                             f"similarity is undefined")
+        Y, Z = y[:, None], y[None, :]
+        return _ratio_se(n, x, Y, Z, xx, yy[:, None], yy[None, :], acc["xd"], acc["dx"],
+                         acc["dd"])
+
+    total = {k: sum(acc[k] for acc in sums) for k in names}
+    r, se = estimate(n_samples, total)
+    sizes = np.diff(np.concatenate([[0], bounds]))
+    reps = [estimate(int(m), acc) for m, acc in zip(sizes, sums)]
+    share = np.where(absum > 0, absmax / np.where(absum > 0, absum, 1.0), 0.0)
+    dshare = np.einsum("ii...->i...", share)
+    share = np.maximum(share, np.maximum(dshare[:, None], dshare[None, :]))
+    diags = [_verdict([(float(rv[idx]), float(sv[idx])) for rv, sv in reps], float(share[idx]),
+                      {}) for idx in np.ndindex(r.shape)]
+    r = np.clip(r, -1.0, 1.0)
+    for i in range(N):
+        r[i, i], se[i, i] = 1.0, 0.0
+    return MonteCarloArray(r, se, n_samples, diags)
+
+
 def ratio_estimate(s1, s2, n_samples: int, keep: bool = False):
     """The similarity ``r = ab / sqrt(aa bb)`` of sample means and its delta-method standard error.
 
