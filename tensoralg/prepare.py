@@ -417,12 +417,7 @@ def check_sequence_pair(a: Any, b: Any, n_ctx: Any):
     if not (a.is_sequence_model or b.is_sequence_model or _IN_SEQUENCE_GRAM.get()):
         raise ValueError("a and b: neither model holds attention; these are position-free networks: "
                          "use tensoralg.inner")
-    if a.in_features != b.in_features:
-        raise ValueError(f"a and b must read the same input: a has in_features={a.in_features}, "
-                         f"b has in_features={b.in_features}")
-    if a.out_features != b.out_features:
-        raise ValueError(f"a and b must have the same number of outputs: a has "
-                         f"out_features={a.out_features}, b has out_features={b.out_features}")
+    check_pair(a, b)   # the message of every other entry point
     return a, b, resolve_n_ctx([("a", a), ("b", b)], n_ctx)
 
 
