@@ -266,7 +266,8 @@ def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Pat
         eigen_statement=f"class {cfg.target}'s change (backdoored - clean): the top eigenvector "
                         f"puts {tm['mass_inside']:.1%} of its squared mass on the trigger's "
                         f"{mask.sum()} pixels ({tm['pixel_share']:.1%} of the image; "
-                        f"{tm['ratio']:.1f}x their share); the most concentrated of the top 4 "
+                        f"{tm['ratio']:.1f}x their share, where 1x is no concentration on "
+                        f"the trigger); the most concentrated of the top 4 "
                         f"(v{1 + int(np.argmax(summary['top_k_mask_mass']))}) "
                         f"{max(summary['top_k_mask_mass']):.1%}; the linear term "
                         + (f"{summary['linear_term_mask']['mass_inside']:.1%}"
@@ -310,9 +311,11 @@ def backdoor_table(result: dict) -> str:
                    + ([pm(control["global_similarity"], control.get("global_similarity_stderr"))]
                       if cb else [])]
     for k, v in b.items():
-        metric_rows.append([f"baseline {k}", v] + ([cb[k]] if cb else []))
-    lines.append(format_table(["metric: clean vs audited", "backdoored"] + (["control"] if cb else []),
-                              metric_rows))
+        # a divergence reads the other way round from the similarities above it
+        label = f"baseline {k}" + (" (0 = same; lower = more alike)" if "divergence" in k else "")
+        metric_rows.append([label, v] + ([cb[k]] if cb else []))
+    lines.append(format_table(["metric (clean model vs each)", "backdoored"]
+                              + (["control"] if cb else []), metric_rows))
     acc = result["clean_accuracy"]
     method = result["method"]
     if result.get("n_samples"):

@@ -60,7 +60,9 @@ DEGREES = ("S<=1", "S<=5", "S<=9", "full")
 DEGREE_LABELS = {"S<=1": "S<=1 (exact)", "S<=5": "S<=5 (exact)",
                  "S<=9": "S<=9 (Monte Carlo)", "full": "full similarity (guided Monte Carlo)"}
 NO_ESTIMATE = "no reliable estimate"
-NOT_ESTIMATED = "NOT assessed (not estimated under this metric: --deep-metrics, --deep-pairs)"
+NOT_ESTIMATED = ("NOT assessed (not estimated under this metric: S<=9 and the guided full "
+                 "similarity run under the metrics of --deep-metrics, on the --deep-pairs "
+                 "sharpest S<=5 intervals; e.g. --deep-metrics residual,vocab,heldout)")
 
 
 def matrix_name(degree: str, metric: str) -> str:
