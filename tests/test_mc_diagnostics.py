@@ -238,6 +238,7 @@ def test_a_monte_carlo_similarity_matrix_carries_errors_and_verdicts_per_entry()
     kw = dict(method="montecarlo", n_samples=3000, seed=1)
     S = ta.similarity_matrix(nets, **kw)
     assert isinstance(S, mc.MonteCarloArray) and S.reliable.shape == (3, 3)
+    # the same sums in another order: float64 rounding (atol for the 0-diagonal differences)
     np.testing.assert_allclose(S, gram_to_similarity(np.asarray(ta.gram(nets, **kw))),
                                rtol=1e-12, atol=1e-15)
     for i in range(3):
@@ -247,6 +248,9 @@ def test_a_monte_carlo_similarity_matrix_carries_errors_and_verdicts_per_entry()
                 continue
             one = ta.similarity(nets[i], nets[j], **kw)
             assert float(S[i, j]) == pytest.approx(float(one), rel=1e-12)
+            # the standard errors come from one-pass variances (mean of squares minus square
+            # of the mean) summed in another order: that cancellation loses about
+            # eps * mean^2 / variance, ~1e-13 here; 1e-9 bounds it with room, not tuned
             assert S.stderr[i, j] == pytest.approx(one.stderr, rel=1e-9)
             d = S.diagnostics[3 * i + j]
             assert d.reliable == one.reliable
@@ -268,3 +272,13 @@ def test_a_monte_carlo_similarity_matrix_carries_errors_and_verdicts_per_entry()
               for _ in range(2)]
     R = ta.similarity_matrix([f] + others, method="montecarlo", n_samples=600, seed=0)
     assert not R.reliable[0, 1:].any() and not R.reliable[1:, 0].any()
+
+
+def test_a_monte_carlo_similarity_matrix_with_a_zero_model_is_refused():
+    """Bad input for the per-entry estimator: a model whose sampled norm is zero is named."""
+    rng = np.random.default_rng(5)
+    zero = ta.Bilinear(np.zeros((4, 3)), np.ones((4, 3)), np.ones((2, 4)))
+    with pytest.raises(ValueError, match=r"^similarity_matrix: models \[1\] have sampled norm "
+                                         r"zero; similarity is undefined$"):
+        ta.similarity_matrix([_bilinear(rng), zero, _bilinear(rng)], method="montecarlo",
+                             n_samples=600, seed=0)

@@ -253,6 +253,12 @@ class MonteCarloArray(np.ndarray):
 MC_MIN_DIRECTIONS = 300
 
 
+def _radial_nodes(degree: int) -> int:
+    """Radii of :func:`_radial_rule` for polynomials of degree ``<= degree`` on the ray (each
+    evaluated at ``±r``: ``2 m`` points)."""
+    return (degree // 2) // 2 + 1
+
+
 def _radial_rule(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
     """Radii and probability weights that integrate ``r^k`` (even k <= degree) exactly, r ~ chi_d.
 
@@ -261,7 +267,7 @@ def _radial_rule(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
     normalized, so no Gamma(d/2) appears (scipy's roots_genlaguerre overflows for d > 340)."""
     from scipy.linalg import eigh_tridiagonal
 
-    m = (degree // 2) // 2 + 1
+    m = _radial_nodes(degree)
     alpha = d / 2 - 1
     k = np.arange(m, dtype=np.float64)
     diag = 2 * k + alpha + 1
@@ -445,8 +451,9 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype
     for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype):
         P = np.einsum(f"asqK,bsqK,q->sab{'K' if keep else ''}", F, F, w)
         dgl = np.einsum("sii...->si...", P)   # (s, N[, K])
-        absum = absum + np.abs(P).sum(axis=0)
-        absmax = np.maximum(absmax, np.abs(P).max(axis=0))
+        mag = np.abs(P)
+        absum = absum + mag.sum(axis=0)
+        absmax = np.maximum(absmax, mag.max(axis=0))
         lo = 0
         while lo < len(P):   # split the chunk at the replicates' boundaries
             g = int(np.searchsorted(bounds, done + lo, side="right"))
@@ -466,7 +473,7 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype
         y = np.einsum("ii...->i...", x)
         yy = np.einsum("ii...->i...", xx)
         if np.any(y <= 0):
-            zero = sorted(set(np.flatnonzero(np.atleast_1d(y <= 0).reshape(N, -1).any(1))))
+            zero = np.flatnonzero(np.atleast_1d(y <= 0).reshape(N, -1).any(1)).tolist()
             raise ValueError(f"similarity_matrix: models {zero} have sampled norm zero; "
                              f"similarity is undefined")
         Y, Z = y[:, None], y[None, :]
@@ -556,8 +563,7 @@ def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
         raise ValueError(f"n_samples: expected an int >= 2 * n_batches = {2 * n_batches}, got "
                          f"{req.n_samples!r}")
     a, b = a.astype_float(), b.astype_float()
-    check_sampling_cost([a, b], req.n_samples,
-                        _radial_points(n_ctx * a.in_features, 2 * max(a.degree, b.degree))[0].size,
+    check_sampling_cost([a, b], req.n_samples, 2 * _radial_nodes(2 * max(a.degree, b.degree)),
                         n_ctx)
     points, n = _mc_points(req.seed, req.n_samples, n_batches, n_ctx, a.in_features,
                            max(a.degree, b.degree))
