@@ -490,8 +490,9 @@ class SequencePlan:
             summed over the term pairs) that the exact path contracts —
             :func:`~tensoralg.strategies.wick_terms.count_configurations` of the output-sliced models —
             or None for an unsupported model.
-        max_configurations: the budget applied (the only one the attention path reads;
-            ``max_flops`` / ``max_memory`` do not apply to it).
+        max_configurations: the budget on the configurations (checked first, from counts
+            alone; then the dry run's memory and FLOP estimates against ``max_memory`` and
+            ``max_flops``).
         n_ctx, output, position: the sequence length and the slices.
         n_legs: legs of the joined network of the largest term pair (the degrees of the two
             canonical trees added; 10 for two attention layers of depth 1), or None when a
@@ -499,6 +500,10 @@ class SequencePlan:
         memory_bytes: the estimated peak memory of the exact path
             (:func:`tensoralg.strategies.wick_terms.chaos_memory_bytes`), None when it was not reached;
             max_memory: the budget it was held against (bytes).
+        flops: the estimated FLOPs of the exact path (the path costs of its contractions, from
+            the same dry run: :func:`tensoralg.strategies.wick_terms.chaos_cost_req`), None when it
+            was not reached; max_flops: the budget it was held against (``max_flops`` or its
+            default).
         terms_a, terms_b: each model's canonical tree (:func:`tensoralg.canonical.tree`), one
             line per node: its terms with their legs and the positions they read.
         alternatives: the other methods.
@@ -516,6 +521,8 @@ class SequencePlan:
     n_legs: int | None = None
     memory_bytes: int | None = None
     max_memory: float | None = None
+    flops: float | None = None
+    max_flops: float | None = None
     terms_a: list = field(default_factory=list)
     terms_b: list = field(default_factory=list)
     alternatives: str = SEQUENCE_ALTERNATIVES
@@ -549,6 +556,9 @@ class SequencePlan:
                 lines.append(f"estimated peak memory (chaos strategy, dry run): "
                              f"{self.memory_bytes / 2**30:.3g} GiB (max_memory="
                              f"{self.max_memory / 2**30:.3g} GiB)")
+            if self.flops is not None:
+                lines.append(f"estimated FLOPs (chaos strategy, dry run): {self.flops:.3g} "
+                             f"(max_flops={self.max_flops:.3g})")
         else:
             lines.append("exact one-attention-layer path (tensoralg.strategies.wick_terms): not available"
                          + (f" (the unrolled trees: {legs})" if legs else ""))
@@ -587,9 +597,9 @@ def plan_sequence(req, na, nb) -> SequencePlan:
 
     The count is :func:`tensoralg.strategies.wick_terms.count_configurations` with the same ``output``
     slice and ``backend`` (the zero patterns of the sliced terms decide which legs can be
-    capped); within ``max_configurations``, the estimated peak memory is
-    :func:`tensoralg.strategies.wick_terms.chaos_memory_bytes` (a dry run: paths found and cached, nothing
-    contracted) against ``max_memory``. So ``refused`` is set exactly when ``inner`` refuses,
+    capped); within ``max_configurations``, the estimated peak memory and FLOPs
+    (:func:`tensoralg.strategies.wick_terms.chaos_cost_req`, a dry run: paths found and cached,
+    nothing contracted) against ``max_memory`` and ``max_flops``. So ``refused`` is set exactly when ``inner`` refuses,
     with its message.
 
     Raises:
@@ -658,17 +668,23 @@ def plan_sequence(req, na, nb) -> SequencePlan:
                                     else max_memory)
             plan.reason = "over max_memory (from shapes alone)"
         else:
-            plan.memory_bytes = wick_terms.chaos_memory_bytes_req(req, na, nb)
+            plan.memory_bytes, plan.flops = wick_terms.chaos_cost_req(req, na, nb)
             plan.max_memory = float(available_memory(backend, device) if max_memory is None
                                     else max_memory)
+            plan.max_flops = wick_terms.max_flops_of(req)
             plan.refused = wick_terms.memory_refusal(plan.memory_bytes, plan.max_memory)
             if plan.refused:
                 plan.reason = "over max_memory"
+            else:
+                plan.refused = wick_terms.flops_refusal(plan.flops, req)
+                if plan.refused:
+                    plan.reason = "over max_flops"
     if plan.supported and not plan.refused:
         plan.strategy = "attention"
         plan.reason = (f"exact: at most one attention layer per model, "
                        f"{plan.n_configurations:,} Wick configurations within "
                        f"max_configurations={max_configurations:,}, estimated peak memory "
                        f"{plan.memory_bytes / 2**30:.3g} GiB within max_memory="
-                       f"{plan.max_memory / 2**30:.3g} GiB")
+                       f"{plan.max_memory / 2**30:.3g} GiB, estimated {plan.flops:.3g} FLOPs "
+                       f"within max_flops={plan.max_flops:.3g}")
     return plan

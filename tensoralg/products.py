@@ -293,9 +293,10 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     positions they read), or the refusal (a model outside the exact path, e.g. two attention
     layers; over ``max_configurations``: both :class:`~tensoralg.CostTooHigh`) naming
     the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
-    when :func:`inner` refuses; within ``max_configurations`` the estimated peak memory
-    (:func:`tensoralg.strategies.wick_terms.chaos_memory_bytes`, a dry run) is held against
-    ``max_memory``. ``max_flops``, ``strategy`` and ``dtype`` do not apply to that path.
+    when :func:`inner` refuses; within ``max_configurations`` the estimated peak memory and
+    FLOPs (:func:`tensoralg.strategies.wick_terms.chaos_cost_req`, a dry run) are held against
+    ``max_memory`` and ``max_flops`` (over either: CostTooHigh). ``strategy`` and ``dtype``
+    do not apply to that path.
 
     Raises:
         ValueError: what :func:`inner` raises for the same arguments before any work (bad

@@ -65,6 +65,47 @@ def test_refused_exactly_when_inner_refuses_at_the_boundary(kw):
     assert str(err.value) == over.refused   # the plan gives inner's message
 
 
+@pytest.mark.parametrize("kw", [{}, {"output": 1}, {"position": "each"},
+                                {"backend": "exact", "output": 1}])
+def test_max_flops_refuses_exactly_when_inner_refuses(kw):
+    """max_flops applies to the exact attention path: the dry run's FLOP estimate is held
+    against it, in plan and in inner alike (the same boundary, the same message)."""
+    a, b = _pair()
+    p = ta.plan(a, b, n_ctx=2, **kw)
+    assert p.refused is None and p.flops > 0
+    assert p.max_flops == (2e7 if kw.get("backend") == "exact" else 2e11)  # the defaults
+    assert "estimated FLOPs" in str(p)
+    ta.inner(a, b, n_ctx=2, max_flops=p.flops, **kw)  # runs at the boundary
+    over = ta.plan(a, b, n_ctx=2, max_flops=p.flops * (1 - 1e-9), **kw)
+    assert over.refused and over.strategy is None and over.reason == "over max_flops"
+    assert "max_flops" in over.refused and "method='montecarlo'" in over.refused
+    with pytest.raises(ta.CostTooHigh) as err:
+        ta.inner(a, b, n_ctx=2, max_flops=p.flops * (1 - 1e-9), **kw)
+    assert str(err.value) == over.refused
+
+
+def test_the_flop_estimate_is_the_work_inner_does(monkeypatch):
+    """The estimate is the path cost of every contraction the real run executes: counted here
+    by wrapping the executor's Plan.__call__ during ta.inner (each call adds its own path
+    cost), against the dry run's sum (the leg grams, plain einsum calls, are in neither)."""
+    from tensoralg.strategies import executor
+
+    rng = np.random.default_rng(3)
+    a = attn(rng, H=2, dh=3, d=3, dv=2, mask="causal")
+    b = attn(rng, H=1, dh=2, d=3, dv=2, mask="causal")
+    est = ta.plan(a, b, n_ctx=3).flops
+    done = []
+    call = executor.Plan.__call__
+
+    def counted(self, *ops, **kw):
+        done.append(self.flops)
+        return call(self, *ops, **kw)
+
+    monkeypatch.setattr(executor.Plan, "__call__", counted)
+    ta.inner(a, b, n_ctx=3)
+    assert len(done) > 100 and est == sum(done)   # the same sums of the same integers
+
+
 def test_two_attention_layers_are_refused_like_inner():
     deep = _deep()
     p = ta.plan(deep, n_ctx=2, max_configurations=10**12)

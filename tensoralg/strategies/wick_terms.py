@@ -70,7 +70,8 @@ from ..errors import AttentionNotSupported, CostTooHigh
 from ..layers import BilinearAttention, Layer, Residual, Sequential, as_network
 from ..prepare import (_IN_SEQUENCE_GRAM, _selector, check_sequence_models, check_sequence_pair,
                        check_slices)
-from ..request import DEFAULT_MAX_CONFIGURATIONS, Request, make_request
+from ..request import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
+                       Request, make_request)
 from ..results import gram_to_similarity, similarity_from, swap_order
 from .executor import Plan, torch_backend
 
@@ -382,9 +383,10 @@ class TermSide:
         self._gram = {}
         self.R = {}
         #: dry: nothing is contracted; R[S] holds shape-only placeholders, ``stored`` the number
-        #: of entries the R[S] would take and ``work`` the elements live at the peak of the
-        #: largest of their sums (:func:`sum_peak`); the compiled paths are cached for the run.
-        self.dry, self.stored, self.work = dry, 0, 0
+        #: of entries the R[S] would take, ``work`` the elements live at the peak of the
+        #: largest of their sums (:func:`sum_peak`) and ``flops`` their path costs
+        #: (:func:`sum_flops`); the compiled paths are cached for the run.
+        self.dry, self.stored, self.work, self.flops = dry, 0, 0, 0.0
         self._compute(n)
 
     def gram(self, i, j):
@@ -441,6 +443,7 @@ class TermSide:
                 self.R[S] = (Shape(shape), out)
                 self.stored += math.prod(shape)
                 self.work = max(self.work, sum_peak(compiled, self.fetch))
+                self.flops += sum_flops(compiled)
                 self._grams_read.update(k for specs, _ in compiled for k, _ in specs
                                         if k[0] == "gram")
                 continue
@@ -534,8 +537,9 @@ def _gram(A: Leg, B: Leg, ein):
 
 def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
     """``sum_{S_a, S_b} sum_{bijections} <R_a[S_a], R_b[S_b]>`` with cross bridges; with two
-    dry sides (:class:`TermSide` ``dry=True``) nothing is contracted and the value is the
-    number of elements live at the peak of that sum (:func:`sum_peak`)."""
+    dry sides (:class:`TermSide` ``dry=True``) nothing is contracted and the value is
+    ``(elements live at the peak of that sum (:func:`sum_peak`), its FLOPs
+    (:func:`sum_flops`))``."""
     la, lb = sa.legs, sb.legs
     grams = {}
 
@@ -592,7 +596,8 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
 
     compiled = compile_sum(key, build)
     if sa.dry or sb.dry:  # the cross grams stay alive through the sum
-        return sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g"), len(items)
+        return (sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g"),
+                sum_flops(compiled)), len(items)
     return run_sum(compiled, fetch, ein), len(items)
 
 
@@ -609,6 +614,13 @@ def _gram_entries(compiled, fetch, kind: str) -> int:
     """Entries of the distinct gram operands (key kind ``kind``) that ``compiled`` reads."""
     keys = {key for specs, _ in compiled for key, _ in specs if key[0] == kind}
     return sum(math.prod(fetch(key).shape) for key in keys)
+
+
+def sum_flops(compiled) -> float:
+    """FLOPs of :func:`run_sum` over ``compiled``: the ``opt_einsum`` path cost of each of its
+    contractions (:attr:`Plan.flops`; a single-operand reduction, which reads each entry once,
+    is not counted), from shapes alone."""
+    return float(sum(getattr(expr, "flops", 0.0) for _, expr in compiled))
 
 
 def sum_peak(compiled, fetch) -> int:
@@ -810,30 +822,33 @@ def count_configurations_req(req: Request, a: Any, b: Any) -> int:
                for x, y in _term_pairs(pa, pb))
 
 
-def _stored_bytes(pa: Tree, pb: Tree, n_ctx: int, exact: bool, sel, out_mode) -> int:
-    """Estimated peak bytes of the chaos strategy, from a dry run (paths found and cached for
-    the real run; nothing contracted): every stored ``R[S]`` of both models plus the largest
-    working set of one sum (its cached diagonal copies and one contraction's live
-    intermediates and step copies, :func:`~tensoralg.strategies.wick_terms.sum_peak`);
-    8 bytes per entry (float64; one pointer per Fraction in rationals, so low there)."""
+def _dry_cost(pa: Tree, pb: Tree, n_ctx: int, exact: bool, sel, out_mode) -> tuple[int, float]:
+    """``(bytes, FLOPs)`` of the chaos strategy, from a dry run (paths found and cached for
+    the real run; nothing contracted). Bytes: the estimated peak, every stored ``R[S]`` of
+    both models plus the largest working set of one sum (its cached diagonal copies and one
+    contraction's live intermediates and step copies, :func:`sum_peak`); 8 bytes per entry
+    (float64; one pointer per Fraction in rationals, so low there). FLOPs: the path costs of
+    every contraction of the per-model sums and of the cross sums (:func:`sum_flops`; the leg
+    grams ``w . P w'``, a few matrix products, come on top)."""
     key = (_shape_signature(pa), _shape_signature(pb), n_ctx, exact, sel.shape, out_mode)
-    hit = _STORED_BYTES.get(key)
+    hit = _DRY_COST.get(key)
     if hit is not None:
         return hit
     sides = {side: [TermSide(t, side, np.einsum, n_ctx, exact, dry=True) for t in p.nodes[0].terms]
              for side, p in (("a", pa), ("b", pb))}
     stored = sum(x.stored for v in sides.values() for x in v)
-    work = max([x.work for v in sides.values() for x in v] +
-               [chaos_pair(x, y, sel, out_mode, np.einsum, 1 << 62)[0]
-                for x in sides["a"] for y in sides["b"]])
-    if len(_STORED_BYTES) > 256:
-        _STORED_BYTES.clear()
-    _STORED_BYTES[key] = 8 * (stored + work)
-    return _STORED_BYTES[key]
+    cross = [chaos_pair(x, y, sel, out_mode, np.einsum, 1 << 62)[0]
+             for x in sides["a"] for y in sides["b"]]
+    work = max([x.work for v in sides.values() for x in v] + [c[0] for c in cross])
+    flops = sum(x.flops for v in sides.values() for x in v) + sum(c[1] for c in cross)
+    if len(_DRY_COST) > 256:
+        _DRY_COST.clear()
+    _DRY_COST[key] = (8 * (stored + work), float(flops))
+    return _DRY_COST[key]
 
 
-#: The estimate depends on shapes and zero patterns only (what the compiled paths depend on).
-_STORED_BYTES: dict = {}
+#: The estimates depend on shapes and zero patterns only (what the compiled paths depend on).
+_DRY_COST: dict = {}
 
 
 def _shape_signature(p: Tree) -> tuple:
@@ -875,11 +890,36 @@ def chaos_memory_bytes(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
 
 def chaos_memory_bytes_req(req: Request, a: Any, b: Any) -> int:
     """:func:`chaos_memory_bytes` of a validated request."""
+    return chaos_cost_req(req, a, b)[0]
+
+
+def chaos_cost_req(req: Request, a: Any, b: Any) -> tuple[int, float]:
+    """``(estimated peak bytes, estimated FLOPs)`` of :func:`exact_inner` with the chaos
+    strategy for a validated request: one dry run (:func:`_dry_cost`), nothing contracted."""
     pa, pb, n_ctx = _checked_trees(req, a, b)
     out_mode = ((QUERY,) if isinstance(req.position, str) else ()) + \
         (("o",) if isinstance(req.output, str) else ())
-    return _stored_bytes(pa, pb, n_ctx, req.exact, _selector(n_ctx, req.position, req.exact),
-                         out_mode)
+    return _dry_cost(pa, pb, n_ctx, req.exact, _selector(n_ctx, req.position, req.exact),
+                     out_mode)
+
+
+def max_flops_of(req: Request) -> float:
+    """The FLOP budget of ``req``: ``max_flops``, or its default (``DEFAULT_MAX_FLOPS``;
+    ``DEFAULT_MAX_FLOPS_EXACT`` on the exact backend, where each operation is on Fractions)."""
+    if req.max_flops is not None:
+        return float(req.max_flops)
+    return DEFAULT_MAX_FLOPS_EXACT if req.exact else DEFAULT_MAX_FLOPS
+
+
+def flops_refusal(flops: float, req: Request) -> str | None:
+    """The refusal message when the chaos strategy's estimated FLOPs exceed the budget of
+    ``req`` (:func:`max_flops_of`), else None."""
+    budget = max_flops_of(req)
+    if flops <= budget:
+        return None
+    return (f"exact attention inner product: estimated {flops:.3g} FLOPs (the path costs of "
+            f"its contractions, from a dry run), over max_flops={budget:.3g}. {ALTERNATIVES}, "
+            f"or raise max_flops")
 
 
 def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position: Any = None,
@@ -944,7 +984,8 @@ def _exact_trees(req: Request, a: Any, b: Any):
 def _check_cost(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
                 strategy: str) -> None:
     """CostTooHigh over ``max_configurations`` or (chaos) the memory estimate over
-    ``max_memory``; nothing contracted."""
+    ``max_memory`` or the FLOP estimate over ``max_flops`` (:func:`flops_refusal`); nothing
+    contracted."""
     n_conf = sum(JoinedTermPair(x, y, sel, out_mode, np.einsum).count()
                  for x, y in _term_pairs(pa, pb))
     if n_conf > req.max_configurations:
@@ -952,8 +993,9 @@ def _check_cost(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
                           f"over max_configurations={req.max_configurations:,}. "
                           f"{ALTERNATIVES}, or raise max_configurations")
     if strategy == "chaos":
-        msg = memory_refusal(_stored_bytes(pa, pb, n_ctx, req.exact, sel, out_mode),
-                             req.max_memory, req.backend, req.device)
+        need, flops = _dry_cost(pa, pb, n_ctx, req.exact, sel, out_mode)
+        msg = memory_refusal(need, req.max_memory, req.backend, req.device) or \
+            flops_refusal(flops, req)
         if msg is not None:
             raise CostTooHigh(msg)
 
