@@ -116,6 +116,33 @@ def _check_against_brute_force(seed, heads, mask, bias, rope, residual, n_ctx, d
     assert abs(got - float(want)) <= 1e-10 * scale
 
 
+@pytest.mark.parametrize("rope", [None, 10.0])
+def test_packed_query_key_pairs_equal_brute_force(monkeypatch, rope):
+    """Cross items that bridge the two key positions sum over the (query, key) pairs where
+    both masks are nonzero only: a causal mask against a mask array with other zeros, in
+    rationals, equal to verify's brute force; the packing is checked to have run (with RoPE
+    the positional grams read the key position too: those items are not packed)."""
+    rng = np.random.default_rng(11)
+    mask = np.array([[1.0, 0.0, 2.0], [0.0, -1.5, 0.0], [0.5, 1.0, 0.0]])
+    a = attn(rng, H=2, d=2, mask="causal", rope=rope)
+    b = attn(rng, H=1, d=2, mask=mask)
+    packed = []
+    real = A._packed
+
+    def spy(arr, *args):
+        out = real(arr, *args)
+        if not isinstance(arr, A.Shape):
+            packed.append(out[0].shape)
+        return out
+
+    monkeypatch.setattr(A, "_packed", spy)
+    A._COMPILED.clear()
+    assert A.exact_inner(a, b, n_ctx=3, backend="exact") == sequence_inner_exact(a, b, 3)
+    # causal & mask: 4 of the 9 (query, key) pairs are nonzero in both
+    assert packed and all(shape[0] == 4 for shape in packed)
+    assert A.exact_inner(a, a, n_ctx=3, backend="exact") == sequence_inner_exact(a, a, 3)
+
+
 def test_slices_equal_brute_force():
     rng = np.random.default_rng(4)
     a = attn(rng, residual=True, H=2, bias=False)

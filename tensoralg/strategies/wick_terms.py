@@ -535,13 +535,63 @@ def _gram(A: Leg, B: Leg, ein):
     return ein(sub, A.weight[..., 1:], B.weight[..., 1:])
 
 
+def _mask_pattern(side: TermSide):
+    """``(key position label, nonzero pattern (t, s))`` of a side's mask core (the one inner
+    static operand over the query and one key position), or None."""
+    hits = [(lab, arr) for arr, lab in side.inner
+            if len(lab) == 2 and lab[0] == QUERY and lab[1] != QUERY]
+    if len(hits) != 1 or isinstance(hits[0][1], Shape):
+        return None
+    return hits[0][0][1], np.asarray(hits[0][1] != 0)
+
+
+def _pack_plan(sa: TermSide, sb: TermSide, out_mode):
+    """``(s_a, s_b, rows t, cols s)`` of the (query, key) pairs where both masks are nonzero,
+    when a cross item that bridges the two key positions can sum over those pairs only (one
+    packed label instead of two): both sides carry a mask, it has zeros (a causal mask: about
+    half), and the query position is summed. Else None."""
+    if QUERY in out_mode:
+        return None
+    ma, mb = _mask_pattern(sa), _mask_pattern(sb)
+    if ma is None or mb is None or ma[1].shape != mb[1].shape:
+        return None
+    nz = ma[1] & mb[1]
+    if nz.all():
+        return None
+    ti, si = np.nonzero(nz)
+    return ma[0], mb[0], ti, si
+
+
+_PACKED = "#ts"   # the label of a packed (query, key) pair
+
+
+def _packed(arr, labels, t_lab, s_lab, ti, si):
+    """``arr`` (labels unique) with its query axis ``t_lab`` and key axis ``s_lab`` (either
+    may be absent) replaced by one leading axis over the pairs ``(ti, si)``."""
+    axes = [labels.index(x) for x in (t_lab, s_lab) if x in labels]
+    idx = [ix for x, ix in ((t_lab, ti), (s_lab, si)) if x in labels]
+    rest = tuple(x for x in labels if x not in (t_lab, s_lab))
+    if isinstance(arr, Shape):
+        return Shape((len(ti),) + tuple(arr.shape[k] for k, x in enumerate(labels)
+                                        if x not in (t_lab, s_lab))), (_PACKED,) + rest
+    moved = np.moveaxis(arr, axes, list(range(len(axes))))
+    return moved[tuple(idx)], (_PACKED,) + rest
+
+
 def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
     """``sum_{S_a, S_b} sum_{bijections} <R_a[S_a], R_b[S_b]>`` with cross bridges; with two
     dry sides (:class:`TermSide` ``dry=True``) nothing is contracted and the value is
     ``(elements live at the peak of that sum (:func:`sum_peak`), its FLOPs
-    (:func:`sum_flops`))``."""
+    (:func:`sum_flops`))``.
+
+    An item whose bridges identify the two key positions sums over the (query, key) pairs
+    where both masks are nonzero only (:func:`_pack_plan`; a causal mask: ``n(n+1)/2`` of
+    ``n^2``): ``R_a``, ``R_b`` and the selector are read on those pairs (one packed label), the
+    entries left out being zero in ``R_a`` (its mask factor). The same sum, fewer terms."""
     la, lb = sa.legs, sb.legs
     grams = {}
+    pack = _pack_plan(sa, sb, out_mode)
+    packs: dict = {}
 
     def fetch(key):
         kind = key[0]
@@ -555,6 +605,11 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
             return sb.outer[key[1]][0]
         if kind == "sel":
             return sel
+        if kind == "pk":    # ("pk", inner key, its labels, query label, key label)
+            if key not in packs:
+                packs[key] = _packed(fetch(key[1]), key[2], key[3], key[4], pack[2],
+                                     pack[3])[0]
+            return packs[key]
         if key not in grams:
             grams[key] = _gram(la[key[1]], lb[key[2]], ein)
         return grams[key]
@@ -575,7 +630,18 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
         raise OverBudget()
     key = ("cross", sa.signature(), sb.signature(),
            tuple(sorted((k, v[1]) for k, v in sa.R.items())),
-           tuple(sorted((k, v[1]) for k, v in sb.R.items())), out_mode, sel.shape)
+           tuple(sorted((k, v[1]) for k, v in sb.R.items())), out_mode, sel.shape,
+           None if pack is None else (pack[0], pack[1], pack[2].tobytes(), pack[3].tobytes()))
+
+    def packable(specs, s_lab):
+        """Whether the packed pairs may replace (query, ``s_lab``) in these operands: both
+        ``R`` carry the query and the bridged key position, nothing else but the selector reads
+        either."""
+        has = {k[0]: lab for k, lab in specs if k[0] in ("Ra", "Rb")}
+        if len(has) != 2 or not all(QUERY in lab and s_lab in lab for lab in has.values()):
+            return False
+        return all(k[0] in ("Ra", "Rb", "sel") or not ({QUERY, s_lab} & set(lab))
+                   for k, lab in specs)
 
     def build():
         for S_a, S_b, pairs in items:
@@ -592,12 +658,21 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
             specs += [(("Ob", k), lab) for k, (_, lab) in enumerate(sb.outer)]
             for i, j in pairs:
                 specs.append((("g", i, j), _gram_labels(la[i], lb[j], uf.find(la[i].pos))))
+            if pack is not None:
+                s_lab = uf.find(pack[0])
+                if s_lab == uf.find(pack[1]) and s_lab != uf.find(QUERY) and \
+                        packable(specs, s_lab) and \
+                        all(len(set(lab)) == len(lab) for _, lab in specs):
+                    specs = [(("pk", k, lab, QUERY, s_lab),
+                              _packed(Shape([1] * len(lab)), lab, QUERY, s_lab, pack[2],
+                                      pack[3])[1])
+                             if k[0] in ("Ra", "Rb", "sel") else (k, lab) for k, lab in specs]
             yield specs, out_mode, [fetch(k).shape for k, _ in specs]
 
     compiled = compile_sum(key, build)
-    if sa.dry or sb.dry:  # the cross grams stay alive through the sum
-        return (sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g"),
-                sum_flops(compiled)), len(items)
+    if sa.dry or sb.dry:  # the cross grams and packed copies stay alive through the sum
+        return (sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g") +
+                _gram_entries(compiled, fetch, "pk"), sum_flops(compiled)), len(items)
     return run_sum(compiled, fetch, ein), len(items)
 
 
