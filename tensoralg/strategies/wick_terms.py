@@ -593,6 +593,9 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
     grams = {}
     pack = _pack_plan(sa, sb, out_mode)
     packs: dict = {}
+    # an all-ones selector (every query position summed) multiplies by 1: an item leaves it out
+    # when another operand carries its label (else it stands for the factor n_ctx)
+    ones = bool(np.all(sel == 1))
 
     def fetch(key):
         kind = key[0]
@@ -632,7 +635,8 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
     key = ("cross", sa.signature(), sb.signature(),
            tuple(sorted((k, v[1]) for k, v in sa.R.items())),
            tuple(sorted((k, v[1]) for k, v in sb.R.items())), out_mode, sel.shape,
-           None if pack is None else (pack[0], pack[1], pack[2].tobytes(), pack[3].tobytes()))
+           None if pack is None else (pack[0], pack[1], pack[2].tobytes(), pack[3].tobytes()),
+           ones)
 
     def packable(specs, s_lab):
         """Whether the packed pairs may replace (query, ``s_lab``) in these operands: both
@@ -668,6 +672,8 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
                               _packed(Shape([1] * len(lab)), lab, QUERY, s_lab, pack[2],
                                       pack[3])[1])
                              if k[0] in ("Ra", "Rb", "sel") else (k, lab) for k, lab in specs]
+            if ones and any(lab == specs[0][1][0] for _, rest in specs[1:] for lab in rest):
+                specs = specs[1:]
             yield specs, out_mode, [fetch(k).shape for k, _ in specs]
 
     compiled = compile_sum(key, build)
