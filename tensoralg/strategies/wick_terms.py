@@ -29,6 +29,16 @@ Two ways to sum (equal values; tests cross-check them):
   open legs (orthogonality of Gaussian chaoses), so a pair of terms is a sum over
   ``(S_a, S_b, bijection)``.
 
+Two reductions keep the sum and drop terms that are zero or one: a cross item whose bridges
+identify the two key positions sums over the (query, key) pairs where both masks are nonzero
+only (one packed label; a causal mask keeps ``n(n+1)/2`` of ``n^2``), and the all-ones selector
+of a sum over every query position is left out where another operand carries its label.
+
+Cost: before any contraction, the configurations are counted against ``max_configurations``
+and a dry run of the chaos sums (paths found and cached for the real run) estimates the peak
+memory and the FLOPs (the path cost of every contraction the run executes), held against
+``max_memory`` and ``max_flops`` (:func:`chaos_cost_req`; ``tensoralg.plan`` reports both).
+
 No symmetry reduction is applied: the swap ``(Q1, K1) <-> (Q2, K2)`` of an attention term
 leaves the function unchanged but not the tensor network unless ``q1 = q2`` and ``k1 = k2``
 (docs/mathematics.md §3.7), so every matching is contracted.
