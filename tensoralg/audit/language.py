@@ -265,12 +265,12 @@ def train_language_model(model, train_tokens: np.ndarray, cfg: LanguageConfig, s
             if step == 1:   # before any update: the initial model itself overflows
                 n = cfg.n_layers
                 raise TrainingDiverged(
-                    f"training diverged: loss {float(loss)} at step 1, before any update: the "
+                    f"training diverged: loss {loss.item()} at step 1, before any update: the "
                     f"initial {n}-layer model's logits overflow (a stack of {n} bilinear "
                     f"attention layers is a polynomial of degree 5^{n} = {5 ** n} in the "
                     f"embeddings); --layers 1..3 train at the default sizes (measured: 4 and 5 "
                     f"overflow at initialisation)", step)
-            raise TrainingDiverged(f"training diverged: loss {float(loss)} at step {step} "
+            raise TrainingDiverged(f"training diverged: loss {loss.item()} at step {step} "
                                    f"(learning rate too high?)", step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
