@@ -74,11 +74,6 @@ class Canonical:
     #: ``map``, ``sub`` and ``folded`` start without one.
     memo: dict | None = field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def leg_width(self) -> int:
-        """Size of one input leg: ``m + 1`` behind a kept embedding, else ``d + 1``."""
-        return self.d + 1 if self.embed is None else self.embed.shape[-2]
-
     def folded(self) -> "Canonical":
         """The same network with its embedding folded into the first stage's factors."""
         if self.embed is None:

@@ -1596,7 +1596,7 @@ def _tag(val, node):
 
 
 def _finish(c: _Graph, out, y):
-    from .layers import Linear, Sequential
+    from .layers import Sequential
 
     if not isinstance(out, _Sym):
         if isinstance(out, (_Pattern, _Tokens)):

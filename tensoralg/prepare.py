@@ -5,7 +5,6 @@ as in scikit-learn's ``utils.validation``)."""
 from __future__ import annotations
 
 import contextvars
-import numbers
 import threading
 import weakref
 from collections import OrderedDict
@@ -395,10 +394,6 @@ def scaled(X, ka, kb, backend):
     if X.ndim == 3:
         e = e[:, :, None]
     return np.ldexp(X, e)
-
-
-def as_fraction_result(X, keep: bool):
-    return np.vectorize(Fraction, otypes=[object])(X) if keep else Fraction(X)
 
 
 # ----------------------------------------------------------------------------------------

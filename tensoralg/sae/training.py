@@ -24,7 +24,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -912,8 +912,3 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                                       seconds) if seconds > 0 else None})
     model.train_summary = summary
     return model, history
-
-
-def train_config_from_dict(cfg: dict) -> TrainConfig:
-    names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in cfg.items() if k in names})
