@@ -70,7 +70,8 @@ from .prepare import check_pair, check_sizes
 from .request import make_request
 from .results import similarity_from
 from .strategies.montecarlo import (MonteCarloEstimate, _verdict, inner_diagnostics,
-                                    ratio_diagnostics, ratio_estimate, warn_few)
+                                    check_sampling_cost, ratio_diagnostics, ratio_estimate,
+                                    warn_few)
 
 __all__ = ["degree_similarity", "degree_similarity_matrix", "homogeneous_parts",
            "DegreeSimilarity", "DegreeSimilarityMatrix", "DEGREE_DEFAULT_SAMPLES"]
@@ -554,6 +555,9 @@ def _chi_ratio(D: int, n: int, rho: float) -> float:
 #: forward passes per direction and model).
 MC_SCALES = (1.0, 0.125, 0.015625)
 
+#: Complex entries of one chunk's DFT inputs or outputs in :func:`_mc` (16 MiB each).
+MC_CHUNK_ELEMENTS = 1 << 20
+
 
 def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, need=(None, None),
         chunk=4096):
@@ -569,7 +573,10 @@ def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, need=(Non
     ka, kb = min(kk, na.degree), min(kk, nb.degree)
     c = np.array([_chi_ratio(D, n, rho) if n % 2 == 0 else 0.0 for n in range(2 * kk + 1)])
     rng = np.random.default_rng(seed)
-    size = max(1, chunk // max(ma, mb))
+    out = (n_ctx or 1) * na.out_features
+    # directions per chunk: at most ``chunk`` evaluations and about MC_CHUNK_ELEMENTS complex
+    # entries of input or output per DFT (a (64, 256) context took 12 GB at 682 a chunk)
+    size = max(1, min(chunk // max(ma, mb), MC_CHUNK_ELEMENTS // (max(ma, mb) * max(D, out))))
     trip = {K: [] for K in Ks}
     cv = {K: [] for K in exact_lower}
     prof = ([], [])
@@ -840,6 +847,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     n_used = None
     if todo or need_prof:
         warn_few(n_samples)
+        check_sampling_cost([na, nb], n_samples,
+                            len(MC_SCALES) * (max(na.degree, nb.degree) + 1), n_ctx)
         lower = {}
         for K in todo:
             below = [k for k in exact_ip if k < K]

@@ -20,7 +20,7 @@ import numpy as np
 from .backends import converter
 from .canonical import Canonical
 from .errors import CostTooHigh
-from .layers import Layer, as_network
+from .layers import Layer, as_network, check_finite_weights
 from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
                       refuse_if_needed)
 from .prepare import check_pair, networks, scaled, stack_for
@@ -117,6 +117,10 @@ def _checked_pair(kind: str, req: Request, a, b):
     ``_POSITION_FREE``."""
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
+    # (the float exact way checks in stack_for, where a cached network is compared anyway)
+    if req.method in ("montecarlo", "closure") or req.exact or _is_sequence(na, nb):
+        check_finite_weights(na, "a")
+        check_finite_weights(nb, "b")
     na, nb = _fold(req, na, "a"), (None if b is a else _fold(req, nb, "b"))
     nb = na if nb is None else nb
     if _is_sequence(na, nb):
@@ -412,6 +416,8 @@ def similarity_matrix(req: Request, models):
     nets = [_fold(req, n, f"models[{i}]") for i, n in enumerate(nets)]
     U, keep = req.output_matrix(nets[0].out_features)
     if req.method == "montecarlo":   # per entry: a standard error and a verdict
+        for i, n in enumerate(nets):
+            check_finite_weights(n, f"models[{i}]")
         return montecarlo.similarity_matrix(nets, U, keep, req.n_samples, req.seed,
                                             req.backend, req.device, req.dtype)
     if req.exact and req.method == "exact":  # refuse before any rational work
@@ -534,6 +540,8 @@ def plan(req: Request, a: Any, b: Any = None) -> Plan | SequencePlan:
     na = as_network(a, "a")
     nb = na if b is None else as_network(b, "b")
     check_pair(na, nb)
+    check_finite_weights(na, "a")
+    check_finite_weights(nb, "b")
     na = _fold(req, na, "a")
     nb = na if b is None or b is a else _fold(req, nb, "b")
     if _is_sequence(na, nb):

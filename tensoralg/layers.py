@@ -552,6 +552,19 @@ def as_network(net: Any, name: str = "network") -> Layer:
                     f"{type(net).__name__}")
 
 
+def check_finite_weights(net: Layer, name: str) -> None:
+    """ValueError naming ``name`` when a float weight of ``net`` holds NaN or inf: the
+    constructors refuse them, but an array can be written into after construction
+    (``m.layers[0].weight[0, 0] = np.nan``), and the float paths would then report an overflow,
+    a failed eigensolver or a NaN answer."""
+    for k, a in enumerate(net.arrays()):
+        if a.dtype != object and not np.isfinite(a).all():
+            bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+            raise ValueError(f"{name}: {bad} non-finite (NaN or inf) entries in its weight "
+                             f"array {k} of shape {a.shape} (written after construction?); "
+                             f"weights must be finite")
+
+
 def _map_arrays(layer: Layer, fn) -> Layer:
     if isinstance(layer, Linear):
         return Linear(fn(layer.weight), None if layer.bias is None else fn(layer.bias))

@@ -16,7 +16,8 @@ import numpy as np
 
 from .backends import fraction_array
 from .canonical import Canonical, Stage, canonicalize, resolve_n_ctx, stack
-from .layers import Bilinear, Layer, Linear, Residual, Sequential, _map_arrays, as_network
+from .layers import (Bilinear, Layer, Linear, Residual, Sequential, _map_arrays, as_network,
+                     check_finite_weights)
 from .request import Request, make_request
 
 __all__ = ["check_pair", "output_matrix", "networks", "stack_for", "normalize", "scaled",
@@ -177,6 +178,10 @@ def stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, np
 
 
 def _stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, np.ndarray]:
+    # (a cached stack is only reused while the weights equal its copies, and NaN equals
+    # nothing: a NaN written into a cached network comes here too)
+    for i, n in enumerate(nets):
+        check_finite_weights(n, name if len(nets) == 1 else f"{name}[{i}]")
     if backend == "exact":
         # floats are converted exactly (Fraction(float)) before any folding arithmetic
         nets = [n if n.is_exact else _map_arrays(n, fraction_array) for n in nets]

@@ -240,3 +240,39 @@ def test_an_infinite_parameter_of_a_bilinear_net_is_named():
         net.blocks[0].down.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"^models\[1\]: blocks.0.down.weight: 1 non-finite"):
         ta.similarity_matrix([BilinearNet(4, 2, d_model=5, d_hidden=6, n_layers=1), net])
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda m, b: ta.similarity(m, b), "a"), (lambda m, b: ta.inner(m, b), "a"),
+    (lambda m, b: ta.norm(m), "a"), (lambda m, b: ta.plan(m, b), "a"),
+    (lambda m, b: ta.similarity(m, b, backend="exact"), "a"),
+    (lambda m, b: ta.similarity(m, b, method="montecarlo", n_samples=400), "a"),
+    (lambda m, b: ta.similarity_matrix([b, m]), r"models\[1\]"),
+    (lambda m, b: ta.similarity_matrix([b, m], method="montecarlo", n_samples=400),
+     r"models\[1\]")],
+    ids=["similarity", "inner", "norm", "plan", "exact", "montecarlo", "matrix", "mc-matrix"])
+def test_nan_written_into_weights_after_construction_is_named(call, name):
+    """The constructors refuse NaN, but an array can be written into afterwards: every entry
+    point names the model and the array instead of an overflow, a failed eigensolver or a NaN
+    answer (fresh-eyes tester), also for a network whose prepared stack was cached."""
+    rng = np.random.default_rng(0)
+    m, b = rand_network(rng, "bilinear"), rand_network(rng, "bilinear")
+    ta.similarity(m, b), ta.similarity(m, b)        # cached from the second use on
+    m.layers[0].left[0, 0] = np.nan
+    with pytest.raises(ValueError, match=rf"^{name}: 1 non-finite \(NaN or inf\) entries in "
+                                         rf"its weight array 0"):
+        call(m, b)
+
+
+def test_inf_written_into_attention_weights_is_named():
+    rng = np.random.default_rng(1)
+    w = [rng.standard_normal((1, 2, 3)) for _ in range(5)]
+    A = ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))
+    B = ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))
+    A.q1[0, 0, 0] = np.inf
+    for kw in ({}, {"method": "closure"}, {"method": "montecarlo", "n_samples": 400}):
+        with pytest.raises(ValueError, match=r"^a: 1 non-finite \(NaN or inf\) entries in its "
+                                             r"weight array 0 of shape \(1, 2, 3\)"):
+            ta.similarity(A, B, n_ctx=2, **kw)
+    with pytest.raises(ValueError, match=r"^a: 1 non-finite"):
+        ta.plan(A, B, n_ctx=2)
