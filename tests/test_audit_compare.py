@@ -308,3 +308,43 @@ def test_compare_json_never_stores_an_unreliable_estimate_as_the_answer(ckpts, t
     r = json.loads(p.read_text())["results"][0]
     assert r["global"] is None and r["reliable"] is False
     assert r["unreliable_estimate"] == float(failed) and r["diagnostics"]["reason"]
+
+
+def _sequence_checkpoints(tmp_path):
+    import tensoralg as ta
+
+    rng = np.random.default_rng(5)
+
+    def model():
+        w = [rng.standard_normal((1, 2, 3)) for _ in range(5)]
+        return ta.Sequential([ta.Linear(rng.standard_normal((3, 2))),
+                              ta.Residual(ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))),
+                              ta.Linear(rng.standard_normal((2, 3)))])
+    a, b = model(), model()
+    save_checkpoint(tmp_path / "a", a)
+    save_checkpoint(tmp_path / "b", b)
+    return a, b, str(tmp_path / "a"), str(tmp_path / "b")
+
+
+def test_compare_sequence_networks_written_by_save_checkpoint(tmp_path):
+    """A sequence network saved by save_checkpoint (attention, "sequence": true) is compared
+    over --n-ctx positions: the exact value is ta.similarity's (fresh-eyes tester: --n-ctx was
+    refused as 'only for bilinear-transformer checkpoints')."""
+    import tensoralg as ta
+
+    a, b, pa, pb = _sequence_checkpoints(tmp_path)
+    out = tmp_path / "c.json"
+    assert main(["compare", pa, pb, "--n-ctx", "3", "--methods", "exact", "--metrics",
+                 "gaussian", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["global"] == pytest.approx(float(ta.similarity(a, b, n_ctx=3)), rel=1e-12)
+
+
+def test_compare_exits_nonzero_when_every_method_is_refused(tmp_path, capsys):
+    """Without --n-ctx a causal sequence network has no length: every row is refused, the note
+    names the CLI's option, and the exit code says so."""
+    _, _, pa, pb = _sequence_checkpoints(tmp_path)
+    assert main(["compare", pa, pb, "--n-samples", "400"]) == 1
+    captured = capsys.readouterr()
+    assert "--n-ctx: required" in captured.out
+    assert "every method was refused" in captured.err

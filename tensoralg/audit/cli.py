@@ -16,6 +16,7 @@ empty, or an earlier output of the same command."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from ..threads import add_threads_option, nonneg_int
@@ -348,7 +349,12 @@ def cmd_compare(args) -> int:
         args.a, args.b, methods=methods, metrics=metrics, data=args.data,
         n_samples=args.n_samples, seed=args.seed, show_progress=not args.no_progress,
         n_ctx=args.n_ctx))
-    return report(args, result, compare_table, wrote=False)
+    code = report(args, result, compare_table, wrote=False)
+    if code == 0 and result["results"] and all("error" in r for r in result["results"]):
+        print("tensoralg compare: every method was refused (see the notes above)",
+              file=sys.stderr)
+        return 1
+    return code
 
 
 def cmd_matrix(args) -> int:

@@ -126,10 +126,16 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
     from .language import is_transformer_cfg, sequence_networks
 
     seq = is_transformer_cfg(ca)
+    # a sequence network written by save_checkpoint (attention layers): n_ctx from --n-ctx or
+    # its mask array
+    generic_seq = not seq and bool(ca.get("sequence") or cb.get("sequence"))
     if n_samples is None:
-        n_samples = SEQUENCE_MC_SAMPLES if seq else 100_000
-    if seq:
-        (na, nb), n_ctx = sequence_networks([ma, mb], [ca, cb], [a, b], n_ctx)
+        n_samples = SEQUENCE_MC_SAMPLES if seq or generic_seq else 100_000
+    if seq or generic_seq:
+        if seq:
+            (na, nb), n_ctx = sequence_networks([ma, mb], [ca, cb], [a, b], n_ctx)
+        else:
+            na, nb = ma.to_network(), mb.to_network()   # (the library checks n_ctx)
         pairs, more = [p for p in pairs if p[0] == "gaussian"], \
             [{"metric": m, "method": me, "reason": "sequence models: only the Gaussian metric"}
              for m, me in pairs if m != "gaussian"]
@@ -150,12 +156,12 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
                               "approximate quantity at depth >= 2 (docs/mathematics.md §3.2, "
                               "§3.9)")
         kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
-        if seq:
+        if seq or generic_seq:
             kw["n_ctx"] = n_ctx
         t = time.perf_counter()
         try:
             g = ta.similarity(na, nb, metric=metric, method=method, **kw)
-            if seq and method == "montecarlo":   # no output="each" for sequence Monte Carlo
+            if (seq or generic_seq) and method == "montecarlo":   # no output="each" there
                 each = None
             else:
                 each = ta.similarity(na, nb, metric=metric, method=method, output="each", **kw)
@@ -179,7 +185,10 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
             if getattr(each, "reliable", None) is not None:   # Monte Carlo: each slice's verdict
                 entry["each_reliable"] = [bool(v) for v in np.ravel(each.reliable)]
         except (ValueError, NotImplementedError) as exc:  # CostTooHigh is a ValueError
-            entry["error"] = f"{type(exc).__name__}: {exc}"
+            msg = str(exc)
+            if msg.startswith("n_ctx:"):   # the library's argument is the CLI's --n-ctx
+                msg = "--n-ctx" + msg[len("n_ctx"):]
+            entry["error"] = f"{type(exc).__name__}: {msg}"
         entry["seconds"] = time.perf_counter() - t
         rows.append(entry)
     result = {
