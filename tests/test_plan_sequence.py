@@ -225,3 +225,19 @@ def test_matrices_and_diffs_take_transformer_modules():
     assert abs(Sc[0, 1] - ta.similarity(ms[0], ms[1], n_ctx=3, method="closure")) <= 1e-12
     d = ta.diff_norm(ms[0], ms[1], n_ctx=3)
     assert abs(d ** 2 - (G[0, 0] - 2 * G[0, 1] + G[1, 1])) <= 1e-10 * G.trace()
+
+
+def test_a_similarity_refused_on_a_norm_says_which_product():
+    """ta.plan(a, b) costs <a, b>; similarity also needs <a, a> and <b, b>: when the wider
+    model's own product is over max_flops, the refusal names it (fresh-eyes tester: the plan
+    of the pair ran, the similarity refused with a number nobody had been shown)."""
+    rng = np.random.default_rng(7)
+    a = attn(rng, H=2, dh=3, d=3, dv=2, mask="causal")
+    b = attn(rng, H=1, dh=1, d=3, dv=1, mask="causal")
+    ab, aa = ta.plan(a, b, n_ctx=3).flops, ta.plan(a, a, n_ctx=3).flops
+    assert ab < aa
+    budget = (ab + aa) / 2
+    assert ta.plan(a, b, n_ctx=3, max_flops=budget).refused is None
+    with pytest.raises(ta.CostTooHigh, match=r"^<a, a> \(similarity needs") as err:
+        ta.similarity(a, b, n_ctx=3, max_flops=budget)
+    assert ta.plan(a, a, n_ctx=3, max_flops=budget).refused in str(err.value)

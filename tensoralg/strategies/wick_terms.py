@@ -1210,9 +1210,12 @@ def exact_similarity_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
         _refuse_early(req, a, b)
     pa, pb, n_ctx, out_mode, sel = _exact_trees(req, a, b)
     args = (n_ctx, out_mode, sel, strategy)
-    _check_cost(req, pa, pb, *args)
-    _check_cost(req, pa, pa, *args)
-    _check_cost(req, pb, pb, *args)
+    for what, x, y in (("<a, b>", pa, pb), ("<a, a>", pa, pa), ("<b, b>", pb, pb)):
+        try:
+            _check_cost(req, x, y, *args)
+        except CostTooHigh as exc:   # ta.plan(a, b) costs <a, b>: say which product refused
+            raise CostTooHigh(f"{what} (similarity needs <a, b>, <a, a> and <b, b>; "
+                              f"ta.plan(x, y) gives each): {exc}") from None
     x, y = (pb, pa) if swap_order(as_network(a, "a"), as_network(b, "b")) else (pa, pb)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         ab = _exact_value(req, x, y, *args)
