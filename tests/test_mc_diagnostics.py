@@ -282,3 +282,16 @@ def test_a_monte_carlo_similarity_matrix_with_a_zero_model_is_refused():
                                          r"zero; similarity is undefined$"):
         ta.similarity_matrix([_bilinear(rng), zero, _bilinear(rng)], method="montecarlo",
                              n_samples=600, seed=0)
+
+
+def test_degree_similarity_refuses_an_absurd_sample_count_and_warns_of_a_long_run(monkeypatch):
+    """degree_similarity's Monte Carlo (S<=9 of two attention layers) is held against the same
+    budget as every other Monte Carlo path, and a run above MC_WARN_FLOPS says how long it is
+    before it starts (fresh-eyes tester: a (64, 256) context ran for minutes in silence)."""
+    t = ta.BilinearTransformer(5, 4, 2, 1, 2, n_ctx=3, seed=0)
+    with pytest.raises(ta.CostTooHigh, match=r"^n_samples=1000000000000000: about"):
+        ta.degree_similarity(t, t, n_ctx=3, max_degree=9, n_samples=10 ** 15)
+    monkeypatch.setattr(mc, "MC_WARN_FLOPS", 1.0)
+    with pytest.warns(RuntimeWarning, match=r"^Monte Carlo: about .* FLOPs of forward passes "
+                                            r"\(300 directions"):
+        ta.degree_similarity(t, t, n_ctx=3, max_degree=9, n_samples=300)

@@ -327,6 +327,8 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
 #: FLOPs of forward passes above which a Monte Carlo request is refused before any sampling
 #: (hours on one core: an n_samples with a few zeros too many, not a long run someone meant)
 MC_MAX_FLOPS = 1e14
+#: ... and above which it runs with a RuntimeWarning giving the estimate (minutes on one core)
+MC_WARN_FLOPS = 1e12
 
 
 def forward_flops(net: Any, n_ctx: int | None = None) -> float:
@@ -339,7 +341,8 @@ def forward_flops(net: Any, n_ctx: int | None = None) -> float:
 
 def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = None) -> None:
     """Refuse (CostTooHigh, before any sampling) ``n_samples`` directions at ``points``
-    evaluations each whose forward passes would cost more than :data:`MC_MAX_FLOPS`."""
+    evaluations each whose forward passes would cost more than :data:`MC_MAX_FLOPS`; warn
+    (RuntimeWarning, with the estimate) above :data:`MC_WARN_FLOPS`."""
     per = sum(forward_flops(n, n_ctx) for n in nets)
     total = float(n_samples) * points * per
     if total > MC_MAX_FLOPS:
@@ -350,6 +353,13 @@ def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = N
                           f"{per:.1e} FLOPs), over the Monte Carlo budget of {MC_MAX_FLOPS:.0e} "
                           f"(hours on one core); use fewer samples (the standard error "
                           f"shrinks like 1/sqrt(n_samples))")
+    if total > MC_WARN_FLOPS:
+        from ..errors import warn_caller
+
+        warn_caller(f"Monte Carlo: about {total:.1e} FLOPs of forward passes ({n_samples} "
+                    f"directions x {points} evaluation points x about {per:.1e} FLOPs): "
+                    f"minutes or more on one core; fewer n_samples is faster (the standard error "
+                    f"grows like 1/sqrt(n_samples))", RuntimeWarning)
 
 
 def warn_few(n_samples: int) -> None:
