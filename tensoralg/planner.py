@@ -552,11 +552,11 @@ class SequencePlan:
                          f"{', up to ' + legs if legs else ''} "
                          f"(max_configurations={self.max_configurations:,})")
             if self.memory_bytes is not None:
-                lines.append(f"estimated peak memory (chaos strategy, dry run): "
+                lines.append(f"estimated peak memory (the attention path's chaos sums, dry run): "
                              f"{self.memory_bytes / 2**30:.3g} GiB (max_memory="
                              f"{self.max_memory / 2**30:.3g} GiB)")
             if self.flops is not None:
-                lines.append(f"estimated FLOPs (chaos strategy, dry run): {self.flops:.3g} "
+                lines.append(f"estimated FLOPs (the same dry run): {self.flops:.3g} "
                              f"(max_flops={self.max_flops:.3g})")
         else:
             lines.append("exact one-attention-layer path (tensoralg.strategies.wick_terms): not available"

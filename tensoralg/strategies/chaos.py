@@ -101,7 +101,8 @@ class ChaosEstimate:
         kind = "dense" if self.metric else "packed"
         return (f"chaos: degree {self.degree}, {w}, {self.n_features:,} {kind} coefficients per "
                 f"model, "
-                f"{self.flops:.3g} FLOPs, peak about {self.memory_elements:,} elements")
+                f"{self.flops:.3g} FLOPs, at most {self.memory_elements:,} elements alive "
+                f"(a bound, with a fixed work buffer)")
 
 
 # ----------------------------------------------------------------------------------------
