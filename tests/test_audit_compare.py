@@ -194,7 +194,9 @@ def test_monte_carlo_matrix_says_it_is_an_estimate(tmp_path, capsys):
     res = json.loads((tmp_path / "m" / "matrix.json").read_text())
     u = res["uncertainty"]
     assert res["method"] == "montecarlo" and u["estimate"] is True and u["n_samples"] == 3000
-    assert "no per-entry standard error" in u["note"]
+    assert u["per_entry"] is True and "delta-method standard error" in u["note"]
+    assert "no per-entry" not in u["note"]
+    assert np.array(res["similarity_stderr"]).shape == (2, 2)
     assert "3000 samples" in capsys.readouterr().out
     assert json.loads((tmp_path / "copy.json").read_text())["uncertainty"] == u
     assert main(["matrix", str(tmp_path / "d0"), str(tmp_path / "d1"), "--method", "closure",
@@ -264,6 +266,79 @@ def test_matrix_uncertainty_labels_the_closure_approximate():
     assert "APPROXIMATE" not in matrix_uncertainty("exact", 0, 0)["note"]
     mc = matrix_uncertainty("montecarlo", 1000, 3)
     assert mc["estimate"] is True and mc["n_samples"] == 1000 and mc["seed"] == 3
+    assert mc["per_entry"] is True and "verdict" in mc["note"]
+    # the blocked path assembles Gram blocks: no per-entry error, and it says so
+    blocked = matrix_uncertainty("montecarlo", 1000, 3, per_entry=False)
+    assert blocked["per_entry"] is False and "no per-entry standard error" in blocked["note"]
+
+
+def _forced_unreliable(monkeypatch, pairs):
+    """``ta.similarity_matrix`` as in the library, but the entries ``pairs`` (and their mirrors;
+    negative indices count from the end) get a failed verdict: the library's own Diagnostics
+    with ``reliable`` False and a reason."""
+    import dataclasses
+
+    import tensoralg as ta
+    from tensoralg.strategies.montecarlo import MonteCarloArray
+
+    real = ta.similarity_matrix
+
+    def fake(models, **kw):
+        m = real(models, **kw)
+        if kw.get("method") != "montecarlo":
+            return m
+        N = m.shape[0]
+        bad = {(i % N, j % N) for i, j in pairs} | {(j % N, i % N) for i, j in pairs}
+        diags = [dataclasses.replace(d, reliable=False, reason="forced by the test")
+                 if divmod(k, N) in bad else d for k, d in enumerate(m.diagnostics)]
+        return MonteCarloArray(np.asarray(m), m.stderr, m.n_samples, diags)
+
+    monkeypatch.setattr(ta, "similarity_matrix", fake)
+
+
+def test_monte_carlo_matrix_is_the_library_matrix_with_its_stderr(ckpts, tmp_path, capsys):
+    """`tensoralg matrix --method montecarlo`: values, standard errors and verdicts are those of
+    ta.similarity_matrix with the same seed and sample count (the same numbers)."""
+    import tensoralg as ta
+    from tensoralg.checkpoint import load_checkpoint
+
+    _, paths = ckpts
+    assert main(["matrix", *paths, "--method", "montecarlo", "--n-samples", "2000",
+                 "--seed", "4", "--out", str(tmp_path / "m")]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((tmp_path / "m" / "matrix.json").read_text())
+    lib = ta.similarity_matrix([load_checkpoint(p)[0].to_network() for p in paths],
+                               method="montecarlo", seed=4, n_samples=2000)
+    ok = np.array(res["similarity_reliable"])
+    assert ok.tolist() == lib.reliable.tolist() and ok.all()   # these pairs pass
+    assert np.array_equal(np.array(res["similarity_matrix"]), np.asarray(lib))
+    assert np.array_equal(np.array(res["similarity_stderr"]), lib.stderr)
+    assert res["similarity_n_unreliable"] == 0 and res["similarity_unreliable_estimates"] == []
+    assert f"{lib[0, 1]:.4f} ± {lib.stderr[0, 1]:.4f}" in text and "± 1 standard error" in text
+
+
+def test_monte_carlo_matrix_entry_without_verdict_is_no_number(ckpts, tmp_path, capsys,
+                                                                monkeypatch):
+    """An entry whose verdict failed: "no reliable estimate" in the table, null in the matrix
+    (its number kept apart under unreliable_estimates), blank in the CSV; stderr and reliable
+    matrices in the JSON; the other entries as usual."""
+    _, paths = ckpts
+    _forced_unreliable(monkeypatch, [(0, 2)])
+    assert main(["matrix", *paths, "--method", "montecarlo", "--n-samples", "2000",
+                 "--out", str(tmp_path / "m")]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((tmp_path / "m" / "matrix.json").read_text())
+    S, ok = res["similarity_matrix"], res["similarity_reliable"]
+    assert S[0][2] is None and S[2][0] is None and ok[0][2] is False and ok[2][0] is False
+    assert all(ok[i][j] for i in range(3) for j in range(3) if {i, j} != {0, 2})
+    assert isinstance(S[0][1], float) and res["similarity_stderr"][0][2] > 0
+    assert res["similarity_n_unreliable"] == 2
+    assert [e[:2] for e in res["similarity_unreliable_estimates"]] == [[0, 2], [2, 0]]
+    row0 = next(line for line in text.splitlines() if line.startswith("m0"))
+    assert row0.count("no reliable estimate") == 1 and row0.count("±") == 1
+    assert text.count("no reliable estimate") == 2
+    csv = (tmp_path / "m" / "matrix.csv").read_text().splitlines()
+    assert csv[1].split(",")[3] == "" and csv[3].split(",")[1] == ""
 
 
 def test_method_label_marks_only_the_closure_approximate():

@@ -76,6 +76,19 @@ def test_monte_carlo_forgetting_records_standard_errors(tmp_path, capsys):
     assert f["collapses"] == (f["collapse_gap"] > 2 * f["collapse_gap_stderr"])
     assert f["recovers"] == (f["recovery"] > 2 * f["recovery_stderr"])
     assert res["matrices"]["tensor_similarity_uncertainty"]["estimate"] is True
+    # the matrix: the library's, each entry with its standard error and verdict
+    import tensoralg as ta
+    from tensoralg.checkpoint import load_checkpoint
+
+    nets = [load_checkpoint(out / c)[0].to_network() for c in res["checkpoints"].values()]
+    lib = ta.similarity_matrix(nets, method="montecarlo", seed=res["config"]["seed"],
+                               n_samples=3000)
+    m = res["matrices"]
+    assert m["tensor_similarity_reliable"] == lib.reliable.tolist()
+    assert np.array_equal(np.array(m["tensor_similarity_stderr"]), lib.stderr)
+    S = np.array(m["tensor_similarity"], dtype=float)
+    assert np.array_equal(S[lib.reliable], np.asarray(lib)[lib.reliable])
+    assert np.all(np.isnan(S[~lib.reliable]))
     header = (out / "forgetting.csv").read_text().splitlines()[0]
     assert header == "stage,quantity,class,value,stderr"
     assert "±" in text and "3000 samples" in text

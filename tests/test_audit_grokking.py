@@ -132,3 +132,67 @@ def test_quick_size_groks(tmp_path, seed):
     assert f["val_acc_at_memorisation"] < 0.2          # memorised, not yet generalised
     assert f["grokking_step"] >= 2 * f["memorisation_step"] and f["grokking_delay"] >= 100
     assert f["saturates"] and f["memorisation_step"] < f["saturation_step"]
+
+
+def test_monte_carlo_entry_without_verdict_is_not_assessed(tmp_path, capsys, monkeypatch):
+    """--method montecarlo with the (saturation step, final) entry forced to fail its verdict
+    (the library's own Diagnostics, reliable False): the table says "no reliable estimate"
+    there and ± elsewhere, the JSON has the stderr / reliable matrices and null for that
+    entry, and the findings that lean on it (similarity to final at saturation, keeps
+    changing, neighbour similarity after saturation) are not asserted."""
+    import dataclasses
+
+    import tensoralg as ta
+    from tensoralg.strategies.montecarlo import MonteCarloArray
+
+    real = ta.similarity_matrix
+
+    def fake(models, **kw):
+        m = real(models, **kw)
+        N = m.shape[0]
+        bad = {(N - 2, N - 1), (N - 1, N - 2)}
+        diags = [dataclasses.replace(d, reliable=False, reason="forced by the test")
+                 if divmod(k, N) in bad else d for k, d in enumerate(m.diagnostics)]
+        return MonteCarloArray(np.asarray(m), m.stderr, m.n_samples, diags)
+
+    monkeypatch.setattr(ta, "similarity_matrix", fake)
+    assert main(["audit", "grokking", "--quick", "--steps", "800", "--checkpoints", "12",
+                 "--method", "montecarlo", "--n-samples", "2000", "--out", str(tmp_path / "g"),
+                 "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((tmp_path / "g" / "grokking.json").read_text())
+    steps, f = res["steps"], res["finding"]
+    assert f["saturation_step"] == steps[-2]      # this run saturates just before the end
+    ok = np.array(res["similarity_matrix_reliable"])
+    assert not ok[-2, -1] and not ok[-1, -2] and ok.sum() == ok.size - 2
+    assert np.array(res["similarity_matrix_stderr"]).shape == (len(steps), len(steps))
+    assert res["similarity_matrix"][-2][-1] is None and res["similarity_to_final"][-2] is None
+    assert res["similarity_to_final_reliable"][-2] is False
+    assert res["similarity_matrix_unreliable_estimates"][0][:2] == [len(steps) - 2,
+                                                                    len(steps) - 1]
+    assert f["similarity_to_final_at_saturation"] is None and f["keeps_changing"] is None
+    assert f["min_neighbour_similarity_after_saturation"] is None
+    assert f["assessed"] is False and str(steps[-2]) in f["not_assessed"]
+    row = next(line for line in text.splitlines() if line.strip().startswith(f"{steps[-2]} "))
+    assert row.endswith("no reliable estimate")
+    assert text.count("±") >= len(steps) - 2 and "keeps changing: not assessed" in text
+    assert "per_entry" in res["similarity_matrix_uncertainty"]
+    assert (tmp_path / "g" / "grokking.png").stat().st_size > 0
+
+
+def test_monte_carlo_matrix_is_the_library_matrix(tmp_path):
+    """The audit's Monte Carlo matrix and its standard errors are ta.similarity_matrix of the
+    saved checkpoints with the same seed and sample count (the same numbers)."""
+    import tensoralg as ta
+    from tensoralg.checkpoint import load_checkpoint
+
+    assert main(["audit", "grokking", "--quick", "--steps", "40", "--checkpoints", "4",
+                 "--method", "montecarlo", "--n-samples", "2000", "--seed", "2",
+                 "--out", str(tmp_path / "g"), "--no-progress"]) == 0
+    res = json.loads((tmp_path / "g" / "grokking.json").read_text())
+    nets = [load_checkpoint(tmp_path / "g" / c)[0].to_network() for c in res["checkpoints"]]
+    lib = ta.similarity_matrix(nets, method="montecarlo", seed=2, n_samples=2000)
+    assert res["similarity_matrix_reliable"] == lib.reliable.tolist()
+    S = np.array(res["similarity_matrix"], dtype=float)
+    assert np.array_equal(S[lib.reliable], np.asarray(lib)[lib.reliable])
+    assert np.array_equal(np.array(res["similarity_matrix_stderr"]), lib.stderr)

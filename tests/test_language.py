@@ -441,6 +441,15 @@ def test_compare_and_matrix_accept_language_checkpoints(tiny_run, tmp_path):
         run_compare(c[0], c[2], methods=("exact",), metrics=("frobenius",))
     m = run_matrix(c, tmp_path / "mat")
     assert np.allclose(m["similarity_matrix"], S, rtol=1e-10, atol=1e-12)
+    assert "similarity_stderr" not in m   # exact: no sampling error
+    # Monte Carlo: every pair with its standard error and verdict (shared directions)
+    m = run_matrix(c, tmp_path / "mc", method="montecarlo", n_samples=600)
+    se, ok = np.array(m["similarity_stderr"]), np.array(m["similarity_reliable"])
+    assert se.shape == ok.shape == (3, 3) and se[0, 1] > 0 and m["uncertainty"]["per_entry"]
+    assert all(np.isnan(m["similarity_matrix"][i, j]) != ok[i, j] for i in range(3)
+               for j in range(3))
+    with pytest.raises(ValueError, match=r"n_samples: expected an int >= 2 \* n_batches = 40"):
+        run_matrix(c, tmp_path / "mc", method="montecarlo", n_samples=10)   # the library's check
     with pytest.raises(ValueError, match="beyond the trained context n_ctx=4"):
         run_compare(c[0], c[1], methods=("exact",), n_ctx=5)
 
@@ -534,16 +543,28 @@ def test_transitions_finding_by_hand():
 
 
 def test_montecarlo_matrix_agrees_with_exact():
-    from tensoralg.audit.language import montecarlo_similarity_matrix, sequence_similarity_matrix
+    """sequence_similarity_matrix(method="montecarlo") is the library's shared-direction
+    estimator (montecarlo_similarity_pairs): each entry ta.similarity of the pair with the same
+    seed (up to rounding), with its standard error and verdict; a reliable entry lies within
+    5 standard errors of the exact one-layer value."""
+    import tensoralg as ta
+    from tensoralg.audit.language import sequence_similarity_matrix
 
     nets = [_model(n_layers=1, d_mlp=None, n_heads=1, d_head=2, d_model=3, n_ctx=3,
                    seed=s).to_network() for s in range(3)]
-    S, se = montecarlo_similarity_matrix(nets, 3, 4000, seed=0)
-    exact, info = sequence_similarity_matrix(nets, "exact", 3)
-    assert "loop" in info["path"] or "batched" in info["path"]
+    S, info = sequence_similarity_matrix(nets, "montecarlo", 3, n_samples=4000, seed=0)
+    se, ok = info["stderr"], info["reliable"]
+    exact, einfo = sequence_similarity_matrix(nets, "exact", 3)
+    assert "loop" in einfo["path"] or "batched" in einfo["path"]
     off = ~np.eye(3, dtype=bool)
-    assert np.all(se[off] > 0)
-    assert np.all(np.abs(S - exact)[off] <= 5 * se[off])
+    assert np.all(se[off] > 0) and np.all(se[~off] == 0) and np.all(ok[~off])
+    assert np.array_equal(S, S.T) and np.array_equal(se, se.T) and ok.sum() >= 7
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        e = ta.similarity(nets[i], nets[j], method="montecarlo", n_ctx=3, n_samples=4000,
+                          seed=0)
+        assert S[i, j] == pytest.approx(float(e), rel=1e-10)
+        assert se[i, j] == pytest.approx(e.stderr, rel=1e-8) and ok[i, j] == e.reliable
+    assert np.all(np.abs(S - exact)[off & ok] <= 5 * se[off & ok])
 
 
 def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):

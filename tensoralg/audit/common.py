@@ -441,25 +441,58 @@ def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 
                       output: Any = None, seed: int = 0, n_samples: int = MC_SAMPLES
                       ) -> tuple[np.ndarray, str]:
     """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded;
-    ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods). The Monte Carlo
-    matrix is ``G_ij / sqrt(G_ii G_jj)`` of one sampled Gram matrix: no per-entry standard
-    error (see :func:`matrix_uncertainty`)."""
+    ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods). A Monte Carlo
+    matrix is the library's :class:`~tensoralg.strategies.montecarlo.MonteCarloArray` itself:
+    per entry a delta-method standard error and a reliability verdict (:func:`mc_entries`)."""
     import tensoralg as ta
 
     m = resolve_method(method, depth)
     mc = {"seed": seed, "n_samples": n_samples}
     try:
-        return np.asarray(ta.similarity_matrix(list(models), method=m, output=output,
-                                               **(mc if m == "montecarlo" else {}))), m
+        return ta.similarity_matrix(list(models), method=m, output=output,
+                                    **(mc if m == "montecarlo" else {})), m
     except ta.CostTooHigh:
         if method != "auto":
             raise
-        return np.asarray(ta.similarity_matrix(list(models), method="montecarlo",
-                                               output=output, **mc)), "montecarlo"
+        return ta.similarity_matrix(list(models), method="montecarlo", output=output,
+                                    **mc), "montecarlo"
 
 
-def matrix_uncertainty(method: str, n_samples: int, seed: int) -> dict:
-    """What the JSON says about a similarity matrix's error."""
+def mc_entries(mat: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(stderr, reliable)`` of a similarity matrix as plain arrays: a Monte Carlo matrix's
+    per-entry standard errors and verdicts, ``(None, None)`` for a deterministic one."""
+    se, ok = getattr(mat, "stderr", None), getattr(mat, "reliable", None)
+    return (None if se is None else np.array(se, dtype=np.float64),
+            None if ok is None else np.array(ok, dtype=bool))
+
+
+def shown_matrix(mat: Any, reliable: np.ndarray | None) -> np.ndarray:
+    """The matrix as plain floats with NaN where its estimate is not reliable: blank in figures,
+    null in the JSON, empty in the CSV (a value failing its diagnostics is not an answer)."""
+    S = np.array(mat, dtype=np.float64)
+    if reliable is not None:
+        S[~reliable] = np.nan
+    return S
+
+
+def matrix_record(mat: Any, stderr: np.ndarray | None, reliable: np.ndarray | None) -> dict:
+    """The JSON fields of a Monte Carlo matrix's per-entry uncertainty (``{}`` otherwise):
+    ``stderr`` and ``reliable`` matrices, and the numbers of the unreliable entries kept apart
+    as ``[i, j, value]`` (not answers; the matrix itself holds null there)."""
+    if stderr is None:
+        return {}
+    vals = np.asarray(mat, dtype=np.float64)
+    bad = [] if reliable is None else np.argwhere(~reliable).tolist()
+    return {"stderr": stderr.tolist(),
+            "reliable": None if reliable is None else reliable.tolist(),
+            "n_unreliable": len(bad),
+            "unreliable_estimates": [[i, j, float(vals[i, j])] for i, j in bad]}
+
+
+def matrix_uncertainty(method: str, n_samples: int, seed: int, per_entry: bool = True) -> dict:
+    """What the JSON says about a similarity matrix's error. ``per_entry`` False: a Monte Carlo
+    matrix assembled from Gram blocks (``tensoralg matrix --block-size``), which carries no
+    per-entry standard error."""
     if method == "closure":
         return {"estimate": False, "n_samples": None, "seed": None,
                 "note": "closure: deterministic (no sampling error) but APPROXIMATE beyond one "
@@ -468,11 +501,19 @@ def matrix_uncertainty(method: str, n_samples: int, seed: int) -> dict:
     if method != "montecarlo":
         return {"estimate": False, "n_samples": None, "seed": None,
                 "note": f"{method}: deterministic (no sampling error)"}
-    return {"estimate": True, "n_samples": n_samples, "seed": seed,
-            "note": ("Monte Carlo estimate G_ij / sqrt(G_ii G_jj) of one sampled Gram matrix "
-                     "(all entries share the samples); no per-entry standard error is computed. "
-                     "For one pair with its standard error use `tensoralg compare A B "
-                     "--methods montecarlo`; the error shrinks like 1/sqrt(n_samples).")}
+    if not per_entry:
+        return {"estimate": True, "n_samples": n_samples, "seed": seed, "per_entry": False,
+                "note": ("Monte Carlo estimate G_ij / sqrt(G_ii G_jj) of a Gram matrix sampled "
+                         "in blocks (all entries share the samples); no per-entry standard "
+                         "error or verdict in the blocked path: drop the block options for "
+                         "them, or use `tensoralg compare A B` for one pair.")}
+    return {"estimate": True, "n_samples": n_samples, "seed": seed, "per_entry": True,
+            "note": ("Monte Carlo estimate G_ij / sqrt(G_ii G_jj) from one shared set of "
+                     "directions, each entry with its delta-method standard error and "
+                     "reliability verdict (stderr / reliable matrices beside it); an entry "
+                     "without a reliable estimate is null in the matrix, blank in figures and "
+                     "CSV, and no finding leans on it. The error shrinks like "
+                     "1/sqrt(n_samples).")}
 
 
 def pm(value: float, stderr: float | None, reliable: bool | None = None) -> Any:

@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from .common import (CLOSURE_LABEL, MC_SAMPLES, check_file_writable, choose_method,
-                     format_table, method_label, pm,
-                     matrix_uncertainty, progress, similarity_matrix, staged_output, stamp,
+                     format_table, matrix_record, matrix_uncertainty, mc_entries, method_label,
+                     pm, progress, shown_matrix, similarity_matrix, staged_output, stamp,
                      write_csv, write_json, write_json_copy)
 
 # The Frobenius metric is a closed form of the weights (symmetrised coefficient tensors):
@@ -272,9 +272,11 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
                json_copy: str | Path | None = None, n_ctx: int | None = None) -> dict:
     """Similarity matrix of the checkpoints at ``paths`` (heatmap ``matrix.png``, ``matrix.csv``,
     ``matrix.json`` under ``out``). ``seed``, ``n_samples``: Monte Carlo seed and sample count
-    (a Monte Carlo matrix is recorded as an estimate without per-entry standard errors, under
-    ``uncertainty``). ``json_copy``: also write the JSON there (checked up front, written before
-    the swap).
+    (a Monte Carlo matrix carries per entry a standard error and a verdict:
+    ``similarity_stderr`` / ``similarity_reliable``; an unreliable entry is null in
+    ``similarity_matrix``, blank in the CSV and the heatmap, "no reliable estimate" in the
+    table; see ``uncertainty``). ``json_copy``: also write the JSON there (checked up front,
+    written before the swap).
 
     ``out`` must be missing, empty or an earlier matrix output (it holds ``matrix.json``); the
     three files are written into a fresh folder that replaces ``out`` only when complete.
@@ -321,7 +323,8 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
                              "(the matrix sums over all logits)")
         used = sequence_matrix_method(method, depth)
         nets, n_ctx = sequence_networks([m for m, _ in loaded], cfgs, paths, n_ctx)
-        mat, _info = sequence_similarity_matrix_for_cli(nets, used, n_ctx, n_samples, seed)
+        mat, info = sequence_similarity_matrix_for_cli(nets, used, n_ctx, n_samples, seed)
+        se, ok = info.get("stderr"), info.get("reliable")
     else:
         if n_ctx is not None:
             raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
@@ -330,6 +333,9 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         planned = choose_method(method, depth, deepest)
         mat, used = similarity_matrix(nets, method if planned == "exact" else planned,
                                       depth=depth, output=output, seed=seed, n_samples=n_samples)
+        se, ok = mc_entries(mat)
+    rec = matrix_record(mat, se, ok)
+    mat = shown_matrix(mat, ok)
     seconds = time.perf_counter() - t
     labels = [Path(p).name or str(p) for p in paths]
     if len(set(labels)) < len(labels):
@@ -342,6 +348,7 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         "labels": labels, "steps": [c.get("step") for c in cfgs], "method": used,
         "method_label": method_label(used), "approximate": used != "exact",
         "metric": "gaussian", "output": output, "similarity_matrix": mat,
+        **{f"similarity_{k}": v for k, v in rec.items()},
         "uncertainty": matrix_uncertainty(used, n_samples, seed), "seconds": seconds,
         "files": ["matrix.json", "matrix.csv", "matrix.png"],
         "paths": "files: relative to the output folder; checkpoints: as given on the command line",
@@ -352,7 +359,8 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         heatmaps(stage / "matrix.png",
                  {(f"{CLOSURE_LABEL} similarity ({what}): not the tensor similarity at depth "
                    f">= 2" if used == "closure" else f"tensor similarity ({used}, {what})"): mat},
-                 labels, "checkpoint x checkpoint similarity")
+                 labels, "checkpoint x checkpoint similarity" +
+                 ("; blank: no reliable estimate" if rec.get("n_unreliable") else ""))
         write_json(stage / "matrix.json", result)
         result["out"] = str(final)
         if json_copy is not None:
@@ -372,8 +380,9 @@ def sequence_matrix_method(method: str, depth: int) -> str:
         return "exact"
     raise ValueError(f"--method auto: the exact similarity of depth-{depth} bilinear "
                      f"transformers is out of reach, and no approximation is chosen for you; "
-                     f"use --method montecarlo (a shared-sample estimate, no per-entry "
-                     f"verdict), --method closure (the moment-closure similarity: APPROXIMATE, "
+                     f"use --method montecarlo (a shared-direction estimate, each entry with "
+                     f"its standard error and verdict), --method closure (the moment-closure "
+                     f"similarity: APPROXIMATE, "
                      f"not the tensor similarity at depth >= 2), `tensoralg compare A B` (one "
                      f"pair's Monte Carlo estimate with its reliability verdict) or `tensoralg "
                      f"audit language` (every pair with its verdict)")
@@ -386,13 +395,28 @@ def sequence_similarity_matrix_for_cli(nets, method, n_ctx, n_samples, seed):
 
 
 def matrix_table(result: dict) -> str:
+    """The matrix as a table: ``v ± se`` per Monte Carlo entry (``similarity_stderr``), "no
+    reliable estimate" where its verdict failed (``similarity_reliable``)."""
     labels = result["labels"]
     short = [lab[-14:] for lab in labels]
-    mat = np.asarray(result["similarity_matrix"])
+    mat = result["similarity_matrix"]
+    se = result.get("similarity_stderr")
+    ok = result.get("similarity_reliable")
     unc = result.get("uncertainty") or {}
-    est = (f"; Monte Carlo estimate from {unc['n_samples']} samples, no per-entry standard "
-           f"error" if unc.get("estimate") else "")
+    est = ""
+    if unc.get("estimate"):
+        est = (f"; Monte Carlo estimate from {unc['n_samples']} samples, "
+               + ("± 1 standard error" if se is not None else "no per-entry standard error"))
+
+    def cell(i, j):
+        v = mat[i][j]
+        if se is None:
+            return float(v)
+        if ok is not None and not ok[i][j]:
+            return "no reliable estimate"
+        return float(v) if i == j else pm(float(v), se[i][j])   # S_ii = 1 by definition
+
     return "\n".join([f"similarity matrix ({method_label(result['method'])}{est}, "
                       f"{'all outputs' if result['output'] is None else 'output ' + str(result['output'])}):",
-                      format_table([""] + short, [[s] + [float(v) for v in row]
-                                                  for s, row in zip(short, mat)])])
+                      format_table([""] + short, [[s] + [cell(i, j) for j in range(len(short))]
+                                                  for i, s in enumerate(short)])])

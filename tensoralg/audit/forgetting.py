@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_uncertainty, pair_similarity,
-                     pm, progress, run_staged, similarity_matrix, stamp, write_csv, write_json,
-                     method_label, unreliable_slices)
+from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_record, matrix_uncertainty,
+                     mc_entries, method_label, pair_similarity, pm, progress, run_staged,
+                     shown_matrix, similarity_matrix, stamp, unreliable_slices, write_csv,
+                     write_json)
 
 JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
@@ -99,8 +100,9 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
     fresh folder that replaces ``out`` as a whole only when complete; see
     :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are relative to ``out``.
     With Monte Carlo the per-stage similarities carry standard errors and ``collapses`` needs a
-    gap of more than 2 standard errors; the matrix is a Monte Carlo estimate without per-entry
-    errors (said under ``matrices.tensor_similarity_uncertainty``).
+    gap of more than 2 standard errors; each entry of the Monte Carlo matrix carries its
+    standard error and verdict (``matrices.tensor_similarity_stderr`` / ``_reliable``; an
+    unreliable entry is null there and blank in the figure).
     """
     return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_forgetting,
                       show_progress, json_copy)
@@ -150,6 +152,9 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     method = per_stage[0]["method"]
     tensor_mat, _ = similarity_matrix(checkpoints, method, depth=cfg.n_layers, seed=cfg.seed,
                                       n_samples=cfg.n_samples)
+    mat_se, mat_ok = mc_entries(tensor_mat)
+    mat_rec = matrix_record(tensor_mat, mat_se, mat_ok)
+    tensor_mat = shown_matrix(tensor_mat, mat_ok)
     mc = method == "montecarlo"
     ses = np.array([s["each_stderr"] for s in per_stage]) if mc else None
     t_sim = time.perf_counter() - t1
@@ -223,6 +228,7 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                                     for lab, row in zip(labels, acc)},
         "matrices": {"labels": labels, "tensor_similarity": tensor_mat, "cka_logits": cka,
                      "weight_cosine": wcos,
+                     **{f"tensor_similarity_{k}": v for k, v in mat_rec.items()},
                      "tensor_similarity_uncertainty": matrix_uncertainty(method, cfg.n_samples,
                                                                          cfg.seed)},
         "finding": finding,
@@ -238,10 +244,10 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                   None if s["each_stderr"] is None else s["each_stderr"][c])
                  for c, v in enumerate(row)]
         rows += [(lab, "test_accuracy", c, v, None) for c, v in enumerate(arow)]
-    for name, mat in (("tensor_similarity", tensor_mat), ("cka_logits", cka),
-                      ("weight_cosine", wcos)):
-        rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]), None)
-                 for i in range(n) for j in range(n)]
+    for name, mat, se in (("tensor_similarity", tensor_mat, mat_se), ("cka_logits", cka, None),
+                          ("weight_cosine", wcos, None)):
+        rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]),   # NaN: blank
+                  None if se is None else float(se[i, j])) for i in range(n) for j in range(n)]
     write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value", "stderr"], rows)
     class_heatmap(out / FIG_SLICES, slices.T, labels,
                   f"slice similarity to the reference ({labels[ref_index]}, "
@@ -250,7 +256,9 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method_label(method)})": tensor_mat,
                                   "linear CKA (logits, test data)": cka,
                                   "weight cosine": wcos}, labels,
-             "forgetting curriculum: checkpoint x checkpoint")
+             "forgetting curriculum: checkpoint x checkpoint"
+             + ("; tensor similarity blank: no reliable estimate" if mat_rec.get("n_unreliable")
+                else ""))
     result["files"] = [JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES]
     if cfg.n_layers == 1:   # eigenvectors of the removed class's change at removal (pixels)
         from ..decompose.report import change_eigen, eigenvector_figure
@@ -298,6 +306,10 @@ def forgetting_table(result: dict) -> str:
         f"{f['removed_slice_after_readd']:.3f} after re-adding; collapses: {f['collapses']}, "
         f"recovers: {f['recovers']}" + (" (each > 2 standard errors)" if se is not None else "")
         + (f"; not assessed: {f['not_assessed']}" if f.get("not_assessed") else ""))
+    bad = result["matrices"].get("tensor_similarity_n_unreliable")
+    if bad:
+        lines.append(f"checkpoint x checkpoint tensor similarity: {bad} entries with no reliable "
+                     f"estimate (blank in the figure, null in the JSON)")
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
     return "\n".join(lines)

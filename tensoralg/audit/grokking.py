@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_uncertainty, progress,
-                     run_staged, similarity_matrix, stamp, write_csv, write_json, method_label)
+from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_record, matrix_uncertainty,
+                     mc_entries, method_label, pm, progress, run_staged, shown_matrix,
+                     similarity_matrix, stamp, write_csv, write_json)
 
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
@@ -194,6 +195,9 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                                     n_samples=cfg.n_samples)
     bar.update(1)
     bar.close()
+    se, ok = mc_entries(sim)
+    rec = matrix_record(sim, se, ok)
+    sim = shown_matrix(sim, ok)   # NaN (null, blank) where no reliable estimate
     t_sim = time.perf_counter() - t1
 
     curve = {"step": hist["step"], "train_accuracy": hist["train_acc"],
@@ -215,6 +219,12 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     j_mem = next((i for i, v in enumerate(curve["train_accuracy"]) if v >= MEMORISED), None)
     j_grok = next((i for i, v in enumerate(curve["val_accuracy"]) if v >= GROKKED), None)
     neighbour = [float(sim[i, i + 1]) for i in range(len(steps) - 1)]
+    # a finding that leans on an entry without a reliable estimate is not assessed (None)
+    gone = [] if ok is None else [steps[i] for i in range(len(steps)) if not ok[i, -1]]
+    at_sat = None if i_sat is None or steps[i_sat] in gone else to_final[i_sat]
+    after = neighbour[i_sat:] if i_sat is not None and i_sat < len(neighbour) else []
+    after_bad = [] if ok is None or i_sat is None else \
+        [steps[i] for i in range(i_sat, len(steps) - 1) if not ok[i, i + 1]]
     finding = {
         "memorisation_step": None if j_mem is None else curve["step"][j_mem],
         "val_acc_at_memorisation": None if j_mem is None else curve["val_accuracy"][j_mem],
@@ -235,11 +245,18 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "val_acc_at_saturation": None if i_sat is None else val_acc[i_sat],
         "final_val_acc": val_acc[-1],
         "final_train_acc": train_acc[-1],
-        "similarity_to_final_at_saturation": None if i_sat is None else to_final[i_sat],
-        "similarity_to_final_at_memorisation": None if i_mem is None else to_final[i_mem],
-        "min_neighbour_similarity_after_saturation": (min(neighbour[i_sat:]) if i_sat is not None
-                                                      and i_sat < len(neighbour) else None),
-        "keeps_changing": None if i_sat is None else bool(to_final[i_sat] < 1 - CHANGE_THRESHOLD),
+        "similarity_to_final_at_saturation": at_sat,
+        "similarity_to_final_at_memorisation": (None if i_mem is None or steps[i_mem] in gone
+                                                else to_final[i_mem]),
+        "min_neighbour_similarity_after_saturation": (min(after) if after and not after_bad
+                                                      else None),
+        "keeps_changing": None if at_sat is None else bool(at_sat < 1 - CHANGE_THRESHOLD),
+        "assessed": not (i_sat is not None and steps[i_sat] in gone) and not after_bad,
+        "not_assessed": ("; ".join(x for x in (
+            f"no reliable Monte Carlo estimate of the similarity to the final checkpoint at "
+            f"step(s) {', '.join(map(str, gone))}" if gone else "",
+            f"no reliable Monte Carlo estimate of the neighbour similarity after step(s) "
+            f"{', '.join(map(str, after_bad))}" if after_bad else "") if x) or None),
         "keeps_changing_criterion": f"similarity to final at saturation < {1 - CHANGE_THRESHOLD}",
         "grokked": j_grok is not None,
     }
@@ -257,6 +274,9 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "method": method,
         "metric": "gaussian",
         "similarity_matrix_uncertainty": matrix_uncertainty(method, cfg.n_samples, cfg.seed),
+        **{f"similarity_matrix_{k}": v for k, v in rec.items()},
+        "similarity_to_final_stderr": None if se is None else se[:, -1].tolist(),
+        "similarity_to_final_reliable": None if ok is None else ok[:, -1].tolist(),
         "finding": finding,
         "data": data.provenance,
         "checkpoints": names,
@@ -265,8 +285,9 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                     "total": time.perf_counter() - t0},
     }
     write_csv(out / CSV_NAME, ["step", "train_accuracy", "val_accuracy", "train_loss",
-                               "similarity_to_final"],
-              zip(steps, train_acc, val_acc, loss, to_final))
+                               "similarity_to_final", "similarity_to_final_stderr"],
+              zip(steps, train_acc, val_acc, loss, to_final,
+                  [None] * len(steps) if se is None else se[:, -1]))
     write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
               ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
     grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method)
@@ -276,15 +297,18 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
 
 
 def grokking_table(result: dict) -> str:
-    rows = [[s, tr, va, sf] for s, tr, va, sf in zip(result["steps"], result["train_accuracy"],
-                                                      result["val_accuracy"],
-                                                      result["similarity_to_final"])]
+    n = len(result["steps"])
+    se = result.get("similarity_to_final_stderr") or [None] * n
+    ok = result.get("similarity_to_final_reliable") or [None] * n
+    rows = [[s, tr, va, pm(sf, e or None, r)] for s, tr, va, sf, e, r in zip(
+        result["steps"], result["train_accuracy"], result["val_accuracy"],
+        result["similarity_to_final"], se, ok)]
     f = result["finding"]
     cfg = result["config"]
     method = result["method"]
     unc = result.get("similarity_matrix_uncertainty") or {}
     if unc.get("estimate"):
-        method += f" estimate from {unc['n_samples']} samples, no per-entry standard error"
+        method += f" estimate from {unc['n_samples']} samples, ± 1 standard error"
     if f.get("saturation_step") is None:
         sat = (f"validation accuracy never rises clearly above chance (max "
                f"{f['max_val_acc']:.3f}; chance 1/P = {f['chance_accuracy']:.3f}; saturation "
@@ -293,8 +317,10 @@ def grokking_table(result: dict) -> str:
     else:
         sat = (f"validation accuracy saturates at step {f['saturation_step']} "
                f"({f['val_acc_at_saturation']:.3f}; final {f['final_val_acc']:.3f}); similarity to "
-               f"the final checkpoint there: {f['similarity_to_final_at_saturation']:.3f} "
-               f"(keeps changing: {f['keeps_changing']})")
+               f"the final checkpoint there: "
+               + (f"{f['similarity_to_final_at_saturation']:.3f} (keeps changing: "
+                  f"{f['keeps_changing']})" if f['similarity_to_final_at_saturation'] is not None
+                  else "no reliable estimate (keeps changing: not assessed)"))
     if f.get("memorisation_step") is None:
         grok = f"never memorised (train accuracy stays below {MEMORISED}); "
     else:
@@ -312,4 +338,5 @@ def grokking_table(result: dict) -> str:
         f"grokking audit: modular addition mod {cfg['P']}, {len(result['steps'])} checkpoints "
         f"({method_label(method)} {result['metric']} similarity, "
         f"{result['seconds']['total']:.1f} s)",
-        format_table(["step", "train acc", "val acc", "sim to final"], rows), "", grok, sat])
+        format_table(["step", "train acc", "val acc", "sim to final"], rows), "", grok, sat]
+        + ([f"not assessed: {f['not_assessed']}"] if f.get("not_assessed") else []))

@@ -351,7 +351,15 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
     """``S[i, j] = <f_i, f_j> / sqrt(<f_i, f_i> <f_j, f_j>)`` of sequence models (Gaussian metric,
     summed over positions ``< n_ctx`` and outputs).
 
-    First tries the public batched ``tensoralg.similarity_matrix(nets, method=..., n_ctx=...)``;
+    ``method="montecarlo"``: :func:`montecarlo_pair_matrix` (the library's
+    ``montecarlo_similarity_pairs``: one shared set of directions, each pair with its
+    delta-method standard error and verdict; ``tensoralg.similarity_matrix`` takes no sequence
+    models by Monte Carlo); the matrix holds every estimate, ``info["stderr"]`` and
+    ``info["reliable"]`` the per-entry errors and verdicts (diagonal: 1, 0, True — ``S_ii = 1``
+    identically; the norms' diagnostics are part of every pair's).
+
+    Otherwise first tries the public batched
+    ``tensoralg.similarity_matrix(nets, method=..., n_ctx=...)``;
     if it does not accept sequence models (``TypeError``/``ValueError``/``NotImplementedError``
     other than ``CostTooHigh``), loops: ``tensoralg.inner(a, a)`` once per model and
     ``tensoralg.inner(a, b)`` once per unordered pair. Returns the matrix and a dict saying
@@ -363,16 +371,20 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
     """
     import tensoralg as ta
 
-    kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
     t0 = time.perf_counter()
     info: dict = {"method": method, "n_ctx": n_ctx}
-    if method == "montecarlo":
-        S, se = montecarlo_similarity_matrix(nets, n_ctx, n_samples, seed)
-        info.update(path="shared-sample Monte Carlo Gram matrix (jackknife standard errors)",
-                    seconds=time.perf_counter() - t0, stderr=se, n_samples=n_samples, seed=seed)
+    if method == "montecarlo":   # the library's shared directions, every pair with its verdict
+        S, pairs, info = montecarlo_pair_matrix(nets, n_ctx, n_samples, seed,
+                                                list(range(len(nets))), show_progress)
+        se, ok = np.zeros(S.shape), np.ones(S.shape, dtype=bool)   # S_ii = 1 identically
+        for r in pairs:
+            for i, j in ((r["i"], r["j"]), (r["j"], r["i"])):
+                se[i, j], ok[i, j] = r["stderr"], r["reliable"]
+                S[i, j] = r["montecarlo"] if r["reliable"] else r["unreliable_estimate"]
+        info.update(stderr=se, reliable=ok)
         return S, info
     try:
-        S = np.asarray(ta.similarity_matrix(list(nets), method=method, n_ctx=n_ctx, **kw),
+        S = np.asarray(ta.similarity_matrix(list(nets), method=method, n_ctx=n_ctx),
                        dtype=np.float64)
         info.update(path="tensoralg.similarity_matrix (batched)",
                     seconds=time.perf_counter() - t0)
@@ -385,7 +397,7 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
     G = np.zeros((N, N))
     pairs = [(i, j) for i in range(N) for j in range(i, N)]
     for i, j in progress(pairs, f"tensor similarity ({method})", show_progress):
-        G[i, j] = G[j, i] = float(ta.inner(nets[i], nets[j], method=method, n_ctx=n_ctx, **kw))
+        G[i, j] = G[j, i] = float(ta.inner(nets[i], nets[j], method=method, n_ctx=n_ctx))
     d = np.diag(G)
     if np.any(d <= 0):
         raise ValueError(f"similarity matrix: models {np.flatnonzero(d <= 0).tolist()} have norm "
@@ -394,40 +406,6 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
     info.update(path=f"loop over tensoralg.inner ({len(pairs)} calls, self terms once per "
                      f"model)", seconds=time.perf_counter() - t0, gram_diagonal=d.tolist())
     return S, info
-
-
-def montecarlo_similarity_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed: int,
-                                 n_batches: int = 20) -> tuple[np.ndarray, np.ndarray]:
-    """Monte Carlo similarity matrix of sequence models from ONE set of Gaussian inputs (every
-    model is evaluated once per sample, so the cost is ``N`` forward passes, not ``N²``).
-
-    ``X`` ``(n_ctx, d)`` iid ``N(0, 1)`` (numpy ``default_rng(seed)``); ``G_ij`` is the sample
-    mean of ``Σ_{t,o} f_i(X)[t,o] f_j(X)[t,o]`` and ``S = G_ij / sqrt(G_ii G_jj)``. Standard
-    errors: delete-one-batch jackknife over ``n_batches`` equal batches (the ratio's bias and
-    the covariance of numerator and denominators are included). An estimate: polynomials of
-    high degree have heavy tails, so check the standard errors.
-
-    Returns ``(S, stderr)``, both ``(N, N)``.
-    """
-    N = len(nets)
-    size = max(n_samples // n_batches, 1)
-    rng = np.random.default_rng(int(seed))
-    sums = np.zeros((n_batches, N, N))
-    for k in range(n_batches):
-        X = rng.standard_normal((size, n_ctx, nets[0].in_features))
-        F = np.stack([np.asarray(n(X)).reshape(size, -1) for n in nets])   # (N, m, n_ctx*V)
-        sums[k] = np.einsum("imk,jmk->ij", F, F, optimize=True)
-
-    def sim(G):
-        d = np.diag(G)
-        return G / np.sqrt(np.outer(d, d))
-
-    full = sums.sum(0) / (size * n_batches)
-    S = sim(full)
-    loo = np.stack([sim((sums.sum(0) - sums[k]) / (size * (n_batches - 1)))
-                    for k in range(n_batches)])
-    se = np.sqrt((n_batches - 1) / n_batches * ((loo - loo.mean(0)) ** 2).sum(0))
-    return np.clip(S, -1.0, 1.0), se
 
 
 # ----------------------------------------------------------------------------------------

@@ -169,8 +169,8 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
         "metric": "gaussian", "output": output, "n_ctx": n_ctx,
         "similarity_matrix": S.tolist() if n <= 1000 else None,
         "similarity_matrix_file": "matrix.npy",
-        "uncertainty": matrix_uncertainty(used, n_samples, seed), "seconds": seconds,
-        "blocks": summary | {"store": STORE},
+        "uncertainty": matrix_uncertainty(used, n_samples, seed, per_entry=False),
+        "seconds": seconds, "blocks": summary | {"store": STORE},
         "files": ["matrix.json", "matrix.npy", "matrix.csv", "matrix.png", f"{STORE}/"],
         "paths": "files: relative to the output folder; checkpoints: as given on the command line",
     }

@@ -122,7 +122,8 @@ def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float]
     ax1.set_ylabel("accuracy / similarity")
     ax1.legend(fontsize=8)
     ax1.set_title("accuracy and similarity to the final checkpoint")
-    im = ax2.imshow(np.asarray(sim, dtype=float), cmap="viridis", vmin=min(0.0, float(np.min(sim))),
+    im = ax2.imshow(np.asarray(sim, dtype=float), cmap="viridis",
+                    vmin=min(0.0, float(np.nanmin(sim))),
                     vmax=1.0)
     ticks = list(range(0, len(steps), max(1, len(steps) // 10)))
     ax2.set_xticks(ticks)
