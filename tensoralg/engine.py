@@ -107,7 +107,12 @@ _POSITION_FREE = object()
 
 def _fold(req: Request, net: Layer, name: str) -> Layer:
     """``net ∘ K`` for the request's input distribution ``N(0, K Kᵀ)`` (docs/mathematics.md
-    §3.9; the network itself for ``N(0, I)``)."""
+    §3.9; the network itself for ``N(0, I)``), every network of a request passing here under
+    its argument's name. Its weights are checked finite here unless the float exact way takes
+    them (:func:`~tensoralg.prepare.stack_for` checks them there, where a cached network is
+    compared with its copies anyway: the warm path pays nothing)."""
+    if req.method in ("montecarlo", "closure") or req.exact or net.is_sequence_model:
+        check_finite_weights(net, name)
     return req.distribution.apply(net, name, req.exact)
 
 
@@ -117,10 +122,6 @@ def _checked_pair(kind: str, req: Request, a, b):
     ``_POSITION_FREE``."""
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
-    # (the float exact way checks in stack_for, where a cached network is compared anyway)
-    if req.method in ("montecarlo", "closure") or req.exact or _is_sequence(na, nb):
-        check_finite_weights(na, "a")
-        check_finite_weights(nb, "b")
     na, nb = _fold(req, na, "a"), (None if b is a else _fold(req, nb, "b"))
     nb = na if nb is None else nb
     if _is_sequence(na, nb):
@@ -377,9 +378,10 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     if req.backend not in ("numpy", "torch"):
         raise ValueError(f"gram / similarity_matrix of sequence models: backend='numpy' or "
                          f"'torch' (float64), got {req.backend!r}")
-    if req.distribution is not STANDARD:
-        models = [_fold(req, as_network(m, f"models[{i}]"), f"models[{i}]")
-                  for i, m in enumerate(models)]
+    # (a checkpoint folder is loaded, and checked, when its turn comes)
+    models = [_fold(req, as_network(m, f"models[{i}]"), f"models[{i}]")
+              if isinstance(m, Layer) or req.distribution is not STANDARD else m
+              for i, m in enumerate(models)]
     fn = closure.closure_gram_req if req.method == "closure" else wick_terms.exact_gram_req
     return fn(req, models, similarity=kind == "similarity_matrix")
 
@@ -416,8 +418,6 @@ def similarity_matrix(req: Request, models):
     nets = [_fold(req, n, f"models[{i}]") for i, n in enumerate(nets)]
     U, keep = req.output_matrix(nets[0].out_features)
     if req.method == "montecarlo":   # per entry: a standard error and a verdict
-        for i, n in enumerate(nets):
-            check_finite_weights(n, f"models[{i}]")
         return montecarlo.similarity_matrix(nets, U, keep, req.n_samples, req.seed,
                                             req.backend, req.device, req.dtype)
     if req.exact and req.method == "exact":  # refuse before any rational work

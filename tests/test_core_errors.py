@@ -276,3 +276,26 @@ def test_inf_written_into_attention_weights_is_named():
             ta.similarity(A, B, n_ctx=2, **kw)
     with pytest.raises(ValueError, match=r"^a: 1 non-finite"):
         ta.plan(A, B, n_ctx=2)
+
+
+def test_nan_weights_are_named_on_every_monte_carlo_and_sequence_matrix_path():
+    """The finiteness check sits where every network of a request is folded into its input
+    distribution (engine._fold), so the Monte Carlo Gram, cross-Gram and difference paths and
+    the sequence matrices name the model too (they returned NaN or 'no reliable estimate')."""
+    rng = np.random.default_rng(3)
+    m, b, c = (rand_network(rng, "bilinear") for _ in range(3))
+    m.layers[0].left[0, 0] = np.nan
+    mc = dict(method="montecarlo", n_samples=400)
+    cases = [(lambda: ta.gram([b, m], **mc), r"models\[1\]"),
+             (lambda: ta.cross_gram([b], [m], **mc), r"models_b\[0\]"),
+             (lambda: ta.diff_norm(m, b, **mc), "model"),
+             (lambda: ta.inner_diff(c, b, m, **mc), "model")]
+    w = [rng.standard_normal((1, 2, 3)) for _ in range(5)]
+    A = ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))
+    B = ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))
+    A.v[0, 0, 0] = np.inf
+    cases += [(lambda: ta.similarity_matrix([B, A], n_ctx=2), r"models\[1\]"),
+              (lambda: ta.gram([B, A], n_ctx=2, method="closure"), r"models\[1\]")]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=rf"^{name}: 1 non-finite \(NaN or inf\) entries"):
+            call()
