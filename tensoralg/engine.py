@@ -23,7 +23,9 @@ from .errors import CostTooHigh
 from .layers import Layer, as_network, check_finite_weights
 from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
                       refuse_if_needed)
-from .prepare import check_pair, networks, scaled, stack_for
+from .canonical import resolve_n_ctx
+from .prepare import (check_pair, check_sequence_models, check_slices, networks, scaled,
+                      stack_for)
 from .distribution import STANDARD
 from .request import Request
 from .results import gram_to_similarity, similarity_from, swap_order
@@ -372,9 +374,6 @@ def _sequence_matrix(kind: str, req: Request, models: list):
                              f"per-position affine map is accepted)")
     if req.metric != "gaussian":
         raise ValueError("sequence models: only metric='gaussian' is implemented")
-    if req.method not in ("closure", "exact"):
-        raise ValueError(f"gram / similarity_matrix of sequence models: method='closure' or "
-                         f"'exact', got {req.method!r} (Monte Carlo: montecarlo_inner per pair)")
     if req.backend not in ("numpy", "torch"):
         raise ValueError(f"gram / similarity_matrix of sequence models: backend='numpy' or "
                          f"'torch' (float64), got {req.backend!r}")
@@ -382,8 +381,37 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     models = [_fold(req, as_network(m, f"models[{i}]"), f"models[{i}]")
               if isinstance(m, Layer) or req.distribution is not STANDARD else m
               for i, m in enumerate(models)]
+    if req.method == "montecarlo":
+        nets, n_ctx = check_sequence_models(models, req.n_ctx)
+        return _sequence_mc_matrix(kind, req, nets, n_ctx)
     fn = closure.closure_gram_req if req.method == "closure" else wick_terms.exact_gram_req
     return fn(req, models, similarity=kind == "similarity_matrix")
+
+
+def _sequence_mc_args(req: Request, what: str, d_out: int, n_ctx: int) -> tuple:
+    """The sampler's arguments for sequence models (:func:`montecarlo.moments` and
+    relatives): the slices checked, ``"each"`` refused (the products are summed over
+    positions and outputs per direction)."""
+    if isinstance(req.output, str) or isinstance(req.position, str):
+        raise ValueError(f"{what} of sequence models by Monte Carlo: output='each' / "
+                         f"position='each' are not supported; loop over the slices")
+    check_slices(req, d_out, n_ctx)
+    return dict(n_ctx=n_ctx, position=req.position)
+
+
+def _sequence_mc_matrix(kind: str, req: Request, nets: list, n_ctx: int):
+    """Monte Carlo Gram or similarity matrix of sequence models: the position-free estimator
+    with directions on the sphere of ``R^(n_ctx d)`` (``montecarlo.similarity_matrix``: an
+    error and a verdict per entry, each equal to ``similarity`` of its pair with the same
+    ``n_samples`` and ``seed``)."""
+    kw = _sequence_mc_args(req, kind, nets[0].out_features, n_ctx)
+    nets = [n.astype_float() for n in nets]
+    U, _ = req.output_matrix(nets[0].out_features)
+    args = (U, False, req.n_samples, req.seed, "numpy", None, None)
+    if kind == "similarity_matrix":
+        return montecarlo.similarity_matrix(nets, *args, **kw)
+    mean, se = montecarlo.moments(nets, nets, *args, **kw)
+    return MonteCarloArray(mean, se, req.n_samples)
 
 
 def _models_list(models: Any) -> list:
@@ -431,27 +459,41 @@ def similarity_matrix(req: Request, models):
 def _mc_combination(req: Request, left, right):
     """Monte Carlo ``<sum_i alpha_i f_i, sum_j beta_j g_j>`` from one set of samples, as one
     per-direction integrand, so the standard error includes the covariance of the terms.
-    ``left``/``right``: lists of ``(model, coefficient)``."""
+    ``left``/``right``: lists of ``(model, coefficient, argument name)``; sequence models
+    sample directions of ``R^(n_ctx d)`` (:func:`montecarlo.moments`)."""
     if req.metric != "gaussian":
         raise ValueError("metric='frobenius' has no Monte Carlo estimate; use method='exact'")
-    nets = [as_network(m, "model") for m, _ in left + right]
+    named = {}   # each argument once, under its name (diff_norm's b and c sit on both sides)
+    for m, _, name in left + right:
+        named.setdefault(name, as_network(m, name))
+    nets = list(named.values())
     for n in nets[1:]:
         check_pair(nets[0], n)
-    if _is_sequence(*nets):     # the radial sampler here draws single vectors, not sequences
-        raise ValueError("models: sequence models (with attention) have no radial Monte Carlo "
-                         "estimate of a difference here; use diff_norm(..., proposal='modes') "
-                         "or inner / similarity per pair (method='montecarlo')")
-    nets = [_fold(req, n, "model") for n in nets]
+    kw = {}
+    if _is_sequence(*nets):
+        for name, n in named.items():   # as inner: a sequence model is not compared with an MLP
+            if not n.is_sequence_model and n.degree > 1:
+                raise ValueError(f"{name}: a position-free network of degree {n.degree} among "
+                                 f"sequence models (with attention); compare sequence models (a "
+                                 f"per-position affine map is accepted)")
+        n_ctx = resolve_n_ctx(list(named.items()), req.n_ctx)
+        kw = _sequence_mc_args(req, "a difference", nets[0].out_features, n_ctx)
+    elif req.n_ctx is not None or req.position is not None:
+        raise ValueError("n_ctx / position: only for sequence models (with attention)")
+    folded = {name: _fold(req, n, name) for name, n in named.items()}
+    if kw:   # as the sequence pair estimators: float weights
+        folded = {name: n.astype_float() for name, n in folded.items()}
+    nets = [folded[name] for _, _, name in left + right]
     U, keep = req.output_matrix(nets[0].out_features)
     n_samples = req.n_samples
     montecarlo.warn_few(n_samples)
-    alpha = np.array([c for _, c in left], dtype=np.float64)
-    beta = np.array([c for _, c in right], dtype=np.float64)
+    alpha = np.array([c for _, c, _ in left], dtype=np.float64)
+    beta = np.array([c for _, c, _ in right], dtype=np.float64)
     nl = len(left)
     s1 = s2 = 0.0
     kept = []
     for F, w in montecarlo.features(nets, np.asarray(U, dtype=np.float64), n_samples, req.seed,
-                                    req.backend, req.device, req.dtype):
+                                    req.backend, req.device, req.dtype, **kw):
         fl = np.einsum("i,isqK->sqK", alpha, F[:nl])
         fr = np.einsum("j,jsqK->sqK", beta, F[nl:])
         P = np.einsum(f"sqK,sqK,q->{'sK' if keep else 's'}", fl, fr, w)
@@ -475,7 +517,7 @@ def inner_diff(req: Request, a: Any, b: Any, c: Any):
     """``<a, b - c> = <a, b> - <a, c>``; Monte Carlo: one integrand ``f_a . (f_b - f_c)``."""
     radial_only(req, "inner_diff")
     if req.method == "montecarlo":
-        return _mc_combination(req, [(a, 1.0)], [(b, 1.0), (c, -1.0)])
+        return _mc_combination(req, [(a, 1.0, "a")], [(b, 1.0, "b"), (c, -1.0, "c")])
     try:
         row = cross_gram(req, [a], [b, c])
         return row[0, 0] - row[0, 1]
@@ -503,8 +545,9 @@ def diff_norm(req: Request, b: Any, c: Any):
     """``||b - c||`` from the Gram matrix of ``[b, c]``; Monte Carlo: the integrand
     ``|f_b - f_c|^2`` per sample, the delta-method standard error of its root."""
     if req.method == "montecarlo":
+        terms = [(b, 1.0, "b"), (c, -1.0, "c")]
         d2 = _guided_diff_sq(req, b, c) if req.proposal == "modes" else \
-            _mc_combination(req, [(b, 1.0), (c, -1.0)], [(b, 1.0), (c, -1.0)])
+            _mc_combination(req, terms, terms)
         d = np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
         with np.errstate(divide="ignore", invalid="ignore"):
             # d = 0 with se(d^2) = 0: the integrand vanished on every sample (so, with

@@ -232,7 +232,10 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
 def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
                       backend: str = "numpy", output: Any = None, **kwargs):
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` from one :func:`gram` call (normalized gauge:
-    unaffected by the models' output scales). Raises ValueError if a model has norm 0.
+    unaffected by the models' output scales). Raises ValueError if a model has norm 0. With
+    ``method="montecarlo"`` a :class:`MonteCarloArray` from one set of directions, with a
+    standard error and a verdict per entry, each equal to :func:`similarity` of its pair with
+    the same ``n_samples`` and ``seed`` (vector and sequence models).
     ``out=``/``client=``/``workers=``/``block_size=``/``resume=`` as in :func:`gram` (blocked,
     resumable, optionally on Dask). Keywords as :func:`inner`."""
     blocked, kw = _split_block_options(kwargs)
@@ -263,12 +266,13 @@ def diff_norm(b: Any, c: Any, **kwargs):
     ``method="montecarlo"`` the integrand is ``|f_b - f_c|^2`` per sample and the standard
     error of the norm is the delta-method one, ``se(d^2) / (2 d)``; ``proposal="modes"``:
     guided importance sampling of ``|f_b - f_c|^2`` (modes of ``f_b``, ``f_c`` and ``f_b - f_c``;
-    vector and sequence models, one number, with the diagnostics of :func:`inner`; the radial
-    default takes position-free networks only).
+    vector and sequence models, one number, with the diagnostics of :func:`inner`). The radial
+    default takes vector and sequence models (directions on the sphere of ``R^(n_ctx d)``).
 
     Raises:
-        ValueError: ``proposal="modes"`` with ``output="each"``; radial Monte Carlo of sequence
-            models; the errors of :func:`inner`."""
+        ValueError: ``proposal="modes"`` with ``output="each"``; ``output="each"`` or
+            ``position="each"`` in radial Monte Carlo of sequence models; the errors of
+            :func:`inner`."""
     return engine.diff_norm(_request("diff_norm", **kwargs), b, c)
 
 

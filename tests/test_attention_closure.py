@@ -208,8 +208,9 @@ def test_gram_and_similarity_matrix_of_sequence_models():
     assert _rel(E[0, 1], wick_terms.exact_inner(one[0], one[1], n_ctx=2)) <= 1e-12
     assert _rel(ta.similarity_matrix(one, n_ctx=2)[0, 1],
                 wick_terms.exact_similarity(one[0], one[1], n_ctx=2)) <= 1e-12
-    with pytest.raises(ValueError, match="method='closure' or 'exact'"):
-        ta.gram(one, n_ctx=2, method="montecarlo")
+    # Monte Carlo: an estimate per entry (tests/test_sequence_mc_matrix.py), covering exact
+    M = ta.gram(one, n_ctx=2, method="montecarlo", n_samples=4000, seed=0)
+    assert np.all(np.abs(M - E) <= 4 * M.stderr)
     with pytest.raises(ValueError, match="at least one model"):
         closure.closure_gram([], n_ctx=2)
     # the cross Gram is the off-diagonal block of the Gram of both lists (same operations)

@@ -288,8 +288,8 @@ def test_nan_weights_are_named_on_every_monte_carlo_and_sequence_matrix_path():
     mc = dict(method="montecarlo", n_samples=400)
     cases = [(lambda: ta.gram([b, m], **mc), r"models\[1\]"),
              (lambda: ta.cross_gram([b], [m], **mc), r"models_b\[0\]"),
-             (lambda: ta.diff_norm(m, b, **mc), "model"),
-             (lambda: ta.inner_diff(c, b, m, **mc), "model")]
+             (lambda: ta.diff_norm(m, b, **mc), "b"),          # diff_norm(b, c)
+             (lambda: ta.inner_diff(c, b, m, **mc), "c")]      # inner_diff(a, b, c)
     w = [rng.standard_normal((1, 2, 3)) for _ in range(5)]
     A = ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))
     B = ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))

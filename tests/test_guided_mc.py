@@ -86,9 +86,10 @@ def test_diff_norm_of_planted_sequence_models_agrees_with_quadrature(planted):
     d = ta.diff_norm(a.network, b.network, method="montecarlo", proposal="modes",
                      n_samples=4000, seed=0, n_ctx=2)
     assert d.reliable and abs(_z(d, np.sqrt(d2))) < 4, (d, np.sqrt(d2))
-    # radial sampling of a difference takes no sequences: a clear refusal, not a shape error
-    with pytest.raises(ValueError, match="use diff_norm\\(..., proposal='modes'\\)"):
-        ta.diff_norm(a.network, b.network, method="montecarlo", n_samples=600, n_ctx=2)
+    # radial sampling of a difference takes sequences too; here the norms sit in rare inputs,
+    # which its diagnostics see: no reliable estimate (a direction carries the whole sum)
+    r = ta.diff_norm(a.network, b.network, method="montecarlo", n_samples=600, n_ctx=2)
+    assert not r.diagnostics.reliable and "one direction carries" in r.diagnostics.reason
 
 
 def test_mixture_weights_are_bounded_and_have_mean_one():

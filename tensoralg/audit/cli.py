@@ -156,7 +156,10 @@ def add_parsers(sub) -> None:
                         "closure similarity, APPROXIMATE))")
     m.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="compare one output slice instead of all outputs (default: all)")
-    _n_samples(m)
+    m.add_argument("--n-samples", type=mc_samples, default=None,
+                   help="Monte Carlo directions when the method is montecarlo (default 100000, "
+                        "and 20000 for bilinear-transformer checkpoints, as compare); the "
+                        "standard errors shrink like 1/sqrt(N)")
     _n_ctx(m)
     _shared(m, "Monte Carlo seed")
     from .matrix_blocks import add_options as _block_options

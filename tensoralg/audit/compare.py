@@ -268,10 +268,12 @@ def compare_table(result: dict) -> str:
 
 
 def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
-               output: int | None = None, seed: int = 0, n_samples: int = MC_SAMPLES,
+               output: int | None = None, seed: int = 0, n_samples: int | None = None,
                json_copy: str | Path | None = None, n_ctx: int | None = None) -> dict:
     """Similarity matrix of the checkpoints at ``paths`` (heatmap ``matrix.png``, ``matrix.csv``,
     ``matrix.json`` under ``out``). ``seed``, ``n_samples``: Monte Carlo seed and sample count
+    (default ``MC_SAMPLES``; ``SEQUENCE_MC_SAMPLES`` for bilinear-transformer checkpoints, as
+    :func:`run_compare`)
     (a Monte Carlo matrix carries per entry a standard error and a verdict:
     ``similarity_stderr`` / ``similarity_reliable``; an unreliable entry is null in
     ``similarity_matrix``, blank in the CSV and the heatmap, "no reliable estimate" in the
@@ -298,13 +300,16 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         check_file_writable(json_copy, "--json")
     from ._cliutil import check_n_samples
 
-    check_n_samples(n_samples)
+    if n_samples is not None:
+        check_n_samples(n_samples)
     loaded = [_load(p) for p in paths]
     cfgs = [c for _, c in loaded]
     _same_shape(cfgs, paths)
     from .language import TRANSFORMER_KEYS, is_transformer_cfg, sequence_networks
 
     seq = is_transformer_cfg(cfgs[0])
+    if n_samples is None:
+        n_samples = SEQUENCE_MC_SAMPLES if seq else MC_SAMPLES
     keys = TRANSFORMER_KEYS if seq else ("n_layers", "d_model", "d_hidden", "residual", "bias")
     arch = [tuple(c.get(k) for k in keys) for c in cfgs]
     for p, a in zip(paths[1:], arch[1:]):

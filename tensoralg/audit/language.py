@@ -351,11 +351,11 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
     """``S[i, j] = <f_i, f_j> / sqrt(<f_i, f_i> <f_j, f_j>)`` of sequence models (Gaussian metric,
     summed over positions ``< n_ctx`` and outputs).
 
-    ``method="montecarlo"``: :func:`montecarlo_pair_matrix` (the library's
-    ``montecarlo_similarity_pairs``: one shared set of directions, each pair with its
-    delta-method standard error and verdict; ``tensoralg.similarity_matrix`` takes no sequence
-    models by Monte Carlo); the matrix holds every estimate, ``info["stderr"]`` and
-    ``info["reliable"]`` the per-entry errors and verdicts (diagonal: 1, 0, True — ``S_ii = 1``
+    ``method="montecarlo"``: ``tensoralg.similarity_matrix(nets, method="montecarlo", ...)``
+    (one shared set of directions, streamed: memory ``O(N^2)``; each entry with its
+    delta-method standard error and verdict, equal to ``tensoralg.similarity`` of the pair with
+    the same ``n_samples`` and ``seed``); the matrix holds every estimate, ``info["stderr"]``
+    and ``info["reliable"]`` the per-entry errors and verdicts (diagonal: 1, 0 — ``S_ii = 1``
     identically; the norms' diagnostics are part of every pair's).
 
     Otherwise first tries the public batched
@@ -373,16 +373,14 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
 
     t0 = time.perf_counter()
     info: dict = {"method": method, "n_ctx": n_ctx}
-    if method == "montecarlo":   # the library's shared directions, every pair with its verdict
-        S, pairs, info = montecarlo_pair_matrix(nets, n_ctx, n_samples, seed,
-                                                list(range(len(nets))), show_progress)
-        se, ok = np.zeros(S.shape), np.ones(S.shape, dtype=bool)   # S_ii = 1 identically
-        for r in pairs:
-            for i, j in ((r["i"], r["j"]), (r["j"], r["i"])):
-                se[i, j], ok[i, j] = r["stderr"], r["reliable"]
-                S[i, j] = r["montecarlo"] if r["reliable"] else r["unreliable_estimate"]
-        info.update(stderr=se, reliable=ok)
-        return S, info
+    if method == "montecarlo":   # the library's shared directions, every entry with its verdict
+        M = ta.similarity_matrix(list(nets), method="montecarlo", n_ctx=n_ctx,
+                                 n_samples=n_samples, seed=seed)
+        info.update(path="tensoralg.similarity_matrix (Monte Carlo: one shared set of "
+                         "directions, a delta-method standard error and a verdict per entry)",
+                    n_samples=n_samples, seed=seed, stderr=np.array(M.stderr),
+                    reliable=np.array(M.reliable), seconds=time.perf_counter() - t0)
+        return np.array(M, dtype=np.float64), info
     try:
         S = np.asarray(ta.similarity_matrix(list(nets), method=method, n_ctx=n_ctx),
                        dtype=np.float64)

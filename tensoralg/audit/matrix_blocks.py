@@ -78,7 +78,7 @@ def _check_out(out: Path) -> Path:
 
 
 def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "auto",
-                       output: int | None = None, seed: int = 0, n_samples: int = MC_SAMPLES,
+                       output: int | None = None, seed: int = 0, n_samples: int | None = None,
                        block_size: int | None = None, resume: bool = False,
                        scheduler: str | None = None, workers: int | None = None,
                        threads: int = 1, show_progress: bool = False,
@@ -110,6 +110,7 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
     out = _check_out(Path(out))
     if json_copy is not None:
         check_file_writable(json_copy, "--json")
+    n_samples = MC_SAMPLES if n_samples is None else n_samples
     if n_samples < 2:
         raise ValueError(f"--n-samples: expected an integer >= 2, got {n_samples}")
     if scheduler is not None or workers is not None:

@@ -285,15 +285,32 @@ def _radial_points(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, backend: str,
-                 device, dtype, chunk: int = 8192):
+                 device, dtype, chunk: int = 8192, n_ctx: int | None = None,
+                 position: int | None = None):
     """Yield ``(F, w)`` per chunk of directions: projected outputs ``F (N, s, Q, K)`` (float64
     NumPy) at the ``Q`` quadrature points ``±r_q u`` of each direction ``u`` and the weights
     ``w (Q,)`` (sum 1) such that ``sum_q w_q g(x_q)`` is the exact radial average of any
-    polynomial ``g`` of degree <= 2 * max degree of ``nets`` along the ray of ``u``."""
+    polynomial ``g`` of degree <= 2 * max degree of ``nets`` along the ray of ``u``.
+
+    Sequence models (``n_ctx`` given; docs/mathematics.md §3.9): the directions lie on the
+    sphere of ``R^(n_ctx d)`` (the draws of :func:`_mc_points`, numpy whatever the backend, as
+    :func:`montecarlo_inner`), and the last axis of ``F`` runs over (position, output):
+    ``K = n_ctx * U.shape[0]``, or ``U.shape[0]`` at one ``position``, so a product summed over
+    it is the inner product summed over positions (no per-output axis is kept)."""
     d = nets[0].in_features
-    pts, wq = _radial_points(d, 2 * max(n.degree for n in nets))
+    pts, wq = _radial_points(d * (n_ctx or 1), 2 * max(n.degree for n in nets))
     Q = pts.size
-    check_sampling_cost(nets, n_samples, Q)
+    check_sampling_cost(nets, n_samples, Q, n_ctx)
+    if n_ctx is not None:
+        points, _ = _mc_points(seed, n_samples, 1, n_ctx, d, max(n.degree for n in nets),
+                               max(1, chunk // (Q * n_ctx)))
+        for X, w in points:
+            m = X.shape[0] // Q
+            outs = [np.asarray(net(X), dtype=np.float64) for net in nets]   # (m Q, n_ctx, o)
+            if position is not None:
+                outs = [o[:, int(position)] for o in outs]
+            yield np.stack([(o @ U.T).reshape(m, Q, -1) for o in outs]), w
+        return
     chunk = max(1, chunk // Q)
     if backend == "torch":
         import torch
@@ -372,10 +389,10 @@ def warn_few(n_samples: int) -> None:
 
 
 def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
-            samples: bool = False):
+            samples: bool = False, n_ctx: int | None = None, position: int | None = None):
     """Sample means and standard errors of <a_i, b_j> products (Na, Nb[, K]); with
     ``samples`` also the per-direction values ``(n, Na, Nb[, K])`` (for the diagnostics of a
-    scalar result)."""
+    scalar result); ``n_ctx``, ``position``: sequence models (:func:`_mc_features`)."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     nets = list(nets_a) + list(nets_b)
@@ -383,7 +400,8 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
     warn_few(n_samples)
     s1 = s2 = 0.0
     kept = []
-    for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype):
+    for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype,
+                             n_ctx=n_ctx, position=position):
         Fa, Fb = F[:Na], F[Na:]
         if keep:
             P = np.einsum("asqK,bsqK,q->sabK", Fa, Fb, w)
@@ -438,7 +456,8 @@ def _ratio_se(n, sx, sy, sz, sxx, syy, szz, sxy, sxz, syz):
     return r, np.sqrt(np.maximum(var, 0.0))
 
 
-def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype
+def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype,
+                      n_ctx: int | None = None, position: int | None = None
                       ) -> MonteCarloArray:
     """``S[i, j] = <i, j> / sqrt(<i, i> <j, j>)`` of ``N`` networks from one set of sampled
     directions (radial estimator), with, per entry, the delta-method standard error of the
@@ -446,6 +465,8 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype
     directions) and the :class:`Diagnostics` of the three sums behind it (largest
     single-direction share; :data:`MC_REPLICATES` consecutive replicates; no certified lower
     bounds: those need every sample). Streams the directions: memory ``O(N^2 K)``.
+    ``n_ctx``, ``position``: sequence models (:func:`_mc_features`); an entry then equals
+    :func:`montecarlo_similarity` of its pair with the same ``n_samples`` and ``seed``.
 
     Raises:
         ValueError: a model with sampled norm zero (named by index)."""
@@ -458,7 +479,8 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype
     sums = [dict.fromkeys(names, 0.0) for _ in range(MC_REPLICATES)]
     absum, absmax = 0.0, 0.0
     done = 0
-    for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype):
+    for F, w in _mc_features(nets, U, n_samples, seed, backend, device, dtype,
+                             n_ctx=n_ctx, position=position):
         P = np.einsum(f"asqK,bsqK,q->sab{'K' if keep else ''}", F, F, w)
         dgl = np.einsum("sii...->si...", P)   # (s, N[, K])
         mag = np.abs(P)
@@ -554,7 +576,7 @@ def _per_sample(fa, fb, output, position):
 
 def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
     """The request checked against the pair (before any sampling); returns a generator of
-    ``(f_a(X), f_b(X), w)`` over ``n_batches`` equal batches of directions (numpy
+    ``(f_a(X), f_b(X), w)`` over ``n_batches`` batches of directions (numpy
     ``default_rng(seed)``), and the number of directions.
 
     ``size`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)`` per batch, each
@@ -587,25 +609,27 @@ def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
 
 def _mc_points(seed, n_samples, n_batches, n_ctx, d, degree, chunk=None):
     """The radial Monte Carlo points of :func:`_mc_draws`: a generator of ``(X, wq)`` over
-    ``n_batches`` batches of ``n_samples // n_batches`` directions (numpy
-    ``default_rng(seed)``), ``X`` ``(m Q, n_ctx, d)`` and ``wq`` ``(Q,)``; with ``chunk`` each
+    ``n_batches`` batches (sizes differing by at most one, ``n_samples`` directions in all;
+    numpy ``default_rng(seed)``: the same directions in the same order for any
+    ``n_batches``), ``X`` ``(m Q, n_ctx, d)`` and ``wq`` ``(Q,)``; with ``chunk`` each
     batch is cut into pieces of at most ``chunk`` directions (the same directions, in order),
     and the number of directions."""
-    size = int(n_samples) // int(n_batches)
+    q, r = divmod(int(n_samples), int(n_batches))
+    sizes = [q + (i < r) for i in range(int(n_batches))]   # every direction drawn
     pts, wq = _radial_points(n_ctx * d, 2 * degree)
     Q = pts.size
-    step = size if chunk is None else max(1, int(chunk))
 
     def points():
         rng = np.random.default_rng(int(seed))
-        for _ in range(int(n_batches)):
+        for size in sizes:
+            step = size if chunk is None else max(1, int(chunk))
             u = rng.standard_normal((size, n_ctx * d))
             u /= np.linalg.norm(u, axis=1, keepdims=True)
             for lo in range(0, size, step):
                 v = u[lo:lo + step]
                 yield (v[:, None, :] * pts[None, :, None]).reshape(len(v) * Q, n_ctx, d), wq
 
-    return points(), size * int(n_batches)
+    return points(), int(n_samples)
 
 
 def _mc_request(n_ctx, n_samples, seed, output, position) -> Request:
@@ -629,7 +653,8 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
     ``std(p, ddof=1) / sqrt(n)``. Plain samples ``X ~ N(0, I)`` (the estimator before) give a
     heavy-tailed degree-10 integrand at one layer whose standard error did not cover (truth
     beyond 3 SE in 23 of 200 seeds at 2 000 samples); the radial one is tested for coverage in
-    tests/test_mc_coverage.py. ``n_batches`` only fixes the draw order.
+    tests/test_mc_coverage.py. ``n_batches`` only cuts the draws into pieces (the same
+    directions for any ``n_batches``).
 
     Args:
         output: None, an int or a direction vector (no ``"each"``); position: None or an int.
