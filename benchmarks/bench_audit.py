@@ -74,7 +74,6 @@ def language(argv: list[str]) -> None:
     from tensoralg.strategies import montecarlo as MC
     from tensoralg.strategies import closure as C
     from tensoralg.checkpoint import load_checkpoint
-    from tensoralg.request import make_request
     from tensoralg.strategies.montecarlo import ratio_estimate
 
     ap = argparse.ArgumentParser(prog="bench_audit.py language")
@@ -108,12 +107,10 @@ def language(argv: list[str]) -> None:
         means = []
         for seed in seeds:
             t = time.perf_counter()
-            req = make_request(method="montecarlo", n_ctx=n_ctx, n_samples=args.directions,
-                               seed=seed)
-            draws, n = MC._mc_draws(req, a, b, 20, "bench_audit language")
-            P = np.concatenate([np.stack([MC._per_sample(x, y, None, None).reshape(-1, w.size) @ w
-                                          for x, y in ((fa, fb), (fa, fa), (fb, fb))])
-                                for fa, fb, w in draws], axis=1)        # (3, n): ab, aa, bb
+            n = args.directions
+            _, _, p = MC.moments([a, b], [a, b], np.eye(a.out_features), False, n, seed,
+                                 "numpy", None, None, samples=True, n_ctx=n_ctx)
+            P = np.stack([p[:, 0, 1], p[:, 0, 0], p[:, 1, 1]])   # (3, n): ab, aa, bb
             e = ratio_estimate(P.sum(1), P @ P.T, n)
             m, se = P.mean(1), P.std(1, ddof=1) / np.sqrt(n)
             means.append(m)

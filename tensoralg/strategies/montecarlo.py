@@ -418,14 +418,17 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
     return mean, np.sqrt(var / n_samples)
 
 
-def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, dtype):
-    """Ratio estimator ab / sqrt(aa bb) with a delta-method standard error."""
+def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, dtype,
+               n_ctx: int | None = None, position: int | None = None):
+    """Ratio estimator ab / sqrt(aa bb) with a delta-method standard error; ``n_ctx``,
+    ``position``: sequence models (:func:`_mc_features`)."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     warn_few(n_samples)
     sums = None
     kept = []
-    for F, w in _mc_features([na, nb], U, n_samples, seed, backend, device, dtype):
+    for F, w in _mc_features([na, nb], U, n_samples, seed, backend, device, dtype,
+                             n_ctx=n_ctx, position=position):
         fa, fb = F[0], F[1]
         out = "sK" if keep else "s"
         pab, paa, pbb = (np.einsum(f"sqK,sqK,q->{out}", x, y, w)
@@ -563,27 +566,12 @@ features = _mc_features
 # sequence models (any depth): directions on the sphere of R^(n_ctx d)
 # ----------------------------------------------------------------------------------------
 
-def _per_sample(fa, fb, output, position):
-    if position is not None:
-        fa, fb = fa[:, int(position)][:, None], fb[:, int(position)][:, None]
-    if output is None:
-        return (fa * fb).sum(axis=(1, 2))
-    if isinstance(output, numbers.Integral):
-        return (fa[..., int(output)] * fb[..., int(output)]).sum(axis=1)
-    u = np.asarray(output, dtype=np.float64)
-    return ((fa @ u) * (fb @ u)).sum(axis=1)
-
-
-def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
-    """The request checked against the pair (before any sampling); returns a generator of
-    ``(f_a(X), f_b(X), w)`` over ``n_batches`` batches of directions (numpy
-    ``default_rng(seed)``), and the number of directions.
-
-    ``size`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)`` per batch, each
-    evaluated at the ``Q`` points ``±r_q u`` of the Gauss rule for the chi radius
-    (:func:`_radial_rule`, exact for polynomials of degree
-    ``<= 2 max(degree)``): ``X`` ``(size Q, n_ctx, d)`` and ``w`` ``(Q,)`` the weights (sum 1),
-    so ``sum_q w_q g(X_q)`` is the exact radial average of a product of the two outputs."""
+def _mc_checked(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
+    """The request checked against a pair of sequence models (before any sampling): the pair
+    as float networks and its ``n_ctx``. The directions are those of :func:`_mc_points` (``u``
+    uniform on the sphere of ``R^(n_ctx d)``, each evaluated at the ``Q`` points ``±r_q u`` of
+    the Gauss rule for the chi radius, :func:`_radial_rule`, exact for polynomials of degree
+    ``<= 2 max(degree)``), sampled by :func:`_mc_features`."""
     a, b, n_ctx = check_sequence_pair(a, b, req.n_ctx)
     if isinstance(req.output, str) or isinstance(req.position, str):
         raise ValueError(f"{caller}: output='each' / position='each' are not supported; "
@@ -594,21 +582,11 @@ def _mc_draws(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
     if req.n_samples < 2 * n_batches:
         raise ValueError(f"n_samples: expected an int >= 2 * n_batches = {2 * n_batches}, got "
                          f"{req.n_samples!r}")
-    a, b = a.astype_float(), b.astype_float()
-    check_sampling_cost([a, b], req.n_samples, 2 * _radial_nodes(2 * max(a.degree, b.degree)),
-                        n_ctx)
-    points, n = _mc_points(req.seed, req.n_samples, n_batches, n_ctx, a.in_features,
-                           max(a.degree, b.degree))
-
-    def draws():
-        for X, wq in points:
-            yield a(X), b(X), wq
-
-    return draws(), n
+    return a.astype_float(), b.astype_float(), n_ctx
 
 
 def _mc_points(seed, n_samples, n_batches, n_ctx, d, degree, chunk=None):
-    """The radial Monte Carlo points of :func:`_mc_draws`: a generator of ``(X, wq)`` over
+    """The radial Monte Carlo points of sequence models (:func:`_mc_features`): a generator of ``(X, wq)`` over
     ``n_batches`` batches (sizes differing by at most one, ``n_samples`` directions in all;
     numpy ``default_rng(seed)``: the same directions in the same order for any
     ``n_batches``), ``X`` ``(m Q, n_ctx, d)`` and ``wq`` ``(Q,)``; with ``chunk`` each
@@ -672,18 +650,13 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
 
 
 def montecarlo_inner_req(req: Request, a: Any, b: Any, n_batches: int = 20):
-    """:func:`montecarlo_inner` of a validated request."""
-    draws, n = _mc_draws(req, a, b, n_batches, "montecarlo_inner")
-    s1 = s2 = 0.0
-    kept = []
-    for fa, fb, w in draws:
-        p = _per_sample(fa, fb, req.output, req.position).reshape(-1, w.size) @ w
-        s1, s2 = s1 + p.sum(), s2 + p @ p
-        kept.append(p)
-    mean = s1 / n
-    var = max(s2 / n - mean * mean, 0.0) * n / (n - 1)
-    diag = inner_diagnostics(np.concatenate(kept), "<a,a>" if b is a else None)
-    return MonteCarloEstimate(float(mean), math.sqrt(var / n), n, diag)
+    """:func:`montecarlo_inner` of a validated request: :func:`moments` of the pair."""
+    na, nb, n_ctx = _mc_checked(req, a, b, n_batches, "montecarlo_inner")
+    U, _ = req.output_matrix(na.out_features)
+    mean, se, p = moments([na], [nb], U, False, req.n_samples, req.seed, "numpy", None, None,
+                          samples=True, n_ctx=n_ctx, position=req.position)
+    diag = inner_diagnostics(p[:, 0, 0], "<a,a>" if b is a else None)
+    return MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]), req.n_samples, diag)
 
 
 def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_000,
@@ -715,20 +688,11 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
 
 
 def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = 20):
-    """:func:`montecarlo_similarity` of a validated request."""
-    draws, n = _mc_draws(req, a, b, n_batches, "montecarlo_similarity")
-    s1 = np.zeros(3)
-    s2 = np.zeros((3, 3))
-    kept = []
-    for fa, fb, w in draws:
-        P = np.stack([_per_sample(x, y, req.output, req.position).reshape(-1, w.size) @ w
-                      for x, y in ((fa, fb), (fa, fa), (fb, fb))])          # (3, size)
-        s1 += P.sum(axis=1)
-        s2 += P @ P.T
-        kept.append(P)
-    est = ratio_estimate(s1, s2, n)
-    return MonteCarloEstimate(float(est), est.stderr, n,
-                              ratio_diagnostics(np.concatenate(kept, axis=1)))
+    """:func:`montecarlo_similarity` of a validated request: :func:`similarity` of the pair."""
+    na, nb, n_ctx = _mc_checked(req, a, b, n_batches, "montecarlo_similarity")
+    U, _ = req.output_matrix(na.out_features)
+    return similarity(na, nb, U, False, req.n_samples, req.seed, "numpy", None, None,
+                      n_ctx=n_ctx, position=req.position)
 
 
 def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
@@ -770,8 +734,10 @@ def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
     if any(c[2] != n_ctx for c in checked):
         raise ValueError(f"n_ctx: the models resolve to different contexts "
                          f"{sorted({c[2] for c in checked})}; give n_ctx")
-    _mc_draws(req, nets[0], nets[1], n_batches, "montecarlo_similarity_pairs")  # the checks
+    _mc_checked(req, nets[0], nets[1], n_batches, "montecarlo_similarity_pairs")
     nets = [checked[0][0].astype_float()] + [c[1].astype_float() for c in checked]
+    check_sampling_cost(nets, req.n_samples, 2 * _radial_nodes(2 * max(m.degree for m in nets)),
+                        n_ctx)
     points, n = _mc_points(req.seed, req.n_samples, n_batches, n_ctx, nets[0].in_features,
                            max(m.degree for m in nets), chunk)
     N = len(nets)
