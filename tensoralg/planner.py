@@ -4,12 +4,12 @@ cheapest within the budgets, or refuse with every estimate and the alternatives.
 Strategies (see :mod:`tensoralg.strategies`): ``"wick"`` (tensor-network Wick sum; cost
 polynomial in the hidden widths, exponential in the number of legs) and ``"chaos"`` (Gaussian
 chaos coefficients; polynomial in the input width, exponential in the degree; Gaussian metric
-only). Budgets: ``max_flops`` (default 2e11, 2e7 on the exact backend), ``max_memory`` in bytes
-(default: half of the available RAM, or of the free memory of the CUDA device for torch) and
-``max_configurations`` (Wick configurations before reduction; default 200 000). Estimates come
-from shapes alone: Wick counts configurations from the depths (T(n)) before building anything,
-then finds opt_einsum paths (cached per topology); chaos counts coefficients and products.
-Wick is not planned in full when a lower bound on its FLOPs
+only). Budgets: ``max_flops`` (default 2e11, 2e7 on the exact backend, 5e6 there for sequence
+models), ``max_memory`` in bytes (default: half of the available RAM, or of the free memory of
+the CUDA device for torch) and ``max_configurations`` (Wick configurations before reduction;
+default 200 000). Estimates come from shapes alone: Wick counts configurations from the depths
+(T(n)) before building anything, then finds opt_einsum paths (cached per topology); chaos
+counts coefficients and products. Wick is not planned in full when a lower bound on its FLOPs
 (:func:`tensoralg.strategies.wick.lower_bound`: a closed form, then the paths of a few
 configuration orbits) already exceeds ``max_flops`` or, with ``"auto"``, an affordable chaos
 expansion; the plan then shows that bound, marked as one.

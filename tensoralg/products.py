@@ -71,7 +71,7 @@ _DOC_KW = """
         max_flops, max_memory, max_configurations: cost budget of the exact method, checked
             before any contraction or allocation; over it :class:`~tensoralg.CostTooHigh` names
             every strategy's estimate and the alternatives. Defaults: 2e11 FLOPs (2e7 with
-            backend="exact"), half the available memory in bytes (of the CUDA device for
+            backend="exact", 5e6 there for sequence models), half the available memory in bytes (of the CUDA device for
             torch) and 200 000 Wick configurations.
 
     Raises:

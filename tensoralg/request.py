@@ -25,6 +25,7 @@ from .distribution import STANDARD, InputDistribution, input_distribution
 
 __all__ = ["Request", "make_request", "METRICS", "METHODS", "STRATEGIES", "check_budget",
            "check_options", "MC_DEFAULT_SAMPLES", "DEFAULT_MAX_FLOPS", "DEFAULT_MAX_FLOPS_EXACT",
+           "DEFAULT_MAX_FLOPS_EXACT_SEQUENCE",
            "DEFAULT_MAX_CONFIGURATIONS"]
 
 METRICS = ("gaussian", "frobenius")
@@ -38,6 +39,11 @@ MC_DEFAULT_SAMPLES = 100_000
 #: backend's rationals are far dearer per operation) and Wick configurations.
 DEFAULT_MAX_FLOPS = 2e11
 DEFAULT_MAX_FLOPS_EXACT = 2e7
+#: ... and of the exact backend on sequence models: the attention path's contractions on
+#: Fractions ran at 0.42-0.50 MFLOP/s (four one-layer pairs, d 2-4, n_ctx 2-4, one thread)
+#: where the position-free stages run at 0.9-5 MFLOP/s, so 5e6 is about 10 s there as 2e7 is
+#: 4-20 s here (a 2e7 default let a 65 s attention job through)
+DEFAULT_MAX_FLOPS_EXACT_SEQUENCE = 5e6
 DEFAULT_MAX_CONFIGURATIONS = 200_000
 
 

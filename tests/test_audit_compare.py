@@ -40,6 +40,8 @@ def test_compare_all_methods(ckpts, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "gaussian" in text and "cka_logits" in text
+    # a divergence reads the other way round from the similarities: said where it is shown
+    assert "js_divergence (0 = same; lower = more alike)" in text
     # wherever the closure is shown it is labelled approximate: its row and its column
     assert "gaussian  moment-closure (approximate)" in text
     assert "gaussian/moment-closure (approximate)" in text

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
+from tensoralg.request import DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT_SEQUENCE
 from tensoralg.strategies import closure, wick_terms
 from tensoralg.planner import SequencePlan
 from test_attention_exact import attn
@@ -73,7 +74,8 @@ def test_max_flops_refuses_exactly_when_inner_refuses(kw):
     a, b = _pair()
     p = ta.plan(a, b, n_ctx=2, **kw)
     assert p.refused is None and p.flops > 0
-    assert p.max_flops == (2e7 if kw.get("backend") == "exact" else 2e11)  # the defaults
+    assert p.max_flops == (DEFAULT_MAX_FLOPS_EXACT_SEQUENCE if kw.get("backend") == "exact"
+                           else DEFAULT_MAX_FLOPS)  # the defaults
     assert "estimated FLOPs" in str(p)
     ta.inner(a, b, n_ctx=2, max_flops=p.flops, **kw)  # runs at the boundary
     over = ta.plan(a, b, n_ctx=2, max_flops=p.flops * (1 - 1e-9), **kw)
@@ -241,3 +243,22 @@ def test_a_similarity_refused_on_a_norm_says_which_product():
     with pytest.raises(ta.CostTooHigh, match=r"^<a, a> \(similarity needs") as err:
         ta.similarity(a, b, n_ctx=3, max_flops=budget)
     assert ta.plan(a, a, n_ctx=3, max_flops=budget).refused in str(err.value)
+
+
+def test_the_exact_backend_default_budget_of_sequence_models_refuses_a_minute_long_job():
+    """On Fractions the attention path's contractions run at about 0.45 MFLOP/s (measured,
+    tensoralg.request), so its default is DEFAULT_MAX_FLOPS_EXACT_SEQUENCE (about 10 s), not
+    the position-free 2e7 (about 45 s there): a 6e6-FLOP pair is refused by default, in plan
+    and in inner before any rational work, and runs when the budget is raised."""
+    rng = np.random.default_rng(0)
+    g = lambda *s: np.round(rng.normal(size=s) * 0.5, 2)  # noqa: E731
+    a, b = (ta.Residual(ta.BilinearAttention(g(2, 4, 4), g(2, 4, 4), g(2, 4, 4), g(2, 4, 4),
+                                             g(2, 4, 4), g(4, 2, 4), mask="causal"))
+            for _ in range(2))
+    p = ta.plan(a, b, n_ctx=6, backend="exact")
+    assert DEFAULT_MAX_FLOPS_EXACT_SEQUENCE < p.flops < 2e7
+    assert p.refused and "over max_flops=5e+06" in p.refused
+    with pytest.raises(ta.CostTooHigh) as err:
+        ta.inner(a, b, n_ctx=6, backend="exact")
+    assert str(err.value) == p.refused
+    assert ta.plan(a, b, n_ctx=6, backend="exact", max_flops=2e7).refused is None

@@ -51,7 +51,7 @@ __all__ = ["MCEstimate", "Agreement", "ConvergenceReport", "estimate_inner",
 
 @dataclass(frozen=True)
 class MCEstimate:
-    """A Monte Carlo estimate (approximate): ``value +- stderr`` from ``n_samples`` evaluations."""
+    """A Monte Carlo estimate (approximate): ``value ± stderr`` from ``n_samples`` evaluations."""
 
     value: float
     stderr: float
@@ -73,7 +73,7 @@ class MCEstimate:
         return (self.value - z * self.stderr, self.value + z * self.stderr)
 
     def __str__(self) -> str:
-        return f"{self.value:.6g} +- {self.stderr:.2g} (n={self.n_samples}, {self.method})"
+        return f"{self.value:.6g} ± {self.stderr:.2g} (n={self.n_samples}, {self.method})"
 
 
 @dataclass(frozen=True)

@@ -262,8 +262,11 @@ def compare_table(result: dict) -> str:
                                         for r in ok] for c in range(n_out)]))
     if "baselines" in result:
         out.append("")
+        # a divergence reads the other way round from the similarities (as in the demo)
         out.append(format_table(["baseline (digits test split)", "value"],
-                                [[k, v] for k, v in result["baselines"].items()]))
+                                [[k + (" (0 = same; lower = more alike)" if "divergence" in k
+                                       else ""), v]
+                                 for k, v in result["baselines"].items()]))
     return "\n".join(out)
 
 

@@ -80,8 +80,8 @@ from ..errors import AttentionNotSupported, CostTooHigh
 from ..layers import BilinearAttention, Layer, Residual, Sequential, as_network
 from ..prepare import (_IN_SEQUENCE_GRAM, _selector, check_sequence_models, check_sequence_pair,
                        check_slices)
-from ..request import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
-                       Request, make_request)
+from ..request import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS,
+                       DEFAULT_MAX_FLOPS_EXACT_SEQUENCE, Request, make_request)
 from ..results import gram_to_similarity, similarity_from, swap_order
 from .executor import Plan, torch_backend
 
@@ -997,10 +997,11 @@ def chaos_cost_req(req: Request, a: Any, b: Any) -> tuple[int, float]:
 
 def max_flops_of(req: Request) -> float:
     """The FLOP budget of ``req``: ``max_flops``, or its default (``DEFAULT_MAX_FLOPS``;
-    ``DEFAULT_MAX_FLOPS_EXACT`` on the exact backend, where each operation is on Fractions)."""
+    ``DEFAULT_MAX_FLOPS_EXACT_SEQUENCE`` on the exact backend, where each operation is on
+    Fractions)."""
     if req.max_flops is not None:
         return float(req.max_flops)
-    return DEFAULT_MAX_FLOPS_EXACT if req.exact else DEFAULT_MAX_FLOPS
+    return DEFAULT_MAX_FLOPS_EXACT_SEQUENCE if req.exact else DEFAULT_MAX_FLOPS
 
 
 def flops_refusal(flops: float, req: Request) -> str | None:
