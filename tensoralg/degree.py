@@ -69,9 +69,9 @@ from .layers import Bilinear, Layer, Linear, Sequential, as_network
 from .prepare import check_pair, check_sizes
 from .request import make_request
 from .results import similarity_from
-from .strategies.montecarlo import (MonteCarloEstimate, _verdict, inner_diagnostics,
-                                    check_sampling_cost, ratio_diagnostics, ratio_estimate,
-                                    warn_few)
+from .strategies.montecarlo import (MC_CHUNK_ELEMENTS, MonteCarloEstimate, _verdict,
+                                    check_sampling_cost, inner_diagnostics, ratio_diagnostics,
+                                    ratio_estimate, warn_few)
 
 __all__ = ["degree_similarity", "degree_similarity_matrix", "homogeneous_parts",
            "DegreeSimilarity", "DegreeSimilarityMatrix", "DEGREE_DEFAULT_SAMPLES"]
@@ -554,9 +554,6 @@ def _chi_ratio(D: int, n: int, rho: float) -> float:
 #: Input scales of the Monte Carlo DFT (fewer than :data:`DFT_SCALES`: 3 x (degree + 1)
 #: forward passes per direction and model).
 MC_SCALES = (1.0, 0.125, 0.015625)
-
-#: Complex entries of one chunk's DFT inputs or outputs in :func:`_mc` (16 MiB each).
-MC_CHUNK_ELEMENTS = 1 << 20
 
 
 def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, need=(None, None),

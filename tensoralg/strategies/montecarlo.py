@@ -301,9 +301,10 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
     pts, wq = _radial_points(d * (n_ctx or 1), 2 * max(n.degree for n in nets))
     Q = pts.size
     check_sampling_cost(nets, n_samples, Q, n_ctx)
-    if n_ctx is not None:
+    if n_ctx is not None:   # directions per chunk: about MC_CHUNK_ELEMENTS input entries
+        width = max(d, max(n.out_features for n in nets))
         points, _ = _mc_points(seed, n_samples, 1, n_ctx, d, max(n.degree for n in nets),
-                               max(1, chunk // (Q * n_ctx)))
+                               max(1, MC_CHUNK_ELEMENTS // (Q * n_ctx * width)))
         for X, w in points:
             m = X.shape[0] // Q
             outs = [np.asarray(net(X), dtype=np.float64) for net in nets]   # (m Q, n_ctx, o)
@@ -340,6 +341,10 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
                         for net in nets]), wq
         done += s
 
+
+#: Entries of one chunk's inputs (or outputs) in the sequence samplers (:func:`_mc_features`;
+#: the DFT inputs of :mod:`tensoralg.degree`, complex there: 16 MiB each).
+MC_CHUNK_ELEMENTS = 1 << 20
 
 #: FLOPs of forward passes above which a Monte Carlo request is refused before any sampling
 #: (hours on one core: an n_samples with a few zeros too many, not a long run someone meant)
