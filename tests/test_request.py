@@ -106,6 +106,11 @@ def test_sequence_entry_points_give_the_same_error():
         "count_configurations": lambda kw: A.count_configurations(U, U, **kw),
         "chaos_memory_bytes": lambda kw: A.chaos_memory_bytes(U, U, **kw),
         "inner": lambda kw: ta.inner(U, U, **kw),
+        # Monte Carlo matrices and differences of sequence models (the position-free sampler)
+        "similarity_matrix": lambda kw: ta.similarity_matrix([U, U], method="montecarlo", **kw),
+        "gram": lambda kw: ta.gram([U, U], method="montecarlo", **kw),
+        "diff_norm": lambda kw: ta.diff_norm(U, U, method="montecarlo", **kw),
+        "inner_diff": lambda kw: ta.inner_diff(U, U, U, method="montecarlo", **kw),
     }
     for kw, msg in [(dict(n_ctx=0), "n_ctx: expected a positive int"),
                     (dict(n_ctx=3, output=[np.inf, 1.0]), "output: .*finite"),
