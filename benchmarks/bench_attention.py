@@ -21,6 +21,11 @@
    contraction flop count (opt_einsum's path cost, nothing contracted) at the issue's target
    size d_model = 64, n_ctx = 8, 4 heads, d_head = 16.
 
+4. mc (``--only mc``): radial Monte Carlo of sequence models, this checkout against ``--base``
+   (interleaved subprocesses, medians): ``montecarlo_similarity`` of a one-layer pair (d_model
+   8, n_ctx 4, 2 heads of 4, 20 000 directions) and ``montecarlo_inner`` of a two-layer pair
+   (5 000 directions); the values must agree to 1e-12.
+
 BLAS and torch run on one thread.
 """
 
@@ -130,6 +135,57 @@ def bench_small_vs_base(base, repeat, rev="942dfb0"):
     print(f"   exact warm pair, new vs {rev} (interleaved subprocesses, median of {repeat}): "
           f"{mn:.3f} s vs {mo:.3f} s, ratio old/new {mo / mn:.1f}; values agree to 1e-10: "
           f"{abs(new[0]['value'] - old[0]['value']) <= 1e-10 * abs(old[0]['value'])}")
+
+
+_CHILD_MC = r"""
+import os, sys, json, time, statistics
+for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[v] = "1"
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import tensoralg as ta
+from tensoralg.strategies import montecarlo as MC
+rng = np.random.default_rng(0)
+def m(layers):
+    g = lambda *s: rng.standard_normal(s) / np.sqrt(8)
+    return ta.Sequential([ta.Residual(ta.BilinearAttention(*(g(2, 4, 8) for _ in range(5)),
+                                                           g(8, 2, 4), mask="causal"))
+                          for _ in range(layers)] + [ta.Linear(rng.standard_normal((4, 8)))])
+a, b, c, e = m(1), m(1), m(2), m(2)
+out = {}
+for name, fn in (("similarity_1layer",
+                  lambda: MC.montecarlo_similarity(a, b, n_ctx=4, n_samples=20_000, seed=1)),
+                 ("inner_2layer",
+                  lambda: MC.montecarlo_inner(c, e, n_ctx=4, n_samples=5_000, seed=1))):
+    v = fn()
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    out[name] = dict(value=float(v), stderr=float(v.stderr), seconds=statistics.median(ts))
+print(json.dumps(out))
+"""
+
+
+def bench_mc_vs_base(base, repeat, rev):
+    """Sequence Monte Carlo, this checkout vs ``rev`` at ``base`` (interleaved subprocesses)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if not os.path.isdir(base):
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", base, rev],
+                       check=True)
+    new, old = [], []
+    for _ in range(repeat):
+        for r, acc in ((base, old), (root, new)):
+            out = subprocess.run([sys.executable, "-c", _CHILD_MC, r], check=True,
+                                 capture_output=True, text=True).stdout
+            acc.append(json.loads(out.strip().splitlines()[-1]))
+    for name in new[0]:
+        mn = statistics.median(x[name]["seconds"] for x in new)
+        mo = statistics.median(x[name]["seconds"] for x in old)
+        vn, vo = new[0][name]["value"], old[0][name]["value"]
+        print(f"   Monte Carlo {name}: {mn:.3f} s vs {mo:.3f} s at {rev} (median of {repeat}), "
+              f"ratio old/new {mo / mn:.2f}; values agree to 1e-12: "
+              f"{abs(vn - vo) <= 1e-12 * abs(vo)}")
 
 
 def bench_large():
@@ -273,7 +329,7 @@ def closure_flops(size=(64, 8, 4, 16), contract=False):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=["small", "large", "closure"])
+    p.add_argument("--only", choices=["small", "large", "closure", "mc"])
     p.add_argument("--base", default="/tmp/attn-base",
                    help="checkout of the commit compared against (created with git worktree "
                         "from --rev when missing)")
@@ -288,6 +344,8 @@ def main():
     if args.only in (None, "small"):
         bench_small()
         bench_small_vs_base(args.base, args.repeat, args.rev)
+    if args.only in (None, "mc"):
+        bench_mc_vs_base(args.base, args.repeat, args.rev)
     if args.only in (None, "large"):
         bench_large()
     if args.only in (None, "closure"):
