@@ -28,7 +28,7 @@ from .prepare import (check_pair, check_sequence_models, check_slices, networks,
                       stack_for)
 from .distribution import STANDARD
 from .request import Request
-from .results import gram_to_similarity, similarity_from, swap_order
+from .results import check_overflow, gram_to_similarity, similarity_from, swap_order
 from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
@@ -87,8 +87,12 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
         if req.backend not in ("numpy", "torch"):
             raise ValueError(f"method='closure' for sequence models runs in float64: use "
                              f"backend='numpy' or 'torch', got {req.backend!r}")
-        fn = closure.closure_inner_req if kind == "inner" else closure.closure_similarity_req
-        return fn(req, na, nb)
+        if kind == "inner":
+            with np.errstate(over="ignore", invalid="ignore"):
+                X = closure.closure_inner_req(req, na, nb)
+            check_overflow(X, "inner")
+            return X
+        return closure.closure_similarity_req(req, na, nb)
     if req.method == "montecarlo":
         if req.proposal == "modes":
             return _guided(kind, req, na, nb)
@@ -97,7 +101,10 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
         return fn(req, na, nb)
     try:
         if kind == "inner":
-            return wick_terms.exact_inner_req(req, na, nb)
+            with np.errstate(over="ignore", invalid="ignore"):
+                X = wick_terms.exact_inner_req(req, na, nb)
+            check_overflow(X, "inner")
+            return X
         return wick_terms.exact_similarity_req(req, na, nb)
     except wick_terms.AttentionNotSupported as exc:
         raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
@@ -178,7 +185,9 @@ def inner(req: Request, a: Any, b: Any):
                                             req.strategy, *req.budget, same=same))
     ca, ka = stack_for([na], req.backend, "a")
     cb, kb = (ca, ka) if same else stack_for([nb], req.backend, "b")
-    X = scaled(_engine(req, ca, cb, U, keep, same=same), ka, kb, req.backend)[0, 0]
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflow is raised just below
+        X = scaled(_engine(req, ca, cb, U, keep, same=same), ka, kb, req.backend)[0, 0]
+    check_overflow(X, "inner")
     if req.exact:
         return np.vectorize(Fraction, otypes=[object])(X) if keep else Fraction(X)
     return X if keep else float(X)
@@ -219,8 +228,10 @@ def similarity(req: Request, a: Any, b: Any):
                                             same=b is a))
     ca, _ = stack_for([na], backend, "a")
     cb = ca if b is a else stack_for([nb], backend, "b")[0]
+    names = ("a", "b")
     if b is not a and swap_order(na, nb):
         ca, cb = cb, ca   # one canonical order: sim(a, b) and sim(b, a) are the same floats
+        names = ("b", "a")
     if req.method == "closure":  # one propagation gives all three
         taa, tab, tbb = closure.triple(ca, cb, U, keep, backend)
         Xaa, Xab, Xbb = taa[0], tab[0, 0], tbb[0]
@@ -238,7 +249,7 @@ def similarity(req: Request, a: Any, b: Any):
             Xab = wick.compute(p._joined, backend, req.device, req.dtype,
                                shared=p.wick_shared)[0, 0]
             Xbb = _engine(req, cb, cb, U, keep, same=True)[0, 0]
-    return similarity_from(Xab, Xaa, Xbb, req.exact)
+    return similarity_from(Xab, Xaa, Xbb, req.exact, names=names)
 
 
 def _gram_plans(req: Request, ca, cb, U, keep, same):
@@ -347,7 +358,10 @@ def cross_gram(req: Request, models_a, models_b):
         _refuse_gram_early(req, nets_a, nets_b, U, keep, same, name_a, name_b)
     ca, ka = stack_for(nets_a, req.backend, name_a)
     cb, kb = (ca, ka) if same else stack_for(nets_b, req.backend, name_b)
-    return scaled(_gram_blocks(req, ca, cb, U, keep, same), ka, kb, req.backend)
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflow is raised just below
+        G = scaled(_gram_blocks(req, ca, cb, U, keep, same), ka, kb, req.backend)
+    check_overflow(G, "gram" if same else "cross_gram")
+    return G
 
 
 def _exported(models: list) -> list:
@@ -385,7 +399,12 @@ def _sequence_matrix(kind: str, req: Request, models: list):
         nets, n_ctx = check_sequence_models(models, req.n_ctx)
         return _sequence_mc_matrix(kind, req, nets, n_ctx)
     fn = closure.closure_gram_req if req.method == "closure" else wick_terms.exact_gram_req
-    return fn(req, models, similarity=kind == "similarity_matrix")
+    if kind == "similarity_matrix":   # (gram_to_similarity checks for an overflow)
+        return fn(req, models, similarity=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        G = fn(req, models, similarity=False)
+    check_overflow(G, "gram")
+    return G
 
 
 def _sequence_mc_args(req: Request, what: str, d_out: int, n_ctx: int) -> tuple:

@@ -73,20 +73,27 @@ def mark_closure(req: Any, value: Any) -> Any:
     return value
 
 
-def similarity_from(ab: Any, aa: Any, bb: Any, exact: bool, what: str = ""):
+def similarity_from(ab: Any, aa: Any, bb: Any, exact: bool, what: str = "",
+                    names: tuple = ("a", "b")):
     """``ab / sqrt(aa bb)`` (Cauchy-Schwarz bounds it by 1; the last-ulp excess of rounding is
     clipped): an :class:`ExactSimilarity` (a list of them per output) when ``exact``, else a
-    float (an array for arrays of inner products).
+    float (an array for arrays of inner products). ``names``: the arguments ``aa`` and ``bb``
+    belong to (the messages name them; the products may be in a normalized gauge, so their
+    values are not quoted).
 
     Raises:
         ValueError: a norm is zero (a zero function; in float64 also one whose squared norm
             underflowed), or (float) an inner product overflowed float64.
     """
+    def zero(ya, yb, where, tail):
+        who = " and ".join(n for n, y in zip(names, (ya, yb)) if y)
+        verb = "have" if ya and yb else "has"
+        return ValueError(f"similarity{what}{where}: {who} {verb} norm zero{tail}")
+
     if exact:
         def one(x, y, z, where):
             if y == 0 or z == 0:
-                raise ValueError(f"similarity{what}{where}: a model has norm zero (||a||^2 = "
-                                 f"{y}, ||b||^2 = {z}); similarity is undefined")
+                raise zero(y == 0, z == 0, where, "; similarity is undefined")
             return ExactSimilarity.from_products(Fraction(x), Fraction(y), Fraction(z))
         if np.ndim(ab):
             ab, aa, bb = (np.asarray(v, dtype=object) for v in (ab, aa, bb))
@@ -100,17 +107,20 @@ def similarity_from(ab: Any, aa: Any, bb: Any, exact: bool, what: str = ""):
         if math.isfinite(x) and math.isfinite(y) and math.isfinite(z) and y > 0 and z > 0:
             return min(1.0, max(-1.0, x / math.sqrt(y * z)))  # the same IEEE operations
     ab, aa, bb = (np.asarray(v, dtype=np.float64) for v in (ab, aa, bb))
-    if not (np.all(np.isfinite(ab)) and np.all(np.isfinite(aa)) and np.all(np.isfinite(bb))):
-        raise ValueError(f"similarity{what}: an inner product overflowed float64 (||a||^2 = "
-                         f"{aa}, ||b||^2 = {bb}); internal activations beyond 1e154 — rescale "
-                         f"the weights or use backend='exact'")
-    bad = (aa <= 0) | (bb <= 0)
-    if np.any(bad):
-        where = "" if np.ndim(aa) == 0 else f" (outputs {np.flatnonzero(bad).tolist()})"
-        raise ValueError(f"similarity{what}{where}: a model has norm zero in float64 "
-                         f"(||a||^2 = {aa}, ||b||^2 = {bb}): a zero function has no direction; "
-                         f"if its weights are merely tiny, the norm underflowed — rescale them "
-                         f"or use backend='exact'")
+    cross = tuple(sorted(names))
+    bad = [f"<{x},{y}>" for (x, y), v in zip((cross, (names[0],) * 2, (names[1],) * 2),
+                                              (ab, aa, bb)) if not np.all(np.isfinite(v))]
+    if bad:
+        raise ValueError(f"similarity{what}: an inner product overflowed float64 "
+                         f"({', '.join(bad)} not finite); internal activations beyond 1e154 — "
+                         f"rescale the weights or use backend='exact'")
+    za, zb = aa <= 0, bb <= 0
+    if np.any(za) or np.any(zb):
+        where = "" if np.ndim(aa) == 0 else \
+            f" (outputs {np.flatnonzero(za | zb).tolist()})"
+        raise zero(bool(np.any(za)), bool(np.any(zb)), where,
+                   " in float64: a zero function has no direction; if its weights are merely "
+                   "tiny, the norm underflowed — rescale them or use backend='exact'")
     val = np.clip(ab / np.sqrt(aa * bb), -1.0, 1.0)
     return val if val.ndim else float(val)
 
@@ -163,11 +173,25 @@ def swap_order(a: Any, b: Any) -> bool:
     return False
 
 
+def check_overflow(X: Any, what: str) -> None:
+    """Raises ValueError when a float64 result holds a non-finite entry: an inner product that
+    overflowed (finite weights were checked before; the entries are named by index)."""
+    X = np.asarray(X)
+    if X.dtype == object or np.all(np.isfinite(X)):
+        return
+    where = "" if X.ndim == 0 else \
+        f" (entries {[tuple(int(k) for k in i) for i in np.argwhere(~np.isfinite(X))[:4]]})"
+    raise ValueError(f"{what}: an inner product overflowed float64{where}; internal "
+                     f"activations beyond 1e154 — rescale the weights or use backend='exact'")
+
+
 def gram_to_similarity(G: np.ndarray) -> np.ndarray:
     """``G_ij / sqrt(G_ii G_jj)`` clipped to [-1, 1] of a float Gram matrix ``(N, N, ...)``.
 
     Raises:
-        ValueError: a model whose diagonal entry is ``<= 0`` (named by index)."""
+        ValueError: a model whose diagonal entry is ``<= 0`` (named by index); an entry that
+            overflowed float64."""
+    check_overflow(G, "similarity_matrix")
     dg = np.einsum("ii...->i...", G)
     if np.any(dg <= 0):
         zero = np.flatnonzero(np.atleast_1d(dg <= 0).reshape(len(dg), -1).any(1)).tolist()

@@ -284,6 +284,20 @@ def _radial_points(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([r, -r]), np.concatenate([w, w]) / 2
 
 
+def _finite_outputs(F: np.ndarray) -> np.ndarray:
+    """``F`` (``(N, s, Q, K)``), or ValueError when a forward pass overflowed (the weights were
+    checked finite before: non-finite outputs mean activations beyond float64), or outputs so
+    large (beyond 1e154) that their products would."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = np.isfinite(np.square(F)).reshape(F.shape[0], -1).all(axis=1)
+    if not ok.all():
+        raise ValueError(f"Monte Carlo: a forward pass overflowed float64 (non-finite outputs of "
+                         f"network {np.flatnonzero(~ok).tolist()} of the request, in its "
+                         f"argument order, or outputs beyond 1e154 whose products would); "
+                         f"rescale the weights")
+    return F
+
+
 def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, backend: str,
                  device, dtype, chunk: int = 8192, n_ctx: int | None = None,
                  position: int | None = None):
@@ -310,7 +324,7 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
             outs = [np.asarray(net(X), dtype=np.float64) for net in nets]   # (m Q, n_ctx, o)
             if position is not None:
                 outs = [o[:, int(position)] for o in outs]
-            yield np.stack([(o @ U.T).reshape(m, Q, -1) for o in outs]), w
+            yield _finite_outputs(np.stack([(o @ U.T).reshape(m, Q, -1) for o in outs])), w
         return
     chunk = max(1, chunk // Q)
     if backend == "torch":
@@ -327,7 +341,7 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
             u = u / torch.linalg.vector_norm(u, dim=1, keepdim=True)
             x = (u[:, None, :] * pt[None, :, None]).reshape(s * Q, d)
             F = torch.stack([(net(x) @ Ut.T).reshape(s, Q, -1) for net in nets])
-            yield F.detach().to("cpu").double().numpy(), wq
+            yield _finite_outputs(F.detach().to("cpu").double().numpy()), wq
             done += s
         return
     rng = np.random.default_rng(seed)
@@ -337,8 +351,9 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
         u = rng.standard_normal((s, d))
         u /= np.linalg.norm(u, axis=1, keepdims=True)
         x = (u[:, None, :] * pts[None, :, None]).reshape(s * Q, d)
-        yield np.stack([(np.asarray(net(x), dtype=np.float64) @ U.T).reshape(s, Q, -1)
-                        for net in nets]), wq
+        F = np.stack([(np.asarray(net(x), dtype=np.float64) @ U.T).reshape(s, Q, -1)
+                      for net in nets])
+        yield _finite_outputs(F), wq
         done += s
 
 
