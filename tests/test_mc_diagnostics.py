@@ -214,6 +214,9 @@ def test_an_absurd_sample_count_is_refused_before_sampling():
              lambda: ta.similarity(a, b, proposal="modes", **huge),
              lambda: ta.diff_norm(a, b, **huge), lambda: ta.gram([a, b], **huge),
              lambda: ta.inner_diff(a, a, b, **huge),
+             lambda: ta.similarity_matrix([a, b], **huge),   # (a MemoryError before)
+             lambda: ta.similarity_matrix([t, t], n_ctx=3, **huge),
+             lambda: ta.gram([t, t], n_ctx=3, **huge),
              lambda: ta.similarity(t, t, n_ctx=3, **huge),
              lambda: ta.inner(t, t, n_ctx=3, proposal="modes", **huge)]
     for call in calls:

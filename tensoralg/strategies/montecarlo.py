@@ -497,7 +497,8 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype,
     U = np.asarray(U, dtype=np.float64)
     warn_few(n_samples)
     N = len(nets)
-    bounds = np.cumsum([len(x) for x in np.array_split(np.arange(n_samples), MC_REPLICATES)])
+    q, r = divmod(int(n_samples), MC_REPLICATES)   # np.array_split's sizes, nothing allocated
+    bounds = np.cumsum([q + (i < r) for i in range(MC_REPLICATES)])
     names = ("x", "xx", "xd", "dx", "dd")   # p_ij, p_ij^2, p_ij p_ii, p_ij p_jj, p_ii p_jj
     sums = [dict.fromkeys(names, 0.0) for _ in range(MC_REPLICATES)]
     absum, absmax = 0.0, 0.0
