@@ -161,7 +161,7 @@ def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "
     backend="exact"; a :class:`MonteCarloArray` with ``.stderr`` for method="montecarlo")."""
     req = _request("cross_gram", metric=metric, method=method, backend=backend, output=output,
                    **kwargs)
-    return engine.cross_gram(req, models_a, models_b)
+    return mark_closure(req, engine.cross_gram(req, models_a, models_b))
 
 
 _BLOCK_KEYS = ("out", "client", "workers", "block_size", "resume")
@@ -225,8 +225,8 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
     blocked, kw = _split_block_options(kwargs)
     req = _request("gram", metric=metric, method=method, backend=backend, output=output, **kw)
     if _wants_blocks(blocked):
-        return _blocked("gram", req, engine._models_list(models), blocked)
-    return engine.gram(req, models)
+        return mark_closure(req, _blocked("gram", req, engine._models_list(models), blocked))
+    return mark_closure(req, engine.gram(req, models))
 
 
 def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
@@ -242,8 +242,9 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
     req = _request("similarity_matrix", metric=metric, method=method, backend=backend,
                    output=output, **kw)
     if _wants_blocks(blocked):
-        return _blocked("similarity_matrix", req, engine._models_list(models), blocked)
-    return engine.similarity_matrix(req, models)
+        return mark_closure(req, _blocked("similarity_matrix", req, engine._models_list(models),
+                                          blocked))
+    return mark_closure(req, engine.similarity_matrix(req, models))
 
 
 def inner_diff(a: Any, b: Any, c: Any, **kwargs):
@@ -254,7 +255,8 @@ def inner_diff(a: Any, b: Any, c: Any, **kwargs):
     ``eps * ||a|| (||b|| + ||c||)``). With ``method="montecarlo"`` the per-sample integrand is
     ``f_a . (f_b - f_c)``, so the returned estimate's ``.stderr`` accounts for the correlation
     of the two terms."""
-    return engine.inner_diff(_request("inner_diff", **kwargs), a, b, c)
+    req = _request("inner_diff", **kwargs)
+    return mark_closure(req, engine.inner_diff(req, a, b, c))
 
 
 def diff_norm(b: Any, c: Any, **kwargs):
@@ -273,7 +275,8 @@ def diff_norm(b: Any, c: Any, **kwargs):
         ValueError: ``proposal="modes"`` with ``output="each"``; ``output="each"`` or
             ``position="each"`` in radial Monte Carlo of sequence models; the errors of
             :func:`inner`."""
-    return engine.diff_norm(_request("diff_norm", **kwargs), b, c)
+    req = _request("diff_norm", **kwargs)
+    return mark_closure(req, engine.diff_norm(req, b, c))
 
 
 def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,

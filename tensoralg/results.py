@@ -16,7 +16,7 @@ import numpy as np
 
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
-__all__ = ["ExactSimilarity", "MomentClosureValue", "MonteCarloEstimate", "MonteCarloArray",
+__all__ = ["ExactSimilarity", "MomentClosureValue", "MomentClosureArray", "MonteCarloEstimate", "MonteCarloArray",
            "similarity_from", "gram_to_similarity", "swap_order"]
 
 
@@ -65,11 +65,26 @@ class MomentClosureValue(float):
                 f"depth 1, APPROXIMATE from the second non-linear layer on)")
 
 
+class MomentClosureArray(np.ndarray):
+    """An array of ``method="closure"`` values (per output, a Gram or similarity matrix): a
+    float64 NumPy array whose ``repr`` says what it is (see :class:`MomentClosureValue`);
+    slices and arithmetic keep the label."""
+
+    def __repr__(self) -> str:
+        return ("MomentClosureArray(the moment-closure values, exact at depth 1, APPROXIMATE "
+                "from the second non-linear layer on):\n" + repr(self.view(np.ndarray)))
+
+
 def mark_closure(req: Any, value: Any) -> Any:
-    """``value`` as a :class:`MomentClosureValue` when ``req`` asked for the closure and it is
-    one float (arrays and exact results are returned as they are)."""
-    if getattr(req, "method", None) == "closure" and type(value) in (float, np.float64):
+    """``value`` as a :class:`MomentClosureValue` (one float) or a :class:`MomentClosureArray`
+    (a float array) when ``req`` asked for the closure (exact results and anything else are
+    returned as they are)."""
+    if getattr(req, "method", None) != "closure":
+        return value
+    if type(value) in (float, np.float64):
         return MomentClosureValue(value)
+    if type(value) is np.ndarray and value.dtype == np.float64:
+        return value.view(MomentClosureArray)
     return value
 
 

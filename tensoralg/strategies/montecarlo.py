@@ -232,6 +232,20 @@ class MonteCarloArray(np.ndarray):
             # entries as estimated, so they stay with the original only
             self.diagnostics = None
 
+    def __repr__(self) -> str:
+        ok = self.reliable
+        verdict = "" if ok is None else (
+            f"; every one of its {ok.size} entries reliable" if ok.all() else
+            f"; {int((~ok).sum())} of its {ok.size} entries NOT reliable (no answers: see "
+            f".reliable and .diagnostics)")
+        se = self.stderr
+        se = "" if se is None or np.shape(se) != self.shape else \
+            "\nstandard errors:\n" + repr(np.asarray(se))
+        return (f"MonteCarloArray(APPROXIMATE: estimates from {self.n_samples} directions"
+                f"{verdict}):\n{self.view(np.ndarray)!r}{se}")
+
+    __str__ = __repr__   # print shows the standard errors and the verdicts too
+
     @property
     def reliable(self) -> np.ndarray | None:
         """Per entry, the diagnostics' verdict (None where none were computed)."""
