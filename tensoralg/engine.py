@@ -24,8 +24,8 @@ from .layers import Layer, as_network, check_finite_weights
 from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
                       refuse_if_needed)
 from .canonical import resolve_n_ctx
-from .prepare import (check_pair, check_sequence_models, check_slices, networks, scaled,
-                      stack_for)
+from .prepare import (check_pair, check_sequence_models, check_slices, model_list, networks,
+                      scaled, stack_for)
 from .distribution import STANDARD
 from .request import Request
 from .results import check_overflow, gram_to_similarity, similarity_from, swap_order
@@ -434,9 +434,7 @@ def _sequence_mc_matrix(kind: str, req: Request, nets: list, n_ctx: int):
 
 
 def _models_list(models: Any) -> list:
-    if isinstance(models, Layer) or hasattr(models, "to_network"):
-        raise TypeError("models: expected a sequence of models, got a single model")
-    models = list(models)
+    models = model_list(models, "models")
     if not models:
         raise ValueError("models: empty sequence of models")
     return models

@@ -67,12 +67,25 @@ def _load(m: Any, name: str) -> Layer:
     return as_network(m, name)
 
 
+def model_list(models: Any, name: str) -> list:
+    """``models`` (a sequence or iterable of models, specs or checkpoint folders) as a list;
+    TypeError for one model, one path or something that is not a sequence."""
+    if isinstance(models, Layer) or hasattr(models, "to_network"):
+        raise TypeError(f"{name}: expected a sequence of models, got a single model")
+    if isinstance(models, (str, bytes)) or hasattr(models, "__fspath__"):
+        raise TypeError(f"{name}: expected a sequence of models, got one path {str(models)!r} "
+                        f"(a list of checkpoint folders is a sequence: [path, ...])")
+    try:
+        return list(models)
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of models, got "
+                        f"{type(models).__name__}") from None
+
+
 def networks(models: Any, name: str) -> list[Layer]:
     """A list of tensoralg networks from a sequence (or iterable) of models, specs or
     checkpoint folders."""
-    if isinstance(models, Layer) or hasattr(models, "to_network"):
-        raise TypeError(f"{name}: expected a sequence of models, got a single model")
-    nets = [_load(m, f"{name}[{i}]") for i, m in enumerate(models)]
+    nets = [_load(m, f"{name}[{i}]") for i, m in enumerate(model_list(models, name))]
     if not nets:
         raise ValueError(f"{name}: empty sequence of models")
     return nets

@@ -299,3 +299,15 @@ def test_nan_weights_are_named_on_every_monte_carlo_and_sequence_matrix_path():
     for call, name in cases:
         with pytest.raises(ValueError, match=rf"^{name}: 1 non-finite \(NaN or inf\) entries"):
             call()
+
+
+def test_models_that_are_not_a_sequence_get_a_one_line_error():
+    """Fresh-eyes tester: ta.gram(5) raised numpy's bare "'int' object is not iterable", and
+    ta.similarity_matrix("ab") read the string as the paths "a" and "b"."""
+    for call, name in ((lambda: ta.gram(5), "models"), (lambda: ta.cross_gram(3, [1]), "models_a"),
+                       (lambda: ta.similarity_matrix(7.0), "models")):
+        with pytest.raises(TypeError, match=rf"^{name}: expected a sequence of models, got "):
+            call()
+    with pytest.raises(TypeError, match=r"^models: expected a sequence of models, got one path "
+                                        r"'ab'"):
+        ta.similarity_matrix("ab")

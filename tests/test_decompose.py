@@ -365,3 +365,39 @@ def test_cli_decompose_paths_and_bad_input(tmp_path, capsys):
     assert "--k: 17" in capsys.readouterr().err
     assert main(["decompose", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "not a checkpoint folder" in capsys.readouterr().err
+
+
+def test_the_change_between_identical_checkpoints_is_exactly_zero(tmp_path, capsys):
+    """Fresh-eyes tester: difference(b, b) left rounding noise (||f|| = 5e-14) that read as a
+    change (a similarity of 0.02 with another model, shares of 0.15; the CLI printed a relative
+    error of 0.67 and a similarity of 0.58 per class). It is the zero network now, and what
+    is undefined for a zero function says so."""
+    import json
+
+    from tensoralg.cli import main
+
+    rng = np.random.default_rng(3)
+    b = rand_bilinear(rng, 4, 3, 5)
+    z = dc.difference(b, b)
+    assert ta.norm(z) == 0.0 and ta.norm(z, backend="exact") == 0
+    with pytest.raises(ValueError, match="^similarity: a has norm zero"):
+        ta.similarity(z, b)
+    chk = dc.check_decomposition(z, [z])
+    assert chk.equal and chk.norm2 == 0 and any("norm zero" in n for n in chk.notes)
+    # a change that is not zero is still the difference (same weights, one entry moved)
+    c = ta.Bilinear(b.left.copy(), b.right, b.down)
+    c.left[0, 0] += 1.0
+    assert ta.norm(dc.difference(b, c)) > 0
+    a, _ = _checkpoints(tmp_path)
+    out = tmp_path / "run0"
+    assert main(["decompose", str(tmp_path / "a"), "--diff", str(tmp_path / "a"),
+                 "--out", str(out)]) == 0
+    assert "undefined (f = 0)" in capsys.readouterr().out
+    res = json.loads((out / "decompose.json").read_text())
+    assert all(e["norm2"] == 0 and e["similarity"][1] is None for e in res["eigen"].values())
+
+
+def test_difference_size_errors_name_a_and_b():
+    rng = np.random.default_rng(4)
+    with pytest.raises(ValueError, match="^input dimensions differ: a takes 3 inputs, b takes 5"):
+        dc.difference(rand_bilinear(rng, 3, 2, 4), rand_bilinear(rng, 5, 2, 4))

@@ -98,9 +98,11 @@ def table(result: dict) -> str:
         rows = []
         for c, e in result["eigen"].items():
             lam = e["eigenvalues"]
+            defined = e["norm2"] > 0   # a zero function has no relative error or direction
             rows.append([c, e["norm2"], e["C0"] ** 2, e["C1_norm2"], lam[0] if lam else 0.0,
-                         lam[1] if len(lam) > 1 else 0.0, e["relative_error"][k],
-                         e["similarity"][k]])
+                         lam[1] if len(lam) > 1 else 0.0,
+                         e["relative_error"][k] if defined else "undefined (f = 0)",
+                         e["similarity"][k] if defined else "undefined (f = 0)"])
         lines.append(format_table(["output", "||f||^2", "C0^2", "|C1|^2", "lambda_1", "lambda_2",
                                    f"rel. error (k={k})", f"similarity (k={k})"], rows))
         lines.append(f"f = C0 + C1.x + sum_i lambda_i He2(v_i.x); keeping the top k components "

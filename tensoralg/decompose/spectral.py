@@ -185,10 +185,11 @@ class EigenDecomposition:
     def faithfulness(self) -> dict:
         """For ``k = 0..d``: ``relative_error[k] = ||f - f_k||^2 / ||f||^2`` and
         ``similarity[k] = <f, f_k> / (||f|| ||f_k||) = sqrt(1 - relative_error[k])`` (the dropped
-        part is orthogonal to ``f_k``). Returns ``{"k", "relative_error", "similarity"}``."""
+        part is orthogonal to ``f_k``). Returns ``{"k", "relative_error", "similarity"}``; both
+        are NaN for a zero function (``||f|| = 0``: no relative error, no direction)."""
         tail = 2 * np.concatenate([np.cumsum((self.eigenvalues ** 2)[::-1])[::-1], [0.0]])
         n2 = self.norm2
-        rel = tail / n2 if n2 > 0 else np.zeros_like(tail)
+        rel = tail / n2 if n2 > 0 else np.full_like(tail, np.nan)
         return {"k": np.arange(self.d + 1), "relative_error": rel,
                 "similarity": np.sqrt(np.clip(1.0 - rel, 0.0, 1.0))}
 

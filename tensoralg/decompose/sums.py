@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
-from ..prepare import check_sizes as _check_sizes
+from ..prepare import check_pair, check_sizes as _check_sizes
 from ._common import (_arr, _coef, _eye, _gram_mixed, _output_vector, _type_key,
                       _zeros, bilinear_depth)
 from .spectral import as_bilinear_depth1
@@ -99,8 +99,25 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
 
 def difference(a: Any, b: Any) -> Layer:
     """``f_b - f_a`` (the change from checkpoint ``a`` to checkpoint ``b``) as one network of the
-    same depth (see :func:`combine`). Raises ``ValueError`` as :func:`combine`."""
-    return combine([b, a], [1, -1])
+    same depth (see :func:`combine`). Two networks with the same weights give the zero network
+    (exactly: the float sum of ``f_b`` and ``-f_a`` would leave rounding noise of about
+    ``eps ||f_b||^2`` that reads as a change). Raises ``ValueError`` as :func:`combine`, with
+    size errors naming ``a`` and ``b``."""
+    na, nb = as_network(a, "a"), as_network(b, "b")
+    check_pair(na, nb, sliceable=False)
+    if _same_network(na, nb):
+        return combine([nb], [0])
+    return combine([nb, na], [1, -1])
+
+
+def _same_network(a: Layer, b: Layer) -> bool:
+    """The same layers with the same weights (arrays compared first; the layer-format specs,
+    which also say which optional biases are there, only when those agree)."""
+    xs, ys = a.arrays(), b.arrays()
+    if type(a) is not type(b) or len(xs) != len(ys) or not all(
+            np.shape(x) == np.shape(y) and np.array_equal(x, y) for x, y in zip(xs, ys)):
+        return False
+    return a.to_spec() == b.to_spec()
 
 
 @dataclass
@@ -232,6 +249,10 @@ def check_decomposition(model: Any, components: Sequence[Any], *, output: Any = 
         inter = (Gf[1:, 1:].sum() - np.trace(Gf[1:, 1:])) / n2
         rel = float(residual) / n2 if n2 > 0 else (0.0 if residual == 0 else math.inf)
     equal = (residual == 0) if exact else bool(residual <= rtol * n2)
+    if not n2 > 0:
+        notes.append("the model has norm zero (a zero function, e.g. the difference of two "
+                     "identical checkpoints): shares, attribution and interference are "
+                     "undefined (NaN)")
     return DecompositionCheck(equal=bool(equal), certified=bool(exact and equal),
                               residual=residual, residual_frobenius=residual_f, norm2=norm2,
                               relative_residual=rel, gram=G, gram_frobenius=GF, share=share,
