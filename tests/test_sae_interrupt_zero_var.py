@@ -112,3 +112,89 @@ def test_signal_during_training_leaves_no_out(tmp_path, sig):
     assert b"interrupted" in err
     assert not out.exists(), _names(out)
     assert _names(tmp_path) == []
+
+
+# ---------------------------------------------------------------- zero-variance activations
+
+@pytest.mark.parametrize("value", [0.0, 1.5])
+def test_train_refuses_zero_variance_data(tmp_path, capsys, value):
+    path = tmp_path / "acts.npy"
+    np.save(path, np.full((512, 8), value, dtype=np.float32))
+    out = tmp_path / "z"
+    rc = main(["sae", "train", "--data", str(path), "--d-sae", "16", "--k", "2", "--steps", "20",
+               *FAST, "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and "--data:" in err and "zero variance" in err, err
+    assert "FVU" in err and "undefined" in err, err
+    assert not out.exists()
+
+
+def test_train_api_refuses_zero_variance_data(tmp_path):
+    x = torch.ones(40, 6, dtype=torch.float64) * 3.0
+    with pytest.raises(ValueError, match=r"^data: .*zero variance"):
+        train(x, SAEConfig(d_in=6, d_sae=8, k=2), TrainConfig(steps=2, batch_size=8),
+              out=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    # one differing entry is enough (the data has variance; batches may still be constant)
+    x[7, 2] = 0.0
+    train(x, SAEConfig(d_in=6, d_sae=8, k=2), TrainConfig(steps=2, batch_size=8, progress=False))
+
+
+def test_zero_variance_memmap_checked_in_chunks(tmp_path):
+    from tensoralg.sae.training import as_activations, check_variance
+
+    path = tmp_path / "big.npy"
+    a = np.zeros((70000, 3), dtype=np.float32)
+    np.save(path, a)
+    arr = as_activations(path, "--data")
+    with pytest.raises(ValueError, match="--data: .*zero variance"):
+        check_variance(arr, "--data")
+    a[69999, 0] = 1.0                                 # past the first 65,536-row chunk
+    np.save(path, a)
+    check_variance(as_activations(path, "--data"), "--data")
+
+
+def test_bench_refuses_zero_variance_held_out_rows(tmp_path):
+    from tensoralg.sae.bench import run_bench
+
+    x = np.random.default_rng(0).standard_normal((200, 6)).astype(np.float32)
+    x[160:] = 0.0                                     # the held-out last 20 %: all zeros
+    path = tmp_path / "x.npy"
+    np.save(path, x)
+    with pytest.raises(ValueError, match=r"^data \(its last 40 rows, held out\): .*zero variance"):
+        run_bench(["topk"], quick=True, seeds=2, data=str(path), steps=2, k=2, m=8,
+                  progress=False, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("value", [0.0, 0.37])
+def test_evaluate_fvu_undefined_on_zero_variance_activations(tmp_path, capsys, value):
+    """Held-out activations that are all equal (embedding rows all `value`): FVU None, not
+    0/0 = 0 or a number made of float64 cancellation in x2 - n mean^2; `sae evaluate`
+    prints it as undefined."""
+    import argparse
+
+    from tensoralg.checkpoint import save_checkpoint
+    from tensoralg.corpus import VOCAB
+    from tensoralg.sae.cli import add_evaluate_parser
+    from tensoralg.sae.evaluation import evaluate_transformer
+    from tensoralg.sae.formats import save_sae
+    from tensoralg.transformer import BilinearTransformer
+
+    model = BilinearTransformer(len(VOCAB), 8, 2, 2, 4, 12, n_ctx=6, seed=1).eval()
+    with torch.no_grad():
+        model.embed.fill_(value)
+    sae = SparseAutoencoder(SAEConfig(8, 16, 3, activation="topk"), seed=0)
+    tokens = torch.randint(0, len(VOCAB), (7, 6), generator=torch.Generator().manual_seed(0))
+    res = evaluate_transformer(model, sae, 0, tokens, batch_size=3)
+    assert res["fvu"] is None, res["fvu"]
+    assert evaluate_transformer(BilinearTransformer(len(VOCAB), 8, 2, 2, 4, 12, n_ctx=6,
+                                                    seed=1).eval(), sae, 0, tokens)["fvu"] > 0
+    save_checkpoint(tmp_path / "ck", model, step=0)
+    save_sae(tmp_path / "sae", sae, metadata={"hook_name": "hook_resid.0"})
+    top = argparse.ArgumentParser()
+    add_evaluate_parser(top.add_subparsers(dest="sae_command"))
+    args = top.parse_args(["evaluate", "--sae", str(tmp_path / "sae"), "--checkpoint",
+                           str(tmp_path / "ck"), "--chars", "30000", "--no-progress"])
+    assert args.func(args) == 0
+    assert "fvu undefined (zero-variance activations)" in capsys.readouterr().out

@@ -37,7 +37,7 @@ from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae",
-           "as_activations", "make_lr_scheduler", "check_autocast"]
+           "as_activations", "check_variance", "make_lr_scheduler", "check_autocast"]
 
 TRAINER_STATE = "trainer_state"
 
@@ -341,6 +341,25 @@ def as_activations(data, name: str = "data"):
     if isinstance(arr, np.memmap) or not arr.flags.writeable:
         return arr
     return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def check_variance(data, name: str = "data") -> None:
+    """Refuse activations of zero variance: all rows equal (e.g. all zeros), so that
+    ``Σ‖x - mean x‖² = 0`` and the FVU (the training loss's ``recon``) is 0/0, undefined; a
+    model would be reported as a perfect (or an infinitely bad) fit of nothing to learn.
+    ``data`` as returned by :func:`as_activations` (a memmap is read in chunks, never whole).
+
+    Raises:
+        ValueError: one line naming ``name``.
+    """
+    first = data[:1]
+    for start in range(0, data.shape[0], 65536):
+        chunk = data[start:start + 65536]
+        if bool((chunk != first).any()):
+            return
+    what = "all zeros" if not bool((first != 0).any()) else "all rows equal"
+    raise ValueError(f"{name}: the activations have zero variance ({what}, {data.shape[0]} "
+                     f"rows), so the FVU is undefined (0/0); give activations that vary")
 
 
 def _rows(data, idx: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -689,6 +708,7 @@ def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None)
         raise ValueError(f"sae_cfgs, init_seeds: expected equal, non-zero lengths, got "
                          f"{len(sae_cfgs)} and {len(init_seeds)}")
     data = as_activations(data)
+    check_variance(data)
     n, d = data.shape
     for i, c in enumerate(sae_cfgs):
         if c.d_in != d:
@@ -770,7 +790,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         model is returned in raw-activation space (any ``normalize`` scale folded in), and
         ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
-        ValueError: bad data (shape, NaN/inf), a batch larger than the data, a resume
+        ValueError: bad data (shape, NaN/inf, zero variance), a batch larger than the data, a resume
             checkpoint whose config differs.
         TrainingDiverged: the loss became NaN/inf (the last good checkpoint is kept on disk).
         KeyboardInterrupt: passed on; as on divergence, ``out`` keeps its last checkpoint, or
@@ -781,6 +801,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     n, d = data.shape
     if d != sae_cfg.d_in:
         raise ValueError(f"data: expected d_in={sae_cfg.d_in} columns, got shape {tuple(data.shape)}")
+    check_variance(data)
     batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
     if train_cfg.ckpt_every and out is None:
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
