@@ -37,7 +37,7 @@ from .models import SparseAutoencoder, rip_constants
 from .pursuit import omp
 from .presets import ABLATION, PRESETS, make_config
 from .synthetic import make_synthetic
-from .training import TrainConfig, as_activations, train_many
+from .training import TrainConfig, as_activations, check_variance, train_many
 
 __all__ = ["run_bench", "format_table", "plot_bench", "QUICK", "FULL"]
 
@@ -159,6 +159,8 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
             raise ValueError(f"data: {len(full)} rows leave nothing to train on with "
                              f"eval_fraction={eval_fraction}")
         x_train, x_eval = full[:-n_eval], full[-n_eval:]
+        check_variance(x_train, "data (its training rows)")
+        check_variance(x_eval, f"data (its last {n_eval} rows, held out)")
         cfg["d"], cfg["n_train"], cfg["n_eval"] = full.shape[1], len(x_train), n_eval
         cfg["noise"] = None          # a property of the synthetic data only
         D_true = Z_true = None

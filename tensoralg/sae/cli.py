@@ -245,7 +245,7 @@ def _cmd_train(args) -> int:
     _threads(args)
     from .presets import make_config
     from .synthetic import make_synthetic
-    from .training import TrainConfig, TrainingDiverged, as_activations, train
+    from .training import TrainConfig, TrainingDiverged, as_activations, check_variance, train
 
     try:
         tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
@@ -267,6 +267,7 @@ def _cmd_train(args) -> int:
     else:
         from .hooks import read_activation_metadata
         data = as_activations(args.data, "--data")
+        check_variance(data, "--data")
         d_in = int(data.shape[1])
         meta = {"data": str(args.data), "metadata": read_activation_metadata(args.data)}
     if args.resume is not None:
@@ -749,11 +750,12 @@ def _cmd_evaluate(args) -> int:
                            f"seed {args.seed}"})
     print(f"SAE {args.sae} spliced at {res['hook_name']} of {args.checkpoint}, {res['n_tokens']} "
           f"predicted tokens of {n_eval} held-out windows:")
-    ce = res["ce_loss_recovered"]
+    ce, fvu = res["ce_loss_recovered"], res["fvu"]
     print(f"  loss clean {res['loss_clean']:.4f}  spliced {res['loss_spliced']:.4f}  zero "
           f"{res['loss_zero']:.4f} nats/token;  CE loss recovered "
           f"{'n/a' if ce is None else f'{ce:.4f}'};  KL {res['kl_spliced']:.4f};  fvu "
-          f"{res['fvu']:.4f};  L0 {res['l0']:.2f}")
+          f"{'undefined (zero-variance activations)' if fvu is None else f'{fvu:.4f}'};  L0 "
+          f"{res['l0']:.2f}")
     if args.json:
         _write_json(args.json, _stamp(res, args))
     return 0

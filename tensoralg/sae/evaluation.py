@@ -15,7 +15,8 @@ next-token predictions of the evaluation batches:
 * ``kl_spliced`` / ``kl_zero`` — mean over predicted tokens of ``KL(p_clean ‖ p_spliced)``
   (``KL(p_clean ‖ p_zero)``) in nats, ``p`` the next-token distributions (softmax of the logits);
 * ``fvu`` — fraction of variance unexplained of the SAE on the activations it saw there
-  (``Σ‖x - x̂‖² / Σ‖x - mean(x)‖²``), ``l0`` — mean active latents per row.
+  (``Σ‖x - x̂‖² / Σ‖x - mean(x)‖²``; ``None``, undefined, when all those rows are equal:
+  zero variance), ``l0`` — mean active latents per row.
 
 Every quantity is a plain average over predicted tokens of exact per-token values (no
 sampling); ``tests/test_sae_evaluation.py`` checks them against a forward pass written out
@@ -70,6 +71,10 @@ def next_token_logits(output, batch) -> tuple[torch.Tensor, torch.Tensor]:
 class _Sums:
     def __init__(self):
         self.v: dict[str, float] = {}
+        # the first activation row, and whether any row differs from it: zero variance (all
+        # rows equal) is decided exactly, not by the sign of x2 - n mean^2 (cancellation)
+        self.first: torch.Tensor | None = None
+        self.varies = False
 
     def add(self, key: str, value) -> None:
         self.v[key] = self.v.get(key, 0.0) + float(value)
@@ -87,6 +92,10 @@ def _sae_fn(sae, sums: _Sums, d_in: int, hook: str) -> Callable[[torch.Tensor], 
             z = sae.encode(x)
             x_hat = sae(x)
         x64, e64 = x.double(), (x - x_hat).double()
+        if sums.first is None:
+            sums.first = x64[:1].clone()
+        if not sums.varies:
+            sums.varies = bool((x64 != sums.first).any())
         sums.add("rows", x.shape[0])
         sums.add("err2", (e64 ** 2).sum())
         sums.add("x2", (x64 ** 2).sum())
@@ -180,7 +189,7 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
             "loss_zero": lz,
             "ce_loss_recovered": (lz - ls) / (lz - lc) if lz != lc else None,
             "kl_spliced": v["kl_spliced"] / n, "kl_zero": v["kl_zero"] / n,
-            "fvu": v["err2"] / var if var > 0 else None, "l0": v["l0"] / rows,
+            "fvu": v["err2"] / var if sums.varies and var > 0 else None, "l0": v["l0"] / rows,
             "n_tokens": int(n), "n_rows": int(rows)}
 
 

@@ -37,7 +37,7 @@ from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae",
-           "as_activations", "make_lr_scheduler", "check_autocast"]
+           "as_activations", "check_variance", "make_lr_scheduler", "check_autocast"]
 
 TRAINER_STATE = "trainer_state"
 
@@ -341,6 +341,25 @@ def as_activations(data, name: str = "data"):
     if isinstance(arr, np.memmap) or not arr.flags.writeable:
         return arr
     return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def check_variance(data, name: str = "data") -> None:
+    """Refuse activations of zero variance: all rows equal (e.g. all zeros), so that
+    ``Σ‖x - mean x‖² = 0`` and the FVU (the training loss's ``recon``) is 0/0, undefined; a
+    model would be reported as a perfect (or an infinitely bad) fit of nothing to learn.
+    ``data`` as returned by :func:`as_activations` (a memmap is read in chunks, never whole).
+
+    Raises:
+        ValueError: one line naming ``name``.
+    """
+    first = data[:1]
+    for start in range(0, data.shape[0], 65536):
+        chunk = data[start:start + 65536]
+        if bool((chunk != first).any()):
+            return
+    what = "all zeros" if not bool((first != 0).any()) else "all rows equal"
+    raise ValueError(f"{name}: the activations have zero variance ({what}, {data.shape[0]} "
+                     f"rows), so the FVU is undefined (0/0); give activations that vary")
 
 
 def _rows(data, idx: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -689,6 +708,7 @@ def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None)
         raise ValueError(f"sae_cfgs, init_seeds: expected equal, non-zero lengths, got "
                          f"{len(sae_cfgs)} and {len(init_seeds)}")
     data = as_activations(data)
+    check_variance(data)
     n, d = data.shape
     for i, c in enumerate(sae_cfgs):
         if c.d_in != d:
@@ -770,15 +790,18 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         model is returned in raw-activation space (any ``normalize`` scale folded in), and
         ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
-        ValueError: bad data (shape, NaN/inf), a batch larger than the data, a resume
+        ValueError: bad data (shape, NaN/inf, zero variance), a batch larger than the data, a resume
             checkpoint whose config differs.
         TrainingDiverged: the loss became NaN/inf (the last good checkpoint is kept on disk).
+        KeyboardInterrupt: passed on; as on divergence, ``out`` keeps its last checkpoint, or
+            is left as before (missing or empty) when none was written yet.
     """
     train_cfg = train_cfg or TrainConfig()
     data = as_activations(data)
     n, d = data.shape
     if d != sae_cfg.d_in:
         raise ValueError(f"data: expected d_in={sae_cfg.d_in} columns, got shape {tuple(data.shape)}")
+    check_variance(data)
     batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
     if train_cfg.ckpt_every and out is None:
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
@@ -821,80 +844,90 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     log_path = out / LOG_FILE if out is not None else None
     old_log = _read_log(log_path, start) if (log_path is not None and resume is not None) else []
     created_out = out is not None and not out.exists()
-    if log_path is not None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        tio.atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in old_log))
-    density_recs = [r for r in old_log if r.get("event") == "density"]
-    history = []
-    steps = range(start, train_cfg.steps)
-    if train_cfg.progress:
-        from tqdm import tqdm
-        # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
-        steps = tqdm(steps, desc="sae train", unit="step", disable=None)
-    t0 = time.perf_counter()
-    last_ckpt = start
-    run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0,
-                   _pool(data, train_cfg, dtype, device), start=start)
-    if fires_since_resample is not None:
-        run.fires_since_resample.copy_(fires_since_resample)
     writer = None
-    for step in steps:
-        x = _rows(data, batches.indices(step), dtype, device)
-        where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
-        try:
-            run.step(x, step, where, last_good)
-        except TrainingDiverged as exc:
-            if out is None or last_good is not None:
-                raise
-            # no checkpoint in OUT: remove what this run wrote (its log), so that OUT is as
-            # before (missing or empty) instead of a folder with a log and no SAE
+
+    def discard() -> None:
+        """No checkpoint in OUT yet: remove what this run wrote (its log, tensorboard/, the
+        folder if it created it), so that a diverged or interrupted run (Ctrl-C, or SIGTERM
+        through the CLI) leaves OUT as before (missing or empty) instead of a folder with a
+        log and no SAE. A run with a checkpoint in OUT keeps it (``resume`` continues it)."""
+        if out is None or last_good is not None:
+            return
+        if writer is not None:
+            writer.close()
+        import shutil
+        if created_out:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
             log_path.unlink(missing_ok=True)
-            if writer is not None:
-                writer.close()
-                import shutil
-                shutil.rmtree(out / TENSORBOARD_DIR, ignore_errors=True)
-            if created_out:
-                try:
-                    out.rmdir()
-                except OSError:
-                    pass
-            last = (f"; the last logged record before it: step {history[-1]['step']}, fvu "
-                    f"{history[-1]['fvu']:.4g}" if history else "")
-            raise TrainingDiverged(f"{exc}{last}; nothing was kept in {out} (no SAE, no log)",
-                                   exc.step, None) from None
-        dead = run.dead
-        done = step + 1
-        rec = run.record(done)
-        if rec is not None:
-            history.append(rec)
-            if log_path is not None:
-                with open(log_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(rec) + "\n")
-            if train_cfg.tensorboard:
-                if writer is None:
-                    from torch.utils.tensorboard import SummaryWriter
-                    writer = SummaryWriter(str(out / TENSORBOARD_DIR))
-                for key, value in rec.items():
-                    if key != "step" and isinstance(value, (int, float)) and \
-                            not isinstance(value, bool):
-                        writer.add_scalar(f"sae/{key}", value, rec["step"])
-                writer.flush()
-            if train_cfg.progress:
-                steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
-                                  dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
-        if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)
-                                or done == train_cfg.steps):
-            if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-                dens = {"event": "density", "step": done,
-                        **density_histogram(run.fires, (done - last_ckpt) * train_cfg.batch_size)}
-                density_recs.append(dens)
-                with open(log_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(dens) + "\n")
-                run.fires.zero_()
-                last_ckpt = done
-                _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale, dead_tokens,
-                                 run.fires_since_resample)
-                last_good = str(out)
+            shutil.rmtree(out / TENSORBOARD_DIR, ignore_errors=True)
+
+    try:
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            tio.atomic_write_text(log_path, "".join(json.dumps(r) + "\n" for r in old_log))
+        density_recs = [r for r in old_log if r.get("event") == "density"]
+        history = []
+        steps = range(start, train_cfg.steps)
+        if train_cfg.progress:
+            from tqdm import tqdm
+            # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
+            steps = tqdm(steps, desc="sae train", unit="step", disable=None)
+        t0 = time.perf_counter()
+        last_ckpt = start
+        run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0,
+                       _pool(data, train_cfg, dtype, device), start=start)
+        if fires_since_resample is not None:
+            run.fires_since_resample.copy_(fires_since_resample)
+        for step in steps:
+            x = _rows(data, batches.indices(step), dtype, device)
+            where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
+            try:
+                run.step(x, step, where, last_good)
+            except TrainingDiverged as exc:
+                if out is None or last_good is not None:
+                    raise
+                # discarded below: nothing of this run is left in OUT
+                last = (f"; the last logged record before it: step {history[-1]['step']}, fvu "
+                        f"{history[-1]['fvu']:.4g}" if history else "")
+                raise TrainingDiverged(f"{exc}{last}; nothing was kept in {out} (no SAE, no log)",
+                                       exc.step, None) from None
+            dead = run.dead
+            done = step + 1
+            rec = run.record(done)
+            if rec is not None:
+                history.append(rec)
+                if log_path is not None:
+                    with open(log_path, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+                if train_cfg.tensorboard:
+                    if writer is None:
+                        from torch.utils.tensorboard import SummaryWriter
+                        writer = SummaryWriter(str(out / TENSORBOARD_DIR))
+                    for key, value in rec.items():
+                        if key != "step" and isinstance(value, (int, float)) and \
+                                not isinstance(value, bool):
+                            writer.add_scalar(f"sae/{key}", value, rec["step"])
+                    writer.flush()
+                if train_cfg.progress:
+                    steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
+                                      dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
+            if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)
+                                    or done == train_cfg.steps):
+                if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+                    dens = {"event": "density", "step": done,
+                            **density_histogram(run.fires, (done - last_ckpt) * train_cfg.batch_size)}
+                    density_recs.append(dens)
+                    with open(log_path, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps(dens) + "\n")
+                    run.fires.zero_()
+                    last_ckpt = done
+                    _save_checkpoint(out, model, opt, done, dead, train_cfg, meta, scale, dead_tokens,
+                                     run.fires_since_resample)
+                    last_good = str(out)
+    except BaseException:
+        discard()
+        raise
     if out is not None and start >= train_cfg.steps and not (out / tio.CONFIG_FILE).exists():
         _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
     if writer is not None:
