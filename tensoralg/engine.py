@@ -407,7 +407,7 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     return G
 
 
-def _sequence_mc_args(req: Request, what: str, d_out: int, n_ctx: int) -> tuple:
+def _sequence_mc_args(req: Request, what: str, d_out: int, n_ctx: int) -> dict:
     """The sampler's arguments for sequence models (:func:`montecarlo.moments` and
     relatives): the slices checked, ``"each"`` refused (the products are summed over
     positions and outputs per direction)."""
