@@ -1,0 +1,56 @@
+"""Small input and exit-code defects of the command line and the model import found by a
+tester: ``--workers`` above the CPU count, ``compare`` with no answer at all, NaN / empty
+example inputs of ``from_torch``, a non-integer checkpoint ``step``, the few-samples warning of
+``compare`` printed twice."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import tensoralg as ta
+from tensoralg import blocks
+from tensoralg.checkpoint import load_checkpoint, save_checkpoint
+from tensoralg.cli import main
+from tensoralg.nn import BilinearNet, BilinearTransformer
+
+
+def _no_local_cluster(monkeypatch):
+    """Make starting a LocalCluster fail loudly: a refusal must come before it."""
+    distributed = pytest.importorskip("distributed")
+
+    def started(*a, **k):
+        raise AssertionError("a LocalCluster was started")
+
+    monkeypatch.setattr(distributed, "LocalCluster", started)
+
+
+# ---- 1. --workers / workers= above os.cpu_count() -------------------------------------------
+
+def test_cli_workers_above_cpu_count_is_refused_before_anything(tmp_path, capsys, monkeypatch):
+    _no_local_cluster(monkeypatch)
+    for i in range(2):
+        save_checkpoint(tmp_path / f"c{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, seed=i))
+    too_many = (os.cpu_count() or 1) + 1
+    with pytest.raises(SystemExit) as exc:
+        main(["matrix", str(tmp_path / "c0"), str(tmp_path / "c1"), "--workers", str(too_many),
+              "--out", str(tmp_path / "m")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--workers" in err and "os.cpu_count()" in err and str(too_many) in err
+    assert "Traceback" not in err and len(err.strip().splitlines()[-1]) > 0
+    assert not (tmp_path / "m").exists()
+
+
+def test_api_workers_above_cpu_count_is_refused(monkeypatch):
+    _no_local_cluster(monkeypatch)
+    nets = [BilinearNet(6, 3, d_model=4, d_hidden=5, seed=i) for i in range(2)]
+    too_many = (os.cpu_count() or 1) + 1
+    msg = rf"workers: .*os\.cpu_count\(\) = {os.cpu_count() or 1}.*got {too_many}"
+    with pytest.raises(ValueError, match=msg):
+        blocks.gram([n.to_network() for n in nets], workers=too_many)
+    with pytest.raises(ValueError, match=msg):
+        ta.gram(nets, workers=too_many)
+    with pytest.raises(ValueError, match=msg):
+        ta.similarity_matrix(nets, workers=too_many)
