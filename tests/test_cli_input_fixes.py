@@ -54,3 +54,22 @@ def test_api_workers_above_cpu_count_is_refused(monkeypatch):
         ta.gram(nets, workers=too_many)
     with pytest.raises(ValueError, match=msg):
         ta.similarity_matrix(nets, workers=too_many)
+
+
+# ---- 2. compare: no method gave an answer -> exit 1 -----------------------------------------
+
+def test_compare_exits_1_when_refused_and_unreliable(tmp_path, capsys):
+    # two-layer transformers: exact is refused (too many Wick configurations) and the Monte
+    # Carlo estimate at these 400 directions fails its diagnostic ("no reliable estimate")
+    for name, seed in (("a", 7), ("b", 8)):
+        save_checkpoint(tmp_path / name, BilinearTransformer(11, 8, 2, 2, 4, n_ctx=4, seed=seed))
+    js = tmp_path / "c.json"
+    rc = main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--n-samples", "400",
+               "--json", str(js)])
+    res = json.loads(js.read_text())["results"]
+    assert all("error" in r or r.get("reliable") is False for r in res)   # the premise
+    assert any("error" not in r for r in res)
+    err = capsys.readouterr().err
+    assert rc == 1
+    note = [line for line in err.splitlines() if line.startswith("tensoralg compare:")]
+    assert len(note) == 1 and "no reliable estimate" in note[0]
