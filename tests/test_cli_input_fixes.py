@@ -73,3 +73,20 @@ def test_compare_exits_1_when_refused_and_unreliable(tmp_path, capsys):
     assert rc == 1
     note = [line for line in err.splitlines() if line.startswith("tensoralg compare:")]
     assert len(note) == 1 and "no reliable estimate" in note[0]
+
+
+# ---- 3. from_torch: non-finite or empty example inputs --------------------------------------
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_from_torch_refuses_non_finite_example_inputs(bad):
+    x = torch.randn(4, 8)
+    x[1, 2] = float(bad)
+    with pytest.raises(ValueError, match=r"^example_inputs: .*\(4, 8\).*non-finite"):
+        ta.from_torch(torch.nn.Linear(8, 3), x)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (0, 3, 8)])
+def test_from_torch_refuses_empty_example_inputs(shape):
+    with pytest.raises(ValueError, match=rf"^example_inputs: .*{tuple(shape)!r}".replace(
+            "(", r"\(").replace(")", r"\)")):
+        ta.from_torch(torch.nn.Linear(8, 3), torch.randn(*shape))
