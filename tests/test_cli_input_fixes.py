@@ -90,3 +90,30 @@ def test_from_torch_refuses_empty_example_inputs(shape):
     with pytest.raises(ValueError, match=rf"^example_inputs: .*{tuple(shape)!r}".replace(
             "(", r"\(").replace(")", r"\)")):
         ta.from_torch(torch.nn.Linear(8, 3), torch.randn(*shape))
+
+
+# ---- 4. a checkpoint whose step is not an integer -------------------------------------------
+
+@pytest.mark.parametrize("step", ["fifty", 2.5, True, None])
+def test_checkpoint_non_integer_step_is_named(tmp_path, step):
+    for name, model in (("net", BilinearNet(6, 3, d_model=4, d_hidden=5, seed=0)),
+                        ("network", BilinearNet(6, 3, d_model=4, d_hidden=5, seed=0).to_network())):
+        path = tmp_path / name
+        save_checkpoint(path, model, step=50)
+        cfg = json.loads((path / "cfg.json").read_text())
+        cfg["step"] = step
+        (path / "cfg.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=rf"^{path}: cfg.json 'step' must be an integer"):
+            load_checkpoint(path)
+
+
+def test_cli_non_integer_step_is_one_line(tmp_path, capsys):
+    for i in range(2):
+        save_checkpoint(tmp_path / f"c{i}", BilinearNet(6, 3, d_model=4, d_hidden=5, seed=i))
+    cfg = json.loads((tmp_path / "c1" / "cfg.json").read_text())
+    cfg["step"] = "fifty"
+    (tmp_path / "c1" / "cfg.json").write_text(json.dumps(cfg))
+    assert main(["compare", str(tmp_path / "c0"), str(tmp_path / "c1"),
+                 "--methods", "exact"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "c1") in err and "'step'" in err and "Traceback" not in err
