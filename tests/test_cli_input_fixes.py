@@ -117,3 +117,16 @@ def test_cli_non_integer_step_is_one_line(tmp_path, capsys):
                  "--methods", "exact"]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "c1") in err and "'step'" in err and "Traceback" not in err
+
+
+# ---- 5. compare with few samples: one warning, not two --------------------------------------
+
+def test_compare_few_samples_warns_once(tmp_path, capsys):
+    for i in range(2):
+        save_checkpoint(tmp_path / f"c{i}",
+                        BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=2, seed=i))
+    with pytest.warns(RuntimeWarning) as rec:
+        main(["compare", str(tmp_path / "c0"), str(tmp_path / "c1"), "--n-samples", "100",
+              "--methods", "montecarlo", "--metrics", "gaussian"])
+    few = [w for w in rec if "n_samples=100 < 300" in str(w.message)]
+    assert len(few) == 1
