@@ -510,6 +510,8 @@ def _check_args(block_size, client, workers, resume, device, retries) -> None:
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, numbers.Integral)
                                 or workers < 1):
         raise ValueError(f"workers: expected a positive integer, got {workers!r}")
+    if workers is not None and too_many_workers(workers):
+        raise ValueError(f"workers: {too_many_workers(workers)}")
     if client is not None and workers is not None:
         raise ValueError("client, workers: give one — workers=N starts a local cluster, client= "
                          "uses an existing one")
@@ -519,6 +521,18 @@ def _check_args(block_size, client, workers, resume, device, retries) -> None:
         raise ValueError(f"retries: expected a non-negative integer, got {retries!r}")
     if not isinstance(resume, bool):
         raise ValueError(f"resume: expected True or False, got {resume!r}")
+
+
+def too_many_workers(workers: int) -> str:
+    """Why ``workers`` local worker processes are refused ("" when they are not): more than
+    ``os.cpu_count()`` single-threaded processes only compete for the cores (and 100 000 of them
+    hang the machine before any block runs)."""
+    cpus = os.cpu_count() or 1
+    if workers <= cpus:
+        return ""
+    return (f"expected at most os.cpu_count() = {cpus} local worker processes (one per CPU "
+            f"core), got {workers}; for a larger cluster start it yourself and connect to it "
+            f"(client= / --scheduler)")
 
 
 def _need_distributed():
@@ -678,7 +692,7 @@ _API_DOC = """
         client: a ``dask.distributed.Client``: blocks run as tasks on its cluster (the
             checkpoint paths must be readable from the workers).
         workers: start a local Dask cluster of this many single-threaded worker processes for
-            this call (exclusive with ``client``). Neither: blocks run here, one after another.
+            this call (at most ``os.cpu_count()``; exclusive with ``client``). Neither: blocks run here, one after another.
         resume: continue from the blocks already in ``out`` (refused if the store was made from
             other checkpoints — compared by SHA-256 of their files — or other options); False
             refuses an existing store.

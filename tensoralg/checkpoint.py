@@ -425,7 +425,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or ``weights.safetensors``.
         ValueError: a corrupt/truncated file, another ``format`` version, a foreign
-            ``architecture``, integer weights, weights whose
+            ``architecture``, a ``step`` that is not an integer, integer weights, weights whose
             names or shapes do not match the config (naming the tensor and both shapes), or
             weights and config that no longer compute the saved probe outputs (an edited
             ``cfg.json``: ``residual``, ``bias``, ...).
@@ -435,6 +435,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     if fmt != FORMAT:
         raise ValueError(f"{path}: cfg.json format {fmt!r} is not {FORMAT!r} (written by "
                          f"another tensoralg version?); this version reads {FORMAT!r}")
+    _check_step(path, cfg)
     if cfg.get("architecture") == NETWORK:
         return _load_network(path, tensors, cfg)
     cls = _MODELS.get(cfg.get("architecture"))
@@ -463,6 +464,13 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
     model.eval()
     _check_probe(path, model, cfg)
     return model, cfg
+
+
+def _check_step(path, cfg: Mapping[str, Any]) -> None:
+    """``step`` (written by :func:`save_checkpoint` as an integer) is an integer when present."""
+    step = cfg.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"{path}: cfg.json 'step' must be an integer, got {step!r}")
 
 
 def _check_probe(path, model: BilinearNet, cfg: Mapping[str, Any]) -> None:

@@ -1389,6 +1389,13 @@ def _check_example(example, inputs):
     elif example.ndim not in (2, 3):
         raise ValueError(f"example_inputs: shape {tuple(example.shape)}; expected (batch, d) "
                          f"vectors or (batch, n_ctx, d) sequences")
+    if example.numel() == 0:
+        raise ValueError(f"example_inputs: empty tensor of shape {tuple(example.shape)}; the "
+                         f"forward check needs at least one input (a batch of 2 or more)")
+    if not tokens and not bool(torch.isfinite(example).all()):
+        bad = int((~torch.isfinite(example)).sum())
+        raise ValueError(f"example_inputs: tensor of shape {tuple(example.shape)} has {bad} "
+                         f"non-finite (NaN/inf) entries; the forward check needs finite inputs")
     return example.to("cpu"), tokens
 
 
@@ -1523,8 +1530,8 @@ def from_torch(module, example_inputs, *, inputs: str = "residual"):
 
     Raises:
         TypeError: ``module`` not a module, ``example_inputs`` not a tensor.
-        ValueError: ``inputs`` unknown; example inputs of a wrong dtype/shape (or that the
-            module itself rejects); weights on the meta device or with NaN/inf entries.
+        ValueError: ``inputs`` unknown; example inputs of a wrong dtype/shape, empty, with
+            NaN/inf entries (or that the module itself rejects); weights on the meta device or with NaN/inf entries.
         NotCompilable (a ValueError): a non-polynomial operator, data-dependent control flow or
             structure the layer classes cannot express (naming the operator, the module path and
             the source line); or a compiled network that does not reproduce the module to

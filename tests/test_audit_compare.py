@@ -380,8 +380,9 @@ def test_compare_json_never_stores_an_unreliable_estimate_as_the_answer(ckpts, t
                         "montecarlo" and k.get("output") is None else real(*a, **k))
     _, (a, b, _) = ckpts
     p = tmp_path / "c.json"
+    # the only method gave no reliable estimate: no answer, exit 1 (the JSON is still written)
     assert main(["compare", a, b, "--methods", "montecarlo", "--metrics", "gaussian",
-                 "--n-samples", "600", "--no-progress", "--json", str(p)]) == 0
+                 "--n-samples", "600", "--no-progress", "--json", str(p)]) == 1
     r = json.loads(p.read_text())["results"][0]
     assert r["global"] is None and r["reliable"] is False
     assert r["unreliable_estimate"] == float(failed) and r["diagnostics"]["reason"]

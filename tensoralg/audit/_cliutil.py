@@ -20,6 +20,19 @@ def positive_int(text: str) -> int:
     return v
 
 
+def local_workers(text: str) -> int:
+    """argparse type of ``--workers``: a positive integer of at most ``os.cpu_count()`` local
+    worker processes (refused with the usage line, before any checkpoint is read or any
+    worker is started)."""
+    from ..blocks import too_many_workers
+
+    v = positive_int(text)
+    why = too_many_workers(v)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return v
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in the open interval (0, 1)."""
     try:

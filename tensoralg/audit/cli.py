@@ -357,6 +357,11 @@ def cmd_compare(args) -> int:
         print("tensoralg compare: every method was refused (see the notes above)",
               file=sys.stderr)
         return 1
+    if code == 0 and result["results"] and all("error" in r or r.get("reliable") is False
+                                               for r in result["results"]):
+        print("tensoralg compare: no method gave an answer: each was refused or gave no "
+              "reliable estimate (see the notes above)", file=sys.stderr)
+        return 1
     return code
 
 

@@ -17,6 +17,7 @@ never the closure (docs/mathematics.md §3.9).
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -107,7 +108,6 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
             ``data="digits"`` for a model that is not a 64 -> 10 digit classifier, or only
             invalid combinations requested.
     """
-    import tensoralg as ta
 
     pairs, skipped = valid_pairs(metrics, methods)
     if not pairs:
@@ -148,6 +148,40 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
             raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
         na, nb = ma.to_network(), mb.to_network()
     rows = []
+    # Each Monte Carlo row runs two estimates (global and output="each") that raise the same
+    # warnings (e.g. "n_samples=100 < 300"); the default filter's once-per-line registry does
+    # not hold them back, since scipy, imported lazily by the first, resets it. Recorded here
+    # and re-raised once each after the loop.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compare_rows(rows, pairs, na, nb, seq or generic_seq, n_samples, seed, n_ctx,
+                      show_progress)
+    _warn_once(caught)
+    result = {
+        **stamp("compare", {"a": str(a), "b": str(b), "methods": list(methods),
+                            "metrics": list(metrics), "data": data, "n_samples": n_samples,
+                            "seed": seed, "n_ctx": n_ctx}),
+        "a": {"path": str(a), "step": ca.get("step"), "n_layers": ca.get("n_layers")},
+        "b": {"path": str(b), "step": cb.get("step"), "n_layers": cb.get("n_layers")},
+        "depth": max(ca["n_layers"], cb["n_layers"]),
+        "results": rows,
+        "skipped": skipped,
+    }
+    if data == "digits":
+        from ..baselines import all_baselines
+        from ..data import load_digits_data
+
+        d = load_digits_data(seed=seed)
+        result["baselines"] = all_baselines(ma, mb, d.X_test)
+        result["baselines_data"] = d.provenance
+    return result
+
+
+def _compare_rows(rows: list, pairs, na, nb, sequence: bool, n_samples: int, seed: int,
+                  n_ctx, show_progress: bool) -> None:
+    """The rows of :func:`run_compare`, one per (metric, method) pair, appended to ``rows``."""
+    import tensoralg as ta
+
     for metric, method in progress(pairs, "compare", show_progress):
         entry = {"metric": metric, "method": method}
         if method == "closure":
@@ -156,12 +190,12 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
                               "approximate quantity at depth >= 2 (docs/mathematics.md §3.2, "
                               "§3.9)")
         kw = {"n_samples": n_samples, "seed": seed} if method == "montecarlo" else {}
-        if seq or generic_seq:
+        if sequence:
             kw["n_ctx"] = n_ctx
         t = time.perf_counter()
         try:
             g = ta.similarity(na, nb, metric=metric, method=method, **kw)
-            if (seq or generic_seq) and method == "montecarlo":   # no output="each" there
+            if sequence and method == "montecarlo":   # no output="each" there
                 each = None
             else:
                 each = ta.similarity(na, nb, metric=metric, method=method, output="each", **kw)
@@ -191,24 +225,18 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
             entry["error"] = f"{type(exc).__name__}: {msg}"
         entry["seconds"] = time.perf_counter() - t
         rows.append(entry)
-    result = {
-        **stamp("compare", {"a": str(a), "b": str(b), "methods": list(methods),
-                            "metrics": list(metrics), "data": data, "n_samples": n_samples,
-                            "seed": seed, "n_ctx": n_ctx}),
-        "a": {"path": str(a), "step": ca.get("step"), "n_layers": ca.get("n_layers")},
-        "b": {"path": str(b), "step": cb.get("step"), "n_layers": cb.get("n_layers")},
-        "depth": max(ca["n_layers"], cb["n_layers"]),
-        "results": rows,
-        "skipped": skipped,
-    }
-    if data == "digits":
-        from ..baselines import all_baselines
-        from ..data import load_digits_data
 
-        d = load_digits_data(seed=seed)
-        result["baselines"] = all_baselines(ma, mb, d.X_test)
-        result["baselines_data"] = d.provenance
-    return result
+
+def _warn_once(caught) -> None:
+    """Re-raise each distinct recorded warning (category and text) once, at the caller."""
+    from ..errors import warn_caller
+
+    seen = set()
+    for w in caught:
+        key = (w.category, str(w.message))
+        if key not in seen:
+            seen.add(key)
+            warn_caller(str(w.message), w.category)
 
 
 def compare_table(result: dict) -> str:

@@ -29,7 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ._cliutil import apply_threads, check_checkpoints, check_paths, positive_int, report, run
+from ._cliutil import (apply_threads, check_checkpoints, check_paths, local_workers, positive_int,
+                       report, run)
 from .common import (MC_SAMPLES, check_file_writable, check_folder_path, choose_method,
                      format_table, matrix_uncertainty, method_label, stamp, write_csv,
                      write_json)
@@ -56,9 +57,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,
                        help="run the blocks on this Dask scheduler (e.g. tcp://host:8786); the "
                             "workers must see the checkpoint paths (default: none)")
-    where.add_argument("--workers", type=positive_int, default=None, metavar="N",
-                       help="run the blocks on a local Dask cluster of N worker processes "
-                            "(default: none, blocks run in this process)")
+    where.add_argument("--workers", type=local_workers, default=None, metavar="N",
+                       help="run the blocks on a local Dask cluster of N worker processes, at most "
+                            "os.cpu_count() (default: none, blocks run in this process)")
 
 
 def wants_blocks(args) -> bool:
@@ -113,6 +114,8 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
     n_samples = MC_SAMPLES if n_samples is None else n_samples
     if n_samples < 2:
         raise ValueError(f"--n-samples: expected an integer >= 2, got {n_samples}")
+    if workers is not None and blocks.too_many_workers(workers):
+        raise ValueError(f"--workers: {blocks.too_many_workers(workers)}")
     if scheduler is not None or workers is not None:
         blocks._need_distributed()
     prints = blocks.validate_checkpoints(paths)
