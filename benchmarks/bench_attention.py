@@ -116,9 +116,10 @@ print(json.dumps(dict(value=float(v), warm=statistics.median(ts))))
 """
 
 
-def bench_small_vs_base(base, repeat, rev="942dfb0"):
-    """Warm exact pair (d_model=8, n_ctx=2, 2 heads, no biases), this checkout vs ``rev`` (checked
-    out at ``base``), each in its own subprocess, interleaved; medians."""
+def _interleaved(child: str, base: str, repeat: int, rev: str) -> tuple[list, list]:
+    """``child`` run ``repeat`` times in fresh subprocesses on this checkout and on ``rev``
+    (a git worktree at ``base``, made when missing), interleaved: the JSON of their last lines,
+    ``(new, old)``. The child gets the checkout's root and this folder as arguments."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     if not os.path.isdir(base):
@@ -127,9 +128,16 @@ def bench_small_vs_base(base, repeat, rev="942dfb0"):
     new, old = [], []
     for _ in range(repeat):
         for r, acc in ((base, old), (root, new)):
-            out = subprocess.run([sys.executable, "-c", _CHILD_EXACT, r, here], check=True,
+            out = subprocess.run([sys.executable, "-c", child, r, here], check=True,
                                  capture_output=True, text=True).stdout
             acc.append(json.loads(out.strip().splitlines()[-1]))
+    return new, old
+
+
+def bench_small_vs_base(base, repeat, rev="942dfb0"):
+    """Warm exact pair (d_model=8, n_ctx=2, 2 heads, no biases), this checkout vs ``rev`` (checked
+    out at ``base``), each in its own subprocess, interleaved; medians."""
+    new, old = _interleaved(_CHILD_EXACT, base, repeat, rev)
     mn = statistics.median(x["warm"] for x in new)
     mo = statistics.median(x["warm"] for x in old)
     print(f"   exact warm pair, new vs {rev} (interleaved subprocesses, median of {repeat}): "
@@ -168,17 +176,7 @@ print(json.dumps(out))
 
 def bench_mc_vs_base(base, repeat, rev):
     """Sequence Monte Carlo, this checkout vs ``rev`` at ``base`` (interleaved subprocesses)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    if not os.path.isdir(base):
-        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", base, rev],
-                       check=True)
-    new, old = [], []
-    for _ in range(repeat):
-        for r, acc in ((base, old), (root, new)):
-            out = subprocess.run([sys.executable, "-c", _CHILD_MC, r], check=True,
-                                 capture_output=True, text=True).stdout
-            acc.append(json.loads(out.strip().splitlines()[-1]))
+    new, old = _interleaved(_CHILD_MC, base, repeat, rev)
     for name in new[0]:
         mn = statistics.median(x[name]["seconds"] for x in new)
         mo = statistics.median(x[name]["seconds"] for x in old)

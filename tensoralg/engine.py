@@ -88,10 +88,7 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
             raise ValueError(f"method='closure' for sequence models runs in float64: use "
                              f"backend='numpy' or 'torch', got {req.backend!r}")
         if kind == "inner":
-            with np.errstate(over="ignore", invalid="ignore"):
-                X = closure.closure_inner_req(req, na, nb)
-            check_overflow(X, "inner")
-            return X
+            return _checked_inner(closure.closure_inner_req, req, na, nb)
         return closure.closure_similarity_req(req, na, nb)
     if req.method == "montecarlo":
         if req.proposal == "modes":
@@ -101,14 +98,20 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
         return fn(req, na, nb)
     try:
         if kind == "inner":
-            with np.errstate(over="ignore", invalid="ignore"):
-                X = wick_terms.exact_inner_req(req, na, nb)
-            check_overflow(X, "inner")
-            return X
+            return _checked_inner(wick_terms.exact_inner_req, req, na, nb)
         return wick_terms.exact_similarity_req(req, na, nb)
     except wick_terms.AttentionNotSupported as exc:
         raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
                           f"{wick_terms.ALTERNATIVES}") from None
+
+
+def _checked_inner(fn, req: Request, na: Layer, nb: Layer):
+    """``fn(req, na, nb)`` (a float inner product of sequence models), ValueError when it
+    overflowed float64."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        X = fn(req, na, nb)
+    check_overflow(X, "inner")
+    return X
 
 
 _POSITION_FREE = object()
