@@ -692,7 +692,8 @@ _API_DOC = """
         client: a ``dask.distributed.Client``: blocks run as tasks on its cluster (the
             checkpoint paths must be readable from the workers).
         workers: start a local Dask cluster of this many single-threaded worker processes for
-            this call (at most ``os.cpu_count()``; exclusive with ``client``). Neither: blocks run here, one after another.
+            this call (at most ``os.cpu_count()``; exclusive with ``client``). Neither: blocks
+            run here, one after another.
         resume: continue from the blocks already in ``out`` (refused if the store was made from
             other checkpoints — compared by SHA-256 of their files — or other options); False
             refuses an existing store.
