@@ -331,8 +331,8 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
     check_sampling_cost(nets, n_samples, Q, n_ctx)
     if n_ctx is not None:   # directions per chunk: about MC_CHUNK_ELEMENTS input entries
         width = max(d, max(n.out_features for n in nets))
-        points, _ = _mc_points(seed, n_samples, 1, n_ctx, d, max(n.degree for n in nets),
-                               max(1, MC_CHUNK_ELEMENTS // (Q * n_ctx * width)))
+        points = _mc_points(seed, n_samples, n_ctx, d, max(n.degree for n in nets),
+                            max(1, MC_CHUNK_ELEMENTS // (Q * n_ctx * width)))
         for X, w in points:
             m = X.shape[0] // Q
             outs = [np.asarray(net(X), dtype=np.float64) for net in nets]   # (m Q, n_ctx, o)
@@ -620,29 +620,24 @@ def _mc_checked(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
     return a.astype_float(), b.astype_float(), n_ctx
 
 
-def _mc_points(seed, n_samples, n_batches, n_ctx, d, degree, chunk=None):
-    """The radial Monte Carlo points of sequence models (:func:`_mc_features`): a generator of ``(X, wq)`` over
-    ``n_batches`` batches (sizes differing by at most one, ``n_samples`` directions in all;
-    numpy ``default_rng(seed)``: the same directions in the same order for any
-    ``n_batches``), ``X`` ``(m Q, n_ctx, d)`` and ``wq`` ``(Q,)``; with ``chunk`` each
-    batch is cut into pieces of at most ``chunk`` directions (the same directions, in order),
-    and the number of directions."""
-    q, r = divmod(int(n_samples), int(n_batches))
-    sizes = [q + (i < r) for i in range(int(n_batches))]   # every direction drawn
+def _mc_points(seed, n_samples, n_ctx, d, degree, chunk: int):
+    """The radial Monte Carlo points of sequence models: a generator of ``(X, wq)``,
+    ``n_samples`` directions ``u`` uniform on the sphere of ``R^(n_ctx d)`` (numpy
+    ``default_rng(seed)``, drawn ``chunk`` at a time: the same directions in the same order
+    for any ``chunk``), ``X`` ``(m Q, n_ctx, d)`` the points ``±r_q u`` of each direction and
+    ``wq`` ``(Q,)`` their weights."""
     pts, wq = _radial_points(n_ctx * d, 2 * degree)
     Q = pts.size
+    step = max(1, int(chunk))
 
     def points():
         rng = np.random.default_rng(int(seed))
-        for size in sizes:
-            step = size if chunk is None else max(1, int(chunk))
-            u = rng.standard_normal((size, n_ctx * d))
+        for lo in range(0, int(n_samples), step):
+            u = rng.standard_normal((min(step, int(n_samples) - lo), n_ctx * d))
             u /= np.linalg.norm(u, axis=1, keepdims=True)
-            for lo in range(0, size, step):
-                v = u[lo:lo + step]
-                yield (v[:, None, :] * pts[None, :, None]).reshape(len(v) * Q, n_ctx, d), wq
+            yield (u[:, None, :] * pts[None, :, None]).reshape(len(u) * Q, n_ctx, d), wq
 
-    return points(), int(n_samples)
+    return points()
 
 
 def _mc_request(n_ctx, n_samples, seed, output, position) -> Request:
@@ -666,8 +661,8 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
     ``std(p, ddof=1) / sqrt(n)``. Plain samples ``X ~ N(0, I)`` (the estimator before) give a
     heavy-tailed degree-10 integrand at one layer whose standard error did not cover (truth
     beyond 3 SE in 23 of 200 seeds at 2 000 samples); the radial one is tested for coverage in
-    tests/test_mc_coverage.py. ``n_batches`` only cuts the draws into pieces (the same
-    directions for any ``n_batches``).
+    tests/test_mc_coverage.py. ``n_batches`` only bounds ``n_samples`` from below (the
+    directions are the same for any ``n_batches``).
 
     Args:
         output: None, an int or a direction vector (no ``"each"``); position: None or an int.
@@ -737,7 +732,7 @@ def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
     from ONE shared set of directions, each pair with its :class:`~tensoralg.strategies.montecarlo.Diagnostics` verdict.
 
     The estimator of :func:`montecarlo_similarity` (directions uniform on the sphere of
-    ``R^(n_ctx d)`` drawn from numpy ``default_rng(seed)`` in ``n_batches`` batches, the radius
+    ``R^(n_ctx d)`` drawn from numpy ``default_rng(seed)`` (``n_batches``: as there), the radius
     integrated exactly by the Gauss rule for the chi distribution; docs/mathematics.md §3.4,
     §3.9), with the same directions for every pair: entry ``(i, j)`` equals
     ``montecarlo_similarity(models[i], models[j], n_ctx=n_ctx, n_samples=n_samples,
@@ -773,8 +768,9 @@ def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
     nets = [checked[0][0].astype_float()] + [c[1].astype_float() for c in checked]
     check_sampling_cost(nets, req.n_samples, 2 * _radial_nodes(2 * max(m.degree for m in nets)),
                         n_ctx)
-    points, n = _mc_points(req.seed, req.n_samples, n_batches, n_ctx, nets[0].in_features,
-                           max(m.degree for m in nets), chunk)
+    n = req.n_samples
+    points = _mc_points(req.seed, n, n_ctx, nets[0].in_features, max(m.degree for m in nets),
+                        chunk)
     N = len(nets)
     kept = []
     for X, wq in (points if progress is None else progress(points)):
