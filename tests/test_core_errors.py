@@ -295,7 +295,12 @@ def test_nan_weights_are_named_on_every_monte_carlo_and_sequence_matrix_path():
     B = ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))
     A.v[0, 0, 0] = np.inf
     cases += [(lambda: ta.similarity_matrix([B, A], n_ctx=2), r"models\[1\]"),
-              (lambda: ta.gram([B, A], n_ctx=2, method="closure"), r"models\[1\]")]
+              (lambda: ta.gram([B, A], n_ctx=2, method="closure"), r"models\[1\]"),
+              # the Monte Carlo matrices and differences of sequence models (session 10)
+              (lambda: ta.similarity_matrix([B, A], n_ctx=2, **mc), r"models\[1\]"),
+              (lambda: ta.gram([B, A], n_ctx=2, **mc), r"models\[1\]"),
+              (lambda: ta.diff_norm(B, A, n_ctx=2, **mc), "c"),
+              (lambda: ta.inner_diff(B, B, A, n_ctx=2, **mc), "c")]
     for call, name in cases:
         with pytest.raises(ValueError, match=rf"^{name}: 1 non-finite \(NaN or inf\) entries"):
             call()
