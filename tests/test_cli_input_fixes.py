@@ -130,3 +130,35 @@ def test_compare_few_samples_warns_once(tmp_path, capsys):
               "--methods", "montecarlo", "--metrics", "gaussian"])
     few = [w for w in rec if "n_samples=100 < 300" in str(w.message)]
     assert len(few) == 1
+
+
+# ---- an explicit --n-samples with a method that draws no samples ---------------------------
+@pytest.mark.parametrize("argv", [
+    ["compare", "A", "B", "--methods", "exact,closure", "--n-samples", "1000"],
+    ["matrix", "A", "B", "--method", "exact", "--n-samples", "1000"],
+    ["matrix", "A", "B", "--method", "closure", "--n-samples", "1000", "--block-size", "2"],
+    ["audit", "backdoor", "--quick", "--method", "exact", "--n-samples", "1000"],
+    ["audit", "forgetting", "--quick", "--method", "closure", "--n-samples", "1000"],
+    ["audit", "grokking", "--quick", "--method", "exact", "--n-samples", "1000"],
+])
+def test_n_samples_without_monte_carlo_is_refused(tmp_path, capsys, argv):
+    """The count used to be ignored in silence; it is refused before any file is read or
+    written (the checkpoint folders A and B do not exist, and --out stays absent)."""
+    out = tmp_path / "out"
+    argv = [str(tmp_path / x) if x in ("A", "B") else x for x in argv]
+    if argv[0] != "compare":
+        argv += ["--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--n-samples 1000:" in err and "draws no samples" in err
+    assert not out.exists()
+
+
+def test_n_samples_with_auto_is_kept(tmp_path, capsys):
+    """``auto`` may fall back to Monte Carlo: the count is accepted (the run then fails on the
+    missing checkpoints, not on --n-samples)."""
+    assert main(["matrix", str(tmp_path / "A"), str(tmp_path / "B"), "--n-samples", "1000",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--n-samples" not in err and "A" in err

@@ -70,6 +70,17 @@ def check_n_samples(n: int | None, option: str = "--n-samples") -> None:
                          f"the directions into {MC_REPLICATES} replicates of at least 2), got {n}")
 
 
+def check_n_samples_used(n: int | None, methods) -> None:
+    """An explicit ``--n-samples`` with only methods that draw no samples (``exact``,
+    ``closure``) is refused: the count would be silently ignored. ``auto`` may fall back to
+    Monte Carlo, so it keeps the count."""
+    methods = [methods] if isinstance(methods, str) else list(methods)
+    if n is not None and not {"auto", "montecarlo"} & set(methods):
+        raise ValueError(f"--n-samples {n}: {', '.join(methods)} draws no samples (only "
+                         f"montecarlo does, or auto when it falls back to it); drop "
+                         f"--n-samples or ask for montecarlo")
+
+
 def check_checkpoints(paths) -> None:
     """Each checkpoint folder exists and holds ``cfg.json`` (the errors loading would give,
     before any heavy import: :func:`tensoralg.io.read_config`)."""

@@ -20,8 +20,8 @@ import sys
 import time
 
 from ..threads import add_threads_option, nonneg_int
-from ._cliutil import (apply_threads, check_checkpoints, check_paths, fraction, mc_samples,
-                       positive_int, report, run)
+from ._cliutil import (apply_threads, check_checkpoints, check_n_samples_used, check_paths,
+                       fraction, mc_samples, positive_int, report, run)
 from .common import METHODS
 
 
@@ -59,7 +59,7 @@ def _n_ctx(p: argparse.ArgumentParser) -> None:
 def _n_samples(p: argparse.ArgumentParser) -> None:
     from .common import MC_SAMPLES
 
-    p.add_argument("--n-samples", type=mc_samples, default=MC_SAMPLES,
+    p.add_argument("--n-samples", type=mc_samples, default=None,
                    help=f"Monte Carlo directions when the method is montecarlo (default "
                         f"{MC_SAMPLES}); the standard errors shrink like 1/sqrt(N)")
 
@@ -277,13 +277,21 @@ def cmd_language(args) -> int:
     return report(args, result, language_table, header, json_written=True)
 
 
+def _samples(args) -> int:
+    """``--n-samples`` of an audit (refused with a method that draws none), or its default."""
+    from .common import MC_SAMPLES
+
+    check_n_samples_used(args.n_samples, args.method)
+    return MC_SAMPLES if args.n_samples is None else args.n_samples
+
+
 def cmd_backdoor(args, demo: bool = False) -> int:
     from .backdoor import BackdoorConfig, backdoor_table, run_backdoor
 
     name = "demo" if demo else "audit backdoor"
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
-              d_hidden=args.d_hidden, n_samples=args.n_samples)
+              d_hidden=args.d_hidden, n_samples=_samples(args))
     if args.steps:
         kw["steps"] = args.steps
     if args.finetune_steps:
@@ -311,7 +319,7 @@ def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
-              n_layers=args.layers, n_samples=args.n_samples)
+              n_layers=args.layers, n_samples=_samples(args))
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
@@ -327,7 +335,7 @@ def cmd_forgetting(args) -> int:
 def cmd_grokking(args) -> int:
     from .grokking import GrokkingConfig, grokking_table, run_grokking
 
-    kw = dict(seed=args.seed, method=args.method, n_samples=args.n_samples)
+    kw = dict(seed=args.seed, method=args.method, n_samples=_samples(args))
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
             kw[name] = getattr(args, name)
@@ -345,6 +353,7 @@ def cmd_compare(args) -> int:
     from .compare import compare_table, run_compare
 
     methods, metrics = args.methods, args.metrics    # lists (argparse type _subset)
+    check_n_samples_used(args.n_samples, methods)
     check_paths(args)
     check_checkpoints([args.a, args.b])   # before torch is imported (by apply_threads)
     apply_threads(args)
@@ -369,6 +378,7 @@ def cmd_matrix(args) -> int:
     from .compare import matrix_table, run_matrix
     from .matrix_blocks import cmd_matrix_blocked, wants_blocks
 
+    check_n_samples_used(args.n_samples, args.method)
     if wants_blocks(args):
         return cmd_matrix_blocked(args)
 
