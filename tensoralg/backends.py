@@ -54,12 +54,23 @@ def _torch_dtype(dtype: Any):
 
     if dtype is None:
         return torch.float64
-    if isinstance(dtype, str):
-        tdtype = getattr(torch, dtype, None)
-        if not isinstance(tdtype, torch.dtype) or not tdtype.is_floating_point:
-            raise ValueError(f"dtype: unknown torch floating dtype {dtype!r}")
-        return tdtype
-    return dtype
+    tdtype = dtype
+    if not isinstance(dtype, (str, torch.dtype)):   # a NumPy dtype or type (np.float32)
+        try:
+            tdtype = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if isinstance(tdtype, str):
+        tdtype = getattr(torch, tdtype, None)
+    if not isinstance(tdtype, torch.dtype) or not tdtype.is_floating_point:
+        raise ValueError(f"dtype: unknown torch floating dtype {dtype!r}")
+    if tdtype not in (torch.float64, torch.float32):
+        # 16-bit floats keep about 3 significant digits and overflow above 65504 (float16):
+        # an inner product of a few hundred terms is rounding noise or inf
+        raise ValueError(f"dtype: the torch backend computes in float64 (the default) or "
+                         f"float32, got {dtype!r} (16-bit floats keep about 3 significant "
+                         f"digits)")
+    return tdtype
 
 
 def converter(backend: str, device: Any = None, dtype: Any = None) -> Callable[[np.ndarray], Any]:

@@ -150,7 +150,8 @@ class Request:
             (float64; Fractions when given rationals) for the direction ``u . f``.
         n_ctx, position: sequence length and query-position slice (sequence models).
         n_samples, seed: Monte Carlo sample count (directions) and seed.
-        device, dtype: the torch device and dtype (``backend="torch"``).
+        device, dtype: the torch device and dtype (``backend="torch"``; float64, the default,
+            or float32).
         max_flops, max_memory, max_configurations: budgets of the exact method.
         distribution: the input distribution ``N(0, Σ)`` of the Gaussian metric
             (:class:`~tensoralg.distribution.InputDistribution`, from ``cov=``; §3.9).

@@ -59,6 +59,10 @@ BAD = [
     (dict(max_configurations=2.5), "max_configurations: expected a positive integer"),
     (dict(device="cuda"), "device: only backend='torch' runs on a device"),
     (dict(dtype="float32"), "dtype: the numpy backend computes in float64"),
+    # 16-bit floats: about 3 significant digits, overflow above 65504 (they used to run)
+    (dict(backend="torch", dtype="float16"), "^dtype: the torch backend computes in float64 "
+                                             "\\(the default\\) or float32, got 'float16'"),
+    (dict(backend="torch", dtype="int32"), "^dtype: unknown torch floating dtype 'int32'$"),
     (dict(n_ctx=0), "n_ctx: expected a positive int"),
     (dict(n_ctx=2.0), "n_ctx: expected a positive int"),
     (dict(position="first"), "position: expected None, 'each' or an int"),
