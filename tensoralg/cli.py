@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from ._version import __version__
 
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             f"unrecognized arguments: {' '.join(extra)}")
     name = getattr(args, "prog_name", "tensoralg")
     _terminate_as_interrupt()
+    # a warning reads "tensoralg compare: warning: ..." like the errors, not as a source line
+    # of the console script that started the command
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_a, **_k: f"{name}: warning: {message}\n"
     try:
         # every command has --threads; a command marked ``own_threads`` applies it itself after
         # checking its paths and options, so that bad input is answered before torch is imported
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = formatwarning
     return int(rc or 0)
 
 

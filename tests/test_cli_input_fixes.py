@@ -162,3 +162,20 @@ def test_n_samples_with_auto_is_kept(tmp_path, capsys):
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--n-samples" not in err and "A" in err
+
+
+def test_cli_warning_is_one_line_named_by_the_command(tmp_path):
+    """A warning reads like the errors ("tensoralg compare: warning: ..."), not as a source
+    line of the script that started the command (it pointed at the console script)."""
+    import subprocess
+    import sys
+
+    for i in range(2):
+        save_checkpoint(tmp_path / f"c{i}",
+                        BilinearNet(6, 3, d_model=4, d_hidden=5, n_layers=2, seed=i))
+    run = subprocess.run([sys.executable, "-m", "tensoralg", "compare", str(tmp_path / "c0"),
+                          str(tmp_path / "c1"), "--n-samples", "100", "--methods", "montecarlo",
+                          "--metrics", "gaussian"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONWARNINGS": "default"})
+    lines = [x for x in run.stderr.splitlines() if "n_samples=100 < 300" in x]
+    assert lines == [lines[0]] and lines[0].startswith("tensoralg compare: warning: n_samples=100")
