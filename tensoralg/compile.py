@@ -4,7 +4,7 @@ The module's computation is captured with PyTorch's own graph capture
 (:func:`torch.export.export`; :func:`torch.fx.symbolic_trace` lowered to ATen by
 :func:`torch.fx.experimental.proxy_tensor.make_fx` where export cannot run) and the ATen graph is
 walked once with *symbolic values*: every intermediate tensor is a polynomial of the input kept
-as a sum of linear images of *cores* (DESIGN.md sections 2, 3.7 and 4):
+as a sum of linear images of *cores* (docs/mathematics.md §2, §3.7 and §4):
 
 * the lifted stream ``s~ = (1, s)`` at each position (an affine map; biases are column 0);
 * a bilinear core, hidden units ``(L_h . s~)(R_h . s~)`` (an elementwise product of two affine
@@ -1520,7 +1520,7 @@ def from_torch(module, example_inputs, *, inputs: str = "residual"):
             mask is an ``(n_ctx, n_ctx)`` array). Use a batch of at least 2.
         inputs: ``"residual"`` (default): the network reads the module's float input, or, for a
             module that reads token ids, the output of its (single) embedding lookup — the
-            residual stream, where the Gaussian metric belongs (DESIGN.md 3.7). ``"tokens"``:
+            residual stream, where the Gaussian metric belongs (docs/mathematics.md §3.7). ``"tokens"``:
             the network reads one-hot tokens ``(batch, n_ctx, vocab)`` (embedding lookups become
             linear maps of the one-hot vector).
 

@@ -115,3 +115,19 @@ def test_site_builds_strict(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     assert (tmp_path / "site" / "reference" / "tensoralg" / "index.html").exists()
+
+
+def test_nothing_cites_the_design_file_outside_the_repository():
+    """The mathematics the code, tests and docs cite is in docs/mathematics.md: no file of the
+    repository points at ../shared/DESIGN.md, which a clone does not have."""
+    cited = []
+    for folder in ("tensoralg", "verify", "tests", "benchmarks", "docs", "examples"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".md", ".ipynb") and path.name != "test_docs.py":
+                text = path.read_text(encoding="utf-8", errors="replace")
+                cited += [f"{path.relative_to(ROOT)}:{i + 1}"
+                          for i, line in enumerate(text.splitlines()) if "DESIGN.md" in line]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    cited += [f"README.md:{i + 1}" for i, line in enumerate(readme.splitlines())
+              if "DESIGN.md" in line]
+    assert not cited, cited

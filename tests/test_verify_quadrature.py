@@ -1,7 +1,7 @@
 """verify.quadrature (exact Gauss–Hermite oracle on slices) and verify.planted.
 
 Reference values: ``tensoralg.inner`` (exact Wick/chaos) where an exact route exists, the
-closed-form chaos of a quadratic (DESIGN.md 3.6), and plain NumPy Monte Carlo over the FULL
+closed-form chaos of a quadratic (docs/mathematics.md §3.6), and plain NumPy Monte Carlo over the FULL
 input written here (its standard error; |z| < 4 fails a correct estimate with probability
 about 6e-5).
 """
@@ -154,7 +154,7 @@ def test_affine_slice_is_the_model_composed_with_the_map():
 
 def test_chaos_of_a_quadratic_matches_the_closed_form():
     # f = c + b.x + x^T A x (one output): ||P_0||^2 = (c + tr A)^2, ||P_1||^2 = |b|^2,
-    # ||P_2||^2 = 2 |A_sym|_F^2 (DESIGN.md 3.6). Built as a bilinear layer with biases.
+    # ||P_2||^2 = 2 |A_sym|_F^2 (docs/mathematics.md §3.6). Built as a bilinear layer with biases.
     rng = np.random.default_rng(5)
     d, h = 3, 4
     L, R, D = rng.standard_normal((h, d)), rng.standard_normal((h, d)), rng.standard_normal((1, h))
@@ -211,7 +211,7 @@ def test_orders_sum_to_the_total(case):
 
 def test_homogeneity_of_the_chaos_orders():
     # inputs scaled by sigma (the affine slice sigma * P). The order-k chaos tensor is
-    # C_k = sum_j (k+2j)!/(k! j! 2^j) tr^j M_{k+2j} (DESIGN.md 3.6) with M_i scaling as sigma^i:
+    # C_k = sum_j (k+2j)!/(k! j! 2^j) tr^j M_{k+2j} (docs/mathematics.md §3.6) with M_i scaling as sigma^i:
     # a homogeneous quadratic (M_0 = M_1 = 0) has every order's norm times sigma^4; with biases
     # orders K = 2 and K - 1 = 1 scale exactly (sigma^4, sigma^2), order 0 mixes
     # (c + sigma^2 tr A)^2: neither sigma^0 nor sigma^4.
@@ -449,7 +449,7 @@ def test_mismatched_networks_and_zero_norm():
 
 
 def test_oracle_reads_only_the_layers():
-    # independence rule (DESIGN.md 4): verify recomputes from definitions; these modules may
+    # independence rule (docs/mathematics.md §4): verify recomputes from definitions; these modules may
     # import tensoralg's layers only (the forward pass), never products/attention/strategies
     root = Path(__file__).resolve().parents[1] / "verify"
     for name in ("quadrature.py", "planted.py"):

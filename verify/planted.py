@@ -18,7 +18,7 @@ different ``seed`` are an exactly comparable pair.
 ``scale=sigma`` gives ``f_sigma(X) = f_1(sigma X)`` exactly (the input standard deviation
 folded into the weights: reads times sigma, writes divided by sigma, biases kept, the head times
 sigma), i.e. the same model under inputs ``N(0, sigma^2 I)``. Its degree-k part scales by
-``sigma^k`` (DESIGN.md 3.9), so a large sigma puts the norm in the top degree, carried by rare
+``sigma^k`` (docs/mathematics.md §3.9), so a large sigma puts the norm in the top degree, carried by rare
 large inputs: the regime where plain Monte Carlo fails.
 """
 

@@ -1,6 +1,6 @@
 """Exact Gaussian inner products on low-dimensional slices, by Gauss–Hermite quadrature.
 
-The oracle of DESIGN.md section 3.9. A network ``f`` (vector model: input ``x`` of size ``d``;
+The oracle of docs/mathematics.md §3.9 (docs/quadrature.md). A network ``f`` (vector model: input ``x`` of size ``d``;
 sequence model: input ``X`` of shape ``(n_ctx, d)``) of polynomial degree at most ``K`` is
 restricted to a *slice*: an affine map of ``N`` independent standard Gaussian variables,
 
@@ -684,11 +684,11 @@ chaos_profile.__doc__ = """Wiener-chaos (Hermite order) decomposition on a Gauss
     ``m = K + 1``-node rule (exact: ``g psi_alpha`` has per-variable degree ``<= 2K``). Then
     ``<P_k g_a, P_k g_b> = sum_{|alpha| = k} sum_{t,o} a^a_alpha a^b_alpha``
     ``= sum_{|alpha|=k} alpha! c^a_alpha c^b_alpha``, and the orders ``0..K`` sum to the total
-    (the chaos spaces are orthogonal; Wiener 1938, Cameron & Martin 1947; DESIGN.md 3.6).
+    (the chaos spaces are orthogonal; Wiener 1938, Cameron & Martin 1947; docs/mathematics.md §3.6).
 
     Scaling: for ``f(sigma x)`` (inputs ``N(0, sigma^2 I)``: the slice ``sigma * P``) order ``k``
     collects the monomial degrees ``k, k + 2, k + 4, ...``
-    (``C_k = sum_j (k+2j)!/(k! j! 2^j) tr^j M_{k+2j}``, DESIGN.md 3.6), so orders ``K`` and
+    (``C_k = sum_j (k+2j)!/(k! j! 2^j) tr^j M_{k+2j}``, docs/mathematics.md §3.6), so orders ``K`` and
     ``K - 1`` scale exactly by ``sigma^(2K)`` and ``sigma^(2K-2)``; every order scales by
     ``sigma^(2n)`` when ``f`` is homogeneous of degree ``n``; other orders mix degrees
     (chaos orders are not homogeneous parts).
