@@ -16,7 +16,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterable, Iterator, Sequence
 
-__all__ = ["telephone", "partial_matchings", "bijections", "Matching", "group_closure",
+__all__ = ["telephone", "partial_matchings", "parts", "bijections", "Matching", "group_closure",
            "orbits"]
 
 # A matching is (pairs, singles): pairs a sorted tuple of sorted (i, j) pairs, singles a sorted
@@ -38,11 +38,15 @@ def telephone(n: int) -> int:
 
 
 def partial_matchings(n: int, can_cap: Sequence[bool] | None = None,
-                      can_pair: Sequence[bool] | None = None) -> Iterator[Matching]:
-    """All partial matchings of legs ``0..n-1``.
+                      can_pair: Sequence[bool] | None = None,
+                      pairable: Sequence[Sequence[bool]] | None = None) -> Iterator[Matching]:
+    """All partial matchings of legs ``0..n-1``, each leg first left single, then paired with
+    each later leg in turn (the order every caller's sums follow).
 
     ``can_cap[i]`` false skips configurations leaving leg ``i`` single (its constant part is
-    zero); ``can_pair[i]`` false skips configurations pairing it (its non-constant part is zero).
+    zero); ``can_pair[i]`` false skips configurations pairing it (its non-constant part is
+    zero); ``pairable[i][j]`` false skips those pairing legs ``i`` and ``j`` (a zero
+    covariance between them).
     """
     can_cap = [True] * n if can_cap is None else list(can_cap)
     can_pair = [True] * n if can_pair is None else list(can_pair)
@@ -56,10 +60,17 @@ def partial_matchings(n: int, can_cap: Sequence[bool] | None = None,
             yield from rec(tail, pairs, singles + (i,))
         if can_pair[i]:
             for k, j in enumerate(tail):
-                if can_pair[j]:
+                if can_pair[j] and (pairable is None or pairable[i][j]):
                     yield from rec(tail[:k] + tail[k + 1:], pairs + ((i, j),), singles)
 
     yield from rec(tuple(range(n)), (), ())
+
+
+def parts(matching: Matching) -> tuple:
+    """A matching's pairs ``(i, j)`` and singles ``(i,)`` as one tuple of parts, ordered by
+    their first leg."""
+    pairs, singles = matching
+    return tuple(sorted(pairs + tuple((i,) for i in singles)))
 
 
 def bijections(left: Sequence[int], right: Sequence[int]) -> Iterator[Matching]:

@@ -12,7 +12,7 @@ import pytest
 
 import tensoralg as ta
 from tensoralg import network
-from tensoralg.wick import group_closure, orbits, partial_matchings, telephone
+from tensoralg.wick import group_closure, orbits, partial_matchings, parts, telephone
 from netgen import brute_inner, rand_bilinear, rand_network
 
 
@@ -20,6 +20,26 @@ def test_telephone_numbers_match_enumeration():
     for n in range(9):
         assert telephone(n) == sum(1 for _ in partial_matchings(n))
     assert [telephone(n) for n in (4, 8, 16)] == [10, 764, 46206736]
+
+
+def test_pruned_matchings_are_the_full_enumeration_filtered_in_order():
+    """``can_cap``, ``can_pair`` and ``pairable`` (the zero patterns of the Wick sums and the
+    closure) drop exactly the matchings that use a forbidden single or pair, and keep the
+    order of the full enumeration (the order the sums are added in)."""
+    rng = np.random.default_rng(0)
+    for n in range(7):
+        for _ in range(5):
+            cap = rng.random(n) < 0.7
+            pair = rng.random(n) < 0.8
+            ok = rng.random((n, n)) < 0.7
+            ok = ok & ok.T
+            want = [m for m in partial_matchings(n)
+                    if all(cap[i] for i in m[1])
+                    and all(pair[i] and pair[j] and ok[i][j] for i, j in m[0])]
+            assert list(partial_matchings(n, cap, pair, ok)) == want
+    # parts: the pairs and singles by first leg
+    assert parts((((0, 3), (1, 2)), (4,))) == ((0, 3), (1, 2), (4,))
+    assert parts((((1, 4),), (0, 2, 3))) == ((0,), (1, 4), (2,), (3,))
 
 
 def test_orbit_sizes_sum_to_the_configurations():

@@ -33,10 +33,9 @@ from ..layers import Bilinear, BilinearAttention, Layer, Linear, Residual, as_ne
 from ..prepare import _selector, check_sequence_models, check_sequence_pair, check_slices
 from ..request import Request, make_request
 from ..results import gram_to_similarity, similarity_from, swap_order
-from ..wick import partial_matchings
+from ..wick import partial_matchings, parts
 from .executor import ein as _ein
 from .executor import torch_backend
-from .wick_terms import partial_matchings as _partial_matchings
 
 __all__ = ["cross", "closure_inner", "closure_similarity", "closure_triple", "closure_gram",
            "closure_cross_gram", "closure_inner_req", "closure_similarity_req",
@@ -649,7 +648,7 @@ class _ChaosSide:
                     for i in closed]
         acc = _SumOfContractions(out)
         any_matching = False
-        for m in _partial_matchings(len(closed), can_cap, can_pair):
+        for m in map(parts, partial_matchings(len(closed), can_cap, pairable=can_pair)):
             any_matching = True
             ops = [a for a, _ in self.inner]
             subs = [lab for _, lab in self.inner]

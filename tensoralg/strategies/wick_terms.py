@@ -83,9 +83,10 @@ from ..prepare import (_IN_SEQUENCE_GRAM, _selector, check_sequence_models, chec
 from ..request import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS,
                        DEFAULT_MAX_FLOPS_EXACT_SEQUENCE, Request, make_request)
 from ..results import gram_to_similarity, similarity_from, swap_order
+from ..wick import partial_matchings, parts
 from .executor import Plan, torch_backend
 
-__all__ = ["term_network", "partial_matchings", "JoinedTermPair", "TermSide", "chaos_pair",
+__all__ = ["term_network", "JoinedTermPair", "TermSide", "chaos_pair",
            "compile_sum", "run_sum", "OverBudget", "exact_inner", "exact_similarity",
            "exact_gram", "head_gram", "count_configurations", "chaos_memory_bytes",
            "canonicalize", "AttentionNotSupported", "DEFAULT_MAX_CONFIGURATIONS"]
@@ -136,23 +137,6 @@ def _positions(legs) -> list:
     return list(dict.fromkeys([QUERY] + [leg.pos for leg in legs]))
 
 
-def partial_matchings(n: int, can_cap, can_pair):
-    """All partial matchings of ``range(n)`` as tuples of pairs and singletons (caps)."""
-    def rec(rest):
-        if not rest:
-            yield ()
-            return
-        i, others = rest[0], rest[1:]
-        if can_cap[i]:
-            for m in rec(others):
-                yield ((i,),) + m
-        for k, j in enumerate(others):
-            if can_pair[i][j]:
-                for m in rec(others[:k] + others[k + 1:]):
-                    yield ((i, j),) + m
-    yield from rec(tuple(range(n)))
-
-
 class _UnionFind:
     def __init__(self, items):
         self.parent = {x: x for x in items}
@@ -196,6 +180,7 @@ class JoinedTermPair:
         n = len(self.legs)
         self.can_cap = cap_a + cap_b
         pairable = pair_a + pair_b
+        self.pairable = pairable
         self.can_pair = [[pairable[i] and pairable[j] for j in range(n)] for i in range(n)]
         self._gram = {}
         self._cap = {}
@@ -221,7 +206,7 @@ class JoinedTermPair:
         return self._cap[i]
 
     def configurations(self):
-        return partial_matchings(len(self.legs), self.can_cap, self.can_pair)
+        return map(parts, partial_matchings(len(self.legs), self.can_cap, self.pairable))
 
     def count(self) -> int:
         """Number of partial matchings after zero-pattern pruning (memoized on the leg set)."""
@@ -491,8 +476,8 @@ def _side_layout(inner, outer, legs, can_cap, can_pair_leg):
         wanted += [x for _, lab in outer for x in lab]
         out = tuple(x for x in dict.fromkeys(wanted) if x in present)
         sub_cap = [can_cap[i] for i in closed]
-        sub_pair = [[can_pair_leg[i] and can_pair_leg[j] for j in closed] for i in closed]
-        yield S, closed, out, partial_matchings(len(closed), sub_cap, sub_pair)
+        sub_pair = [can_pair_leg[i] for i in closed]
+        yield S, closed, out, map(parts, partial_matchings(len(closed), sub_cap, sub_pair))
 
 
 def _side_sizes(static, legs, n_ctx: int) -> dict:
