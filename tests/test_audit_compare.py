@@ -226,8 +226,12 @@ def test_compare_montecarlo_with_one_sample_is_refused_up_front(ckpts, capsys):
             assert lines[-1] == (f"tensoralg compare: error: argument --n-samples: expected an "
                                  f"integer >= 6 (Monte Carlo splits the directions into 3 "
                                  f"replicates of at least 2), got '{n}'"), lines
+    # a valid count with no sampling method is refused too (it used to be ignored in silence)
     assert main(["compare", a, b, "--methods", "exact", "--metrics", "gaussian",
-                 "--n-samples", "6"]) == 0
+                 "--n-samples", "6"]) == 2
+    assert "--n-samples 6: exact draws no samples" in capsys.readouterr().err
+    assert main(["compare", a, b, "--methods", "exact,montecarlo", "--metrics", "gaussian",
+                 "--n-samples", "6"]) == 0   # exact answers (Monte Carlo may not, at 6)
 
 
 def test_matrix_refuses_mixed_architectures_whatever_the_method(tmp_path, capsys):
