@@ -169,3 +169,21 @@ def test_gap_finding_is_stderr_aware():
     f = gap_finding(each, None, 3)                   # deterministic: any positive gap
     assert f["gap_stderr"] is None and f["target_slice_is_clearly_lowest"]
     assert not gap_finding(each, None, 0)["target_slice_is_lowest"]
+
+
+def test_closure_at_depth_two_is_labelled_approximate_everywhere(tmp_path, capsys):
+    """The closure's value at depth >= 2 is not the tensor similarity: the table, the JSON and
+    the CSV say "moment-closure (approximate)" (the table printed the bare method name, the
+    CSV and JSON had no label; found by a tester)."""
+    out = tmp_path / "bd"
+    rc = main(["audit", "backdoor", "--quick", "--no-progress", "--steps", "60",
+               "--finetune-steps", "30", "--layers", "2", "--d-model", "8", "--d-hidden", "8",
+               "--method", "closure", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "similarity method: moment-closure (approximate) (gaussian metric)" in text
+    res = json.loads((out / "backdoor.json").read_text())
+    assert res["method"] == "closure" and res["approximate"] is True
+    assert res["method_label"] == "moment-closure (approximate)"
+    lines = (out / "backdoor.csv").read_text().splitlines()
+    assert lines[1] == "similarity_method,,moment-closure (approximate),"

@@ -193,6 +193,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                            "after": accuracy(backdoored, data.X_test, data.y_test)},
         "baselines": base,
         "method": sim["method"],
+        # the closure's value is not the tensor similarity beyond one layer (it is at depth 1)
+        "method_label": method_label(sim["method"]),
+        "approximate": sim["method"] == "closure" and cfg.n_layers >= 2,
         "metric": "gaussian",
         "finding": gap_finding(slices, se, cfg.target, sim.get("each_reliable")),
         "data": data.provenance,
@@ -220,7 +223,8 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     def _se(s, c):
         return None if s["each_stderr"] is None else s["each_stderr"][c]
 
-    rows = [("global_similarity", "", result["global_similarity"], sim["global_stderr"])]
+    rows = [("similarity_method", "", result["method_label"]),
+            ("global_similarity", "", result["global_similarity"], sim["global_stderr"])]
     rows += [("slice_similarity", c, v, _se(sim, c)) for c, v in enumerate(slices)]
     if ctl is not None:
         rows += [("control_global_similarity", "", ctl["global"], ctl["global_stderr"])]
@@ -317,7 +321,7 @@ def backdoor_table(result: dict) -> str:
     lines.append(format_table(["metric (clean model vs each)", "backdoored"]
                               + (["control"] if cb else []), metric_rows))
     acc = result["clean_accuracy"]
-    method = result["method"]
+    method = method_label(result["method"])
     if result.get("n_samples"):
         method += f", {result['n_samples']} samples, ± = 1 standard error"
     g = pm(f["gap"], f.get("gap_stderr"))
