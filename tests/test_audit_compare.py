@@ -58,6 +58,13 @@ def test_compare_all_methods(ckpts, tmp_path, capsys):
     assert abs(mc["global"] - exact["global"]) < 5 * mc["global_stderr"] + 1e-12
     assert np.all(np.abs(np.array(mc["each"]) - exact["each"]) < 5 * np.array(mc["each_stderr"]))
     assert len(exact["each"]) == 10 and "error" not in by[("frobenius", "exact")]
+    # every Monte Carlo per-output estimate and its min slice are shown with their ± (the
+    # per-output column printed bare values; found by a tester)
+    from tensoralg.audit.common import pm
+    for c in range(10):
+        assert pm(mc["each"][c], mc["each_stderr"][c]) in text
+    c = int(np.argmin(mc["each"]))
+    assert f"  {pm(mc['each'][c], mc['each_stderr'][c])}  " in text
     assert set(res["baselines"]) >= {"cka_logits", "weight_cosine", "js_divergence"}
     assert res["tensoralg_version"] and res["config"]["data"] == "digits"
 

@@ -239,6 +239,12 @@ def _warn_once(caught) -> None:
             warn_caller(str(w.message), w.category)
 
 
+def _each_stderr(r: dict, c: int) -> float | None:
+    """The standard error of output ``c``'s estimate (None for a deterministic method)."""
+    se = r.get("each_stderr")
+    return None if se is None else se[c]
+
+
 def compare_table(result: dict) -> str:
     out = [f"compare {result['a']['path']}  vs  {result['b']['path']} (depth {result['depth']})"]
     rows = []
@@ -270,8 +276,9 @@ def compare_table(result: dict) -> str:
             rows.append([r["metric"], method_label(r["method"]), r["global"],
                          "no reliable estimate", "-", stderr])
             continue
-        rows.append([r["metric"], method_label(r["method"]), r["global"], min(each),
-                     int(np.argmin(each)), stderr])
+        c = int(np.argmin(each))
+        rows.append([r["metric"], method_label(r["method"]), r["global"],
+                     pm(each[c], _each_stderr(r, c)), c, stderr])
     out.append(format_table(["metric", "method", "global", "min slice", "argmin", "note"], rows))
     out += notes
     skipped = result.get("skipped", [])
@@ -285,8 +292,8 @@ def compare_table(result: dict) -> str:
         out.append("")
         out.append(format_table(["output"] + [f"{r['metric']}/{method_label(r['method'])}"
                                               for r in ok],
-                                [[c] + [pm(r["each"][c], None, (r.get("each_reliable") or
-                                                                   [None] * n_out)[c])
+                                [[c] + [pm(r["each"][c], _each_stderr(r, c),
+                                           (r.get("each_reliable") or [None] * n_out)[c])
                                         for r in ok] for c in range(n_out)]))
     if "baselines" in result:
         out.append("")
