@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import numbers
+import os
 
 __all__ = ["DEFAULT_THREADS", "set_threads", "add_threads_option"]
 
@@ -32,11 +33,14 @@ def set_threads(n: int = DEFAULT_THREADS) -> None:
     defaults (as they were when this function was first called).
 
     Raises:
-        ValueError: ``n`` not an integer >= 0.
+        ValueError: ``n`` not an integer >= 0, or more than ``os.cpu_count()`` (100 000
+            threads crash torch's thread pool with a segmentation fault).
     """
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise ValueError(f"threads: expected an integer >= 0 (0: the libraries' defaults), "
                          f"got {n!r}")
+    if too_many_threads(n):
+        raise ValueError(f"threads: {too_many_threads(n)}")
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -62,9 +66,28 @@ def nonneg_int(text: str) -> int:
     return value
 
 
+def too_many_threads(n: int) -> str:
+    """Why ``n`` CPU threads are refused ("" when they are not): more threads than
+    ``os.cpu_count()`` only compete for the cores, and very many crash the libraries' thread
+    pools (torch: a segmentation fault at 65 536; libgomp: "Thread creation failed")."""
+    cpus = os.cpu_count() or 1
+    if n <= cpus:
+        return ""
+    return f"expected at most os.cpu_count() = {cpus} threads (one per CPU core), got {n}"
+
+
+def thread_count(text: str) -> int:
+    """argparse type of ``--threads``: an integer from 0 to ``os.cpu_count()``."""
+    n = nonneg_int(text)
+    why = too_many_threads(n)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return n
+
+
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
     """Add ``--threads N`` (applied by :func:`tensoralg.cli.main` before the command runs)."""
-    parser.add_argument("--threads", type=nonneg_int, default=DEFAULT_THREADS, metavar="N",
+    parser.add_argument("--threads", type=thread_count, default=DEFAULT_THREADS, metavar="N",
                         help=f"CPU threads for torch and BLAS (default {DEFAULT_THREADS}: fastest "
                              f"for these small models on shared machines; 0: the libraries' "
-                             f"defaults, one per core)")
+                             f"defaults, one per core; at most the number of cores)")

@@ -83,3 +83,23 @@ def test_every_non_sae_option_states_its_default():
             text = helps[path][f]
             assert f"default {getattr(cls(), f)};" in text, (path, f, text)
             assert f"{getattr(cls.quick(), f)} with --quick" in text, (path, f, text)
+
+
+def test_threads_above_the_cpu_count_are_refused(restore_threads, capsys, tmp_path):
+    """--threads 100000 crashed torch's thread pool (segmentation fault, exit 139, no message;
+    found by a tester): above os.cpu_count() it is refused with the usage line, and by
+    set_threads, before torch sees it."""
+    import os
+
+    too_many = (os.cpu_count() or 1) + 1
+    with pytest.raises(SystemExit) as exc:
+        main(["decompose", str(tmp_path / "ck"), "--threads", str(too_many)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage: tensoralg decompose")
+    assert err[-1].endswith(f"argument --threads: expected at most os.cpu_count() = "
+                            f"{too_many - 1} threads (one per CPU core), got {too_many}")
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match=r"^threads: expected at most os.cpu_count\(\)"):
+        ta.set_threads(100_000)
+    assert torch.get_num_threads() == before
