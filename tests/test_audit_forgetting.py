@@ -51,6 +51,10 @@ def test_files_keys_and_finding(run):
     f = res["finding"]
     assert f["collapses"] and f["recovers"]
     assert f["removed_slice_at_removal"] < f["other_slices_min_at_removal"]
+    # the table rounds the exact value like its neighbours (it printed all 17 digits)
+    from tensoralg.audit.forgetting import forgetting_table
+    text = forgetting_table(res)
+    assert f"class 9: {f['removed_slice_at_removal']:.3f} after removal" in text
 
 
 def test_bad_removed_class(tmp_path, capsys):

@@ -300,8 +300,11 @@ def forgetting_table(result: dict) -> str:
         worst = max(v for row in se.values() for v in row.values())
         lines.append(f"Monte Carlo, {result['n_samples']} samples: slice standard errors <= "
                      f"{worst:.2g} (per entry in the JSON/CSV); ± = 1 standard error")
+    at_removal = pm(f['removed_slice_at_removal'], se and se[labels[-2]][str(r)])
+    if isinstance(at_removal, float):   # exact: a number, rounded like the others
+        at_removal = f"{at_removal:.3f}"
     lines.append(
-        f"class {r}: {pm(f['removed_slice_at_removal'], se and se[labels[-2]][str(r)])} after "
+        f"class {r}: {at_removal} after "
         f"removal (other classes >= {f['other_slices_min_at_removal']:.3f}), "
         f"{f['removed_slice_after_readd']:.3f} after re-adding; collapses: {f['collapses']}, "
         f"recovers: {f['recovers']}" + (" (each > 2 standard errors)" if se is not None else "")

@@ -250,7 +250,10 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                                                 else to_final[i_mem]),
         "min_neighbour_similarity_after_saturation": (min(after) if after and not after_bad
                                                       else None),
-        "keeps_changing": None if at_sat is None else bool(at_sat < 1 - CHANGE_THRESHOLD),
+        # saturating at the final checkpoint leaves nothing after it: similarity 1 to itself
+        "keeps_changing": (None if at_sat is None or i_sat == len(steps) - 1
+                           else bool(at_sat < 1 - CHANGE_THRESHOLD)),
+        "saturates_at_final_checkpoint": i_sat is not None and i_sat == len(steps) - 1,
         "assessed": not (i_sat is not None and steps[i_sat] in gone) and not after_bad,
         "not_assessed": ("; ".join(x for x in (
             f"no reliable Monte Carlo estimate of the similarity to the final checkpoint at "
@@ -318,7 +321,10 @@ def grokking_table(result: dict) -> str:
         sat = (f"validation accuracy saturates at step {f['saturation_step']} "
                f"({f['val_acc_at_saturation']:.3f}; final {f['final_val_acc']:.3f}); similarity to "
                f"the final checkpoint there: "
-               + (f"{f['similarity_to_final_at_saturation']:.3f} (keeps changing: "
+               + ("none: saturation is at the final checkpoint, nothing after it to compare "
+                  "(keeps changing: not assessed; more --checkpoints or --steps)"
+                  if f.get("saturates_at_final_checkpoint") else
+                  f"{f['similarity_to_final_at_saturation']:.3f} (keeps changing: "
                   f"{f['keeps_changing']})" if f['similarity_to_final_at_saturation'] is not None
                   else "no reliable estimate (keeps changing: not assessed)"))
     if f.get("memorisation_step") is None:

@@ -359,8 +359,12 @@ def metric_line(head: str, t: dict, fin: dict, extra: str = "") -> str:
     off = [x for x in t["sharpest"] if not x["ngram_orders_fastest_within_1_interval"]]
     tr = ", ".join(f"{x['steps'][0]}->{x['steps'][1]} (1-S = {x['change']:.3g})"
                    for x in t["sharpest"])
+    # "every one within one interval" is no finding when chance alone puts every interval there
+    # (few checkpoints): the verdict can then be "does NOT line up" beside it
     where = ("; not lined up: " + ", ".join(f"{x['steps'][0]}->{x['steps'][1]}" for x in off)
-             ) if off else "; every one lined up"
+             ) if off else ("; every one within one interval of some order's fastest n-gram "
+                            "gain" + (", as chance alone gives with this few intervals"
+                                      if fin["chance_within_1_interval"] >= 1 else ""))
     return (f"{head}{extra}: {v} — sharpest {tr}; {t['n_sharpest_same_interval_as_ngram']} of "
             f"{k} in the interval of some order's fastest n-gram gain (chance "
             f"{fin['chance_same_interval']:.2f} each), {t['n_sharpest_aligned_with_ngram']} "
