@@ -179,3 +179,29 @@ def test_cli_warning_is_one_line_named_by_the_command(tmp_path):
                          env={**os.environ, "PYTHONWARNINGS": "default"})
     lines = [x for x in run.stderr.splitlines() if "n_samples=100 < 300" in x]
     assert lines == [lines[0]] and lines[0].startswith("tensoralg compare: warning: n_samples=100")
+
+
+# ---- --out / --json that cannot be written, or empty ----------------------------------------
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (a folder refusing files)")
+@pytest.mark.parametrize("argv", [["audit", "backdoor", "--quick"], ["audit", "grokking", "--quick"],
+                                  ["matrix", "A", "B"]])
+def test_out_in_a_folder_refusing_files_is_named_before_any_work(tmp_path, capsys, argv):
+    """--out /proc/x failed at the end with the OS error on a staging folder
+    ('/proc/.x.partial-...'), without naming --out; it is refused first, naming it."""
+    argv = [str(tmp_path / x) if x in ("A", "B") else x for x in argv]
+    assert main(argv + ["--out", "/proc/tensoralg-test-x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("error: --out: cannot write /proc/tensoralg-test-x: creating a file in "
+                        "/proc failed (No such file or directory)"), err
+
+
+@pytest.mark.parametrize("option", ["--out", "--json"])
+def test_empty_out_or_json_is_refused(tmp_path, capsys, option, monkeypatch):
+    """--out "" used the default folder and --json "" wrote nothing, in silence."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", "grokking", "--quick", option, ""]) == 2
+    err = capsys.readouterr().err.strip()
+    kind = "folder" if option == "--out" else "file"
+    assert err == f"tensoralg audit grokking: error: {option}: expected a {kind} path, got an " \
+                  f"empty string"
+    assert not (tmp_path / "runs").exists()

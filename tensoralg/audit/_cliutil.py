@@ -95,11 +95,11 @@ def check_paths(args, default_out: str | None = None) -> Path | None:
     ``--out`` before any work."""
     from .common import check_file_writable, check_folder_path
 
-    if getattr(args, "json", None):
+    if getattr(args, "json", None) is not None:
         check_file_writable(args.json, "--json")
     if default_out is None:
         return None
-    return check_folder_path(args.out or default_out, "--out")
+    return check_folder_path(default_out if args.out is None else args.out, "--out")
 
 
 def run(args, name: str, fn):

@@ -82,12 +82,15 @@ def progress(iterable: Iterable, desc: str, enabled: bool, total: int | None = N
 # ----------------------------------------------------------------------------------------
 
 def check_folder_path(path: str | Path, option: str = "--out") -> Path:
-    """Refuse, before any work, a folder path that cannot be created: an existing file, or a
-    path below a file. Creates nothing.
+    """Refuse, before any work, a folder path that cannot be created: an empty string, an
+    existing file, a path below a file, or one whose nearest existing folder refuses a new
+    file (a probe file is created and deleted there; e.g. ``/proc``, a read-only mount).
 
     Raises:
         ValueError: naming ``option`` and the offending path.
     """
+    if str(path) == "":
+        raise ValueError(f"{option}: expected a folder path, got an empty string")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{option}: {path} exists and is not a folder")
@@ -97,7 +100,25 @@ def check_folder_path(path: str | Path, option: str = "--out") -> Path:
                 raise ValueError(f"{option}: {path} cannot be created: {parent} is a file, not a "
                                  f"folder")
             break
+    _probe(path.parent, path, option)   # the staged output is a sibling folder, renamed
     return path
+
+
+def _probe(folder: Path, path: Path, option: str) -> None:
+    """Create and delete a temporary file in the nearest existing folder on the way to
+    ``folder`` (permission bits and ``os.access`` say nothing for root, read-only mounts or
+    ``/proc``), so that a run never works for minutes and then fails writing its result."""
+    folder = folder.resolve()
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name or 'out'}.probe-", suffix=".tmp",
+                                     dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot write {path}: creating a file in {folder} failed "
+                         f"({exc.strerror or exc})") from None
 
 
 def check_file_path(path: str | Path, option: str = "--json") -> Path:
@@ -108,6 +129,8 @@ def check_file_path(path: str | Path, option: str = "--json") -> Path:
     Raises:
         ValueError: naming ``option`` and the offending path.
     """
+    if str(path) == "":
+        raise ValueError(f"{option}: expected a file path, got an empty string")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{option}: {path} is a folder; expected a file path (e.g. "
@@ -131,16 +154,7 @@ def check_file_writable(path: str | Path, option: str = "--json") -> Path:
         ValueError: naming ``option``, the folder and the operating system's reason.
     """
     path = check_file_path(path, option)
-    folder = path.parent.resolve()
-    while not folder.exists():
-        folder = folder.parent
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", suffix=".tmp", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ValueError(f"{option}: cannot write {path}: creating a file in {folder} failed "
-                         f"({exc.strerror or exc})") from None
+    _probe(path.parent, path, option)
     return path
 
 
