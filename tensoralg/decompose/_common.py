@@ -9,12 +9,29 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..canonical import _zeros  # noqa: F401  (used here and by the other decompose modules)
-from ..layers import Bilinear, Layer, Linear, Residual, Sequential
+from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
 
 _DEPTH_HINT = ("eigen-components need a depth-1 network (at most one bilinear layer on any "
                "path: degree <= 2); for a deeper network check a decomposition of your own "
                "with tensoralg.decompose.check_decomposition(model, components), or expand a "
                "residual network with tensoralg.decompose.paths(model)")
+
+
+SEQUENCE_HINT = ("tensoralg.decompose takes apart vector networks only (Linear, Bilinear and "
+                 "Residual layers, e.g. a BilinearNet: eigen-components at depth 1, residual "
+                 "paths deeper) and has no decomposition of attention; a transformer can be "
+                 "compared with another as a whole with ta.similarity / ta.inner (CLI: "
+                 "tensoralg compare A B, tensoralg matrix CKPT...)")
+
+
+def _vector_network(obj: Any, name: str) -> Layer:
+    """``as_network(obj, name)``, refusing a sequence model (one holding attention), which no
+    decomposition here handles, with a message saying so (naming ``name``)."""
+    net = as_network(obj, name)
+    if net.is_sequence_model:
+        raise ValueError(f"{name}: a sequence model (it holds attention, e.g. a bilinear "
+                         f"transformer); {SEQUENCE_HINT}")
+    return net
 
 
 def bilinear_depth(net: Layer) -> int:
@@ -75,6 +92,10 @@ def _output_vector(output: Any, n_out: int, name: str = "output") -> np.ndarray 
     if hasattr(output, "detach"):
         output = output.detach().cpu().double().numpy()
     arr = np.asarray(output)
+    if arr.ndim == 0:   # 9.0, nan, Fraction(1): neither an int index nor a vector
+        raise ValueError(f"{name}: expected an int class index (0..{n_out - 1}) or a direction "
+                         f"vector of shape ({n_out},), got "
+                         f"{(output if arr.dtype == object else arr.item())!r}")
     if arr.dtype == object:
         u = np.array([Fraction(v) for v in arr.reshape(-1)], dtype=object)
     else:

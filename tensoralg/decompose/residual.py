@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
-from ._common import _arr, _eye, _gram_mixed, _zeros, bilinear_depth
+from ..layers import Bilinear, Layer, Linear, Residual, Sequential
+from ._common import _arr, _eye, _gram_mixed, _vector_network, _zeros, bilinear_depth
 from .sums import DecompositionCheck, check_decomposition
 
 def _flat_layers(net: Layer) -> list[Layer]:
@@ -157,7 +157,7 @@ class PathDecomposition:
 
 
 def _path_networks(model: Any, name: str = "model", exact: bool | None = None):
-    net = as_network(model, name)
+    net = _vector_network(model, name)
     pre, blocks, post = _split_residual(net)
     if len(blocks) > 8:
         raise ValueError(f"{name}: {len(blocks)} residual blocks give {2 ** len(blocks)} paths; "

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
-from ._common import _DEPTH_HINT, _arr, _eye, _output_vector, _zeros, bilinear_depth
+from ..layers import Bilinear, Layer, Linear, Residual, Sequential
+from ._common import (_DEPTH_HINT, _arr, _eye, _output_vector, _vector_network, _zeros,
+                      bilinear_depth)
 
 @dataclass
 class _Quad:
@@ -106,7 +107,7 @@ def chaos_coefficients_depth1(net: Any, output: Any = None) -> ChaosCoefficients
         ValueError: a network of bilinear depth >= 2 (the message names check_decomposition),
             a bad ``output``.
     """
-    net = as_network(net, "net")
+    net = _vector_network(net, "net")
     if bilinear_depth(net) > 1:
         raise ValueError(f"net: bilinear depth {bilinear_depth(net)} (degree up to "
                          f"{net.degree}); {_DEPTH_HINT}")
@@ -250,7 +251,7 @@ def eigen(model: Any, output: Any = None):
         ValueError: a network of depth >= 2 (the message names check_decomposition), an output
             index out of range, a direction of the wrong length, ``None`` with several outputs.
     """
-    net = as_network(model, "model")
+    net = _vector_network(model, "model")
     if bilinear_depth(net) > 1:
         raise ValueError(f"model: bilinear depth {bilinear_depth(net)} (degree up to "
                          f"{net.degree}); {_DEPTH_HINT}")
@@ -281,7 +282,7 @@ def as_bilinear_depth1(net: Any) -> Bilinear:
     Raises:
         ValueError: a network of depth >= 2 (names :func:`check_decomposition`).
     """
-    net = as_network(net, "net")
+    net = _vector_network(net, "net")
     q = _quadratic_form(net, net.is_exact, "net")
     exact, O, d = q.exact, q.c.shape[0], q.B.shape[1]
     left = np.concatenate([q.Lt[:, 1:], q.B])

@@ -4,16 +4,17 @@ a sum of components equals a model (:func:`check_decomposition`, docs/mathematic
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
+from ..layers import Bilinear, Layer, Linear, Residual, Sequential
 from ..prepare import check_pair, check_sizes as _check_sizes
 from ._common import (_arr, _coef, _eye, _gram_mixed, _output_vector, _type_key,
-                      _zeros, bilinear_depth)
+                      _vector_network, _zeros, bilinear_depth)
 from .spectral import as_bilinear_depth1
 
 def _blockdiag(mats: list[np.ndarray], exact: bool) -> np.ndarray:
@@ -54,6 +55,16 @@ def _parallel(layers: list[Layer], exact: bool) -> Layer:
     return Sequential([_parallel(list(col), exact) for col in zip(*[l.layers for l in layers])])
 
 
+def _coefficient(c: Any, name: str) -> int | Fraction | float:
+    """A finite real number as an int, a Fraction or a float (numpy scalars included)."""
+    if isinstance(c, (bool, np.bool_)) or not isinstance(c, numbers.Real) or not math.isfinite(c):
+        raise ValueError(f"{name}: expected a finite number, got "
+                         f"{(c.item() if isinstance(c, np.generic) else c)!r}")
+    if isinstance(c, numbers.Integral):
+        return int(c)
+    return Fraction(c) if isinstance(c, numbers.Rational) else float(c)
+
+
 def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) -> Layer:
     """``sum_i c_i f_i`` as one network (all ``c_i = 1`` by default).
 
@@ -67,19 +78,22 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
     Args:
         networks: a non-empty list of networks with the same ``in_features`` and
             ``out_features``.
-        coefficients: numbers, one per network.
+        coefficients: finite real numbers, one per network.
 
     Raises:
-        ValueError: an empty list, sizes that differ (naming the network and both sizes), a
-            coefficient count that differs, or deeper networks whose layer patterns differ.
+        ValueError: an empty list, a sequence model (attention: not decomposed here), sizes
+            that differ (naming the network and both sizes), a coefficient count that differs,
+            a coefficient that is not a finite number (naming ``coefficients[i]``), or deeper
+            networks whose layer patterns differ.
     """
-    nets = [as_network(n, f"networks[{i}]") for i, n in enumerate(networks)]
+    nets = [_vector_network(n, f"networks[{i}]") for i, n in enumerate(networks)]
     if not nets:
         raise ValueError("networks: expected at least one network")
     coefficients = [1] * len(nets) if coefficients is None else list(coefficients)
     if len(coefficients) != len(nets):
         raise ValueError(f"coefficients: expected {len(nets)} numbers (one per network), got "
                          f"{len(coefficients)}")
+    coefficients = [_coefficient(c, f"coefficients[{i}]") for i, c in enumerate(coefficients)]
     _check_sizes(nets[0], nets[1:], "networks", offset=1)
     exact = all(n.is_exact for n in nets) and not any(isinstance(c, float) for c in coefficients)
     if len({_type_key(n) for n in nets}) > 1:
@@ -103,7 +117,7 @@ def difference(a: Any, b: Any) -> Layer:
     (exactly: the float sum of ``f_b`` and ``-f_a`` would leave rounding noise of about
     ``eps ||f_b||^2`` that reads as a change). Raises ``ValueError`` as :func:`combine`, with
     size errors naming ``a`` and ``b``."""
-    na, nb = as_network(a, "a"), as_network(b, "b")
+    na, nb = _vector_network(a, "a"), _vector_network(b, "b")
     check_pair(na, nb, sliceable=False)
     if _same_network(na, nb):
         return combine([nb], [0])
@@ -202,10 +216,10 @@ def check_decomposition(model: Any, components: Sequence[Any], *, output: Any = 
     """
     import tensoralg as ta
 
-    f = as_network(model, "model")
+    f = _vector_network(model, "model")
     if isinstance(components, (Layer, dict)) or hasattr(components, "to_network"):
         raise TypeError("components: expected a list of networks, got a single network")
-    comps = [as_network(g, f"components[{i}]") for i, g in enumerate(components)]
+    comps = [_vector_network(g, f"components[{i}]") for i, g in enumerate(components)]
     if not comps:
         raise ValueError("components: expected at least one component network")
     _check_sizes(f, comps, "components", ref_name="the model")
