@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 
 from tensoralg import decompose as dc
+from tensoralg.cli import main
 
 from netgen import rand_bilinear, rand_linear
 import tensoralg as ta
+
+
+def _net(tmp_path, name="ck", d_in=6, d_out=3):
+    from tensoralg.checkpoint import save_checkpoint
+    from tensoralg.nn import BilinearNet
+
+    save_checkpoint(tmp_path / name, BilinearNet(d_in, d_out, d_model=4, d_hidden=5, seed=0))
+    return str(tmp_path / name)
 
 
 def _transformer(tmp_path, name="tr"):
@@ -24,6 +33,20 @@ def _transformer(tmp_path, name="tr"):
 
 
 # ---- 1. attention models: say plainly that decompose does not take them apart ----------------
+def test_cli_refuses_a_transformer_checkpoint_saying_what_decompose_handles(tmp_path, capsys):
+    """It said 'paths needs residual blocks around one Linear or Bilinear layer; block 1 wraps a
+    BilinearAttention', never that decompose has no decomposition of attention models."""
+    tr, _ = _transformer(tmp_path)
+    out = tmp_path / "run"
+    for argv, option in (([tr], "CKPT"), ([_net(tmp_path), "--diff", tr], "--diff")):
+        assert main(["decompose", *argv, "--out", str(out)]) == 2
+        cap = capsys.readouterr()
+        err = cap.err.strip()
+        assert len(err.splitlines()) == 1 and cap.out == "", cap
+        assert f"error: {option}: {tr} holds attention" in err, err
+        assert "tensoralg decompose takes apart vector networks only" in err, err
+        assert "tensoralg compare A B" in err and "ta.similarity" in err, err
+        assert not out.exists()
 
 
 def test_api_refuses_attention_models_by_argument_name(tmp_path):
@@ -46,6 +69,80 @@ def test_api_refuses_attention_models_by_argument_name(tmp_path):
                                              rf".*takes apart vector networks only.*"
                                              rf"ta\.similarity"):
             fn()
+
+
+def _no_work(monkeypatch):
+    """Make the decomposition itself fail loudly: a refusal must come before it."""
+    import tensoralg.decompose.cli as dcli
+
+    def boom(*a, **k):
+        raise AssertionError("the decomposition ran before the refusal")
+    monkeypatch.setattr(dcli, "decompose_checkpoint", boom)
+
+
+# ---- 2. --out / --json that cannot be used ---------------------------------------------------
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (a folder refusing files)")
+def test_out_in_a_folder_refusing_files_is_named_before_any_work(tmp_path, capsys, monkeypatch):
+    """--out /proc/x failed at the end with "[Errno 2] No such file or directory:
+    '/proc/.x.partial-...'", naming neither --out nor the folder."""
+    ck = _net(tmp_path)
+    _no_work(monkeypatch)
+    assert main(["decompose", ck, "--out", "/proc/tensoralg-test-x"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert cap.err.strip().endswith("error: --out: cannot write /proc/tensoralg-test-x: creating "
+                                    "a file in /proc failed (No such file or directory)"), cap.err
+
+
+@pytest.mark.parametrize("option, kind", [("--out", "folder"), ("--json", "file")])
+def test_empty_out_or_json_is_refused(tmp_path, capsys, monkeypatch, option, kind):
+    """--out "" used runs/decompose and --json "" wrote no copy, both in silence."""
+    ck = _net(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    _no_work(monkeypatch)
+    argv = ["decompose", ck, option, ""] + (["--out", str(tmp_path / "o")]
+                                            if option == "--json" else [])
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.strip() == (f"tensoralg decompose: error: {option}: "
+                                                 f"expected a {kind} path, got an empty string")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "o").exists()
+
+
+# ---- 3. --k 0 draws nothing and says so ------------------------------------------------------
+def test_k0_claims_no_figure(tmp_path, capsys):
+    """--k 0 printed 'figure: output 2' but wrote no figure."""
+    ck = _net(tmp_path)
+    out = tmp_path / "run"
+    assert main(["decompose", ck, "--k", "0", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "figure: output" not in text
+    assert "no figure (--k 0: no eigenvectors to draw)" in text
+    res = json.loads((out / "decompose.json").read_text())
+    assert res["files"] == ["decompose.json"] and res["drawn_output"] is None
+    assert not (out / "decompose_eigenvectors.png").exists()
+    assert all(e["eigenvectors"] == [] for e in res["eigen"].values())
+    # k = 1 still draws, and says which output
+    assert main(["decompose", ck, "--k", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "decompose.json").read_text())
+    assert f"figure: output {res['drawn_output']}" in capsys.readouterr().out
+    assert res["files"] == ["decompose.json", "decompose_eigenvectors.png"]
+
+
+# ---- 4. one input: one eigenvalue, no lambda_2 -----------------------------------------------
+def test_one_input_shows_no_second_eigenvalue(tmp_path, capsys):
+    """A d = 1 model showed lambda_2 = 0.0000 though it has one eigenvalue only."""
+    ck = _net(tmp_path, "ck1", d_in=1, d_out=2)
+    out = tmp_path / "run"
+    assert main(["decompose", ck, "--k", "1", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1].split()
+    col = header.index("lambda_2")
+    rows = [x.split() for x in lines[3:5]]
+    assert [r[col] for r in rows] == ["-", "-"], lines
+    assert all(float(r[col - 1]) != 0 for r in rows)   # lambda_1 is there
+    res = json.loads((out / "decompose.json").read_text())
+    assert all(len(e["eigenvalues"]) == 1 for e in res["eigen"].values())
 
 
 # ---- 5. Python API messages ------------------------------------------------------------------

@@ -7,9 +7,11 @@ from CKPT to CKPT2) taken apart.
 * residual networks of depth >= 2: the residual paths (``tensoralg.decompose.paths``) with their
   exact shares of ``||f||^2`` and costs.
 
-Writes ``decompose.json`` (stamped with the version and the options) and
-``decompose_eigenvectors.png`` under ``--out`` (default ``runs/decompose``; new, empty or an
-earlier decompose output, replaced as a whole only by a complete run).
+Writes ``decompose.json`` (stamped with the version and the options) and, for depth 1 with
+``--k`` above 0, ``decompose_eigenvectors.png`` under ``--out`` (default ``runs/decompose``;
+new, empty or an earlier decompose output, replaced as a whole only by a complete run).
+Sequence models (attention: bilinear transformers) are refused: ``tensoralg compare`` /
+``matrix`` compare them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def add_parsers(sub) -> None:
                    help="the output (class) whose eigenvectors are drawn (default: all outputs "
                         "in the table, the largest in the figure)")
     p.add_argument("--k", type=nonneg_int, default=4,
-                   help="eigen-components kept / drawn (default 4)")
+                   help="eigen-components kept / drawn (default 4; 0: the table only, no "
+                        "figure)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default runs/decompose)")
     p.add_argument("--json", metavar="PATH", default=None,
@@ -48,7 +51,15 @@ def _load(path: str, option: str):
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
-    return load_checkpoint(path)[0].to_network()
+    net = load_checkpoint(path)[0].to_network()
+    if net.is_sequence_model:
+        raise ValueError(f"{option}: {path} holds attention (a sequence model, e.g. a bilinear "
+                         f"transformer): tensoralg decompose takes apart vector networks only "
+                         f"(Linear, Bilinear and Residual layers, e.g. a BilinearNet checkpoint: "
+                         f"eigen-components at depth 1, residual paths deeper); to compare "
+                         f"transformer checkpoints use tensoralg compare A B or tensoralg matrix "
+                         f"CKPT... (ta.similarity in Python)")
+    return net
 
 
 def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int | None = None,
@@ -56,7 +67,8 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
     """The JSON result of ``tensoralg decompose`` and the eigendecomposition drawn (or None).
 
     Raises:
-        ValueError: ``--output`` out of range, ``--k`` above the input dimension;
+        ValueError: ``--output`` out of range, ``--k`` above the input dimension, a checkpoint
+            holding attention (not decomposed here);
         FileNotFoundError / ValueError from loading the checkpoints.
     """
     from ..audit.common import stamp
@@ -81,6 +93,9 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
         drawn = output if output is not None else int(max(range(O), key=lambda c: eigs[c].norm2))
         result["eigen"] = {str(c): e.to_dict(top=k if c == drawn else 0)
                            for c, e in enumerate(eigs)}
+        if k == 0:   # no eigenvector kept: nothing is drawn
+            result["drawn_output"] = None
+            return result, None
         result["drawn_output"] = drawn
         return result, eigs[drawn]
     pd = paths(net)
@@ -99,15 +114,17 @@ def table(result: dict) -> str:
         for c, e in result["eigen"].items():
             lam = e["eigenvalues"]
             defined = e["norm2"] > 0   # a zero function has no relative error or direction
-            rows.append([c, e["norm2"], e["C0"] ** 2, e["C1_norm2"], lam[0] if lam else 0.0,
-                         lam[1] if len(lam) > 1 else 0.0,
+            rows.append([c, e["norm2"], e["C0"] ** 2, e["C1_norm2"], lam[0],
+                         lam[1] if len(lam) > 1 else "-",   # one input: one eigenvalue
                          e["relative_error"][k] if defined else "undefined (f = 0)",
                          e["similarity"][k] if defined else "undefined (f = 0)"])
         lines.append(format_table(["output", "||f||^2", "C0^2", "|C1|^2", "lambda_1", "lambda_2",
                                    f"rel. error (k={k})", f"similarity (k={k})"], rows))
         lines.append(f"f = C0 + C1.x + sum_i lambda_i He2(v_i.x); keeping the top k components "
-                     f"costs exactly 2 sum_dropped lambda_i^2 (relative error above); figure: "
-                     f"output {result['drawn_output']}")
+                     f"costs exactly 2 sum_dropped lambda_i^2 (relative error above); "
+                     + (f"figure: output {result['drawn_output']}"
+                        if result["drawn_output"] is not None
+                        else "no figure (--k 0: no eigenvectors to draw)"))
     else:
         p = result["paths"]
         rows = [[n, dep, s, "over budget" if n in p["over_budget"] else ""]
@@ -121,29 +138,26 @@ def table(result: dict) -> str:
 
 
 def cmd_decompose(args) -> int:
-    from ..audit.common import (check_file_writable, check_folder_path, staged_output,
-                               write_json)
-    from ..audit._cliutil import apply_threads
+    from ..audit.common import staged_output, write_json
+    from ..audit._cliutil import apply_threads, check_paths
 
     for path, option in ((args.checkpoint, "CKPT"), (args.diff, "--diff")):
         if path is not None and not Path(path).is_dir():   # before torch is imported
             raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
-    if args.json:
-        check_file_writable(args.json, "--json")
-    out = check_folder_path(args.out or "runs/decompose", "--out")
+    out = check_paths(args, "runs/decompose")   # --json, --out: empty or unwritable refused
     apply_threads(args)
     from .report import eigenvector_figure
 
     result, eig = decompose_checkpoint(args.checkpoint, args.diff, args.output, args.k)
     with staged_output(out, JSON_NAME) as stage:
         files = [JSON_NAME]
-        if eig is not None and args.k > 0:
+        if eig is not None:
             eigenvector_figure(stage / FIG_NAME, eig, args.k,
                                f"{result['subject']}: output {result['drawn_output']}")
             files.append(FIG_NAME)
         result["files"] = files
         write_json(stage / JSON_NAME, result)
-        if args.json:
+        if args.json is not None:
             write_json(args.json, result)
     print(table(result))
     print(f"wrote {', '.join(str(Path(out) / f) for f in files)}")
