@@ -620,7 +620,8 @@ def _mc(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_profile, need=(Non
         tot = np.abs(raw).sum(axis=1)
         share = float(max(np.abs(rem[i]).max() / tot[i] if tot[i] > 0 else 1.0
                           for i in range(3)))
-        diag = _verdict(list(diag.replicates), share, {"<a,a>": raw[1], "<b,b>": raw[2]})
+        diag = _verdict(list(diag.replicates), share, {"<a,a>": raw[1], "<b,b>": raw[2]},
+                        diag.exact)
         out[K] = MonteCarloEstimate(float(est), est.stderr, P.shape[1], diag)
     profs = []
     for side in (0, 1):

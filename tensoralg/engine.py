@@ -95,7 +95,7 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
             return _guided(kind, req, na, nb)
         fn = montecarlo.montecarlo_inner_req if kind == "inner" else \
             montecarlo.montecarlo_similarity_req
-        return fn(req, na, nb)
+        return _mode_checked(kind, req, na, nb, fn(req, na, nb))
     try:
         if kind == "inner":
             return _checked_inner(wick_terms.exact_inner_req, req, na, nb)
@@ -165,6 +165,18 @@ def _guided(kind: str, req: Request, na: Layer, nb: Layer, n_ctx: int | None = N
     return fn(na, nb, U, keep, req.n_samples, req.seed, n_ctx, req.position, device)
 
 
+def _mode_checked(kind: str, req: Request, na: Layer, nb: Layer, est):
+    """A plain (radial) scalar Monte Carlo estimate with its verdict cross-checked against the
+    guided estimate of the same quantity (:func:`montecarlo.cross_checked`; the mode search
+    finds where rare directions carry the integrand, which plain directions can miss while
+    their own diagnostics pass) when a model has degree >= ``MC_CROSS_DEGREE``; arrays and
+    lower degrees unchanged."""
+    if not isinstance(est, MonteCarloEstimate) or est.diagnostics is None or \
+            max(na.degree, nb.degree) < montecarlo.MC_CROSS_DEGREE:
+        return est
+    return montecarlo.cross_checked(est, _guided(kind, req, na, nb))
+
+
 def inner(req: Request, a: Any, b: Any):
     na, nb, seq = _checked_pair("inner", req, a, b)
     if seq is not _POSITION_FREE:
@@ -181,7 +193,8 @@ def inner(req: Request, a: Any, b: Any):
                                    [montecarlo.inner_diagnostics(p[:, 0, 0, k], name)
                                     for k in range(p.shape[-1])])
         diag = montecarlo.inner_diagnostics(p[:, 0, 0], name)
-        return MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]), req.n_samples, diag)
+        return _mode_checked("inner", req, na, nb, MonteCarloEstimate(
+            float(mean[0, 0]), float(se[0, 0]), req.n_samples, diag))
     same = b is a
     if req.exact and req.method == "exact":  # refuse before any rational work
         refuse_if_needed(refuse_exact_early([na], None if same else [nb], U, keep, req.metric,
@@ -221,8 +234,8 @@ def similarity(req: Request, a: Any, b: Any):
     U, keep = req.output_matrix(na.out_features)
     backend = req.backend
     if req.method == "montecarlo":
-        return montecarlo.similarity(na, nb, U, keep, req.n_samples, req.seed, backend,
-                                     req.device, req.dtype)
+        return _mode_checked("similarity", req, na, nb, montecarlo.similarity(
+            na, nb, U, keep, req.n_samples, req.seed, backend, req.device, req.dtype))
     if req.exact and req.method == "exact":  # refuse before any rational work
         # the pair's plan is the first one the rational path makes (and refuses on)
         refuse_if_needed(refuse_exact_early([na], None if b is a else [nb], U, keep,
@@ -565,8 +578,15 @@ def diff_norm(req: Request, b: Any, c: Any):
     ``|f_b - f_c|^2`` per sample, the delta-method standard error of its root."""
     if req.method == "montecarlo":
         terms = [(b, 1.0, "b"), (c, -1.0, "c")]
-        d2 = _guided_diff_sq(req, b, c) if req.proposal == "modes" else \
-            _mc_combination(req, terms, terms)
+        if req.proposal == "modes":
+            d2 = _guided_diff_sq(req, b, c)
+        else:
+            d2 = _mc_combination(req, terms, terms)
+            nb, nc = as_network(b, "b"), as_network(c, "c")
+            if isinstance(d2, MonteCarloEstimate) and \
+                    max(nb.degree, nc.degree) >= montecarlo.MC_CROSS_DEGREE:
+                d2 = montecarlo.cross_checked(
+                    d2, _guided_diff_sq(req.replace(proposal="modes"), b, c))
         d = np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
         with np.errstate(divide="ignore", invalid="ignore"):
             # d = 0 with se(d^2) = 0: the integrand vanished on every sample (so, with

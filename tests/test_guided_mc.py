@@ -92,13 +92,38 @@ def test_diff_norm_of_planted_sequence_models_agrees_with_quadrature(planted):
     assert not r.diagnostics.reliable and "one direction carries" in r.diagnostics.reason
 
 
-def test_mixture_weights_are_bounded_and_have_mean_one():
-    """phi/q <= 1/(1-beta), and E_q[phi/q] = 1 exactly (whatever the modes): a check that the
-    sampler and the density ratio describe the same mixture."""
-    modes = np.random.default_rng(0).normal(size=(5, 3, 4)) * 3
-    w = np.concatenate([w for _, w in guided.draws(modes, 40_000, seed=1)])
+def test_mixture_weights_are_bounded_and_unbiased():
+    """uniform/q <= 1/(1-beta), E_q[uniform/q] = 1, and E_q[w h] = E_uniform[h] for a known
+    function on the sphere, h(u) = (u . e)^8 with E = 7!! / (D (D+2) (D+4) (D+6)) (the moments of
+    a uniform direction): the sampler and the density ratio describe the same mixture, with
+    concentrations from nearly uniform to sharp and the direction of e among the components."""
+    D = 6
+    rng = np.random.default_rng(0)
+    mu = rng.normal(size=(4, D))
+    mu[0] = np.eye(D)[0]
+    mu /= np.linalg.norm(mu, axis=1, keepdims=True)
+    kappa = np.array([40.0, 3.0, 200.0, 1.5])
+    U = np.concatenate([u for u, _ in guided.direction_draws(mu, kappa, D, 200_000, seed=1)])
+    w = np.concatenate([w for _, w in guided.direction_draws(mu, kappa, D, 200_000, seed=1)])
     assert w.max() <= 1 / (1 - guided.BETA) + 1e-12
     assert abs(w.mean() - 1) < 4 * w.std(ddof=1) / np.sqrt(w.size)
+    p = w * U[:, 0] ** 8
+    truth = 105 / (D * (D + 2) * (D + 4) * (D + 6))
+    assert abs(p.mean() - truth) < 4 * p.std(ddof=1) / np.sqrt(p.size)
+
+
+def test_log_bessel_is_stable_where_scipy_underflows():
+    """log I_nu(kappa) from the series where ive underflows (large nu: the spheres of sequence
+    models), equal to scipy where both are representable."""
+    from scipy.special import ive
+
+    k = np.array([0.5, 3.0, 40.0, 900.0])
+    for nu in (0.0, 2.5, 30.0):
+        ref = np.log(ive(nu, k)) + k
+        assert np.allclose(guided._log_bessel_iv(nu, k), ref, rtol=1e-12, atol=1e-12)
+    big = guided._log_bessel_iv(600.0, np.array([50.0]))[0]     # ive(600, 50) underflows
+    # log I_600(50) = -1309.9108031793 (mpmath, 30 digits: log(besseli(600, 50)))
+    assert big == pytest.approx(-1309.9108031793, rel=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,13 @@ def _compare_rows(rows: list, pairs, na, nb, sequence: bool, n_samples: int, see
                 entry["diagnostics"] = {"reason": d.reason, "max_share": d.max_share,
                                         "replicates_max_z": d.max_z,
                                         "replicates": [list(x) for x in d.replicates],
-                                        "certified_lower_bounds": d.lower_bounds}
+                                        "certified_lower_bounds": d.lower_bounds,
+                                        "exact": bool(d.exact),
+                                        "cross_check": None if d.cross_check is None else
+                                        dict(zip(("value", "stderr", "z", "reliable"),
+                                                 d.cross_check))}
+                if not d.reliable:   # what can be trusted instead
+                    entry["exact_instead"] = exact_instead(na, nb, n_ctx if sequence else None)
             if getattr(each, "stderr", None) is not None:
                 entry["each_stderr"] = [float(v) for v in np.ravel(each.stderr)]
             if getattr(each, "reliable", None) is not None:   # Monte Carlo: each slice's verdict
@@ -225,6 +231,34 @@ def _compare_rows(rows: list, pairs, na, nb, sequence: bool, n_samples: int, see
             entry["error"] = f"{type(exc).__name__}: {msg}"
         entry["seconds"] = time.perf_counter() - t
         rows.append(entry)
+
+
+def exact_instead(na, nb, n_ctx) -> dict:
+    """What is exact for a pair whose Monte Carlo similarity has no reliable estimate: the
+    degree-resolved similarities ``S<=1`` and ``S<=5`` (below the models' degree) where
+    :func:`tensoralg.degree_similarity` computes them exactly (docs/mathematics.md §3.9: a
+    different question from the full similarity, the similarity of the low-degree parts), as
+    ``{"S<=K": value}``; a ``K`` it could only estimate is left out, and a refusal is kept as
+    ``{"refused": message}``."""
+    import tensoralg as ta
+
+    deg = min(na.degree, nb.degree)
+    Ks = [k for k in (1, 5) if k < deg] or [1]
+    try:
+        r = ta.degree_similarity(na, nb, n_ctx=n_ctx, max_degree=Ks)
+    except ValueError as exc:   # CostTooHigh is a ValueError
+        return {"refused": str(exc).split("\n")[0]}
+    return {f"S<={K}": float(r[K]) for K in Ks if r.method.get(K) == "exact"}
+
+
+def _instead_text(r: dict) -> str:
+    ex = r.get("exact_instead") or {}
+    vals = {k: v for k, v in ex.items() if k != "refused"}
+    if not vals:
+        return ""
+    return ("; exact instead (degree-resolved similarity, a different question: the "
+            "low-degree parts) " + ", ".join(f"{k.replace('<=', '≤')} = {v:.6g}"
+                                             for k, v in vals.items()))
 
 
 def _warn_once(caught) -> None:
@@ -263,7 +297,8 @@ def compare_table(result: dict) -> str:
             notes.append(f"[{len(notes) + 1}] {r['metric']}/{r['method']}: "
                          f"{r['diagnostics']['reason']}"
                          + ("; certified lower bounds " + ", ".join(
-                             f"{k} >= {v:.4g}" for k, v in lbs.items()) if lbs else ""))
+                             f"{k} >= {v:.4g}" for k, v in lbs.items()) if lbs else "")
+                         + _instead_text(r))
             rows.append([r["metric"], r["method"], "no reliable estimate", "-", "-",
                          f"see [{len(notes)}]"])
             continue

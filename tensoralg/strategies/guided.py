@@ -35,7 +35,8 @@ from .montecarlo import (MonteCarloEstimate, check_sampling_cost, inner_diagnost
                          ratio_diagnostics,
                          ratio_estimate, warn_few)
 
-__all__ = ["find_modes", "log_proposal_ratio", "draws", "inner", "similarity", "diff_sq", "BETA"]
+__all__ = ["find_modes", "direction_components", "log_direction_ratio", "direction_draws",
+           "inner", "similarity", "diff_sq", "BETA", "KAPPA_SCALES"]
 
 #: Mixture weight of the modes in the proposal: weights are at most ``1 / (1 - BETA) = 2``.
 BETA = 0.5
@@ -102,9 +103,51 @@ def _read_directions(net: Layer, Ut, shape: tuple, position, rng, n_points: int 
     return out
 
 
-def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
+def _fingerprint(net) -> tuple:
+    """A key of a network's function for :func:`find_modes`' cache: its class and the bytes
+    of its arrays (a :class:`_Difference`: those of its two networks)."""
+    import hashlib
+
+    if isinstance(net, _Difference):
+        return ("difference", _fingerprint(net.nb), _fingerprint(net.nc))
+    h = hashlib.sha1(type(net).__name__.encode())
+    for a in net.arrays():
+        a = np.ascontiguousarray(np.asarray(a, dtype=np.float64))
+        h.update(str(a.shape).encode())
+        h.update(a.tobytes())
+    return (type(net).__name__, h.hexdigest())
+
+
+#: The last modes found (a plain estimate and its guided cross-check search the same ones).
+_MODE_CACHE: dict = {}
+_MODE_CACHE_SIZE = 16
+
+
+def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
                position: int | None = None, steps: int = STEPS,
                random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
+    """The modes of :func:`_find_modes` (its docstring), remembered for the last
+    :data:`_MODE_CACHE_SIZE` searches by the networks' weights, ``U``, ``n_ctx``, ``seed``,
+    ``position``, ``steps``, ``random_starts`` and ``device`` (a read-only array)."""
+    try:
+        key = (tuple(_fingerprint(n) for n in nets), np.asarray(U, np.float64).tobytes(),
+               np.shape(U), n_ctx, repr(seed), position, steps, random_starts, str(device))
+    except (AttributeError, TypeError):
+        key = None
+    if key is not None and key in _MODE_CACHE:
+        return _MODE_CACHE[key]
+    modes = _find_modes(nets, U, n_ctx, seed, position, steps, random_starts, device)
+    modes.setflags(write=False)
+    if key is not None:
+        while len(_MODE_CACHE) >= _MODE_CACHE_SIZE:
+            _MODE_CACHE.pop(next(iter(_MODE_CACHE)))
+        _MODE_CACHE[key] = modes
+    return modes
+
+
+def _find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
+                position: int | None = None, steps: int = STEPS,
+                random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
     """Local maxima of ``log |U f(x)|^2 - |x|^2 / 2`` for each network, by Adam (torch,
     float64) from ``random_starts`` Gaussian starts at radii ``1..3 sqrt(dim)`` and from
     starts along the directions the model reads (:func:`_read_directions`; for sequences one
@@ -176,32 +219,107 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: int,
     return np.concatenate(found + [-f for f in found])
 
 
-def log_proposal_ratio(x: np.ndarray, modes: np.ndarray, beta: float = BETA) -> np.ndarray:
-    """``log(q(x) / phi(x))`` for samples ``x (n, *shape)``: ``log((1 - beta) + beta *
-    mean_k exp(m_k . x - |m_k|^2 / 2))`` (log-sum-exp, stable at large arguments)."""
+#: Concentrations of the direction components around each mode direction ``m / |m|``:
+#: ``kappa = c |m|^2`` for each ``c`` here. ``c = 1`` matches the spread of the directions of
+#: ``N(m, I)`` (angular standard deviation ``1 / |m|``); the wider ``c = 1/4`` covers peaks
+#: broader than that. Any choice keeps the estimator unbiased (the weights are exact).
+KAPPA_SCALES = (1.0, 0.25)
+
+
+def _log_bessel_iv(nu: float, kappa: np.ndarray) -> np.ndarray:
+    """``log I_nu(kappa)`` (modified Bessel function of the first kind) for ``nu >= 0`` and
+    ``kappa > 0``, stable where ``I_nu`` under- or overflows float64 (large ``nu`` at moderate
+    ``kappa``, the high-dimensional spheres of sequence models): scipy's ``ive`` where its value
+    is representable, else the power series ``sum_j (kappa/2)^(2j + nu) / (j! Gamma(j + nu + 1))``
+    summed in log space (positive terms: no cancellation)."""
+    from scipy.special import gammaln, ive, logsumexp
+
+    kappa = np.asarray(kappa, dtype=np.float64)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        v = ive(nu, kappa)
+    out = np.log(np.where(v > 1e-280, v, 1.0)) + kappa
+    bad = ~((v > 1e-280) & np.isfinite(v))
+    for i in np.flatnonzero(bad):
+        k = float(kappa.flat[i])
+        j = np.arange(int(k / 2 + 12 * math.sqrt(k) + 64), dtype=np.float64)
+        out.flat[i] = logsumexp((2 * j + nu) * math.log(k / 2) - gammaln(j + 1)
+                                - gammaln(j + nu + 1))
+    return out
+
+
+def direction_components(modes: np.ndarray, scales=KAPPA_SCALES):
+    """The von Mises-Fisher components of the direction proposal: ``(mu, kappa)``, ``mu``
+    ``(K, D)`` the unit directions ``m / |m|`` of the modes ``(k, *shape)`` (flattened;
+    ``D = prod(shape)``), ``kappa`` ``(K,)`` = ``c |m|^2`` for each ``c`` in ``scales``. Modes at
+    the origin (no direction) and components with ``kappa < 1`` (nearly the uniform
+    distribution already in the mixture) are left out; none at all for ``D = 1`` (the sphere is
+    ``{-1, 1}``, which the radial rule covers exactly)."""
+    M = np.asarray(modes, dtype=np.float64).reshape(len(modes), -1)
+    D = M.shape[1]
+    r2 = (M * M).sum(axis=1)
+    keep = r2 > 0
+    mu = M[keep] / np.sqrt(r2[keep])[:, None]
+    mus, kappas = [], []
+    for c in scales:
+        k = c * r2[keep]
+        ok = k >= 1.0
+        mus.append(mu[ok])
+        kappas.append(k[ok])
+    mu, kappa = np.concatenate(mus), np.concatenate(kappas)
+    if D < 2:
+        return mu[:0], kappa[:0]
+    return mu, kappa
+
+
+def log_direction_ratio(u: np.ndarray, mu: np.ndarray, kappa: np.ndarray,
+                        beta: float = BETA) -> np.ndarray:
+    """``log(q(u) / uniform(u))`` for unit directions ``u`` ``(n, D)`` under the mixture
+    ``q = (1 - beta) uniform + beta mean_k vMF(mu_k, kappa_k)`` on the sphere ``S^(D-1)``.
+
+    The von Mises-Fisher density relative to the uniform one is
+    ``|S^(D-1)| C_D(kappa) exp(kappa mu.u)`` with ``C_D(kappa) = kappa^(D/2-1) / ((2 pi)^(D/2)
+    I_(D/2-1)(kappa))`` and ``|S^(D-1)| = 2 pi^(D/2) / Gamma(D/2)`` (Mardia & Jupp, Directional
+    Statistics, 2000, §9.3.2), i.e. in logs
+    ``log 2 - lgamma(D/2) - (D/2) log 2 + (D/2-1) log kappa - log I_(D/2-1)(kappa) + kappa mu.u``.
+    With no components the ratio is 1 (plain sampling)."""
+    u = np.asarray(u, dtype=np.float64)
+    if len(mu) == 0:
+        return np.zeros(len(u))
     from scipy.special import logsumexp
 
-    X = x.reshape(len(x), -1)
-    M = modes.reshape(len(modes), -1)
-    e = X @ M.T - 0.5 * (M * M).sum(axis=1)[None, :]               # (n, k)
-    e = np.concatenate([np.full((len(X), 1), math.log(1 - beta)),
-                        e + math.log(beta / len(M))], axis=1)
+    D = u.shape[1]
+    nu = D / 2 - 1
+    c = (math.log(2) - math.lgamma(D / 2) - (D / 2) * math.log(2) + nu * np.log(kappa)
+         - _log_bessel_iv(nu, kappa))                                  # (K,)
+    e = u @ mu.T * kappa[None, :] + (c + math.log(beta / len(mu)))[None, :]
+    e = np.concatenate([np.full((len(u), 1), math.log(1 - beta)), e], axis=1)
     return logsumexp(e, axis=1)
 
 
-def draws(modes: np.ndarray, n: int, seed: int, beta: float = BETA, chunk: int = 4096):
-    """Yield ``(x, w)`` in chunks: ``n`` samples of the mixture ``q`` (numpy
-    ``default_rng(seed)``) and their weights ``phi / q`` (at most ``1 / (1 - beta)``)."""
+def direction_draws(mu: np.ndarray, kappa: np.ndarray, D: int, n: int, seed: int,
+                    beta: float = BETA, chunk: int = 4096):
+    """Yield ``(u, w)`` in chunks: ``n`` directions ``(s, D)`` of the mixture ``q`` of
+    :func:`log_direction_ratio` (numpy ``default_rng(seed)``; the von Mises-Fisher draws by
+    ``scipy.stats.vonmises_fisher``, Wood's algorithm) and their weights ``uniform / q`` (at
+    most ``1 / (1 - beta)``; exactly 1 with no components)."""
+    from scipy.stats import vonmises_fisher
+
     rng = np.random.default_rng(seed)
-    shape = modes.shape[1:]
     done = 0
+    K = len(mu)
+    b = beta if K else 0.0
     while done < n:
         s = min(chunk, n - done)
-        x = rng.standard_normal((s,) + shape)
-        pick = rng.random(s) < beta
-        k = rng.integers(0, len(modes), size=s)
-        x[pick] += modes[k[pick]]
-        yield x, np.exp(-log_proposal_ratio(x, modes, beta))
+        u = rng.standard_normal((s, D))
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        if K:
+            pick = np.flatnonzero(rng.random(s) < b)
+            comp = rng.integers(0, K, size=pick.size)
+            for k in np.unique(comp):
+                rows = pick[comp == k]
+                u[rows] = vonmises_fisher(mu[k], kappa[k]).rvs(rows.size, random_state=rng) \
+                    .reshape(rows.size, D)
+        yield u, np.exp(-log_direction_ratio(u, mu, kappa, beta))
         done += s
 
 
@@ -227,10 +345,53 @@ def _check_scalar(keep: bool) -> None:
                          "class index or a direction (got 'each')")
 
 
+def _radial_samples(nets, pairs, U, n_ctx, position, degree: int, modes, n_samples: int,
+                    seed: int, device, chunk_points: int = 1 << 15) -> np.ndarray:
+    """``P`` ``(len(pairs), n_samples)``: per direction ``u`` of the mixture
+    (:func:`direction_draws` around the directions of ``modes``), ``w(u) h_ij(u)`` for each
+    ``(i, j)`` in ``pairs``, ``h_ij(u) = E_r[U f_i(r u) . U f_j(r u)]`` the exact radial average
+    (the Gauss rule for the chi radius of :mod:`~tensoralg.strategies.montecarlo`, exact for
+    degree ``<= 2 degree``) and ``w = uniform / q``. Unbiased: ``E_q[w h] = E_uniform[h] =
+    <f_i, f_j>`` whatever the modes; ``|w h| <= 2 max |h|``, a bounded summand."""
+    from .montecarlo import _finite_outputs, _radial_points
+
+    shape = _shape(nets[0], n_ctx)
+    D = int(np.prod(shape))
+    pts, wq = _radial_points(D, 2 * degree)
+    Q = pts.size
+    mu, kappa = direction_components(modes)
+    out = []
+    for u, w in direction_draws(mu, kappa, D, n_samples, seed,
+                                chunk=max(1, chunk_points // (Q * max(1, D)))):
+        s = len(u)
+        X = (u[:, None, :] * pts[None, :, None]).reshape((s * Q,) + shape)
+        F = [_forward(net, X, device) for net in nets]
+        _finite_outputs(np.stack([f.reshape(s, -1) for f in F])[:, :, None, :])
+        h = np.stack([(_products(F[i], F[j], U, position).reshape(s, Q) * wq).sum(axis=1)
+                      for i, j in pairs])
+        out.append(h * w[None, :])
+    return np.concatenate(out, axis=1)
+
+
+def _search_seed(seed: int) -> tuple:
+    """The mode search's seed: ``(seed, 1)`` (a numpy SeedSequence), a stream independent of
+    plain sampling's ``default_rng(seed)`` and of every other ``seed``'s streams."""
+    return (int(seed), 1)
+
+
+def _draw_seed(seed: int) -> tuple:
+    """The guided directions' seed ``(seed, 2)`` (as :func:`_search_seed`)."""
+    return (int(seed), 2)
+
+
+def _degree(nets) -> int:
+    return max(int(n.degree) for n in nets)
+
+
 def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed: int,
           n_ctx: int | None = None, position: int | None = None,
           device: Any = None) -> MonteCarloEstimate:
-    """``<f_a, f_b>`` by guided importance sampling (APPROXIMATE; module docstring): a
+    """``<f_a, f_b>`` by guided radial importance sampling (APPROXIMATE; module docstring): a
     :class:`MonteCarloEstimate` with its standard error and diagnostics. ``device``: the torch
     device of the mode search and the forward passes (None: the CPU, forward in numpy).
 
@@ -238,40 +399,52 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
         ValueError: ``output="each"`` (one number only).
     """
     _check_scalar(keep)
-    check_sampling_cost([na, nb], n_samples, 1, n_ctx)
+    check_sampling_cost([na, nb], n_samples, _points([na, nb], n_ctx), n_ctx)
     warn_few(n_samples)
     same = nb is na
-    modes = find_modes([na] if same else [na, nb], U, n_ctx, seed, position, device=device)
-    p = np.concatenate([w * _products(_forward(na, x, device), _forward(nb, x, device), U,
-                                      position)
-                        for x, w in draws(modes, n_samples, seed + 1)])
+    modes = find_modes([na] if same else [na, nb], U, n_ctx, _search_seed(seed), position,
+                       device=device)
+    nets = [na] if same else [na, nb]
+    p = _radial_samples(nets, [(0, 0) if same else (0, 1)], U, n_ctx, position,
+                        _degree(nets), modes, n_samples, _draw_seed(seed), device)[0]
     n = len(p)
     diag = inner_diagnostics(p, "<a,a>" if same else None)
     return MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)), n, diag)
 
 
+def _points(nets, n_ctx) -> int:
+    from .montecarlo import _radial_nodes
+
+    return 2 * _radial_nodes(2 * _degree(nets))
+
+
 def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed: int,
                n_ctx: int | None = None, position: int | None = None,
                device: Any = None) -> MonteCarloEstimate:
-    """``<a, b> / (||a|| ||b||)`` by guided importance sampling (APPROXIMATE): the ratio of the
-    three weighted means, delta-method standard error, diagnostics over the three sums.
+    """``<a, b> / (||a|| ||b||)`` by guided radial importance sampling (APPROXIMATE): the ratio
+    of the three weighted means from the same directions, delta-method standard error,
+    diagnostics over the three sums. The three inner products it is the ratio of are reported
+    as ``.inner_products`` (``{"<a,b>", "<a,a>", "<b,b>"}``, each a
+    :class:`MonteCarloEstimate`): the value is exactly ``<a,b> / sqrt(<a,a> <b,b>)`` of those.
 
     Raises:
         ValueError: ``output="each"``; a sampled norm of zero.
     """
     _check_scalar(keep)
-    check_sampling_cost([na, nb], n_samples, 1, n_ctx)
+    check_sampling_cost([na, nb], n_samples, _points([na, nb], n_ctx), n_ctx)
     warn_few(n_samples)
-    modes = find_modes([na, nb], U, n_ctx, seed, position, device=device)
-    parts = []
-    for x, w in draws(modes, n_samples, seed + 1):
-        fa, fb = _forward(na, x, device), _forward(nb, x, device)
-        parts.append(np.stack([w * _products(fa, fb, U, position),
-                               w * _products(fa, fa, U, position),
-                               w * _products(fb, fb, U, position)]))
-    P = np.concatenate(parts, axis=1)
-    est = ratio_estimate(P.sum(axis=1), P @ P.T, P.shape[1])
-    return MonteCarloEstimate(float(est), est.stderr, P.shape[1], ratio_diagnostics(P))
+    modes = find_modes([na, nb], U, n_ctx, _search_seed(seed), position, device=device)
+    P = _radial_samples([na, nb], [(0, 1), (0, 0), (1, 1)], U, n_ctx, position,
+                        _degree([na, nb]), modes, n_samples, _draw_seed(seed), device)
+    n = P.shape[1]
+    est = ratio_estimate(P.sum(axis=1), P @ P.T, n)
+    names = ("<a,b>", "<a,a>", "<b,b>")
+    parts = {k: MonteCarloEstimate(float(P[i].mean()), float(P[i].std(ddof=1) / math.sqrt(n)),
+                                   n, inner_diagnostics(P[i], None if i == 0 else k))
+             for i, k in enumerate(names)}
+    out = MonteCarloEstimate(float(est), est.stderr, n, ratio_diagnostics(P))
+    out.inner_products = parts
+    return out
 
 
 class _Difference:
@@ -280,6 +453,7 @@ class _Difference:
 
     def __init__(self, nb: Layer, nc: Layer):
         self.nb, self.nc, self.in_features = nb, nc, nb.in_features
+        self.degree = max(nb.degree, nc.degree)
 
     def __call__(self, x):
         return self.nb(x) - self.nc(x)
@@ -288,24 +462,24 @@ class _Difference:
 def diff_sq(nb: Layer, nc: Layer, U: np.ndarray, keep: bool, n_samples: int, seed: int,
             n_ctx: int | None = None, position: int | None = None,
             device: Any = None) -> MonteCarloEstimate:
-    """``||f_b - f_c||^2`` by guided importance sampling (APPROXIMATE; module docstring): the
-    weighted mean of ``|U (f_b - f_c)|^2`` over draws of the mixture around the modes of
-    ``f_b``, ``f_c`` and ``f_b - f_c``, with its standard error and the diagnostics of a
-    squared norm (certified lower bound under ``"||b - c||^2"``). Unbiased whatever the
-    modes found (the weights are ``phi / q``). ``device``: as :func:`inner`.
+    """``||f_b - f_c||^2`` by guided radial importance sampling (APPROXIMATE; module
+    docstring): the weighted mean of the radial average of ``|U (f_b - f_c)|^2`` over directions
+    of the mixture around the modes of ``f_b``, ``f_c`` and ``f_b - f_c``, with its standard
+    error and the diagnostics of a squared norm (certified lower bound under
+    ``"||b - c||^2"``). Unbiased whatever the modes found (the weights are ``uniform / q``).
+    ``device``: as :func:`inner`.
 
     Raises:
         ValueError: ``output="each"`` (one number only).
     """
     _check_scalar(keep)
-    check_sampling_cost([nb, nc], n_samples, 1, n_ctx)
+    check_sampling_cost([nb, nc], n_samples, _points([nb, nc], n_ctx), n_ctx)
     warn_few(n_samples)
-    modes = find_modes([nb, nc, _Difference(nb, nc)], U, n_ctx, seed, position, device=device)
-    parts = []
-    for x, w in draws(modes, n_samples, seed + 1):
-        d = _forward(nb, x, device) - _forward(nc, x, device)
-        parts.append(w * _products(d, d, U, position))
-    p = np.concatenate(parts)
+    diff = _Difference(nb, nc)
+    modes = find_modes([nb, nc, diff], U, n_ctx, _search_seed(seed), position,
+                       device=device)
+    p = _radial_samples([diff], [(0, 0)], U, n_ctx, position, diff.degree, modes, n_samples,
+                        _draw_seed(seed), device)[0]
     n = len(p)
     return MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)), n,
                               inner_diagnostics(p, "||b - c||^2"))

@@ -20,7 +20,8 @@ from ..request import MC_MIN_SAMPLES, MC_REPLICATES, Request, check_mc, make_req
 __all__ = ["MonteCarloEstimate", "MonteCarloArray", "Diagnostics", "check_mc", "moments",
            "similarity", "features", "warn_few", "MC_MIN_DIRECTIONS", "ratio_estimate",
            "inner_diagnostics", "ratio_diagnostics", "certified_lower_bound", "MC_REPLICATES",
-           "MC_MIN_SAMPLES", "montecarlo_inner", "montecarlo_similarity",
+           "MC_MIN_SAMPLES", "montecarlo_inner", "cross_checked", "agreement_z",
+           "MC_CROSS_Z", "MC_CROSS_DEGREE", "montecarlo_similarity",
            "montecarlo_similarity_pairs", "montecarlo_inner_req", "montecarlo_similarity_req"]
 
 
@@ -35,23 +36,48 @@ MC_AGREE_Z = 3.0
 MC_LOWER_BOUND_CONFIDENCE = 0.999
 
 
+#: Agreement of plain (radial) sampling with the guided estimate of the same quantity
+#: (:func:`cross_checked`): plain is reliable only when the two differ by at most this many
+#: combined standard errors (two: a plain estimate off by more than 3 of its own standard errors
+#: is then caught unless the guided one errs the same way; measured in docs/montecarlo.md).
+MC_CROSS_Z = 2.0
+#: Plain sampling is cross-checked against the guided estimate (:func:`cross_checked`) when a
+#: model has at least this degree: the integrand then has degree >= 6, where rare directions
+#: can carry the norm (docs/montecarlo.md); below it the radial integrand is a quartic on the
+#: sphere, whose standard error was measured to cover.
+MC_CROSS_DEGREE = 3
+#: Rounding floor of every agreement test: two values within this many units in the last place
+#: of the larger (``|x - y| <= MC_ROUNDING_ULPS * eps * max(|x|, |y|)``) agree whatever their
+#: standard errors (identical functions give estimates equal to rounding with standard error 0).
+MC_ROUNDING_ULPS = 64
+
+
 @dataclass(frozen=True)
 class Diagnostics:
-    """Whether a Monte Carlo estimate can be trusted (docs/mathematics.md §3.9).
+    """Whether a Monte Carlo estimate can be trusted (docs/montecarlo.md).
 
     Attributes:
         replicates: ``(estimate, stderr)`` of each of :data:`MC_REPLICATES` independent
             replicates (disjoint sets of the directions, in draw order).
         max_share: the largest share one direction has of any of the sums behind the estimate
             (``max_i |p_i| / sum_i |p_i|``; for a similarity the largest over its three sums).
-        max_z: the largest pairwise ``|e_i - e_j| / sqrt(se_i^2 + se_j^2)`` of the replicates.
-        reliable: ``max_share < MC_MAX_SHARE`` and ``max_z <= MC_AGREE_Z``.
+        max_z: the largest pairwise ``|e_i - e_j| / sqrt(se_i^2 + se_j^2)`` of the replicates
+            (0 when they agree to rounding, :data:`MC_ROUNDING_ULPS`).
+        reliable: ``max_share < MC_MAX_SHARE``, ``max_z <= MC_AGREE_Z`` and, where there is one,
+            the cross-check passed.
         reason: why not, when not reliable ("" when reliable).
         lower_bounds: certified lower bounds (confidence :data:`MC_LOWER_BOUND_CONFIDENCE`) on
             the squared norms the samples saw, ``{"<a,a>": ..., "<b,b>": ...}`` (empty for a
             cross inner product): ``E[Z] >= t P(Z >= t)`` with a Clopper-Pearson lower bound on
             ``P(Z >= t)`` (Bonferroni over the thresholds tried), ``Z`` the per-direction
             radial average of ``|f|^2`` (non-negative, mean the squared norm).
+        exact: the sampled per-direction quantity did not vary (standard error 0, every
+            replicate equal to rounding): with probability 1 it is constant on the sphere (a
+            polynomial), so the estimate is the value itself, not an approximation of it.
+        cross_check: plain sampling of models of degree >= :data:`MC_CROSS_DEGREE` only:
+            ``(value, stderr, z, reliable)`` of the guided estimate of the same quantity
+            (``proposal="modes"``, its own samples) and the plain estimate's ``|z|`` against it;
+            None where no cross-check ran.
     """
 
     replicates: tuple
@@ -60,14 +86,59 @@ class Diagnostics:
     reliable: bool
     reason: str
     lower_bounds: dict
+    exact: bool = False
+    cross_check: "tuple | None" = None
 
     def summary(self) -> str:
         reps = ", ".join(f"{v:.6g} ± {se:.2g}" for v, se in self.replicates)
         lb = "; ".join(f"{k} >= {v:.4g}" for k, v in self.lower_bounds.items())
-        head = "reliable" if self.reliable else f"NOT reliable ({self.reason})"
+        head = ("reliable" + (" (exact: the sampled quantity does not vary)" if self.exact
+                              else "")) if self.reliable else f"NOT reliable ({self.reason})"
+        cc = ""
+        if self.cross_check is not None:
+            v, se, z, ok = self.cross_check
+            cc = (f"; guided cross-check {v:.6g} ± {se:.2g} (|z| = {z:.2f}"
+                  f"{'' if ok else ', itself NOT reliable'})")
         return (f"{head}; replicates {reps}; largest single-direction share "
-                f"{self.max_share:.3g}; replicates' largest |z| {self.max_z:.2f}"
+                f"{self.max_share:.3g}; replicates' largest |z| {self.max_z:.2f}" + cc
                 + (f"; certified lower bounds {lb}" if lb else ""))
+
+
+def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
+    """``|x - y| / sqrt(sx^2 + sy^2)``, 0 when ``x`` and ``y`` agree to rounding
+    (:data:`MC_ROUNDING_ULPS`), inf when they differ with both standard errors 0."""
+    if abs(x - y) <= MC_ROUNDING_ULPS * np.finfo(np.float64).eps * max(abs(x), abs(y)):
+        return 0.0
+    den = math.sqrt(sx * sx + sy * sy)
+    return abs(x - y) / den if den > 0 else math.inf
+
+
+def cross_checked(est: "MonteCarloEstimate", ref: "MonteCarloEstimate") -> "MonteCarloEstimate":
+    """``est`` (plain sampling) with its verdict checked against ``ref`` (the guided estimate of
+    the same quantity from its own samples): reliable only when ``est`` was, ``ref`` is, and the
+    two agree within :data:`MC_CROSS_Z` combined standard errors. The value and the standard
+    error stay those of ``est``."""
+    d = est.diagnostics
+    z = agreement_z(float(est), est.stderr, float(ref), ref.stderr)
+    if d.exact and ref.diagnostics.exact and z == 0.0:
+        return est   # exact on plain directions and around the modes alike
+    why = [d.reason] if not d.reliable else []
+    if d.exact and not ref.diagnostics.exact:
+        why.append("constant over plain directions but not around the modes of the integrand "
+                   "(a rare region that plain directions do not see)")
+    if not ref.reliable:
+        why.append(f"its guided cross-check is not reliable ({ref.diagnostics.reason})")
+    if not z <= MC_CROSS_Z:
+        why.append(f"the guided estimate {float(ref):.6g} ± {ref.stderr:.2g} (proposal='modes', "
+                   f"sampling around the modes of the integrand) disagrees (|z| = {z:.1f} > "
+                   f"{MC_CROSS_Z:g}): plain directions missed where the norm sits")
+    new = Diagnostics(d.replicates, d.max_share, d.max_z, not why, "; ".join(why),
+                      d.lower_bounds, False,
+                      (float(ref), ref.stderr, z, bool(ref.reliable)))
+    out = MonteCarloEstimate(float(est), est.stderr, est.n_samples, new)
+    if hasattr(est, "inner_products"):
+        out.inner_products = est.inner_products
+    return out
 
 
 #: A format spec (Python's format mini-language), its fill, alignment and width named.
@@ -91,7 +162,8 @@ class MonteCarloEstimate(float):
     def __new__(cls, value: float, stderr: float, n_samples: int,
                 diagnostics: "Diagnostics | None" = None):
         obj = super().__new__(cls, value)
-        obj.stderr = float(stderr)
+        # exact by construction (Diagnostics.exact): the spread is rounding, not sampling
+        obj.stderr = 0.0 if diagnostics is not None and diagnostics.exact else float(stderr)
         obj.n_samples = int(n_samples)
         obj.diagnostics = diagnostics
         return obj
@@ -123,7 +195,9 @@ class MonteCarloEstimate(float):
 
     def __repr__(self) -> str:
         tail = "" if self.diagnostics is None else \
-            (", reliable" if self.reliable else f", NOT reliable: {self.diagnostics.reason}")
+            (", reliable" + (" (exact: the sampled quantity does not vary between directions)"
+                             if self.diagnostics.exact else "") if self.reliable
+             else f", NOT reliable: {self.diagnostics.reason}")
         return (f"MonteCarloEstimate({float(self)!r} ± {self.stderr:.3g}, "
                 f"n={self.n_samples}{tail})")
 
@@ -169,21 +243,52 @@ def _agreement(reps: list) -> float:
     for i in range(len(reps)):
         for j in range(i + 1, len(reps)):
             (x, sx), (y, sy) = reps[i], reps[j]
-            den = math.sqrt(sx * sx + sy * sy)
-            z = max(z, abs(x - y) / den if den > 0 else (0.0 if x == y else math.inf))
+            z = max(z, agreement_z(x, sx, y, sy))
     return z
 
 
-def _verdict(reps, share, norms: dict) -> Diagnostics:
+def _verdict(reps, share, norms: dict, exact: bool = False) -> Diagnostics:
+    """The verdict of :class:`Diagnostics`; ``exact``: the sampled quantity did not vary
+    between directions (:func:`_constant`, :func:`_proportional`), so the estimate is the value
+    whatever the directions drawn: reliable, and labelled exact, whatever its shares."""
     max_z = _agreement(reps)
     why = []
-    if not share < MC_MAX_SHARE:
+    if not exact and not share < MC_MAX_SHARE:
         why.append(f"one direction carries {share:.0%} of a sum (>= {MC_MAX_SHARE:.0%})")
-    if not max_z <= MC_AGREE_Z:
+    if not exact and not max_z <= MC_AGREE_Z:
         why.append(f"the {len(reps)} independent replicates disagree (|z| = {max_z:.1f} > "
                    f"{MC_AGREE_Z:g})")
     lbs = {k: certified_lower_bound(v) for k, v in norms.items()}
-    return Diagnostics(tuple(reps), share, max_z, not why, "; ".join(why), lbs)
+    return Diagnostics(tuple(reps), share, max_z, not why, "; ".join(why), lbs, bool(exact))
+
+
+def _rounding(x: float) -> float:
+    return MC_ROUNDING_ULPS * np.finfo(np.float64).eps * abs(x)
+
+
+def _constant(p: np.ndarray) -> bool:
+    """Every per-direction value equal to rounding (``p`` ``(n,)``): a polynomial on the sphere
+    that takes one value at every sampled direction is constant with probability 1, so its
+    sample mean is its mean exactly."""
+    p = np.asarray(p, dtype=np.float64)
+    return bool(np.all(np.abs(p - p.mean()) <= _rounding(np.abs(p).max())))
+
+
+def _proportional(P: np.ndarray) -> bool:
+    """The per-direction triples ``P`` ``(3, n)`` are multiples of one triple, each to rounding
+    relative to itself (``P = t w^T``, e.g. ``f_b = c f_a``): the ratio ``<a,b> / sqrt(<a,a>
+    <b,b>)`` of their means is then ``t_ab / sqrt(t_aa t_bb)`` whatever the directions drawn
+    (as :func:`_constant`). Relative to each direction, not to the largest: a direction that
+    dominates every sum would otherwise make the others look proportional."""
+    P = np.asarray(P, dtype=np.float64)
+    if not np.all(np.isfinite(P)):
+        return False
+    norms = np.linalg.norm(P, axis=0)
+    if not np.any(norms > 0):
+        return False
+    t = P[:, int(np.argmax(norms))] / norms.max()
+    resid = np.linalg.norm(P - np.outer(t, t @ P), axis=0)
+    return bool(np.all(resid <= MC_ROUNDING_ULPS * np.finfo(np.float64).eps * norms))
 
 
 def inner_diagnostics(p: np.ndarray, norm_name: str | None = None) -> Diagnostics:
@@ -193,7 +298,7 @@ def inner_diagnostics(p: np.ndarray, norm_name: str | None = None) -> Diagnostic
     reps = []
     for part in np.array_split(p, MC_REPLICATES):
         reps.append((float(part.mean()), float(part.std(ddof=1) / math.sqrt(part.size))))
-    return _verdict(reps, _share(p), {norm_name: p} if norm_name else {})
+    return _verdict(reps, _share(p), {norm_name: p} if norm_name else {}, _constant(p))
 
 
 def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
@@ -204,7 +309,7 @@ def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
         est = ratio_estimate(part.sum(axis=1), part @ part.T, part.shape[1])
         reps.append((float(est), est.stderr))
     share = max(_share(x) for x in P)
-    return _verdict(reps, share, {"<a,a>": P[1], "<b,b>": P[2]})
+    return _verdict(reps, share, {"<a,a>": P[1], "<b,b>": P[2]}, _proportional(P))
 
 
 class MonteCarloArray(np.ndarray):

@@ -1,0 +1,189 @@
+"""Monte Carlo verdicts against exact truth: how often an estimate labelled reliable lies
+beyond 3 standard errors, and how often one is labelled reliable at all (the power), for plain
+radial sampling (``proposal="radial"``, cross-checked against the guided estimate) and guided
+sampling (``proposal="modes"``), on held-out families of models built to fool them.
+
+Truth comes from tensor-product Gauss-Hermite quadrature on the forward pass
+(``tensoralg.verify``-independent of the samplers: ``verify.quadrature``): on the planted models
+(every read and write along one direction, so the model depends on ``n_ctx`` Gaussian
+variables) and on small models whose whole input has ``n_ctx * d <= 4`` variables.
+
+    python benchmarks/mc_verdicts.py --seeds 200 --n-samples 1000 --workers 2 --out runs/mc_verdicts.jsonl
+    python benchmarks/mc_verdicts.py --table runs/mc_verdicts.jsonl
+
+The families (none of them tuned on: the rates are measured, not fitted):
+  planted-attn-L2-s{0.3,0.5,0.8}: ``verify.planted.planted_attention(16, 2, scale=s)``, two
+      residual bilinear-attention layers, d = 16, n_ctx = 2 (seeds 1 and 2 for a and b);
+  planted-attn-L1-s1.0: the same with one layer;
+  planted-mlp-D3-s0.6: ``planted_bilinear(32, depth=3)`` (a vector model of degree 8);
+  random-attn-s{0.3,0.5,1.0,1.5}: two residual bilinear-attention layers with Gaussian weights
+      times s, d = 2, n_ctx = 2 (the last with query/key biases);
+  amplified-s0.5: random-attn at s = 0.5 behind an embedding that multiplies one token
+      direction by 3 (a trained-like model: the norm sits where that direction is large).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import numpy as np
+
+
+def _random_attn(seed, d=2, scale=0.5, n_layers=2, bias=False, gain=None):
+    import tensoralg as ta
+
+    g = np.random.default_rng(seed).standard_normal
+    layers = []
+    if gain is not None:
+        v = np.ones(d) / math.sqrt(d)
+        layers.append(ta.Linear(np.eye(d) + (gain - 1) * np.outer(v, v)))
+    for _ in range(n_layers):
+        w = {k: scale * g((1, 1, d)) for k in ("q1", "k1", "q2", "k2")}
+        w["v"] = scale * g((1, d, d))
+        w["o"] = scale * g((d, 1, d))
+        if bias:
+            for k in ("q1", "k1", "q2", "k2"):
+                w[k + "_bias"] = scale * g((1, 1))
+        layers.append(ta.Residual(ta.BilinearAttention(**w)))
+    layers.append(ta.Linear(g((1, d))))
+    return ta.Sequential(layers)
+
+
+def models():
+    """``{name: (a, b, n_ctx, slice_basis_fn)}``."""
+    from verify.planted import planted_attention, planted_bilinear
+
+    out = {}
+    for s in (0.3, 0.5, 0.8):
+        a, b = planted_attention(16, 2, scale=s, seed=1), planted_attention(16, 2, scale=s, seed=2)
+        out[f"planted-attn-L2-s{s}"] = (a.network, b.network, 2, a.slice())
+    a, b = (planted_attention(16, 2, scale=1.0, seed=k, n_layers=1) for k in (1, 2))
+    out["planted-attn-L1-s1.0"] = (a.network, b.network, 2, a.slice())
+    a, b = (planted_bilinear(32, depth=3, scale=0.6, seed=k) for k in (1, 2))
+    out["planted-mlp-D3-s0.6"] = (a.network, b.network, None, a.slice())
+    from verify.quadrature import GaussianSlice
+
+    full = GaussianSlice.from_basis(np.eye(2), d=2, n_ctx=2)
+    for s, bias in ((0.3, False), (0.5, False), (1.0, False), (1.5, True)):
+        out[f"random-attn-s{s}"] = (_random_attn(11, scale=s, bias=bias),
+                                    _random_attn(12, scale=s, bias=bias), 2, full)
+    out["amplified-s0.5"] = (_random_attn(21, scale=0.5, gain=3.0),
+                             _random_attn(22, scale=0.5, gain=3.0), 2, full)
+    return out
+
+
+def truth(name, a, b, n_ctx, sl):
+    from verify.quadrature import quadrature_similarity
+
+    q = quadrature_similarity(a, b, sl, n_ctx=n_ctx) if n_ctx else \
+        quadrature_similarity(a, b, sl)
+    return {"sim": float(q), "<a,a>": float(q.aa), "<b,b>": float(q.bb), "<a,b>": float(q.ab)}
+
+
+def one(task):
+    name, seed, n = task
+    import torch
+
+    import tensoralg as ta
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    a, b, n_ctx, _ = MODELS[name]
+    kw = dict(method="montecarlo", n_samples=n, seed=seed)
+    if n_ctx:
+        kw["n_ctx"] = n_ctx
+    rows = []
+    t0 = time.process_time()
+    ps = ta.similarity(a, b, **kw)
+    pb = ta.inner(b, b, **kw)
+    gs = ta.similarity(a, b, proposal="modes", **kw)
+    for est, q, e in ((ps, "sim", "plain"), (pb, "<b,b>", "plain"), (gs, "sim", "guided")):
+        rows.append((q, e, est))
+    for k, v in gs.inner_products.items():
+        rows.append((k, "guided", v))
+    out = []
+    for q, e, est in rows:
+        t = TRUTH[name][q]
+        out.append({"model": name, "seed": seed, "n": n, "quantity": q, "estimator": e,
+                    "value": float(est), "stderr": est.stderr, "reliable": bool(est.reliable),
+                    "exact": bool(est.diagnostics.exact), "truth": t,
+                    "z": (float(est) - t) / est.stderr if est.stderr > 0 else
+                    (0.0 if float(est) == t else math.inf)})
+    out[0]["cpu_s"] = time.process_time() - t0
+    return out
+
+
+def table(path):
+    rows = [json.loads(x) for x in open(path)]
+    keys = sorted({(r["model"], r["quantity"], r["estimator"]) for r in rows})
+    print("| model | quantity | estimator | seeds | reliable (power) | reliable beyond 3 SE | "
+          "share of reliable beyond 3 SE | mean z of reliable |")
+    print("|---|---|---|---|---|---|---|---|")
+    tot = {"plain": [0, 0], "guided": [0, 0]}
+    for m, q, e in keys:
+        sel = [r for r in rows if (r["model"], r["quantity"], r["estimator"]) == (m, q, e)]
+        rel = [r for r in sel if r["reliable"]]
+        bad = [r for r in rel if abs(r["z"]) > 3]
+        tot[e][0] += len(rel)
+        tot[e][1] += len(bad)
+        mz = np.mean([r["z"] for r in rel if math.isfinite(r["z"])]) if rel else float("nan")
+        print(f"| {m} | {q} | {e} | {len(sel)} | {len(rel)} ({len(rel) / len(sel):.0%}) | "
+              f"{len(bad)} | {len(bad) / max(1, len(rel)):.1%} | {mz:+.2f} |")
+    for e, (r, b) in tot.items():
+        print(f"{e}: {r} reliable, {b} beyond 3 SE ({b / max(1, r):.2%})")
+
+
+MODELS = None
+TRUTH = None
+
+
+def _init():
+    global MODELS, TRUTH
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    MODELS = models()
+    TRUTH = {k: truth(k, *v) for k, v in MODELS.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=200)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--n-samples", type=int, default=1000)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--only", default=None, help="comma-separated model names")
+    p.add_argument("--out", default="runs/mc_verdicts.jsonl")
+    p.add_argument("--table", default=None, help="print the table of a finished run")
+    args = p.parse_args(argv)
+    if args.table:
+        table(args.table)
+        return
+    _init()
+    names = list(MODELS) if args.only is None else args.only.split(",")
+    for k in names:
+        print(k, TRUTH[k], flush=True)
+    tasks = [(k, s, args.n_samples) for s in range(args.first_seed, args.first_seed + args.seeds)
+             for k in names]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "a") as f:
+        if args.workers > 1:
+            import multiprocessing as mp
+
+            with mp.get_context("fork").Pool(args.workers) as pool:
+                for res in pool.imap_unordered(one, tasks):
+                    f.write("".join(json.dumps(r) + "\n" for r in res))
+                    f.flush()
+        else:
+            for t in tasks:
+                f.write("".join(json.dumps(r) + "\n" for r in one(t)))
+                f.flush()
+    table(args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
