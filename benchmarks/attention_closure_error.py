@@ -1,5 +1,5 @@
 """Measure the sequence closure (tensoralg.strategies.closure.closure_inner, APPROXIMATE at depth >= 2)
-against Monte Carlo on random two-layer attention-only models; numbers for docs/attention.md.
+against Monte Carlo on random two-layer attention-only models; numbers for docs/results/attention.md.
 
     python benchmarks/attention_closure_error.py [weight_scale=0.3] [bias]
 

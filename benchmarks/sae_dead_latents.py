@@ -1,5 +1,5 @@
 """Dead latents of tensoralg's TopK / AbsTopK at 2,000 steps, one change at a time, on rows
-dumped by ``benchmarks/sae_downstream.py --dump D`` (docs/sae.md, "Dead latents"):
+dumped by ``benchmarks/sae_downstream.py --dump D`` (docs/results/sae.md, "Dead latents"):
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/sae_dead_latents.py D [--m 256] [--k 8]
 

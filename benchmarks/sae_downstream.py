@@ -1,5 +1,5 @@
 """Downstream evaluation of SAEs on the bilinear transformer's residual stream, and their dead
-latents: what docs/sae.md reports ("CE loss recovered", dead latents at 2,000 steps).
+latents: what docs/results/sae.md reports ("CE loss recovered", dead latents at 2,000 steps).
 
     OMP_NUM_THREADS=1 python benchmarks/sae_downstream.py [--steps 2000] [--layer 1] [--out r.json]
 

@@ -37,7 +37,7 @@ def test_cli_train_applies_the_preset_schedule(tmp_path, capsys):
 def test_isae_me_dl_reaches_the_oracle_at_m256():
     """d=64, m=256, k=8, 65,536 signed rows (benchmarks/sae_m256.py, data seed 12345): the
     preset's own encoder reaches code IoU >= 0.95 against the ground truth (measured 0.976, DCS
-    0.998; 0.977 / 0.998 with the encoder's W_dec Γ form, docs/sae.md; the OMP oracle with the
+    0.998; 0.977 / 0.998 with the encoder's W_dec Γ form, docs/results/sae.md; the OMP oracle with the
     true dictionary: 0.987). On another data seed (777) the same
     6,800 steps gave 0.934 (README): the step budget is data-dependent; this test pins the
     benchmark's seed."""

@@ -80,7 +80,7 @@ class LanguageConfig:
     tensor similarity by Monte Carlo with ``mc_matrix_samples`` shared directions, the
     moment-closure matrix beside it as a labelled approximation when ``closure``;
     ``n_layers=1`` gives the exact one-layer audit. ``mc_pairs`` / ``mc_samples``: the Monte Carlo check of an exact
-    or (explicit) closure matrix. Measured times in docs/language.md, also for how far the
+    or (explicit) closure matrix. Measured times in docs/results/language.md, also for how far the
     closure is from Monte Carlo on these checkpoints.
     """
 

@@ -980,7 +980,7 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     Measured error (4 random two-layer attention-only pairs ``Residual(attn) ->
     Residual(attn) -> Linear``, d=3, n_ctx=3, 1 head, d_head=2, causal, no biases, weights
     N(0, 0.3^2); against :func:`~tensoralg.strategies.montecarlo.montecarlo_inner` with 400 000 samples;
-    ``benchmarks/attention_closure_error.py``, table in ``docs/attention.md``): similarity
+    ``benchmarks/attention_closure_error.py``, table in ``docs/results/attention.md``): similarity
     error 0.0012, 0.0138, 0.0268, 0.0040; raw ``<a,a>`` closure / Monte Carlo 0.995
     (5.7727 vs 5.8028 +- 0.0158), 1.000 (39.385 vs 39.401 +- 0.039), 1.012 (4.5021 vs
     4.4506 +- 0.0187), and one pair where Monte Carlo is unreliable (12.04 vs 72 +- 33, a
@@ -1002,7 +1002,7 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
     and forms at different position labels identify them. At the last stage only the readout is
     contracted, with the output maps, unembedding and output slice folded into one operand.
 
-    Cost (one thread, shared 2-core machine at load ~2; tables in ``docs/attention.md``):
+    Cost (one thread, shared 2-core machine at load ~2; tables in ``docs/results/attention.md``):
     contractions are grouped and stacked, each step a batched matrix product, the symbolic
     work cached per architecture, self readouts halved by symmetry. A two-layer attention-only
     ``closure_similarity`` (a new pair of an architecture seen before): 0.24 s at d_model=3,
