@@ -120,23 +120,29 @@ def one(task):
 
 
 def table(path):
+    """The table of a run: per model, quantity and estimator, the seeds, the results labelled
+    reliable (the power), those of them beyond 3 SE of the truth, and the mean z over ALL seeds
+    with its standard error (the bias of the estimator, verdict or not)."""
     rows = [json.loads(x) for x in open(path)]
     keys = sorted({(r["model"], r["quantity"], r["estimator"]) for r in rows})
     print("| model | quantity | estimator | seeds | reliable (power) | reliable beyond 3 SE | "
-          "share of reliable beyond 3 SE | mean z of reliable |")
-    print("|---|---|---|---|---|---|---|---|")
-    tot = {"plain": [0, 0], "guided": [0, 0]}
+          "mean z, all seeds |")
+    print("|---|---|---|---|---|---|---|")
+    tot = {"plain": [0, 0, 0], "guided": [0, 0, 0]}
     for m, q, e in keys:
         sel = [r for r in rows if (r["model"], r["quantity"], r["estimator"]) == (m, q, e)]
         rel = [r for r in sel if r["reliable"]]
         bad = [r for r in rel if abs(r["z"]) > 3]
-        tot[e][0] += len(rel)
-        tot[e][1] += len(bad)
-        mz = np.mean([r["z"] for r in rel if math.isfinite(r["z"])]) if rel else float("nan")
+        tot[e][0] += len(sel)
+        tot[e][1] += len(rel)
+        tot[e][2] += len(bad)
+        z = np.array([r["z"] for r in sel if math.isfinite(r["z"])])
+        mz = f"{z.mean():+.2f} ± {z.std(ddof=1) / math.sqrt(z.size):.2f}" if z.size > 1 else "-"
         print(f"| {m} | {q} | {e} | {len(sel)} | {len(rel)} ({len(rel) / len(sel):.0%}) | "
-              f"{len(bad)} | {len(bad) / max(1, len(rel)):.1%} | {mz:+.2f} |")
-    for e, (r, b) in tot.items():
-        print(f"{e}: {r} reliable, {b} beyond 3 SE ({b / max(1, r):.2%})")
+              f"{len(bad)} ({len(bad) / max(1, len(rel)):.1%}) | {mz} |")
+    for e, (n, r, b) in tot.items():
+        print(f"{e}: {n} results, {r} labelled reliable ({r / max(1, n):.0%}), {b} of those "
+              f"beyond 3 SE ({b / max(1, r):.2%})")
 
 
 MODELS = None

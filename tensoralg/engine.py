@@ -549,7 +549,8 @@ def inner_diff(req: Request, a: Any, b: Any, c: Any):
     """``<a, b - c> = <a, b> - <a, c>``; Monte Carlo: one integrand ``f_a . (f_b - f_c)``."""
     radial_only(req, "inner_diff")
     if req.method == "montecarlo":
-        return _mc_combination(req, [(a, 1.0, "a")], [(b, 1.0, "b"), (c, -1.0, "c")])
+        est = _mc_combination(req, [(a, 1.0, "a")], [(b, 1.0, "b"), (c, -1.0, "c")])
+        return _inner_diff_checked(req, a, b, c, est)
     try:
         row = cross_gram(req, [a], [b, c])
         return row[0, 0] - row[0, 1]
@@ -557,6 +558,29 @@ def inner_diff(req: Request, a: Any, b: Any, c: Any):
         if "architecture differs" not in str(exc) or isinstance(exc, CostTooHigh):
             raise
     return inner(req, a, b) - inner(req, a, c)
+
+
+def _inner_diff_checked(req: Request, a: Any, b: Any, c: Any, est):
+    """The plain estimate of ``<a, b - c>`` cross-checked (as :func:`_mode_checked`) against
+    the guided estimate of ``<f_a, f_b - f_c>`` (modes of ``f_a`` and ``f_b - f_c``)."""
+    from .canonical import resolve_n_ctx
+
+    nets = {k: as_network(m, k) for k, m in (("a", a), ("b", b), ("c", c))}
+    if not isinstance(est, MonteCarloEstimate) or \
+            max(n.degree for n in nets.values()) < montecarlo.MC_CROSS_DEGREE:
+        return est
+    na, nb, nc = (_fold(req, n, k) for k, n in nets.items())
+    n_ctx = resolve_n_ctx([("a", na), ("b", nb), ("c", nc)], req.n_ctx) \
+        if _is_sequence(na, nb, nc) else None
+    U, _ = req.output_matrix(na.out_features)
+    device = None
+    if req.backend == "torch":
+        from .backends import torch_device
+
+        device = torch_device(req.device)
+    ref = guided.inner(na, guided.Difference(nb, nc), U, False, req.n_samples, req.seed,
+                       n_ctx, req.position, device)
+    return montecarlo.cross_checked(est, ref)
 
 
 def _guided_diff_sq(req: Request, b: Any, c: Any):

@@ -36,7 +36,7 @@ from .montecarlo import (MonteCarloEstimate, check_sampling_cost, inner_diagnost
                          ratio_estimate, warn_few)
 
 __all__ = ["find_modes", "direction_components", "log_direction_ratio", "direction_draws",
-           "inner", "similarity", "diff_sq", "BETA", "KAPPA_SCALES"]
+           "inner", "similarity", "diff_sq", "Difference", "BETA", "KAPPA_SCALES"]
 
 #: Mixture weight of the modes in the proposal: weights are at most ``1 / (1 - BETA) = 2``.
 BETA = 0.5
@@ -105,10 +105,10 @@ def _read_directions(net: Layer, Ut, shape: tuple, position, rng, n_points: int 
 
 def _fingerprint(net) -> tuple:
     """A key of a network's function for :func:`find_modes`' cache: its class and the bytes
-    of its arrays (a :class:`_Difference`: those of its two networks)."""
+    of its arrays (a :class:`Difference`: those of its two networks)."""
     import hashlib
 
-    if isinstance(net, _Difference):
+    if isinstance(net, Difference):
         return ("difference", _fingerprint(net.nb), _fingerprint(net.nc))
     h = hashlib.sha1(type(net).__name__.encode())
     for a in net.arrays():
@@ -447,9 +447,10 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
     return out
 
 
-class _Difference:
-    """``f_b - f_c`` as one network for :func:`find_modes` (its modes are where the two models
-    differ most, which need not be where either is large)."""
+class Difference:
+    """``f_b - f_c`` as one network for :func:`find_modes` and the estimators (its modes are
+    where the two models differ most, which need not be where either is large); ``degree``
+    the larger of the two."""
 
     def __init__(self, nb: Layer, nc: Layer):
         self.nb, self.nc, self.in_features = nb, nc, nb.in_features
@@ -475,7 +476,7 @@ def diff_sq(nb: Layer, nc: Layer, U: np.ndarray, keep: bool, n_samples: int, see
     _check_scalar(keep)
     check_sampling_cost([nb, nc], n_samples, _points([nb, nc], n_ctx), n_ctx)
     warn_few(n_samples)
-    diff = _Difference(nb, nc)
+    diff = Difference(nb, nc)
     modes = find_modes([nb, nc, diff], U, n_ctx, _search_seed(seed), position,
                        device=device)
     p = _radial_samples([diff], [(0, 0)], U, n_ctx, position, diff.degree, modes, n_samples,
