@@ -95,7 +95,8 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
             return _guided(kind, req, na, nb)
         fn = montecarlo.montecarlo_inner_req if kind == "inner" else \
             montecarlo.montecarlo_similarity_req
-        return _mode_checked(kind, req, na, nb, fn(req, na, nb))
+        return _mode_checked(fn(req, na, nb), max(na.degree, nb.degree),
+                             lambda: _guided(kind, req, na, nb))
     try:
         if kind == "inner":
             return _checked_inner(wick_terms.exact_inner_req, req, na, nb)
@@ -165,16 +166,17 @@ def _guided(kind: str, req: Request, na: Layer, nb: Layer, n_ctx: int | None = N
     return fn(na, nb, U, keep, req.n_samples, req.seed, n_ctx, req.position, device)
 
 
-def _mode_checked(kind: str, req: Request, na: Layer, nb: Layer, est):
+def _mode_checked(est, degree: int, make_ref):
     """A plain (radial) scalar Monte Carlo estimate with its verdict cross-checked against the
-    guided estimate of the same quantity (:func:`montecarlo.cross_checked`; the mode search
-    finds where rare directions carry the integrand, which plain directions can miss while
-    their own diagnostics pass) when a model has degree >= ``MC_CROSS_DEGREE``; arrays and
-    lower degrees unchanged."""
+    guided estimate of the same quantity, ``make_ref()`` (:func:`montecarlo.cross_checked`; the
+    mode search finds where rare directions carry the integrand, which plain directions can miss
+    while their own diagnostics pass) when the models' largest degree is at least
+    ``MC_CROSS_DEGREE``; arrays and lower degrees unchanged. Every cross-check of the engine
+    goes through here."""
     if not isinstance(est, MonteCarloEstimate) or est.diagnostics is None or \
-            max(na.degree, nb.degree) < montecarlo.MC_CROSS_DEGREE:
+            degree < montecarlo.MC_CROSS_DEGREE:
         return est
-    return montecarlo.cross_checked(est, _guided(kind, req, na, nb))
+    return montecarlo.cross_checked(est, make_ref())
 
 
 def inner(req: Request, a: Any, b: Any):
@@ -193,8 +195,9 @@ def inner(req: Request, a: Any, b: Any):
                                    [montecarlo.inner_diagnostics(p[:, 0, 0, k], name)
                                     for k in range(p.shape[-1])])
         diag = montecarlo.inner_diagnostics(p[:, 0, 0], name)
-        return _mode_checked("inner", req, na, nb, MonteCarloEstimate(
-            float(mean[0, 0]), float(se[0, 0]), req.n_samples, diag))
+        return _mode_checked(MonteCarloEstimate(float(mean[0, 0]), float(se[0, 0]),
+                                                req.n_samples, diag),
+                             max(na.degree, nb.degree), lambda: _guided("inner", req, na, nb))
     same = b is a
     if req.exact and req.method == "exact":  # refuse before any rational work
         refuse_if_needed(refuse_exact_early([na], None if same else [nb], U, keep, req.metric,
@@ -234,8 +237,10 @@ def similarity(req: Request, a: Any, b: Any):
     U, keep = req.output_matrix(na.out_features)
     backend = req.backend
     if req.method == "montecarlo":
-        return _mode_checked("similarity", req, na, nb, montecarlo.similarity(
-            na, nb, U, keep, req.n_samples, req.seed, backend, req.device, req.dtype))
+        return _mode_checked(montecarlo.similarity(na, nb, U, keep, req.n_samples, req.seed,
+                                                   backend, req.device, req.dtype),
+                             max(na.degree, nb.degree),
+                             lambda: _guided("similarity", req, na, nb))
     if req.exact and req.method == "exact":  # refuse before any rational work
         # the pair's plan is the first one the rational path makes (and refuses on)
         refuse_if_needed(refuse_exact_early([na], None if b is a else [nb], U, keep,
@@ -561,26 +566,26 @@ def inner_diff(req: Request, a: Any, b: Any, c: Any):
 
 
 def _inner_diff_checked(req: Request, a: Any, b: Any, c: Any, est):
-    """The plain estimate of ``<a, b - c>`` cross-checked (as :func:`_mode_checked`) against
-    the guided estimate of ``<f_a, f_b - f_c>`` (modes of ``f_a`` and ``f_b - f_c``)."""
-    from .canonical import resolve_n_ctx
-
+    """The plain estimate of ``<a, b - c>`` cross-checked (:func:`_mode_checked`) against the
+    guided estimate of ``<f_a, f_b - f_c>`` (modes of ``f_a`` and ``f_b - f_c``)."""
     nets = {k: as_network(m, k) for k, m in (("a", a), ("b", b), ("c", c))}
-    if not isinstance(est, MonteCarloEstimate) or \
-            max(n.degree for n in nets.values()) < montecarlo.MC_CROSS_DEGREE:
-        return est
-    na, nb, nc = (_fold(req, n, k) for k, n in nets.items())
-    n_ctx = resolve_n_ctx([("a", na), ("b", nb), ("c", nc)], req.n_ctx) \
-        if _is_sequence(na, nb, nc) else None
-    U, _ = req.output_matrix(na.out_features)
-    device = None
-    if req.backend == "torch":
-        from .backends import torch_device
 
-        device = torch_device(req.device)
-    ref = guided.inner(na, guided.Difference(nb, nc), U, False, req.n_samples, req.seed,
-                       n_ctx, req.position, device)
-    return montecarlo.cross_checked(est, ref)
+    def ref():
+        from .canonical import resolve_n_ctx
+
+        na, nb, nc = (_fold(req, n, k) for k, n in nets.items())
+        n_ctx = resolve_n_ctx([("a", na), ("b", nb), ("c", nc)], req.n_ctx) \
+            if _is_sequence(na, nb, nc) else None
+        U, _ = req.output_matrix(na.out_features)
+        device = None
+        if req.backend == "torch":
+            from .backends import torch_device
+
+            device = torch_device(req.device)
+        return guided.inner(na, guided.Difference(nb, nc), U, False, req.n_samples, req.seed,
+                            n_ctx, req.position, device)
+
+    return _mode_checked(est, max(n.degree for n in nets.values()), ref)
 
 
 def _guided_diff_sq(req: Request, b: Any, c: Any):
@@ -605,12 +610,9 @@ def diff_norm(req: Request, b: Any, c: Any):
         if req.proposal == "modes":
             d2 = _guided_diff_sq(req, b, c)
         else:
-            d2 = _mc_combination(req, terms, terms)
-            nb, nc = as_network(b, "b"), as_network(c, "c")
-            if isinstance(d2, MonteCarloEstimate) and \
-                    max(nb.degree, nc.degree) >= montecarlo.MC_CROSS_DEGREE:
-                d2 = montecarlo.cross_checked(
-                    d2, _guided_diff_sq(req.replace(proposal="modes"), b, c))
+            d2 = _mode_checked(_mc_combination(req, terms, terms),
+                               max(as_network(b, "b").degree, as_network(c, "c").degree),
+                               lambda: _guided_diff_sq(req.replace(proposal="modes"), b, c))
         d = np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
         with np.errstate(divide="ignore", invalid="ignore"):
             # d = 0 with se(d^2) = 0: the integrand vanished on every sample (so, with

@@ -18,6 +18,17 @@ N_DIR = 300          # tensoralg.products.MC_MIN_DIRECTIONS: the smallest n that
 SEEDS = 100
 
 
+@pytest.fixture(autouse=True)
+def _no_cross_check(monkeypatch):
+    """These tests count how often the plain estimator's standard error covers the truth, over
+    hundreds of seeds: they need its value and standard error, not its verdict, so the guided
+    cross-check of the verdict (a mode search per call, seconds each; tested in
+    tests/test_mc_verdicts.py) is left out here. The values are the same with or without it."""
+    from tensoralg import engine
+
+    monkeypatch.setattr(engine, "_mode_checked", lambda est, degree, make_ref: est)
+
+
 def _pairs(kind, count=3):
     out = []
     for p in range(count):
