@@ -25,9 +25,9 @@ import numpy as np
 from .backends import available_memory, itemsize
 from .canonical import Canonical
 from .errors import CostTooHigh
-from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
-                      WickPlan, n_wick_configurations)
+from .network import DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, WickPlan, n_wick_configurations
 from .prepare import check_slices, float_stacks_for_exact
+from .request import DEFAULT_MAX_FLOPS_EXACT
 from .strategies import chaos, wick
 from .strategies.wick_terms import ALTERNATIVES as SEQUENCE_ALTERNATIVES
 
