@@ -8,11 +8,17 @@ causal; weights N(0, scale^2), unembedding N(0, 1); seeds 100..103. Monte Carlo:
 samples, seed 0, batch-means standard error. Runs single-threaded; slow (minutes).
 """
 import os
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-import numpy as np, time, math
+import math
+import time
+
+import numpy as np
+
 import tensoralg as ta
-from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C
+from tensoralg.strategies import montecarlo as MC
+
 
 def model(rng, d=3, H=1, dh=2, bias=False):
     g = lambda *s: rng.standard_normal(s) * SCALE
@@ -24,6 +30,7 @@ def model(rng, d=3, H=1, dh=2, bias=False):
     return ta.Sequential([ta.Residual(at()), ta.Residual(at()), ta.Linear(rng.standard_normal((2, d)))])
 
 import sys
+
 SCALE = float(sys.argv[1]) if len(sys.argv) > 1 else 0.3
 bias = len(sys.argv) > 2
 for seed in range(4):

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from _timing import best_of
 
 
@@ -71,9 +70,9 @@ def main() -> None:
 
 def language(argv: list[str]) -> None:
     """Closure vs radial Monte Carlo on a language audit's checkpoints (see the module doc)."""
-    from tensoralg.strategies import montecarlo as MC
-    from tensoralg.strategies import closure as C
     from tensoralg.checkpoint import load_checkpoint
+    from tensoralg.strategies import closure as C
+    from tensoralg.strategies import montecarlo as MC
     from tensoralg.strategies.montecarlo import ratio_estimate
 
     ap = argparse.ArgumentParser(prog="bench_audit.py language")

@@ -15,10 +15,9 @@ import argparse
 import time
 
 import numpy as np
+from _timing import best_of
 
 import tensoralg as ta
-
-from _timing import best_of
 
 
 def bilinear(rng, d, H, O, scale=1.0):

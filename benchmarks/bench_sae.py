@@ -31,7 +31,6 @@ from tensoralg.sae.presets import make_config
 from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import TrainConfig, train
 
-
 BASE_REV = "15ea9a9"   # the last commit before the top-k speed-up (013aca4)
 _SRC = ("tensoralg/sae/models.py", "tensoralg/sae/_seeds.py")
 

@@ -9,8 +9,9 @@ on every backend (docs/mathematics.md §4, as opt_einsum's per-library backends)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -59,19 +59,36 @@ from typing import Any
 import numpy as np
 
 from . import engine
-from .prepare import _selector
-from .strategies import wick_terms
-from .strategies.executor import torch_backend
-from .canonical import (KEY, OUTPUT, QUERY, Leg, Node, Term, Tree, _lift_rows, canonicalize,
-                        resolve_n_ctx, sequence_tree)
+from .canonical import (
+    KEY,
+    OUTPUT,
+    QUERY,
+    Leg,
+    Node,
+    Term,
+    Tree,
+    _lift_rows,
+    canonicalize,
+    resolve_n_ctx,
+    sequence_tree,
+)
 from .errors import CostTooHigh
 from .layers import Bilinear, Layer, Linear, Sequential, as_network
-from .prepare import check_pair, check_sizes
+from .prepare import _selector, check_pair, check_sizes
 from .request import make_request
 from .results import similarity_from
-from .strategies.montecarlo import (MC_CHUNK_ELEMENTS, MonteCarloEstimate, _verdict,
-                                    check_sampling_cost, inner_diagnostics, ratio_diagnostics,
-                                    ratio_estimate, warn_few)
+from .strategies import wick_terms
+from .strategies.executor import torch_backend
+from .strategies.montecarlo import (
+    MC_CHUNK_ELEMENTS,
+    MonteCarloEstimate,
+    _verdict,
+    check_sampling_cost,
+    inner_diagnostics,
+    ratio_diagnostics,
+    ratio_estimate,
+    warn_few,
+)
 
 __all__ = ["degree_similarity", "degree_similarity_matrix", "homogeneous_parts",
            "DegreeSimilarity", "DegreeSimilarityMatrix", "DEGREE_DEFAULT_SAMPLES"]
@@ -768,8 +785,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             for K in Ks:
                 if K == 1:
                     continue
-                ta = na if K >= deg_a else ga.part(set(range(K + 1)))
-                tb = nb if K >= deg_b else gb.part(set(range(K + 1)))
+                ta = na if deg_a <= K else ga.part(set(range(K + 1)))
+                tb = nb if deg_b <= K else gb.part(set(range(K + 1)))
                 exact_ip[K] = (engine.inner(plain, ta, tb), engine.inner(plain, ta, ta),
                                engine.inner(plain, tb, tb))
             for side, g, dg in ((0, ga, deg_a), (1, gb, deg_b)):
@@ -808,7 +825,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             except (CostTooHigh, wick_terms.AttentionNotSupported) as exc:
                 why[K] = f"exact path refused: {exc}"
         for K in Ks:
-            if K in exact_ip or K < max(deg_a, deg_b) or (fo[0][0] and fo[1][0]):
+            if K in exact_ip or max(deg_a, deg_b) > K or (fo[0][0] and fo[1][0]):
                 continue
             try:   # with biases, f_<=K is the model itself: the exact path of one attention layer
                 plain = make_request(n_ctx=n_ctx)
@@ -837,7 +854,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             values[K] = similarity_from(ab, aa, bb, False, what=f"<={K}")
             method[K] = "exact"
             notes[K] = "exact: affine part (P_0 + J X)" if K == 1 else (
-                "exact: the models themselves" if K >= max(deg_a, deg_b) else how)
+                "exact: the models themselves" if max(deg_a, deg_b) <= K else how)
     todo = [K for K in Ks if K not in exact_ip]
     need_prof = any(k not in prof[s] for s, dg in ((0, deg_a), (1, deg_b))
                     for k in range(min(kprof, dg) + 1))
@@ -1029,13 +1046,13 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         graded = [_graded(x, max(rest)) for x in nets]
         plain = make_request()
         for K in rest:
-            parts = [x if K >= dg else g.part(set(range(K + 1)))
+            parts = [x if dg <= K else g.part(set(range(K + 1)))
                      for x, g, dg in zip(nets, graded, degs)]
             grams[K] = np.asarray(engine.gram(plain, parts), dtype=np.float64)
             notes[K] = "exact: graded network of the canonical chain"
     elif rest:
         for K in rest:
-            if K >= top and all(dg == top for dg in degs) and any(f is None for f, _ in fos):
+            if top <= K and all(dg == top for dg in degs) and any(f is None for f, _ in fos):
                 try:    # with biases: the models themselves (one attention layer)
                     grams[K] = wick_terms.exact_gram_req(make_request(n_ctx=n_ctx), nets)
                     notes[K] = "exact: the models themselves (one attention layer)"

@@ -18,20 +18,31 @@ from typing import Any
 import numpy as np
 
 from .backends import converter
-from .canonical import Canonical
+from .canonical import Canonical, resolve_n_ctx
+from .distribution import STANDARD
 from .errors import CostTooHigh
 from .layers import Layer, as_network, check_finite_weights
-from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
-                      refuse_if_needed)
-from .canonical import resolve_n_ctx
-from .prepare import (check_pair, check_sequence_models, check_slices, model_list, networks,
-                      scaled, stack_for)
-from .distribution import STANDARD
+from .planner import (
+    Plan,
+    SequencePlan,
+    make_plan,
+    plan_sequence,
+    refuse_exact_early,
+    refuse_if_needed,
+)
+from .prepare import (
+    check_pair,
+    check_sequence_models,
+    check_slices,
+    model_list,
+    networks,
+    scaled,
+    stack_for,
+)
 from .request import Request
 from .results import check_overflow, gram_to_similarity, similarity_from, swap_order
 from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
-
 
 _MAX_INTERMEDIATE = 1 << 27  # elements; Wick gram blocks are split to stay under it
 

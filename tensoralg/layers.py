@@ -24,8 +24,9 @@ sequences ``x`` of shape ``(n, n_ctx, d)`` gives ``(n, n_ctx, out)``: position-f
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -218,11 +219,11 @@ class Layer:
         """The layer in the JSON layer format of ``docs/spec.md`` (strings for rationals)."""
         raise NotImplementedError  # pragma: no cover
 
-    def astype_float(self) -> "Layer":
+    def astype_float(self) -> Layer:
         """A copy with float64 weights (rationals rounded to nearest)."""
         return _map_arrays(self, lambda a: np.asarray(a, dtype=np.float64))
 
-    def scaled_output(self, factor: float) -> "Layer":
+    def scaled_output(self, factor: float) -> Layer:
         """A copy whose output is multiplied by ``factor`` (the last layer's weights and bias)."""
         raise NotImplementedError  # pragma: no cover
 
@@ -466,7 +467,7 @@ class Sequential(Layer):
         return f"Sequential([{inner}])"
 
     @classmethod
-    def from_spec(cls, spec: Sequence[dict] | dict) -> "Sequential":
+    def from_spec(cls, spec: Sequence[dict] | dict) -> Sequential:
         """Build a network from the JSON layer format of ``docs/spec.md``.
 
         Numbers may be strings (``"-3/4"``), ints, Fractions or floats; when any is a string or a

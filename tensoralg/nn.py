@@ -19,14 +19,15 @@ never touches torch's global random state), and so is :func:`train_classifier`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ._torchutil import check_positive_int, dtype_name, torch_dtype
-from .errors import TrainingDiverged  # noqa: F401  (re-exported)
+from .errors import TrainingDiverged
 
 __all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE",
            "TrainingDiverged", "BilinearTransformer"]
@@ -173,7 +174,7 @@ class BilinearNet(nn.Module):
         return {"architecture": ARCHITECTURE, **self.hparams}
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "BilinearNet":
+    def from_config(cls, cfg: Mapping[str, Any]) -> BilinearNet:
         """Build an (initialised, untrained) model from :meth:`config`'s keys.
 
         Raises:

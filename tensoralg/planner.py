@@ -17,8 +17,9 @@ expansion; the plan then shows that bound, marked as one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -607,8 +608,8 @@ def plan_sequence(req, na, nb) -> SequencePlan:
             missing or in disagreement with a mask, an ``output`` or ``position`` out of range.
     """
     from . import canonical
-    from .strategies import wick_terms
     from .network import sequence_n_ctx
+    from .strategies import wick_terms
 
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             n.is_sequence_model or n.degree <= 1 for n in (na, nb)):

@@ -16,8 +16,16 @@ import numpy as np
 
 from .backends import fraction_array
 from .canonical import Canonical, Stage, canonicalize, resolve_n_ctx, stack
-from .layers import (Bilinear, Layer, Linear, Residual, Sequential, _map_arrays, as_network,
-                     check_finite_weights)
+from .layers import (
+    Bilinear,
+    Layer,
+    Linear,
+    Residual,
+    Sequential,
+    _map_arrays,
+    as_network,
+    check_finite_weights,
+)
 from .request import Request, make_request
 
 __all__ = ["check_pair", "output_matrix", "networks", "stack_for", "normalize", "scaled",

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 

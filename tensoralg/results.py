@@ -32,7 +32,7 @@ class ExactSimilarity(float):
     squared: Fraction
 
     @classmethod
-    def from_products(cls, ab: Fraction, aa: Fraction, bb: Fraction) -> "ExactSimilarity":
+    def from_products(cls, ab: Fraction, aa: Fraction, bb: Fraction) -> ExactSimilarity:
         import sympy
 
         R = ab * ab / (aa * bb)

@@ -37,7 +37,8 @@ mask were never trained there).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -277,7 +278,7 @@ class BilinearTransformer(nn.Module):
         return {"architecture": ARCHITECTURE, **self.hparams}
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "BilinearTransformer":
+    def from_config(cls, cfg: Mapping[str, Any]) -> BilinearTransformer:
         """Build an (initialised, untrained) model from :meth:`config`'s keys.
 
         Raises:

@@ -10,7 +10,6 @@ import pytest
 import tensoralg as ta
 from tensoralg.strategies import closure, executor, wick_terms
 
-
 _ALL_BIASES = ("q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias")
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg.strategies import wick_terms as A
 from tensoralg.strategies import wick_terms
+from tensoralg.strategies import wick_terms as A
 
 
 def model(rng, H, dh, d, rope=10000.0, bias=False):

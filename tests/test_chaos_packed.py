@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from netgen import KINDS, brute_inner, rand_bilinear, rand_linear, rand_network
 
 import tensoralg as ta
-from netgen import KINDS, brute_inner, rand_bilinear, rand_linear, rand_network
 from tensoralg.prepare import output_matrix, stack_for
 from tensoralg.strategies import chaos
 

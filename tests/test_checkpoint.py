@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensoralg.checkpoint import (from_state_dict, load_checkpoint, load_network,
-                                  save_checkpoint)
+from tensoralg.checkpoint import from_state_dict, load_checkpoint, load_network, save_checkpoint
 from tensoralg.nn import BilinearNet
 
 

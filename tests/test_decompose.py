@@ -7,16 +7,14 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from netgen import rand_bilinear, rand_linear
 
 import tensoralg as ta
 from tensoralg import decompose as dc
 from verify.certify import certify, gaussian_inner_exact
-from verify.decompose import (chaos_coefficients, check_decomposition_exact,
-                              hermite_expansion)
-
-from netgen import rand_bilinear, rand_linear
-
+from verify.decompose import chaos_coefficients, check_decomposition_exact, hermite_expansion
 
 
 def q(rng, *shape):

@@ -22,7 +22,6 @@ import tensoralg as ta
 from tensoralg.degree import DegreeSimilarity, degree_similarity, homogeneous_parts
 from verify.quadrature import gauss_hermite
 
-
 # ---------------------------------------------------------------------------------------
 # models
 # ---------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from pathlib import Path
 from unittest import SkipTest
 
 import pytest
-
 import sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
 

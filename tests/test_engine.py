@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from netgen import brute_inner, rand_bilinear, rand_linear, rand_network, to_fractions
 
 import tensoralg as ta
-from netgen import brute_inner, rand_bilinear, rand_linear, rand_network, to_fractions
 
 
 def _embedded(rng, d, m, hidden, out, residual=False, depth=1, bias=True):

@@ -42,12 +42,12 @@ def gaussian_inner(a, b, S) -> sp.Rational:
     t = sp.Matrix(ts)
     mgf = sp.exp((t.T * S * t)[0, 0] / 2)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def moment(alpha):
         expr = mgf
         for ti, k in zip(ts, alpha):
             expr = sp.diff(expr, ti, k)
-        return sp.nsimplify(expr.subs({ti: 0 for ti in ts}))
+        return sp.nsimplify(expr.subs(dict.fromkeys(ts, 0)))
 
     X = np.array([list(xs)], dtype=object)
     fa, fb = a(X)[0], b(X)[0]

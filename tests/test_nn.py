@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tensoralg as ta
 from tensoralg.nn import BilinearNet, TrainingDiverged, accuracy, train_classifier

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg.strategies import wick_terms as A
-from tensoralg.strategies import montecarlo as MC
-from tensoralg.strategies import closure as C
 from tensoralg.request import Request, make_request
 from tensoralg.results import ExactSimilarity
+from tensoralg.strategies import closure as C
+from tensoralg.strategies import montecarlo as MC
+from tensoralg.strategies import wick_terms as A
 from verify.attention import sequence_inner_exact
 
 

@@ -9,8 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from tensoralg.sae.hooks import (activations_at, collect_activations, get_submodule,
-                                 read_activation_metadata, spliced)
+from tensoralg.sae.hooks import (
+    activations_at,
+    collect_activations,
+    get_submodule,
+    read_activation_metadata,
+    spliced,
+)
 
 
 class Counting(nn.Module):

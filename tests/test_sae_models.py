@@ -2,10 +2,19 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tensoralg.sae.models import (SAEConfig, SparseAutoencoder, abstopk, geometric_median,
-                                  rip_constants, rip_penalty, select_topk, topk)
+from tensoralg.sae.models import (
+    SAEConfig,
+    SparseAutoencoder,
+    abstopk,
+    geometric_median,
+    rip_constants,
+    rip_penalty,
+    select_topk,
+    topk,
+)
 from tensoralg.sae.presets import PRESETS, make_config
 
 

@@ -46,6 +46,7 @@ def test_lr_scheduler_gives_the_closed_form_schedule(steps, warm, decay, end):
     roundings: measured max 3.9e-16 absolute at lr 0.3 over this grid; tolerance 1e-12 relative
     (plus 1e-15 absolute, for the lr_end = 0 end)."""
     import warnings
+
     from tensoralg.sae.training import make_lr_scheduler
     tc = TrainConfig(steps=steps, lr=0.3, lr_warmup_steps=warm, lr_decay=decay, lr_end=0.3 * end)
     want = [tc.lr_at(s) for s in range(steps)]

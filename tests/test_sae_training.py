@@ -9,7 +9,7 @@ import torch
 from tensoralg.sae.models import SAEConfig, SparseAutoencoder
 from tensoralg.sae.presets import make_config
 from tensoralg.sae.synthetic import make_synthetic
-from tensoralg.sae.training import (TrainConfig, TrainingDiverged, load_sae, save_sae, train)
+from tensoralg.sae.training import TrainConfig, TrainingDiverged, load_sae, save_sae, train
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_attention_exact import attn
 
 import tensoralg as ta
 from tensoralg.strategies import wick_terms
-from test_attention_exact import attn
 from verify.attention import sequence_inner_exact
 
 

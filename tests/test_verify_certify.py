@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sympy as sp
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from shared_cases import load_cases
 
 import verify
-from verify.certify import Certificate, ExpansionTooLarge, certify, expand, gaussian_inner_exact
 from tensoralg.layers import Bilinear, Linear, Residual, Sequential
-from shared_cases import load_cases
+from verify.certify import Certificate, ExpansionTooLarge, certify, expand, gaussian_inner_exact
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {c["name"]: c for c in load_cases()}

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import sympy as sp
 
+from tensoralg.layers import Bilinear
 from verify import symbolic as S
 from verify.__main__ import main as verify_main
 from verify.certify import gaussian_inner_exact
-from tensoralg.layers import Bilinear
 
 
 def _double_factorial(n):

@@ -49,19 +49,39 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from .common import (
+    PATHS_NOTE,
+    check_file_writable,
+    check_output_folder,
+    format_table,
+    progress,
+    staged_output,
+    stamp,
+    write_csv,
+    write_json,
+    write_json_copy,
+)
 from .grokking import log_schedule  # the same log-spaced checkpoint steps
-from .common import (PATHS_NOTE, format_table, progress, write_csv, write_json,
-                     check_output_folder, check_file_writable, staged_output, stamp,
-                     write_json_copy)
-from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, N_TRANSITIONS, NGRAM_FIG,  # noqa: F401
-                              NGRAM_DEFINITION, ORDERS, PAIRS_CSV, _spearman,
-                              consecutive_change, transitions_finding)
+from .language_common import (  # noqa: F401
+    CSV_NAME,
+    JSON_NAME,
+    MATRIX_FIG,
+    N_TRANSITIONS,
+    NGRAM_DEFINITION,
+    NGRAM_FIG,
+    ORDERS,
+    PAIRS_CSV,
+    _spearman,
+    consecutive_change,
+    transitions_finding,
+)
 
 METHODS = ("auto", "exact", "closure", "montecarlo", "degree")
 # |z| beyond which the Monte Carlo check reports a disagreement: a Gaussian is beyond 4 with
@@ -112,7 +132,7 @@ class LanguageConfig:
     seed: int = 0
 
     @classmethod
-    def quick(cls, **kw) -> "LanguageConfig":
+    def quick(cls, **kw) -> LanguageConfig:
         base = dict(n_chars=60_000, steps=500, checkpoints=10, eval_windows=128, mc_pairs=2,
                     mc_samples=4000, mc_matrix_samples=1200, deep_pairs=1, degree_samples=300,
                     guided_samples=1000)
@@ -239,6 +259,7 @@ def train_language_model(model, train_tokens: np.ndarray, cfg: LanguageConfig, s
         TrainingDiverged: a NaN/inf loss or weight.
     """
     import torch
+
     from ..nn import TrainingDiverged
 
     toks = torch.as_tensor(np.asarray(train_tokens, dtype=np.int64))
@@ -814,8 +835,8 @@ def montecarlo_text(pairs: list, N: int, info: dict, with_closure: bool) -> list
 
 
 def _ngram_figure(path: Path, steps, agreement, fin, label: str = "exact") -> Path:
-    from .plotting import _plt
     from .common import save_figure
+    from .plotting import _plt
 
     plt = _plt()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)

@@ -4,7 +4,7 @@ transitions behind the finding (docs/language.md, "Transitions and the finding")
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -34,8 +34,8 @@ import torch
 from .. import io as tio
 from .._version import __version__
 from .models import SparseAutoencoder, rip_constants
-from .pursuit import omp
 from .presets import ABLATION, PRESETS, make_config
+from .pursuit import omp
 from .synthetic import make_synthetic
 from .training import TrainConfig, as_activations, check_variance, train_many
 

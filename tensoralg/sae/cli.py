@@ -285,6 +285,7 @@ def _cmd_train(args) -> int:
         sae_cfg = make_config(preset, d_in, d_sae, k, **overrides)
     meta["preset"] = preset
     from dataclasses import replace
+
     from .presets import PRESETS, schedule
     if preset in PRESETS:   # the preset's training schedule (resampling, encoder phases), if any
         tcfg = replace(tcfg, **schedule(preset, tcfg.steps))
@@ -354,6 +355,7 @@ def _cmd_stability(args) -> int:
     import torch
 
     from verify.identifiability import compare, random_baseline
+
     from ..io import read_config
     from .models import rip_constants
     from .training import as_activations, load_sae

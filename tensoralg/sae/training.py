@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .. import io as tio
-from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
+from ..errors import TrainingDiverged
 from ._seeds import stream_generator
 from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
@@ -546,7 +546,7 @@ class _Stepper:
         self.pool = pool            # step -> (rows, d_in) raw training rows, for resampling
         self.resampled = 0
         self.params = list(model.parameters())
-        self.window = {k: 0.0 for k in self.KEYS}
+        self.window = dict.fromkeys(self.KEYS, 0.0)
         self.n_window = 0
         model.train()
 
@@ -670,7 +670,7 @@ class _Stepper:
                     "aux_coef": self.aux_ramp * sae_cfg.auxk_alpha,
                     "resampled": self.resampled,
                     "seconds": time.perf_counter() - self.t0})
-        self.window = {k: 0.0 for k in self.KEYS}
+        self.window = dict.fromkeys(self.KEYS, 0.0)
         self.n_window = 0
         return rec
 

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import opt_einsum as oe
 
-from ..canonical import QUERY, Canonical, Term, _flatten as _flatten_layers, sequence_tree
+from ..canonical import QUERY, Canonical, Term, sequence_tree
+from ..canonical import _flatten as _flatten_layers
 from ..layers import Bilinear, BilinearAttention, Layer, Linear, Residual, as_network
 from ..prepare import _selector, check_sequence_models, check_sequence_pair, check_slices
 from ..request import Request, make_request

@@ -78,10 +78,20 @@ from ..canonical import OUTPUT, QUERY, Leg, Node, Term, Tree, sequence_tree
 from ..canonical import _flatten as _flatten_layers
 from ..errors import AttentionNotSupported, CostTooHigh
 from ..layers import BilinearAttention, Layer, Residual, Sequential, as_network
-from ..prepare import (_IN_SEQUENCE_GRAM, _selector, check_sequence_models, check_sequence_pair,
-                       check_slices)
-from ..request import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS,
-                       DEFAULT_MAX_FLOPS_EXACT_SEQUENCE, Request, make_request)
+from ..prepare import (
+    _IN_SEQUENCE_GRAM,
+    _selector,
+    check_sequence_models,
+    check_sequence_pair,
+    check_slices,
+)
+from ..request import (
+    DEFAULT_MAX_CONFIGURATIONS,
+    DEFAULT_MAX_FLOPS,
+    DEFAULT_MAX_FLOPS_EXACT_SEQUENCE,
+    Request,
+    make_request,
+)
 from ..results import gram_to_similarity, similarity_from, swap_order
 from ..wick import partial_matchings, parts
 from .executor import Plan, torch_backend
@@ -113,7 +123,7 @@ def term_network(term: Term, side: str):
     return static, legs
 
 
-_NETWORKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NETWORKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _network(term: Term, side: str):
