@@ -21,7 +21,8 @@ from tensoralg.strategies import montecarlo as MC
 
 
 def model(rng, d=3, H=1, dh=2, bias=False):
-    g = lambda *s: rng.standard_normal(s) * SCALE
+    def g(*s):
+        return rng.standard_normal(s) * SCALE
     def at():
         kw = {}
         if bias:

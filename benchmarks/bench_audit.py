@@ -57,7 +57,7 @@ def main() -> None:
 
     for n in (8, 24):
         nets = [model(s).to_network() for s in range(n)]
-        t_batch, mat = best_of(lambda: ta.similarity_matrix(nets), 1)
+        t_batch, _mat = best_of(lambda: ta.similarity_matrix(nets), 1)
         t_pair, _ = best_of(lambda: [[ta.similarity(x, y) for y in nets] for x in nets], 1)
         print(f"N={n:3d} checkpoints: batched matrix {t_batch:.3f} s, N^2 pairwise {t_pair:.3f} s, "
               f"ratio {t_pair / t_batch:.1f}x")

@@ -685,7 +685,7 @@ class _Walker(_Compiler):
             stacked = [get(s).reshape(-1, K) if get(s) is not None else np.zeros((n, K))
                        for s, n in zip(syms, per)]
             res = np.empty((first.size, K))
-            for i, s in enumerate(syms):
+            for i, _s in enumerate(syms):
                 sel = w0 == i
                 res[sel] = stacked[i][lloc[sel] % per[i]]
             return res.reshape(shape[1:] + (K,))
@@ -782,7 +782,7 @@ class _Walker(_Compiler):
             pos = out.index(p)
         else:
             pos = None
-        z = [ch for ch in string.ascii_letters if ch not in al + cl + out][0]
+        z = next(ch for ch in string.ascii_letters if ch not in al + cl + out)
         spec = f"{al[1:]}{z},{cl}->{out[1:]}{z}"
         terms, chain = _map_terms(a, lambda M: np.einsum(spec, M, c))
         shape = tuple(a.shape[al.index(ch)] if ch in al else c.shape[cl.index(ch)] for ch in out)
@@ -814,7 +814,7 @@ class _Walker(_Compiler):
         hl = "".join(dict.fromkeys(ch for ch in al[1:] + bl[1:] if ch != pa))
         A0 = self.at_pos0(Ma, al[1:], pa)
         B0 = self.at_pos0(Mb, bl[1:], pa)
-        z = [ch for ch in string.ascii_letters if ch not in hl + al + bl][0]
+        z = next(ch for ch in string.ascii_letters if ch not in hl + al + bl)
         ones = np.ones([size[ch] for ch in hl])
         L = np.einsum(f"{''.join(c for c in al[1:] if c != pa)}{z},{hl}->{hl}{z}", A0, ones)
         R = np.einsum(f"{''.join(c for c in bl[1:] if c != pa)}{z},{hl}->{hl}{z}", B0, ones)

@@ -319,7 +319,7 @@ def _merge_attention(terms: list, n_ctx: int) -> list:
     rest = [t for t in terms if t.kind != "attention"]
     groups: list = []
     for t in att:
-        M = dict((lab, a) for a, lab in t.cores)[(QUERY, KEY)]
+        M = {lab: a for a, lab in t.cores}[(QUERY, KEY)]
         for g in groups:
             R = g[0]
             nz = R != 0
@@ -349,9 +349,9 @@ def _merge_attention(terms: list, n_ctx: int) -> list:
                 ws.append(w)
             legs.append(Leg(name, np.concatenate(ws, axis=-3), ls[0].labels, ls[0].pos,
                             positional))
-        vsize = max(dict((lab, a) for a, lab in t.cores)[(OUTPUT, "h", "v")].shape[2]
+        vsize = max({lab: a for a, lab in t.cores}[(OUTPUT, "h", "v")].shape[2]
                     for t, _ in members)
-        Os = [c * _pad(dict((lab, a) for a, lab in t.cores)[(OUTPUT, "h", "v")], 2, vsize)
+        Os = [c * _pad({lab: a for a, lab in t.cores}[(OUTPUT, "h", "v")], 2, vsize)
               for t, c in members]
         cores = ((np.concatenate(Os, axis=1), (OUTPUT, "h", "v")), (M, (QUERY, KEY)))
         out.append(Term("attention", tuple(legs), cores, members[0][0].out))
@@ -671,7 +671,7 @@ def _check_max_degree(max_degree) -> tuple:
                        for k in vals):
         raise ValueError(f"max_degree: expected a positive int or an increasing sequence of "
                          f"positive ints, e.g. (1, 5, 9), got {max_degree!r}")
-    if any(b <= a for a, b in zip(vals, vals[1:])):
+    if any(b <= a for a, b in itertools.pairwise(vals)):
         raise ValueError(f"max_degree: expected strictly increasing degrees, got {max_degree!r}")
     return tuple(int(k) for k in vals)
 

@@ -837,7 +837,7 @@ class _GraphBuilder:
                     return f"i:{s_var}"
                 return self.index(f"i:{cid}{tag}.{lab}", size)
 
-            for c, (arr, labs) in enumerate(term.cores):
+            for _c, (arr, labs) in enumerate(term.cores):
                 name = _core_name(term.kind, labs)
                 tid = self.tensor_id(side, name, k, path, cid, tag, core=True)
                 self.tensor(tid, arr, role="core", name=name, **common)

@@ -321,7 +321,7 @@ def train_classifier(model: nn.Module, X: Any, y: Any, *, steps: int,
     eval_sets = checked_sets
     gen = torch.Generator().manual_seed(int(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    eval_at = sorted(set(int(s) for s in eval_at))
+    eval_at = sorted({int(s) for s in eval_at})
     history: dict[str, list] = {"step": [], "loss": []}
     for name in eval_sets:
         history[f"{name}_acc"] = []

@@ -458,7 +458,7 @@ def check_sequence_models(models, n_ctx):
     # one sequence length for all of them (every mask that fixes one, named models[i]) before
     # the pairwise size checks, which then run at that length
     n_ctx = resolve_n_ctx([(f"models[{i}]", net) for i, net in enumerate(nets)], n_ctx)
-    for i, net in enumerate(nets[1:], 1):
+    for _i, net in enumerate(nets[1:], 1):
         check_sequence_pair(nets[0], net, n_ctx)
     return nets, check_sequence_pair(nets[0], nets[-1], n_ctx)[2]
 

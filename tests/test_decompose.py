@@ -386,7 +386,7 @@ def test_the_change_between_identical_checkpoints_is_exactly_zero(tmp_path, caps
     c = ta.Bilinear(b.left.copy(), b.right, b.down)
     c.left[0, 0] += 1.0
     assert ta.norm(dc.difference(b, c)) > 0
-    a, _ = _checkpoints(tmp_path)
+    _a, _ = _checkpoints(tmp_path)
     out = tmp_path / "run0"
     assert main(["decompose", str(tmp_path / "a"), "--diff", str(tmp_path / "a"),
                  "--out", str(out)]) == 0

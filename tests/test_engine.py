@@ -90,7 +90,7 @@ def test_narrow_embeddings_metric_pairs_and_whitened_grams():
     assert ta.inner(a, b, backend="exact", strategy="chaos") == want
     c = _embedded(rng, 30, 3, 4, 2)
     ca, _ = stack_for([a, c], "numpy", "models")
-    U, _ = output_matrix(None, 2, False)
+    _U, _ = output_matrix(None, 2, False)
     est = chaos.estimate(ca, ca, 2, False, True, False)
     assert est.whitened and est.r == 6  # two models of width 3 in 30 dimensions
     G = ta.gram([a, c], strategy="chaos")

@@ -240,7 +240,7 @@ def test_covariance_refusals_that_need_the_models_or_the_backend():
 def test_a_zero_factor_is_refused_as_a_covariance():
     from test_request import ENTRY_POINTS
 
-    for name, call in ENTRY_POINTS.items():
+    for _name, call in ENTRY_POINTS.items():
         with pytest.raises(ValueError, match=r"cov: the factor K of shape \(2, 2\) is zero"):
             call(dict(cov=ta.CovarianceFactor(np.zeros((2, 2)))))
 

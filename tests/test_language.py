@@ -584,7 +584,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
     its delta-method standard error; the exact one-layer value lies within 4 of them."""
     from tensoralg.strategies import wick_terms
 
-    result, out = tiny_run
+    _result, out = tiny_run
     js = json.loads((out / "language.json").read_text())
     mc = js["montecarlo_check"][0]
     assert mc["stderr"] > 0 and "delta method" in mc["stderr_method"]
@@ -605,7 +605,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
 def test_compare_montecarlo_of_language_checkpoints_has_a_stderr(tiny_run):
     from tensoralg.audit.compare import run_compare
 
-    result, out = tiny_run
+    _result, out = tiny_run
     c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000020")]
     r = run_compare(c[0], c[1], methods=("exact", "montecarlo"), n_samples=300, seed=3)
     vals = {x["method"]: x for x in r["results"]}
@@ -625,7 +625,7 @@ def test_compare_of_language_checkpoints_defaults_to_fewer_monte_carlo_direction
     from tensoralg.audit import compare
 
     monkeypatch.setattr(compare, "SEQUENCE_MC_SAMPLES", 300)
-    result, out = tiny_run
+    _result, out = tiny_run
     c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000020")]
     r = compare.run_compare(c[0], c[1], methods=("montecarlo",), seed=3)
     assert r["config"]["n_samples"] == 300

@@ -120,7 +120,7 @@ def test_sequence_entry_points_give_the_same_error():
                     (dict(n_ctx=3, output=[np.inf, 1.0]), "output: .*finite"),
                     (dict(n_ctx=3, output="all"), "output: expected None")]:
         seen = set()
-        for name, call in calls.items():
+        for _name, call in calls.items():
             with pytest.raises(ValueError, match=msg):
                 call(kw)
             try:

@@ -210,8 +210,8 @@ def test_autocast_training_runs_and_reconstructs_like_float32(syn, preset, autoc
     another CPU's bf16 kernels, and flo < 0.5 says it trained at all (untrained: ~1)."""
     cfg = make_config(preset, 8, 12, 2)
     tc = TrainConfig(steps=60, batch_size=64, lr=1e-2)
-    m32, h32 = train(syn.x, cfg, tc)
-    mlo, hlo = train(syn.x, cfg, TrainConfig(steps=60, batch_size=64, lr=1e-2, autocast=autocast))
+    m32, _h32 = train(syn.x, cfg, tc)
+    mlo, _hlo = train(syn.x, cfg, TrainConfig(steps=60, batch_size=64, lr=1e-2, autocast=autocast))
     assert mlo.W_dec.dtype == torch.float32
     with torch.no_grad():
         var = ((syn.x - syn.x.mean(0)) ** 2).sum()

@@ -205,7 +205,7 @@ def _radial_samples(fa, fb, n: int, rng: np.random.Generator, batch_size: int,
 def _hermite_controls(x: np.ndarray, antithetic: bool) -> np.ndarray:
     """Features of known mean zero under N(0, I): x_i, x_i x_j (i<j), x_i^2 - 1.
     Under antithetic pairing the odd features average to 0 exactly and are dropped."""
-    n, d = x.shape
+    _n, d = x.shape
     feats = [] if antithetic else [x]
     feats.append(x ** 2 - 1)
     if d <= 30:

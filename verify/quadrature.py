@@ -287,7 +287,7 @@ def _setup(nets: Sequence[Any], basis: Any, n_ctx, positions, degree, output, po
     """Validate everything (networks, slice, degree, output, cost) before any evaluation."""
     nets = tuple(_network(n, name) for n, name in zip(nets, ("a", "b")))
     d, d_out = nets[0].in_features, nets[0].out_features
-    for n, name in zip(nets[1:], ("b",)):
+    for n, _name in zip(nets[1:], ("b",)):
         if n.in_features != d or n.out_features != d_out:
             raise ValueError(f"a and b must have the same input and output sizes: a is {d} -> "
                              f"{d_out}, b is {n.in_features} -> {n.out_features}")
@@ -339,7 +339,7 @@ def _setup(nets: Sequence[Any], basis: Any, n_ctx, positions, degree, output, po
             if not 0 <= output < d_out:
                 raise ValueError(f"output: index {output} out of range for {d_out} outputs")
             output = int(output)
-        elif isinstance(output, str) or isinstance(output, bool):
+        elif isinstance(output, (str, bool)):
             raise ValueError(f"output: expected None, an int or a vector of shape ({d_out},), "
                              f"got {output!r}")
         else:

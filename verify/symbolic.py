@@ -408,7 +408,7 @@ def gram_closed_form(La, Ra, Da, Lb, Rb, Db) -> sp.Expr:
 
 
 def prove_gram_closed_form(d: int = 2, hidden_a: int = 2, hidden_b: int = 1, out: int = 1,
-                           closed_form: Callable = None) -> ProofResult:
+                           closed_form: Callable | None = None) -> ProofResult:
     """The single-layer Gram closed form of docs/mathematics.md §3.1 with fully symbolic ``L, R, D`` of both
     layers equals ``sum_o E[f_a(x)_o f_b(x)_o]`` computed by Gaussian integration.
 

@@ -269,7 +269,7 @@ def train_language_model(model, train_tokens: np.ndarray, cfg: LanguageConfig, s
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     offs = torch.arange(n_ctx + 1)
-    save = set(int(s) for s in save_at)
+    save = {int(s) for s in save_at}
     hist = {"step": [], "loss": []}
     last = float("nan")
     if 0 in save:
@@ -742,7 +742,7 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
            if closure_S is not None else {}),
         "checkpoints": [{"name": names[i], "step": steps[i], "path": f"checkpoints/{names[i]}",
                          "train_loss": hist["loss"][i], **scores[i]} for i in range(N)],
-        "matrices": {k: v for k, v in mats.items()},
+        "matrices": dict(mats.items()),
         "montecarlo_check": mc,
         "montecarlo_check_summary": _mc_summary(mc, method),
         "transitions": fin,

@@ -297,7 +297,7 @@ def _fmt(v) -> str:
 
 def format_table(r: dict) -> str:
     """Markdown table of a :func:`run_bench` result."""
-    names = [n for n in r["config"]["presets"]]
+    names = list(r["config"]["presets"])
     cols = ["fvu", "l0", "dead", "dcs", "code_iou", "code_l2", "gt_dcs", "gt_code_iou",
             "gt_code_l2", "rip_delta"]
     lines = ["| preset | " + " | ".join(cols) + " | omp gt_iou | omp iou | rand dcs | rand iou |",

@@ -462,7 +462,7 @@ def _cmd_activations(args) -> int:
     if given:
         raise ValueError(f"{given[0]}: only for --source transformer (the MiniLM source takes "
                          f"--layer, --max-texts, --max-tokens, --batch-size)")
-    for flag, key, default in _MINILM_ONLY:
+    for _flag, key, default in _MINILM_ONLY:
         if getattr(args, key) is None:
             setattr(args, key, default)
     _check_json(args)

@@ -35,6 +35,7 @@ from ..errors import TrainingDiverged
 from ._seeds import stream_generator
 from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
+import itertools
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae",
            "as_activations", "check_variance", "make_lr_scheduler", "check_autocast"]
@@ -469,7 +470,7 @@ def plot_density(records: list[dict], path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for rec in records:
         e = rec["log10_density_edges"]
-        mids = [(a + b) / 2 for a, b in zip(e[:-1], e[1:])]
+        mids = [(a + b) / 2 for a, b in itertools.pairwise(e)]
         ax.plot(mids, rec["counts"], marker=".", label=f"step {rec['step']} "
                 f"({rec['never_fired']} never fired)")
     ax.set_xlabel("log10 feature density (fraction of samples a latent fires on)")
