@@ -4,10 +4,10 @@ transitions behind the finding (docs/language.md, "Transitions and the finding")
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
-import itertools
 
 JSON_NAME = "language.json"
 CSV_NAME = "language.csv"

@@ -20,6 +20,7 @@ is a slice of a permutation drawn from a generator seeded by ``(seed, epoch)`` (
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -35,7 +36,6 @@ from ..errors import TrainingDiverged
 from ._seeds import stream_generator
 from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
-import itertools
 
 __all__ = ["TrainConfig", "TrainingDiverged", "train", "train_many", "save_sae", "load_sae",
            "as_activations", "check_variance", "make_lr_scheduler", "check_autocast"]

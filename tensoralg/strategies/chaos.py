@@ -273,7 +273,7 @@ def _poly_products(pl: list, pr: list, D: np.ndarray, exact: bool) -> list[np.nd
     deg = max(out) if out else 0
     res = []
     for n in range(deg + 1):
-        res.append(out.get(n, None))
+        res.append(out.get(n))
     return res
 
 
