@@ -520,7 +520,7 @@ def _node_forward(node: Node, y: np.ndarray) -> np.ndarray:
         ops, subs = [], []
         sym: dict = {}
 
-        def s(lab):
+        def s(lab, sym=sym):
             if lab not in sym:
                 sym[lab] = oe.get_symbol(len(sym))
             return sym[lab]

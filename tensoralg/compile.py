@@ -692,10 +692,10 @@ class _Walker(_Compiler):
 
         for k in keys:
             K = self.cores[k].size
-            out_terms[k] = gather(lambda s: s.terms.get(k), K)
+            out_terms[k] = gather(lambda s, k=k: s.terms.get(k), K)
         for k in chains:
             K = syms[0].chain[k].shape[-1]
-            out_chain[k] = gather(lambda s: s.chain[k], K)
+            out_chain[k] = gather(lambda s, k=k: s.chain[k], K)
         v = _Sym(shape, pos_axis, syms[0].stream, out_terms, out_chain,
                  all(s.hidden for s in syms))
         return self.register(v)

@@ -828,7 +828,7 @@ class _GraphBuilder:
                 s_var = f"{cid}{tag}.s"
                 self.index(f"i:{s_var}", tree.n_ctx, position=s_var, query=False, open=False)
 
-            def label_index(lab: str, size: int) -> str:
+            def label_index(lab: str, size: int, s_var=s_var, tag=tag) -> str:
                 if lab == "o":
                     return out_index
                 if lab == "t":

@@ -658,7 +658,7 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
             uf = _UnionFind(positions)
             for i, j in pairs:
                 uf.union(la[i].pos, lb[j].pos)
-            rel = lambda lab: tuple(uf.find(x) if x in positions else x for x in lab)  # noqa: E731
+            rel = lambda lab, uf=uf: tuple(uf.find(x) if x in positions else x for x in lab)  # noqa: E731
             specs = [(("sel",), (QUERY,))]
             if sa.R[S_a][0] is not None:
                 specs.append((("Ra", S_a), rel(sa.R[S_a][1])))
