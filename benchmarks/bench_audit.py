@@ -7,15 +7,16 @@
 
 `python benchmarks/bench_audit.py language RUN [--directions 5000] [--seeds 1,2,3] [i:j ...]`:
 the closure against Monte Carlo on the checkpoints of a `tensoralg audit language` run (default
-pairs: those of the run's own Monte Carlo check, `--method montecarlo` runs; give them otherwise). Per pair, the closure's raw moments
-``<a,a>, <a,b>, <b,b>`` and similarity, and per seed the radial Monte Carlo estimate
-(``tensoralg.strategies.montecarlo.montecarlo_similarity``'s estimator: directions uniform on the sphere,
-the radius integrated by a Gauss rule exact for the degree) of the same moments, with the share
-of each self moment carried by its single largest direction (heavy tails) and a Markov lower
-bound on each self moment. The bound needs only that the per-direction ``p_aa`` is nonnegative
-and unbiased: with ``k`` independent seeds, ``P(min_s mean_s >= m) <= (<a,a> / m)^k``, so
-``<a,a> >= min_s mean_s * alpha^(1/k)`` at confidence ``1 - alpha`` (alpha = 1e-3). A bound above
-the closure's ``<a,a>`` refutes the closure's norm without trusting any standard error.
+pairs: those of the run's own Monte Carlo check, `--method montecarlo` runs; give them
+otherwise). Per pair, the closure's raw moments ``<a,a>, <a,b>, <b,b>`` and similarity, and per
+seed the radial Monte Carlo estimate (``tensoralg.strategies.montecarlo.montecarlo_similarity``'s
+estimator: directions uniform on the sphere, the radius integrated by a Gauss rule exact for the
+degree) of the same moments, with the share of each self moment carried by its single largest
+direction (heavy tails) and a Markov lower bound on each self moment. The bound needs only that the
+per-direction ``p_aa`` is nonnegative and unbiased: with ``k`` independent seeds,
+``P(min_s mean_s >= m) <= (<a,a> / m)^k``, so ``<a,a> >= min_s mean_s * alpha^(1/k)`` at
+confidence ``1 - alpha`` (alpha = 1e-3). A bound above the closure's ``<a,a>`` refutes the
+closure's norm without trusting any standard error.
 """
 
 from __future__ import annotations

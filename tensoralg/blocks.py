@@ -107,8 +107,9 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
     """Validate every checkpoint folder before any block runs and fingerprint it.
 
     For each folder: ``cfg.json`` parses and names the ``tensoralg.nn.BilinearNet`` or the
-    ``tensoralg.transformer.BilinearTransformer`` architecture; the safetensors header of ``weights.safetensors`` parses, the file holds exactly
-    the bytes the header announces, and its tensor names and shapes are those the config implies.
+    ``tensoralg.transformer.BilinearTransformer`` architecture; the safetensors header of
+    ``weights.safetensors`` parses, the file holds exactly the bytes the header announces, and its
+    tensor names and shapes are those the config implies.
     All checkpoints must share one architecture (they are stacked into batched contractions;
     transformers may differ in their trained ``n_ctx`` only, and must share one vocabulary).
     Weight values (NaN/inf) are checked when a block loads them

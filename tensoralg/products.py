@@ -14,8 +14,8 @@ tensors are (polarization).
 
 This module is thin: each function turns its arguments into one validated
 :class:`~tensoralg.request.Request` (:func:`~tensoralg.request.make_request`) and hands it to
-the function of the same name in :mod:`tensoralg.engine` (prepare -> plan -> strategy). Units: the inner product has the units of output
-squared; similarity is dimensionless in [-1, 1].
+the function of the same name in :mod:`tensoralg.engine` (prepare -> plan -> strategy).
+Units: the inner product has the units of output squared; similarity is dimensionless in [-1, 1].
 """
 
 from __future__ import annotations

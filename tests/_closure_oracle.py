@@ -1,7 +1,7 @@
 """Test oracle: the Gaussian closure of tensoralg.strategies.closure as it was at commit 942dfb0
 (one opt_einsum contraction per partial matching of all the forms of two terms, full output
-moments at every stage). Kept verbatim (only imports adapted; the node decomposition is imported) so the fast closure can be
-compared against it in the same test run; not part of the package."""
+moments at every stage). Kept verbatim (only imports adapted; the node decomposition is
+imported) so the fast closure can be compared against it in the same test run; not part of the package."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""tensoralg.sae.omp (module tensoralg.sae.pursuit) against scikit-learn's OrthogonalMatchingPursuit, and on exact recovery."""
+"""tensoralg.sae.omp (module tensoralg.sae.pursuit) against scikit-learn's
+OrthogonalMatchingPursuit, and on exact recovery."""
 
 import numpy as np
 import pytest

@@ -434,9 +434,11 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
 def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
     lines = []
     ts = fin["metrics"]["tensor similarity"]
+    fastest = "ngram_orders_fastest_within_1_interval"
     tr = ", ".join(f"steps {t['steps'][0]}->{t['steps'][1]} (1-S = {t['change']:.3g}"
-                   + (f"; fastest {'/'.join(str(n) for n in t['ngram_orders_fastest_within_1_interval'])}-gram learning within one interval)"
-                      if t["ngram_orders_fastest_within_1_interval"] else "; no n-gram order learns fastest there)")
+                   + (f"; fastest {'/'.join(str(n) for n in t[fastest])}-gram learning within one "
+                      f"interval)"
+                      if t[fastest] else "; no n-gram order learns fastest there)")
                    for t in ts["sharpest"])
     label = METHOD_LABELS.get(method, method)
     lines.append(f"sharpest tensor-similarity ({label}) transitions: "
@@ -450,7 +452,8 @@ def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
         f"{_shown(k, method)} {fmt(v['spearman_with_ngram_change'])}"
         for k, v in fin["metrics"].items()))
     lines.append("sharpest/median consecutive change: " + ", ".join(
-        f"{_shown(k, method)} {('n/a' if v['sharpness_max_over_median'] is None else format(v['sharpness_max_over_median'], '.1f'))}"
+        f"{_shown(k, method)} "
+        f"{'n/a' if v['sharpness_max_over_median'] is None else format(v['sharpness_max_over_median'], '.1f')}"
         for k, v in fin["metrics"].items()))
     n_al, n_same, k = (ts["n_sharpest_aligned_with_ngram"],
                        ts["n_sharpest_same_interval_as_ngram"], len(ts["sharpest"]))

@@ -625,7 +625,8 @@ def add_parsers(sub) -> None:
     b = ss.add_parser("bench", help="train every preset with several seeds and report stability")
     b.add_argument("--quick", action="store_true",
                    help="small sizes, about a minute on CPU (default: the full sizes)")
-    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES, help="presets to train (default: the four ablation arms topk, abstopk, "
+    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES,
+                   help="presets to train (default: the four ablation arms topk, abstopk, "
                         "isae, isae-me)")
     b.add_argument("--seeds", type=int, help="seeds per preset (default 3 quick / 5 full)")
     b.add_argument("--data", help="real activations .npy instead of synthetic data (default: "
