@@ -11,6 +11,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import math
+import sys
 import time
 
 import numpy as np
@@ -26,11 +27,11 @@ def model(rng, d=3, H=1, dh=2, bias=False):
     def at():
         kw = {}
         if bias:
-            kw = dict(q1_bias=g(H, dh), k1_bias=g(H, dh), q2_bias=g(H, dh), k2_bias=g(H, dh), v_bias=g(H, dh))
-        return ta.BilinearAttention(g(H, dh, d), g(H, dh, d), g(H, dh, d), g(H, dh, d), g(H, dh, d), g(d, H, dh), mask="causal", **kw)
+            kw = dict(q1_bias=g(H, dh), k1_bias=g(H, dh), q2_bias=g(H, dh), k2_bias=g(H, dh),
+                      v_bias=g(H, dh))
+        return ta.BilinearAttention(g(H, dh, d), g(H, dh, d), g(H, dh, d), g(H, dh, d),
+                                    g(H, dh, d), g(d, H, dh), mask="causal", **kw)
     return ta.Sequential([ta.Residual(at()), ta.Residual(at()), ta.Linear(rng.standard_normal((2, d)))])
-
-import sys
 
 SCALE = float(sys.argv[1]) if len(sys.argv) > 1 else 0.3
 bias = len(sys.argv) > 2
@@ -42,7 +43,8 @@ for seed in range(4):
     tc = time.time() - t
     kw = dict(n_ctx=3, n_samples=400_000, seed=0)
     maa, mab, mbb = (MC.montecarlo_inner(x, y, **kw) for x, y in ((a, a), (a, b), (b, b)))
-    cs = ab / math.sqrt(aa * bb); ms = float(mab) / math.sqrt(float(maa) * float(mbb))
+    cs = ab / math.sqrt(aa * bb)
+    ms = float(mab) / math.sqrt(float(maa) * float(mbb))
     print(f"seed {seed} bias={bias}: closure sim {cs:.4f}  MC sim {ms:.4f}  |err| {abs(cs-ms):.4f} | "
           f"<a,a> closure {aa:.4f} MC {float(maa):.4f}+-{maa.stderr:.4f} ratio {aa/float(maa):.3f} | "
           f"<a,b> closure {ab:.4f} MC {float(mab):.4f}+-{mab.stderr:.4f} | closure {tc:.1f}s", flush=True)

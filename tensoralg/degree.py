@@ -39,17 +39,18 @@ Exact where the truncation is a network the exact engines compute:
 Everything else by Monte Carlo (approximate; :func:`_mc`): the radial estimator of
 :mod:`tensoralg.strategies.montecarlo` on the truncation. Per direction ``theta`` the parts
 ``P_k(rho theta)`` come from the DFT (``m`` complex forward passes per input scale, each part
-read at the scale of smallest rounding bound) at the typical radius ``rho = sqrt(D)``, and ``f_{<=K}(r theta) = sum_k (r/rho)^k P_k(rho theta)``, so the radial
-integral is exact given the chi moments ``E[r^n]`` (antithetic ``±theta``: odd ``k + l``
-cancel). The largest exact lower truncation is the control variate (its exact inner products
-replace its sample means). Diagnostics as :mod:`tensoralg.strategies.montecarlo` (three
-replicates, their agreement, the largest single-direction share — here of the sampled
-remainder against the whole sum, so that the exact block does not dilute a heavy tail): an
-estimate whose ``reliable`` is False is not an answer.
+read at the scale of smallest rounding bound) at the typical radius ``rho = sqrt(D)``, and
+``f_{<=K}(r theta) = sum_k (r/rho)^k P_k(rho theta)``, so the radial integral is exact given the
+chi moments ``E[r^n]`` (antithetic ``±theta``: odd ``k + l`` cancel). The largest exact lower
+truncation is the control variate (its exact inner products replace its sample means). Diagnostics
+as :mod:`tensoralg.strategies.montecarlo` (three replicates, their agreement, the largest
+single-direction share — here of the sampled remainder against the whole sum, so that the exact
+block does not dilute a heavy tail): an estimate whose ``reliable`` is False is not an answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -843,10 +844,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                     prof[side][k] = 0.0     # vanishes structurally (bias-free)
                 else:
                     t = f.tree({k})
-                    try:
+                    with contextlib.suppress(CostTooHigh):   # too costly: estimated below
                         prof[side][k] = _tree_inner(t, t, n_ctx)
-                    except CostTooHigh:
-                        pass        # estimated below
 
     for K in Ks:
         if K in exact_ip:

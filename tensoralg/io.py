@@ -6,6 +6,7 @@ Every write goes to a temporary file in the destination folder and is renamed in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -51,10 +52,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     return path
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from torch import nn
 
 from ._torchutil import check_positive_int, dtype_name, torch_dtype
 from .errors import TrainingDiverged
+
+if TYPE_CHECKING:   # at run time module __getattr__ below imports it on first use
+    from .transformer import BilinearTransformer
 
 __all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE",
            "TrainingDiverged", "BilinearTransformer"]

@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -357,9 +359,6 @@ def test_fx_fallback_where_export_cannot_run(name, monkeypatch):
     with pytest.raises(NotCompilable, match=r"aten\.relu\.default .*models\.py:\d+"):
         ta.from_torch(G.ReluMLP(), torch.randn(3, 4))
 
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

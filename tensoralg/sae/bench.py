@@ -209,9 +209,16 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                 init = SparseAutoencoder(sae_cfg, seed=seed_i)
                 init.init_b_dec(x_train[:8192].to(init.W_dec.dtype))
                 zr = init.encode(x_eval.to(init.W_dec.dtype))
-                Dr.append(init.W_dec.detach().clone()); Zr.append(zr); fr.append(_fvu(x_eval, init.decode(zr)))
-            Ds.append(D); Zs.append(z); fvus.append(f); rips.append(rc["delta_max"]); ripm.append(rc["delta_mean"])
-            Zomp.append(zo); fomp.append(fo)
+                Dr.append(init.W_dec.detach().clone())
+                Zr.append(zr)
+                fr.append(_fvu(x_eval, init.decode(zr)))
+            Ds.append(D)
+            Zs.append(z)
+            fvus.append(f)
+            rips.append(rc["delta_max"])
+            ripm.append(rc["delta_mean"])
+            Zomp.append(zo)
+            fomp.append(fo)
             active = z != 0
             per_seed.append({"seed": seed_i, "fvu": f, "rip_delta": rc["delta_max"],
                              "l0": float(active.sum(1).double().mean()),

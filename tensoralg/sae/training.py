@@ -913,7 +913,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                 if train_cfg.progress:
                     steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
                                       dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
-            if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)
+            if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)  # noqa: SIM102
                                     or done == train_cfg.steps):
                 if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
                     dens = {"event": "density", "step": done,

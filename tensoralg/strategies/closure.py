@@ -511,7 +511,7 @@ class _SumOfContractions:
         out_m = _unique("".join(find(x) for x in self.out))
         restore = tuple((find(x), x) for x in self.out if find(x) != x)
         diag, usubs, ushapes = [], [], []
-        for s_, m_, sh in zip(subs, msubs, shapes):
+        for m_, sh in zip(msubs, shapes):
             u = _unique(m_)
             diag.append(None if u == m_ else f"{m_}->{u}")
             usubs.append(u)
