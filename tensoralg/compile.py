@@ -45,8 +45,14 @@ import itertools
 import math
 import operator
 import string
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:   # torch is imported only when a module is compiled
+    import torch
+
+    from .layers import Sequential
 
 __all__ = ["from_torch", "NotCompilable", "SUPPORTED_OPS", "NON_POLYNOMIAL_OPS"]
 
@@ -1502,7 +1508,8 @@ def _prescan(graph, user):
                                   "(linear maps, bilinear products, bilinear attention)")
 
 
-def from_torch(module, example_inputs, *, inputs: str = "residual"):
+def from_torch(module: torch.nn.Module, example_inputs: Any, *, inputs: str = "residual"
+               ) -> Sequential:
     """Compile a torch module into an exact tensoralg network, verified against its forward pass.
 
     Args:

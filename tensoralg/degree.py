@@ -54,6 +54,7 @@ import contextlib
 import itertools
 import math
 import numbers
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -528,10 +529,10 @@ class DegreeSimilarity:
                            f"(max_degree=)")
         return self.values[K]
 
-    def keys(self):
+    def keys(self) -> KeysView[int]:
         return self.values.keys()
 
-    def exact(self, K) -> bool:
+    def exact(self, K: int) -> bool:
         """Whether ``S<=K`` is exact (else a Monte Carlo estimate)."""
         return self.method[K] == "exact"
 
@@ -914,7 +915,7 @@ class DegreeSimilarityMatrix:
                            f"(max_degree=)")
         return self.similarity[K]
 
-    def keys(self):
+    def keys(self) -> KeysView[int]:
         return self.similarity.keys()
 
     def __repr__(self) -> str:

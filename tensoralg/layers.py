@@ -266,13 +266,13 @@ class Linear(Layer):
     def degree(self) -> int:
         return 1
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
 
-    def to_spec(self):
+    def to_spec(self) -> dict:
         return {"type": "linear", "weight": _spec_array(self.weight), "bias": _spec_array(self.bias)}
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Linear:
         return Linear(self.weight * factor, None if self.bias is None else self.bias * factor)
 
 
@@ -327,16 +327,16 @@ class Bilinear(Layer):
     def degree(self) -> int:
         return 2
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return [a for a in (self.left, self.right, self.down, self.left_bias, self.right_bias,
                             self.down_bias) if a is not None]
 
-    def to_spec(self):
+    def to_spec(self) -> dict:
         return {"type": "bilinear", "left": _spec_array(self.left), "right": _spec_array(self.right),
                 "down": _spec_array(self.down), "left_bias": _spec_array(self.left_bias),
                 "right_bias": _spec_array(self.right_bias), "down_bias": _spec_array(self.down_bias)}
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Bilinear:
         return Bilinear(self.left, self.right, self.down * factor, self.left_bias, self.right_bias,
                         None if self.down_bias is None else self.down_bias * factor)
 
@@ -380,13 +380,13 @@ class Residual(Layer):
     def degree(self) -> int:
         return max(1, self.inner.degree)
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return self.inner.arrays()
 
-    def to_spec(self):
+    def to_spec(self) -> dict:
         return {"type": "residual", "inner": self.inner.to_spec()}
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Layer:
         raise ValueError("scaled_output: a network ending in a residual block has no output "
                          "weights to scale; append a Linear head")
 
@@ -447,13 +447,13 @@ class Sequential(Layer):
             deg *= layer.degree
         return deg
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return [a for layer in self.layers for a in layer.arrays()]
 
-    def to_spec(self):
+    def to_spec(self) -> list:
         return [layer.to_spec() for layer in self.layers]
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Sequential:
         return Sequential(self.layers[:-1] + [self.layers[-1].scaled_output(factor)])
 
     def __len__(self):
@@ -745,7 +745,7 @@ class BilinearAttention(Layer):
     def degree(self) -> int:
         return 5
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return self._weight_arrays() + ([] if isinstance(self.mask, str) else [self.mask])
 
     def mask_matrix(self, n_ctx: int) -> np.ndarray:
@@ -831,7 +831,7 @@ class BilinearAttention(Layer):
         return y
 
     # -- specs and copies ---------------------------------------------------------------
-    def to_spec(self):
+    def to_spec(self) -> dict:
         spec = {"type": "bilinear_attention"}
         for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES:
             spec[name] = _spec_array(getattr(self, name))
@@ -847,7 +847,7 @@ class BilinearAttention(Layer):
         out = BilinearAttention(**kw, mask=mask, scale=self.scale, rope=self.rope)
         return out
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> BilinearAttention:
         kw = {name: getattr(self, name) for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES}
         kw["o"] = self.o * factor
         kw["o_bias"] = None if self.o_bias is None else self.o_bias * factor
