@@ -46,9 +46,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tensoralg as ta  # noqa: E402
-from tensoralg.strategies import wick_terms as A  # noqa: E402
-from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C  # noqa: E402
+from tensoralg.strategies import montecarlo as MC  # noqa: E402
+from tensoralg.strategies import wick_terms as A  # noqa: E402
 
 
 def model(rng, d, H, dh, bias, residual=True):

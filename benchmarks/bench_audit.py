@@ -7,15 +7,16 @@
 
 `python benchmarks/bench_audit.py language RUN [--directions 5000] [--seeds 1,2,3] [i:j ...]`:
 the closure against Monte Carlo on the checkpoints of a `tensoralg audit language` run (default
-pairs: those of the run's own Monte Carlo check, `--method montecarlo` runs; give them otherwise). Per pair, the closure's raw moments
-``<a,a>, <a,b>, <b,b>`` and similarity, and per seed the radial Monte Carlo estimate
-(``tensoralg.strategies.montecarlo.montecarlo_similarity``'s estimator: directions uniform on the sphere,
-the radius integrated by a Gauss rule exact for the degree) of the same moments, with the share
-of each self moment carried by its single largest direction (heavy tails) and a Markov lower
-bound on each self moment. The bound needs only that the per-direction ``p_aa`` is nonnegative
-and unbiased: with ``k`` independent seeds, ``P(min_s mean_s >= m) <= (<a,a> / m)^k``, so
-``<a,a> >= min_s mean_s * alpha^(1/k)`` at confidence ``1 - alpha`` (alpha = 1e-3). A bound above
-the closure's ``<a,a>`` refutes the closure's norm without trusting any standard error.
+pairs: those of the run's own Monte Carlo check, `--method montecarlo` runs; give them
+otherwise). Per pair, the closure's raw moments ``<a,a>, <a,b>, <b,b>`` and similarity, and per
+seed the radial Monte Carlo estimate (``tensoralg.strategies.montecarlo.montecarlo_similarity``'s
+estimator: directions uniform on the sphere, the radius integrated by a Gauss rule exact for the
+degree) of the same moments, with the share of each self moment carried by its single largest
+direction (heavy tails) and a Markov lower bound on each self moment. The bound needs only that the
+per-direction ``p_aa`` is nonnegative and unbiased: with ``k`` independent seeds,
+``P(min_s mean_s >= m) <= (<a,a> / m)^k``, so ``<a,a> >= min_s mean_s * alpha^(1/k)`` at
+confidence ``1 - alpha`` (alpha = 1e-3). A bound above the closure's ``<a,a>`` refutes the
+closure's norm without trusting any standard error.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from _timing import best_of
 
 
@@ -58,7 +58,7 @@ def main() -> None:
 
     for n in (8, 24):
         nets = [model(s).to_network() for s in range(n)]
-        t_batch, mat = best_of(lambda: ta.similarity_matrix(nets), 1)
+        t_batch, _mat = best_of(lambda: ta.similarity_matrix(nets), 1)
         t_pair, _ = best_of(lambda: [[ta.similarity(x, y) for y in nets] for x in nets], 1)
         print(f"N={n:3d} checkpoints: batched matrix {t_batch:.3f} s, N^2 pairwise {t_pair:.3f} s, "
               f"ratio {t_pair / t_batch:.1f}x")
@@ -71,9 +71,9 @@ def main() -> None:
 
 def language(argv: list[str]) -> None:
     """Closure vs radial Monte Carlo on a language audit's checkpoints (see the module doc)."""
-    from tensoralg.strategies import montecarlo as MC
-    from tensoralg.strategies import closure as C
     from tensoralg.checkpoint import load_checkpoint
+    from tensoralg.strategies import closure as C
+    from tensoralg.strategies import montecarlo as MC
     from tensoralg.strategies.montecarlo import ratio_estimate
 
     ap = argparse.ArgumentParser(prog="bench_audit.py language")

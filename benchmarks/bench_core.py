@@ -15,10 +15,9 @@ import argparse
 import time
 
 import numpy as np
+from _timing import best_of
 
 import tensoralg as ta
-
-from _timing import best_of
 
 
 def bilinear(rng, d, H, O, scale=1.0):
@@ -38,7 +37,7 @@ def bench_mc(rng):
                                   ta.Residual(bilinear(rng, 8, 16, 8)),
                                   ta.Linear(rng.standard_normal((10, 8)) / 3)])
     cases["depth-2 d=8 H=16 (embed,res,head)"] = (deep(), deep())
-    for name, (a, b) in cases.items():
+    for name, (a, _b) in cases.items():
         ta.inner(a, a)  # paths found once per topology (cached), as in real use
         t_exact, exact = best_of(lambda: ta.inner(a, a))
         n0 = 20_000

@@ -31,7 +31,6 @@ from tensoralg.sae.presets import make_config
 from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import TrainConfig, train
 
-
 BASE_REV = "15ea9a9"   # the last commit before the top-k speed-up (013aca4)
 _SRC = ("tensoralg/sae/models.py", "tensoralg/sae/_seeds.py")
 
@@ -106,8 +105,12 @@ def speed(reps: int = 5, steps: int = 20, d: int = 64, m: int = 256, k: int = 8,
     s = torch.randn(batch_size, m, generator=torch.Generator().manual_seed(1))
     tn, to = [], []
     for _ in range(reps * 10):
-        t = time.perf_counter(); models.select_topk(s, k); tn.append(time.perf_counter() - t)
-        t = time.perf_counter(); _before.select_topk(s, k); to.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        models.select_topk(s, k)
+        tn.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        _before.select_topk(s, k)
+        to.append(time.perf_counter() - t)
     out["select_ms"] = {"new": 1e3 * statistics.median(tn), "old": 1e3 * statistics.median(to)}
     return out
 

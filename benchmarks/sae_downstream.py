@@ -22,8 +22,11 @@ from tensoralg.corpus import load_corpus
 from tensoralg.sae.evaluation import evaluate_transformer
 from tensoralg.sae.presets import PRESETS, make_config, schedule
 from tensoralg.sae.training import TrainConfig, train
-from tensoralg.sae.transformer_acts import (DEFAULT_CHARS, residual_stream_at,
-                                            train_quick_transformer)
+from tensoralg.sae.transformer_acts import (
+    DEFAULT_CHARS,
+    residual_stream_at,
+    train_quick_transformer,
+)
 
 
 def main() -> None:

@@ -10,9 +10,16 @@ machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, :mod:`t
 """
 
 from ._version import __version__
-from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential
+from .degree import (
+    DegreeSimilarity,
+    DegreeSimilarityMatrix,
+    degree_similarity,
+    degree_similarity_matrix,
+)
 from .distribution import CovarianceFactor
 from .errors import CostTooHigh
+from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential
+from .network import to_graph
 from .planner import Plan
 from .products import (
     MonteCarloEstimate,
@@ -26,9 +33,6 @@ from .products import (
     similarity,
     similarity_matrix,
 )
-from .network import to_graph
-from .degree import (DegreeSimilarity, DegreeSimilarityMatrix, degree_similarity,
-                     degree_similarity_matrix)
 from .threads import set_threads
 
 __all__ = [

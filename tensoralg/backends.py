@@ -8,9 +8,11 @@ on every backend (docs/mathematics.md §4, as opt_einsum's per-library backends)
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -56,10 +58,8 @@ def _torch_dtype(dtype: Any):
         return torch.float64
     tdtype = dtype
     if not isinstance(dtype, (str, torch.dtype)):   # a NumPy dtype or type (np.float32)
-        try:
+        with contextlib.suppress(TypeError):
             tdtype = np.dtype(dtype).name
-        except TypeError:
-            pass
     if isinstance(tdtype, str):
         tdtype = getattr(torch, tdtype, None)
     if not isinstance(tdtype, torch.dtype) or not tdtype.is_floating_point:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -109,7 +110,7 @@ class LinearCKA:
         self.n = 0
         self._shift = None
 
-    def update(self, X: Any, Y: Any) -> "LinearCKA":
+    def update(self, X: Any, Y: Any) -> LinearCKA:
         X = _as_float64_2d(X, "X")
         Y = _as_float64_2d(Y, "Y")
         if len(X) != len(Y):

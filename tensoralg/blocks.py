@@ -48,8 +48,9 @@ import json
 import numbers
 import os
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -106,8 +107,9 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
     """Validate every checkpoint folder before any block runs and fingerprint it.
 
     For each folder: ``cfg.json`` parses and names the ``tensoralg.nn.BilinearNet`` or the
-    ``tensoralg.transformer.BilinearTransformer`` architecture; the safetensors header of ``weights.safetensors`` parses, the file holds exactly
-    the bytes the header announces, and its tensor names and shapes are those the config implies.
+    ``tensoralg.transformer.BilinearTransformer`` architecture; the safetensors header of
+    ``weights.safetensors`` parses, the file holds exactly the bytes the header announces, and its
+    tensor names and shapes are those the config implies.
     All checkpoints must share one architecture (they are stacked into batched contractions;
     transformers may differ in their trained ``n_ctx`` only, and must share one vocabulary).
     Weight values (NaN/inf) are checked when a block loads them
@@ -331,8 +333,7 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
       :func:`tensoralg.strategies.closure.closure_cross_gram` (the cross pairs only; equal to the
       corresponding block of ``closure_gram(rows + cols)``, same operations).
     """
-    from .strategies import wick_terms
-    from .strategies import closure
+    from .strategies import closure, wick_terms
 
     n_ctx, output, method = opts["n_ctx"], opts["output"], opts["method"]
     a = [_load(r, n_ctx, True) for r in rows]
@@ -362,8 +363,8 @@ def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
         tensoralg.CostTooHigh: ``method="exact"`` for a model the exact attention path does
             not handle (two attention layers, an MLP block), naming the alternative.
     """
-    from .strategies import wick_terms
     from .errors import CostTooHigh
+    from .strategies import wick_terms
 
     if opts["method"] not in SEQUENCE_METHODS:
         raise ValueError(f"method: blocked matrices of sequence models (bilinear attention) "

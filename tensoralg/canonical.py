@@ -74,7 +74,7 @@ class Canonical:
     #: ``map``, ``sub`` and ``folded`` start without one.
     memo: dict | None = field(default=None, init=False, repr=False, compare=False)
 
-    def folded(self) -> "Canonical":
+    def folded(self) -> Canonical:
         """The same network with its embedding folded into the first stage's factors."""
         if self.embed is None:
             return self
@@ -85,13 +85,13 @@ class Canonical:
         first = Stage(mm(s0.L, E), mm(s0.R, E), s0.D)
         return replace(self, stages=[first] + list(self.stages[1:]), embed=None)
 
-    def map(self, fn) -> "Canonical":
+    def map(self, fn) -> Canonical:
         """A copy with ``fn`` applied to every array."""
         f = lambda a: None if a is None else fn(a)  # noqa: E731
         return replace(self, stages=[Stage(fn(s.L), fn(s.R), fn(s.D)) for s in self.stages],
                        linear=f(self.linear), embed=f(self.embed))
 
-    def sub(self, idx) -> "Canonical":
+    def sub(self, idx) -> Canonical:
         """Models ``idx`` of a stack (leading batch axis)."""
         return self.map(lambda a: a[idx])
 
@@ -112,7 +112,7 @@ class Canonical:
     def shapes(self) -> tuple:
         return tuple(a.shape for a in self.arrays())
 
-    def tree(self) -> "Tree":
+    def tree(self) -> Tree:
         """This binary chain as a :class:`Tree` of nodes (shares the arrays): the embedding (if
         kept) and a degree-0 network are linear nodes, every stage one bilinear term with legs
         ``L``, ``R`` (hidden label ``h``) and core ``D`` without its constant row.
@@ -368,7 +368,7 @@ class Leg:
         """Whether a non-constant column is non-zero (the leg may pair with another)."""
         return bool(np.any(self.weight[..., 1:] != 0))
 
-    def with_weight(self, weight: np.ndarray) -> "Leg":
+    def with_weight(self, weight: np.ndarray) -> Leg:
         return Leg(self.name, weight, self.labels, self.pos, self.positional)
 
 
@@ -388,12 +388,12 @@ class Term:
     def degree(self) -> int:
         return len(self.legs)
 
-    def map(self, fn) -> "Term":
+    def map(self, fn) -> Term:
         """A copy with ``fn`` applied to every array."""
         return Term(self.kind, tuple(leg.with_weight(fn(leg.weight)) for leg in self.legs),
                     tuple((fn(a), lab) for a, lab in self.cores), self.out)
 
-    def project_output(self, U: np.ndarray) -> "Term":
+    def project_output(self, U: np.ndarray) -> Term:
         """``U @ term`` over the output label (``U``: ``(K, d_out)``; rationals or float64).
         The output label sits on exactly one core or leg (checked)."""
         where = [("c", k) for k, (_, lab) in enumerate(self.cores) if OUTPUT in lab] + \
@@ -437,7 +437,7 @@ class Node:
                 return k
         return "linear"
 
-    def map(self, fn) -> "Node":
+    def map(self, fn) -> Node:
         return Node([t.map(fn) for t in self.terms], self.d_in, self.d_out)
 
 
@@ -471,10 +471,10 @@ class Tree:
     def is_sequence(self) -> bool:
         return self.n_ctx is not None
 
-    def map(self, fn) -> "Tree":
+    def map(self, fn) -> Tree:
         return replace(self, nodes=[n.map(fn) for n in self.nodes])
 
-    def folded(self) -> "Tree":
+    def folded(self) -> Tree:
         """The tree with its affine nodes folded into their neighbours, exactly (what
         :func:`sequence_tree` does with ``fold=True``).
 
@@ -520,7 +520,7 @@ def _node_forward(node: Node, y: np.ndarray) -> np.ndarray:
         ops, subs = [], []
         sym: dict = {}
 
-        def s(lab):
+        def s(lab, sym=sym):
             if lab not in sym:
                 sym[lab] = oe.get_symbol(len(sym))
             return sym[lab]

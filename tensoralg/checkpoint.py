@@ -45,15 +45,17 @@ import copy
 import math
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from .io import load_folder, read_config, save_folder
 from .nn import ARCHITECTURE, BilinearNet
-from .transformer import ARCHITECTURE as TRANSFORMER, BilinearTransformer
+from .transformer import ARCHITECTURE as TRANSFORMER
+from .transformer import BilinearTransformer
 
 _MODELS = {ARCHITECTURE: BilinearNet, TRANSFORMER: BilinearTransformer}
 TRANSFORMER_PROBE_ROWS = 2
@@ -89,7 +91,7 @@ def probe_tokens(vocab: int, n_ctx: int, rows: int = 2) -> np.ndarray:
                       vocab - 1).astype(np.int64)
 
 
-def _probe(model: "BilinearNet", rows: int = PROBE_ROWS) -> np.ndarray:
+def _probe(model: BilinearNet, rows: int = PROBE_ROWS) -> np.ndarray:
     """``model``'s float64 outputs on :func:`probe_input` (computed on a float64 copy on the CPU);
     a transformer's logits on :func:`probe_tokens`, flattened per row."""
     m = copy.deepcopy(model).to(device="cpu", dtype=torch.float64).eval()

@@ -45,8 +45,14 @@ import itertools
 import math
 import operator
 import string
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:   # torch is imported only when a module is compiled
+    import torch
+
+    from .layers import Sequential
 
 __all__ = ["from_torch", "NotCompilable", "SUPPORTED_OPS", "NON_POLYNOMIAL_OPS"]
 
@@ -340,10 +346,10 @@ class _Compiler:
                             "parallel block): tensoralg layers compose in sequence only")
         tol = _TOL * max(1.0, np.abs(lin).max())
         W = lin[:, 1:]
-        plain = (D == d and np.allclose(W, np.eye(d), rtol=0, atol=tol)) or \
+        plain = (d == D and np.allclose(W, np.eye(d), rtol=0, atol=tol)) or \
             np.allclose(W, 0, rtol=0, atol=tol)
         # an embedding (D < d) or an attention layer (which cannot absorb the affine part)
-        if (atts or (bils and D < d)) and not plain:
+        if (atts or (bils and d > D)) and not plain:
             fac = self.factor_through(lin, bils, atts)
             if fac is not None:
                 b = lin[:, 0]
@@ -378,7 +384,7 @@ class _Compiler:
         F = d + 1
         bias, W = lin[:, 0], lin[:, 1:]
         tol = _TOL * max(1.0, np.abs(lin).max())
-        is_id = D == d and np.allclose(W, np.eye(d), rtol=0, atol=tol)
+        is_id = d == D and np.allclose(W, np.eye(d), rtol=0, atol=tol)
         is_zero = np.allclose(W, 0, rtol=0, atol=tol)
         b = None if np.allclose(bias, 0, rtol=0, atol=tol) else bias
         if not bils and not atts:
@@ -685,23 +691,22 @@ class _Walker(_Compiler):
             stacked = [get(s).reshape(-1, K) if get(s) is not None else np.zeros((n, K))
                        for s, n in zip(syms, per)]
             res = np.empty((first.size, K))
-            for i, s in enumerate(syms):
+            for i, _s in enumerate(syms):
                 sel = w0 == i
                 res[sel] = stacked[i][lloc[sel] % per[i]]
             return res.reshape(shape[1:] + (K,))
 
         for k in keys:
             K = self.cores[k].size
-            out_terms[k] = gather(lambda s: s.terms.get(k), K)
+            out_terms[k] = gather(lambda s, k=k: s.terms.get(k), K)
         for k in chains:
             K = syms[0].chain[k].shape[-1]
-            out_chain[k] = gather(lambda s: s.chain[k], K)
+            out_chain[k] = gather(lambda s, k=k: s.chain[k], K)
         v = _Sym(shape, pos_axis, syms[0].stream, out_terms, out_chain,
                  all(s.hidden for s in syms))
         return self.register(v)
 
     def broadcast(self, v: _Sym, shape):
-        import torch
 
         shape = tuple(shape)
         if v.shape == shape:
@@ -713,7 +718,6 @@ class _Walker(_Compiler):
 
     # -- einsum ---------------------------------------------------------------------------------
     def einsum(self, eq: str, ops: list):
-        import torch
 
         eq = eq.replace(" ", "")
         lhs, out = eq.split("->") if "->" in eq else (eq, None)
@@ -784,7 +788,7 @@ class _Walker(_Compiler):
             pos = out.index(p)
         else:
             pos = None
-        z = [ch for ch in string.ascii_letters if ch not in al + cl + out][0]
+        z = next(ch for ch in string.ascii_letters if ch not in al + cl + out)
         spec = f"{al[1:]}{z},{cl}->{out[1:]}{z}"
         terms, chain = _map_terms(a, lambda M: np.einsum(spec, M, c))
         shape = tuple(a.shape[al.index(ch)] if ch in al else c.shape[cl.index(ch)] for ch in out)
@@ -816,7 +820,7 @@ class _Walker(_Compiler):
         hl = "".join(dict.fromkeys(ch for ch in al[1:] + bl[1:] if ch != pa))
         A0 = self.at_pos0(Ma, al[1:], pa)
         B0 = self.at_pos0(Mb, bl[1:], pa)
-        z = [ch for ch in string.ascii_letters if ch not in hl + al + bl][0]
+        z = next(ch for ch in string.ascii_letters if ch not in hl + al + bl)
         ones = np.ones([size[ch] for ch in hl])
         L = np.einsum(f"{''.join(c for c in al[1:] if c != pa)}{z},{hl}->{hl}{z}", A0, ones)
         R = np.einsum(f"{''.join(c for c in bl[1:] if c != pa)}{z},{hl}->{hl}{z}", B0, ones)
@@ -1041,7 +1045,6 @@ class _Graph(_Walker):
                                   for k, v in node.kwargs.items()}
 
     def call(self, node, args, kwargs):
-        import torch
 
         self.node = node
         name = _opname(node)
@@ -1202,7 +1205,6 @@ class _Graph(_Walker):
         if _mean:
             v = self.scale(v, 1.0 / cnt)
         if keepdim:
-            import torch
 
             shape = tuple(1 if i in dims else s for i, s in enumerate(a.shape))
             v = self.move(lambda x: x.reshape(shape), (v,), {})
@@ -1259,7 +1261,6 @@ class _Graph(_Walker):
     op_bmm = op_mm
 
     def op_matmul(self, a, b):
-        import torch
 
         sa, sb = _shape(a), _shape(b)
         na, nb = len(sa), len(sb)
@@ -1269,7 +1270,7 @@ class _Graph(_Walker):
             bshape = tuple(np.broadcast_shapes(sa[:-2], sb[:-2]))
             ops = []
             for x, s in ((a, sa), (b, sb)):
-                if len(s) > 2 and s[:-2] != bshape[len(bshape) - (len(s) - 2):] or \
+                if (len(s) > 2 and s[:-2] != bshape[len(bshape) - (len(s) - 2):]) or \
                         (len(s) - 2 < len(bshape) and _is_sym(x)):
                     full = bshape + s[-2:]
                     if isinstance(x, _Sym):
@@ -1324,7 +1325,7 @@ class _Graph(_Walker):
             self.vocab = V
             self.embed_weight = W
             self.new_stream(V, None)
-        elif V != self.vocab:
+        elif self.vocab != V:
             raise self.fail(f"embedding tables of different vocabularies ({self.vocab} and {V})")
         per = shape[1:]
         M = np.zeros(per + (V + 1,))
@@ -1405,7 +1406,7 @@ def _capture(module, x):
 
     try:
         ep = torch.export.export(module, (x,), strict=False)
-    except Exception as exc:   # noqa: BLE001 - export raises many types
+    except Exception as exc:
         if _data_dependent(exc):
             raise _control_flow(exc) from None
         return _capture_fx(module, x, exc)
@@ -1440,7 +1441,7 @@ def _capture_fx(module, x, first_exc):
     try:
         g = make_fx(f, tracing_mode="fake", pre_dispatch=True, record_module_stack=True,
                     record_stack_traces=True)(*tensors, x)
-    except Exception as exc:   # noqa: BLE001
+    except Exception as exc:
         if _data_dependent(exc) or _data_dependent(first_exc):
             raise _control_flow(exc if _data_dependent(exc) else first_exc) from None
         raise NotCompilable(f"from_torch: neither torch.export ({type(first_exc).__name__}: "
@@ -1507,7 +1508,8 @@ def _prescan(graph, user):
                                   "(linear maps, bilinear products, bilinear attention)")
 
 
-def from_torch(module, example_inputs, *, inputs: str = "residual"):
+def from_torch(module: torch.nn.Module, example_inputs: Any, *, inputs: str = "residual"
+               ) -> Sequential:
     """Compile a torch module into an exact tensoralg network, verified against its forward pass.
 
     Args:
@@ -1547,7 +1549,7 @@ def from_torch(module, example_inputs, *, inputs: str = "residual"):
     try:
         with torch.no_grad():
             y = m(x)
-    except Exception as exc:   # noqa: BLE001 - the module's own error, shortened
+    except Exception as exc:
         raise ValueError(f"example_inputs: module(example_inputs) with shape "
                          f"{tuple(x.shape)} and dtype {x.dtype} raised {type(exc).__name__}: "
                          f"{_first_line(exc)}") from None
@@ -1687,7 +1689,7 @@ def _verify(c: _Graph, net, m, x, tokens, graph, consts, user):
         wide = _probe(c, x, tokens, wide=True)
         try:
             ok, err, scale, _ = _compare(c, net, m, wide, tokens)
-        except Exception:   # noqa: BLE001 - a module that only runs at the example's batch
+        except Exception:
             ok = True
         if ok:
             return

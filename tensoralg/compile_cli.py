@@ -74,11 +74,11 @@ def _state_dict(path: str):
 
         try:
             return load_file(str(p))
-        except Exception as exc:   # noqa: BLE001 - safetensors' own error types
+        except Exception as exc:
             raise ValueError(f"CKPT: {path}: corrupt safetensors file ({exc})") from None
     try:
         sd = torch.load(str(p), map_location="cpu", weights_only=True)
-    except Exception as exc:   # noqa: BLE001
+    except Exception as exc:
         # torch's own message is not passed on: it advises weights_only=False, which runs
         # arbitrary code from the file
         raise ValueError(f"CKPT: {path}: corrupt, or not a state dict of tensors "

@@ -241,7 +241,7 @@ def ngram_scores(model_logits: np.ndarray, windows: np.ndarray, train: np.ndarra
     B, T = W.shape
     if L.shape != (B, T, V):
         raise ValueError(f"model_logits: expected shape {(B, T, V)}, got {L.shape}")
-    if T < start + 2:
+    if start + 2 > T:
         raise ValueError(f"windows: need length >= {start + 2}, got {T}")
     cache = ngram_cache if ngram_cache is not None else {}
     ts = np.arange(start, T - 1)

@@ -39,39 +39,58 @@ Exact where the truncation is a network the exact engines compute:
 Everything else by Monte Carlo (approximate; :func:`_mc`): the radial estimator of
 :mod:`tensoralg.strategies.montecarlo` on the truncation. Per direction ``theta`` the parts
 ``P_k(rho theta)`` come from the DFT (``m`` complex forward passes per input scale, each part
-read at the scale of smallest rounding bound) at the typical radius ``rho = sqrt(D)``, and ``f_{<=K}(r theta) = sum_k (r/rho)^k P_k(rho theta)``, so the radial
-integral is exact given the chi moments ``E[r^n]`` (antithetic ``±theta``: odd ``k + l``
-cancel). The largest exact lower truncation is the control variate (its exact inner products
-replace its sample means). Diagnostics as :mod:`tensoralg.strategies.montecarlo` (three
-replicates, their agreement, the largest single-direction share — here of the sampled
-remainder against the whole sum, so that the exact block does not dilute a heavy tail): an
-estimate whose ``reliable`` is False is not an answer.
+read at the scale of smallest rounding bound) at the typical radius ``rho = sqrt(D)``, and
+``f_{<=K}(r theta) = sum_k (r/rho)^k P_k(rho theta)``, so the radial integral is exact given the
+chi moments ``E[r^n]`` (antithetic ``±theta``: odd ``k + l`` cancel). The largest exact lower
+truncation is the control variate (its exact inner products replace its sample means). Diagnostics
+as :mod:`tensoralg.strategies.montecarlo` (three replicates, their agreement, the largest
+single-direction share — here of the sampled remainder against the whole sum, so that the exact
+block does not dilute a heavy tail): an estimate whose ``reliable`` is False is not an answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import engine
-from .prepare import _selector
-from .strategies import wick_terms
-from .strategies.executor import torch_backend
-from .canonical import (KEY, OUTPUT, QUERY, Leg, Node, Term, Tree, _lift_rows, canonicalize,
-                        resolve_n_ctx, sequence_tree)
+from .canonical import (
+    KEY,
+    OUTPUT,
+    QUERY,
+    Leg,
+    Node,
+    Term,
+    Tree,
+    _lift_rows,
+    canonicalize,
+    resolve_n_ctx,
+    sequence_tree,
+)
 from .errors import CostTooHigh
 from .layers import Bilinear, Layer, Linear, Sequential, as_network
-from .prepare import check_pair, check_sizes
+from .prepare import _selector, check_pair, check_sizes
 from .request import make_request
 from .results import similarity_from
-from .strategies.montecarlo import (MC_CHUNK_ELEMENTS, MonteCarloEstimate, _verdict,
-                                    check_sampling_cost, inner_diagnostics, ratio_diagnostics,
-                                    ratio_estimate, warn_few)
+from .strategies import wick_terms
+from .strategies.executor import torch_backend
+from .strategies.montecarlo import (
+    MC_CHUNK_ELEMENTS,
+    MonteCarloEstimate,
+    _verdict,
+    check_sampling_cost,
+    inner_diagnostics,
+    ratio_diagnostics,
+    ratio_estimate,
+    warn_few,
+)
 
 __all__ = ["degree_similarity", "degree_similarity_matrix", "homogeneous_parts",
            "DegreeSimilarity", "DegreeSimilarityMatrix", "DEGREE_DEFAULT_SAMPLES"]
@@ -302,7 +321,7 @@ def _merge_attention(terms: list, n_ctx: int) -> list:
     rest = [t for t in terms if t.kind != "attention"]
     groups: list = []
     for t in att:
-        M = dict((lab, a) for a, lab in t.cores)[(QUERY, KEY)]
+        M = {lab: a for a, lab in t.cores}[(QUERY, KEY)]
         for g in groups:
             R = g[0]
             nz = R != 0
@@ -332,9 +351,9 @@ def _merge_attention(terms: list, n_ctx: int) -> list:
                 ws.append(w)
             legs.append(Leg(name, np.concatenate(ws, axis=-3), ls[0].labels, ls[0].pos,
                             positional))
-        vsize = max(dict((lab, a) for a, lab in t.cores)[(OUTPUT, "h", "v")].shape[2]
+        vsize = max({lab: a for a, lab in t.cores}[(OUTPUT, "h", "v")].shape[2]
                     for t, _ in members)
-        Os = [c * _pad(dict((lab, a) for a, lab in t.cores)[(OUTPUT, "h", "v")], 2, vsize)
+        Os = [c * _pad({lab: a for a, lab in t.cores}[(OUTPUT, "h", "v")], 2, vsize)
               for t, c in members]
         cores = ((np.concatenate(Os, axis=1), (OUTPUT, "h", "v")), (M, (QUERY, KEY)))
         out.append(Term("attention", tuple(legs), cores, members[0][0].out))
@@ -510,10 +529,10 @@ class DegreeSimilarity:
                            f"(max_degree=)")
         return self.values[K]
 
-    def keys(self):
+    def keys(self) -> KeysView[int]:
         return self.values.keys()
 
-    def exact(self, K) -> bool:
+    def exact(self, K: int) -> bool:
         """Whether ``S<=K`` is exact (else a Monte Carlo estimate)."""
         return self.method[K] == "exact"
 
@@ -655,7 +674,7 @@ def _check_max_degree(max_degree) -> tuple:
                        for k in vals):
         raise ValueError(f"max_degree: expected a positive int or an increasing sequence of "
                          f"positive ints, e.g. (1, 5, 9), got {max_degree!r}")
-    if any(b <= a for a, b in zip(vals, vals[1:])):
+    if any(b <= a for a, b in itertools.pairwise(vals)):
         raise ValueError(f"max_degree: expected strictly increasing degrees, got {max_degree!r}")
     return tuple(int(k) for k in vals)
 
@@ -769,8 +788,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             for K in Ks:
                 if K == 1:
                     continue
-                ta = na if K >= deg_a else ga.part(set(range(K + 1)))
-                tb = nb if K >= deg_b else gb.part(set(range(K + 1)))
+                ta = na if deg_a <= K else ga.part(set(range(K + 1)))
+                tb = nb if deg_b <= K else gb.part(set(range(K + 1)))
                 exact_ip[K] = (engine.inner(plain, ta, tb), engine.inner(plain, ta, ta),
                                engine.inner(plain, tb, tb))
             for side, g, dg in ((0, ga, deg_a), (1, gb, deg_b)):
@@ -809,7 +828,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             except (CostTooHigh, wick_terms.AttentionNotSupported) as exc:
                 why[K] = f"exact path refused: {exc}"
         for K in Ks:
-            if K in exact_ip or K < max(deg_a, deg_b) or (fo[0][0] and fo[1][0]):
+            if K in exact_ip or max(deg_a, deg_b) > K or (fo[0][0] and fo[1][0]):
                 continue
             try:   # with biases, f_<=K is the model itself: the exact path of one attention layer
                 plain = make_request(n_ctx=n_ctx)
@@ -827,10 +846,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                     prof[side][k] = 0.0     # vanishes structurally (bias-free)
                 else:
                     t = f.tree({k})
-                    try:
+                    with contextlib.suppress(CostTooHigh):   # too costly: estimated below
                         prof[side][k] = _tree_inner(t, t, n_ctx)
-                    except CostTooHigh:
-                        pass        # estimated below
 
     for K in Ks:
         if K in exact_ip:
@@ -838,7 +855,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             values[K] = similarity_from(ab, aa, bb, False, what=f"<={K}")
             method[K] = "exact"
             notes[K] = "exact: affine part (P_0 + J X)" if K == 1 else (
-                "exact: the models themselves" if K >= max(deg_a, deg_b) else how)
+                "exact: the models themselves" if max(deg_a, deg_b) <= K else how)
     todo = [K for K in Ks if K not in exact_ip]
     need_prof = any(k not in prof[s] for s, dg in ((0, deg_a), (1, deg_b))
                     for k in range(min(kprof, dg) + 1))
@@ -899,7 +916,7 @@ class DegreeSimilarityMatrix:
                            f"(max_degree=)")
         return self.similarity[K]
 
-    def keys(self):
+    def keys(self) -> KeysView[int]:
         return self.similarity.keys()
 
     def __repr__(self) -> str:
@@ -1030,13 +1047,13 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         graded = [_graded(x, max(rest)) for x in nets]
         plain = make_request()
         for K in rest:
-            parts = [x if K >= dg else g.part(set(range(K + 1)))
+            parts = [x if dg <= K else g.part(set(range(K + 1)))
                      for x, g, dg in zip(nets, graded, degs)]
             grams[K] = np.asarray(engine.gram(plain, parts), dtype=np.float64)
             notes[K] = "exact: graded network of the canonical chain"
     elif rest:
         for K in rest:
-            if K >= top and all(dg == top for dg in degs) and any(f is None for f, _ in fos):
+            if top <= K and all(dg == top for dg in degs) and any(f is None for f, _ in fos):
                 try:    # with biases: the models themselves (one attention layer)
                     grams[K] = wick_terms.exact_gram_req(make_request(n_ctx=n_ctx), nets)
                     notes[K] = "exact: the models themselves (one attention layer)"

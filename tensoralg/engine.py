@@ -18,20 +18,31 @@ from typing import Any
 import numpy as np
 
 from .backends import converter
-from .canonical import Canonical
+from .canonical import Canonical, resolve_n_ctx
+from .distribution import STANDARD
 from .errors import CostTooHigh
 from .layers import Layer, as_network, check_finite_weights
-from .planner import (Plan, SequencePlan, make_plan, plan_sequence, refuse_exact_early,
-                      refuse_if_needed)
-from .canonical import resolve_n_ctx
-from .prepare import (check_pair, check_sequence_models, check_slices, model_list, networks,
-                      scaled, stack_for)
-from .distribution import STANDARD
+from .planner import (
+    Plan,
+    SequencePlan,
+    make_plan,
+    plan_sequence,
+    refuse_exact_early,
+    refuse_if_needed,
+)
+from .prepare import (
+    check_pair,
+    check_sequence_models,
+    check_slices,
+    model_list,
+    networks,
+    scaled,
+    stack_for,
+)
 from .request import Request
 from .results import check_overflow, gram_to_similarity, similarity_from, swap_order
 from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
-
 
 _MAX_INTERMEDIATE = 1 << 27  # elements; Wick gram blocks are split to stay under it
 
@@ -396,7 +407,8 @@ def _exported(models: list) -> list:
 
 def _sequence_matrix(kind: str, req: Request, models: list):
     """Gram / similarity matrices of sequence models (with attention) through
-    :mod:`tensoralg.strategies.wick_terms` / :mod:`~tensoralg.strategies.closure` (per-model work once); None for position-free models."""
+    :mod:`tensoralg.strategies.wick_terms` / :mod:`~tensoralg.strategies.closure` (per-model
+    work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
         return None  # (specs and folders go the position-free way, unchanged)
     from .strategies import wick_terms

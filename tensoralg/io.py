@@ -6,11 +6,13 @@ Every write goes to a temporary file in the destination folder and is renamed in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ._version import __version__
 
@@ -50,10 +52,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     return path
 

@@ -24,8 +24,9 @@ sequences ``x`` of shape ``(n, n_ctx, d)`` gives ``(n, n_ctx, out)``: position-f
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -218,11 +219,11 @@ class Layer:
         """The layer in the JSON layer format of ``docs/spec.md`` (strings for rationals)."""
         raise NotImplementedError  # pragma: no cover
 
-    def astype_float(self) -> "Layer":
+    def astype_float(self) -> Layer:
         """A copy with float64 weights (rationals rounded to nearest)."""
         return _map_arrays(self, lambda a: np.asarray(a, dtype=np.float64))
 
-    def scaled_output(self, factor: float) -> "Layer":
+    def scaled_output(self, factor: float) -> Layer:
         """A copy whose output is multiplied by ``factor`` (the last layer's weights and bias)."""
         raise NotImplementedError  # pragma: no cover
 
@@ -265,13 +266,13 @@ class Linear(Layer):
     def degree(self) -> int:
         return 1
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
 
-    def to_spec(self):
+    def to_spec(self) -> dict:
         return {"type": "linear", "weight": _spec_array(self.weight), "bias": _spec_array(self.bias)}
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Linear:
         return Linear(self.weight * factor, None if self.bias is None else self.bias * factor)
 
 
@@ -326,16 +327,16 @@ class Bilinear(Layer):
     def degree(self) -> int:
         return 2
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return [a for a in (self.left, self.right, self.down, self.left_bias, self.right_bias,
                             self.down_bias) if a is not None]
 
-    def to_spec(self):
+    def to_spec(self) -> dict:
         return {"type": "bilinear", "left": _spec_array(self.left), "right": _spec_array(self.right),
                 "down": _spec_array(self.down), "left_bias": _spec_array(self.left_bias),
                 "right_bias": _spec_array(self.right_bias), "down_bias": _spec_array(self.down_bias)}
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Bilinear:
         return Bilinear(self.left, self.right, self.down * factor, self.left_bias, self.right_bias,
                         None if self.down_bias is None else self.down_bias * factor)
 
@@ -379,13 +380,13 @@ class Residual(Layer):
     def degree(self) -> int:
         return max(1, self.inner.degree)
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return self.inner.arrays()
 
-    def to_spec(self):
+    def to_spec(self) -> dict:
         return {"type": "residual", "inner": self.inner.to_spec()}
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Layer:
         raise ValueError("scaled_output: a network ending in a residual block has no output "
                          "weights to scale; append a Linear head")
 
@@ -446,13 +447,13 @@ class Sequential(Layer):
             deg *= layer.degree
         return deg
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return [a for layer in self.layers for a in layer.arrays()]
 
-    def to_spec(self):
+    def to_spec(self) -> list:
         return [layer.to_spec() for layer in self.layers]
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> Sequential:
         return Sequential(self.layers[:-1] + [self.layers[-1].scaled_output(factor)])
 
     def __len__(self):
@@ -466,7 +467,7 @@ class Sequential(Layer):
         return f"Sequential([{inner}])"
 
     @classmethod
-    def from_spec(cls, spec: Sequence[dict] | dict) -> "Sequential":
+    def from_spec(cls, spec: Sequence[dict] | dict) -> Sequential:
         """Build a network from the JSON layer format of ``docs/spec.md``.
 
         Numbers may be strings (``"-3/4"``), ints, Fractions or floats; when any is a string or a
@@ -744,7 +745,7 @@ class BilinearAttention(Layer):
     def degree(self) -> int:
         return 5
 
-    def arrays(self):
+    def arrays(self) -> list[np.ndarray]:
         return self._weight_arrays() + ([] if isinstance(self.mask, str) else [self.mask])
 
     def mask_matrix(self, n_ctx: int) -> np.ndarray:
@@ -830,7 +831,7 @@ class BilinearAttention(Layer):
         return y
 
     # -- specs and copies ---------------------------------------------------------------
-    def to_spec(self):
+    def to_spec(self) -> dict:
         spec = {"type": "bilinear_attention"}
         for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES:
             spec[name] = _spec_array(getattr(self, name))
@@ -846,7 +847,7 @@ class BilinearAttention(Layer):
         out = BilinearAttention(**kw, mask=mask, scale=self.scale, rope=self.rope)
         return out
 
-    def scaled_output(self, factor):
+    def scaled_output(self, factor: float) -> BilinearAttention:
         kw = {name: getattr(self, name) for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES}
         kw["o"] = self.o * factor
         kw["o_bias"] = None if self.o_bias is None else self.o_bias * factor

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["CostTooHigh", "WickPlan", "JoinedNetwork", "to_graph", "DEFAULT_MAX_FLOPS",
            "DEFAULT_MAX_CONFIGURATIONS", "n_wick_configurations", "wick_flops_lower_bound"]
 
-from .request import DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT  # noqa: E402
+from .request import DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS
 
 
 def n_wick_configurations(can_a: Canonical, can_b: Canonical, metric: str) -> tuple[int, int]:
@@ -828,7 +828,7 @@ class _GraphBuilder:
                 s_var = f"{cid}{tag}.s"
                 self.index(f"i:{s_var}", tree.n_ctx, position=s_var, query=False, open=False)
 
-            def label_index(lab: str, size: int) -> str:
+            def label_index(lab: str, size: int, s_var=s_var, tag=tag) -> str:
                 if lab == "o":
                     return out_index
                 if lab == "t":
@@ -837,7 +837,7 @@ class _GraphBuilder:
                     return f"i:{s_var}"
                 return self.index(f"i:{cid}{tag}.{lab}", size)
 
-            for c, (arr, labs) in enumerate(term.cores):
+            for _c, (arr, labs) in enumerate(term.cores):
                 name = _core_name(term.kind, labs)
                 tid = self.tensor_id(side, name, k, path, cid, tag, core=True)
                 self.tensor(tid, arr, role="core", name=name, **common)
@@ -929,8 +929,8 @@ def to_graph(a: Any, b: Any = None, output: Any = None, n_ctx: int | None = None
             ``n_ctx`` missing for a sequence model whose masks fix no length, not a positive
             int, or different from a mask.
     """
-    from .layers import as_network
     from .canonical import Node, canonicalize, sequence_tree
+    from .layers import as_network
     from .prepare import output_matrix
 
     na = as_network(a, "a")

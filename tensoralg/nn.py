@@ -19,14 +19,18 @@ never touches torch's global random state), and so is :func:`train_classifier`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ._torchutil import check_positive_int, dtype_name, torch_dtype
-from .errors import TrainingDiverged  # noqa: F401  (re-exported)
+from .errors import TrainingDiverged
+
+if TYPE_CHECKING:   # at run time module __getattr__ below imports it on first use
+    from .transformer import BilinearTransformer
 
 __all__ = ["BilinearBlock", "BilinearNet", "train_classifier", "accuracy", "ARCHITECTURE",
            "TrainingDiverged", "BilinearTransformer"]
@@ -173,7 +177,7 @@ class BilinearNet(nn.Module):
         return {"architecture": ARCHITECTURE, **self.hparams}
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "BilinearNet":
+    def from_config(cls, cfg: Mapping[str, Any]) -> BilinearNet:
         """Build an (initialised, untrained) model from :meth:`config`'s keys.
 
         Raises:
@@ -320,7 +324,7 @@ def train_classifier(model: nn.Module, X: Any, y: Any, *, steps: int,
     eval_sets = checked_sets
     gen = torch.Generator().manual_seed(int(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    eval_at = sorted(set(int(s) for s in eval_at))
+    eval_at = sorted({int(s) for s in eval_at})
     history: dict[str, list] = {"step": [], "loss": []}
     for name in eval_sets:
         history[f"{name}_acc"] = []

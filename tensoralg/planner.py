@@ -17,17 +17,18 @@ expansion; the plan then shows that bound, marked as one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from .backends import available_memory, itemsize
 from .canonical import Canonical
 from .errors import CostTooHigh
-from .network import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT,
-                      WickPlan, n_wick_configurations)
+from .network import DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, WickPlan, n_wick_configurations
 from .prepare import check_slices, float_stacks_for_exact
+from .request import DEFAULT_MAX_FLOPS_EXACT
 from .strategies import chaos, wick
 from .strategies.wick_terms import ALTERNATIVES as SEQUENCE_ALTERNATIVES
 
@@ -607,8 +608,8 @@ def plan_sequence(req, na, nb) -> SequencePlan:
             missing or in disagreement with a mask, an ``output`` or ``position`` out of range.
     """
     from . import canonical
-    from .strategies import wick_terms
     from .network import sequence_n_ctx
+    from .strategies import wick_terms
 
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             n.is_sequence_model or n.degree <= 1 for n in (na, nb)):

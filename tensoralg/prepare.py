@@ -16,8 +16,16 @@ import numpy as np
 
 from .backends import fraction_array
 from .canonical import Canonical, Stage, canonicalize, resolve_n_ctx, stack
-from .layers import (Bilinear, Layer, Linear, Residual, Sequential, _map_arrays, as_network,
-                     check_finite_weights)
+from .layers import (
+    Bilinear,
+    Layer,
+    Linear,
+    Residual,
+    Sequential,
+    _map_arrays,
+    as_network,
+    check_finite_weights,
+)
 from .request import Request, make_request
 
 __all__ = ["check_pair", "output_matrix", "networks", "stack_for", "normalize", "scaled",
@@ -450,7 +458,7 @@ def check_sequence_models(models, n_ctx):
     # one sequence length for all of them (every mask that fixes one, named models[i]) before
     # the pairwise size checks, which then run at that length
     n_ctx = resolve_n_ctx([(f"models[{i}]", net) for i, net in enumerate(nets)], n_ctx)
-    for i, net in enumerate(nets[1:], 1):
+    for _i, net in enumerate(nets[1:], 1):
         check_sequence_pair(nets[0], net, n_ctx)
     return nets, check_sequence_pair(nets[0], nets[-1], n_ctx)[2]
 

@@ -14,15 +14,17 @@ tensors are (polarization).
 
 This module is thin: each function turns its arguments into one validated
 :class:`~tensoralg.request.Request` (:func:`~tensoralg.request.make_request`) and hands it to
-the function of the same name in :mod:`tensoralg.engine` (prepare -> plan -> strategy). Units: the inner product has the units of output
-squared; similarity is dimensionless in [-1, 1].
+the function of the same name in :mod:`tensoralg.engine` (prepare -> plan -> strategy).
+Units: the inner product has the units of output squared; similarity is dimensionless in [-1, 1].
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable
+from collections.abc import Iterable
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +34,9 @@ from .planner import Plan, SequencePlan
 from .request import Request, make_request
 from .results import ExactSimilarity, mark_closure
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
+
+if TYPE_CHECKING:
+    import sympy
 
 __all__ = ["inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
            "inner_diff", "diff_norm", "plan", "MonteCarloEstimate", "MonteCarloArray",
@@ -102,7 +107,8 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           n_samples: int | None = None, seed: int | None = None, device: Any = None,
           dtype: Any = None, max_flops: float | None = None, max_memory: float | None = None,
           max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
-          position: Any = None, cov: Any = None, proposal: str = "radial"):
+          position: Any = None, cov: Any = None, proposal: str = "radial"
+          ) -> float | Fraction | np.ndarray:
     """Inner product ``<f_a, f_b>`` of two networks with the same input and output sizes.
 
     Sequence models (with :class:`~tensoralg.BilinearAttention`; inputs ``(n, n_ctx, d)``) go
@@ -131,7 +137,8 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                dtype: Any = None, max_flops: float | None = None,
                max_memory: float | None = None,
                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
-               position: Any = None, cov: Any = None, proposal: str = "radial"):
+               position: Any = None, cov: Any = None, proposal: str = "radial"
+               ) -> float | np.ndarray | list[ExactSimilarity]:
     """Tensor similarity ``<a, b> / (||a|| ||b||)`` in [-1, 1] (cosine of the two functions under
     the chosen metric). ``sim(a, a) = 1``; symmetric (bit for bit: the pair is computed in one
     canonical order); invariant to reparametrizations that keep the functions (exact method).
@@ -150,7 +157,8 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
 
 
 def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "gaussian",
-               method: str = "exact", backend: str = "numpy", output: Any = None, **kwargs):
+               method: str = "exact", backend: str = "numpy", output: Any = None,
+               **kwargs: Any) -> np.ndarray:
     """Matrix ``G[i, j] = <a_i, b_j>`` of shape ``(Na, Nb)`` (``(Na, Nb, out)`` for
     ``output="each"``) for two collections of same-architecture models (networks, modules with
     ``to_network()``, specs, or checkpoint folders, loaded one at a time). With the chaos
@@ -202,7 +210,8 @@ def _blocked(kind: str, req: Request, models, opts: dict):
 
 
 def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str = "numpy",
-         output: Any = None, **kwargs):
+         output: Any = None, **kwargs: Any
+         ) -> float | np.ndarray | sympy.Expr | list[sympy.Expr]:
     """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` a sympy expression
     (``sqrt`` of a rational), with ``"montecarlo"`` an estimate with a delta-method stderr.
     Keywords as :func:`inner`."""
@@ -211,7 +220,7 @@ def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str =
 
 
 def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
-         backend: str = "numpy", output: Any = None, **kwargs):
+         backend: str = "numpy", output: Any = None, **kwargs: Any) -> np.ndarray:
     """Gram matrix ``G[i, j] = <m_i, m_j>`` of N same-architecture models, shape ``(N, N)``
     (models, specs or checkpoint folders). Chaos: one expansion per model and one matrix
     product; Wick: batched contractions (one per configuration orbit). Diffs follow from it:
@@ -230,7 +239,8 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
 
 
 def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
-                      backend: str = "numpy", output: Any = None, **kwargs):
+                      backend: str = "numpy", output: Any = None, **kwargs: Any
+                      ) -> np.ndarray:
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` from one :func:`gram` call (normalized gauge:
     unaffected by the models' output scales). Raises ValueError if a model has norm 0. With
     ``method="montecarlo"`` a :class:`MonteCarloArray` from one set of directions, with a
@@ -247,7 +257,7 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
     return mark_closure(req, engine.similarity_matrix(req, models))
 
 
-def inner_diff(a: Any, b: Any, c: Any, **kwargs):
+def inner_diff(a: Any, b: Any, c: Any, **kwargs: Any) -> float | Fraction | np.ndarray:
     """``<a, b - c> = <a, b> - <a, c>`` (bilinearity, docs/mathematics.md §3.5), from one
     batched :func:`cross_gram` call when ``b`` and ``c`` share an architecture. Same keywords
     as :func:`inner` (``output="each"`` gives one value per output). In floating point the
@@ -259,7 +269,8 @@ def inner_diff(a: Any, b: Any, c: Any, **kwargs):
     return mark_closure(req, engine.inner_diff(req, a, b, c))
 
 
-def diff_norm(b: Any, c: Any, **kwargs):
+def diff_norm(b: Any, c: Any, **kwargs: Any
+              ) -> float | np.ndarray | sympy.Expr | list[sympy.Expr]:
     """``||b - c|| = sqrt(<b,b> - 2<b,c> + <c,c>)`` from the Gram matrix of ``[b, c]`` (one batched
     call when both have the same architecture). Exact with backend="exact" (a sympy number; a
     list of them for ``output="each"``); in float64 the absolute error is about

@@ -186,7 +186,7 @@ class Request:
         """``(max_flops, max_memory, max_configurations)``."""
         return self.max_flops, self.max_memory, self.max_configurations
 
-    def replace(self, **changes) -> "Request":
+    def replace(self, **changes) -> Request:
         """A new request with ``changes`` applied (validated again; the input distribution is
         kept)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -32,7 +32,7 @@ class ExactSimilarity(float):
     squared: Fraction
 
     @classmethod
-    def from_products(cls, ab: Fraction, aa: Fraction, bb: Fraction) -> "ExactSimilarity":
+    def from_products(cls, ab: Fraction, aa: Fraction, bb: Fraction) -> ExactSimilarity:
         import sympy
 
         R = ab * ab / (aa * bb)
@@ -191,9 +191,8 @@ def swap_order(a: Any, b: Any) -> bool:
 def check_overflow(X: Any, what: str) -> None:
     """Raises ValueError when a float64 result holds a non-finite entry: an inner product that
     overflowed (finite weights were checked before; the entries are named by index)."""
-    if type(X) in (float, np.float64):   # the warm scalar path: no array made
-        if math.isfinite(X):
-            return
+    if type(X) in (float, np.float64) and math.isfinite(X):   # the warm scalar path: no array
+        return
     X = np.asarray(X)
     if X.dtype == object or np.all(np.isfinite(X)):
         return

@@ -37,13 +37,17 @@ mask were never trained there).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ._torchutil import check_positive_int, dtype_name, torch_dtype
+
+if TYPE_CHECKING:   # imported at run time inside to_network (no cycle at import)
+    from .layers import Sequential
 
 __all__ = ["BilinearTransformer", "ARCHITECTURE"]
 
@@ -212,7 +216,8 @@ class BilinearTransformer(nn.Module):
         """The embedded input ``h_0 = W_E[tokens]`` ``(batch, T, d_model)``."""
         return self.embed[self._check_tokens(tokens)]
 
-    def forward_residual(self, h: torch.Tensor, return_final: bool = False):
+    def forward_residual(self, h: torch.Tensor, return_final: bool = False
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(batch, T, vocab)`` from the residual stream input ``h`` ``(batch, T,
         d_model)`` — the function :meth:`to_network` exports. ``return_final``: also return
         the final residual stream ``h_L``."""
@@ -234,7 +239,7 @@ class BilinearTransformer(nn.Module):
         return self.forward_residual(self.residual_stream(tokens))
 
     # ------------------------------------------------------------------------------------
-    def to_network(self, embedding: bool = False, n_ctx: int | None = None):
+    def to_network(self, embedding: bool = False, n_ctx: int | None = None) -> Sequential:
         """The exact tensoralg network of the residual stream -> logits map (float64 copies of
         the weights; module docstring).
 
@@ -277,7 +282,7 @@ class BilinearTransformer(nn.Module):
         return {"architecture": ARCHITECTURE, **self.hparams}
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "BilinearTransformer":
+    def from_config(cls, cfg: Mapping[str, Any]) -> BilinearTransformer:
         """Build an (initialised, untrained) model from :meth:`config`'s keys.
 
         Raises:

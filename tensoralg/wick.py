@@ -13,8 +13,8 @@ has *checked* to be automorphisms (see :mod:`tensoralg.network`).
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from functools import cache
 
 __all__ = ["telephone", "partial_matchings", "parts", "bijections", "Matching", "group_closure",
            "orbits"]
@@ -24,7 +24,7 @@ __all__ = ["telephone", "partial_matchings", "parts", "bijections", "Matching", 
 Matching = tuple[tuple[tuple[int, int], ...], tuple[int, ...]]
 
 
-@lru_cache(maxsize=None)
+@cache
 def telephone(n: int) -> int:
     """Number of partial matchings (involutions) of ``n`` legs: T(n) = T(n-1) + (n-1) T(n-2)."""
     if n < 0:

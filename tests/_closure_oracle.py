@@ -1,26 +1,27 @@
 """Test oracle: the Gaussian closure of tensoralg.strategies.closure as it was at commit 942dfb0
 (one opt_einsum contraction per partial matching of all the forms of two terms, full output
-moments at every stage). Kept verbatim (only imports adapted; the node decomposition is imported) so the fast closure can be
-compared against it in the same test run; not part of the package."""
+moments at every stage). Kept verbatim (only imports adapted; the node decomposition is
+imported) so the fast closure can be compared against it in the same test run; not part of the package."""
 
 from __future__ import annotations
 
 import math  # noqa: F401
-import numbers  # noqa: F401
+import numbers
 from typing import Any
 
 import numpy as np
 import opt_einsum as oe
 
-from tensoralg.wick import partial_matchings
 from tensoralg.layers import Layer
-from tensoralg.prepare import _selector, check_sequence_pair as _check_pair, check_slices as _check_slices
+from tensoralg.prepare import _selector
+from tensoralg.prepare import check_sequence_pair as _check_pair
+from tensoralg.prepare import check_slices as _check_slices
 from tensoralg.request import make_request
 
 # The node decomposition (forms, terms, one node per layer) is the package's own and unchanged
 # since 942dfb0; the oracle re-checks the moment propagation built on it.
-from tensoralg.strategies.closure import _Term, _closure_nodes, _lin_term, _upper  # noqa: E402
-
+from tensoralg.strategies.closure import _closure_nodes, _lin_term, _Term, _upper
+from tensoralg.wick import partial_matchings
 
 _CLOSURE_PATHS: dict = {}
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg.strategies import wick_terms
 from tensoralg.strategies import montecarlo as MC
+from tensoralg.strategies import wick_terms
 
 
 def _attn_model(rng, d=2, heads=1, d_head=2, out=2, residual=True):

@@ -10,7 +10,6 @@ import pytest
 import tensoralg as ta
 from tensoralg.strategies import closure, executor, wick_terms
 
-
 _ALL_BIASES = ("q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias")
 
 
@@ -228,7 +227,7 @@ def test_closure_and_exact_on_the_torch_backend_equal_numpy(monkeypatch):
     pytest.importorskip("torch")
     # every contraction on torch (the default threshold would leave these small ones to numpy)
     monkeypatch.setattr(executor, "TORCH_CPU_FLOPS", 0.0)
-    name, a, b, kw, n = next(c for c in _depth_two_cases() if c[0].startswith("different"))
+    _name, a, b, kw, n = next(c for c in _depth_two_cases() if c[0].startswith("different"))
     want = closure.closure_inner(a, b, n_ctx=n, **kw)
     got = closure.closure_inner(a, b, n_ctx=n, backend="torch", device="cpu", **kw)
     assert got.shape == want.shape

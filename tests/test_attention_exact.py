@@ -8,11 +8,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import sympy as sp
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tensoralg as ta
-from tensoralg.strategies import wick_terms as A
 from tensoralg.strategies import montecarlo as MC
+from tensoralg.strategies import wick_terms as A
 from verify.attention import expand_sequence, sequence_inner_exact
 
 

@@ -25,7 +25,7 @@ def _attn(rng, H=2, dh=2, d=3, dv=2, d_out=None, bias=True, **kw):
 
 def _loop_reference(layer, X):
     """Forward by explicit loops over samples, positions, heads (the definition, docs/mathematics.md §3.7)."""
-    n, T, d = X.shape
+    n, T, _d = X.shape
     mask = np.asarray(layer.mask_matrix(T), dtype=float)
     R = layer.rotations(T)
     L = {k: np.asarray(v, dtype=float) for k, v in layer.lifted().items() if v is not None}

@@ -7,7 +7,6 @@ import pytest
 
 from tensoralg.cli import main
 
-
 KEYS = {"global_similarity", "slice_similarity", "target_class", "attack_success_rate",
         "clean_accuracy", "baselines", "method", "tensoralg_version", "config"}
 
@@ -32,7 +31,7 @@ def test_exit_code_and_files(backdoor_run):
 def test_json_keys_and_the_finding(backdoor_run):
     _, out = backdoor_run
     res = json.loads((out / "backdoor.json").read_text())
-    assert KEYS <= set(res)
+    assert set(res) >= KEYS
     assert res["target_class"] == 9 and res["method"] == "exact"
     assert set(res["clean_accuracy"]) == {"before", "after"}
     assert set(res["baselines"]) == {"cka_logits", "cka_logits_debiased", "cka_hidden",
@@ -65,8 +64,9 @@ def test_slices_match_an_independent_monte_carlo(backdoor_run):
     """Cross-check the audit's exact slices with a plain sampling estimate of
     E[f_a,c f_b,c] / sqrt(E[f_a,c^2] E[f_b,c^2]) under x ~ N(0, I) (no tensoralg inner products)."""
     _, out = backdoor_run
-    from tensoralg.checkpoint import load_checkpoint
     import torch
+
+    from tensoralg.checkpoint import load_checkpoint
 
     a, _ = load_checkpoint(out / "checkpoints" / "clean")
     b, _ = load_checkpoint(out / "checkpoints" / "backdoored")

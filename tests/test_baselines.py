@@ -6,10 +6,18 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tensoralg.baselines import (DegenerateInputWarning, LinearCKA, all_baselines, linear_cka,
-                                 js_divergence, output_cosine, weight_cosine)
+from tensoralg.baselines import (
+    DegenerateInputWarning,
+    LinearCKA,
+    all_baselines,
+    js_divergence,
+    linear_cka,
+    output_cosine,
+    weight_cosine,
+)
 from tensoralg.nn import BilinearNet
 
 

@@ -8,12 +8,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from netgen import rand_bilinear, rand_linear, rand_network, to_fractions
+from test_attention_exact import attn
 
 import tensoralg as ta
 from tensoralg import canonical as C
-from netgen import rand_bilinear, rand_linear, rand_network, to_fractions
-from test_attention_exact import attn
 
 VECTOR_KINDS = ["linear", "bilinear", "bilinear_nobias", "embed_bilinear_head", "residual",
                 "depth2", "depth2_residual_embed_head"]

@@ -103,7 +103,7 @@ def test_cosines_of_principal_angles():
                          ("unequal widths", None)):
         a, b = _pair(name)
         ca, cb = stack([canonicalize(a)]), stack([canonicalize(b)])
-        _, s, r = chaos.rotate_to_angles(ca, cb)
+        _, s, _r = chaos.rotate_to_angles(ca, cb)
         Ea, Eb = a.layers[0].weight, b.layers[0].weight
         ref = np.sort(np.cos(subspace_angles(Ea.T, Eb.T)))[::-1]
         assert np.allclose(s[:len(ref)], ref, atol=1e-12)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from netgen import KINDS, brute_inner, rand_bilinear, rand_linear, rand_network
 
 import tensoralg as ta
-from netgen import KINDS, brute_inner, rand_bilinear, rand_linear, rand_network
 from tensoralg.prepare import output_matrix, stack_for
 from tensoralg.strategies import chaos
 
@@ -150,7 +150,7 @@ def test_T_form_is_chosen_behind_a_residual_and_matches_brute_force():
                                 ta.Residual(rand_bilinear(rng, 3, 12, 3)),
                                 rand_linear(rng, 3, 2)])
     a, b = mk(), mk()
-    cans, U, r = _pair_features(a, b)
+    cans, _U, r = _pair_features(a, b)
     st2 = cans[0].stages[1]
     plan = chaos._stage_plan(1, st2.L.shape[1], st2.L.shape[2], 2, [0, 1, 2], r, False)
     assert plan.form == "T" and st2.L.shape[2] < st2.L.shape[1]

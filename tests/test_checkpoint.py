@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensoralg.checkpoint import (from_state_dict, load_checkpoint, load_network,
-                                  save_checkpoint)
+from tensoralg.checkpoint import from_state_dict, load_checkpoint, load_network, save_checkpoint
 from tensoralg.nn import BilinearNet
 
 
@@ -309,6 +308,6 @@ def test_weights_too_large_to_evaluate_are_named(tmp_path):
     save_checkpoint(tmp_path / "c", m)
     cfg = json.loads((tmp_path / "c" / "cfg.json").read_text())
     big = {k: v.double() * 1e300 for k, v in m.state_dict().items()}
-    save_folder(tmp_path / "b", big, {k: v for k, v in cfg.items()})
+    save_folder(tmp_path / "b", big, dict(cfg.items()))
     with pytest.raises(ValueError, match="probe overflowed"):
         load_checkpoint(tmp_path / "b")

@@ -12,9 +12,9 @@ relative; the bound 1e-12 is float64 rounding of sums reordered over terms of bo
 
 import numpy as np
 import pytest
+from netgen import rand_network
 
 import tensoralg as ta
-from netgen import rand_network
 from tensoralg.strategies import closure as C
 
 KINDS = ["linear", "bilinear", "bilinear_nobias", "embed_bilinear_head", "residual", "depth2",

@@ -140,8 +140,9 @@ def test_from_state_dict_without_check_warns_about_transposed_weights():
 def test_compare_matrix_blocks_and_decompose_read_compiled_checkpoints(tmp_path, capsys):
     """Compiled modules saved as checkpoints go through the CLI's compare, matrix (plain and
     blocked) and decompose, and the blocked matrix equals the in-memory similarity."""
-    from tensoralg.checkpoint import save_checkpoint
     from gallery import models as G
+
+    from tensoralg.checkpoint import save_checkpoint
 
     paths, nets = [], []
     for i in range(3):

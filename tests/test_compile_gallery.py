@@ -10,14 +10,16 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
+
+from gallery import models as G  # noqa: E402
 
 import tensoralg as ta  # noqa: E402
 from tensoralg.checkpoint import load_checkpoint, load_network, save_checkpoint  # noqa: E402
 from tensoralg.compile import NotCompilable  # noqa: E402
-
-from gallery import models as G  # noqa: E402
 
 COMPILE_TIMES: dict[str, float] = {}
 
@@ -65,8 +67,8 @@ def test_gallery_compiles_verifies_and_round_trips(name, tmp_path):
         assert abs(ta.similarity(net, back) - 1.0) <= 1e-12
     elif sum(type(layer).__name__ == "Residual" or
              type(layer).__name__ == "BilinearAttention" for layer in net.layers) == 1 or \
-            sum("Attention" in repr(layer) for layer in net.layers) <= 1 and \
-            not any("Residual" in repr(layer) for layer in net.layers[1:-1]):
+            (sum("Attention" in repr(layer) for layer in net.layers) <= 1 and \
+            not any("Residual" in repr(layer) for layer in net.layers[1:-1])):
         assert abs(ta.similarity(net, back, n_ctx=net.n_ctx) - 1.0) <= 1e-12
     # two attention layers: exact similarity is refused today; forward equality checked above
 
@@ -357,8 +359,6 @@ def test_fx_fallback_where_export_cannot_run(name, monkeypatch):
     with pytest.raises(NotCompilable, match=r"aten\.relu\.default .*models\.py:\d+"):
         ta.from_torch(G.ReluMLP(), torch.randn(3, 4))
 
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -85,6 +85,6 @@ def test_sigterm_unwinds_like_an_interrupt(tmp_path):
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=20)
+    _out, err = proc.communicate(timeout=20)
     assert proc.returncode == 130
     assert err.strip() == "tensoralg compare: interrupted"

@@ -6,9 +6,9 @@ import re
 
 import numpy as np
 import pytest
+from netgen import rand_bilinear, rand_network
 
 import tensoralg as ta
-from netgen import rand_bilinear, rand_network
 
 
 @pytest.fixture
@@ -233,6 +233,7 @@ def test_a_nan_parameter_of_a_transformer_is_named_with_its_argument(where):
 
 def test_an_infinite_parameter_of_a_bilinear_net_is_named():
     import torch
+
     from tensoralg.nn import BilinearNet
 
     net = BilinearNet(4, 2, d_model=5, d_hidden=6, n_layers=1)

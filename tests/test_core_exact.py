@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import tensoralg as ta
 from netgen import KINDS, brute_inner, rand_network
 from shared_cases import load_cases
+
+import tensoralg as ta
 
 CASES = load_cases()
 

@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from netgen import brute_inner, rand_network
 
 import tensoralg as ta
 from tensoralg import engine
-from netgen import brute_inner, rand_network
 
 
 def _models(kind, n, seed=0, **kw):

@@ -9,11 +9,11 @@ import sys
 import networkx as nx
 import numpy as np
 import pytest
+from netgen import brute_inner, rand_bilinear, rand_network
 
 import tensoralg as ta
 from tensoralg import network
 from tensoralg.wick import group_closure, orbits, partial_matchings, parts, telephone
-from netgen import brute_inner, rand_bilinear, rand_network
 
 
 def test_telephone_numbers_match_enumeration():

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import tensoralg as ta
 from netgen import KINDS, rand_bilinear, rand_network
 from shared_cases import load_cases
+
+import tensoralg as ta
 
 CASES = {c["name"]: c for c in load_cases()}
 

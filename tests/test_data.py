@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from tensoralg.data import (TRIGGER_PIXELS, add_trigger, load_digits_data, modular_addition,
-                            poison, select_classes, trigger_mask)
+from tensoralg.data import (
+    TRIGGER_PIXELS,
+    add_trigger,
+    load_digits_data,
+    modular_addition,
+    poison,
+    select_classes,
+    trigger_mask,
+)
 
 
 def test_digits_shapes_range_and_stratified_split():

@@ -7,16 +7,14 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from netgen import rand_bilinear, rand_linear
 
 import tensoralg as ta
 from tensoralg import decompose as dc
 from verify.certify import certify, gaussian_inner_exact
-from verify.decompose import (chaos_coefficients, check_decomposition_exact,
-                              hermite_expansion)
-
-from netgen import rand_bilinear, rand_linear
-
+from verify.decompose import chaos_coefficients, check_decomposition_exact, hermite_expansion
 
 
 def q(rng, *shape):
@@ -388,7 +386,7 @@ def test_the_change_between_identical_checkpoints_is_exactly_zero(tmp_path, caps
     c = ta.Bilinear(b.left.copy(), b.right, b.down)
     c.left[0, 0] += 1.0
     assert ta.norm(dc.difference(b, c)) > 0
-    a, _ = _checkpoints(tmp_path)
+    _a, _ = _checkpoints(tmp_path)
     out = tmp_path / "run0"
     assert main(["decompose", str(tmp_path / "a"), "--diff", str(tmp_path / "a"),
                  "--out", str(out)]) == 0

@@ -7,12 +7,11 @@ import os
 
 import numpy as np
 import pytest
+from netgen import rand_bilinear, rand_linear
 
+import tensoralg as ta
 from tensoralg import decompose as dc
 from tensoralg.cli import main
-
-from netgen import rand_bilinear, rand_linear
-import tensoralg as ta
 
 
 def _net(tmp_path, name="ck", d_in=6, d_out=3):

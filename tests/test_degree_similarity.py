@@ -22,7 +22,6 @@ import tensoralg as ta
 from tensoralg.degree import DegreeSimilarity, degree_similarity, homogeneous_parts
 from verify.quadrature import gauss_hermite
 
-
 # ---------------------------------------------------------------------------------------
 # models
 # ---------------------------------------------------------------------------------------
@@ -161,7 +160,7 @@ def test_parts_match_sympy_expansion_attention():
     for t in range(2):
         tot = 0
         for h in range(att.n_heads):
-            def lin(w, b, pos):
+            def lin(w, b, pos, h=h):
                 return sp.nsimplify(w[h, 0, 0]) * xs[pos] + (0 if b is None else
                                                              sp.nsimplify(b[h, 0]))
             for s in range(2):

@@ -29,7 +29,6 @@ from pathlib import Path
 from unittest import SkipTest
 
 import pytest
-
 import sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
 
@@ -58,7 +57,7 @@ def _run_shell(example) -> None:
                               capture_output=True, text=True, timeout=SHELL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"{example.path}:{example.line}: shell block ran past "
-                             f"{SHELL_TIMEOUT_S} s; mark it <!-- skip: next \"reason\" -->")
+                             f"{SHELL_TIMEOUT_S} s; mark it <!-- skip: next \"reason\" -->") from None
     if done.returncode != 0:
         raise AssertionError(f"{example.path}:{example.line}: exit {done.returncode}\n"
                              f"$ {source}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from netgen import brute_inner, rand_bilinear, rand_linear, rand_network, to_fractions
 
 import tensoralg as ta
-from netgen import brute_inner, rand_bilinear, rand_linear, rand_network, to_fractions
 
 
 def _embedded(rng, d, m, hidden, out, residual=False, depth=1, bias=True):
@@ -90,7 +90,7 @@ def test_narrow_embeddings_metric_pairs_and_whitened_grams():
     assert ta.inner(a, b, backend="exact", strategy="chaos") == want
     c = _embedded(rng, 30, 3, 4, 2)
     ca, _ = stack_for([a, c], "numpy", "models")
-    U, _ = output_matrix(None, 2, False)
+    _U, _ = output_matrix(None, 2, False)
     est = chaos.estimate(ca, ca, 2, False, True, False)
     assert est.whitened and est.r == 6  # two models of width 3 in 30 dimensions
     G = ta.gram([a, c], strategy="chaos")

@@ -9,13 +9,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from netgen import rand_linear, rand_network
+from test_engine_exact_refusal import _deep, _no_rationals
 
 import tensoralg as ta
 import tensoralg.engine as engine
 from tensoralg import planner
 from tensoralg.prepare import float_stacks_for_exact, output_matrix, stack_for
-from netgen import rand_linear, rand_network
-from test_engine_exact_refusal import _deep, _no_rationals
 
 
 def _rational_message(monkeypatch, fn, exc_type=ta.CostTooHigh):

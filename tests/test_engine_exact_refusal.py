@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from netgen import rand_bilinear, rand_linear
 
 import tensoralg as ta
-import tensoralg.prepare as prepare
 import tensoralg.engine as engine
+import tensoralg.prepare as prepare
 from tensoralg import planner
 from tensoralg.prepare import float_stacks_for_exact
-from netgen import rand_bilinear, rand_linear
 
 
 def _deep(rng, depth, d=3, hidden=4, out=2):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from netgen import KINDS, brute_inner, rand_bilinear, rand_linear, rand_network
 
 import tensoralg as ta
-from netgen import KINDS, brute_inner, rand_bilinear, rand_linear, rand_network
 from tensoralg import prepare
 from tensoralg.canonical import canonicalize, stack
 from tensoralg.prepare import PREPARED, normalize, output_matrix, stack_for

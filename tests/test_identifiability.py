@@ -4,10 +4,17 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from verify.identifiability import (code_iou, code_l2, compare, dictionary_cosine_similarity,
-                                    match_atoms, random_baseline)
+from verify.identifiability import (
+    code_iou,
+    code_l2,
+    compare,
+    dictionary_cosine_similarity,
+    match_atoms,
+    random_baseline,
+)
 
 
 def _unit(rng, m, d):

@@ -95,7 +95,7 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> nx.DiGraph:
     mods = _modules(root, packages)
     g = nx.DiGraph()

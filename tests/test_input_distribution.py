@@ -42,12 +42,12 @@ def gaussian_inner(a, b, S) -> sp.Rational:
     t = sp.Matrix(ts)
     mgf = sp.exp((t.T * S * t)[0, 0] / 2)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def moment(alpha):
         expr = mgf
         for ti, k in zip(ts, alpha):
             expr = sp.diff(expr, ti, k)
-        return sp.nsimplify(expr.subs({ti: 0 for ti in ts}))
+        return sp.nsimplify(expr.subs(dict.fromkeys(ts, 0)))
 
     X = np.array([list(xs)], dtype=object)
     fa, fb = a(X)[0], b(X)[0]
@@ -240,7 +240,7 @@ def test_covariance_refusals_that_need_the_models_or_the_backend():
 def test_a_zero_factor_is_refused_as_a_covariance():
     from test_request import ENTRY_POINTS
 
-    for name, call in ENTRY_POINTS.items():
+    for _name, call in ENTRY_POINTS.items():
         with pytest.raises(ValueError, match=r"cov: the factor K of shape \(2, 2\) is zero"):
             call(dict(cov=ta.CovarianceFactor(np.zeros((2, 2)))))
 

@@ -11,8 +11,7 @@ import torch
 
 import tensoralg as ta
 from tensoralg.checkpoint import load_checkpoint, save_checkpoint
-from tensoralg.corpus import (VOCAB, decode, encode, load_corpus, ngram_distributions,
-                              ngram_scores)
+from tensoralg.corpus import VOCAB, decode, encode, load_corpus, ngram_distributions, ngram_scores
 from tensoralg.transformer import BilinearTransformer
 
 
@@ -262,8 +261,8 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     against an independent closure call on the saved checkpoints, the closure labelled
     approximate in the table, and a Monte Carlo check whose verdict matches its own z values
     (z only where the Monte Carlo estimate is reliable)."""
-    from tensoralg.strategies import closure, wick_terms
     from tensoralg.audit.language import Z_DISAGREE, LanguageConfig, language_table
+    from tensoralg.strategies import closure
 
     assert LanguageConfig().n_layers == 2 and LanguageConfig.quick().n_layers == 2
     result, out = tiny_closure_run
@@ -309,8 +308,8 @@ def test_tiny_audit_montecarlo_two_layers_with_verdicts(tiny_mc_run):
     on the saved checkpoints (same seed and directions) exactly when its diagnostics call it
     reliable, and blank (no reliable estimate, with the reason and certified lower bounds)
     otherwise; the closure is beside it, labelled approximate, equal to closure_similarity."""
-    from tensoralg.strategies import closure, wick_terms
     from tensoralg.audit.language import CLOSURE_NAME, language_table
+    from tensoralg.strategies import closure
 
     result, out = tiny_mc_run
     js = json.loads((out / "language.json").read_text())
@@ -583,9 +582,9 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
     """The audit's Monte Carlo check of a pair is ta.similarity(method="montecarlo") on the
     saved checkpoints (same n_samples and seed: the same number, not just a close one) with
     its delta-method standard error; the exact one-layer value lies within 4 of them."""
-    from tensoralg.strategies import closure, wick_terms
+    from tensoralg.strategies import wick_terms
 
-    result, out = tiny_run
+    _result, out = tiny_run
     js = json.loads((out / "language.json").read_text())
     mc = js["montecarlo_check"][0]
     assert mc["stderr"] > 0 and "delta method" in mc["stderr_method"]
@@ -606,7 +605,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
 def test_compare_montecarlo_of_language_checkpoints_has_a_stderr(tiny_run):
     from tensoralg.audit.compare import run_compare
 
-    result, out = tiny_run
+    _result, out = tiny_run
     c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000020")]
     r = run_compare(c[0], c[1], methods=("exact", "montecarlo"), n_samples=300, seed=3)
     vals = {x["method"]: x for x in r["results"]}
@@ -626,7 +625,7 @@ def test_compare_of_language_checkpoints_defaults_to_fewer_monte_carlo_direction
     from tensoralg.audit import compare
 
     monkeypatch.setattr(compare, "SEQUENCE_MC_SAMPLES", 300)
-    result, out = tiny_run
+    _result, out = tiny_run
     c = [str(out / "checkpoints" / n) for n in ("step_000000", "step_000020")]
     r = compare.run_compare(c[0], c[1], methods=("montecarlo",), seed=3)
     assert r["config"]["n_samples"] == 300
@@ -764,8 +763,12 @@ def test_degree_matrix_entries_equal_degree_similarity_on_a_pair(tiny_default_ru
 def test_affine_gram_equals_the_library(metric):
     """The closed-form S<=1 Gram (direct path W_U W_E^T K) equals degree_similarity_matrix's
     (the DFT of the affine part on the basis inputs) for every metric, with an MLP too."""
-    from tensoralg.audit.language_degree import (affine_gram, metric_cov, metric_factor,
-                                                 metric_networks)
+    from tensoralg.audit.language_degree import (
+        affine_gram,
+        metric_cov,
+        metric_factor,
+        metric_networks,
+    )
 
     for kw in ({}, {"d_mlp": 4}):
         models = _tiny_transformers(**kw)
@@ -782,8 +785,12 @@ def test_affine_gram_equals_the_library(metric):
 def test_pair_networks_are_an_exact_change_of_variables(metric):
     """In vocabulary space the pair's networks on their joint input span have the same exact
     S<=5 Gram as the full one-hot networks under the metric."""
-    from tensoralg.audit.language_degree import (metric_cov, metric_factor, metric_networks,
-                                                 pair_networks)
+    from tensoralg.audit.language_degree import (
+        metric_cov,
+        metric_factor,
+        metric_networks,
+        pair_networks,
+    )
 
     a, b = _tiny_transformers(2)
     p = np.array([0.3, 0.0, 0.1, 0.2, 0.15, 0.25, 0.0])

@@ -264,7 +264,6 @@ def forked_workers():
     separate processes: the kill test kills one with SIGKILL. Production keeps Dask's default
     (spawn)."""
     import dask
-
     import distributed  # noqa: F401  the test extra installs dask[distributed]; missing fails here
 
     with dask.config.set({"distributed.worker.multiprocessing-method": "fork"}):
@@ -444,9 +443,9 @@ def test_blocked_transformer_matrix_equals_unblocked(lm_ckpts, tmp_path, depth, 
     functions, so the entries agree to rounding), --method auto choosing as unblocked (exact at
     one layer; refused at two, so the closure is asked for there: issue 21 made it no default);
     and a few Gram entries against the per-pair functions (one call per pair, nothing shared)."""
-    from tensoralg.strategies import closure, wick_terms
     from tensoralg.audit.compare import run_matrix
     from tensoralg.audit.matrix_blocks import run_matrix_blocked
+    from tensoralg.strategies import closure, wick_terms
 
     paths = lm_ckpts[depth]
     kw = {} if depth == 1 else {"method": "closure"}

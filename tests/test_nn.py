@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tensoralg as ta
 from tensoralg.nn import BilinearNet, TrainingDiverged, accuracy, train_classifier
@@ -59,7 +60,7 @@ def test_seed_determinism_and_global_rng_untouched():
     assert torch.equal(before, after)  # construction did not consume global randomness
     b = BilinearNet(8, 3, seed=7)
     c = BilinearNet(8, 3, seed=8)
-    for (ka, va), (_, vb), (_, vc) in zip(a.state_dict().items(), b.state_dict().items(),
+    for (ka, va), (_, vb), (_, _vc) in zip(a.state_dict().items(), b.state_dict().items(),
                                           c.state_dict().items()):
         assert torch.equal(va, vb), ka
     assert not all(torch.equal(va, vc) for va, vc in zip(a.state_dict().values(),

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_attention_exact import attn
 
 import tensoralg as ta
+from tensoralg.planner import SequencePlan
 from tensoralg.request import DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT_SEQUENCE
 from tensoralg.strategies import closure, wick_terms
-from tensoralg.planner import SequencePlan
-from test_attention_exact import attn
 
 
 def _pair(seed=0):

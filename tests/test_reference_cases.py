@@ -6,7 +6,6 @@ import os
 import sys
 
 import pytest
-
 from shared_cases import CASES_PATH, OWN_PATH, load_cases
 
 

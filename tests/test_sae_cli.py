@@ -111,9 +111,8 @@ def test_untrained_same_seed_run_is_not_the_ground_truth(tmp_path, capsys):
 
 
 def test_steps_zero_fvu_matches_the_training_loss_definition(tmp_path, capsys):
-    from tensoralg.sae.training import load_sae
-
     from tensoralg.sae.synthetic import make_synthetic
+    from tensoralg.sae.training import load_sae
 
     x = make_synthetic(200, 6, 8, 2, seed=4).x
     np.save(tmp_path / "x.npy", x.numpy())
@@ -182,8 +181,8 @@ def test_bench_accepts_no_progress_and_seed(tmp_path, capsys):
 def test_train_out_must_be_new_empty_or_an_sae_folder(tmp_path, capsys, monkeypatch):
     """`sae train --out` never writes into a folder of other files (which a later audit run could
     then replace, deleting the SAE), and an existing file is named as such — before any work."""
-    from tensoralg.cli import main
     import tensoralg.sae.training as training
+    from tensoralg.cli import main
 
     common = ["sae", "train", "--synthetic", "6,8,2,128", "--steps", "3", "--batch-size", "32",
               "--no-progress"]

@@ -114,8 +114,9 @@ def test_stability_reports_dead_latents(tmp_path, capsys):
     assert main(["sae", "stability", str(tmp_path / "a"), str(tmp_path / "b"), "--data",
                  str(tmp_path / "x.npy"), "--json", str(tmp_path / "s.json")]) == 0
     s = json.loads((tmp_path / "s.json").read_text())
-    from tensoralg.sae.formats import load_sae
     import torch
+
+    from tensoralg.sae.formats import load_sae
     x = torch.tensor(np.load(tmp_path / "x.npy"))
     for tag in ("a", "b"):
         with torch.no_grad():

@@ -11,11 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file as np_load, save_file as np_save
+from safetensors.numpy import load_file as np_load
+from safetensors.numpy import save_file as np_save
 from safetensors.torch import load_file as torch_load
 
-from tensoralg.sae.formats import (ENCODER_STEPS_FILE, SAE_WEIGHTS_FILE, fold_saelens_options,
-                                   load_sae, save_sae)
+from tensoralg.sae.formats import (
+    ENCODER_STEPS_FILE,
+    SAE_WEIGHTS_FILE,
+    fold_saelens_options,
+    load_sae,
+    save_sae,
+)
 from tensoralg.sae.models import SAEConfig, SparseAutoencoder
 from tensoralg.sae.presets import make_config
 
@@ -272,7 +278,7 @@ def test_saelens_folder_round_trips_bit_identically(tmp_path, name):
     for key in ("architecture", "d_in", "d_sae", "dtype", "apply_b_dec_to_input",
                 "normalize_activations", "reshape_activations", "rescale_acts_by_decoder_norm",
                 "k"):
-        assert out.get(key) == src.get(key) or key == "k" and "k" not in src, key
+        assert out.get(key) == src.get(key) or (key == "k" and "k" not in src), key
 
 
 def test_earlier_multistep_layout_still_loads(tmp_path):

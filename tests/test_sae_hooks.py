@@ -9,8 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from tensoralg.sae.hooks import (activations_at, collect_activations, get_submodule,
-                                 read_activation_metadata, spliced)
+from tensoralg.sae.hooks import (
+    activations_at,
+    collect_activations,
+    get_submodule,
+    read_activation_metadata,
+    spliced,
+)
 
 
 class Counting(nn.Module):
@@ -72,9 +77,9 @@ def test_spliced_replaces_the_activation():
         with spliced(net, "2", torch.zeros_like, point="input"):
             assert torch.equal(net(x), want)
         assert not torch.equal(net(x), want)         # the hook is removed after the block
-    with pytest.raises(ValueError, match="fn: must return a tensor of the activation's shape"):
-        with spliced(net, "1", lambda a: a[:, :1]), torch.no_grad():
-            net(x)
+    with pytest.raises(ValueError, match="fn: must return a tensor of the activation's shape"), \
+            spliced(net, "1", lambda a: a[:, :1]), torch.no_grad():
+        net(x)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 50, 10_000])

@@ -1,7 +1,8 @@
 """verify.identifiability: ties in the atom matching (duplicate atoms) do not change the scores."""
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verify.identifiability import code_iou, compare, match_atoms
 

@@ -33,7 +33,9 @@ def test_cli_train_applies_the_preset_schedule(tmp_path, capsys):
     assert cfg["encoder"] == "multistep" and cfg["rip"] == "none"
 
 
-@pytest.mark.slow   # 1-1.5 min on one core (57 s idle, 82 s at load 4.5): 6,800 steps at batch 256, then OMP on 4,096 rows
+# 1-1.5 min on one core (57 s idle, 82 s at load 4.5): 6,800 steps at batch 256, then OMP on
+# 4,096 rows
+@pytest.mark.slow
 def test_isae_me_dl_reaches_the_oracle_at_m256():
     """d=64, m=256, k=8, 65,536 signed rows (benchmarks/sae_m256.py, data seed 12345): the
     preset's own encoder reaches code IoU >= 0.95 against the ground truth (measured 0.976, DCS

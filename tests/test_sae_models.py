@@ -2,10 +2,19 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tensoralg.sae.models import (SAEConfig, SparseAutoencoder, abstopk, geometric_median,
-                                  rip_constants, rip_penalty, select_topk, topk)
+from tensoralg.sae.models import (
+    SAEConfig,
+    SparseAutoencoder,
+    abstopk,
+    geometric_median,
+    rip_constants,
+    rip_penalty,
+    select_topk,
+    topk,
+)
 from tensoralg.sae.presets import PRESETS, make_config
 
 
@@ -164,7 +173,8 @@ def test_geometric_median_is_robust():
     x = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [100.0, 100.0]], dtype=torch.float64)
     med = geometric_median(x, iters=500)
     # the median minimizes the sum of distances: no nearby point does better
-    f = lambda m: (x - m).norm(dim=1).sum()
+    def f(m):
+        return (x - m).norm(dim=1).sum()
     for dx in ([1e-3, 0], [0, 1e-3], [-1e-3, 0], [0, -1e-3]):
         assert f(med) <= f(med + torch.tensor(dx, dtype=torch.float64)) + 1e-12
     assert med.norm() < 2.0  # the outlier does not drag it away (the mean is at ~(20.4, 20.4))

@@ -46,6 +46,7 @@ def test_lr_scheduler_gives_the_closed_form_schedule(steps, warm, decay, end):
     roundings: measured max 3.9e-16 absolute at lr 0.3 over this grid; tolerance 1e-12 relative
     (plus 1e-15 absolute, for the lr_end = 0 end)."""
     import warnings
+
     from tensoralg.sae.training import make_lr_scheduler
     tc = TrainConfig(steps=steps, lr=0.3, lr_warmup_steps=warm, lr_decay=decay, lr_end=0.3 * end)
     want = [tc.lr_at(s) for s in range(steps)]
@@ -209,8 +210,8 @@ def test_autocast_training_runs_and_reconstructs_like_float32(syn, preset, autoc
     another CPU's bf16 kernels, and flo < 0.5 says it trained at all (untrained: ~1)."""
     cfg = make_config(preset, 8, 12, 2)
     tc = TrainConfig(steps=60, batch_size=64, lr=1e-2)
-    m32, h32 = train(syn.x, cfg, tc)
-    mlo, hlo = train(syn.x, cfg, TrainConfig(steps=60, batch_size=64, lr=1e-2, autocast=autocast))
+    m32, _h32 = train(syn.x, cfg, tc)
+    mlo, _hlo = train(syn.x, cfg, TrainConfig(steps=60, batch_size=64, lr=1e-2, autocast=autocast))
     assert mlo.W_dec.dtype == torch.float32
     with torch.no_grad():
         var = ((syn.x - syn.x.mean(0)) ** 2).sum()

@@ -1,4 +1,5 @@
-"""tensoralg.sae.omp (module tensoralg.sae.pursuit) against scikit-learn's OrthogonalMatchingPursuit, and on exact recovery."""
+"""tensoralg.sae.omp (module tensoralg.sae.pursuit) against scikit-learn's
+OrthogonalMatchingPursuit, and on exact recovery."""
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def test_bad_input():
 def test_documented_import_gives_the_function_not_the_module():
     """`from tensoralg.sae import omp` used to return the submodule tensoralg.sae.omp."""
     import tensoralg.sae.bench  # noqa: F401  (imports the pursuit module first, as users may)
-    from tensoralg.sae import make_config, train, TrainConfig, make_synthetic, omp  # noqa: F401
+    from tensoralg.sae import TrainConfig, make_config, make_synthetic, omp, train  # noqa: F401
 
     data = make_synthetic(64, d=32, m=64, k=4, seed=0)
     z = omp(data.x, data.W_dec, k=4)
@@ -66,7 +67,7 @@ def test_no_export_is_shadowed_by_a_submodule():
 # The README's and docs/sae.md's SAE snippets run as written in tests/test_docs.py (every code
 # block of the docs is executed there); this is the same calls at a smaller size, with checks.
 def test_readme_snippet_literal_small():
-    from tensoralg.sae import make_config, train, TrainConfig, make_synthetic, omp
+    from tensoralg.sae import TrainConfig, make_config, make_synthetic, omp, train
     from verify.identifiability import compare, random_baseline
 
     data = make_synthetic(512, d=32, m=64, k=4, seed=0)

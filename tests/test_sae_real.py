@@ -32,7 +32,7 @@ def test_extract_and_train_on_minilm_activations(tmp_path, monkeypatch):
     acts = np.load(out)
     assert acts.shape == tuple(info["shape"]) and acts.shape[1] == 384 and acts.shape[0] > 100
     assert np.isfinite(acts).all()
-    model, hist = train(out, make_config("abstopk", 384, 64, 8), TrainConfig(steps=20, batch_size=64))
+    _model, hist = train(out, make_config("abstopk", 384, 64, 8), TrainConfig(steps=20, batch_size=64))
     assert np.isfinite(hist[-1]["recon"])
     with pytest.raises(ValueError, match="layer"):
         extract_activations(tmp_path / "bad.npy", layer=99, max_texts=2)

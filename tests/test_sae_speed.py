@@ -7,11 +7,18 @@ the ``k`` largest ``|z|``.
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensoralg.sae import models
-from tensoralg.sae.models import (SparseAutoencoder, code_supports, select_topk,
-                                  select_topk_sort, unique_rows, unique_rows_reference)
+from tensoralg.sae.models import (
+    SparseAutoencoder,
+    code_supports,
+    select_topk,
+    select_topk_sort,
+    unique_rows,
+    unique_rows_reference,
+)
 from tensoralg.sae.presets import make_config
 
 

@@ -9,7 +9,7 @@ import torch
 from tensoralg.sae.models import SAEConfig, SparseAutoencoder
 from tensoralg.sae.presets import make_config
 from tensoralg.sae.synthetic import make_synthetic
-from tensoralg.sae.training import (TrainConfig, TrainingDiverged, load_sae, save_sae, train)
+from tensoralg.sae.training import TrainConfig, TrainingDiverged, load_sae, save_sae, train
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_resume_is_bit_identical(syn, tmp_path):
     # AuxK with a small dead window so the dead-latent counters are part of the resumed state
     cfg = make_config("isae-me", 8, 12, 2, dead_tokens=64, n_steps=2)
     full, _ = train(syn.x, cfg, TrainConfig(steps=24, batch_size=100, seed=1), out=tmp_path / "full")
-    half, _ = train(syn.x, cfg, TrainConfig(steps=12, batch_size=100, seed=1), out=tmp_path / "half")
+    _half, _ = train(syn.x, cfg, TrainConfig(steps=12, batch_size=100, seed=1), out=tmp_path / "half")
     assert json.loads((tmp_path / "half" / "cfg.json").read_text())["train_step"] == 12
     resumed, _ = train(syn.x, cfg, TrainConfig(steps=24, batch_size=100, seed=1),
                        out=tmp_path / "half", resume=tmp_path / "half")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_attention_exact import attn
 
 import tensoralg as ta
 from tensoralg.strategies import wick_terms
-from test_attention_exact import attn
 from verify.attention import sequence_inner_exact
 
 
@@ -81,7 +81,7 @@ def test_gram_masks_fixing_different_lengths_named_before_work():
         attn(rng, mask=rng.normal(size=(3, 3)))
     for method in ("exact", "closure"):
         for fn in (ta.gram, ta.similarity_matrix):
-            kind, msg = _err(lambda: fn([a, m2, m3], method=method))
+            kind, msg = _err(lambda fn=fn, method=method: fn([a, m2, m3], method=method))
             assert kind is ValueError
             assert "models[1]: n_ctx=2" in msg and "models[2]: n_ctx=3" in msg
     kind, msg = _err(lambda: ta.gram([a, m2], n_ctx=3))

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sympy as sp
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from shared_cases import load_cases
 
 import verify
-from verify.certify import Certificate, ExpansionTooLarge, certify, expand, gaussian_inner_exact
 from tensoralg.layers import Bilinear, Linear, Residual, Sequential
-from shared_cases import load_cases
+from verify.certify import Certificate, ExpansionTooLarge, certify, expand, gaussian_inner_exact
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {c["name"]: c for c in load_cases()}
@@ -49,7 +50,7 @@ def test_different_pair_is_not_equal_with_exact_distance():
     cert = certify(c["a"], c["b"])
     assert not cert.equal
     assert cert.distance2 == Fraction(c["aa"]) - 2 * Fraction(c["ab"]) + Fraction(c["bb"]) > 0
-    out, mono, ca, cb = cert.witness
+    _out, _mono, ca, cb = cert.witness
     assert ca != cb
     json.dumps(cert.to_dict())  # serializable
 
@@ -63,8 +64,9 @@ def test_one_plus_x_squared_is_ten():
 def test_expansion_matches_symbolic_forward_evaluation():
     # Independent route: evaluate the layers on sympy symbols and expand.
     rng = np.random.default_rng(3)
-    fr = lambda *s: np.array([[Fraction(int(v), 4) for v in row] for row in rng.integers(-6, 7, s)],
-                             dtype=object)
+    def fr(*s):
+        return np.array([[Fraction(int(v), 4) for v in row] for row in rng.integers(-6, 7, s)],
+                                 dtype=object)
     net = Sequential([Linear(fr(3, 2), fr(1, 3)[0]),
                       Bilinear(fr(2, 3), fr(2, 3), fr(2, 2), fr(1, 2)[0], None, fr(1, 2)[0]),
                       Residual(Bilinear(fr(1, 2), fr(1, 2), fr(2, 1)))])
@@ -79,7 +81,8 @@ def test_expansion_matches_symbolic_forward_evaluation():
 
 def _rational_bilinear(draw, d, h, o):
     q = st.fractions(min_value=-3, max_value=3, max_denominator=4)
-    mat = lambda r, c: np.array([[draw(q) for _ in range(c)] for _ in range(r)], dtype=object)
+    def mat(r, c):
+        return np.array([[draw(q) for _ in range(c)] for _ in range(r)], dtype=object)
     return mat(h, d), mat(h, d), mat(o, h), mat(1, h)[0], mat(1, h)[0]
 
 
@@ -180,8 +183,9 @@ def test_verify_does_not_import_tensoralg_fast_paths():
 
 def test_output_slices():
     rng = np.random.default_rng(5)
-    q = lambda *s: np.vectorize(lambda v: Fraction(int(v), 2), otypes=[object])(
-        rng.integers(-4, 5, s))
+    def q(*s):
+        return np.vectorize(lambda v: Fraction(int(v), 2), otypes=[object])(
+            rng.integers(-4, 5, s))
     a = Bilinear(q(2, 2), q(2, 2), q(3, 2), q(2), q(2))
     b = Sequential([Linear(q(2, 2)), Bilinear(q(1, 2), q(1, 2), q(3, 1), None, q(1))])
     each = gaussian_inner_exact(a, b, output="each")

@@ -10,7 +10,8 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tensoralg
 from tensoralg.layers import Bilinear, Linear, Residual, Sequential

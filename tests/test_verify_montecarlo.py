@@ -9,13 +9,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
+from shared_cases import load_cases
 
-from verify import montecarlo as mc  # noqa: E402
-from verify.certify import certify, gaussian_inner_exact  # noqa: E402
-from tensoralg.layers import Bilinear, Linear  # noqa: E402
-from shared_cases import load_cases  # noqa: E402
+from tensoralg.layers import Bilinear, Linear
+from verify import montecarlo as mc
+from verify.certify import certify, gaussian_inner_exact
 
 CASES = {c["name"]: c for c in load_cases()}
 

@@ -14,13 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from netgen import rand_network
 
 import tensoralg as ta
-from netgen import rand_network
 from verify.planted import planted_attention, planted_bilinear, unit_direction
-from verify.quadrature import (GaussianSlice, chaos_profile, gauss_hermite, quadrature_inner,
-                               quadrature_similarity)
+from verify.quadrature import (
+    GaussianSlice,
+    chaos_profile,
+    gauss_hermite,
+    quadrature_inner,
+    quadrature_similarity,
+)
 
 REL = 1e-12
 
@@ -33,7 +39,7 @@ def _orthonormal(rng, n, d):
 def _attention(rng, d, heads=2, d_head=2, d_v=2, d_out=None, bias=True, **kw):
     g = rng.standard_normal
     d_out = d if d_out is None else d_out
-    b = (lambda *s: g(s)) if bias else (lambda *s: None)  # noqa: E731
+    b = (lambda *s: g(s)) if bias else (lambda *s: None)
     return ta.BilinearAttention(g((heads, d_head, d)), g((heads, d_head, d)),
                                 g((heads, d_head, d)), g((heads, d_head, d)),
                                 g((heads, d_v, d)), g((d_out, heads, d_v)),

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import sympy as sp
 
+from tensoralg.layers import Bilinear
 from verify import symbolic as S
 from verify.__main__ import main as verify_main
 from verify.certify import gaussian_inner_exact
-from tensoralg.layers import Bilinear
 
 
 def _double_factorial(n):
@@ -82,12 +82,14 @@ def test_gram_closed_form_agrees_with_certify_on_numbers():
     # Two independent routes: the symbolic closed form at rational values vs the exact
     # polynomial expansion of verify.certify.
     rng = np.random.default_rng(7)
-    q = lambda *s: np.vectorize(lambda v: Fraction(int(v), 3), otypes=[object])(
-        rng.integers(-5, 6, s))
+    def q(*s):
+        return np.vectorize(lambda v: Fraction(int(v), 3), otypes=[object])(
+            rng.integers(-5, 6, s))
     La, Ra, Da, Lb, Rb, Db = q(2, 4), q(2, 4), q(2, 2), q(3, 4), q(3, 4), q(2, 3)
     a = Bilinear(La[:, 1:], Ra[:, 1:], Da, La[:, 0], Ra[:, 0])
     b = Bilinear(Lb[:, 1:], Rb[:, 1:], Db, Lb[:, 0], Rb[:, 0])
-    M = lambda x: sp.Matrix(x.tolist())
+    def M(x):
+        return sp.Matrix(x.tolist())
     closed = S.gram_closed_form(M(La), M(Ra), M(Da), M(Lb), M(Rb), M(Db))
     assert Fraction(int(sp.numer(closed)), int(sp.denom(closed))) == gaussian_inner_exact(a, b)
 

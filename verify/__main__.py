@@ -51,7 +51,7 @@ def main(argv=None) -> int:
                    "config": {"quick": args.quick, "only": args.only},
                    "seconds": total, "passed": n_fail == 0,
                    "results": [r.to_dict() for r in results]}
-        from tensoralg.io import atomic_write_json  # noqa: import here: optional dependency
+        from tensoralg.io import atomic_write_json  # imported here: an optional dependency
 
         try:
             atomic_write_json(args.json, payload)

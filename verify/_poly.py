@@ -14,12 +14,12 @@ standard normal).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fractions import Fraction
 from math import comb, lcm
-from typing import Dict, Iterable, List, Tuple
 
-Monomial = Tuple[int, ...]
-Poly = Dict[Monomial, Fraction]
+Monomial = tuple[int, ...]
+Poly = dict[Monomial, Fraction]
 
 __all__ = ["Poly", "ExpansionTooLarge", "Budget", "constant", "variable", "add_scaled", "mul",
            "linear_combination", "gaussian_moment", "expectation", "gaussian_inner", "dense_monomial_count"]
@@ -75,14 +75,14 @@ def add_scaled(acc: Poly, p: Poly, c: Fraction) -> None:
             acc.pop(m, None)
 
 
-def _integer_form(p: Poly) -> Tuple[Dict[Monomial, int], int]:
+def _integer_form(p: Poly) -> tuple[dict[Monomial, int], int]:
     """``p = P / den`` with integer coefficients ``P`` (exact; makes the inner loops run on
     Python ints instead of Fractions)."""
     den = lcm(*(v.denominator for v in p.values())) if p else 1
     return {m: v.numerator * (den // v.denominator) for m, v in p.items()}, den
 
 
-def linear_combination(terms: Iterable[Tuple[Fraction, Poly]], const=0,
+def linear_combination(terms: Iterable[tuple[Fraction, Poly]], const=0,
                        d: int | None = None) -> Poly:
     """``const + sum_k c_k p_k`` exactly, accumulated on integers over a common denominator."""
     items = []
@@ -93,7 +93,7 @@ def linear_combination(terms: Iterable[Tuple[Fraction, Poly]], const=0,
             items.append((c.numerator, c.denominator * dp, P))
     const = Fraction(const)
     den = lcm(const.denominator, *(dd for _, dd, _ in items))
-    acc: Dict[Monomial, int] = {}
+    acc: dict[Monomial, int] = {}
     get = acc.get
     for cn, dd, P in items:
         f = cn * (den // dd)
@@ -139,7 +139,7 @@ def mul(p: Poly, q: Poly, budget: Budget | None = None) -> Poly:
     Q, dq = _integer_form(q)
     Pk = [(_pack(m, bits), v) for m, v in P.items()]
     Qk = [(_pack(m, bits), v) for m, v in Q.items()]
-    acc: Dict[int, int] = {}
+    acc: dict[int, int] = {}
     get = acc.get
     for a, u in Pk:
         for b, v in Qk:
@@ -149,7 +149,7 @@ def mul(p: Poly, q: Poly, budget: Budget | None = None) -> Poly:
     return {_unpack(k, bits, d): Fraction(v, den) for k, v in acc.items() if v}
 
 
-_DF: List[int] = [1, 1]  # _DF[k] = k!! ; E[x^k] = (k-1)!! for even k
+_DF: list[int] = [1, 1]  # _DF[k] = k!! ; E[x^k] = (k-1)!! for even k
 
 
 def _double_factorial(k: int) -> int:
@@ -189,14 +189,14 @@ def gaussian_inner(p: Poly, q: Poly, budget: Budget | None = None) -> Fraction:
     odd = _pack((1,) * d, bits)  # lowest bit of every field: the parity pattern
     P, dp = _integer_form(p)
     Q, dq = _integer_form(q)
-    buckets: Dict[int, List[Tuple[int, int]]] = {}
+    buckets: dict[int, list[tuple[int, int]]] = {}
     for m, v in Q.items():
         k = _pack(m, bits)
         buckets.setdefault(k & odd, []).append((k, v))
     Pk = [(_pack(m, bits), u) for m, u in P.items()]
     if budget is not None:
         budget.charge(sum(len(buckets.get(a & odd, ())) for a, _ in Pk))
-    moments: Dict[int, int] = {}
+    moments: dict[int, int] = {}
     total = 0
     for a, u in Pk:
         acc = 0

@@ -24,17 +24,25 @@ Sizes: meant for ``n_ctx <= 3``, ``d <= 3`` (a degree-10 product in up to 9 vari
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, List
+from typing import Any
 
 import numpy as np
 
-from ._poly import Budget, ExpansionTooLarge, Poly, add_scaled, gaussian_inner, linear_combination, \
-    mul, variable
+from ._poly import (
+    Budget,
+    ExpansionTooLarge,
+    Poly,
+    add_scaled,
+    gaussian_inner,
+    linear_combination,
+    mul,
+    variable,
+)
 from .certify import DEFAULT_MAX_WORK, _frac, _fracs, _network
 
 __all__ = ["expand_sequence", "sequence_inner_exact"]
 
-Seq = List[List[Poly]]  # [position][feature] -> polynomial
+Seq = list[list[Poly]]  # [position][feature] -> polynomial
 
 
 def _combine(W, b, polys, nvar, budget):

@@ -26,12 +26,21 @@ import math
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
-from ._poly import (Budget, ExpansionTooLarge, Poly, add_scaled, dense_monomial_count,
-                    gaussian_inner, linear_combination, mul, variable)
+from ._poly import (
+    Budget,
+    ExpansionTooLarge,
+    Poly,
+    add_scaled,
+    dense_monomial_count,
+    gaussian_inner,
+    linear_combination,
+    mul,
+    variable,
+)
 
 __all__ = ["certify", "Certificate", "expand", "gaussian_inner_exact", "ExpansionTooLarge",
            "DEFAULT_MAX_MONOMIALS", "DEFAULT_MAX_WORK"]
@@ -51,7 +60,7 @@ def _frac(v: Any) -> Fraction:
     return Fraction(f)  # exact binary value of the float
 
 
-def _fracs(a: Optional[np.ndarray]) -> Optional[List]:
+def _fracs(a: np.ndarray | None) -> list | None:
     if a is None:
         return None
     arr = np.asarray(a, dtype=object)
@@ -94,7 +103,7 @@ def _degree_and_check(layer, d: int, deg_in: int, name: str, max_monomials: int)
     return deg
 
 
-def _expand(layer, inputs: List[Poly], d: int, budget: Budget) -> List[Poly]:
+def _expand(layer, inputs: list[Poly], d: int, budget: Budget) -> list[Poly]:
     from tensoralg.layers import Bilinear, Linear, Residual, Sequential
 
     if isinstance(layer, Sequential):
@@ -124,7 +133,7 @@ def _expand(layer, inputs: List[Poly], d: int, budget: Budget) -> List[Poly]:
 
 
 def expand(net: Any, *, max_monomials: int = DEFAULT_MAX_MONOMIALS,
-           max_work: int = DEFAULT_MAX_WORK, name: str = "net") -> List[Poly]:
+           max_work: int = DEFAULT_MAX_WORK, name: str = "net") -> list[Poly]:
     """Expand a network into exact polynomials, one per output coordinate.
 
     Args:
@@ -148,7 +157,7 @@ def expand(net: Any, *, max_monomials: int = DEFAULT_MAX_MONOMIALS,
     return _expand(net, [variable(i, d) for i in range(d)], d, budget)
 
 
-def _check_pair(a, b) -> Tuple[Any, Any]:
+def _check_pair(a, b) -> tuple[Any, Any]:
     a, b = _network(a, "a"), _network(b, "b")
     if a.in_features != b.in_features:
         raise ValueError(f"a and b must read the same input: a has in_features={a.in_features}, "
@@ -159,7 +168,7 @@ def _check_pair(a, b) -> Tuple[Any, Any]:
     return a, b
 
 
-def _select_output(polys: List[Poly], output: Any, n_out: int) -> List[Poly]:
+def _select_output(polys: list[Poly], output: Any, n_out: int) -> list[Poly]:
     """The polynomials for one output slice (see :func:`gaussian_inner_exact`)."""
     if output is None or (isinstance(output, str) and output == "each"):
         return polys
@@ -230,8 +239,8 @@ class Certificate:
     inner: Fraction
     norm2_a: Fraction
     norm2_b: Fraction
-    similarity: Optional[float]
-    witness: Optional[tuple]
+    similarity: float | None
+    witness: tuple | None
     d: int
     n_outputs: int
     n_monomials_a: int
@@ -285,7 +294,7 @@ def certify(a: Any, b: Any, *, max_monomials: int = DEFAULT_MAX_MONOMIALS,
     pa = expand(a, max_monomials=max_monomials, max_work=max_work, name="a")
     pb = expand(b, max_monomials=max_monomials, max_work=max_work, name="b")
     budget = Budget(max_work, "certificate")
-    diff: List[Poly] = []
+    diff: list[Poly] = []
     witness = None
     for o, (p, q) in enumerate(zip(pa, pb)):
         r = dict(p)

@@ -19,14 +19,14 @@ inner products, Gram matrices, chaos extraction or tensor networks:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import product
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from ._poly import Budget, Poly, add_scaled, gaussian_inner
-from .certify import (DEFAULT_MAX_MONOMIALS, DEFAULT_MAX_WORK, _network, _select_output,
-                      expand)
+from .certify import DEFAULT_MAX_MONOMIALS, DEFAULT_MAX_WORK, _network, _select_output, expand
 
 __all__ = ["check_decomposition_exact", "ExactDecompositionCheck", "hermite_expansion",
            "chaos_coefficients"]
@@ -44,8 +44,8 @@ class ExactDecompositionCheck:
 
     equal: bool
     residual: Fraction
-    residual_frobenius: Optional[Fraction]
-    gram: List[List[Fraction]]
+    residual_frobenius: Fraction | None
+    gram: list[list[Fraction]]
 
 
 def _frobenius(p: Poly, q: Poly, n: int) -> Fraction:
@@ -108,7 +108,7 @@ def check_decomposition_exact(model: Any, components: Sequence[Any], *, output: 
     return ExactDecompositionCheck(equal, residual, res_f, gram)
 
 
-def _power_in_hermite(n: int) -> Dict[int, Fraction]:
+def _power_in_hermite(n: int) -> dict[int, Fraction]:
     """``x^n = sum_j n! / (j! (n-2j)! 2^j) He_{n-2j}(x)`` (probabilists' Hermite)."""
     return {n - 2 * j: Fraction(math.factorial(n),
                                 math.factorial(j) * math.factorial(n - 2 * j) * 2 ** j)

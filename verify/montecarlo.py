@@ -40,8 +40,9 @@ Nothing here calls tensoralg's inner products; exact reference values default to
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -107,14 +108,14 @@ class ConvergenceReport:
         exact: the reference value; ``repeats``; ``method``.
     """
 
-    sample_sizes: List[int]
-    rms_error: List[float]
-    mean_stderr: List[float]
+    sample_sizes: list[int]
+    rms_error: list[float]
+    mean_stderr: list[float]
     slope: float
     exact: float
     repeats: int
     method: str = "plain"
-    estimates: List[List[float]] = field(default_factory=list, repr=False)
+    estimates: list[list[float]] = field(default_factory=list, repr=False)
 
     def table(self) -> str:
         lines = [f"{'n':>9}  {'rms error':>11}  {'mean stderr':>11}  {'err*sqrt(n)':>11}"]
@@ -204,7 +205,7 @@ def _radial_samples(fa, fb, n: int, rng: np.random.Generator, batch_size: int,
 def _hermite_controls(x: np.ndarray, antithetic: bool) -> np.ndarray:
     """Features of known mean zero under N(0, I): x_i, x_i x_j (i<j), x_i^2 - 1.
     Under antithetic pairing the odd features average to 0 exactly and are dropped."""
-    n, d = x.shape
+    _n, d = x.shape
     feats = [] if antithetic else [x]
     feats.append(x ** 2 - 1)
     if d <= 30:
@@ -236,7 +237,7 @@ def _control_variate(g: np.ndarray, x: np.ndarray, antithetic: bool):
 
 def estimate_inner(a: Any, b: Any = None, n_samples: int = 100_000, seed: int = 0, *,
                    antithetic: bool = False, control_variate: bool = False,
-                   radial: Optional[bool] = None, batch_size: int = 65_536) -> MCEstimate:
+                   radial: bool | None = None, batch_size: int = 65_536) -> MCEstimate:
     """Monte Carlo estimate (approximate) of ``<a, b>_G = sum_o E[f_a(x)_o f_b(x)_o]``.
 
     Args:
@@ -279,7 +280,7 @@ def estimate_inner(a: Any, b: Any = None, n_samples: int = 100_000, seed: int = 
 
 
 def estimate_similarity(a: Any, b: Any, n_samples: int = 100_000, seed: int = 0, *,
-                        antithetic: bool = False, radial: Optional[bool] = None,
+                        antithetic: bool = False, radial: bool | None = None,
                         batch_size: int = 65_536) -> MCEstimate:
     """Monte Carlo estimate (approximate) of ``sim(a,b) = <a,b> / sqrt(<a,a><b,b>)``.
 
@@ -312,7 +313,7 @@ def estimate_similarity(a: Any, b: Any, n_samples: int = 100_000, seed: int = 0,
                       "radial" if radial else ("antithetic" if antithetic else "plain"))
 
 
-def _radial_choice(radial: Optional[bool], plain_option: bool) -> bool:
+def _radial_choice(radial: bool | None, plain_option: bool) -> bool:
     if radial is None:
         return not plain_option
     if radial and plain_option:
@@ -378,7 +379,7 @@ def convergence(a: Any, b: Any = None, exact: Any = None,
     return ConvergenceReport(sizes, rms, mse, slope, exact, repeats, method, all_est)
 
 
-def plot_convergence(report: ConvergenceReport, ax=None, label: Optional[str] = None):
+def plot_convergence(report: ConvergenceReport, ax=None, label: str | None = None):
     """Log-log plot of RMS error and mean standard error against ``n`` with a ``c/sqrt(n)``
     reference line through the first point.  Returns the matplotlib ``Axes``."""
     if not isinstance(report, ConvergenceReport):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class PlantedModel:
 
     network: Any
     direction: np.ndarray
-    n_ctx: Optional[int]
+    n_ctx: int | None
     scale: float
 
     def slice(self):

@@ -61,8 +61,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.polynomial.hermite_e import hermegauss
@@ -140,8 +141,8 @@ class GaussianSlice:
         return (self.offset.reshape(-1)[None, :] + y @ flat).reshape((-1,) + self.input_shape)
 
     @classmethod
-    def from_basis(cls, basis: Any, *, d: int, n_ctx: Optional[int] = None,
-                   positions: Optional[Sequence[int]] = None) -> "GaussianSlice":
+    def from_basis(cls, basis: Any, *, d: int, n_ctx: int | None = None,
+                   positions: Sequence[int] | None = None) -> GaussianSlice:
         """An orthonormal linear slice.
 
         Args:
@@ -201,7 +202,7 @@ class GaussianSlice:
         return cls(np.stack(rows), np.zeros((n_ctx, d)), True)
 
     @classmethod
-    def affine(cls, directions: Any, offset: Any = None) -> "GaussianSlice":
+    def affine(cls, directions: Any, offset: Any = None) -> GaussianSlice:
         """A general affine slice ``X = offset + sum_i Y_i directions[i]`` (no orthonormality
         asked): the input distribution is then ``N(offset, sum_i B_i B_i^T)``.
 
@@ -275,7 +276,7 @@ class _Setup:
     m: int
     nodes: np.ndarray
     weights: np.ndarray
-    position: Optional[int]
+    position: int | None
     output: Any
     batch_size: int
     n_points: int
@@ -286,7 +287,7 @@ def _setup(nets: Sequence[Any], basis: Any, n_ctx, positions, degree, output, po
     """Validate everything (networks, slice, degree, output, cost) before any evaluation."""
     nets = tuple(_network(n, name) for n, name in zip(nets, ("a", "b")))
     d, d_out = nets[0].in_features, nets[0].out_features
-    for n, name in zip(nets[1:], ("b",)):
+    for n, _name in zip(nets[1:], ("b",)):
         if n.in_features != d or n.out_features != d_out:
             raise ValueError(f"a and b must have the same input and output sizes: a is {d} -> "
                              f"{d_out}, b is {n.in_features} -> {n.out_features}")
@@ -338,7 +339,7 @@ def _setup(nets: Sequence[Any], basis: Any, n_ctx, positions, degree, output, po
             if not 0 <= output < d_out:
                 raise ValueError(f"output: index {output} out of range for {d_out} outputs")
             output = int(output)
-        elif isinstance(output, str) or isinstance(output, bool):
+        elif isinstance(output, (str, bool)):
             raise ValueError(f"output: expected None, an int or a vector of shape ({d_out},), "
                              f"got {output!r}")
         else:
@@ -352,7 +353,7 @@ def _setup(nets: Sequence[Any], basis: Any, n_ctx, positions, degree, output, po
         K = structural
     else:
         K = _positive_int(degree, "degree", 0)
-        if K < structural:
+        if structural > K:
             raise ValueError(f"degree: {K} is below the networks' structural degree "
                              f"{structural}; m = degree + 1 nodes would not be exact")
     m = K + 1
@@ -485,10 +486,10 @@ class ChaosProfile:
 
     cross: np.ndarray
     norms_a: np.ndarray
-    norms_b: Optional[np.ndarray]
+    norms_b: np.ndarray | None
     total: float
     total_a: float
-    total_b: Optional[float]
+    total_b: float | None
     above_degree: float
     degree: int
     nodes: int
@@ -536,11 +537,11 @@ _ARGS_DOC = """
 """
 
 
-def quadrature_inner(a: Any, b: Any, basis: Any, *, n_ctx: Optional[int] = None,
-                     positions: Optional[Sequence[int]] = None, degree: Optional[int] = None,
-                     output: Any = None, position: Optional[int] = None,
+def quadrature_inner(a: Any, b: Any, basis: Any, *, n_ctx: int | None = None,
+                     positions: Sequence[int] | None = None, degree: int | None = None,
+                     output: Any = None, position: int | None = None,
                      max_points: int = MAX_POINTS,
-                     batch_size: Optional[int] = None) -> QuadratureInner:
+                     batch_size: int | None = None) -> QuadratureInner:
     s = _setup((a,) if b is None else (a, b), basis, n_ctx, positions, degree, output,
                position, max_points, batch_size)
     sums, absums = _sums(s)
@@ -562,11 +563,11 @@ quadrature_inner.__doc__ = """Exact ``<g_a, g_b> = sum_t sum_o E_Y[g_a(Y)[t,o] g
 """
 
 
-def quadrature_similarity(a: Any, b: Any, basis: Any, *, n_ctx: Optional[int] = None,
-                          positions: Optional[Sequence[int]] = None,
-                          degree: Optional[int] = None, output: Any = None,
-                          position: Optional[int] = None, max_points: int = MAX_POINTS,
-                          batch_size: Optional[int] = None) -> QuadratureSimilarity:
+def quadrature_similarity(a: Any, b: Any, basis: Any, *, n_ctx: int | None = None,
+                          positions: Sequence[int] | None = None,
+                          degree: int | None = None, output: Any = None,
+                          position: int | None = None, max_points: int = MAX_POINTS,
+                          batch_size: int | None = None) -> QuadratureSimilarity:
     s = _setup((a, b), basis, n_ctx, positions, degree, output, position, max_points,
                batch_size)
     sums, _ = _sums(s)
@@ -603,11 +604,11 @@ def _packed_orders(m: int, n: int, K: int):
     return keep, orders, prefix
 
 
-def chaos_profile(a: Any, b: Any = None, basis: Any = None, *, n_ctx: Optional[int] = None,
-                  positions: Optional[Sequence[int]] = None, degree: Optional[int] = None,
-                  output: Any = None, position: Optional[int] = None,
+def chaos_profile(a: Any, b: Any = None, basis: Any = None, *, n_ctx: int | None = None,
+                  positions: Sequence[int] | None = None, degree: int | None = None,
+                  output: Any = None, position: int | None = None,
                   max_points: int = MAX_POINTS, max_memory: float = MAX_MEMORY,
-                  batch_size: Optional[int] = None) -> ChaosProfile:
+                  batch_size: int | None = None) -> ChaosProfile:
     if basis is None:
         raise ValueError("basis: chaos_profile needs a slice (an orthonormal basis or a "
                          "GaussianSlice)")

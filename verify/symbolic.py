@@ -25,9 +25,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from functools import lru_cache
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from functools import cache
 
 import sympy as sp
 
@@ -54,7 +54,7 @@ class ProofResult:
     """
 
     name: str
-    sizes: Dict[str, int]
+    sizes: dict[str, int]
     passed: bool
     seconds: float
     checked: int = 0
@@ -77,7 +77,7 @@ class _Timer:
 # matchings (enumerated from the definition; independent of tensoralg.wick)
 # ----------------------------------------------------------------------------------------
 
-def perfect_matchings(items: Sequence) -> Iterator[List[Tuple]]:
+def perfect_matchings(items: Sequence) -> Iterator[list[tuple]]:
     """All perfect matchings of ``items`` (lists of pairs); none when ``len(items)`` is odd.
 
     There are ``(n - 1)!!`` of them for even ``n``.
@@ -95,7 +95,7 @@ def perfect_matchings(items: Sequence) -> Iterator[List[Tuple]]:
             yield [pair] + m
 
 
-def partial_matchings(items: Sequence) -> Iterator[Tuple[List[Tuple], List]]:
+def partial_matchings(items: Sequence) -> Iterator[tuple[list[tuple], list]]:
     """All partial matchings of ``items`` as ``(pairs, singletons)``.
 
     Their number is the telephone number ``T(n)``: 1, 1, 2, 4, 10, 26, 76, ...
@@ -119,7 +119,7 @@ def partial_matchings(items: Sequence) -> Iterator[Tuple[List[Tuple], List]]:
 _t = sp.Symbol("t", real=True)
 
 
-@lru_cache(maxsize=None)
+@cache
 def gaussian_moment_1d(k: int) -> sp.Expr:
     """``E[t^k]`` for ``t ~ N(0, 1)`` by ``sympy.integrate`` of ``t^k exp(-t^2/2)/sqrt(2 pi)``."""
     val = sp.integrate(_t ** k * sp.exp(-_t ** 2 / 2), (_t, -sp.oo, sp.oo)) / sp.sqrt(2 * sp.pi)
@@ -185,7 +185,7 @@ def prove_polarization(n: int = 3, d: int = 2) -> ProofResult:
             fail = fail or "(a) p_T != p_SymT"
         # (b) polarization formula at sums of signed basis vectors
         P = sp.Poly(pT, *xs)
-        cache: Dict[Tuple[int, ...], sp.Expr] = {}
+        cache: dict[tuple[int, ...], sp.Expr] = {}
 
         def p_at(v):
             if v not in cache:
@@ -340,7 +340,7 @@ def prove_noncentred_isserlis(max_order: int = 4, d: int = 2) -> ProofResult:
                        tm.seconds, checked, fail or "pairs by Sigma, singletons by mu")
 
 
-def one_plus_x_squared_values() -> Dict[str, sp.Expr]:
+def one_plus_x_squared_values() -> dict[str, sp.Expr]:
     """``f(x) = (1 + x)^2``, ``x ~ N(0, 1)``: ``E[f^2]`` by integration, by the partial-matching
     rule (P bridges, e0 caps) and by the naive perfect-matching rule (bridge ``I``) on the four
     legs of ``f^2 = prod_{k=1..4} (v . x~)``, ``v = (1, 1)``."""
@@ -408,7 +408,7 @@ def gram_closed_form(La, Ra, Da, Lb, Rb, Db) -> sp.Expr:
 
 
 def prove_gram_closed_form(d: int = 2, hidden_a: int = 2, hidden_b: int = 1, out: int = 1,
-                           closed_form: Callable = None) -> ProofResult:
+                           closed_form: Callable | None = None) -> ProofResult:
     """The single-layer Gram closed form of docs/mathematics.md §3.1 with fully symbolic ``L, R, D`` of both
     layers equals ``sum_o E[f_a(x)_o f_b(x)_o]`` computed by Gaussian integration.
 
@@ -525,11 +525,11 @@ def prove_bond_gauge(d: int = 1, bond: int = 2, hidden1: int = 2, hidden2: int =
 # driver
 # ----------------------------------------------------------------------------------------
 
-def _suite(quick: bool) -> List[Tuple[str, Callable[[], ProofResult]]]:
+def _suite(quick: bool) -> list[tuple[str, Callable[[], ProofResult]]]:
     pol = [(n, d) for n in range(1, 5) for d in range(1, 4)]
     if quick:
         pol = [(2, 3), (3, 2), (4, 2)]
-    suite: List[Tuple[str, Callable[[], ProofResult]]] = [
+    suite: list[tuple[str, Callable[[], ProofResult]]] = [
         (f"polarization n={n} d={d}", (lambda n=n, d=d: prove_polarization(n, d))) for n, d in pol]
     suite += [
         ("isserlis", lambda: prove_isserlis(4 if quick else 6, 2 if quick else 3)),
@@ -553,7 +553,7 @@ def _suite(quick: bool) -> List[Tuple[str, Callable[[], ProofResult]]]:
 
 
 def run_all(quick: bool = False, only: str | None = None,
-            progress: Callable[[ProofResult], None] | None = None) -> List[ProofResult]:
+            progress: Callable[[ProofResult], None] | None = None) -> list[ProofResult]:
     """Run every proof at the default small sizes (``quick``: smaller sizes, under a minute).
 
     ``only``: run the checks whose label contains this substring.  A check that raises is

@@ -103,8 +103,8 @@ def check_paths(args, default_out: str | None = None) -> Path | None:
 
 
 def run(args, name: str, fn):
-    """``fn()``'s result, or an exit code (int) with the failures of a long run turned into one line: an over-budget exact
-    method (reworded with the CLI options, exit 2), diverged training (exit 1), Ctrl-C (exit
+    """``fn()``'s result, or an exit code (int) with the failures of a long run turned into one
+    line: an over-budget exact method (reworded with the CLI options, exit 2), diverged training (exit 1), Ctrl-C (exit
     130; output folders are only ever replaced by complete runs, so nothing is half-written)."""
     from ..errors import CostTooHigh, TrainingDiverged
 

@@ -24,8 +24,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .common import (MC_SAMPLES, PATHS_NOTE, format_table, gap_finding, pair_similarity, pm,
-                     progress, run_staged, stamp, write_csv, write_json, method_label)
+from .common import (
+    MC_SAMPLES,
+    PATHS_NOTE,
+    format_table,
+    gap_finding,
+    method_label,
+    pair_similarity,
+    pm,
+    progress,
+    run_staged,
+    stamp,
+    write_csv,
+    write_json,
+)
 
 JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
@@ -54,7 +66,7 @@ class BackdoorConfig:
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
 
     @classmethod
-    def quick(cls, **kw) -> "BackdoorConfig":
+    def quick(cls, **kw) -> BackdoorConfig:
         """The test / demo size (about 10 s on one CPU thread)."""
         base = dict(steps=500, finetune_steps=300)
         base.update(kw)

@@ -20,8 +20,17 @@ import sys
 import time
 
 from ..threads import add_threads_option, nonneg_int
-from ._cliutil import (apply_threads, check_checkpoints, check_n_samples_used, check_paths,
-                       fraction, mc_samples, positive_int, report, run)
+from ._cliutil import (
+    apply_threads,
+    check_checkpoints,
+    check_n_samples_used,
+    check_paths,
+    fraction,
+    mc_samples,
+    positive_int,
+    report,
+    run,
+)
 from .common import METHODS
 
 

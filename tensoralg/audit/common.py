@@ -11,8 +11,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -545,7 +546,7 @@ def pm(value: float, stderr: float | None, reliable: bool | None = None) -> Any:
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain-text table (floats to 4 decimals)."""
-    cells = [[h for h in header]] + [[(f"{v:.4f}" if isinstance(v, float) else str(v))
+    cells = [list(header)] + [[(f"{v:.4f}" if isinstance(v, float) else str(v))
                                       for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]

@@ -18,15 +18,31 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from .common import (CLOSURE_LABEL, MC_SAMPLES, check_file_writable, choose_method,
-                     format_table, matrix_record, matrix_uncertainty, mc_entries, method_label,
-                     pm, progress, shown_matrix, similarity_matrix, staged_output, stamp,
-                     write_csv, write_json, write_json_copy)
+from .common import (
+    CLOSURE_LABEL,
+    MC_SAMPLES,
+    check_file_writable,
+    choose_method,
+    format_table,
+    matrix_record,
+    matrix_uncertainty,
+    mc_entries,
+    method_label,
+    pm,
+    progress,
+    shown_matrix,
+    similarity_matrix,
+    staged_output,
+    stamp,
+    write_csv,
+    write_json,
+    write_json_copy,
+)
 
 # The Frobenius metric is a closed form of the weights (symmetrised coefficient tensors):
 # only the exact method computes it; closure and Monte Carlo are Gaussian-metric methods.

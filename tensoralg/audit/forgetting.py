@@ -21,10 +21,25 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_record, matrix_uncertainty,
-                     mc_entries, method_label, pair_similarity, pm, progress, run_staged,
-                     shown_matrix, similarity_matrix, stamp, unreliable_slices, write_csv,
-                     write_json)
+from .common import (
+    MC_SAMPLES,
+    PATHS_NOTE,
+    format_table,
+    matrix_record,
+    matrix_uncertainty,
+    mc_entries,
+    method_label,
+    pair_similarity,
+    pm,
+    progress,
+    run_staged,
+    shown_matrix,
+    similarity_matrix,
+    stamp,
+    unreliable_slices,
+    write_csv,
+    write_json,
+)
 
 JSON_NAME = "forgetting.json"
 CSV_NAME = "forgetting.csv"
@@ -51,7 +66,7 @@ class ForgettingConfig:
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
 
     @classmethod
-    def quick(cls, **kw) -> "ForgettingConfig":
+    def quick(cls, **kw) -> ForgettingConfig:
         base = dict(stage_steps=150)
         base.update(kw)
         return cls(**base)

@@ -22,9 +22,23 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (MC_SAMPLES, PATHS_NOTE, format_table, matrix_record, matrix_uncertainty,
-                     mc_entries, method_label, pm, progress, run_staged, shown_matrix,
-                     similarity_matrix, stamp, write_csv, write_json)
+from .common import (
+    MC_SAMPLES,
+    PATHS_NOTE,
+    format_table,
+    matrix_record,
+    matrix_uncertainty,
+    mc_entries,
+    method_label,
+    pm,
+    progress,
+    run_staged,
+    shown_matrix,
+    similarity_matrix,
+    stamp,
+    write_csv,
+    write_json,
+)
 
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
@@ -65,7 +79,7 @@ class GrokkingConfig:
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
 
     @classmethod
-    def quick(cls, **kw) -> "GrokkingConfig":
+    def quick(cls, **kw) -> GrokkingConfig:
         # Chosen by a sweep (issue 12; one thread, a loaded 2-core machine). Seeds 0-4:
         # training accuracy >= 0.99 at step 45 with validation at 0.01-0.05 (chance 1/31 =
         # 0.032), validation >= 0.95 at steps 225-370, final validation 0.98-1.00. The model's

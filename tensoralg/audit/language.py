@@ -49,19 +49,39 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from .common import (
+    PATHS_NOTE,
+    check_file_writable,
+    check_output_folder,
+    format_table,
+    progress,
+    staged_output,
+    stamp,
+    write_csv,
+    write_json,
+    write_json_copy,
+)
 from .grokking import log_schedule  # the same log-spaced checkpoint steps
-from .common import (PATHS_NOTE, format_table, progress, write_csv, write_json,
-                     check_output_folder, check_file_writable, staged_output, stamp,
-                     write_json_copy)
-from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, N_TRANSITIONS, NGRAM_FIG,  # noqa: F401
-                              NGRAM_DEFINITION, ORDERS, PAIRS_CSV, _spearman,
-                              consecutive_change, transitions_finding)
+from .language_common import (  # noqa: F401
+    CSV_NAME,
+    JSON_NAME,
+    MATRIX_FIG,
+    N_TRANSITIONS,
+    NGRAM_DEFINITION,
+    NGRAM_FIG,
+    ORDERS,
+    PAIRS_CSV,
+    _spearman,
+    consecutive_change,
+    transitions_finding,
+)
 
 METHODS = ("auto", "exact", "closure", "montecarlo", "degree")
 # |z| beyond which the Monte Carlo check reports a disagreement: a Gaussian is beyond 4 with
@@ -112,7 +132,7 @@ class LanguageConfig:
     seed: int = 0
 
     @classmethod
-    def quick(cls, **kw) -> "LanguageConfig":
+    def quick(cls, **kw) -> LanguageConfig:
         base = dict(n_chars=60_000, steps=500, checkpoints=10, eval_windows=128, mc_pairs=2,
                     mc_samples=4000, mc_matrix_samples=1200, deep_pairs=1, degree_samples=300,
                     guided_samples=1000)
@@ -239,6 +259,7 @@ def train_language_model(model, train_tokens: np.ndarray, cfg: LanguageConfig, s
         TrainingDiverged: a NaN/inf loss or weight.
     """
     import torch
+
     from ..nn import TrainingDiverged
 
     toks = torch.as_tensor(np.asarray(train_tokens, dtype=np.int64))
@@ -248,7 +269,7 @@ def train_language_model(model, train_tokens: np.ndarray, cfg: LanguageConfig, s
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     offs = torch.arange(n_ctx + 1)
-    save = set(int(s) for s in save_at)
+    save = {int(s) for s in save_at}
     hist = {"step": [], "loss": []}
     last = float("nan")
     if 0 in save:
@@ -413,9 +434,11 @@ def sequence_similarity_matrix(nets: Sequence[Any], method: str, n_ctx: int,
 def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
     lines = []
     ts = fin["metrics"]["tensor similarity"]
+    fastest = "ngram_orders_fastest_within_1_interval"
     tr = ", ".join(f"steps {t['steps'][0]}->{t['steps'][1]} (1-S = {t['change']:.3g}"
-                   + (f"; fastest {'/'.join(str(n) for n in t['ngram_orders_fastest_within_1_interval'])}-gram learning within one interval)"
-                      if t["ngram_orders_fastest_within_1_interval"] else "; no n-gram order learns fastest there)")
+                   + (f"; fastest {'/'.join(str(n) for n in t[fastest])}-gram learning within one "
+                      f"interval)"
+                      if t[fastest] else "; no n-gram order learns fastest there)")
                    for t in ts["sharpest"])
     label = METHOD_LABELS.get(method, method)
     lines.append(f"sharpest tensor-similarity ({label}) transitions: "
@@ -429,7 +452,8 @@ def finding_text(fin: dict, method: str, ngram_final: dict) -> list[str]:
         f"{_shown(k, method)} {fmt(v['spearman_with_ngram_change'])}"
         for k, v in fin["metrics"].items()))
     lines.append("sharpest/median consecutive change: " + ", ".join(
-        f"{_shown(k, method)} {('n/a' if v['sharpness_max_over_median'] is None else format(v['sharpness_max_over_median'], '.1f'))}"
+        f"{_shown(k, method)} "
+        f"{'n/a' if v['sharpness_max_over_median'] is None else format(v['sharpness_max_over_median'], '.1f')}"
         for k, v in fin["metrics"].items()))
     n_al, n_same, k = (ts["n_sharpest_aligned_with_ngram"],
                        ts["n_sharpest_same_interval_as_ngram"], len(ts["sharpest"]))
@@ -721,7 +745,7 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
            if closure_S is not None else {}),
         "checkpoints": [{"name": names[i], "step": steps[i], "path": f"checkpoints/{names[i]}",
                          "train_loss": hist["loss"][i], **scores[i]} for i in range(N)],
-        "matrices": {k: v for k, v in mats.items()},
+        "matrices": dict(mats.items()),
         "montecarlo_check": mc,
         "montecarlo_check_summary": _mc_summary(mc, method),
         "transitions": fin,
@@ -814,8 +838,8 @@ def montecarlo_text(pairs: list, N: int, info: dict, with_closure: bool) -> list
 
 
 def _ngram_figure(path: Path, steps, agreement, fin, label: str = "exact") -> Path:
-    from .plotting import _plt
     from .common import save_figure
+    from .plotting import _plt
 
     plt = _plt()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)

@@ -4,7 +4,8 @@ transitions behind the finding (docs/language.md, "Transitions and the finding")
 
 from __future__ import annotations
 
-from typing import Sequence
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
     # common next characters, so their raw curves jump together early in training)
     orders = sorted(agreement)
     dX = {n: np.diff(np.asarray(agreement[n], float) - np.asarray(agreement[p], float))
-          for p, n in zip(orders, orders[1:])}
+          for p, n in itertools.pairwise(orders)}
     fastest_x = {n: int(np.argmax(v)) for n, v in dX.items()}
     # the k intervals of largest total n-gram change (do the sharpest transitions coincide?)
     top_ng = sorted(int(i) for i in np.argsort(-total, kind="stable")[:k])

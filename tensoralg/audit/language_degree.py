@@ -42,7 +42,8 @@ diagnostics call it unreliable is "no reliable estimate", never a number, outsid
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -383,8 +384,16 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
     import torch
 
     from .common import PATHS_NOTE, stamp, write_json
-    from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, NGRAM_DEFINITION,
-                                  NGRAM_FIG, ORDERS, PAIRS_CSV, transitions_finding)
+    from .language_common import (
+        CSV_NAME,
+        JSON_NAME,
+        MATRIX_FIG,
+        NGRAM_DEFINITION,
+        NGRAM_FIG,
+        ORDERS,
+        PAIRS_CSV,
+        transitions_finding,
+    )
     from .plotting import heatmaps
 
     times = c["times"]

@@ -24,16 +24,32 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from ._cliutil import (apply_threads, check_checkpoints, check_paths, local_workers, positive_int,
-                       report, run)
-from .common import (MC_SAMPLES, check_file_writable, check_folder_path, choose_method,
-                     format_table, matrix_uncertainty, method_label, stamp, write_csv,
-                     write_json)
+from ._cliutil import (
+    apply_threads,
+    check_checkpoints,
+    check_paths,
+    local_workers,
+    positive_int,
+    report,
+    run,
+)
+from .common import (
+    MC_SAMPLES,
+    check_file_writable,
+    check_folder_path,
+    choose_method,
+    format_table,
+    matrix_uncertainty,
+    method_label,
+    stamp,
+    write_csv,
+    write_json,
+)
 
 STORE = "blocks"
 BLOCK_OPTIONS = ("block_size", "resume", "scheduler", "workers")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
             continue
         ax.axhline(value, ls=styles[i % len(styles)], color=f"C{i + 2}", lw=1.2,
                    label=f"{name} = {value:.3f}")
-    lo = min([v for v in slices] + [v for v in baselines.values() if v is not None
+    lo = min(list(slices) + [v for v in baselines.values() if v is not None
                                     and not np.isnan(v)] + ([min(control)] if control else [])
              + ([global_similarity] if global_similarity is not None else []))
     ax.set_ylim(max(0.0, lo - 0.1), 1.01)

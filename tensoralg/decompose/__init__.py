@@ -25,10 +25,15 @@ degree-2 polynomial ``c + b.x + x^T A x`` straight off the lifted weights (never
 
 from ._common import bilinear_depth
 from .residual import PathDecomposition, path_similarity, paths
-from .spectral import (ChaosCoefficients, EigenDecomposition, as_bilinear_depth1,
-                       chaos_coefficients_depth1, eigen)
+from .spectral import (
+    ChaosCoefficients,
+    EigenDecomposition,
+    as_bilinear_depth1,
+    chaos_coefficients_depth1,
+    eigen,
+)
 from .sums import DecompositionCheck, check_decomposition, combine, difference
 
 __all__ = ["check_decomposition", "DecompositionCheck", "chaos_coefficients_depth1",
            "ChaosCoefficients", "eigen", "EigenDecomposition", "combine", "difference",
-           "paths", "PathDecomposition", "path_similarity", "bilinear_depth"]
+           "paths", "PathDecomposition", "path_similarity", "bilinear_depth", "as_bilinear_depth1"]

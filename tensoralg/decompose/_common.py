@@ -3,12 +3,13 @@ keys, size checks and the batched Gram matrix of networks of mixed architectures
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..canonical import _zeros  # noqa: F401  (used here and by the other decompose modules)
+from ..canonical import _zeros
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
 
 _DEPTH_HINT = ("eigen-components need a depth-1 network (at most one bilinear layer on any "

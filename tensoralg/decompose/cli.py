@@ -120,8 +120,8 @@ def table(result: dict) -> str:
                          e["similarity"][k] if defined else "undefined (f = 0)"])
         lines.append(format_table(["output", "||f||^2", "C0^2", "|C1|^2", "lambda_1", "lambda_2",
                                    f"rel. error (k={k})", f"similarity (k={k})"], rows))
-        lines.append(f"f = C0 + C1.x + sum_i lambda_i He2(v_i.x); keeping the top k components "
-                     f"costs exactly 2 sum_dropped lambda_i^2 (relative error above); "
+        lines.append("f = C0 + C1.x + sum_i lambda_i He2(v_i.x); keeping the top k components "
+                     "costs exactly 2 sum_dropped lambda_i^2 (relative error above); "
                      + (f"figure: output {result['drawn_output']}"
                         if result["drawn_output"] is not None
                         else "no figure (--k 0: no eigenvectors to draw)"))
@@ -138,8 +138,8 @@ def table(result: dict) -> str:
 
 
 def cmd_decompose(args) -> int:
-    from ..audit.common import staged_output, write_json
     from ..audit._cliutil import apply_threads, check_paths
+    from ..audit.common import staged_output, write_json
 
     for path, option in ((args.checkpoint, "CKPT"), (args.diff, "--diff")):
         if path is not None and not Path(path).is_dir():   # before torch is imported

@@ -14,6 +14,7 @@ from ..layers import Bilinear, Layer, Linear, Residual, Sequential
 from ._common import _arr, _eye, _gram_mixed, _vector_network, _zeros, bilinear_depth
 from .sums import DecompositionCheck, check_decomposition
 
+
 def _flat_layers(net: Layer) -> list[Layer]:
     if isinstance(net, Sequential):
         return [x for l in net.layers for x in _flat_layers(l)]

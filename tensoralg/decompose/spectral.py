@@ -11,8 +11,16 @@ from typing import Any
 import numpy as np
 
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential
-from ._common import (_DEPTH_HINT, _arr, _eye, _output_vector, _vector_network, _zeros,
-                      bilinear_depth)
+from ._common import (
+    _DEPTH_HINT,
+    _arr,
+    _eye,
+    _output_vector,
+    _vector_network,
+    _zeros,
+    bilinear_depth,
+)
+
 
 @dataclass
 class _Quad:

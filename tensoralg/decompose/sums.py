@@ -5,17 +5,29 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential
-from ..prepare import check_pair, check_sizes as _check_sizes
-from ._common import (_arr, _coef, _eye, _gram_mixed, _output_vector, _type_key,
-                      _vector_network, _zeros, bilinear_depth)
+from ..prepare import check_pair
+from ..prepare import check_sizes as _check_sizes
+from ._common import (
+    _arr,
+    _coef,
+    _eye,
+    _gram_mixed,
+    _output_vector,
+    _type_key,
+    _vector_network,
+    _zeros,
+    bilinear_depth,
+)
 from .spectral import as_bilinear_depth1
+
 
 def _blockdiag(mats: list[np.ndarray], exact: bool) -> np.ndarray:
     rows = sum(m.shape[0] for m in mats)

@@ -2,10 +2,11 @@
 
 Every random draw in :mod:`tensoralg.sae` goes through a private ``torch.Generator`` seeded by
 :func:`stream_seed`, which mixes the user's seed with a *stream name* (``"data"``, ``"init"``,
-``"batches"``, ``"b_dec"``, ``"resample"``, ``"resample_pool"``) through :class:`numpy.random.SeedSequence` (its hash-based entropy
-mixing, O'Neill's PCG seeding scheme). Two streams with the same user seed are therefore
-unrelated: ``make_synthetic(seed=s)`` and ``SparseAutoencoder(cfg, seed=s)`` no longer draw the
-same Gaussian matrix (which made an untrained SAE *be* the ground-truth dictionary).
+``"batches"``, ``"b_dec"``, ``"resample"``, ``"resample_pool"``) through
+:class:`numpy.random.SeedSequence` (its hash-based entropy mixing, O'Neill's PCG seeding scheme).
+Two streams with the same user seed are therefore unrelated: ``make_synthetic(seed=s)`` and
+``SparseAutoencoder(cfg, seed=s)`` no longer draw the same Gaussian matrix (which made an untrained
+SAE *be* the ground-truth dictionary).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ import torch
 from .. import io as tio
 from .._version import __version__
 from .models import SparseAutoencoder, rip_constants
-from .pursuit import omp
 from .presets import ABLATION, PRESETS, make_config
+from .pursuit import omp
 from .synthetic import make_synthetic
 from .training import TrainConfig, as_activations, check_variance, train_many
 
@@ -209,9 +209,16 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                 init = SparseAutoencoder(sae_cfg, seed=seed_i)
                 init.init_b_dec(x_train[:8192].to(init.W_dec.dtype))
                 zr = init.encode(x_eval.to(init.W_dec.dtype))
-                Dr.append(init.W_dec.detach().clone()); Zr.append(zr); fr.append(_fvu(x_eval, init.decode(zr)))
-            Ds.append(D); Zs.append(z); fvus.append(f); rips.append(rc["delta_max"]); ripm.append(rc["delta_mean"])
-            Zomp.append(zo); fomp.append(fo)
+                Dr.append(init.W_dec.detach().clone())
+                Zr.append(zr)
+                fr.append(_fvu(x_eval, init.decode(zr)))
+            Ds.append(D)
+            Zs.append(z)
+            fvus.append(f)
+            rips.append(rc["delta_max"])
+            ripm.append(rc["delta_mean"])
+            Zomp.append(zo)
+            fomp.append(fo)
             active = z != 0
             per_seed.append({"seed": seed_i, "fvu": f, "rip_delta": rc["delta_max"],
                              "l0": float(active.sum(1).double().mean()),
@@ -297,7 +304,7 @@ def _fmt(v) -> str:
 
 def format_table(r: dict) -> str:
     """Markdown table of a :func:`run_bench` result."""
-    names = [n for n in r["config"]["presets"]]
+    names = list(r["config"]["presets"])
     cols = ["fvu", "l0", "dead", "dcs", "code_iou", "code_l2", "gt_dcs", "gt_code_iou",
             "gt_code_l2", "rip_delta"]
     lines = ["| preset | " + " | ".join(cols) + " | omp gt_iou | omp iou | rand dcs | rand iou |",

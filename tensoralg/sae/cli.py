@@ -285,6 +285,7 @@ def _cmd_train(args) -> int:
         sae_cfg = make_config(preset, d_in, d_sae, k, **overrides)
     meta["preset"] = preset
     from dataclasses import replace
+
     from .presets import PRESETS, schedule
     if preset in PRESETS:   # the preset's training schedule (resampling, encoder phases), if any
         tcfg = replace(tcfg, **schedule(preset, tcfg.steps))
@@ -354,6 +355,7 @@ def _cmd_stability(args) -> int:
     import torch
 
     from verify.identifiability import compare, random_baseline
+
     from ..io import read_config
     from .models import rip_constants
     from .training import as_activations, load_sae
@@ -460,7 +462,7 @@ def _cmd_activations(args) -> int:
     if given:
         raise ValueError(f"{given[0]}: only for --source transformer (the MiniLM source takes "
                          f"--layer, --max-texts, --max-tokens, --batch-size)")
-    for flag, key, default in _MINILM_ONLY:
+    for _flag, key, default in _MINILM_ONLY:
         if getattr(args, key) is None:
             setattr(args, key, default)
     _check_json(args)
@@ -623,7 +625,8 @@ def add_parsers(sub) -> None:
     b = ss.add_parser("bench", help="train every preset with several seeds and report stability")
     b.add_argument("--quick", action="store_true",
                    help="small sizes, about a minute on CPU (default: the full sizes)")
-    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES, help="presets to train (default: the four ablation arms topk, abstopk, "
+    b.add_argument("--presets", nargs="+", choices=PRESET_NAMES,
+                   help="presets to train (default: the four ablation arms topk, abstopk, "
                         "isae, isae-me)")
     b.add_argument("--seeds", type=int, help="seeds per preset (default 3 quick / 5 full)")
     b.add_argument("--data", help="real activations .npy instead of synthetic data (default: "

@@ -26,8 +26,9 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch

@@ -135,7 +135,7 @@ class SAEConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "SAEConfig":
+    def from_dict(cls, cfg: dict) -> SAEConfig:
         """Build from a (possibly larger) flat config dict; unknown keys are ignored."""
         names = {f.name for f in fields(cls)}
         missing = {"d_in", "d_sae", "k"} - set(cfg)

@@ -44,8 +44,9 @@ def register() -> dict:
         raise ImportError("register: SAELens is not installed (pip install sae-lens); "
                           "tensoralg's multi-step folders load with tensoralg.sae.load_sae "
                           "without it") from exc
-    from ._saelens_classes import build_classes
     from sae_lens.registry import SAE_CLASS_REGISTRY, register_sae_class
+
+    from ._saelens_classes import build_classes
 
     classes = build_classes()
     for arch in MULTISTEP_ARCHITECTURES:

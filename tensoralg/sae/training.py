@@ -20,6 +20,7 @@ is a slice of a permutation drawn from a generator seeded by ``(seed, epoch)`` (
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from .. import io as tio
-from ..errors import TrainingDiverged  # noqa: F401  (re-exported)
+from ..errors import TrainingDiverged
 from ._seeds import stream_generator
 from .formats import check_device, load_sae, save_sae
 from .models import SAEConfig, SparseAutoencoder
@@ -469,7 +470,7 @@ def plot_density(records: list[dict], path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for rec in records:
         e = rec["log10_density_edges"]
-        mids = [(a + b) / 2 for a, b in zip(e[:-1], e[1:])]
+        mids = [(a + b) / 2 for a, b in itertools.pairwise(e)]
         ax.plot(mids, rec["counts"], marker=".", label=f"step {rec['step']} "
                 f"({rec['never_fired']} never fired)")
     ax.set_xlabel("log10 feature density (fraction of samples a latent fires on)")
@@ -546,7 +547,7 @@ class _Stepper:
         self.pool = pool            # step -> (rows, d_in) raw training rows, for resampling
         self.resampled = 0
         self.params = list(model.parameters())
-        self.window = {k: 0.0 for k in self.KEYS}
+        self.window = dict.fromkeys(self.KEYS, 0.0)
         self.n_window = 0
         model.train()
 
@@ -670,7 +671,7 @@ class _Stepper:
                     "aux_coef": self.aux_ramp * sae_cfg.auxk_alpha,
                     "resampled": self.resampled,
                     "seconds": time.perf_counter() - self.t0})
-        self.window = {k: 0.0 for k in self.KEYS}
+        self.window = dict.fromkeys(self.KEYS, 0.0)
         self.n_window = 0
         return rec
 
@@ -912,7 +913,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                 if train_cfg.progress:
                     steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
                                       dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
-            if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)
+            if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)  # noqa: SIM102
                                     or done == train_cfg.steps):
                 if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
                     dens = {"event": "density", "step": done,

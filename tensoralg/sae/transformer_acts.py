@@ -174,8 +174,9 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
         model, ckpt_cfg = _load_transformer(checkpoint, layer)
         layer = _check_layer(layer, model.hparams["n_layers"], "layer")
     else:
-        from ..audit.language import LanguageConfig
         from dataclasses import fields
+
+        from ..audit.language import LanguageConfig
         known = {f.name for f in fields(LanguageConfig)} - {"seed"}
         bad = set(train or {}) - known
         if bad:

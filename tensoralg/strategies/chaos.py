@@ -255,7 +255,7 @@ def _stage_poly(st: Stage, P: list[np.ndarray] | None, r: int) -> tuple[list, li
 def _poly_products(pl: list, pr: list, D: np.ndarray, exact: bool) -> list[np.ndarray]:
     """``D (N, u, H)`` applied to the per-unit products of ``pl`` and ``pr``: the next lifted
     polynomial vector ``[(N, u, r^n)]_n`` (unsymmetrized coefficients)."""
-    N, u, H = D.shape
+    N, u, _H = D.shape
     out: dict[int, Any] = {}
     for i, A in enumerate(pl):
         if not _any(A):
@@ -273,7 +273,7 @@ def _poly_products(pl: list, pr: list, D: np.ndarray, exact: bool) -> list[np.nd
     deg = max(out) if out else 0
     res = []
     for n in range(deg + 1):
-        res.append(out[n] if n in out else None)
+        res.append(out.get(n))
     return res
 
 

@@ -107,7 +107,7 @@ def _pack_index(n: int, k: int) -> np.ndarray:
 def _features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     st = can.stages[0]
     L, R, D = st.L, st.R, st.D
-    N, H1, n = L.shape
+    N, _H1, n = L.shape
     r = n - 1
     K = U.shape[0]
     Du = U[None] @ D[:, 1:, :]  # (N, K, H+1)

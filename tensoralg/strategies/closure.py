@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import opt_einsum as oe
 
-from ..canonical import QUERY, Canonical, Term, _flatten as _flatten_layers, sequence_tree
+from ..canonical import QUERY, Canonical, Term, sequence_tree
+from ..canonical import _flatten as _flatten_layers
 from ..layers import Bilinear, BilinearAttention, Layer, Linear, Residual, as_network
 from ..prepare import _selector, check_sequence_models, check_sequence_pair, check_slices
 from ..request import Request, make_request
@@ -510,7 +511,7 @@ class _SumOfContractions:
         out_m = _unique("".join(find(x) for x in self.out))
         restore = tuple((find(x), x) for x in self.out if find(x) != x)
         diag, usubs, ushapes = [], [], []
-        for s_, m_, sh in zip(subs, msubs, shapes):
+        for m_, sh in zip(msubs, shapes):
             u = _unique(m_)
             diag.append(None if u == m_ else f"{m_}->{u}")
             usubs.append(u)

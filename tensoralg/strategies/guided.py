@@ -31,9 +31,14 @@ from typing import Any
 import numpy as np
 
 from ..layers import Layer
-from .montecarlo import (MonteCarloEstimate, check_sampling_cost, inner_diagnostics,
-                         ratio_diagnostics,
-                         ratio_estimate, warn_few)
+from .montecarlo import (
+    MonteCarloEstimate,
+    check_sampling_cost,
+    inner_diagnostics,
+    ratio_diagnostics,
+    ratio_estimate,
+    warn_few,
+)
 
 __all__ = ["find_modes", "direction_components", "log_direction_ratio", "direction_draws",
            "inner", "similarity", "diff_sq", "Difference", "BETA", "KAPPA_SCALES"]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -157,10 +158,10 @@ class MonteCarloEstimate(float):
 
     stderr: float
     n_samples: int
-    diagnostics: "Diagnostics | None"
+    diagnostics: Diagnostics | None
 
     def __new__(cls, value: float, stderr: float, n_samples: int,
-                diagnostics: "Diagnostics | None" = None):
+                diagnostics: Diagnostics | None = None):
         obj = super().__new__(cls, value)
         # exact by construction (Diagnostics.exact): the spread is rounding, not sampling
         obj.stderr = 0.0 if diagnostics is not None and diagnostics.exact else float(stderr)

@@ -78,10 +78,20 @@ from ..canonical import OUTPUT, QUERY, Leg, Node, Term, Tree, sequence_tree
 from ..canonical import _flatten as _flatten_layers
 from ..errors import AttentionNotSupported, CostTooHigh
 from ..layers import BilinearAttention, Layer, Residual, Sequential, as_network
-from ..prepare import (_IN_SEQUENCE_GRAM, _selector, check_sequence_models, check_sequence_pair,
-                       check_slices)
-from ..request import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS,
-                       DEFAULT_MAX_FLOPS_EXACT_SEQUENCE, Request, make_request)
+from ..prepare import (
+    _IN_SEQUENCE_GRAM,
+    _selector,
+    check_sequence_models,
+    check_sequence_pair,
+    check_slices,
+)
+from ..request import (
+    DEFAULT_MAX_CONFIGURATIONS,
+    DEFAULT_MAX_FLOPS,
+    DEFAULT_MAX_FLOPS_EXACT_SEQUENCE,
+    Request,
+    make_request,
+)
 from ..results import gram_to_similarity, similarity_from, swap_order
 from ..wick import partial_matchings, parts
 from .executor import Plan, torch_backend
@@ -113,7 +123,7 @@ def term_network(term: Term, side: str):
     return static, legs
 
 
-_NETWORKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NETWORKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _network(term: Term, side: str):
@@ -249,7 +259,7 @@ class JoinedTermPair:
                     uf.union(self.legs[part[0]].pos, self.legs[part[1]].pos)
             pos = {p: uf.find(p) for p in self.positions}
             specs = []
-            for k, (arr, labels) in enumerate(self.static):
+            for k, (_arr, labels) in enumerate(self.static):
                 specs.append((("static", k), tuple(pos.get(x, x) for x in labels)))
             for part in matching:
                 p = pos[self.legs[part[0]].pos]
@@ -298,7 +308,7 @@ class JoinedTermPair:
         total = None
         for specs, expr in compiled:
             ops = []
-            for kind, labels, uniq in specs:
+            for kind, labels, _uniq in specs:
                 key = (kind, labels)
                 arr = cache.get(key)
                 if arr is None:
@@ -468,7 +478,7 @@ def _side_layout(inner, outer, legs, can_cap, can_pair_leg):
     for S in range(1 << n):
         opened = [i for i in range(n) if S >> i & 1]
         closed = [i for i in range(n) if not S >> i & 1]
-        present = set(x for _, lab in inner for x in lab)
+        present = {x for _, lab in inner for x in lab}
         for i in closed:
             present |= set(_leg_labels(legs[i], legs[i].pos))
         wanted = [QUERY, OUTPUT] + [legs[i].pos for i in opened] + \
@@ -616,9 +626,9 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
     pairable = [[x and y for y in sb.can_pair_leg] for x in sa.can_pair_leg]
     positions = _positions(la + lb)
     items = []
-    for S_a, (Ra, laba) in sa.R.items():
+    for S_a, (_Ra, _laba) in sa.R.items():
         open_a = [i for i in range(len(la)) if S_a >> i & 1]
-        for S_b, (Rb, labb) in sb.R.items():
+        for S_b, (_Rb, _labb) in sb.R.items():
             open_b = [j for j in range(len(lb)) if S_b >> j & 1]
             if len(open_a) != len(open_b):
                 continue
@@ -648,7 +658,7 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
             uf = _UnionFind(positions)
             for i, j in pairs:
                 uf.union(la[i].pos, lb[j].pos)
-            rel = lambda lab: tuple(uf.find(x) if x in positions else x for x in lab)  # noqa: E731
+            rel = lambda lab, uf=uf: tuple(uf.find(x) if x in positions else x for x in lab)  # noqa: E731
             specs = [(("sel",), (QUERY,))]
             if sa.R[S_a][0] is not None:
                 specs.append((("Ra", S_a), rel(sa.R[S_a][1])))
