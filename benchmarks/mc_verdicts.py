@@ -123,7 +123,8 @@ def table(path):
     """The table of a run: per model, quantity and estimator, the seeds, the results labelled
     reliable (the power), those of them beyond 3 SE of the truth, and the mean z over ALL seeds
     with its standard error (the bias of the estimator, verdict or not)."""
-    rows = [json.loads(x) for x in open(path)]
+    with open(path) as f:
+        rows = [json.loads(x) for x in f]
     keys = sorted({(r["model"], r["quantity"], r["estimator"]) for r in rows})
     print("| model | quantity | estimator | seeds | reliable (power) | reliable beyond 3 SE | "
           "mean z, all seeds |")

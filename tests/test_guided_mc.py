@@ -156,7 +156,7 @@ def test_planted_radial_fails_guided_covers(planted):
 
 def test_input_distribution_is_folded_in(planted):
     """The scale-1 planted model under cov = 0.35^2 is the scale-0.35 model (f_s(X) = f_1(sX))."""
-    _, b, truth = planted
+    _, _, truth = planted
     b1 = planted_attention(16, 2, scale=1.0, seed=2)
     bb = ta.inner(b1.network, b1.network, method="montecarlo", proposal="modes", n_samples=4000,
                   seed=0, n_ctx=2, cov=0.35 ** 2)

@@ -88,7 +88,7 @@ class Diagnostics:
     reason: str
     lower_bounds: dict
     exact: bool = False
-    cross_check: "tuple | None" = None
+    cross_check: tuple | None = None
 
     def summary(self) -> str:
         reps = ", ".join(f"{v:.6g} ± {se:.2g}" for v, se in self.replicates)
@@ -114,7 +114,7 @@ def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
     return abs(x - y) / den if den > 0 else math.inf
 
 
-def cross_checked(est: "MonteCarloEstimate", ref: "MonteCarloEstimate") -> "MonteCarloEstimate":
+def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarloEstimate:
     """``est`` (plain sampling) with its verdict checked against ``ref`` (the guided estimate of
     the same quantity from its own samples): reliable only when ``est`` was, ``ref`` is, and the
     two agree within :data:`MC_CROSS_Z` combined standard errors. The value and the standard
