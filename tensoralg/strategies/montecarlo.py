@@ -100,9 +100,13 @@ class Diagnostics:
             v, se, z, ok = self.cross_check
             cc = (f"; guided cross-check {v:.6g} ± {se:.2g} (|z| = {z:.2f}"
                   f"{'' if ok else ', itself NOT reliable'})")
+        instead = "" if self.reliable else (
+            "; what is exact instead: ta.degree_similarity (S<=1 of every model, S<=K of "
+            "position-free networks, S<=5 of bias-free attention pairs) and the certified lower "
+            "bounds")
         return (f"{head}; replicates {reps}; largest single-direction share "
                 f"{self.max_share:.3g}; replicates' largest |z| {self.max_z:.2f}" + cc
-                + (f"; certified lower bounds {lb}" if lb else ""))
+                + (f"; certified lower bounds {lb}" if lb else "") + instead)
 
 
 def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
