@@ -10,6 +10,9 @@ machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, :mod:`t
 """
 
 from ._version import __version__
+from . import _checkout
+
+_checkout.install()   # tensoralg.verify importable from an uninstalled source checkout
 from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential
 from .distribution import CovarianceFactor
 from .errors import CostTooHigh

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import tensoralg as ta
 from tensoralg.strategies import wick_terms as A
 from tensoralg.strategies import montecarlo as MC
-from verify.attention import expand_sequence, sequence_inner_exact
+from tensoralg.verify.attention import expand_sequence, sequence_inner_exact
 
 
 def attn(rng, H=1, dh=2, d=2, dv=1, d_out=None, bias=True, residual=False, **kw):

@@ -13,7 +13,7 @@ import tensoralg as ta
 from tensoralg.strategies import wick_terms as A
 from tensoralg import canonical
 from tensoralg.strategies import wick_terms
-from verify.attention import sequence_inner_exact
+from tensoralg.verify.attention import sequence_inner_exact
 from test_attention_exact import attn as _attn
 
 

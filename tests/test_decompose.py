@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 import tensoralg as ta
 from tensoralg import decompose as dc
-from verify.certify import certify, gaussian_inner_exact
-from verify.decompose import (chaos_coefficients, check_decomposition_exact,
+from tensoralg.verify.certify import certify, gaussian_inner_exact
+from tensoralg.verify.decompose import (chaos_coefficients, check_decomposition_exact,
                               hermite_expansion)
 
 from netgen import rand_bilinear, rand_linear

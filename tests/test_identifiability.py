@@ -1,4 +1,4 @@
-"""verify.identifiability: stability metrics on constructed cases with known answers."""
+"""tensoralg.verify.identifiability: stability metrics on constructed cases with known answers."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from verify.identifiability import (code_iou, code_l2, compare, dictionary_cosine_similarity,
+from tensoralg.verify.identifiability import (code_iou, code_l2, compare, dictionary_cosine_similarity,
                                     match_atoms, random_baseline)
 
 

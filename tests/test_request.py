@@ -15,7 +15,7 @@ from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C
 from tensoralg.request import Request, make_request
 from tensoralg.results import ExactSimilarity
-from verify.attention import sequence_inner_exact
+from tensoralg.verify.attention import sequence_inner_exact
 
 
 class _Untouchable:

@@ -9,7 +9,7 @@ import pytest
 import tensoralg as ta
 from tensoralg.strategies import wick_terms
 from test_attention_exact import attn
-from verify.attention import sequence_inner_exact
+from tensoralg.verify.attention import sequence_inner_exact
 
 
 def _pair(seed=0):

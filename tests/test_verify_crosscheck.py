@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import tensoralg
 from tensoralg.layers import Bilinear, Linear, Residual, Sequential
-from verify import certify, gaussian_inner_exact
-from verify import montecarlo as mc
+from tensoralg.verify import certify, gaussian_inner_exact
+from tensoralg.verify import montecarlo as mc
 
 Q = st.fractions(min_value=-2, max_value=2, max_denominator=4)
 

@@ -1,4 +1,4 @@
-"""verify.montecarlo: sampling estimates, agreement z-tests, convergence reports."""
+"""tensoralg.verify.montecarlo: sampling estimates, agreement z-tests, convergence reports."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from verify import montecarlo as mc  # noqa: E402
-from verify.certify import certify, gaussian_inner_exact  # noqa: E402
+from tensoralg.verify import montecarlo as mc  # noqa: E402
+from tensoralg.verify.certify import certify, gaussian_inner_exact  # noqa: E402
 from tensoralg.layers import Bilinear, Linear  # noqa: E402
 from shared_cases import load_cases  # noqa: E402
 

@@ -90,7 +90,7 @@ def _degree_and_check(layer, d: int, deg_in: int, name: str, max_monomials: int)
             f"{name}: expanding this network into monomials could need up to C(d+deg, d) = "
             f"C({d}+{deg}, {d}) = {bound:,} monomials per output (d={d} inputs, degree {deg}), "
             f"over the limit max_monomials={max_monomials:,}; certify is meant for small "
-            f"networks: use verify.montecarlo, or tensoralg.inner for exact values")
+            f"networks: use tensoralg.verify.montecarlo, or tensoralg.inner for exact values")
     return deg
 
 
