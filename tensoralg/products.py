@@ -54,8 +54,8 @@ _DOC_KW = """
             from ``MC_MIN_DIRECTIONS = 300`` directions on — fewer give a RuntimeWarning).
         backend: ``"numpy"`` (float64), ``"torch"`` (``device``: default CUDA when available,
             else CPU; ``dtype``: default float64), or ``"exact"`` (rational arithmetic).
-        output: ``None`` (sum over outputs), an int ``c`` (the class slice ``f_c``; a negative
-            ``c`` counts from the last output, as a Python index: ``-1`` is the last), a vector
+        output: ``None`` (sum over outputs), an int ``c`` in ``0 .. out - 1`` (the class slice
+            ``f_c``; a negative ``c`` is refused, it does not count from the last output), a vector
             ``u`` of length ``out`` (the direction ``u . f``) or ``"each"`` (one value per
             output).
         strategy: the exact representation: ``"auto"`` (default: the cheaper of the two within

@@ -360,7 +360,7 @@ def test_cli_decompose_paths_and_bad_input(tmp_path, capsys):
     assert res["paths"]["names"] == ["direct", "1", "2", "1+2"]
     assert res["paths"]["check"]["equal"] and res["files"] == ["decompose.json"]
     assert main(["decompose", str(tmp_path / "a"), "--output", "3", "--out", str(out)]) == 2
-    assert "--output: class 3 out of range for 3 outputs" in capsys.readouterr().err
+    assert "--output: class index 3 out of range for 3 outputs (expected 0..2)" in capsys.readouterr().err
     assert main(["decompose", str(tmp_path / "a"), "--k", "17", "--out", str(out)]) == 2
     assert "--k: 17" in capsys.readouterr().err
     assert main(["decompose", str(tmp_path / "missing"), "--out", str(out)]) == 2

@@ -187,7 +187,8 @@ def test_output_slices():
     each = gaussian_inner_exact(a, b, output="each")
     assert len(each) == 3 and sum(each) == gaussian_inner_exact(a, b)
     assert [gaussian_inner_exact(a, b, output=c) for c in range(3)] == each
-    assert gaussian_inner_exact(a, b, output=-1) == each[2]
+    with pytest.raises(ValueError, match="output: class index -1 is negative; expected 0..2"):
+        gaussian_inner_exact(a, b, output=-1)   # as tensoralg: not counted from the end
     # a direction u equals appending the linear head u to both networks (independent route)
     u = [Fraction(1, 2), Fraction(-1), Fraction(3)]
     head = Linear(np.array([u], dtype=object))

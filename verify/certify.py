@@ -164,7 +164,9 @@ def _select_output(polys: List[Poly], output: Any, n_out: int) -> List[Poly]:
     if output is None or (isinstance(output, str) and output == "each"):
         return polys
     if isinstance(output, (int, np.integer)) and not isinstance(output, bool):
-        if not -n_out <= int(output) < n_out:
+        if int(output) < 0:   # as tensoralg: a negative index does not count from the end
+            raise ValueError(f"output: class index {output} is negative; expected 0..{n_out - 1}")
+        if int(output) >= n_out:
             raise ValueError(f"output: class index {output} out of range for {n_out} outputs")
         return [polys[int(output)]]
     if isinstance(output, str):

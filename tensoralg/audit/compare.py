@@ -383,8 +383,10 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
                              f"{dict(zip(keys, a))}, {paths[0]} has {dict(zip(keys, arch[0]))} "
                              f"(compare mixed pairs with `tensoralg compare`)")
     d_out = _io(cfgs[0])[1]
-    if output is not None and not (0 <= output < d_out):
-        raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
+    if output is not None:
+        from ..request import check_class_index
+
+        check_class_index(output, d_out, "--output")
     depth = max(c["n_layers"] for c in cfgs)
     t = time.perf_counter()
     if seq:

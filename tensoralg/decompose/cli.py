@@ -80,8 +80,10 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
         net = difference(net, _load(diff, "--diff"))
         what = f"change {checkpoint} -> {diff}"
     O, d = net.out_features, net.in_features
-    if output is not None and not 0 <= output < O:
-        raise ValueError(f"--output: class {output} out of range for {O} outputs (0..{O - 1})")
+    if output is not None:
+        from ..request import check_class_index
+
+        check_class_index(output, O, "--output")
     if k > d:
         raise ValueError(f"--k: {k} eigen-components requested but the input has only {d} "
                          f"dimensions")
