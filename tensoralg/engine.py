@@ -28,7 +28,7 @@ from .prepare import (check_pair, check_sequence_models, check_slices, model_lis
                       scaled, stack_for)
 from .distribution import STANDARD
 from .request import Request
-from .results import check_overflow, gram_to_similarity, similarity_from, swap_order
+from .results import ExactNorm, check_overflow, gram_to_similarity, similarity_from, swap_order
 from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
@@ -196,15 +196,13 @@ def inner(req: Request, a: Any, b: Any):
 
 
 def norm(req: Request, a: Any):
-    """``||f_a|| = sqrt(<f_a, f_a>)``: a sympy expression (``sqrt`` of a rational) with the
-    exact backend, a delta-method standard error with Monte Carlo."""
+    """``||f_a|| = sqrt(<f_a, f_a>)``: an :class:`~tensoralg.results.ExactNorm` (a list of them
+    per output) with the exact backend, a delta-method standard error with Monte Carlo."""
     val = inner(req, a, a)
     if req.exact:
-        import sympy
-
         if isinstance(val, np.ndarray):
-            return [sympy.sqrt(sympy.Rational(v.numerator, v.denominator)) for v in val]
-        return sympy.sqrt(sympy.Rational(val.numerator, val.denominator))
+            return [ExactNorm.from_square(v) for v in val]
+        return ExactNorm.from_square(val)
     if isinstance(val, MonteCarloEstimate):
         r = math.sqrt(max(float(val), 0.0))
         return MonteCarloEstimate(r, val.stderr / (2 * r) if r > 0 else float("inf"),
@@ -649,13 +647,8 @@ def diff_norm(req: Request, b: Any, c: Any):
             raise
         bb, bc, cc = inner(req, b, b), inner(req, b, c), inner(req, c, c)
     d2 = bb - 2 * bc + cc
-    if req.exact:
-        import sympy
-
-        def root(v):
-            v = Fraction(v)
-            return sympy.sqrt(sympy.Rational(v.numerator, v.denominator))
-        return [root(v) for v in d2] if np.ndim(d2) else root(d2)
+    if req.exact:   # as the exact similarity: a float with the exact number beside it
+        return [ExactNorm.from_square(v) for v in d2] if np.ndim(d2) else ExactNorm.from_square(d2)
     if np.ndim(d2):
         return np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
     return math.sqrt(max(float(d2), 0.0))

@@ -30,12 +30,12 @@ from . import engine
 from .network import DEFAULT_MAX_CONFIGURATIONS
 from .planner import Plan, SequencePlan
 from .request import Request, make_request
-from .results import ExactSimilarity, mark_closure
+from .results import ExactNorm, ExactSimilarity, mark_closure
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
 
 __all__ = ["inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
            "inner_diff", "diff_norm", "plan", "MonteCarloEstimate", "MonteCarloArray",
-           "ExactSimilarity", "MC_MIN_DIRECTIONS"]
+           "ExactSimilarity", "ExactNorm", "MC_MIN_DIRECTIONS"]
 
 _DOC_KW = """
     Keyword args (shared by inner, norm, similarity, gram, cross_gram, similarity_matrix):
@@ -203,8 +203,10 @@ def _blocked(kind: str, req: Request, models, opts: dict):
 
 def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str = "numpy",
          output: Any = None, **kwargs):
-    """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` a sympy expression
-    (``sqrt`` of a rational), with ``"montecarlo"`` an estimate with a delta-method stderr.
+    """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` an
+    :class:`~tensoralg.results.ExactNorm` (a float; ``.exact`` the sympy ``sqrt`` of a rational,
+    ``.squared`` the rational; a list of them for ``output="each"``), with ``"montecarlo"`` an
+    estimate with a delta-method stderr.
     Keywords as :func:`inner`."""
     req = _request("norm", metric=metric, method=method, backend=backend, output=output, **kwargs)
     return mark_closure(req, engine.norm(req, a))
@@ -261,8 +263,10 @@ def inner_diff(a: Any, b: Any, c: Any, **kwargs):
 
 def diff_norm(b: Any, c: Any, **kwargs):
     """``||b - c|| = sqrt(<b,b> - 2<b,c> + <c,c>)`` from the Gram matrix of ``[b, c]`` (one batched
-    call when both have the same architecture). Exact with backend="exact" (a sympy number; a
-    list of them for ``output="each"``); in float64 the absolute error is about
+    call when both have the same architecture). Exact with backend="exact": an
+    :class:`~tensoralg.results.ExactNorm` (a float; ``.exact`` the sympy number, ``.squared``
+    the rational ``||b - c||^2``; a list of them for ``output="each"``), as the exact
+    similarity is an :class:`~tensoralg.results.ExactSimilarity`; in float64 the absolute error is about
     ``eps * (||b||^2 + ||c||^2)``, so tiny differences between large networks are best measured
     with backend="exact". ``output="each"`` gives a vector (one norm per output). With
     ``method="montecarlo"`` the integrand is ``|f_b - f_c|^2`` per sample and the standard
