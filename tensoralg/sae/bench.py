@@ -345,8 +345,10 @@ def plot_bench(r: dict, path) -> None:
         if ref == "true_delta" and "oracle" in r:
             ax.axhline(r["oracle"]["rip_delta"], color="k", ls="--", label="true dictionary")
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
-                      frameon=False)
+            # below the "preset" label; the 30-pt "untrained" tick drawn short in the legend
+            # (at full length it ran through its own label)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.24), ncol=2,
+                      frameon=False, markerscale=0.3)
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_xlabel("preset", fontsize=8)
