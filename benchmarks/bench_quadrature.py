@@ -1,9 +1,9 @@
-"""The Gauss–Hermite oracle (verify.quadrature) on planted two-layer attention models (not CI).
+"""The Gauss–Hermite oracle (tensoralg.verify.quadrature) on planted two-layer attention models (not CI).
 
     python benchmarks/bench_quadrature.py --only timing     # N = 4 (s) and N = 5 (minutes)
     python benchmarks/bench_quadrature.py --only mc         # oracle vs plain Monte Carlo
 
-1. timing: a pair of planted two-layer bilinear-attention models (verify.planted, n_ctx = 8,
+1. timing: a pair of planted two-layer bilinear-attention models (tensoralg.verify.planted, n_ctx = 8,
    d = 16, 2 heads, d_head 2, d_v 1, degree 25, m = 26 nodes), the slice ``v`` at positions
    ``0..N-1``: wall time of ``quadrature_inner(a, b)`` (``26^N`` forward evaluations per model)
    for N = 4, 5 and of ``chaos_profile(a, b)`` for N = 4 (one run each: minutes).
@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verify.planted import planted_attention  # noqa: E402
-from verify.quadrature import chaos_profile, quadrature_inner  # noqa: E402
+from tensoralg.verify.planted import planted_attention  # noqa: E402
+from tensoralg.verify.quadrature import chaos_profile, quadrature_inner  # noqa: E402
 
 
 def timing(ns=(4, 5)):

@@ -4,7 +4,7 @@ radial sampling (``proposal="radial"``, cross-checked against the guided estimat
 sampling (``proposal="modes"``), on held-out families of models built to fool them.
 
 Truth comes from tensor-product Gauss-Hermite quadrature on the forward pass
-(``tensoralg.verify``-independent of the samplers: ``verify.quadrature``): on the planted models
+(``tensoralg.verify.quadrature``, independent of the samplers): on the planted models
 (every read and write along one direction, so the model depends on ``n_ctx`` Gaussian
 variables) and on small models whose whole input has ``n_ctx * d <= 4`` variables.
 
@@ -12,7 +12,7 @@ variables) and on small models whose whole input has ``n_ctx * d <= 4`` variable
     python benchmarks/mc_verdicts.py --table runs/mc_verdicts.jsonl
 
 The families (none of them tuned on: the rates are measured, not fitted):
-  planted-attn-L2-s{0.3,0.5,0.8}: ``verify.planted.planted_attention(16, 2, scale=s)``, two
+  planted-attn-L2-s{0.3,0.5,0.8}: ``tensoralg.verify.planted.planted_attention(16, 2, scale=s)``, two
       residual bilinear-attention layers, d = 16, n_ctx = 2 (seeds 1 and 2 for a and b);
   planted-attn-L1-s1.0: the same with one layer;
   planted-mlp-D3-s0.6: ``planted_bilinear(32, depth=3)`` (a vector model of degree 8);
@@ -57,7 +57,7 @@ def _random_attn(seed, d=2, scale=0.5, n_layers=2, bias=False, gain=None):
 
 def models():
     """``{name: (a, b, n_ctx, slice_basis_fn)}``."""
-    from verify.planted import planted_attention, planted_bilinear
+    from tensoralg.verify.planted import planted_attention, planted_bilinear
 
     out = {}
     for s in (0.3, 0.5, 0.8):
@@ -67,7 +67,7 @@ def models():
     out["planted-attn-L1-s1.0"] = (a.network, b.network, 2, a.slice())
     a, b = (planted_bilinear(32, depth=3, scale=0.6, seed=k) for k in (1, 2))
     out["planted-mlp-D3-s0.6"] = (a.network, b.network, None, a.slice())
-    from verify.quadrature import GaussianSlice
+    from tensoralg.verify.quadrature import GaussianSlice
 
     full = GaussianSlice.from_basis(np.eye(2), d=2, n_ctx=2)
     for s, bias in ((0.3, False), (0.5, False), (1.0, False), (1.5, True)):
@@ -79,7 +79,7 @@ def models():
 
 
 def truth(name, a, b, n_ctx, sl):
-    from verify.quadrature import quadrature_similarity
+    from tensoralg.verify.quadrature import quadrature_similarity
 
     q = quadrature_similarity(a, b, sl, n_ctx=n_ctx) if n_ctx else \
         quadrature_similarity(a, b, sl)

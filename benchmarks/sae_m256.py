@@ -17,13 +17,13 @@ import json
 import time
 
 import torch
+from tensoralg.verify.identifiability import compare, match_atoms
 
 from tensoralg.sae.models import SAEConfig, SparseAutoencoder
 from tensoralg.sae.presets import make_config, schedule
 from tensoralg.sae.pursuit import omp
 from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import TrainConfig, train
-from verify.identifiability import compare, match_atoms
 
 D, M, K = 64, 256, 8
 

@@ -9,6 +9,7 @@ Threads: the library leaves torch's and BLAS's thread counts alone; on small mod
 machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, :mod:`tensoralg.threads`).
 """
 
+from . import _checkout
 from ._version import __version__
 from .degree import (
     DegreeSimilarity,
@@ -34,6 +35,8 @@ from .products import (
     similarity_matrix,
 )
 from .threads import set_threads
+
+_checkout.install()   # tensoralg.verify importable from an uninstalled source checkout
 
 __all__ = [
     "__version__",

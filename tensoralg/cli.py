@@ -54,8 +54,12 @@ def _name_leaves(parser: argparse.ArgumentParser) -> None:
             _name_leaves(child)
 
 
-def _terminate_as_interrupt() -> None:
-    """SIGTERM (``timeout``, ``kill``) unwinds like Ctrl-C, so staged outputs are cleaned up."""
+def _terminate_as_interrupt():
+    """SIGTERM (``timeout``, ``kill``) unwinds like Ctrl-C, so staged outputs are cleaned up.
+    Returns the handler it replaced (None when not on the main thread: nothing installed), for
+    :func:`main` to put back: a program (or a test run) that calls ``main`` keeps its own
+    SIGTERM behaviour afterwards, instead of a handler that raises KeyboardInterrupt wherever
+    the signal lands (inside a gc callback it is only printed as an unraisable exception)."""
     import signal
     import threading
 
@@ -63,7 +67,8 @@ def _terminate_as_interrupt() -> None:
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
+        return signal.signal(signal.SIGTERM, handler)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         getattr(args, "leaf_parser", parser).error(
             f"unrecognized arguments: {' '.join(extra)}")
     name = getattr(args, "prog_name", "tensoralg")
-    _terminate_as_interrupt()
+    previous_sigterm = _terminate_as_interrupt()
     # a warning reads "tensoralg compare: warning: ..." like the errors, not as a source line
     # of the console script that started the command
     formatwarning = warnings.formatwarning
@@ -97,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         warnings.formatwarning = formatwarning
+        if previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)
     return int(rc or 0)
 
 

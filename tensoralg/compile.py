@@ -18,7 +18,9 @@ weight, eval-mode batch norm) act on the linear maps; a product of two values wh
 turns the latest residual-stream-like value they are both linear images of into a new layer
 (``Linear``, ``Bilinear``, ``Residual(Bilinear)``, ``BilinearAttention`` or
 ``Residual(BilinearAttention)``) and continues on its output. Operations on constants only
-(parameters, buffers, masks, rotary tables) are evaluated with torch.
+(parameters, buffers, masks, rotary tables) are evaluated with torch; so are the constants an
+activation only gives the shape of (``zeros_like``, ``ones_like``, ``full_like``, ``new_zeros``,
+``new_ones``, ``new_full``).
 
 Rotary embeddings: queries and keys whose linear maps depend on the position are matched against
 :func:`tensoralg.layers.rope_rotations` (interleaved pairs; the "rotate half" layout is a
@@ -79,7 +81,12 @@ _LINEAR = {"add", "sub", "rsub", "neg", "mul", "div", "true_divide", "lerp", "su
            "matmul", "mm", "bmm", "linear", "einsum", "addmm", "square", "pow", "dropout",
            "masked_fill", "where", "to", "_to_copy", "type_as", "embedding", "index",
            "scaled_dot_product_attention"}
-SUPPORTED_OPS = tuple(sorted((_MOVE | _LINEAR) - {"scaled_dot_product_attention"}))
+# ops that make a constant tensor shaped like an activation (its values never depend on it):
+# the name -> its fill (a float), or the index of the fill value among the op's arguments (an int)
+_CONSTANT_LIKE = {"zeros_like": 0.0, "ones_like": 1.0, "full_like": 1, "new_zeros": 0.0,
+                  "new_ones": 1.0, "new_full": 2}
+SUPPORTED_OPS = tuple(sorted((_MOVE | _LINEAR | set(_CONSTANT_LIKE))
+                             - {"scaled_dot_product_attention"}))
 NON_POLYNOMIAL_OPS = (
     "softmax", "_softmax", "log_softmax", "_log_softmax", "relu", "relu_", "gelu", "silu",
     "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "reciprocal", "layer_norm",
@@ -1053,6 +1060,8 @@ class _Graph(_Walker):
             return args[0][args[1]]
         if not any(_is_sym(a) for a in flat):
             return node.target(*args, **kwargs)
+        if name in _CONSTANT_LIKE:   # zeros_like(x), x.new_full(shape, v), ...: a constant
+            return self.constant_like(name, args)
         if isinstance(args[0], _Pattern) and name in _PATTERN_MOVES:
             return self.pattern_move(node.target, args, kwargs)
         if name in _MOVE:
@@ -1065,6 +1074,23 @@ class _Graph(_Walker):
             raise self.fail("is not supported by from_torch (not a polynomial operation, or one "
                             f"it does not know; supported: {', '.join(SUPPORTED_OPS)})")
         return h(*args, **kwargs)
+
+    def constant_like(self, name, args):
+        """``zeros_like``, ``ones_like``, ``full_like``, ``new_zeros``, ``new_ones``,
+        ``new_full`` of an activation: a constant of the output's shape (the traced value's);
+        only the shape of the activation is read, never its values."""
+        import torch
+
+        val = self.node.meta.get("val")
+        fill = _CONSTANT_LIKE[name]
+        if not isinstance(fill, float):
+            fill = args[fill]
+            if _is_sym(fill):
+                raise self.fail("a fill value that depends on the input")
+            fill = float(_np(fill)) if not isinstance(fill, (int, float)) else float(fill)
+        if val is None or not hasattr(val, "shape"):
+            raise self.fail("a constant whose shape the traced graph does not record")
+        return torch.full(tuple(val.shape), fill, dtype=torch.float64)
 
     # -- patterns ------------------------------------------------------------------------
     def pattern_move(self, fn, args, kwargs):

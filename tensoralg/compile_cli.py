@@ -61,6 +61,22 @@ def _factory(spec: str):
     return fn
 
 
+def _check_kwargs(fn, kwargs: dict, spec: str) -> None:
+    """``FACTORY(**kwargs)`` binds (checked against the signature before the call, so that an
+    unknown or missing keyword is named as --kwargs, not as the factory's own TypeError)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):   # no signature to check (a builtin): the call decides
+        return
+    try:
+        sig.bind(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"--kwargs: {spec} does not take {json.dumps(kwargs)} ({exc}); its "
+                         f"parameters are {sig}") from None
+
+
 def _state_dict(path: str):
     from pathlib import Path
 
@@ -155,6 +171,7 @@ def run_import(args: argparse.Namespace) -> int:
     from .checkpoint import save_checkpoint
     from .compile import from_torch
 
+    _check_kwargs(fn, kwargs, args.factory)
     module = fn(**kwargs)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"MODULE:FACTORY: {args.factory} returned {type(module).__name__}, not "

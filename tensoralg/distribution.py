@@ -100,8 +100,18 @@ class InputDistribution:
             K = _object_diag(np.repeat(K, net.in_features)) if exact else \
                 float(K[0]) * np.eye(net.in_features)
         elif net.in_features != self.d:
-            raise ValueError(f"cov: a covariance of size {self.d} x {self.d} for {name}, which "
-                             f"reads {net.in_features} input features (per position)")
+            n = net.in_features
+            given, want = {
+                "diagonal": (f"a vector of {self.d} variances (a diagonal covariance)",
+                             f"{n} variances"),
+                "full": (f"a covariance matrix of shape ({self.d}, {self.d})", f"({n}, {n})"),
+                "factor": (f"a factor K of shape {tuple(np.shape(self.factor))} (Sigma = K K^T "
+                           f"of size {self.d} x {self.d})", f"K with {n} rows"),
+                "estimated": (f"{self.n_rows} activation rows of {self.d} features",
+                              f"rows of {n} features"),
+            }.get(self.kind, (f"a covariance of size {self.d} x {self.d}", f"size {n} x {n}"))
+            raise ValueError(f"cov: {given} for {name}, which reads {n} input features (per "
+                             f"position); expected {want}")
         return Sequential([Linear(K), net])
 
 

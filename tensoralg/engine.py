@@ -40,7 +40,7 @@ from .prepare import (
     stack_for,
 )
 from .request import Request
-from .results import check_overflow, gram_to_similarity, similarity_from, swap_order
+from .results import ExactNorm, check_overflow, gram_to_similarity, similarity_from, swap_order
 from .strategies import chaos, closure, guided, montecarlo, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
@@ -223,15 +223,13 @@ def inner(req: Request, a: Any, b: Any):
 
 
 def norm(req: Request, a: Any):
-    """``||f_a|| = sqrt(<f_a, f_a>)``: a sympy expression (``sqrt`` of a rational) with the
-    exact backend, a delta-method standard error with Monte Carlo."""
+    """``||f_a|| = sqrt(<f_a, f_a>)``: an :class:`~tensoralg.results.ExactNorm` (a list of them
+    per output) with the exact backend, a delta-method standard error with Monte Carlo."""
     val = inner(req, a, a)
     if req.exact:
-        import sympy
-
         if isinstance(val, np.ndarray):
-            return [sympy.sqrt(sympy.Rational(v.numerator, v.denominator)) for v in val]
-        return sympy.sqrt(sympy.Rational(val.numerator, val.denominator))
+            return [ExactNorm.from_square(v) for v in val]
+        return ExactNorm.from_square(val)
     if isinstance(val, MonteCarloEstimate):
         r = math.sqrt(max(float(val), 0.0))
         return MonteCarloEstimate(r, val.stderr / (2 * r) if r > 0 else float("inf"),
@@ -333,6 +331,64 @@ def _gram_blocks(req: Request, ca, cb, U, keep, same):
     return np.concatenate([np.concatenate(rows[i], axis=1) for i in sorted(rows)], axis=0)
 
 
+def _architecture(net: Layer) -> tuple:
+    """Layer types and weight shapes, no values: models with equal keys stack into one batch
+    (:func:`tensoralg.canonical.stack`)."""
+    from .layers import Residual, Sequential
+
+    if isinstance(net, Sequential):
+        return ("Sequential",) + tuple(_architecture(x) for x in net.layers)
+    if isinstance(net, Residual):
+        return ("Residual", _architecture(net.inner))
+    return (type(net).__name__,) + tuple(np.shape(x) for x in net.arrays())
+
+
+def _architecture_groups(nets: list) -> list[list[int]]:
+    """The indices of ``nets`` grouped by :func:`_architecture`, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, n in enumerate(nets):
+        groups.setdefault(_architecture(n), []).append(i)
+    return list(groups.values())
+
+
+def _grouped_gram(req: Request, nets_a, nets_b, U, keep, same, name_a, name_b, scale=True):
+    """Cross Gram ``(Na, Nb[, K])`` of models of several architectures: the models grouped by
+    architecture, one batched contraction per pair of groups (rows of one group against
+    columns of another are a cross Gram of two same-architecture stacks); the symmetric
+    ``same`` case computes each pair of groups once and fills the transposed block. ``scale``:
+    undo the normalizing gauge (False leaves each model in its own gauge: fine for
+    similarities, which do not see a model's scale). Each entry is the pair's ``inner``, the
+    same contraction batched (equal to rounding)."""
+    for name, nets in ((name_a, nets_a), (name_b, nets_b)):   # named by their own index
+        for i, n in enumerate(nets):
+            check_finite_weights(n, f"{name}[{i}]")
+    ga = _architecture_groups(nets_a)
+    gb = ga if same else _architecture_groups(nets_b)
+    if req.exact and req.method == "exact":  # refuse before any rational work, every block
+        for x, ia in enumerate(ga):
+            for y, jb in enumerate(gb):
+                if not (same and y < x):
+                    _refuse_gram_early(req, [nets_a[i] for i in ia], [nets_b[j] for j in jb],
+                                       U, keep, same and x == y, name_a, name_b)
+    sa = [stack_for([nets_a[i] for i in g], req.backend, name_a) for g in ga]
+    sb = sa if same else [stack_for([nets_b[j] for j in g], req.backend, name_b) for g in gb]
+    G = None
+    for x, (ia, (ca, ka)) in enumerate(zip(ga, sa)):
+        for y, (jb, (cb, kb)) in enumerate(zip(gb, sb)):
+            if same and y < x:
+                continue
+            with np.errstate(over="ignore", invalid="ignore"):
+                X = _gram_blocks(req, ca, cb, U, keep, same and x == y)
+                X = scaled(X, ka, kb, req.backend) if scale else X
+            X = np.asarray(X)
+            if G is None:
+                G = np.empty((len(nets_a), len(nets_b)) + X.shape[2:], dtype=X.dtype)
+            G[np.ix_(ia, jb)] = X
+            if same and x != y:
+                G[np.ix_(jb, ia)] = np.swapaxes(X, 0, 1)
+    return G
+
+
 def _refuse_gram_early(req: Request, nets_a, nets_b, U, keep, same, name_a, name_b):
     """The exact backend's Gram refusal before any rational conversion: the plans of
     :func:`_gram_plans` made on certified float copies of the stacks
@@ -385,6 +441,10 @@ def cross_gram(req: Request, models_a, models_b):
         mean, se = montecarlo.moments(nets_a, nets_b, U, keep, req.n_samples, req.seed,
                                       req.backend, req.device, req.dtype)
         return MonteCarloArray(mean, se, req.n_samples)
+    if len(_architecture_groups(nets_a)) > 1 or len(_architecture_groups(nets_b)) > 1:
+        G = _grouped_gram(req, nets_a, nets_b, U, keep, same, name_a, name_b)
+        check_overflow(G, "gram" if same else "cross_gram")
+        return G
     if req.exact and req.method == "exact":  # refuse before any rational work
         _refuse_gram_early(req, nets_a, nets_b, U, keep, same, name_a, name_b)
     ca, ka = stack_for(nets_a, req.backend, name_a)
@@ -497,10 +557,13 @@ def similarity_matrix(req: Request, models):
     if req.method == "montecarlo":   # per entry: a standard error and a verdict
         return montecarlo.similarity_matrix(nets, U, keep, req.n_samples, req.seed,
                                             req.backend, req.device, req.dtype)
-    if req.exact and req.method == "exact":  # refuse before any rational work
-        _refuse_gram_early(req, nets, nets, U, keep, True, "models", "models")
-    c, _ = stack_for(nets, req.backend, "models")
-    X = _gram_blocks(req, c, c, U, keep, True)
+    if len(_architecture_groups(nets)) > 1:   # per model gauge: the similarity ignores it
+        X = _grouped_gram(req, nets, nets, U, keep, True, "models", "models", scale=False)
+    else:
+        if req.exact and req.method == "exact":  # refuse before any rational work
+            _refuse_gram_early(req, nets, nets, U, keep, True, "models", "models")
+        c, _ = stack_for(nets, req.backend, "models")
+        X = _gram_blocks(req, c, c, U, keep, True)
     Xf = np.vectorize(float, otypes=[float])(X) if req.exact else X
     return gram_to_similarity(Xf)
 
@@ -642,13 +705,8 @@ def diff_norm(req: Request, b: Any, c: Any):
             raise
         bb, bc, cc = inner(req, b, b), inner(req, b, c), inner(req, c, c)
     d2 = bb - 2 * bc + cc
-    if req.exact:
-        import sympy
-
-        def root(v):
-            v = Fraction(v)
-            return sympy.sqrt(sympy.Rational(v.numerator, v.denominator))
-        return [root(v) for v in d2] if np.ndim(d2) else root(d2)
+    if req.exact:   # as the exact similarity: a float with the exact number beside it
+        return [ExactNorm.from_square(v) for v in d2] if np.ndim(d2) else ExactNorm.from_square(d2)
     if np.ndim(d2):
         return np.sqrt(np.maximum(np.asarray(d2, dtype=np.float64), 0.0))
     return math.sqrt(max(float(d2), 0.0))

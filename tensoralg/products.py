@@ -32,7 +32,7 @@ from . import engine
 from .network import DEFAULT_MAX_CONFIGURATIONS
 from .planner import Plan, SequencePlan
 from .request import Request, make_request
-from .results import ExactSimilarity, mark_closure
+from .results import ExactNorm, ExactSimilarity, mark_closure
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["inner", "norm", "similarity", "gram", "cross_gram", "similarity_matrix",
            "inner_diff", "diff_norm", "plan", "MonteCarloEstimate", "MonteCarloArray",
-           "ExactSimilarity", "MC_MIN_DIRECTIONS"]
+           "ExactSimilarity", "ExactNorm", "MC_MIN_DIRECTIONS"]
 
 _DOC_KW = """
     Keyword args (shared by inner, norm, similarity, gram, cross_gram, similarity_matrix):
@@ -59,8 +59,8 @@ _DOC_KW = """
             from ``MC_MIN_DIRECTIONS = 300`` directions on — fewer give a RuntimeWarning).
         backend: ``"numpy"`` (float64), ``"torch"`` (``device``: default CUDA when available,
             else CPU; ``dtype``: default float64), or ``"exact"`` (rational arithmetic).
-        output: ``None`` (sum over outputs), an int ``c`` (the class slice ``f_c``; a negative
-            ``c`` counts from the last output, as a Python index: ``-1`` is the last), a vector
+        output: ``None`` (sum over outputs), an int ``c`` in ``0 .. out - 1`` (the class slice
+            ``f_c``; a negative ``c`` is refused, it does not count from the last output), a vector
             ``u`` of length ``out`` (the direction ``u . f``) or ``"each"`` (one value per
             output).
         strategy: the exact representation: ``"auto"`` (default: the cheaper of the two within
@@ -211,9 +211,11 @@ def _blocked(kind: str, req: Request, models, opts: dict):
 
 def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str = "numpy",
          output: Any = None, **kwargs: Any
-         ) -> float | np.ndarray | sympy.Expr | list[sympy.Expr]:
-    """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` a sympy expression
-    (``sqrt`` of a rational), with ``"montecarlo"`` an estimate with a delta-method stderr.
+         ) -> float | np.ndarray | ExactNorm | list[ExactNorm]:
+    """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` an
+    :class:`~tensoralg.results.ExactNorm` (a float; ``.exact`` the sympy ``sqrt`` of a rational,
+    ``.squared`` the rational; a list of them for ``output="each"``), with ``"montecarlo"`` an
+    estimate with a delta-method stderr.
     Keywords as :func:`inner`."""
     req = _request("norm", metric=metric, method=method, backend=backend, output=output, **kwargs)
     return mark_closure(req, engine.norm(req, a))
@@ -272,8 +274,10 @@ def inner_diff(a: Any, b: Any, c: Any, **kwargs: Any) -> float | Fraction | np.n
 def diff_norm(b: Any, c: Any, **kwargs: Any
               ) -> float | np.ndarray | sympy.Expr | list[sympy.Expr]:
     """``||b - c|| = sqrt(<b,b> - 2<b,c> + <c,c>)`` from the Gram matrix of ``[b, c]`` (one batched
-    call when both have the same architecture). Exact with backend="exact" (a sympy number; a
-    list of them for ``output="each"``); in float64 the absolute error is about
+    call when both have the same architecture). Exact with backend="exact": an
+    :class:`~tensoralg.results.ExactNorm` (a float; ``.exact`` the sympy number, ``.squared``
+    the rational ``||b - c||^2``; a list of them for ``output="each"``), as the exact
+    similarity is an :class:`~tensoralg.results.ExactSimilarity`; in float64 the absolute error is about
     ``eps * (||b||^2 + ||c||^2)``, so tiny differences between large networks are best measured
     with backend="exact". ``output="each"`` gives a vector (one norm per output). With
     ``method="montecarlo"`` the integrand is ``|f_b - f_c|^2`` per sample and the standard

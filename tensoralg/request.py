@@ -109,11 +109,38 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
+def check_class_index(index: Any, n_out: int | None = None, name: str = "output") -> int:
+    """A class index: an int in ``0 .. n_out - 1`` (``n_out`` None: only ``>= 0`` is checked,
+    before the models are known). The one rule of every entry point (the API's ``output=``,
+    ``decompose``, the CLI's ``--output``): a negative index is refused, not counted from the
+    last output as a Python index would be (a class index of -1 is far more often a mistake
+    than a wish for the last class).
+
+    Raises:
+        ValueError: one line naming ``name``, the index and the valid range.
+    """
+    if not _is_int(index):
+        raise ValueError(f"{name}: expected an int class index, got {index!r}")
+    index = int(index)
+    top = "" if n_out is None else f"0..{n_out - 1}"
+    if index < 0:
+        raise ValueError(f"{name}: class index {index} is negative; expected "
+                         f"{top or 'an int >= 0'} (a negative index does not count from the "
+                         f"last output)")
+    if n_out is not None and index >= n_out:
+        raise ValueError(f"{name}: class index {index} out of range for {n_out} outputs "
+                         f"(expected {top})")
+    return index
+
+
 def _check_output(output: Any) -> Any:
-    """``output`` in its normalized form: None, ``"each"``, an int, or a read-only 1-D array
-    (float64, or Fractions when any entry is rational) that is finite and not zero."""
-    if output is None or _is_int(output):
-        return None if output is None else int(output)
+    """``output`` in its normalized form: None, ``"each"``, an int ``>= 0``
+    (:func:`check_class_index`), or a read-only 1-D array (float64, or Fractions when any entry
+    is rational) that is finite and not zero."""
+    if output is None:
+        return None
+    if _is_int(output):
+        return check_class_index(output)
     if isinstance(output, str):
         if output != "each":
             raise ValueError(f"output: expected None, an int, a vector or 'each'; got "
@@ -208,10 +235,8 @@ class Request:
         if out is None or keep:
             U = np.eye(O, dtype=np.float64)
         elif _is_int(out):
-            if not -O <= out < O:
-                raise ValueError(f"output: class index {out} out of range for {O} outputs")
             U = np.zeros((1, O))
-            U[0, out % O] = 1.0
+            U[0, check_class_index(out, O)] = 1.0
         else:
             if out.shape != (O,):
                 raise ValueError(f"output: a direction vector must have shape ({O},), got "

@@ -1,6 +1,7 @@
 """What the engine returns: one type per kind of answer, for vector and sequence models alike.
 
 * :class:`ExactSimilarity` — every exact similarity (``backend="exact"``).
+* :class:`ExactNorm` — every exact norm and distance (``norm``, ``diff_norm``).
 * :class:`~tensoralg.strategies.montecarlo.MonteCarloEstimate` /
   :class:`~tensoralg.strategies.montecarlo.MonteCarloArray` — every Monte Carlo estimate.
 * :func:`similarity_from` — the one place where three inner products become a similarity.
@@ -16,8 +17,9 @@ import numpy as np
 
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
-__all__ = ["ExactSimilarity", "MomentClosureValue", "MomentClosureArray", "MonteCarloEstimate", "MonteCarloArray",
-           "similarity_from", "gram_to_similarity", "swap_order"]
+__all__ = ["ExactSimilarity", "ExactNorm", "MomentClosureValue", "MomentClosureArray",
+           "MonteCarloEstimate", "MonteCarloArray", "similarity_from", "gram_to_similarity",
+           "swap_order"]
 
 
 class ExactSimilarity(float):
@@ -48,6 +50,38 @@ class ExactSimilarity(float):
             digits = len(str(self.squared.numerator)) + len(str(self.squared.denominator))
             text = f"sign * sqrt(p/q), {digits} digits: see .exact"
         return f"ExactSimilarity({float(self)!r}, exact={text})"
+
+
+class ExactNorm(float):
+    """An exact norm or distance (``norm`` / ``diff_norm`` with ``backend="exact"``): the float
+    nearest to it, plus ``.exact``, as :class:`ExactSimilarity`.
+
+    ``.exact`` is the sympy number ``sqrt(R)`` with ``R`` the squared norm, a non-negative
+    rational (square factors taken out by sympy; a plain Rational when ``R`` is a perfect
+    square), and ``.squared`` is ``R`` as a Fraction. Arithmetic and comparisons act on the
+    float; use ``.exact`` / ``.squared`` for exact work."""
+
+    exact: Any
+    squared: Fraction
+
+    @classmethod
+    def from_square(cls, squared: Any) -> ExactNorm:
+        import sympy
+
+        R = Fraction(squared)
+        if R < 0:   # a sum of exact squares: negative only through a bug upstream
+            raise ValueError(f"norm: a negative squared norm {R} (exact arithmetic)")
+        exact = sympy.sqrt(sympy.Rational(R.numerator, R.denominator))
+        obj = super().__new__(cls, float(sympy.Float(exact.evalf(30), 30)))
+        obj.exact, obj.squared = exact, R
+        return obj
+
+    def __repr__(self) -> str:
+        text = str(self.exact)
+        if len(text) > 60:
+            digits = len(str(self.squared.numerator)) + len(str(self.squared.denominator))
+            text = f"sqrt(p/q), {digits} digits: see .exact"
+        return f"ExactNorm({float(self)!r}, exact={text})"
 
 
 class MomentClosureValue(float):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fractions import Fraction
 
 import numpy as np
+from tensoralg.verify.certify import gaussian_inner_exact
 
 import tensoralg as ta
-from verify.certify import gaussian_inner_exact
 
 
 def rand_bilinear(rng, d_in, hidden, d_out, biases=True, scale=1.0):
@@ -54,7 +54,7 @@ def rand_network(rng, kind, d=3, out=2, hidden=3, width=3, log_scale=(-3, 3)):
 
 
 def brute_inner(a, b) -> Fraction:
-    """Independent exact <a, b>: polynomial expansion in rationals (verify.certify)."""
+    """Independent exact <a, b>: polynomial expansion in rationals (tensoralg.verify.certify)."""
     return gaussian_inner_exact(a, b)
 
 

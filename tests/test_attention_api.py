@@ -21,7 +21,7 @@ def _attn_model(rng, d=2, heads=1, d_head=2, out=2, residual=True):
 
 
 def test_inner_and_similarity_dispatch_to_the_attention_module():
-    from verify.attention import sequence_inner_exact as brute
+    from tensoralg.verify.attention import sequence_inner_exact as brute
 
     rng = np.random.default_rng(0)
     a, b = _attn_model(rng), _attn_model(rng, heads=2)
@@ -61,7 +61,7 @@ def test_torch_backend_through_the_public_api_equals_brute_force():
     # exact (one layer) and closure on backend="torch" (torch's CPU here), against verify's
     # independent rational expansion; float64 sums in another grouping: 1e-10 relative
     pytest.importorskip("torch")
-    from verify.attention import sequence_inner_exact as brute
+    from tensoralg.verify.attention import sequence_inner_exact as brute
 
     rng = np.random.default_rng(5)
     a, b = _attn_model(rng), _attn_model(rng, heads=2)

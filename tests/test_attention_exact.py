@@ -10,11 +10,11 @@ import pytest
 import sympy as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tensoralg.verify.attention import expand_sequence, sequence_inner_exact
 
 import tensoralg as ta
 from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import wick_terms as A
-from verify.attention import expand_sequence, sequence_inner_exact
 
 
 def attn(rng, H=1, dh=2, d=2, dv=1, d_out=None, bias=True, residual=False, **kw):

@@ -8,13 +8,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from tensoralg.verify.attention import sequence_inner_exact
 from test_attention_exact import attn as _attn
 
 import tensoralg as ta
 from tensoralg import canonical
 from tensoralg.strategies import wick_terms
 from tensoralg.strategies import wick_terms as A
-from verify.attention import sequence_inner_exact
 
 
 def _mixed(rng):

@@ -399,7 +399,7 @@ def test_compare_json_never_stores_an_unreliable_estimate_as_the_answer(ckpts, t
     assert r["unreliable_estimate"] == float(failed) and r["diagnostics"]["reason"]
 
 
-def _sequence_checkpoints(tmp_path):
+def _sequence_checkpoints(tmp_path, mask="causal", n=2):
     import tensoralg as ta
 
     rng = np.random.default_rng(5)
@@ -407,12 +407,50 @@ def _sequence_checkpoints(tmp_path):
     def model():
         w = [rng.standard_normal((1, 2, 3)) for _ in range(5)]
         return ta.Sequential([ta.Linear(rng.standard_normal((3, 2))),
-                              ta.Residual(ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)))),
+                              ta.Residual(ta.BilinearAttention(*w, rng.standard_normal((3, 1, 2)),
+                                                               mask=mask)),
                               ta.Linear(rng.standard_normal((2, 3)))])
-    a, b = model(), model()
-    save_checkpoint(tmp_path / "a", a)
-    save_checkpoint(tmp_path / "b", b)
-    return a, b, str(tmp_path / "a"), str(tmp_path / "b")
+    models = [model() for _ in range(n)]
+    names = "abcdefgh"[:n]
+    for name, m in zip(names, models):
+        save_checkpoint(tmp_path / name, m)
+    return (*models, *[str(tmp_path / name) for name in names])
+
+
+def test_matrix_sequence_networks_written_by_save_checkpoint(tmp_path):
+    """`tensoralg matrix` takes --n-ctx for sequence networks saved by save_checkpoint /
+    `tensoralg import`, as compare does (it said '--n-ctx: only for bilinear-transformer
+    checkpoints'); the entries are ta.similarity's."""
+    import tensoralg as ta
+
+    a, b, c, pa, pb, pc = _sequence_checkpoints(tmp_path, n=3)
+    out = tmp_path / "m"
+    assert main(["matrix", pa, pb, pc, "--n-ctx", "3", "--out", str(out)]) == 0
+    S = np.array(json.loads((out / "matrix.json").read_text())["similarity_matrix"])
+    nets = [a, b, c]
+    for i in range(3):
+        for j in range(3):
+            assert S[i, j] == pytest.approx(float(ta.similarity(nets[i], nets[j], n_ctx=3)),
+                                            rel=1e-12)
+
+
+def test_bad_n_ctx_for_sequence_networks_is_exit_2_from_compare_and_matrix(tmp_path, capsys):
+    """--n-ctx beyond the length an attention mask array fixes: compare exited 1 with the
+    reason in a note, matrix 2; both now refuse it before any work, in one line naming
+    --n-ctx and the checkpoint (docs/cli.md: bad input is exit 2)."""
+    _, _, pa, pb = _sequence_checkpoints(tmp_path, mask=np.tril(np.ones((4, 4))))
+    msg = f"--n-ctx: n_ctx=50 differs from {pa}'s attention mask of shape (4, 4)"
+    for argv in (["compare", pa, pb, "--n-ctx", "50"],
+                 ["matrix", pa, pb, "--n-ctx", "50", "--out", str(tmp_path / "m")]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip() == f"tensoralg {argv[0]}: error: {msg}"
+        assert captured.out == ""
+    assert not (tmp_path / "m").exists()
+    # causal masks without --n-ctx: matrix needs the length (compare reports it per row)
+    _, _, pc, pd = _sequence_checkpoints(tmp_path / "causal")
+    assert main(["matrix", pc, pd, "--out", str(tmp_path / "m")]) == 2
+    assert "--n-ctx: required for" in capsys.readouterr().err
 
 
 def test_compare_sequence_networks_written_by_save_checkpoint(tmp_path):

@@ -108,6 +108,13 @@ def test_import_bad_input_one_line_errors(user_code, capsys):
          "example_inputs: module(example_inputs) with shape (3, 4)"),
         (["import", "my_model:build", "w.pt", "--out", "x", "--input-shape", "3,a"],
          "--input-shape: expected comma-separated integers"),
+        # a keyword the factory does not take: named as --kwargs (was the raw __init__() error)
+        (["import", "my_model:build", "w.pt", "--out", "x", "--input-shape", "3,5",
+          "--kwargs", '{"hidden": 7}'],
+         "tensoralg import: error: --kwargs: my_model:build does not take {\"hidden\": 7} (got an "
+         "unexpected keyword argument 'hidden'); its parameters are (h=6)"),
+        (["import", "my_model:Gated", "w.pt", "--out", "x", "--input-shape", "3,5",
+          "--kwargs", '{"q": 1}'], "--kwargs: my_model:Gated does not take {\"q\": 1}"),
     ]
     for argv, msg in cases:
         assert main(argv) == 2

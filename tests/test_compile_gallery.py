@@ -450,3 +450,35 @@ def test_eval_batch_norm_folds_into_an_affine_map():
     x = np.random.default_rng(0).normal(size=(6, 3))
     ref = _forward(model, torch.from_numpy(x))
     assert np.abs(net(x) - ref).max() <= 1e-10 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("kind", ["zeros_like", "ones_like", "full_like", "new_zeros",
+                                  "new_ones", "new_full"])
+def test_constants_shaped_like_an_activation_compile(kind):
+    """torch.where(mask, x, torch.zeros_like(x)) was refused ('aten.zeros_like ... is not
+    supported') while torch.where(mask, x, 0.0) compiled: an op that only reads an activation's
+    shape makes a constant."""
+    make = {"zeros_like": lambda h: torch.zeros_like(h), "ones_like": lambda h: torch.ones_like(h),
+            "full_like": lambda h: torch.full_like(h, 2.5),
+            "new_zeros": lambda h: h.new_zeros(h.shape), "new_ones": lambda h: h.new_ones(h.shape),
+            "new_full": lambda h: h.new_full(h.shape, -1.5)}[kind]
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.r = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+            self.register_buffer("mask", torch.tensor([True, False, True]))
+
+        def forward(self, x):
+            h = self.l(x) * self.r(x)
+            return torch.where(self.mask, h, make(h))
+
+    torch.manual_seed(0)
+    m = Masked()
+    net = ta.from_torch(m, torch.randn(2, 4))
+    x = np.random.default_rng(0).normal(size=(5, 4))
+    ref = m.double()(torch.from_numpy(x)).detach().numpy()
+    assert np.abs(net(x) - ref).max() <= 1e-12 * np.abs(ref).max()
+    fill = {"zeros_like": 0.0, "ones_like": 1.0, "full_like": 2.5, "new_zeros": 0.0,
+            "new_ones": 1.0, "new_full": -1.5}[kind]
+    assert np.all(net(x)[:, 1] == fill)   # the masked-out output is the constant itself

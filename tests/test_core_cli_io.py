@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -88,3 +89,18 @@ def test_sigterm_unwinds_like_an_interrupt(tmp_path):
     _out, err = proc.communicate(timeout=20)
     assert proc.returncode == 130
     assert err.strip() == "tensoralg compare: interrupted"
+
+
+def test_main_puts_the_sigterm_handler_back(tmp_path, capsys):
+    """cli.main installs a SIGTERM handler that raises KeyboardInterrupt (so a killed command
+    cleans up); it was left installed after main returned, so a process that called main (a
+    test run) raised KeyboardInterrupt wherever a later SIGTERM landed."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    for argv in (["compare", str(tmp_path / "missing"), str(tmp_path / "missing")],   # exit 2
+                 ["demo", "--help"]):                                               # argparse exit
+        with contextlib.suppress(SystemExit):
+            cli.main(argv)
+        assert signal.getsignal(signal.SIGTERM) is before, argv
+    capsys.readouterr()

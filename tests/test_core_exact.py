@@ -1,5 +1,5 @@
 """Exactness of tensoralg.inner against the shared reference cases and an independent brute force
-(polynomial expansion in rationals, verify.certify.gaussian_inner_exact)."""
+(polynomial expansion in rationals, tensoralg.verify.certify.gaussian_inner_exact)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_exact_backend_output_slices_are_fractions():
 def test_frobenius_against_homogenized_polynomial():
     """<Sym T_a, Sym T_b>_F = sum_alpha c_a(alpha) c_b(alpha) / multinomial(n; alpha) over the
     monomials of the polynomials homogenized with x_0 (the lifted constant) to degree n."""
-    from verify.certify import expand
+    from tensoralg.verify.certify import expand
 
     def brute(a, b, n):
         pa, pb = expand(a), expand(b)

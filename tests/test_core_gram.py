@@ -11,6 +11,7 @@ from netgen import brute_inner, rand_network
 
 import tensoralg as ta
 from tensoralg import engine
+from tensoralg.results import ExactNorm
 
 
 def _models(kind, n, seed=0, **kw):
@@ -82,7 +83,7 @@ def test_diffs_follow_from_bilinearity():
     # exact backend: the squared distance is the exact rational
     fr = lambda n: ta.layers._map_arrays(n, lambda x: np.vectorize(Fraction, otypes=[object])(x))  # noqa: E731
     dn = ta.diff_norm(fr(b), fr(c), backend="exact")
-    assert dn ** 2 == d2
+    assert isinstance(dn, ExactNorm) and dn.squared == d2 and dn.exact ** 2 == d2
     assert ta.diff_norm(b, b) == 0.0
 
 
@@ -124,3 +125,32 @@ def test_inner_diff_across_architectures_and_exact():
     assert ta.inner_diff(a, b, c, backend="exact") == want
     scale = math.sqrt(ta.inner(a, a) * (ta.inner(b, b) + ta.inner(c, c)))
     assert abs(ta.inner_diff(a, b, c) - float(want)) <= 1e-10 * scale
+
+
+def test_gram_of_models_of_different_widths_is_every_pair_inner():
+    """ta.gram / similarity_matrix / cross_gram refused float models of different hidden widths
+    ('a batched Gram matrix needs same-architecture models') while ta.inner computed every pair:
+    the models are grouped by architecture, batched within a group, and the cross-group blocks
+    are cross Grams of two stacks; every entry equals the pair's inner / similarity."""
+    rng = np.random.default_rng(11)
+
+    def bil(h):
+        return ta.Bilinear(rng.normal(size=(h, 3)), rng.normal(size=(h, 3)), rng.normal(size=(2, h)))
+    ms = [bil(3), bil(4), bil(3), ta.Sequential([ta.Linear(rng.normal(size=(3, 3))), bil(5)]),
+          bil(4)]
+    G, S = ta.gram(ms), ta.similarity_matrix(ms)
+    Gk = ta.gram(ms, output="each")
+    C = ta.cross_gram(ms[:2], ms[1:])
+    for i, a in enumerate(ms):
+        for j, b in enumerate(ms):
+            ref = ta.inner(a, b)
+            assert abs(G[i, j] - ref) <= 1e-12 * abs(ref)
+            assert abs(S[i, j] - ta.similarity(a, b)) <= 1e-12 * abs(ta.similarity(a, b))
+            refk = ta.inner(a, b, output="each")
+            assert np.all(np.abs(Gk[i, j] - refk) <= 1e-12 * np.abs(refk))
+            if i < 2 and j >= 1:
+                assert abs(C[i, j - 1] - ref) <= 1e-12 * abs(ref)
+    assert np.array_equal(G, G.T)
+    Ge = ta.gram(ms[:4], backend="exact")   # rationals: equal, not close
+    assert all(Ge[i, j] == ta.inner(ms[i], ms[j], backend="exact")
+               for i in range(4) for j in range(4))

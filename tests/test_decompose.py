@@ -10,11 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from netgen import rand_bilinear, rand_linear
+from tensoralg.verify.certify import certify, gaussian_inner_exact
+from tensoralg.verify.decompose import (
+    chaos_coefficients,
+    check_decomposition_exact,
+    hermite_expansion,
+)
 
 import tensoralg as ta
 from tensoralg import decompose as dc
-from verify.certify import certify, gaussian_inner_exact
-from verify.decompose import chaos_coefficients, check_decomposition_exact, hermite_expansion
 
 
 def q(rng, *shape):
@@ -358,7 +362,7 @@ def test_cli_decompose_paths_and_bad_input(tmp_path, capsys):
     assert res["paths"]["names"] == ["direct", "1", "2", "1+2"]
     assert res["paths"]["check"]["equal"] and res["files"] == ["decompose.json"]
     assert main(["decompose", str(tmp_path / "a"), "--output", "3", "--out", str(out)]) == 2
-    assert "--output: class 3 out of range for 3 outputs" in capsys.readouterr().err
+    assert "--output: class index 3 out of range for 3 outputs (expected 0..2)" in capsys.readouterr().err
     assert main(["decompose", str(tmp_path / "a"), "--k", "17", "--out", str(out)]) == 2
     assert "--k: 17" in capsys.readouterr().err
     assert main(["decompose", str(tmp_path / "missing"), "--out", str(out)]) == 2
@@ -399,3 +403,41 @@ def test_difference_size_errors_name_a_and_b():
     rng = np.random.default_rng(4)
     with pytest.raises(ValueError, match="^input dimensions differ: a takes 3 inputs, b takes 5"):
         dc.difference(rand_bilinear(rng, 3, 2, 4), rand_bilinear(rng, 5, 2, 4))
+
+
+def test_cli_decompose_errors_name_what_the_user_typed(tmp_path, capsys):
+    """--diff errors named 'a' and 'b' (the library's names), a depth-2 network without residual
+    blocks was refused with the paths decomposition's internals: both now name CKPT / --diff and
+    the checkpoint, and say such models are not decomposed."""
+    import numpy as np
+
+    import tensoralg as ta
+    from tensoralg.checkpoint import save_checkpoint
+    from tensoralg.cli import main
+
+    rng = np.random.default_rng(0)
+
+    def bil(d, h, o):
+        return ta.Bilinear(rng.normal(size=(h, d)), rng.normal(size=(h, d)), rng.normal(size=(o, h)))
+    save_checkpoint(tmp_path / "a", bil(3, 4, 2))
+    save_checkpoint(tmp_path / "wide", bil(5, 4, 2))
+    save_checkpoint(tmp_path / "deep", ta.Sequential([bil(3, 4, 3), bil(3, 4, 2)]))
+    a, wide, deep = (str(tmp_path / n) for n in ("a", "wide", "deep"))
+    not_decomposed = ("is a bilinear network of depth 2 without residual blocks: such models are "
+                      "not decomposed")
+    cases = [(["decompose", a, "--diff", wide],
+              f"--diff: {wide} maps 5 inputs to 2 outputs, CKPT {a} maps 3 to 2; the change "
+              f"between two checkpoints needs the same input and output sizes"),
+             (["decompose", deep, "--k", "2"], f"CKPT: {deep} {not_decomposed}"),
+             (["decompose", a, "--diff", deep], f"--diff: {deep} {not_decomposed}")]
+    _checkpoints(tmp_path / "res1", n_layers=1, d_model=2, d_hidden=2)
+    _checkpoints(tmp_path / "res2", n_layers=2, d_model=2, d_hidden=2)
+    r1, r2 = str(tmp_path / "res1" / "a"), str(tmp_path / "res2" / "a")
+    cases.append((["decompose", r2, "--diff", r1, "--k", "2"],
+                  f"--diff: {r1} (bilinear depth 1) and CKPT {r2} (bilinear depth 2) have "
+                  f"different layer patterns"))
+    for argv, msg in cases:
+        assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"tensoralg decompose: error: {msg}") and "\n" not in err, err
+    assert not (tmp_path / "o").exists()

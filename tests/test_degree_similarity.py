@@ -2,7 +2,7 @@
 
 Independent checks: the homogeneous parts against a sympy expansion written here (not
 tensoralg's forward pass); every exact S<=K against tensor-product Gauss–Hermite quadrature
-(verify.quadrature.gauss_hermite) of the DFT-projected truncation over all the input variables
+(tensoralg.verify.quadrature.gauss_hermite) of the DFT-projected truncation over all the input variables
 (a different computation: forward passes and a quadrature rule, not the graded network / the
 exact Wick-chaos engines); the Monte Carlo estimates against the same quadrature truth within
 their standard errors.
@@ -17,10 +17,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import sympy as sp
+from tensoralg.verify.quadrature import gauss_hermite
 
 import tensoralg as ta
 from tensoralg.degree import DegreeSimilarity, degree_similarity, homogeneous_parts
-from verify.quadrature import gauss_hermite
 
 # ---------------------------------------------------------------------------------------
 # models
@@ -300,7 +300,7 @@ def test_repr_says_different_question_and_hides_unreliable():
     assert "different question" in text and "not an approximation" in text
     assert "(exact)" in text
     # a heavy-tailed two-layer pair: an unreliable S<=9 is not printed as a number
-    from verify.planted import planted_attention
+    from tensoralg.verify.planted import planted_attention
     pa = planted_attention(4, 3, seed=1, bias=False).network
     pb = planted_attention(4, 3, seed=2, bias=False).network
     with pytest.warns(RuntimeWarning, match="n_samples=60 < 300"):

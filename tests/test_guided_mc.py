@@ -1,7 +1,7 @@
 """Guided Monte Carlo (``proposal="modes"``, tensoralg.strategies.guided).
 
 The truth is independent of the code under test: the exact engine at depth 1 and on vector
-models, and the Gauss-Hermite oracle (verify.quadrature) on planted two-layer attention models
+models, and the Gauss-Hermite oracle (tensoralg.verify.quadrature) on planted two-layer attention models
 whose norm sits in rare inputs, where the radial estimator fails.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tensoralg.verify.planted import planted_attention
+from tensoralg.verify.quadrature import quadrature_inner, quadrature_similarity
 
 import tensoralg as ta
 from tensoralg.strategies import guided
-from verify.planted import planted_attention
-from verify.quadrature import quadrature_inner, quadrature_similarity
 
 
 def _z(est, truth):

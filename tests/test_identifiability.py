@@ -1,4 +1,4 @@
-"""verify.identifiability: stability metrics on constructed cases with known answers."""
+"""tensoralg.verify.identifiability: stability metrics on constructed cases with known answers."""
 
 import math
 
@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from verify.identifiability import (
+from tensoralg.verify.identifiability import (
     code_iou,
     code_l2,
     compare,

@@ -1,4 +1,8 @@
-"""No import circles in ``tensoralg/`` and ``verify/``, and ``verify`` independent of the fast paths.
+"""No import circles in ``tensoralg/`` and ``verify/``, and ``tensoralg.verify`` independent of the fast paths.
+
+The repository's ``verify/`` folder is the package ``tensoralg.verify`` (``pyproject.toml``'s
+``package-dir``): its modules are named so here, and an import of ``verify.x`` from anywhere is
+an error (it would load a second copy, or a user's own ``verify.py``).
 
 The import graph is read from the source with :mod:`ast` (every ``import`` / ``from ... import``
 statement anywhere in a module, including those inside functions, methods and module
@@ -9,7 +13,7 @@ p.q`` is an edge to ``p.q``. The implicit execution of parent packages' ``__init
 runs ``p/__init__.py`` before ``p.q``) is not an edge: it happens for every submodule and says
 nothing about who depends on whom. A module name computed at run time in a package's
 ``__init__`` (``importlib.import_module(f"{__name__}.{...}")``, the lazy ``__getattr__`` of
-``tensoralg.sae`` and ``verify``) counts as an edge to each of the package's own submodules;
+``tensoralg.sae`` and ``tensoralg.verify``) counts as an edge to each of the package's own submodules;
 elsewhere such a name is not followed (``tensoralg.sae.activations`` loads optional third-party
 packages that way). ``if TYPE_CHECKING:`` blocks are skipped (they never run).
 Circles are the strongly connected components of the graph (:func:`networkx.simple_cycles`
@@ -20,27 +24,30 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tensoralg", "verify")
+# folder -> the package name it is installed under
+PACKAGES = (("tensoralg", "tensoralg"), ("verify", "tensoralg.verify"))
 
 # verify checks tensoralg independently: it must not reach tensoralg's fast paths.
 FAST_PATHS = ("tensoralg.products", "tensoralg.strategies",
               "tensoralg.planner")
 
 
-def _module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
+def _module_name(path: Path, folder: Path, package: str) -> str:
+    parts = [package] + list(path.relative_to(folder).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
-    return {_module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+def _modules(root: Path = ROOT, packages: tuple = PACKAGES) -> dict[str, Path]:
+    return {_module_name(p, root / folder, pkg): p for folder, pkg in packages
+            for p in sorted((root / folder).rglob("*.py"))}
 
 
 def _type_checking_blocks(tree: ast.AST) -> set[int]:
@@ -140,7 +147,7 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path):
     (pkg / "b.py").write_text("def f():\n    import pkg.a\n    return pkg.a\n")
     (pkg / "c.py").write_text("from .a import b\n")
     (pkg / "d.py").write_text("from pkg import X\n")
-    g = import_graph(tmp_path, ("pkg",))
+    g = import_graph(tmp_path, (("pkg", "pkg"),))
     assert circles(g) == [{"pkg.a", "pkg.b"}]
     assert set(g.successors("pkg.c")) == {"pkg.a"} and set(g.successors("pkg.d")) == {"pkg"}
 
@@ -156,8 +163,31 @@ def test_verify_does_not_import_fast_paths():
     # Python also runs tensoralg/__init__.py, which loads the engine, but verify calls none of it)
     g = import_graph()
     reached = set()
-    for mod in (m for m in g if m == "verify" or m.startswith("verify.")):
+    mine = [m for m in g if m == "tensoralg.verify" or m.startswith("tensoralg.verify.")]
+    assert "tensoralg.verify.certify" in mine   # the folder verify/ is read as tensoralg.verify
+    for mod in mine:
         reached |= nx.descendants(g, mod)
     bad = sorted(m for m in reached if any(m == f or m.startswith(f + ".") for f in FAST_PATHS))
-    assert not bad, f"verify reaches tensoralg's fast paths: {bad}"
+    assert not bad, f"tensoralg.verify reaches tensoralg's fast paths: {bad}"
     assert "tensoralg.layers" in reached   # the walk does follow verify into tensoralg
+
+
+def test_nothing_imports_verify_by_its_folder_name():
+    # `import verify` / `from verify.x import` would load the folder a second time under another
+    # name (or a user's own verify.py): everything, verify included, uses tensoralg.verify or a
+    # relative import. Checked over the packages, tests, benchmarks and the docs' code.
+    bad = []
+    for folder in ("tensoralg", "verify", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                         else [])
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                        if n == "verify" or n.startswith("verify.")]
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+                 *sorted((ROOT / "proofs_notebooks").glob("*.ipynb"))]:
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"(^|[^\w.])(from verify[ .]|import verify\b|python -m verify\b)", line):
+                bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not bad, "uses of the folder name verify instead of tensoralg.verify:\n" + "\n".join(bad)

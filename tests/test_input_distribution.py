@@ -225,8 +225,17 @@ def test_bad_covariances_are_refused_before_any_work(cov, msg):
 def test_covariance_refusals_that_need_the_models_or_the_backend():
     rng = np.random.default_rng(9)
     a, b = _bilinear(rng), _bilinear(rng)
-    with pytest.raises(ValueError, match="cov: a covariance of size 3 x 3 for a, which reads 2"):
+    with pytest.raises(ValueError, match=r"^cov: a covariance matrix of shape \(3, 3\) for a, "
+                                         r"which reads 2 input features \(per position\); "
+                                         r"expected \(2, 2\)$"):
         ta.inner(a, b, cov=np.eye(3))
+    # a vector of variances is named as what the user gave (it said "a covariance of size 3 x 3")
+    with pytest.raises(ValueError, match=r"^cov: a vector of 3 variances \(a diagonal "
+                                         r"covariance\) for a, which reads 2 input features "
+                                         r"\(per position\); expected 2 variances$"):
+        ta.inner(a, b, cov=np.ones(3))
+    with pytest.raises(ValueError, match=r"^cov: 10 activation rows of 3 features for a"):
+        ta.inner(a, b, cov=rng.normal(size=(10, 3)))
     with pytest.raises(ValueError, match="irrational square root"):
         ta.inner(a, b, cov=2, backend="exact")
     with pytest.raises(ValueError, match="a full covariance matrix needs a rational factor"):

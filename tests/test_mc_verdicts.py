@@ -5,7 +5,7 @@ Plain (radial) sampling of a model of degree >= 3 is cross-checked against the g
 of the same quantity; the guided estimator samples directions around the modes of the
 integrand with the radius integrated exactly (unbiased, bounded summand); estimates that are
 exact by construction say so. Truth is independent of the samplers: Gauss-Hermite quadrature on
-the forward pass (``verify.quadrature``) on planted models, and the exact engine on vector
+the forward pass (``tensoralg.verify.quadrature``) on planted models, and the exact engine on vector
 models. The full table over 200 seeds per family is ``benchmarks/mc_verdicts.py``.
 """
 
@@ -15,12 +15,12 @@ import json
 
 import numpy as np
 import pytest
+from tensoralg.verify.planted import planted_attention
+from tensoralg.verify.quadrature import quadrature_inner, quadrature_similarity
 
 import tensoralg as ta
 from tensoralg.strategies import guided
 from tensoralg.strategies import montecarlo as mc
-from verify.planted import planted_attention
-from verify.quadrature import quadrature_inner, quadrature_similarity
 
 
 def _z(est, truth):

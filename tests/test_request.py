@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from tensoralg.verify.attention import sequence_inner_exact
 
 import tensoralg as ta
 from tensoralg.request import Request, make_request
@@ -15,7 +16,6 @@ from tensoralg.results import ExactSimilarity
 from tensoralg.strategies import closure as C
 from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import wick_terms as A
-from verify.attention import sequence_inner_exact
 
 
 class _Untouchable:
@@ -70,6 +70,10 @@ BAD = [
     (dict(output=[np.nan, 1.0]), "output: .*finite"),
     (dict(output=[0.0, 0.0]), "output: the direction u is zero"),
     (dict(output=np.eye(2)), "output: expected None, an int class index, a vector or 'each'"),
+    # a negative class index is refused everywhere (the CLI's --output and decompose refused it,
+    # the API counted it from the last output as a Python index)
+    (dict(output=-1), "^output: class index -1 is negative; expected an int >= 0 \\(a negative "
+                      "index does not count from the last output\\)$"),
     (dict(method="montecarlo", n_samples=1), "n_samples: expected an integer >= 6"),
     (dict(method="montecarlo", seed=-1), "seed: expected a non-negative integer"),
     (dict(method="montecarlo", backend="exact"), "method='montecarlo' samples in floating point"),
@@ -117,6 +121,7 @@ def test_sequence_entry_points_give_the_same_error():
         "inner_diff": lambda kw: ta.inner_diff(U, U, U, method="montecarlo", **kw),
     }
     for kw, msg in [(dict(n_ctx=0), "n_ctx: expected a positive int"),
+                    (dict(n_ctx=3, output=-1), "output: class index -1 is negative"),
                     (dict(n_ctx=3, output=[np.inf, 1.0]), "output: .*finite"),
                     (dict(n_ctx=3, output="all"), "output: expected None")]:
         seen = set()
@@ -284,3 +289,32 @@ def test_a_closure_value_says_what_it_is():
     assert not isinstance(ta.similarity(a, b, method="closure", output="each"),
                           MomentClosureValue)
     assert not isinstance(ta.similarity(a, b), MomentClosureValue)
+
+
+def test_a_negative_class_index_is_refused_by_the_api_decompose_and_the_cli(tmp_path, capsys):
+    """output=-1: the API counted it from the last output, the CLI (--output) and decompose
+    refused it; now one rule (tensoralg.request.check_class_index) everywhere."""
+    from tensoralg.checkpoint import save_checkpoint
+    from tensoralg.cli import main
+    from tensoralg.decompose import eigen
+
+    rng = np.random.default_rng(0)
+    nets = [ta.Bilinear(rng.normal(size=(3, 2)), rng.normal(size=(3, 2)), rng.normal(size=(2, 3)))
+            for _ in range(2)]
+    for call in (lambda: ta.inner(*nets, output=-1), lambda: ta.similarity(*nets, output=-1),
+                 lambda: ta.gram(nets, output=-1), lambda: eigen(nets[0], output=-1)):
+        with pytest.raises(ValueError, match="^output: class index -1 is negative"):
+            call()
+    with pytest.raises(ValueError, match=r"^output: class index 2 out of range for 2 outputs "
+                                         r"\(expected 0..1\)$"):
+        eigen(nets[0], output=2)
+    paths = []
+    for i, n in enumerate(nets):
+        save_checkpoint(tmp_path / f"c{i}", n)
+        paths.append(str(tmp_path / f"c{i}"))
+    for argv in (["matrix", *paths, "--output", "-1", "--out", str(tmp_path / "m")],
+                 ["decompose", paths[0], "--output", "-1", "--out", str(tmp_path / "d")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"tensoralg {argv[0]}: error: --output: class index -1 is negative; "
+                       f"expected 0..1 (a negative index does not count from the last output)")

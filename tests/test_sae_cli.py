@@ -104,7 +104,7 @@ def test_untrained_same_seed_run_is_not_the_ground_truth(tmp_path, capsys):
     assert _run(["sae", "stability", str(tmp_path / "s0"), str(tmp_path / "s1"), "--ground-truth",
                  str(tmp_path / "s0" / "ground_truth"), "--seed", "3", "--json", str(tmp_path / "s.json")]) == 0
     s = json.loads((tmp_path / "s.json").read_text())
-    from verify.identifiability import random_baseline
+    from tensoralg.verify.identifiability import random_baseline
     rb = random_baseline(24, 24, 16, n_draws=20, seed=0)
     for key in ("gt_dcs_a", "gt_dcs_b", "dcs", "random_dcs"):
         assert abs(s[key] - rb["dcs_mean"]) < 5 * rb["dcs_std"] + 0.01, (key, s[key], rb)

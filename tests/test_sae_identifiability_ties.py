@@ -1,10 +1,9 @@
-"""verify.identifiability: ties in the atom matching (duplicate atoms) do not change the scores."""
+"""tensoralg.verify.identifiability: ties in the atom matching (duplicate atoms) do not change the scores."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from verify.identifiability import code_iou, compare, match_atoms
+from tensoralg.verify.identifiability import code_iou, compare, match_atoms
 
 
 def _case(seed, m=7, d=5, k=2, n=60, dup=(0, 1)):

@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+from tensoralg.verify.identifiability import compare
 
 from tensoralg.cli import main
 from tensoralg.sae.presets import SCHEDULES, make_config, schedule
 from tensoralg.sae.pursuit import omp
 from tensoralg.sae.synthetic import make_synthetic
 from tensoralg.sae.training import TrainConfig, train
-from verify.identifiability import compare
 
 
 def test_schedule_resolves_fractions_of_the_steps():

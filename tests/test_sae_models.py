@@ -244,8 +244,9 @@ def test_untrained_sae_with_the_data_seed_scores_the_random_baseline():
     against the ground truth is a draw from the same distribution as random_baseline's: it must
     lie within a few of its standard deviations, far below 1.
     """
+    from tensoralg.verify.identifiability import compare, random_baseline
+
     from tensoralg.sae.synthetic import make_synthetic
-    from verify.identifiability import compare, random_baseline
 
     rb = random_baseline(64, 64, 32, n_draws=20, seed=0)
     assert rb["dcs_mean"] < 0.6                                     # the floor is well below 1

@@ -67,8 +67,9 @@ def test_no_export_is_shadowed_by_a_submodule():
 # The README's and docs/sae.md's SAE snippets run as written in tests/test_docs.py (every code
 # block of the docs is executed there); this is the same calls at a smaller size, with checks.
 def test_readme_snippet_literal_small():
+    from tensoralg.verify.identifiability import compare, random_baseline
+
     from tensoralg.sae import TrainConfig, make_config, make_synthetic, omp, train
-    from verify.identifiability import compare, random_baseline
 
     data = make_synthetic(512, d=32, m=64, k=4, seed=0)
     sae, history = train(data.x, make_config("isae-me", 32, 64, 4), TrainConfig(steps=10, seed=0))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tensoralg.verify.attention import sequence_inner_exact
 from test_attention_exact import attn
 
 import tensoralg as ta
 from tensoralg.strategies import wick_terms
-from verify.attention import sequence_inner_exact
 
 
 def _pair(seed=0):

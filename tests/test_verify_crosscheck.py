@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensoralg.verify import certify, gaussian_inner_exact
+from tensoralg.verify import montecarlo as mc
 
 import tensoralg
 from tensoralg.layers import Bilinear, Linear, Residual, Sequential
-from verify import certify, gaussian_inner_exact
-from verify import montecarlo as mc
 
 Q = st.fractions(min_value=-2, max_value=2, max_denominator=4)
 

@@ -1,4 +1,4 @@
-"""verify.montecarlo: sampling estimates, agreement z-tests, convergence reports."""
+"""tensoralg.verify.montecarlo: sampling estimates, agreement z-tests, convergence reports."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ matplotlib.use("Agg")
 import numpy as np
 import pytest
 from shared_cases import load_cases
+from tensoralg.verify import montecarlo as mc
+from tensoralg.verify.certify import certify, gaussian_inner_exact
 
 from tensoralg.layers import Bilinear, Linear
-from verify import montecarlo as mc
-from verify.certify import certify, gaussian_inner_exact
 
 CASES = {c["name"]: c for c in load_cases()}
 

@@ -1,4 +1,4 @@
-"""verify.quadrature (exact Gauss–Hermite oracle on slices) and verify.planted.
+"""tensoralg.verify.quadrature (exact Gauss–Hermite oracle on slices) and tensoralg.verify.planted.
 
 Reference values: ``tensoralg.inner`` (exact Wick/chaos) where an exact route exists, the
 closed-form chaos of a quadratic (docs/mathematics.md §3.6), and plain NumPy Monte Carlo over the FULL
@@ -17,16 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from netgen import rand_network
-
-import tensoralg as ta
-from verify.planted import planted_attention, planted_bilinear, unit_direction
-from verify.quadrature import (
+from tensoralg.verify.planted import planted_attention, planted_bilinear, unit_direction
+from tensoralg.verify.quadrature import (
     GaussianSlice,
     chaos_profile,
     gauss_hermite,
     quadrature_inner,
     quadrature_similarity,
 )
+
+import tensoralg as ta
 
 REL = 1e-12
 
@@ -73,7 +73,7 @@ def test_gauss_hermite_rule_moments():
 def test_discrete_hermite_transform_is_orthogonal(m):
     # sqrt(w_j) psi_k(y_j), k < m, is an orthogonal matrix (discrete orthogonality of the
     # Gauss rule): the chaos coefficients are as well conditioned as the values
-    from verify.quadrature import _hermite_orthonormal
+    from tensoralg.verify.quadrature import _hermite_orthonormal
 
     y, w = gauss_hermite(m)
     Q = _hermite_orthonormal(y, m - 1) * np.sqrt(w)[None, :]

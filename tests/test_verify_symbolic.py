@@ -1,4 +1,4 @@
-"""verify.symbolic: sympy proofs of the identities, and python -m verify."""
+"""tensoralg.verify.symbolic: sympy proofs of the identities, and python -m tensoralg.verify."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import sympy as sp
+from tensoralg.verify import symbolic as S
+from tensoralg.verify.__main__ import main as verify_main
+from tensoralg.verify.certify import gaussian_inner_exact
 
 from tensoralg.layers import Bilinear
-from verify import symbolic as S
-from verify.__main__ import main as verify_main
-from verify.certify import gaussian_inner_exact
 
 
 def _double_factorial(n):
@@ -80,7 +80,7 @@ def test_gram_closed_form_and_a_wrong_formula_fails():
 
 def test_gram_closed_form_agrees_with_certify_on_numbers():
     # Two independent routes: the symbolic closed form at rational values vs the exact
-    # polynomial expansion of verify.certify.
+    # polynomial expansion of tensoralg.verify.certify.
     rng = np.random.default_rng(7)
     def q(*s):
         return np.vectorize(lambda v: Fraction(int(v), 3), otypes=[object])(

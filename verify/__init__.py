@@ -1,24 +1,28 @@
-"""verify: independent checks of tensoralg's exactness claims.
+"""tensoralg.verify: independent checks of tensoralg's exactness claims.
+
+Installed as ``tensoralg.verify`` (the repository keeps it in the top-level ``verify/`` folder;
+``pyproject.toml`` maps the name), so that a ``verify.py`` of the user's own cannot shadow it.
 
 Nothing here calls tensoralg's fast paths (``inner``, ``similarity``, ``gram``, the tensor
 network or Wick code). Everything is recomputed from definitions:
 
-* :mod:`verify.symbolic` — sympy proofs of the identities (polarization, Isserlis, the lifted /
+* :mod:`tensoralg.verify.symbolic` — sympy proofs of the identities (polarization, Isserlis, the lifted /
   non-centred Isserlis rule, the single-layer Gram closed form, invariances) on small cases;
-  ``python -m verify`` runs them all.
-* :func:`verify.certify` — exact rational certificate of functional equivalence of two
-  networks by polynomial expansion (:mod:`verify.certify`).
-* :mod:`verify.montecarlo` — sampling estimates with standard errors, convergence reports and
+  ``python -m tensoralg.verify`` runs them all.
+* :func:`tensoralg.verify.certify` — exact rational certificate of functional equivalence of two
+  networks by polynomial expansion (:mod:`tensoralg.verify.certify`).
+* :mod:`tensoralg.verify.montecarlo` — sampling estimates with standard errors, convergence reports and
   z-score agreement checks.
-* :mod:`verify.attention` — brute-force rational polynomial expansion of small sequence models
+* :mod:`tensoralg.verify.attention` — brute-force rational polynomial expansion of small sequence models
   (bilinear attention) and their exact Gaussian inner products.
-* :mod:`verify.quadrature` — exact Gauss–Hermite quadrature of inner products, similarities and
+* :mod:`tensoralg.verify.quadrature` — exact Gauss–Hermite quadrature of inner products, similarities and
   Wiener-chaos (Hermite order) profiles on low-dimensional Gaussian slices of any network, from
-  the forward pass alone; :mod:`verify.planted` — planted high-dimensional models (reads and
+  the forward pass alone; :mod:`tensoralg.verify.planted` — planted high-dimensional models (reads and
   writes along one direction) whose full inner product is such a slice.
 
-``import verify`` is cheap: it loads only :mod:`verify.certify` (numpy); ``symbolic`` (sympy),
-``montecarlo``, ``quadrature`` and ``planted`` load on first use, and ``verify.identifiability`` is never imported here.
+``import tensoralg.verify`` is cheap: it loads only :mod:`tensoralg.verify.certify` (numpy);
+``symbolic`` (sympy), ``montecarlo``, ``quadrature`` and ``planted`` load on first use, and
+``tensoralg.verify.identifiability`` is never imported here.
 """
 
 from __future__ import annotations
@@ -35,5 +39,5 @@ from .certify import Certificate, certify, expand, gaussian_inner_exact  # binds
 def __getattr__(name: str):
     if name in ("symbolic", "montecarlo", "identifiability", "attention", "quadrature",
                 "planted"):
-        return importlib.import_module(f"verify.{name}")
-    raise AttributeError(f"module 'verify' has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``python -m verify [--quick] [--only SUBSTRING] [--json PATH]``: run the symbolic proofs.
+"""``python -m tensoralg.verify [--quick] [--only SUBSTRING] [--json PATH]``: run the symbolic proofs.
 
 Prints a table (identity, sizes, PASS/FAIL, number of exact equalities checked, seconds) and
 exits 1 if any check fails (2 on a usage error).
@@ -14,7 +14,7 @@ import time
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m verify",
+        prog="python -m tensoralg.verify",
         description="Symbolic (sympy) proofs of tensoralg's identities on small cases: "
                     "polarization, Isserlis (centred, covariance, lifted, non-centred), the "
                     "(1+x)^2 trap, the single-layer Gram closed form, and invariances.")
@@ -32,11 +32,11 @@ def main(argv=None) -> int:
     try:
         results = symbolic.run_all(quick=args.quick, only=args.only)
     except KeyboardInterrupt:
-        print("python -m verify: interrupted", file=sys.stderr)
+        print("python -m tensoralg.verify: interrupted", file=sys.stderr)
         return 130
     total = time.perf_counter() - t0
     if not results:
-        print(f"python -m verify: error: no check matches --only {args.only!r}", file=sys.stderr)
+        print(f"python -m tensoralg.verify: error: no check matches --only {args.only!r}", file=sys.stderr)
         return 2
     print(symbolic.format_table(results))
     n_fail = sum(not r.passed for r in results)
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         try:
             atomic_write_json(args.json, payload)
         except OSError as exc:
-            print(f"python -m verify: error: --json: {exc}", file=sys.stderr)
+            print(f"python -m tensoralg.verify: error: --json: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {args.json}")
     return 1 if n_fail else 0

@@ -2,7 +2,7 @@
 
 A polynomial is a ``dict`` mapping an exponent tuple ``alpha`` (length ``d``) to a nonzero
 :class:`fractions.Fraction`.  This module is deliberately small and self-contained: it is the
-independent route that :mod:`verify.certify` uses to check tensoralg's fast contractions, so it
+independent route that :mod:`tensoralg.verify.certify` uses to check tensoralg's fast contractions, so it
 recomputes everything from the definition of a polynomial and of a Gaussian moment, and shares
 no code with ``tensoralg.network`` / ``tensoralg.wick``.
 
@@ -43,7 +43,7 @@ class Budget:
                 f"{self.what}: the next step needs {n:,} coefficient products on top of "
                 f"{self.work:,} already done, over the limit max_work={self.max_work:,}; "
                 f"use a smaller network, raise max_work, or use Monte Carlo "
-                f"(verify.montecarlo) instead")
+                f"(tensoralg.verify.montecarlo) instead")
         self.work += n
 
 

@@ -99,7 +99,7 @@ def _degree_and_check(layer, d: int, deg_in: int, name: str, max_monomials: int)
             f"{name}: expanding this network into monomials could need up to C(d+deg, d) = "
             f"C({d}+{deg}, {d}) = {bound:,} monomials per output (d={d} inputs, degree {deg}), "
             f"over the limit max_monomials={max_monomials:,}; certify is meant for small "
-            f"networks: use verify.montecarlo, or tensoralg.inner for exact values")
+            f"networks: use tensoralg.verify.montecarlo, or tensoralg.inner for exact values")
     return deg
 
 
@@ -173,7 +173,9 @@ def _select_output(polys: list[Poly], output: Any, n_out: int) -> list[Poly]:
     if output is None or (isinstance(output, str) and output == "each"):
         return polys
     if isinstance(output, (int, np.integer)) and not isinstance(output, bool):
-        if not -n_out <= int(output) < n_out:
+        if int(output) < 0:   # as tensoralg: a negative index does not count from the end
+            raise ValueError(f"output: class index {output} is negative; expected 0..{n_out - 1}")
+        if int(output) >= n_out:
             raise ValueError(f"output: class index {output} out of range for {n_out} outputs")
         return [polys[int(output)]]
     if isinstance(output, str):

@@ -1,6 +1,6 @@
 """Independent checks of ``tensoralg.decompose`` by exact polynomial expansion.
 
-Everything here starts from :func:`verify.certify.expand` (the network written out as explicit
+Everything here starts from :func:`tensoralg.verify.certify.expand` (the network written out as explicit
 polynomials with rational coefficients; floats taken exactly) and never calls tensoralg's
 inner products, Gram matrices, chaos extraction or tensor networks:
 
@@ -69,7 +69,7 @@ def check_decomposition_exact(model: Any, components: Sequence[Any], *, output: 
     Args:
         model, components: networks with the same input and output sizes.
         output: ``None`` (all outputs), a class index or a direction vector.
-        max_monomials, max_work: size limits of :func:`verify.certify.expand`.
+        max_monomials, max_work: size limits of :func:`tensoralg.verify.certify.expand`.
 
     Raises:
         ValueError: no components, differing sizes; ExpansionTooLarge over the limits.

@@ -34,7 +34,7 @@ antithetic variates (Hammersley & Morton 1956) and control variates (e.g. Glasse
 Carlo Methods in Financial Engineering*, 2003, ch. 4).
 
 Nothing here calls tensoralg's inner products; exact reference values default to
-:func:`verify.certify.gaussian_inner_exact` (rational polynomial expansion).
+:func:`tensoralg.verify.certify.gaussian_inner_exact` (rational polynomial expansion).
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def convergence(a: Any, b: Any = None, exact: Any = None,
     ``log(rms error)`` on ``log(n)`` (the 1/sqrt(n) rate is slope -1/2).
 
     Args:
-        exact: reference ``<a, b>``; default :func:`verify.certify.gaussian_inner_exact`
+        exact: reference ``<a, b>``; default :func:`tensoralg.verify.certify.gaussian_inner_exact`
             (exact rational expansion, independent of tensoralg.inner).
 
     Raises:

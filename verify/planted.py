@@ -10,7 +10,7 @@ for sequences, a scalar for vectors), and under ``X ~ N(0, I)``, ``Xv ~ N(0, I_{
     <f_a, f_b> = E_{Y ~ N(0, I_{n_ctx})}[ f_a(Y v^T) . f_b(Y v^T) ],
 
 an ``n_ctx``-variable (vector models: one-variable) Gaussian integral that
-:func:`verify.quadrature.quadrature_inner` computes exactly on the slice
+:func:`tensoralg.verify.quadrature.quadrature_inner` computes exactly on the slice
 :meth:`PlantedModel.slice` — the exact full inner product at ``n_ctx * d`` in the hundreds.
 Two planted models built with the same ``v`` (same ``direction`` or the same ``v_seed``) and
 different ``seed`` are an exactly comparable pair.
@@ -85,7 +85,7 @@ class PlantedModel:
     def slice(self):
         """The slice on which the model's exact inner products live: ``v`` at every position
         (``N = n_ctx`` variables; vector models: ``N = 1``), a
-        :class:`verify.quadrature.GaussianSlice`."""
+        :class:`tensoralg.verify.quadrature.GaussianSlice`."""
         from .quadrature import GaussianSlice
 
         d = self.direction.size

@@ -54,7 +54,7 @@ one block of ``m^(N-1)`` values and ``C(K+N, N)`` coefficients per output (refus
 ``max_memory`` bytes).
 
 Planted models whose function of the full input is exactly one of these slices live in
-:mod:`verify.planted`.
+:mod:`tensoralg.verify.planted`.
 """
 
 from __future__ import annotations
@@ -556,7 +556,7 @@ quadrature_inner.__doc__ = """Exact ``<g_a, g_b> = sum_t sum_o E_Y[g_a(Y)[t,o] g
     ``<= 2m - 1``; float64 rounding only). ``b=None`` gives ``||g_a||^2``.
 
     When the networks depend on the input only through the slice's span (the planted models of
-    :mod:`verify.planted`), this is the exact full Gaussian inner product ``<f_a, f_b>``.
+    :mod:`tensoralg.verify.planted`), this is the exact full Gaussian inner product ``<f_a, f_b>``.
 """ + _ARGS_DOC + """
     Returns:
         :class:`QuadratureInner` (``float(result)`` is the value).

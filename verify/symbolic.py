@@ -11,7 +11,7 @@ Gaussian expectations: ``E[x^alpha]`` for ``x ~ N(0, I_d)`` is the iterated inte
 product of the one-dimensional integrals ``int t^k exp(-t^2/2) dt / sqrt(2 pi)``, each done by
 ``sympy.integrate`` (and cached).
 
-Run them all with ``python -m verify`` (``--quick`` for the small sizes).
+Run them all with ``python -m tensoralg.verify`` (``--quick`` for the small sizes).
 
 Sources: Isserlis, "On a formula for the product-moment coefficient of any order of a normal
 frequency distribution in any number of variables", Biometrika 12 (1918) (Wick's theorem in

@@ -47,11 +47,13 @@ def _shared(p: argparse.ArgumentParser, seed_help: str) -> None:
     add_threads_option(p)
 
 
-def _common(p: argparse.ArgumentParser, default_out: str) -> None:
+def _common(p: argparse.ArgumentParser, default_out: str, quick: bool = True) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help=f"output folder (default: {default_out}); must be new, empty or an "
                         f"earlier run of the same audit, which a completed run replaces")
-    p.add_argument("--quick", action="store_true", help="small size (tests, demo; default off)")
+    # demo is always quick: --quick is accepted there (a no-op) but not listed
+    p.add_argument("--quick", action="store_true",
+                   help="small size (tests; default off)" if quick else argparse.SUPPRESS)
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="tensor similarity method (default auto): auto = exact for depth <= 2 (Monte Carlo if the "
                         "exact cost is refused), or force exact/closure/montecarlo")
@@ -80,7 +82,7 @@ def add_parsers(sub) -> None:
                                    "it and audit the two checkpoints: per-class tensor similarity "
                                    "vs. CKA / output cosine / JS / weight cosine, attack success "
                                    "rate and accuracy.")
-    _common(p, "runs/demo")
+    _common(p, "runs/demo", quick=False)
     p.set_defaults(func=cmd_demo, own_threads=True)
 
     audit = sub.add_parser("audit", help="checkpoint audits: backdoor, forgetting, grokking, "

@@ -222,16 +222,17 @@ def staged_output(out: str | Path, json_name: str):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def exact_cost_refused(net: Any) -> str | None:
+def exact_cost_refused(net: Any, n_ctx: int | None = None) -> str | None:
     """Why the exact Gaussian inner product ``<net, net>`` is over budget, or ``None`` if it is
     affordable. Contracts nothing: :func:`tensoralg.plan` counts Wick configurations and
     estimates the FLOPs of the contraction paths (refused when it raises ``CostTooHigh``, marks
-    the plan ``refused``, or estimates more than ``tensoralg.network.DEFAULT_MAX_FLOPS``)."""
+    the plan ``refused``, or estimates more than ``tensoralg.network.DEFAULT_MAX_FLOPS``).
+    ``n_ctx``: the sequence length of a sequence network (None for others)."""
     import tensoralg as ta
     from tensoralg.network import DEFAULT_MAX_FLOPS
 
     try:
-        plan = ta.plan(net)
+        plan = ta.plan(net) if n_ctx is None else ta.plan(net, n_ctx=n_ctx)
     except ta.CostTooHigh as exc:
         return _reason(str(exc))
     if getattr(plan, "refused", None):
@@ -284,7 +285,7 @@ def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any
     return result
 
 
-def choose_method(method: str, depth: int, net: Any) -> str:
+def choose_method(method: str, depth: int, net: Any, n_ctx: int | None = None) -> str:
     """The similarity method a run will use, decided BEFORE any training from an untrained
     model ``net`` of the configured architecture (the cost depends on sizes only).
 
@@ -301,7 +302,7 @@ def choose_method(method: str, depth: int, net: Any) -> str:
     m = resolve_method(method, depth)
     if m != "exact":
         return m
-    why = exact_cost_refused(net)
+    why = exact_cost_refused(net, n_ctx)
     if why is None:
         return m
     if method == "auto":
@@ -453,23 +454,28 @@ def gap_finding(each: Sequence[float], each_stderr: Sequence[float] | None, cls:
 
 
 def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 1,
-                      output: Any = None, seed: int = 0, n_samples: int = MC_SAMPLES
-                      ) -> tuple[np.ndarray, str]:
+                      output: Any = None, seed: int = 0, n_samples: int = MC_SAMPLES,
+                      n_ctx: int | None = None) -> tuple[np.ndarray, str]:
     """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded;
-    ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods). A Monte Carlo
+    ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods); ``n_ctx``: the
+    sequence length of sequence networks (None for others). A Monte Carlo
     matrix is the library's :class:`~tensoralg.strategies.montecarlo.MonteCarloArray` itself:
     per entry a delta-method standard error and a reliability verdict (:func:`mc_entries`)."""
     import tensoralg as ta
 
     m = resolve_method(method, depth)
     mc = {"seed": seed, "n_samples": n_samples}
+    if n_ctx is not None:
+        output = {"output": output, "n_ctx": n_ctx}
+    else:
+        output = {"output": output}
     try:
-        return ta.similarity_matrix(list(models), method=m, output=output,
+        return ta.similarity_matrix(list(models), method=m, **output,
                                     **(mc if m == "montecarlo" else {})), m
     except ta.CostTooHigh:
         if method != "auto":
             raise
-        return ta.similarity_matrix(list(models), method="montecarlo", output=output,
+        return ta.similarity_matrix(list(models), method="montecarlo", **output,
                                     **mc), "montecarlo"
 
 

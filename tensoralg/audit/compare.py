@@ -80,6 +80,30 @@ def _same_shape(cfgs: Sequence[dict], paths: Sequence[str]) -> None:
                          f"got {desc}")
 
 
+def check_sequence_n_ctx(nets: Sequence, paths: Sequence, n_ctx: int | None,
+                         required: bool = False) -> int | None:
+    """``--n-ctx`` against the attention masks of sequence networks (written by
+    ``save_checkpoint`` / ``tensoralg import``), before any work: the length a mask array
+    fixes, or ``n_ctx``. ``required``: a missing ``--n-ctx`` with no mask fixing the length is
+    refused too (else left to the rows, as in ``compare``).
+
+    Raises:
+        ValueError: one line naming ``--n-ctx`` and the checkpoint (a length that differs from
+            a mask array's, masks fixing different lengths, a missing length when required).
+    """
+    from ..canonical import resolve_n_ctx
+
+    if n_ctx is None and not required:
+        return None
+    try:
+        return resolve_n_ctx([(str(p), net) for p, net in zip(paths, nets)], n_ctx)
+    except ValueError as exc:
+        msg = str(exc)
+        if msg.startswith("n_ctx:"):
+            msg = msg[len("n_ctx:"):].lstrip()
+        raise ValueError(f"--n-ctx: {msg}") from None
+
+
 def valid_pairs(metrics: Sequence[str], methods: Sequence[str]
                 ) -> tuple[list[tuple[str, str]], list[dict]]:
     """Split the requested (metric, method) combinations into those that exist and those skipped
@@ -151,7 +175,8 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
         if seq:
             (na, nb), n_ctx = sequence_networks([ma, mb], [ca, cb], [a, b], n_ctx)
         else:
-            na, nb = ma.to_network(), mb.to_network()   # (the library checks n_ctx)
+            na, nb = ma.to_network(), mb.to_network()
+            check_sequence_n_ctx([na, nb], [a, b], n_ctx)   # a bad --n-ctx: exit 2, no rows
         pairs, more = [p for p in pairs if p[0] == "gaussian"], \
             [{"metric": m, "method": me, "reason": "sequence models: only the Gaussian metric"}
              for m, me in pairs if m != "gaussian"]
@@ -397,8 +422,10 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     from .language import TRANSFORMER_KEYS, is_transformer_cfg, sequence_networks
 
     seq = is_transformer_cfg(cfgs[0])
+    # sequence networks written by save_checkpoint / tensoralg import (attention layers)
+    generic_seq = not seq and any(c.get("sequence") for c in cfgs)
     if n_samples is None:
-        n_samples = SEQUENCE_MC_SAMPLES if seq else MC_SAMPLES
+        n_samples = SEQUENCE_MC_SAMPLES if seq or generic_seq else MC_SAMPLES
     keys = TRANSFORMER_KEYS if seq else ("n_layers", "d_model", "d_hidden", "residual", "bias")
     arch = [tuple(c.get(k) for k in keys) for c in cfgs]
     for p, a in zip(paths[1:], arch[1:]):
@@ -407,8 +434,10 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
                              f"{dict(zip(keys, a))}, {paths[0]} has {dict(zip(keys, arch[0]))} "
                              f"(compare mixed pairs with `tensoralg compare`)")
     d_out = _io(cfgs[0])[1]
-    if output is not None and not (0 <= output < d_out):
-        raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
+    if output is not None:
+        from ..request import check_class_index
+
+        check_class_index(output, d_out, "--output")
     depth = max(c["n_layers"] for c in cfgs)
     t = time.perf_counter()
     if seq:
@@ -420,13 +449,17 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
         mat, info = sequence_similarity_matrix_for_cli(nets, used, n_ctx, n_samples, seed)
         se, ok = info.get("stderr"), info.get("reliable")
     else:
-        if n_ctx is not None:
-            raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
+        if n_ctx is not None and not generic_seq:
+            raise ValueError("--n-ctx: only for sequence checkpoints (bilinear transformers, or "
+                             "networks with attention layers)")
         nets = [m.to_network() for m, _ in loaded]
+        if generic_seq:
+            n_ctx = check_sequence_n_ctx(nets, paths, n_ctx, required=True)
         deepest = nets[max(range(len(cfgs)), key=lambda i: cfgs[i]["n_layers"])]
-        planned = choose_method(method, depth, deepest)
+        planned = choose_method(method, depth, deepest, n_ctx)
         mat, used = similarity_matrix(nets, method if planned == "exact" else planned,
-                                      depth=depth, output=output, seed=seed, n_samples=n_samples)
+                                      depth=depth, output=output, seed=seed, n_samples=n_samples,
+                                      n_ctx=n_ctx)
         se, ok = mc_entries(mat)
     rec = matrix_record(mat, se, ok)
     mat = shown_matrix(mat, ok)

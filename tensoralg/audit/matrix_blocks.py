@@ -155,8 +155,10 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
         if n_ctx is not None:
             raise ValueError("--n-ctx: only for bilinear-transformer (sequence) checkpoints")
         d_out = int(cfg0["d_out"])
-        if output is not None and not (0 <= output < d_out):
-            raise ValueError(f"--output: expected an output index in [0, {d_out}), got {output}")
+        if output is not None:
+            from ..request import check_class_index
+
+            check_class_index(output, d_out, "--output")
         used = choose_method(method, depth, load_network(paths[0]))
     kw = dict(block_size=block_size or blocks.DEFAULT_BLOCK_SIZE, resume=resume, method=used,
               output=output, n_samples=n_samples, seed=seed, threads=threads,

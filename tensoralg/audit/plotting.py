@@ -32,6 +32,7 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
     width = 0.4 if control is not None else 0.8
     ax.bar(np.arange(k) - (width / 2 if control is not None else 0), slices, width=width,
            color=colors, label="tensor similarity (class slice)")
+
     if control is not None:
         ax.bar(np.arange(k) + width / 2, control, width=width, color="tab:gray", alpha=0.6,
                label="control: clean fine-tune")
@@ -52,16 +53,30 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
     ax.set_xlabel("class (output slice)")
     ax.set_ylabel("similarity clean vs. audited")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    handles, names = ax.get_legend_handles_labels()
+    if target is not None and 0 <= target < k:   # the red bar is named in the legend too
+        from matplotlib.patches import Patch
+
+        at = names.index("tensor similarity (class slice)") + 1
+        handles.insert(at, Patch(color="tab:red"))
+        names.insert(at, f"tensor similarity, target class {target}")
+    ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0)
     return save_figure(fig, path)
 
 
 def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], title: str,
              vmin: float | None = None, axis_label: str = "checkpoint") -> Path:
     """Matrices side by side with a shared colour scale, labelled rows and columns."""
+    import textwrap
+
     plt = _plt()
     n = len(mats)
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 0.8, 4.2), squeeze=False)
+    # constrained layout keeps each panel's axis label and title clear of its neighbours
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 0.8, 4.6), squeeze=False,
+                             layout="constrained")
+    n_ticks = max(np.asarray(m).shape[0] for m in mats.values())
+    tick_size = 9 if n_ticks <= 12 else 8 if n_ticks <= 24 else 6   # readable while they fit
     vals = np.concatenate([np.asarray(m, dtype=float).ravel() for m in mats.values()])
     vals = vals[np.isfinite(vals)]
     lo = vmin if vmin is not None else (float(vals.min()) if vals.size else 0.0)
@@ -69,12 +84,13 @@ def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], 
     for ax, (name, mat) in zip(axes[0], mats.items()):
         mat = np.asarray(mat, dtype=float)
         im = ax.imshow(mat, vmin=lo, vmax=1.0, cmap="viridis", aspect="auto")
-        ax.set_title(name, fontsize=9)
+        ax.set_title(textwrap.fill(name, 34 if n > 1 else 60), fontsize=9)   # wrapped: no overlap
         ax.set_xticks(range(mat.shape[1]))
         ax.set_xticklabels(labels if mat.shape[1] == len(labels) else range(mat.shape[1]),
-                           rotation=90, fontsize=6)
+                           rotation=90, fontsize=tick_size)
         ax.set_yticks(range(mat.shape[0]))
-        ax.set_yticklabels(labels if mat.shape[0] == len(labels) else range(mat.shape[0]), fontsize=6)
+        ax.set_yticklabels(labels if mat.shape[0] == len(labels) else range(mat.shape[0]),
+                           fontsize=tick_size)
         ax.set_xlabel(axis_label)
         ax.set_ylabel(axis_label)
     cb = fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)

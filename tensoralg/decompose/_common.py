@@ -81,11 +81,10 @@ def _output_vector(output: Any, n_out: int, name: str = "output") -> np.ndarray 
     if isinstance(output, (bool, np.bool_)):
         raise ValueError(f"{name}: expected a class index or a direction vector, got {output!r}")
     if isinstance(output, (int, np.integer)):
-        if not 0 <= int(output) < n_out:
-            raise ValueError(f"{name}: class index {int(output)} out of range for a network with "
-                             f"{n_out} outputs (expected 0..{n_out - 1})")
+        from ..request import check_class_index
+
         u = np.zeros(n_out)
-        u[int(output)] = 1.0
+        u[check_class_index(output, n_out, name)] = 1.0
         return u
     if isinstance(output, str):
         raise ValueError(f"{name}: expected a class index or a direction vector of length "

@@ -59,6 +59,19 @@ def _load(path: str, option: str):
                          f"eigen-components at depth 1, residual paths deeper); to compare "
                          f"transformer checkpoints use tensoralg compare A B or tensoralg matrix "
                          f"CKPT... (ta.similarity in Python)")
+    from . import bilinear_depth
+    from .residual import _split_residual
+
+    depth = bilinear_depth(net)
+    if depth > 1:
+        try:
+            _split_residual(net)
+        except ValueError:
+            raise ValueError(f"{option}: {path} is a bilinear network of depth {depth} without "
+                             f"residual blocks: such models are not decomposed (tensoralg "
+                             f"decompose takes apart depth-1 networks into eigen-components and "
+                             f"residual networks, [Linear ...] Residual blocks [Linear ...], into "
+                             f"paths); compare checkpoints with tensoralg compare A B") from None
     return net
 
 
@@ -77,11 +90,27 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
     net = _load(checkpoint, "CKPT")
     what = f"checkpoint {checkpoint}"
     if diff is not None:
-        net = difference(net, _load(diff, "--diff"))
+        from ._common import _type_key
+
+        other = _load(diff, "--diff")
+        if (other.in_features, other.out_features) != (net.in_features, net.out_features):
+            raise ValueError(f"--diff: {diff} maps {other.in_features} inputs to "
+                             f"{other.out_features} outputs, CKPT {checkpoint} maps "
+                             f"{net.in_features} to {net.out_features}; the change between two "
+                             f"checkpoints needs the same input and output sizes")
+        if max(bilinear_depth(net), bilinear_depth(other)) > 1 and \
+                _type_key(net) != _type_key(other):
+            raise ValueError(f"--diff: {diff} (bilinear depth {bilinear_depth(other)}) and CKPT "
+                             f"{checkpoint} (bilinear depth {bilinear_depth(net)}) have different "
+                             f"layer patterns; the change is decomposed between checkpoints of "
+                             f"one architecture (compare them with tensoralg compare A B)")
+        net = difference(net, other)
         what = f"change {checkpoint} -> {diff}"
     O, d = net.out_features, net.in_features
-    if output is not None and not 0 <= output < O:
-        raise ValueError(f"--output: class {output} out of range for {O} outputs (0..{O - 1})")
+    if output is not None:
+        from ..request import check_class_index
+
+        check_class_index(output, O, "--output")
     if k > d:
         raise ValueError(f"--k: {k} eigen-components requested but the input has only {d} "
                          f"dimensions")

@@ -77,10 +77,11 @@ def eigenvector_figure(path: str | Path, eig: Any, k: int, title: str,
             axes[0].bar(range(eig.d), m, color="k")
         axes[0].set_title(mask_label, fontsize=8)
         j = 1
+    # one colour scale for every eigenvector panel, so that the one colour bar reads them all
+    lim = float(max((np.abs(eig.eigenvectors[i]).max() for i in range(k)), default=0.0)) or 1.0
     for i in range(k):
         v = eig.eigenvectors[i]
         ax = axes[j + i]
-        lim = float(np.abs(v).max()) or 1.0
         if square:
             im = ax.imshow(v.reshape(side, side), cmap="RdBu_r", vmin=-lim, vmax=lim)
         else:
@@ -90,6 +91,7 @@ def eigenvector_figure(path: str | Path, eig: Any, k: int, title: str,
         ax.set_xticks([])
         ax.set_yticks([])
     if square and k:
-        fig.colorbar(im, ax=list(axes), shrink=0.7)
+        fig.colorbar(im, ax=list(axes), shrink=0.7).set_label("eigenvector entry (unit norm)",
+                                                              fontsize=8)
     fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)

@@ -184,7 +184,7 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDeco
     confirms the sum (in rationals with ``backend="exact"``). A path whose exact norm is over
     the planner's budget (``tensoralg.plan(...).refused``, e.g. depth 3) is listed with its
     cost, and its Gram entries are NaN (as are the model's, ``norm2``, when the model itself is
-    over budget); the check then needs ``verify.decompose.check_decomposition_exact``.
+    over budget); the check then needs ``tensoralg.verify.decompose.check_decomposition_exact``.
 
     Raises:
         ValueError: a model that is not embed / residual blocks / head, more than 8 blocks.

@@ -30,7 +30,7 @@ Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
   :class:`~tensoralg.transformer.BilinearTransformer` on held-out corpus text (offline;
   :func:`extract_transformer_activations`, :func:`residual_stream_at`).
 
-The stability metrics live in :mod:`verify.identifiability`.
+The stability metrics live in :mod:`tensoralg.verify.identifiability`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Per preset (means over seeds, or over seed pairs for the cross-seed numbers), on
 * ``fvu`` — fraction of variance unexplained ``Σ‖x - x_hat‖² / Σ‖x - mean x‖²``;
 * ``l0`` — mean number of non-zero code entries per held-out row; ``dead_latents`` — latents
   that are zero on every held-out row (mean over seeds);
-* ``dcs``, ``code_iou``, ``code_l2`` — :mod:`verify.identifiability` between every two seeds;
+* ``dcs``, ``code_iou``, ``code_l2`` — :mod:`tensoralg.verify.identifiability` between every two seeds;
 * ``gt_dcs``, ``gt_code_iou``, ``gt_code_l2`` — against the true dictionary and codes;
 * ``rip_delta`` — max over observed supports of ``max(λ_max(G_S) - 1, 1 - λ_min(G_S))`` of the
   learned dictionary (mean over seeds); ``rip_delta_mean`` its mean over supports;
@@ -115,7 +115,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
     Returns:
         the results dict described in the module docstring.
     """
-    from verify.identifiability import compare
+    from tensoralg.verify.identifiability import compare
 
     cfg = dict(QUICK if quick else FULL)
     unknown = set(overrides) - set(cfg)
@@ -352,8 +352,10 @@ def plot_bench(r: dict, path) -> None:
         if ref == "true_delta" and "oracle" in r:
             ax.axhline(r["oracle"]["rip_delta"], color="k", ls="--", label="true dictionary")
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
-                      frameon=False)
+            # below the "preset" label; the 30-pt "untrained" tick drawn short in the legend
+            # (at full length it ran through its own label)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.24), ncol=2,
+                      frameon=False, markerscale=0.3)
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_xlabel("preset", fontsize=8)

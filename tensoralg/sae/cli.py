@@ -354,7 +354,7 @@ def _cmd_stability(args) -> int:
     import numpy as np
     import torch
 
-    from verify.identifiability import compare, random_baseline
+    from tensoralg.verify.identifiability import compare, random_baseline
 
     from ..io import read_config
     from .models import rip_constants
