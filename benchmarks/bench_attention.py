@@ -46,7 +46,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tensoralg as ta  # noqa: E402
-from tensoralg.strategies import wick_terms as A  # noqa: E402
+from tensoralg.strategies import sequence_exact as A  # noqa: E402
 from tensoralg.strategies import montecarlo as MC
 from tensoralg.strategies import closure as C  # noqa: E402
 
@@ -99,11 +99,14 @@ for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, sys.argv[1])
 import numpy as np, torch
 torch.set_num_threads(1)
-try:  # this checkout, or an older one with the exact path in tensoralg.attention
-    from tensoralg.strategies import wick_terms as A
+try:  # this checkout, or an older one with the exact path in wick_terms or tensoralg.attention
+    from tensoralg.strategies import sequence_exact as A
     A.exact_inner
 except (ImportError, AttributeError):
-    from tensoralg import attention as A
+    try:
+        from tensoralg.strategies import wick_terms as A
+    except ImportError:
+        from tensoralg import attention as A
 sys.path.insert(0, sys.argv[2])
 from bench_attention import model
 rng = np.random.default_rng(0)

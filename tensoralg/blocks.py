@@ -324,14 +324,14 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
     computed by the same operations:
 
     * ``method="exact"`` (at most one attention layer): the diagonal block is
-      :func:`tensoralg.strategies.wick_terms.exact_gram`; off the diagonal each entry is
-      :func:`tensoralg.strategies.wick_terms.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
+      :func:`tensoralg.strategies.sequence_exact.exact_gram`; off the diagonal each entry is
+      :func:`tensoralg.strategies.sequence_exact.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
     * ``method="closure"`` (APPROXIMATE at depth >= 2, exact at depth 1): the diagonal block is
       :func:`tensoralg.strategies.closure.closure_gram`; off the diagonal
       :func:`tensoralg.strategies.closure.closure_cross_gram` (the cross pairs only; equal to the
       corresponding block of ``closure_gram(rows + cols)``, same operations).
     """
-    from .strategies import wick_terms
+    from .strategies import sequence_exact
     from .strategies import closure
 
     n_ctx, output, method = opts["n_ctx"], opts["output"], opts["method"]
@@ -344,11 +344,11 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
     kw = {} if opts.get("max_configurations") is None else \
         {"max_configurations": opts["max_configurations"]}
     if b is None:
-        return wick_terms.exact_gram(a, n_ctx=n_ctx, output=output, **kw)
+        return sequence_exact.exact_gram(a, n_ctx=n_ctx, output=output, **kw)
     G = np.empty((len(a), len(b)))
     for i, x in enumerate(a):
         for j, y in enumerate(b):
-            G[i, j] = float(wick_terms.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
+            G[i, j] = float(sequence_exact.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
     return G
 
 
@@ -362,7 +362,7 @@ def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
         tensoralg.CostTooHigh: ``method="exact"`` for a model the exact attention path does
             not handle (two attention layers, an MLP block), naming the alternative.
     """
-    from .strategies import wick_terms
+    from .strategies import sequence_exact
     from .errors import CostTooHigh
 
     if opts["method"] not in SEQUENCE_METHODS:
@@ -387,8 +387,8 @@ def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
         for i, r in enumerate(probe):
             net = _load(r, opts["n_ctx"], True)
             try:
-                wick_terms.count_configurations(net, net, n_ctx=opts["n_ctx"])
-            except wick_terms.AttentionNotSupported as exc:
+                sequence_exact.count_configurations(net, net, n_ctx=opts["n_ctx"])
+            except sequence_exact.AttentionNotSupported as exc:
                 raise CostTooHigh(f"method='exact' for sequence models[{i}]: {exc}; use "
                                   f"method='closure' (exact at depth 1, approximate beyond)"
                                   ) from None
@@ -704,7 +704,7 @@ _API_DOC = """
             the context length; for transformer checkpoints default the shortest trained one,
             longer refused. Their blocks run in float64 NumPy with ``method="exact"`` (at most
             one attention layer) or ``"closure"`` (approximate at depth >= 2) through
-            :mod:`tensoralg.strategies.wick_terms`, the functions of the unblocked matrix.
+            :mod:`tensoralg.strategies.sequence_exact`, the functions of the unblocked matrix.
         device: ``"auto"`` (default: each worker uses CUDA through the torch backend when
             ``torch.cuda.is_available()``, else the NumPy backend), ``"cpu"`` or ``"cuda"``.
         threads: torch CPU threads per block task (default 1).

@@ -60,7 +60,7 @@ import numpy as np
 
 from . import engine
 from .prepare import _selector
-from .strategies import wick_terms
+from .strategies import chaos, sequence_exact
 from .strategies.executor import torch_backend
 from .canonical import (KEY, OUTPUT, QUERY, Leg, Node, Term, Tree, _lift_rows, canonicalize,
                         resolve_n_ctx, sequence_tree)
@@ -470,7 +470,7 @@ def _check_bound(pa: Tree, pb: Tree) -> None:
 
 def _tree_inner(pa: Tree, pb: Tree, n_ctx: int) -> float:
     _check_bound(pa, pb)
-    return float(wick_terms.tree_inner_req(make_request(n_ctx=n_ctx), pa, pb, n_ctx))
+    return float(sequence_exact.tree_inner_req(make_request(n_ctx=n_ctx), pa, pb, n_ctx))
 
 
 # ----------------------------------------------------------------------------------------
@@ -805,18 +805,18 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                 pa, pb = f0.tree(ks), f1.tree(ks)
                 exact_ip[K] = done[key] = (_tree_inner(pa, pb, n_ctx), _tree_inner(pa, pa, n_ctx),
                                            _tree_inner(pb, pb, n_ctx))
-            except (CostTooHigh, wick_terms.AttentionNotSupported) as exc:
+            except (CostTooHigh, sequence_exact.AttentionNotSupported) as exc:
                 why[K] = f"exact path refused: {exc}"
         for K in Ks:
             if K in exact_ip or K < max(deg_a, deg_b) or (fo[0][0] and fo[1][0]):
                 continue
             try:   # with biases, f_<=K is the model itself: the exact path of one attention layer
                 plain = make_request(n_ctx=n_ctx)
-                exact_ip[K] = (wick_terms.exact_inner_req(plain, na, nb),
-                               wick_terms.exact_inner_req(plain, na, na),
-                               wick_terms.exact_inner_req(plain, nb, nb))
+                exact_ip[K] = (sequence_exact.exact_inner_req(plain, na, nb),
+                               sequence_exact.exact_inner_req(plain, na, na),
+                               sequence_exact.exact_inner_req(plain, nb, nb))
                 why.pop(K, None)
-            except (CostTooHigh, wick_terms.AttentionNotSupported) as exc:
+            except (CostTooHigh, sequence_exact.AttentionNotSupported) as exc:
                 why[K] = f"{why.get(K, '')}; the models themselves: {str(exc)[:100]}..."
         for side, (f, _) in enumerate(fo):
             if f is None:
@@ -915,25 +915,25 @@ class DegreeSimilarityMatrix:
 def _tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = None
                ) -> np.ndarray:
     """The exact Gram matrix of one-node float64 trees (linear and attention terms), each
-    model's chaos form (:class:`~tensoralg.strategies.wick_terms.TermSide`) built once per
-    side, then every unordered pair (:func:`~tensoralg.strategies.wick_terms.chaos_pair`);
+    model's chaos form (:class:`~tensoralg.strategies.chaos.sequence.TermSide`) built once per
+    side, then every unordered pair (:func:`~tensoralg.strategies.chaos.sequence.chaos_pair`);
     the cost of each model's own pair is checked first (CostTooHigh)."""
     req = make_request(n_ctx=n_ctx)
     sel = _selector(n_ctx, None, False)
     for t in trees:
         _check_bound(t, t)
-        wick_terms._check_cost(req, t, t, n_ctx, (), sel, "chaos")
+        sequence_exact.check_cost(req, t, t, n_ctx, (), sel, "chaos")
     N = len(trees)
     G = np.zeros((N, N))
     with torch_backend(backend, device, "degree_similarity_matrix"):
-        sides = [{s: [wick_terms.TermSide(x, s, np.einsum, n_ctx, False)
+        sides = [{s: [chaos.TermSide(x, s, np.einsum, n_ctx, False)
                       for x in t.nodes[0].terms] for s in ("a", "b")} for t in trees]
         for i in range(N):
             for j in range(i, N):
                 total = 0.0
                 for x in sides[i]["a"]:
                     for y in sides[j]["b"]:
-                        val, _ = wick_terms.chaos_pair(x, y, sel, (), np.einsum,
+                        val, _ = chaos.chaos_pair(x, y, sel, (), np.einsum,
                                                        req.max_configurations)
                         if val is not None:
                             total += float(val)
@@ -1037,10 +1037,10 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         for K in rest:
             if K >= top and all(dg == top for dg in degs) and any(f is None for f, _ in fos):
                 try:    # with biases: the models themselves (one attention layer)
-                    grams[K] = wick_terms.exact_gram_req(make_request(n_ctx=n_ctx), nets)
+                    grams[K] = sequence_exact.exact_gram_req(make_request(n_ctx=n_ctx), nets)
                     notes[K] = "exact: the models themselves (one attention layer)"
                     continue
-                except wick_terms.AttentionNotSupported:
+                except sequence_exact.AttentionNotSupported:
                     pass
             for i, (f, why) in enumerate(fos):
                 if f is None:

@@ -29,7 +29,7 @@ from .prepare import (check_pair, check_sequence_models, check_slices, model_lis
 from .distribution import STANDARD
 from .request import Request
 from .results import check_overflow, gram_to_similarity, similarity_from, swap_order
-from .strategies import chaos, closure, guided, montecarlo, wick
+from .strategies import chaos, closure, guided, montecarlo, sequence_exact, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
 
@@ -72,10 +72,8 @@ def _is_sequence(*nets) -> bool:
 
 def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
     """Sequence models (bilinear attention, docs/mathematics.md §3.7): exact for one attention
-    layer (:mod:`~tensoralg.strategies.wick_terms`), Monte Carlo and the (approximate) closure
+    layer (:mod:`~tensoralg.strategies.sequence_exact`), Monte Carlo and the (approximate) closure
     at any depth; refusals name the alternatives."""
-    from .strategies import wick_terms
-
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             getattr(n, "is_sequence_model", False) or n.degree <= 1 for n in (na, nb)):
         raise ValueError("a and b: a sequence model (with attention) compared with a "
@@ -98,11 +96,11 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
         return fn(req, na, nb)
     try:
         if kind == "inner":
-            return _checked_inner(wick_terms.exact_inner_req, req, na, nb)
-        return wick_terms.exact_similarity_req(req, na, nb)
-    except wick_terms.AttentionNotSupported as exc:
+            return _checked_inner(sequence_exact.exact_inner_req, req, na, nb)
+        return sequence_exact.exact_similarity_req(req, na, nb)
+    except sequence_exact.AttentionNotSupported as exc:
         raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
-                          f"{wick_terms.ALTERNATIVES}") from None
+                          f"{sequence_exact.ALTERNATIVES}") from None
 
 
 def _checked_inner(fn, req: Request, na: Layer, nb: Layer):
@@ -378,11 +376,9 @@ def _exported(models: list) -> list:
 
 def _sequence_matrix(kind: str, req: Request, models: list):
     """Gram / similarity matrices of sequence models (with attention) through
-    :mod:`tensoralg.strategies.wick_terms` / :mod:`~tensoralg.strategies.closure` (per-model work once); None for position-free models."""
+    :mod:`tensoralg.strategies.sequence_exact` / :mod:`~tensoralg.strategies.closure` (per-model work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
         return None  # (specs and folders go the position-free way, unchanged)
-    from .strategies import wick_terms
-
     for i, m in enumerate(models):  # as inner: a sequence model is not compared with an MLP
         if isinstance(m, Layer) and not m.is_sequence_model and m.degree > 1:
             raise ValueError(f"models[{i}]: a position-free network of degree {m.degree} among "
@@ -400,7 +396,7 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     if req.method == "montecarlo":
         nets, n_ctx = check_sequence_models(models, req.n_ctx)
         return _sequence_mc_matrix(kind, req, nets, n_ctx)
-    fn = closure.closure_gram_req if req.method == "closure" else wick_terms.exact_gram_req
+    fn = closure.closure_gram_req if req.method == "closure" else sequence_exact.exact_gram_req
     if kind == "similarity_matrix":   # (gram_to_similarity checks for an overflow)
         return fn(req, models, similarity=True)
     with np.errstate(over="ignore", invalid="ignore"):

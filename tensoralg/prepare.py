@@ -296,7 +296,7 @@ class PreparedCache:
     array, compared element by element with the current weights (``==``, so an in-place
     change, a replaced array or a NaN is a miss). A hit returns the stored stack, whose arrays
     are read-only; its ``memo`` holds results derived from it (the chaos coefficients of
-    :mod:`tensoralg.strategies.chaos_depth1`). Float64 networks of Linear, Bilinear, Residual
+    :mod:`tensoralg.strategies.chaos.depth1`). Float64 networks of Linear, Bilinear, Residual
     and Sequential layers only. At most ``max_entries`` networks and ``max_bytes`` bytes
     (weights copies, stacks and memos), least recently used first out; thread-safe.
 

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import engine
-from .network import DEFAULT_MAX_CONFIGURATIONS
+from .request import DEFAULT_MAX_CONFIGURATIONS
 from .planner import Plan, SequencePlan
 from .request import Request, make_request
 from .results import ExactSimilarity, mark_closure
@@ -295,13 +295,13 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
 
     Sequence models (with :class:`~tensoralg.BilinearAttention`; ``n_ctx`` and ``position`` as
     in :func:`inner`): a :class:`~tensoralg.planner.SequencePlan` of what :func:`inner` does
-    with the same options — the exact one-attention-layer path of :mod:`tensoralg.strategies.wick_terms`
+    with the same options — the exact one-attention-layer path of :mod:`tensoralg.strategies.sequence_exact`
     with its number of Wick configurations, each model's canonical tree (terms, legs and the
     positions they read), or the refusal (a model outside the exact path, e.g. two attention
     layers; over ``max_configurations``: both :class:`~tensoralg.CostTooHigh`) naming
     the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
     when :func:`inner` refuses; within ``max_configurations`` the estimated peak memory and
-    FLOPs (:func:`tensoralg.strategies.wick_terms.chaos_cost_req`, a dry run) are held against
+    FLOPs (:func:`tensoralg.strategies.sequence_exact.chaos_cost_req`, a dry run) are held against
     ``max_memory`` and ``max_flops`` (over either: CostTooHigh). ``strategy`` and ``dtype``
     do not apply to that path.
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import opt_einsum as oe
 
-from tensoralg.wick import partial_matchings
+from tensoralg.strategies.wick.matchings import partial_matchings
 from tensoralg.layers import Layer
 from tensoralg.prepare import _selector, check_sequence_pair as _check_pair, check_slices as _check_slices
 from tensoralg.request import make_request

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg import network
-from tensoralg.wick import group_closure, orbits, partial_matchings, parts, telephone
+from tensoralg.strategies.wick import joined as network
+from tensoralg.strategies.wick.matchings import group_closure, orbits, partial_matchings, parts, telephone
 from netgen import brute_inner, rand_bilinear, rand_network
 
 
@@ -103,7 +103,7 @@ def test_path_cache_on_disk_is_reused_across_processes(tmp_path):
         "rng = np.random.default_rng(0)\n"
         "a = ta.Sequential([ta.Bilinear(*rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 2))),"
         " ta.Bilinear(*rng.standard_normal((2, 1, 2)), rng.standard_normal((1, 1)))])\n"
-        "from tensoralg import network\n"
+        "from tensoralg.strategies.wick import joined as network\n"
         "calls = []\n"
         "orig = network.oe.contract_path\n"
         "def spy(*a, **k):\n"

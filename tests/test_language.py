@@ -262,7 +262,7 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     against an independent closure call on the saved checkpoints, the closure labelled
     approximate in the table, and a Monte Carlo check whose verdict matches its own z values
     (z only where the Monte Carlo estimate is reliable)."""
-    from tensoralg.strategies import closure, wick_terms
+    from tensoralg.strategies import closure, sequence_exact
     from tensoralg.audit.language import Z_DISAGREE, LanguageConfig, language_table
 
     assert LanguageConfig().n_layers == 2 and LanguageConfig.quick().n_layers == 2
@@ -309,7 +309,7 @@ def test_tiny_audit_montecarlo_two_layers_with_verdicts(tiny_mc_run):
     on the saved checkpoints (same seed and directions) exactly when its diagnostics call it
     reliable, and blank (no reliable estimate, with the reason and certified lower bounds)
     otherwise; the closure is beside it, labelled approximate, equal to closure_similarity."""
-    from tensoralg.strategies import closure, wick_terms
+    from tensoralg.strategies import closure, sequence_exact
     from tensoralg.audit.language import CLOSURE_NAME, language_table
 
     result, out = tiny_mc_run
@@ -583,7 +583,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
     """The audit's Monte Carlo check of a pair is ta.similarity(method="montecarlo") on the
     saved checkpoints (same n_samples and seed: the same number, not just a close one) with
     its delta-method standard error; the exact one-layer value lies within 4 of them."""
-    from tensoralg.strategies import closure, wick_terms
+    from tensoralg.strategies import closure, sequence_exact
 
     result, out = tiny_run
     js = json.loads((out / "language.json").read_text())
@@ -595,7 +595,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
                         n_samples=mc["n_samples"], seed=mc["seed"])
     val = mc["montecarlo"] if mc["reliable"] else mc["unreliable_estimate"]
     assert val == float(est) and mc["stderr"] == est.stderr and mc["reliable"] == est.reliable
-    exact = wick_terms.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
+    exact = sequence_exact.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
     assert abs(exact - val) <= 4 * mc["stderr"]
     if mc["reliable"]:
         assert mc["z"] == pytest.approx((mc["exact"] - val) / mc["stderr"])

@@ -130,7 +130,7 @@ def _attn_pairs():
     """Three pairs of one-layer attention models (d = 2, n_ctx = 2): heads, biases, RoPE,
     residual, masks varied; similarities between -0.05 and 0.02, so the ratio is not pinned
     near +-1 where its standard error would be tiny."""
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
     from tensoralg.strategies import montecarlo as MC
 
     def attn(rng, H=1, bias=True, residual=False, **kw):
@@ -152,7 +152,7 @@ def _attn_pairs():
 
 
 def _sequence_z(n_samples=N_DIR, seeds=SEEDS):
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
     from tensoralg.strategies import montecarlo as MC
 
     z, se = [], []
@@ -180,7 +180,7 @@ def test_sequence_similarity_through_ta_similarity_carries_the_stderr():
     assert isinstance(est, ta.MonteCarloEstimate) and est.n_samples == N_DIR
     assert 0 < est.stderr and abs(float(est) - exact) <= 4 * est.stderr
     # the same draws as MC.montecarlo_similarity with its default batching
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
     from tensoralg.strategies import montecarlo as MC
 
     same = MC.montecarlo_similarity(a, b, n_ctx=2, n_samples=N_DIR, seed=5)
@@ -223,7 +223,7 @@ def _sequence_inner_z(estimate):
     """|z| of ``estimate(a, b, seed)`` against the exact one-layer inner product (exact Wick
     sum, checked against verify's rational brute force in test_attention_exact), 3 pairs x 100
     seeds."""
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
     from tensoralg.strategies import montecarlo as MC
 
     z = []
@@ -239,7 +239,7 @@ def test_sequence_inner_stderr_covers():
     """The radial estimator of montecarlo_inner: over 300 runs the exact value lies beyond 3
     standard errors in at most 4 (1.3 %; nominal 0.27 %, i.e. ~0.8 expected: 5 or more has
     probability ~ 1e-2 under the nominal rate) and beyond 2 in at most 24 (as _assert_covers)."""
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
     from tensoralg.strategies import montecarlo as MC
 
     def radial(a, b, seed):

@@ -225,9 +225,9 @@ def exact_cost_refused(net: Any) -> str | None:
     """Why the exact Gaussian inner product ``<net, net>`` is over budget, or ``None`` if it is
     affordable. Contracts nothing: :func:`tensoralg.plan` counts Wick configurations and
     estimates the FLOPs of the contraction paths (refused when it raises ``CostTooHigh``, marks
-    the plan ``refused``, or estimates more than ``tensoralg.network.DEFAULT_MAX_FLOPS``)."""
+    the plan ``refused``, or estimates more than ``tensoralg.request.DEFAULT_MAX_FLOPS``)."""
     import tensoralg as ta
-    from tensoralg.network import DEFAULT_MAX_FLOPS
+    from tensoralg.request import DEFAULT_MAX_FLOPS
 
     try:
         plan = ta.plan(net)

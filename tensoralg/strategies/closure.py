@@ -33,7 +33,7 @@ from ..layers import Bilinear, BilinearAttention, Layer, Linear, Residual, as_ne
 from ..prepare import _selector, check_sequence_models, check_sequence_pair, check_slices
 from ..request import Request, make_request
 from ..results import gram_to_similarity, similarity_from, swap_order
-from ..wick import partial_matchings, parts
+from .wick.matchings import partial_matchings, parts
 from .executor import ein as _ein
 from .executor import torch_backend
 
