@@ -19,7 +19,8 @@ import pytest
 import sympy as sp
 
 import tensoralg as ta
-from tensoralg.degree import DegreeSimilarity, degree_similarity, homogeneous_parts
+from tensoralg.degree import DegreeSimilarity, degree_similarity
+from tensoralg.homogeneous import homogeneous_parts
 from verify.quadrature import gauss_hermite
 
 

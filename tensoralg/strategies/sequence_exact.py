@@ -1,8 +1,8 @@
-"""Exact strategy for sequence models: the exact path of sequence models (:func:`exact_inner`, :func:`exact_similarity`,
-:func:`exact_gram`, :func:`head_gram`; sums over query positions ``t`` and output ``o`` of
-``E[f_a(X)[t, o] f_b(X)[t, o]]``, ``position=`` / ``output=`` slicing them as in
-``tensoralg.inner``) reads both models in the folded canonical tree (:func:`canonicalize`):
-one node of linear and attention terms. Supported exactly: models of the form ``[Linear...]
+"""Exact strategy for sequence models: the exact path of sequence models (:func:`exact_inner`,
+:func:`exact_similarity`, :func:`exact_gram`, :func:`head_gram`; sums over query positions
+``t`` and output ``o`` of ``E[f_a(X)[t, o] f_b(X)[t, o]]``, ``position=`` / ``output=``
+slicing them as in ``tensoralg.inner``) reads both models in the folded canonical tree
+(:func:`canonicalize`): one node of linear and attention terms. Supported exactly: models of the form ``[Linear...]
 -> attention or Residual(attention) -> [Linear...]`` (an embedding applied per position, one
 attention layer with or without a residual, biases, any mask, RoPE, an unembedding; a
 residual block may hold Linear layers around the attention), and per-position affine models.
@@ -50,7 +50,8 @@ __all__ = ["exact_inner", "exact_similarity", "exact_gram", "head_gram", "count_
            "SHAPE_CTX", "exact_inner_req", "exact_similarity_req", "exact_gram_req",
            "count_configurations_req", "chaos_memory_bytes_req", "chaos_cost_req",
            "early_memory_refusal", "memory_refusal", "flops_refusal", "max_flops_of",
-           "tree_inner_req", "check_cost"]
+           "tree_inner_req", "check_cost", "configurations_bound", "check_configurations_bound",
+           "tree_gram"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -638,3 +639,61 @@ def exact_gram_req(req: Request, models, similarity: bool = False) -> np.ndarray
         G[i, j] = v
         G[j, i] = v
     return gram_to_similarity(G) if similarity else G
+
+
+# ----------------------------------------------------------------------------------------
+# bias-free one-node trees (the truncations of tensoralg.degree)
+# ----------------------------------------------------------------------------------------
+
+def configurations_bound(pa: Tree, pb: Tree) -> int:
+    """The Wick configurations of the exact path on two bias-free one-node trees: the perfect
+    matchings ``(n - 1)!!`` of each term pair's ``n`` joined legs (no leg can be capped), a
+    cheap upper bound that is reached for generic weights (pruning only removes legs whose
+    weights vanish)."""
+    total = 0
+    for x in pa.nodes[0].terms:
+        for y in pb.nodes[0].terms:
+            n = x.degree + y.degree
+            if n % 2 == 0:
+                total += math.prod(range(n - 1, 0, -2))
+    return total
+
+
+def check_configurations_bound(pa: Tree, pb: Tree) -> None:
+    """CostTooHigh when :func:`configurations_bound` of two bias-free one-node trees is over
+    the default ``max_configurations``."""
+    n = configurations_bound(pa, pb)
+    if n > DEFAULT_MAX_CONFIGURATIONS:
+        legs = max(x.degree for x in pa.nodes[0].terms) + max(y.degree for y in pb.nodes[0].terms)
+        raise CostTooHigh(f"the exact path would contract about {n:.3g} Wick configurations "
+                          f"(up to {legs} legs joined), over max_configurations="
+                          f"{DEFAULT_MAX_CONFIGURATIONS:,}")
+
+
+def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = None
+              ) -> np.ndarray:
+    """The exact Gram matrix of one-node float64 trees (linear and attention terms), each
+    model's chaos form (:class:`~tensoralg.strategies.chaos.sequence.TermSide`) built once per
+    side, then every unordered pair (:func:`~tensoralg.strategies.chaos.sequence.chaos_pair`);
+    the cost of each model's own pair is checked first (CostTooHigh)."""
+    req = make_request(n_ctx=n_ctx)
+    sel = _selector(n_ctx, None, False)
+    for t in trees:
+        check_configurations_bound(t, t)
+        check_cost(req, t, t, n_ctx, (), sel, "chaos")
+    N = len(trees)
+    G = np.zeros((N, N))
+    with torch_backend(backend, device, "degree_similarity_matrix"):
+        sides = [{s: [TermSide(x, s, np.einsum, n_ctx, False)
+                      for x in t.nodes[0].terms] for s in ("a", "b")} for t in trees]
+        for i in range(N):
+            for j in range(i, N):
+                total = 0.0
+                for x in sides[i]["a"]:
+                    for y in sides[j]["b"]:
+                        val, _ = chaos_pair(x, y, sel, (), np.einsum,
+                                            req.max_configurations)
+                        if val is not None:
+                            total += float(val)
+                G[i, j] = G[j, i] = total
+    return G

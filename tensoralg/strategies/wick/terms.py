@@ -25,8 +25,9 @@ Two ways to sum (equal values; tests cross-check them):
   the full coefficient tensor is never formed; paths found once per topology and cached.
 * :class:`~tensoralg.strategies.chaos.sequence.TermSide` +
   :func:`~tensoralg.strategies.chaos.sequence.chaos_pair` (``strategy="chaos"``, the default,
-  in :mod:`tensoralg.strategies.chaos.sequence`): per term the chaos (Wiener-Ito) coefficients ``R[S]``, the sums over partial matchings of the legs outside
-  each open set ``S``; two Wick products have expectation the sum over bijections of their
+  in :mod:`tensoralg.strategies.chaos.sequence`): per term the chaos (Wiener-Ito)
+  coefficients ``R[S]``, the sums over partial matchings of the legs outside each open set
+  ``S``; two Wick products have expectation the sum over bijections of their
   open legs (orthogonality of Gaussian chaoses), so a pair of terms is a sum over
   ``(S_a, S_b, bijection)``.
 
