@@ -56,7 +56,7 @@ import numpy as np
 from .io import CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_json
 
 __all__ = ["gram", "similarity_matrix", "validate_checkpoints", "BlockStore", "DEFAULT_BLOCK_SIZE",
-           "FORMAT"]
+           "FORMAT", "need_distributed"]
 
 FORMAT = "tensoralg.blocks/2"   # 2: block files named by the SHA-256 of their bytes
 MANIFEST = "manifest.json"
@@ -535,7 +535,7 @@ def too_many_workers(workers: int) -> str:
             f"(client= / --scheduler)")
 
 
-def _need_distributed():
+def need_distributed():
     try:
         import distributed
     except ImportError:
@@ -608,7 +608,7 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
         elif client is not None:
             _distributed_run(client, todo, task_args, finish, retries)
         else:
-            distributed = _need_distributed()
+            distributed = need_distributed()
             with distributed.LocalCluster(n_workers=int(workers), threads_per_worker=1,
                                           processes=True, dashboard_address=":0") as cluster, \
                     distributed.Client(cluster) as local:
@@ -624,7 +624,7 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
 def _distributed_run(client, todo, task_args, finish, retries) -> None:
     """Submit every block as a task, write each result as it arrives; on any failure or Ctrl-C
     cancel what is still pending (finished blocks are already stored)."""
-    distributed = _need_distributed()
+    distributed = need_distributed()
     futures, run = {}, uuid.uuid4().hex[:12]
     try:
         for I, J in todo:
@@ -742,7 +742,7 @@ def gram(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
     opts = _options(metric, method, output, device, n_samples, seed, threads, max_flops,
                     max_configurations, n_ctx)
     if client is not None or workers is not None:
-        _need_distributed()
+        need_distributed()
     refs, prints = _prepare_sources(sources)
     _mark_sequence(refs, prints, opts)
     G, summary = _run(refs, prints, out=out, block_size=block_size, client=client,
@@ -764,7 +764,7 @@ def gram_of_validated(paths: Sequence[str], prints: list[dict], out=None, *,
     _check_args(block_size, client, workers, resume, device, retries)
     opts = _options(metric, method, output, device, n_samples, seed, threads, None, None, n_ctx)
     if client is not None or workers is not None:
-        _need_distributed()
+        need_distributed()
     if len(prints) != len(paths):
         raise ValueError(f"prints: {len(prints)} fingerprints for {len(paths)} paths")
     _mark_sequence(list(paths), prints, opts)

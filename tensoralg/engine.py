@@ -431,7 +431,7 @@ def _sequence_mc_matrix(kind: str, req: Request, nets: list, n_ctx: int):
     return MonteCarloArray(mean, se, req.n_samples)
 
 
-def _models_list(models: Any) -> list:
+def models_list(models: Any) -> list:
     models = model_list(models, "models")
     if not models:
         raise ValueError("models: empty sequence of models")
@@ -441,7 +441,7 @@ def _models_list(models: Any) -> list:
 def gram(req: Request, models):
     """``G[i, j] = <m_i, m_j>`` of a list of models (not blocked)."""
     radial_only(req, "gram")
-    models = _exported(_models_list(models))
+    models = _exported(models_list(models))
     seq = _sequence_matrix("gram", req, models)
     if seq is not None:
         return seq
@@ -451,7 +451,7 @@ def gram(req: Request, models):
 def similarity_matrix(req: Request, models):
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` of a list of models (not blocked)."""
     radial_only(req, "similarity_matrix")
-    models = _exported(_models_list(models))
+    models = _exported(models_list(models))
     seq = _sequence_matrix("similarity_matrix", req, models)
     if seq is not None:
         return seq

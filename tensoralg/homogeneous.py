@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .canonical import (KEY, OUTPUT, QUERY, Leg, Node, Term, Tree, _lift_rows, canonicalize,
+from .canonical import (KEY, OUTPUT, QUERY, Leg, Node, Term, Tree, lift_rows, canonicalize,
                         sequence_tree)
 from .layers import Bilinear, Layer, Linear, Sequential, as_network
 
@@ -355,7 +355,7 @@ def unrolled(net: Layer, n_ctx: int, cap: int) -> tuple[Unrolled | None, str]:
     lam = np.eye(tree.d_in + 1)[1:]   # the linear part of the expansion: (d, D_0)
     nonlin: list = []                 # (degree, Term over the network input)
     for node in tree.nodes:
-        lifted = _lift_rows(lam, False)
+        lifted = lift_rows(lam, False)
         W = _linear_W(node, node.d_in + 1, node.d_out)
         new = [(k, c.project_output(W[:, 1:])) for k, c in nonlin]
         options = [(0, None)] + nonlin   # degree 0 stands for the linear part (degree 1)

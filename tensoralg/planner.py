@@ -325,10 +325,10 @@ def _same_weights(x, y) -> bool:
     exact arithmetic)."""
     if x is y:
         return True
-    from .prepare import _structure
+    from .prepare import layer_structure
 
-    sx = _structure(x)
-    if sx is None or sx != _structure(y):
+    sx = layer_structure(x)
+    if sx is None or sx != layer_structure(y):
         return False
     ax, ay = x.arrays(), y.arrays()
     return len(ax) == len(ay) and all(_same_array(p, q) for p, q in zip(ax, ay))

@@ -225,7 +225,7 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
     blocked, kw = _split_block_options(kwargs)
     req = _request("gram", metric=metric, method=method, backend=backend, output=output, **kw)
     if _wants_blocks(blocked):
-        return mark_closure(req, _blocked("gram", req, engine._models_list(models), blocked))
+        return mark_closure(req, _blocked("gram", req, engine.models_list(models), blocked))
     return mark_closure(req, engine.gram(req, models))
 
 
@@ -242,7 +242,7 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
     req = _request("similarity_matrix", metric=metric, method=method, backend=backend,
                    output=output, **kw)
     if _wants_blocks(blocked):
-        return mark_closure(req, _blocked("similarity_matrix", req, engine._models_list(models),
+        return mark_closure(req, _blocked("similarity_matrix", req, engine.models_list(models),
                                           blocked))
     return mark_closure(req, engine.similarity_matrix(req, models))
 

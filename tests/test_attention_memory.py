@@ -10,7 +10,6 @@ import pytest
 
 import tensoralg as ta
 from tensoralg.strategies import sequence_exact as A
-from tensoralg.strategies import sequence_exact
 from tensoralg.strategies.chaos import sequence as chaos_sequence
 
 

@@ -12,7 +12,6 @@ import pytest
 import tensoralg as ta
 from tensoralg.strategies import sequence_exact as A
 from tensoralg import canonical
-from tensoralg.strategies import sequence_exact
 from tensoralg.strategies.wick.terms import term_network
 from verify.attention import sequence_inner_exact
 from test_attention_exact import attn as _attn

@@ -232,16 +232,16 @@ def exact_cost_refused(net: Any) -> str | None:
     try:
         plan = ta.plan(net)
     except ta.CostTooHigh as exc:
-        return _reason(str(exc))
+        return reason_text(str(exc))
     if getattr(plan, "refused", None):
-        return _reason(plan.refused) if isinstance(plan.refused, str) else "over the exact budget"
+        return reason_text(plan.refused) if isinstance(plan.refused, str) else "over the exact budget"
     flops = float(getattr(plan, "flops", 0.0))
     if not flops <= DEFAULT_MAX_FLOPS:
         return f"about {flops:.3g} FLOPs, over the {DEFAULT_MAX_FLOPS:.3g} FLOP budget"
     return None
 
 
-def _reason(text: str) -> str:
+def reason_text(text: str) -> str:
     """The core's refusal text without its advice (which names the API, not the CLI)."""
     for cut in ("; use method", ". Alternatives", "Alternatives:"):
         text = text.split(cut)[0]

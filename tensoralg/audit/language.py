@@ -60,7 +60,7 @@ from .common import (PATHS_NOTE, format_table, progress, write_csv, write_json,
                      check_output_folder, check_file_writable, staged_output, stamp,
                      write_json_copy)
 from .language_common import (CSV_NAME, JSON_NAME, MATRIX_FIG, N_TRANSITIONS, NGRAM_FIG,  # noqa: F401
-                              NGRAM_DEFINITION, ORDERS, PAIRS_CSV, _spearman,
+                              NGRAM_DEFINITION, ORDERS, PAIRS_CSV, spearman,
                               consecutive_change, transitions_finding)
 
 METHODS = ("auto", "exact", "closure", "montecarlo", "degree")
@@ -814,10 +814,10 @@ def montecarlo_text(pairs: list, N: int, info: dict, with_closure: bool) -> list
 
 
 def _ngram_figure(path: Path, steps, agreement, fin, label: str = "exact") -> Path:
-    from .plotting import _plt
+    from .plotting import pyplot
     from .common import save_figure
 
-    plt = _plt()
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     x = np.array([max(s, 0.5) for s in steps], dtype=float)   # step 0 drawn at 0.5 (log axis)
     for n, a in agreement.items():

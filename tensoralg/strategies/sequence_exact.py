@@ -33,10 +33,10 @@ import numpy as np
 
 from ..backends import available_memory
 from ..canonical import QUERY, Node, Tree, sequence_tree
-from ..canonical import _flatten as _flatten_layers
+from ..canonical import flatten_layers
 from ..errors import AttentionNotSupported, CostTooHigh
 from ..layers import BilinearAttention, Layer, Residual, Sequential, as_network
-from ..prepare import (_IN_SEQUENCE_GRAM, _selector, check_sequence_models, check_sequence_pair,
+from ..prepare import (IN_SEQUENCE_GRAM, position_selector, check_sequence_models, check_sequence_pair,
                        check_slices)
 from ..request import (DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS,
                        DEFAULT_MAX_FLOPS_EXACT_SEQUENCE, Request, make_request)
@@ -86,7 +86,7 @@ def _attention_core(net: Layer):
     if isinstance(net, BilinearAttention):
         return net, False
     if isinstance(net, Residual):
-        inner = _flatten_layers(net.inner)
+        inner = flatten_layers(net.inner)
         if len(inner) == 1 and isinstance(inner[0], BilinearAttention):
             return inner[0], True
     return None
@@ -134,7 +134,7 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
     net = as_network(net, name)
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1:
         raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
-    layers = _flatten_layers(net)
+    layers = flatten_layers(net)
     try:
         tree = sequence_tree(net, n_ctx, name, exact=exact, fold=False)
     except ValueError as e:   # e.g. a Residual block holding several non-linear layers
@@ -151,7 +151,7 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
         if not kinds <= {"linear", "attention"}:
             what = type(layers[i]).__name__
             if isinstance(layers[i], Residual):   # e.g. Residual(Bilinear): a bilinear MLP
-                what += f"({', '.join(type(x).__name__ for x in _flatten_layers(layers[i].inner))})"
+                what += f"({', '.join(type(x).__name__ for x in flatten_layers(layers[i].inner))})"
             raise _unsupported(name, i, what, deep)
         if seen:
             raise _unsupported(name, i, "a second attention layer", deep)
@@ -309,7 +309,7 @@ def chaos_cost_req(req: Request, a: Any, b: Any) -> tuple[int, float]:
     pa, pb, n_ctx = _checked_trees(req, a, b)
     out_mode = ((QUERY,) if isinstance(req.position, str) else ()) + \
         (("o",) if isinstance(req.output, str) else ())
-    return _dry_cost(pa, pb, n_ctx, req.exact, _selector(n_ctx, req.position, req.exact),
+    return _dry_cost(pa, pb, n_ctx, req.exact, position_selector(n_ctx, req.position, req.exact),
                      out_mode)
 
 
@@ -389,7 +389,7 @@ def _exact_trees(req: Request, a: Any, b: Any):
     pa, pb, n_ctx = _checked_trees(req, a, b)
     out_mode = (("t",) if isinstance(req.position, str) else ()) + \
         (("o",) if isinstance(req.output, str) else ())
-    return pa, pb, n_ctx, out_mode, _selector(n_ctx, req.position, req.exact)
+    return pa, pb, n_ctx, out_mode, position_selector(n_ctx, req.position, req.exact)
 
 
 def check_cost(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
@@ -499,7 +499,7 @@ def tree_inner_req(req: Request, pa: Tree, pb: Tree, n_ctx: int):
     """Exact inner product (sum over query positions and outputs) of two float64 one-node
     trees of linear and attention terms built directly, e.g. the truncations of
     :mod:`tensoralg.degree`; the cost is checked first (CostTooHigh over the budget)."""
-    sel = _selector(n_ctx, None, False)
+    sel = position_selector(n_ctx, None, False)
     check_cost(req, pa, pb, n_ctx, (), sel, "chaos")
     return _exact_value(req, pa, pb, n_ctx, (), sel, "chaos")
 
@@ -550,7 +550,7 @@ def exact_similarity_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
 def _head_model(net: Layer, head: int) -> Layer:
     """The model with its attention layer cut to one head, without o_bias and without the
     residual branch (the attention term of that head, embedding and unembedding kept)."""
-    layers = _flatten_layers(net)
+    layers = flatten_layers(net)
     out = []
     for layer in layers:
         core = _attention_core(layer)
@@ -581,7 +581,7 @@ def head_gram(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position
     a, b, n_ctx = check_sequence_pair(a, b, n_ctx)
     cores = []
     for name, net in (("a", a), ("b", b)):
-        found = [c for c in map(_attention_core, _flatten_layers(net)) if c is not None]
+        found = [c for c in map(_attention_core, flatten_layers(net)) if c is not None]
         if len(found) != 1:
             raise AttentionNotSupported(f"{name}: head_gram needs exactly one attention layer, "
                                         f"found {len(found)}")
@@ -626,14 +626,14 @@ def exact_gram_req(req: Request, models, similarity: bool = False) -> np.ndarray
     for i, net in enumerate(nets):  # every model's support checked before any contraction
         canonicalize(net, n_ctx, f"models[{i}]")
     vals = {}
-    token = _IN_SEQUENCE_GRAM.set(True)
+    token = IN_SEQUENCE_GRAM.set(True)
     try:
         for i in range(len(nets)):
             for j in range(i, len(nets)):
                 vals[(i, j)] = np.asarray(exact_inner_req(req, nets[i], nets[j]),
                                           dtype=np.float64)
     finally:
-        _IN_SEQUENCE_GRAM.reset(token)
+        IN_SEQUENCE_GRAM.reset(token)
     G = np.empty((len(nets), len(nets)) + vals[(0, 0)].shape)
     for (i, j), v in vals.items():
         G[i, j] = v
@@ -677,7 +677,7 @@ def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = Non
     side, then every unordered pair (:func:`~tensoralg.strategies.chaos.sequence.chaos_pair`);
     the cost of each model's own pair is checked first (CostTooHigh)."""
     req = make_request(n_ctx=n_ctx)
-    sel = _selector(n_ctx, None, False)
+    sel = position_selector(n_ctx, None, False)
     for t in trees:
         check_configurations_bound(t, t)
         check_cost(req, t, t, n_ctx, (), sel, "chaos")
