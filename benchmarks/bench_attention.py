@@ -46,9 +46,13 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tensoralg as ta  # noqa: E402
+
+try:  # (an older checkout's child imports model() from here: its exact path is wick_terms)
+    from tensoralg.strategies import sequence_exact as A
+except ImportError:
+    from tensoralg.strategies import wick_terms as A
 from tensoralg.strategies import closure as C  # noqa: E402
 from tensoralg.strategies import montecarlo as MC  # noqa: E402
-from tensoralg.strategies import wick_terms as A  # noqa: E402
 
 
 def model(rng, d, H, dh, bias, residual=True):
@@ -99,11 +103,14 @@ for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, sys.argv[1])
 import numpy as np, torch
 torch.set_num_threads(1)
-try:  # this checkout, or an older one with the exact path in tensoralg.attention
-    from tensoralg.strategies import wick_terms as A
+try:  # this checkout, or an older one with the exact path in wick_terms or tensoralg.attention
+    from tensoralg.strategies import sequence_exact as A
     A.exact_inner
 except (ImportError, AttributeError):
-    from tensoralg import attention as A
+    try:
+        from tensoralg.strategies import wick_terms as A
+    except ImportError:
+        from tensoralg import attention as A
 sys.path.insert(0, sys.argv[2])
 from bench_attention import model
 rng = np.random.default_rng(0)
@@ -152,7 +159,7 @@ for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 import tensoralg as ta
-from tensoralg.strategies import montecarlo as MC
+from tensoralg.strategies import montecarlo as MC  # noqa: E402
 rng = np.random.default_rng(0)
 def m(layers):
     g = lambda *s: rng.standard_normal(s) / np.sqrt(8)

@@ -65,7 +65,7 @@ def bench_gram(rng, N=50):
     models = []
     for k in range(N):  # a training-like trajectory: small drifts of one base model
         drift = lambda arr: arr + 0.05 * k / N * rng.standard_normal(arr.shape)  # noqa: E731
-        models.append(ta.Sequential([ta.layers._map_arrays(layer, drift) for layer in base]))
+        models.append(ta.Sequential([ta.layers.map_arrays(layer, drift) for layer in base]))
     ta.gram(models[:2])
     t_gram, G = best_of(lambda: ta.gram(models), repeat=1)
     ta.inner(models[0], models[1])

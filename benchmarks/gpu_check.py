@@ -127,7 +127,7 @@ def check_attention(ta, device, timed, size) -> int:
     models (issue 9's size on a GPU: its target is under 1 s per pair). Returns the number of
     disagreements (relative error above 1e-10 of the Cauchy-Schwarz scale)."""
     from tensoralg.strategies import closure as C
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
 
     size = size or ("64,8,4,16" if device.type == "cuda" else "16,8,2,4")
     d, n, heads, dh = (int(x) for x in size.split(","))

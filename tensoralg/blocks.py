@@ -57,7 +57,7 @@ import numpy as np
 from .io import CONFIG_FILE, WEIGHTS_FILE, atomic_write_bytes, atomic_write_json
 
 __all__ = ["gram", "similarity_matrix", "validate_checkpoints", "BlockStore", "DEFAULT_BLOCK_SIZE",
-           "FORMAT"]
+           "FORMAT", "need_distributed"]
 
 FORMAT = "tensoralg.blocks/2"   # 2: block files named by the SHA-256 of their bytes
 MANIFEST = "manifest.json"
@@ -326,14 +326,14 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
     computed by the same operations:
 
     * ``method="exact"`` (at most one attention layer): the diagonal block is
-      :func:`tensoralg.strategies.wick_terms.exact_gram`; off the diagonal each entry is
-      :func:`tensoralg.strategies.wick_terms.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
+      :func:`tensoralg.strategies.sequence_exact.exact_gram`; off the diagonal each entry is
+      :func:`tensoralg.strategies.sequence_exact.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
     * ``method="closure"`` (APPROXIMATE at depth >= 2, exact at depth 1): the diagonal block is
       :func:`tensoralg.strategies.closure.closure_gram`; off the diagonal
       :func:`tensoralg.strategies.closure.closure_cross_gram` (the cross pairs only; equal to the
       corresponding block of ``closure_gram(rows + cols)``, same operations).
     """
-    from .strategies import closure, wick_terms
+    from .strategies import closure, sequence_exact
 
     n_ctx, output, method = opts["n_ctx"], opts["output"], opts["method"]
     a = [_load(r, n_ctx, True) for r in rows]
@@ -345,11 +345,11 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
     kw = {} if opts.get("max_configurations") is None else \
         {"max_configurations": opts["max_configurations"]}
     if b is None:
-        return wick_terms.exact_gram(a, n_ctx=n_ctx, output=output, **kw)
+        return sequence_exact.exact_gram(a, n_ctx=n_ctx, output=output, **kw)
     G = np.empty((len(a), len(b)))
     for i, x in enumerate(a):
         for j, y in enumerate(b):
-            G[i, j] = float(wick_terms.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
+            G[i, j] = float(sequence_exact.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
     return G
 
 
@@ -364,7 +364,7 @@ def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
             not handle (two attention layers, an MLP block), naming the alternative.
     """
     from .errors import CostTooHigh
-    from .strategies import wick_terms
+    from .strategies import sequence_exact
 
     if opts["method"] not in SEQUENCE_METHODS:
         raise ValueError(f"method: blocked matrices of sequence models (bilinear attention) "
@@ -388,8 +388,8 @@ def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
         for i, r in enumerate(probe):
             net = _load(r, opts["n_ctx"], True)
             try:
-                wick_terms.count_configurations(net, net, n_ctx=opts["n_ctx"])
-            except wick_terms.AttentionNotSupported as exc:
+                sequence_exact.count_configurations(net, net, n_ctx=opts["n_ctx"])
+            except sequence_exact.AttentionNotSupported as exc:
                 raise CostTooHigh(f"method='exact' for sequence models[{i}]: {exc}; use "
                                   f"method='closure' (exact at depth 1, approximate beyond)"
                                   ) from None
@@ -536,7 +536,7 @@ def too_many_workers(workers: int) -> str:
             f"(client= / --scheduler)")
 
 
-def _need_distributed():
+def need_distributed():
     try:
         import distributed
     except ImportError:
@@ -609,7 +609,7 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
         elif client is not None:
             _distributed_run(client, todo, task_args, finish, retries)
         else:
-            distributed = _need_distributed()
+            distributed = need_distributed()
             with distributed.LocalCluster(n_workers=int(workers), threads_per_worker=1,
                                           processes=True, dashboard_address=":0") as cluster, \
                     distributed.Client(cluster) as local:
@@ -625,7 +625,7 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
 def _distributed_run(client, todo, task_args, finish, retries) -> None:
     """Submit every block as a task, write each result as it arrives; on any failure or Ctrl-C
     cancel what is still pending (finished blocks are already stored)."""
-    distributed = _need_distributed()
+    distributed = need_distributed()
     futures, run = {}, uuid.uuid4().hex[:12]
     try:
         for I, J in todo:
@@ -705,7 +705,7 @@ _API_DOC = """
             the context length; for transformer checkpoints default the shortest trained one,
             longer refused. Their blocks run in float64 NumPy with ``method="exact"`` (at most
             one attention layer) or ``"closure"`` (approximate at depth >= 2) through
-            :mod:`tensoralg.strategies.wick_terms`, the functions of the unblocked matrix.
+            :mod:`tensoralg.strategies.sequence_exact`, the functions of the unblocked matrix.
         device: ``"auto"`` (default: each worker uses CUDA through the torch backend when
             ``torch.cuda.is_available()``, else the NumPy backend), ``"cpu"`` or ``"cuda"``.
         threads: torch CPU threads per block task (default 1).
@@ -743,7 +743,7 @@ def gram(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
     opts = _options(metric, method, output, device, n_samples, seed, threads, max_flops,
                     max_configurations, n_ctx)
     if client is not None or workers is not None:
-        _need_distributed()
+        need_distributed()
     refs, prints = _prepare_sources(sources)
     _mark_sequence(refs, prints, opts)
     G, summary = _run(refs, prints, out=out, block_size=block_size, client=client,
@@ -765,7 +765,7 @@ def gram_of_validated(paths: Sequence[str], prints: list[dict], out=None, *,
     _check_args(block_size, client, workers, resume, device, retries)
     opts = _options(metric, method, output, device, n_samples, seed, threads, None, None, n_ctx)
     if client is not None or workers is not None:
-        _need_distributed()
+        need_distributed()
     if len(prints) != len(paths):
         raise ValueError(f"prints: {len(prints)} fingerprints for {len(paths)} paths")
     _mark_sequence(list(paths), prints, opts)

@@ -42,7 +42,7 @@ import opt_einsum as oe
 from .layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential, as_network
 
 __all__ = ["Stage", "Canonical", "canonicalize", "stack", "Leg", "Term", "Node", "Tree",
-           "tree", "sequence_tree", "resolve_n_ctx"]
+           "tree", "sequence_tree", "resolve_n_ctx", "flatten_layers", "lift_rows", "zeros_array"]
 
 
 @dataclass
@@ -147,7 +147,7 @@ class Canonical:
         return Tree(nodes, self.d, self.out, None, self.exact, batched)
 
 
-def _zeros(shape, exact: bool) -> np.ndarray:
+def zeros_array(shape, exact: bool) -> np.ndarray:
     if exact:
         out = np.empty(shape, dtype=object)
         out.fill(Fraction(0))
@@ -161,7 +161,7 @@ def _one(exact: bool):
 
 def _lift_linear(layer: Linear, exact: bool) -> np.ndarray:
     out, inp = layer.weight.shape
-    W = _zeros((out + 1, inp + 1), exact)
+    W = zeros_array((out + 1, inp + 1), exact)
     W[0, 0] = _one(exact)
     W[1:, 1:] = layer.weight
     if layer.bias is not None:
@@ -172,9 +172,9 @@ def _lift_linear(layer: Linear, exact: bool) -> np.ndarray:
 def _lift_bilinear(layer: Bilinear, exact: bool) -> Stage:
     H, inp = layer.left.shape
     out = layer.down.shape[0]
-    L = _zeros((H + 1, inp + 1), exact)
-    R = _zeros((H + 1, inp + 1), exact)
-    D = _zeros((out + 1, H + 1), exact)
+    L = zeros_array((H + 1, inp + 1), exact)
+    R = zeros_array((H + 1, inp + 1), exact)
+    D = zeros_array((out + 1, H + 1), exact)
     L[0, 0] = R[0, 0] = D[0, 0] = _one(exact)
     L[1:, 1:] = layer.left
     R[1:, 1:] = layer.right
@@ -224,16 +224,16 @@ def _residual(ops: list, d: int, exact: bool) -> list:
         m_out = m1 if last else m1 + d
         x_rows = list(range(1, d + 1)) if last else list(range(m1, m1 + d))
         if isinstance(op, np.ndarray):
-            W = _zeros((m_out, n_in), exact)
+            W = zeros_array((m_out, n_in), exact)
             W[:m1, :n1] = op
             for r, c in zip(x_rows, x_cols):
                 W[r, c] = W[r, c] + one
             new.append(W)
         else:
             H1 = op.L.shape[0]
-            L = _zeros((H1 + d, n_in), exact)
-            R = _zeros((H1 + d, n_in), exact)
-            D = _zeros((m_out, H1 + d), exact)
+            L = zeros_array((H1 + d, n_in), exact)
+            R = zeros_array((H1 + d, n_in), exact)
+            D = zeros_array((m_out, H1 + d), exact)
             L[:H1, :n1] = op.L
             R[:H1, :n1] = op.R
             D[:m1, :H1] = op.D
@@ -576,15 +576,15 @@ def _num(a: Any, exact: bool) -> np.ndarray:
 def _eye(n: int, exact: bool) -> np.ndarray:
     if not exact:
         return np.eye(n)
-    out = _zeros((n, n), True)
+    out = zeros_array((n, n), True)
     for i in range(n):
         out[i, i] = Fraction(1)
     return out
 
 
-def _flatten(net: Layer) -> list:
+def flatten_layers(net: Layer) -> list:
     if isinstance(net, Sequential):
-        return [x for layer in net.layers for x in _flatten(layer)]
+        return [x for layer in net.layers for x in flatten_layers(layer)]
     return [net]
 
 
@@ -603,7 +603,7 @@ def _layer_node(layer: Layer, n_ctx: int, exact: bool, name: str, index: int) ->
     (per position), a BilinearAttention, or a Residual around ``[Linear...] core [Linear...]``
     (affine maps inside the block folded into the core's legs and output)."""
     residual = isinstance(layer, Residual)
-    inner = _flatten(layer.inner) if residual else [layer]
+    inner = flatten_layers(layer.inner) if residual else [layer]
     for x in inner:
         if not isinstance(x, (Linear, Bilinear, BilinearAttention)):
             raise TypeError(f"{name}: layer {index}: unknown layer type {type(x).__name__}; "
@@ -634,14 +634,14 @@ def _layer_node(layer: Layer, n_ctx: int, exact: bool, name: str, index: int) ->
             W[:, 1:] = W[:, 1:] + _eye(d_in, exact)
         return Node([_lin_term(W)], d_in, W.shape[0])
     d_out = U.shape[0] - 1
-    const = _zeros((d_out, D), exact)
+    const = zeros_array((d_out, D), exact)
     const[:, 0] = U[1:, 0]
     P = U[1:, 1:]
     terms = []
     if isinstance(core, Bilinear):
         def lifted(w, b):  # the factor with its bias in column 0, after E
             w = _num(w, exact)
-            col = _zeros((w.shape[0], 1), exact) if b is None else _num(b, exact)[:, None]
+            col = zeros_array((w.shape[0], 1), exact) if b is None else _num(b, exact)[:, None]
             return np.concatenate([col, w], axis=1) @ E
         L = lifted(core.left, core.left_bias)
         R = lifted(core.right, core.right_bias)
@@ -687,9 +687,9 @@ def _affine_W(node: Node):
     return t.legs[0].weight
 
 
-def _lift_rows(W: np.ndarray, exact: bool) -> np.ndarray:
+def lift_rows(W: np.ndarray, exact: bool) -> np.ndarray:
     """``[[1, 0], W]``: the lifted map of an affine node's output."""
-    A = _zeros((W.shape[0] + 1, W.shape[1]), exact)
+    A = zeros_array((W.shape[0] + 1, W.shape[1]), exact)
     A[0, 0] = _one(exact)
     A[1:] = W
     return A
@@ -703,7 +703,7 @@ def _fold(nodes: list, exact: bool) -> list:
     for node in nodes:
         W = _affine_W(node)
         if W is not None:
-            A = _lift_rows(W, exact)
+            A = lift_rows(W, exact)
             pending = A if pending is None else A @ pending
             continue
         if pending is not None:
@@ -726,7 +726,7 @@ def _fold(nodes: list, exact: bool) -> list:
             W[:, 0] = W[:, 0] + c
             terms[lin[0]] = _lin_term(W)
         else:
-            W = _zeros((P.shape[0], last.d_in + 1), exact)
+            W = zeros_array((P.shape[0], last.d_in + 1), exact)
             W[:, 0] = c
             terms.insert(0, _lin_term(W))
     out[-1] = Node(terms, last.d_in, P.shape[0])
@@ -758,7 +758,7 @@ def sequence_tree(net: Any, n_ctx: int, name: str = "a", exact: bool = False,
         raise ValueError(f"fold: expected True or False, got {fold!r}")
     exact = bool(exact or net.is_exact)
     nodes = [_layer_node(layer, int(n_ctx), exact, name, i)
-             for i, layer in enumerate(_flatten(net))]
+             for i, layer in enumerate(flatten_layers(net))]
     if fold:
         nodes = _fold(nodes, exact)
     return Tree(nodes, net.in_features, net.out_features, int(n_ctx), exact, False)

@@ -41,7 +41,7 @@ from .prepare import (
 )
 from .request import Request
 from .results import ExactNorm, check_overflow, gram_to_similarity, similarity_from, swap_order
-from .strategies import chaos, closure, guided, montecarlo, wick
+from .strategies import chaos, closure, guided, montecarlo, sequence_exact, wick
 from .strategies.montecarlo import MonteCarloArray, MonteCarloEstimate
 
 _MAX_INTERMEDIATE = 1 << 27  # elements; Wick gram blocks are split to stay under it
@@ -83,10 +83,8 @@ def _is_sequence(*nets) -> bool:
 
 def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
     """Sequence models (bilinear attention, docs/mathematics.md §3.7): exact for one attention
-    layer (:mod:`~tensoralg.strategies.wick_terms`), Monte Carlo and the (approximate) closure
+    layer (:mod:`~tensoralg.strategies.sequence_exact`), Monte Carlo and the (approximate) closure
     at any depth; refusals name the alternatives."""
-    from .strategies import wick_terms
-
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             getattr(n, "is_sequence_model", False) or n.degree <= 1 for n in (na, nb)):
         raise ValueError("a and b: a sequence model (with attention) compared with a "
@@ -110,11 +108,11 @@ def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
                              lambda: _guided(kind, req, na, nb))
     try:
         if kind == "inner":
-            return _checked_inner(wick_terms.exact_inner_req, req, na, nb)
-        return wick_terms.exact_similarity_req(req, na, nb)
-    except wick_terms.AttentionNotSupported as exc:
+            return _checked_inner(sequence_exact.exact_inner_req, req, na, nb)
+        return sequence_exact.exact_similarity_req(req, na, nb)
+    except sequence_exact.AttentionNotSupported as exc:
         raise CostTooHigh(f"exact inner product of sequence models: {exc}. "
-                          f"{wick_terms.ALTERNATIVES}") from None
+                          f"{sequence_exact.ALTERNATIVES}") from None
 
 
 def _checked_inner(fn, req: Request, na: Layer, nb: Layer):
@@ -467,12 +465,10 @@ def _exported(models: list) -> list:
 
 def _sequence_matrix(kind: str, req: Request, models: list):
     """Gram / similarity matrices of sequence models (with attention) through
-    :mod:`tensoralg.strategies.wick_terms` / :mod:`~tensoralg.strategies.closure` (per-model
+    :mod:`tensoralg.strategies.sequence_exact` / :mod:`~tensoralg.strategies.closure` (per-model
     work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
         return None  # (specs and folders go the position-free way, unchanged)
-    from .strategies import wick_terms
-
     for i, m in enumerate(models):  # as inner: a sequence model is not compared with an MLP
         if isinstance(m, Layer) and not m.is_sequence_model and m.degree > 1:
             raise ValueError(f"models[{i}]: a position-free network of degree {m.degree} among "
@@ -490,7 +486,7 @@ def _sequence_matrix(kind: str, req: Request, models: list):
     if req.method == "montecarlo":
         nets, n_ctx = check_sequence_models(models, req.n_ctx)
         return _sequence_mc_matrix(kind, req, nets, n_ctx)
-    fn = closure.closure_gram_req if req.method == "closure" else wick_terms.exact_gram_req
+    fn = closure.closure_gram_req if req.method == "closure" else sequence_exact.exact_gram_req
     if kind == "similarity_matrix":   # (gram_to_similarity checks for an overflow)
         return fn(req, models, similarity=True)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -525,7 +521,7 @@ def _sequence_mc_matrix(kind: str, req: Request, nets: list, n_ctx: int):
     return MonteCarloArray(mean, se, req.n_samples)
 
 
-def _models_list(models: Any) -> list:
+def models_list(models: Any) -> list:
     models = model_list(models, "models")
     if not models:
         raise ValueError("models: empty sequence of models")
@@ -535,7 +531,7 @@ def _models_list(models: Any) -> list:
 def gram(req: Request, models):
     """``G[i, j] = <m_i, m_j>`` of a list of models (not blocked)."""
     radial_only(req, "gram")
-    models = _exported(_models_list(models))
+    models = _exported(models_list(models))
     seq = _sequence_matrix("gram", req, models)
     if seq is not None:
         return seq
@@ -545,7 +541,7 @@ def gram(req: Request, models):
 def similarity_matrix(req: Request, models):
     """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` of a list of models (not blocked)."""
     radial_only(req, "similarity_matrix")
-    models = _exported(_models_list(models))
+    models = _exported(models_list(models))
     seq = _sequence_matrix("similarity_matrix", req, models)
     if seq is not None:
         return seq

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
-           "as_network"]
+           "as_network", "map_arrays"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ class Layer:
 
     def astype_float(self) -> Layer:
         """A copy with float64 weights (rationals rounded to nearest)."""
-        return _map_arrays(self, lambda a: np.asarray(a, dtype=np.float64))
+        return map_arrays(self, lambda a: np.asarray(a, dtype=np.float64))
 
     def scaled_output(self, factor: float) -> Layer:
         """A copy whose output is multiplied by ``factor`` (the last layer's weights and bias)."""
@@ -566,7 +566,7 @@ def check_finite_weights(net: Layer, name: str) -> None:
                              f"weights must be finite")
 
 
-def _map_arrays(layer: Layer, fn) -> Layer:
+def map_arrays(layer: Layer, fn) -> Layer:
     if isinstance(layer, Linear):
         return Linear(fn(layer.weight), None if layer.bias is None else fn(layer.bias))
     if isinstance(layer, Bilinear):
@@ -574,11 +574,11 @@ def _map_arrays(layer: Layer, fn) -> Layer:
         return Bilinear(f(layer.left), f(layer.right), f(layer.down), f(layer.left_bias),
                         f(layer.right_bias), f(layer.down_bias))
     if isinstance(layer, Residual):
-        return Residual(_map_arrays(layer.inner, fn))
+        return Residual(map_arrays(layer.inner, fn))
     if isinstance(layer, BilinearAttention):
         return layer._map(fn)
     if isinstance(layer, Sequential):
-        return Sequential([_map_arrays(x, fn) for x in layer.layers])
+        return Sequential([map_arrays(x, fn) for x in layer.layers])
     raise TypeError(f"unknown layer type {type(layer).__name__}")
 
 

@@ -26,11 +26,11 @@ import numpy as np
 from .backends import available_memory, itemsize
 from .canonical import Canonical
 from .errors import CostTooHigh
-from .network import DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, WickPlan, n_wick_configurations
 from .prepare import check_slices, float_stacks_for_exact
-from .request import DEFAULT_MAX_FLOPS_EXACT
-from .strategies import chaos, wick
-from .strategies.wick_terms import ALTERNATIVES as SEQUENCE_ALTERNATIVES
+from .request import DEFAULT_MAX_CONFIGURATIONS, DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT
+from .strategies import chaos, sequence_exact, wick
+from .strategies.sequence_exact import ALTERNATIVES as SEQUENCE_ALTERNATIVES
+from .strategies.wick import WickPlan, n_wick_configurations
 
 __all__ = ["Plan", "SequencePlan", "make_plan", "plan_sequence", "refuse_exact_early",
            "CHAOS_SHORTCUT_FLOPS", "BOUND_MIN_FLOPS"]
@@ -60,7 +60,7 @@ class Plan:
         refused: the refusal message (every estimate and the alternatives) exactly when the
             computation would raise :class:`~tensoralg.CostTooHigh`; None otherwise.
         flops, memory_bytes: the chosen strategy's estimates (``inf`` / 0 when refused).
-        wick: the Wick strategy's :class:`~tensoralg.network.WickPlan` (None when it was not
+        wick: the Wick strategy's :class:`~tensoralg.strategies.wick.joined.WickPlan` (None when it was not
             planned: not applicable, or skipped because chaos was cheap).
         wick_lower_bound, wick_bound: when Wick was not planned in full because a lower bound
             on its FLOPs already exceeded ``max_flops`` or an affordable chaos expansion: that
@@ -326,10 +326,10 @@ def _same_weights(x, y) -> bool:
     exact arithmetic)."""
     if x is y:
         return True
-    from .prepare import _structure
+    from .prepare import layer_structure
 
-    sx = _structure(x)
-    if sx is None or sx != _structure(y):
+    sx = layer_structure(x)
+    if sx is None or sx != layer_structure(y):
         return False
     ax, ay = x.arrays(), y.arrays()
     return len(ax) == len(ay) and all(_same_array(p, q) for p, q in zip(ax, ay))
@@ -398,11 +398,9 @@ def _certified(val: Canonical, mag: Canonical, rtol: float, U: np.ndarray,
         return False
     pairs = list(zip(val.arrays(), mag.arrays()))
     if val.stages:
-        from .network import _output_projection
-
         absU = np.abs(U)
-        pairs.append((_output_projection(U, val.stages[-1].D),
-                      _output_projection(absU, mag.stages[-1].D)))
+        pairs.append((wick.output_projection(U, val.stages[-1].D),
+                      wick.output_projection(absU, mag.stages[-1].D)))
         if val.embed is not None:
             fv, fm = val.folded(), mag.folded()
             pairs += [(fv.stages[0].L, fm.stages[0].L), (fv.stages[0].R, fm.stages[0].R)]
@@ -465,15 +463,15 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
 
 # ----------------------------------------------------------------------------------------
 # sequence models (bilinear attention, docs/mathematics.md §3.7): what ``inner`` does through
-# tensoralg.strategies.wick_terms
+# tensoralg.strategies.sequence_exact
 # ----------------------------------------------------------------------------------------
 
 @dataclass
 class SequencePlan:
     """What :func:`tensoralg.inner` does for a pair of sequence models (with
     :class:`~tensoralg.BilinearAttention`) with the same options, decided before any
-    contraction: the exact one-attention-layer path of :mod:`tensoralg.strategies.wick_terms`
-    (:func:`~tensoralg.strategies.wick_terms.exact_inner`) with its number of Wick configurations, or the
+    contraction: the exact one-attention-layer path of :mod:`tensoralg.strategies.sequence_exact`
+    (:func:`~tensoralg.strategies.sequence_exact.exact_inner`) with its number of Wick configurations, or the
     refusal and its alternatives.
 
     Attributes:
@@ -482,13 +480,13 @@ class SequencePlan:
         refused: the refusal message (naming the alternatives) exactly when ``inner`` with the
             same options refuses: with :class:`~tensoralg.CostTooHigh` for a model outside the
             exact path (``AttentionNotSupported``: e.g. two attention layers), or with the
-            ValueError of :func:`~tensoralg.strategies.wick_terms.exact_inner` when the configurations
+            ValueError of :func:`~tensoralg.strategies.sequence_exact.exact_inner` when the configurations
             exceed ``max_configurations``; None otherwise.
         supported: whether both models are within the exact path (at most one attention layer
             between per-position Linear layers).
         n_configurations: Wick configurations (partial matchings after zero-pattern pruning,
             summed over the term pairs) that the exact path contracts —
-            :func:`~tensoralg.strategies.wick_terms.count_configurations` of the output-sliced models —
+            :func:`~tensoralg.strategies.sequence_exact.count_configurations` of the output-sliced models —
             or None for an unsupported model.
         max_configurations: the budget on the configurations (checked first, from counts
             alone; then the dry run's memory and FLOP estimates against ``max_memory`` and
@@ -498,10 +496,10 @@ class SequencePlan:
             canonical trees added; 10 for two attention layers of depth 1), or None when a
             model has no canonical tree.
         memory_bytes: the estimated peak memory of the exact path
-            (:func:`tensoralg.strategies.wick_terms.chaos_memory_bytes`), None when it was not reached;
+            (:func:`tensoralg.strategies.sequence_exact.chaos_memory_bytes`), None when it was not reached;
             max_memory: the budget it was held against (bytes).
         flops: the estimated FLOPs of the exact path (the path costs of its contractions, from
-            the same dry run: :func:`tensoralg.strategies.wick_terms.chaos_cost_req`), None when it
+            the same dry run: :func:`tensoralg.strategies.sequence_exact.chaos_cost_req`), None when it
             was not reached; max_flops: the budget it was held against (``max_flops`` or its
             default).
         terms_a, terms_b: each model's canonical tree (:func:`tensoralg.canonical.tree`), one
@@ -548,7 +546,7 @@ class SequencePlan:
                 lines.append(f"  {side}: {line}")
         legs = "" if self.n_legs is None else f"{self.n_legs} legs joined"
         if self.supported:
-            lines.append(f"exact one-attention-layer path (tensoralg.strategies.wick_terms): "
+            lines.append(f"exact one-attention-layer path (tensoralg.strategies.sequence_exact): "
                          f"{self.n_configurations:,} Wick configurations"
                          f"{', up to ' + legs if legs else ''} "
                          f"(max_configurations={self.max_configurations:,})")
@@ -560,7 +558,7 @@ class SequencePlan:
                 lines.append(f"estimated FLOPs (the same dry run): {self.flops:.3g} "
                              f"(max_flops={self.max_flops:.3g})")
         else:
-            lines.append("exact one-attention-layer path (tensoralg.strategies.wick_terms): not available"
+            lines.append("exact one-attention-layer path (tensoralg.strategies.sequence_exact): not available"
                          + (f" (the unrolled trees: {legs})" if legs else ""))
         if self.refused:
             lines.append(f"REFUSED: {self.refused}")
@@ -595,10 +593,10 @@ def plan_sequence(req, na, nb) -> SequencePlan:
     checks :func:`tensoralg.inner` makes, in its order, then the exact attention path's
     configuration count (cheap: nothing is contracted).
 
-    The count is :func:`tensoralg.strategies.wick_terms.count_configurations` with the same ``output``
+    The count is :func:`tensoralg.strategies.sequence_exact.count_configurations` with the same ``output``
     slice and ``backend`` (the zero patterns of the sliced terms decide which legs can be
     capped); within ``max_configurations``, the estimated peak memory and FLOPs
-    (:func:`tensoralg.strategies.wick_terms.chaos_cost_req`, a dry run: paths found and cached,
+    (:func:`tensoralg.strategies.sequence_exact.chaos_cost_req`, a dry run: paths found and cached,
     nothing contracted) against ``max_memory`` and ``max_flops``. So ``refused`` is set exactly when ``inner`` refuses,
     with its message.
 
@@ -609,7 +607,6 @@ def plan_sequence(req, na, nb) -> SequencePlan:
     """
     from . import canonical
     from .network import sequence_n_ctx
-    from .strategies import wick_terms
 
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             n.is_sequence_model or n.degree <= 1 for n in (na, nb)):
@@ -628,14 +625,14 @@ def plan_sequence(req, na, nb) -> SequencePlan:
                         position=position)
     # refused from shapes alone, as inner refuses: then nothing n_ctx-sized is built, and the
     # trees below (count, description) are the small ones (neither depends on n_ctx)
-    early = wick_terms.early_memory_refusal(req, na, nb)
+    early = sequence_exact.early_memory_refusal(req, na, nb)
     count_req = req
     if early is not None:
-        n = wick_terms.SHAPE_CTX
+        n = sequence_exact.SHAPE_CTX
         count_req = req.replace(n_ctx=n, position=None)
     try:
-        plan.n_configurations = wick_terms.count_configurations_req(count_req, na, nb)
-    except wick_terms.AttentionNotSupported as exc:
+        plan.n_configurations = sequence_exact.count_configurations_req(count_req, na, nb)
+    except sequence_exact.AttentionNotSupported as exc:
         plan.supported = False
         plan.refused = f"exact inner product of sequence models: {exc}. {SEQUENCE_ALTERNATIVES}"
         plan.reason = "a model outside the exact attention path"
@@ -668,15 +665,15 @@ def plan_sequence(req, na, nb) -> SequencePlan:
                                     else max_memory)
             plan.reason = "over max_memory (from shapes alone)"
         else:
-            plan.memory_bytes, plan.flops = wick_terms.chaos_cost_req(req, na, nb)
+            plan.memory_bytes, plan.flops = sequence_exact.chaos_cost_req(req, na, nb)
             plan.max_memory = float(available_memory(backend, device) if max_memory is None
                                     else max_memory)
-            plan.max_flops = wick_terms.max_flops_of(req)
-            plan.refused = wick_terms.memory_refusal(plan.memory_bytes, plan.max_memory)
+            plan.max_flops = sequence_exact.max_flops_of(req)
+            plan.refused = sequence_exact.memory_refusal(plan.memory_bytes, plan.max_memory)
             if plan.refused:
                 plan.reason = "over max_memory"
             else:
-                plan.refused = wick_terms.flops_refusal(plan.flops, req)
+                plan.refused = sequence_exact.flops_refusal(plan.flops, req)
                 if plan.refused:
                     plan.reason = "over max_flops"
     if plan.supported and not plan.refused:

@@ -22,15 +22,15 @@ from .layers import (
     Linear,
     Residual,
     Sequential,
-    _map_arrays,
     as_network,
     check_finite_weights,
+    map_arrays,
 )
 from .request import Request, make_request
 
 __all__ = ["check_pair", "output_matrix", "networks", "stack_for", "normalize", "scaled",
            "PREPARED", "PreparedCache", "check_sequence_pair", "check_sequence_models",
-           "check_slices"]
+           "check_slices", "IN_SEQUENCE_GRAM", "position_selector", "layer_structure"]
 
 def check_pair(na: Layer, nb: Layer, sliceable: bool = True) -> None:
     """Both networks read the same input and give the same outputs. ``sliceable``: the caller
@@ -205,7 +205,7 @@ def _stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, n
         check_finite_weights(n, name if len(nets) == 1 else f"{name}[{i}]")
     if backend == "exact":
         # floats are converted exactly (Fraction(float)) before any folding arithmetic
-        nets = [n if n.is_exact else _map_arrays(n, fraction_array) for n in nets]
+        nets = [n if n.is_exact else map_arrays(n, fraction_array) for n in nets]
     cans = [canonicalize(n) for n in nets]
     if backend == "exact":
         cans = [_to_exact(c) for c in cans]
@@ -249,7 +249,7 @@ def float_stacks_for_exact(nets: list[Layer], name: str
     mags = []
     for n in nets:
         count[0] = 0
-        mags.append(_to_float(canonicalize(_map_arrays(n, absolute))))
+        mags.append(_to_float(canonicalize(map_arrays(n, absolute))))
         k = max(k, count[0])
     mag = stack(mags, name)
     small = [float(np.abs(a[a != 0]).min()) for n in nets for a in n.arrays()
@@ -260,14 +260,14 @@ def float_stacks_for_exact(nets: list[Layer], name: str
     return val, mag, 2.0 * (k + 2) * dim * 2.0 ** -53
 
 
-def _structure(layer: Layer):
+def layer_structure(layer: Layer):
     """What, besides the weights' values, determines a position-free network's canonical form:
     layer types, nesting, shapes and which biases exist; None for other layers (not cached)."""
     if isinstance(layer, Sequential):
-        parts = tuple(_structure(x) for x in layer.layers)
+        parts = tuple(layer_structure(x) for x in layer.layers)
         return None if any(p is None for p in parts) else ("seq",) + parts
     if isinstance(layer, Residual):
-        inner = _structure(layer.inner)
+        inner = layer_structure(layer.inner)
         return None if inner is None else ("res", inner)
     if isinstance(layer, Linear):
         return ("lin", layer.weight.shape, layer.bias is None)
@@ -300,11 +300,11 @@ class PreparedCache:
     """Prepared stacks of single networks, reused while the weights are unchanged.
 
     Entries are keyed by the network object (held weakly) and validated on every lookup by
-    content: the network's structure (:func:`_structure`) and a private copy of every weight
+    content: the network's structure (:func:`layer_structure`) and a private copy of every weight
     array, compared element by element with the current weights (``==``, so an in-place
     change, a replaced array or a NaN is a miss). A hit returns the stored stack, whose arrays
     are read-only; its ``memo`` holds results derived from it (the chaos coefficients of
-    :mod:`tensoralg.strategies.chaos_depth1`). Float64 networks of Linear, Bilinear, Residual
+    :mod:`tensoralg.strategies.chaos.depth1`). Float64 networks of Linear, Bilinear, Residual
     and Sequential layers only. At most ``max_entries`` networks and ``max_bytes`` bytes
     (weights copies, stacks and memos), least recently used first out; thread-safe.
 
@@ -348,7 +348,7 @@ class PreparedCache:
     @staticmethod
     def snapshot(net: Layer):
         """``(structure, copies of the weights)``, or None for a network that is not cached."""
-        sig = _structure(net)
+        sig = layer_structure(net)
         if sig is None:
             return None
         arrs = net.arrays()
@@ -364,7 +364,7 @@ class PreparedCache:
             return None
         sig, copies = e[1], e[2]
         arrs = net.arrays()
-        if _structure(net) != sig or len(arrs) != len(copies) or not all(
+        if layer_structure(net) != sig or len(arrs) != len(copies) or not all(
                 a.shape == c.shape and a.dtype == c.dtype and bool((a == c).all())
                 for a, c in zip(arrs, copies)):
             with self._lock:
@@ -428,14 +428,14 @@ def scaled(X, ka, kb, backend):
 
 #: Set inside a Gram matrix of sequence models, whose per-position affine members are paired
 #: with themselves on the diagonal (a pair without attention, valid there).
-_IN_SEQUENCE_GRAM = contextvars.ContextVar("in_sequence_gram", default=False)
+IN_SEQUENCE_GRAM = contextvars.ContextVar("in_sequence_gram", default=False)
 
 
 def check_sequence_pair(a: Any, b: Any, n_ctx: Any):
     """Two sequence models read as networks with the same input and output sizes, and their
     sequence length: ``(a, b, n_ctx)``."""
     a, b = as_network(a, "a"), as_network(b, "b")
-    if not (a.is_sequence_model or b.is_sequence_model or _IN_SEQUENCE_GRAM.get()):
+    if not (a.is_sequence_model or b.is_sequence_model or IN_SEQUENCE_GRAM.get()):
         raise ValueError("a and b: neither model holds attention; these are position-free networks: "
                          "use tensoralg.inner")
     check_pair(a, b)   # the message of every other entry point
@@ -463,7 +463,7 @@ def check_sequence_models(models, n_ctx):
     return nets, check_sequence_pair(nets[0], nets[-1], n_ctx)[2]
 
 
-def _selector(n_ctx: int, position: Any, exact: bool) -> np.ndarray:
+def position_selector(n_ctx: int, position: Any, exact: bool) -> np.ndarray:
     """The query positions summed: ones at every position, or at ``position`` only."""
     sel = np.zeros(n_ctx, dtype=object if exact else np.float64)
     one, zero = (Fraction(1), Fraction(0)) if exact else (1.0, 0.0)

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import engine
-from .network import DEFAULT_MAX_CONFIGURATIONS
 from .planner import Plan, SequencePlan
-from .request import Request, make_request
+from .request import DEFAULT_MAX_CONFIGURATIONS, Request, make_request
 from .results import ExactNorm, ExactSimilarity, mark_closure
 from .strategies.montecarlo import MC_MIN_DIRECTIONS, MonteCarloArray, MonteCarloEstimate
 
@@ -236,7 +235,7 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
     blocked, kw = _split_block_options(kwargs)
     req = _request("gram", metric=metric, method=method, backend=backend, output=output, **kw)
     if _wants_blocks(blocked):
-        return mark_closure(req, _blocked("gram", req, engine._models_list(models), blocked))
+        return mark_closure(req, _blocked("gram", req, engine.models_list(models), blocked))
     return mark_closure(req, engine.gram(req, models))
 
 
@@ -254,7 +253,7 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
     req = _request("similarity_matrix", metric=metric, method=method, backend=backend,
                    output=output, **kw)
     if _wants_blocks(blocked):
-        return mark_closure(req, _blocked("similarity_matrix", req, engine._models_list(models),
+        return mark_closure(req, _blocked("similarity_matrix", req, engine.models_list(models),
                                           blocked))
     return mark_closure(req, engine.similarity_matrix(req, models))
 
@@ -310,13 +309,13 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
 
     Sequence models (with :class:`~tensoralg.BilinearAttention`; ``n_ctx`` and ``position`` as
     in :func:`inner`): a :class:`~tensoralg.planner.SequencePlan` of what :func:`inner` does
-    with the same options — the exact one-attention-layer path of :mod:`tensoralg.strategies.wick_terms`
+    with the same options — the exact one-attention-layer path of :mod:`tensoralg.strategies.sequence_exact`
     with its number of Wick configurations, each model's canonical tree (terms, legs and the
     positions they read), or the refusal (a model outside the exact path, e.g. two attention
     layers; over ``max_configurations``: both :class:`~tensoralg.CostTooHigh`) naming
     the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
     when :func:`inner` refuses; within ``max_configurations`` the estimated peak memory and
-    FLOPs (:func:`tensoralg.strategies.wick_terms.chaos_cost_req`, a dry run) are held against
+    FLOPs (:func:`tensoralg.strategies.sequence_exact.chaos_cost_req`, a dry run) are held against
     ``max_memory`` and ``max_flops`` (over either: CostTooHigh). ``strategy`` and ``dtype``
     do not apply to that path.
 

@@ -13,15 +13,15 @@ import numpy as np
 import opt_einsum as oe
 
 from tensoralg.layers import Layer
-from tensoralg.prepare import _selector
 from tensoralg.prepare import check_sequence_pair as _check_pair
 from tensoralg.prepare import check_slices as _check_slices
+from tensoralg.prepare import position_selector
 from tensoralg.request import make_request
 
 # The node decomposition (forms, terms, one node per layer) is the package's own and unchanged
 # since 942dfb0; the oracle re-checks the moment propagation built on it.
 from tensoralg.strategies.closure import _closure_nodes, _lin_term, _Term, _upper
-from tensoralg.wick import partial_matchings
+from tensoralg.strategies.wick.matchings import partial_matchings
 
 _CLOSURE_PATHS: dict = {}
 
@@ -239,7 +239,7 @@ def _closure_triple(a, b, n_ctx, output, position, need_self=True):
     _check_slices(make_request(output=output, position=position), a.out_features, n_ctx)
     a, b = a.astype_float(), b.astype_float()
     U, keep = _closure_output(output, a.out_features)
-    sel = _selector(n_ctx, position, False)
+    sel = position_selector(n_ctx, position, False)
     each_t = isinstance(position, str)
     mu_a, mu_b, Caa, Cab, Cbb = _closure_state(a, b, n_ctx, need_self)
     ab = _closure_readout(mu_a, mu_b, Cab, U, keep, sel, each_t)

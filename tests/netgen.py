@@ -64,4 +64,4 @@ def to_fractions(net):
 
 
 def _map(layer, fn):
-    return ta.layers._map_arrays(layer, fn)
+    return ta.layers.map_arrays(layer, fn)

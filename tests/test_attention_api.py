@@ -8,7 +8,7 @@ import pytest
 
 import tensoralg as ta
 from tensoralg.strategies import montecarlo as MC
-from tensoralg.strategies import wick_terms
+from tensoralg.strategies import sequence_exact
 
 
 def _attn_model(rng, d=2, heads=1, d_head=2, out=2, residual=True):
@@ -30,7 +30,7 @@ def test_inner_and_similarity_dispatch_to_the_attention_module():
     assert got == want
     assert abs(ta.inner(a, b, n_ctx=2) - float(want)) <= 1e-10 * abs(float(want))
     s = ta.similarity(a, b, n_ctx=2)
-    assert s == pytest.approx(wick_terms.exact_similarity(a, b, n_ctx=2), rel=1e-12)
+    assert s == pytest.approx(sequence_exact.exact_similarity(a, b, n_ctx=2), rel=1e-12)
     assert abs(ta.similarity(b, a, n_ctx=2) - s) <= 1e-14
     each = ta.inner(a, b, n_ctx=2, position="each")
     assert np.asarray(each).shape == (2,) and float(np.sum(each)) == pytest.approx(float(want))

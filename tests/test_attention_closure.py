@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg.strategies import closure, executor, wick_terms
+from tensoralg.strategies import closure, executor, sequence_exact
 
 _ALL_BIASES = ("q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias")
 
@@ -36,10 +36,10 @@ def test_closure_equals_exact_at_depth_one_without_biases():
                        ta.Linear(rng.standard_normal((2, d)))])
     b = ta.Sequential([_attn(rng, d, 1, mask="none"), ta.Linear(rng.standard_normal((2, d)))])
     for x, y in ((a, b), (a, a), (b, b), (b, a)):
-        want = wick_terms.exact_inner(x, y, n_ctx=3)
+        want = sequence_exact.exact_inner(x, y, n_ctx=3)
         assert _rel(closure.closure_inner(x, y, n_ctx=3), want) <= 1e-10
     s = closure.closure_similarity(a, b, n_ctx=3)
-    assert _rel(s, wick_terms.exact_similarity(a, b, n_ctx=3)) <= 1e-10
+    assert _rel(s, sequence_exact.exact_similarity(a, b, n_ctx=3)) <= 1e-10
     assert abs(closure.closure_similarity(b, a, n_ctx=3) - s) <= 1e-14
 
 
@@ -60,7 +60,7 @@ def test_closure_equals_exact_at_depth_one_with_biases_rope_mask_and_slices(bias
     b = ta.Sequential([ta.Residual(_attn(rng, d, 1, bias=True if every else biases[::-1])),
                        ta.Linear(rng.standard_normal((2, d)))])
     for kw in (dict(position=1, output=[0.5, -2.0]), dict(position="each", output="each")):
-        want = np.asarray(wick_terms.exact_inner(a, b, n_ctx=n, **kw), dtype=np.float64)
+        want = np.asarray(sequence_exact.exact_inner(a, b, n_ctx=n, **kw), dtype=np.float64)
         got = np.asarray(closure.closure_inner(a, b, n_ctx=n, **kw))
         assert got.shape == want.shape
         assert np.all(np.abs(got - want) <= 1e-10 * np.abs(want).max())
@@ -79,7 +79,7 @@ def test_a_second_layer_that_writes_nothing_keeps_the_depth_one_value():
     U = ta.Linear(rng.standard_normal((2, d)), rng.standard_normal(2))
     one = ta.Sequential([ta.Residual(at1), U])
     deep = ta.Sequential([ta.Residual(at1), ta.Residual(silent), U])
-    want = wick_terms.exact_inner(one, one, n_ctx=3)
+    want = sequence_exact.exact_inner(one, one, n_ctx=3)
     assert _rel(closure.closure_inner(deep, one, n_ctx=3), want) <= 1e-10
 
 
@@ -100,7 +100,7 @@ def test_closure_through_the_public_api_at_depth_two():
     assert ta.inner(a, b, n_ctx=2, method="closure") == closure.closure_inner(a, b, n_ctx=2)
     # b is depth 1: its closure norm is exact
     assert _rel(ta.inner(b, b, n_ctx=2, method="closure"),
-                wick_terms.exact_inner(b, b, n_ctx=2)) <= 1e-10
+                sequence_exact.exact_inner(b, b, n_ctx=2)) <= 1e-10
 
 
 def test_closure_bad_input_is_refused_before_work():
@@ -204,9 +204,9 @@ def test_gram_and_similarity_matrix_of_sequence_models():
     # exact at depth 1: the self terms once per model, the same values as exact_inner
     one = [models[2], ta.Sequential([ta.Residual(_attn(rng, d)), ta.Linear(g(2, d))])]
     E = ta.gram(one, n_ctx=2)
-    assert _rel(E[0, 1], wick_terms.exact_inner(one[0], one[1], n_ctx=2)) <= 1e-12
+    assert _rel(E[0, 1], sequence_exact.exact_inner(one[0], one[1], n_ctx=2)) <= 1e-12
     assert _rel(ta.similarity_matrix(one, n_ctx=2)[0, 1],
-                wick_terms.exact_similarity(one[0], one[1], n_ctx=2)) <= 1e-12
+                sequence_exact.exact_similarity(one[0], one[1], n_ctx=2)) <= 1e-12
     # Monte Carlo: an estimate per entry (tests/test_sequence_mc_matrix.py), covering exact
     M = ta.gram(one, n_ctx=2, method="montecarlo", n_samples=4000, seed=0)
     assert np.all(np.abs(M - E) <= 4 * M.stderr)
@@ -242,8 +242,8 @@ def test_closure_and_exact_on_the_torch_backend_equal_numpy(monkeypatch):
     rng = np.random.default_rng(3)
     one = [ta.Sequential([ta.Residual(_attn(rng, 2, 2, bias=True)),
                           ta.Linear(rng.standard_normal((2, 2)))]) for _ in range(2)]
-    e_np = wick_terms.exact_inner(one[0], one[1], n_ctx=3)
-    e_t = wick_terms.exact_inner(one[0], one[1], n_ctx=3, backend="torch", device="cpu")
+    e_np = sequence_exact.exact_inner(one[0], one[1], n_ctx=3)
+    e_t = sequence_exact.exact_inner(one[0], one[1], n_ctx=3, backend="torch", device="cpu")
     assert _rel(e_t, e_np) <= 1e-12
     # the context is per call: numpy again afterwards
     assert getattr(executor.TORCH, "exec", None) is None
@@ -257,7 +257,7 @@ def test_closure_backend_and_device_are_checked_before_any_work():
     with pytest.raises(ValueError, match="device: only backend='torch'"):
         closure.closure_similarity(a, a, n_ctx=2, device="cpu")
     with pytest.raises(ValueError, match="device: only backend='torch'"):
-        wick_terms.exact_inner(a, a, n_ctx=2, backend="exact", device="cpu")
+        sequence_exact.exact_inner(a, a, n_ctx=2, backend="exact", device="cpu")
     with pytest.raises(ValueError, match="device: unknown torch device"):
         closure.closure_gram([a], n_ctx=2, backend="torch", device="tpu:7")
     import torch

@@ -14,7 +14,9 @@ from tensoralg.verify.attention import expand_sequence, sequence_inner_exact
 
 import tensoralg as ta
 from tensoralg.strategies import montecarlo as MC
-from tensoralg.strategies import wick_terms as A
+from tensoralg.strategies import sequence_exact as A
+from tensoralg.strategies.chaos import sequence as chaos_sequence
+from tensoralg.strategies.wick import terms
 
 
 def attn(rng, H=1, dh=2, d=2, dv=1, d_out=None, bias=True, residual=False, **kw):
@@ -128,16 +130,16 @@ def test_packed_query_key_pairs_equal_brute_force(monkeypatch, rope):
     a = attn(rng, H=2, d=2, mask="causal", rope=rope)
     b = attn(rng, H=1, d=2, mask=mask)
     packed = []
-    real = A._packed
+    real = chaos_sequence._packed
 
     def spy(arr, *args):
         out = real(arr, *args)
-        if not isinstance(arr, A.Shape):
+        if not isinstance(arr, chaos_sequence.Shape):
             packed.append(out[0].shape)
         return out
 
-    monkeypatch.setattr(A, "_packed", spy)
-    A._COMPILED.clear()
+    monkeypatch.setattr(chaos_sequence, "_packed", spy)
+    terms._COMPILED.clear()
     assert A.exact_inner(a, b, n_ctx=3, backend="exact") == sequence_inner_exact(a, b, 3)
     # causal & mask: 4 of the 9 (query, key) pairs are nonzero in both
     assert packed and all(shape[0] == 4 for shape in packed)

@@ -1,4 +1,4 @@
-"""The exact attention path's memory estimate (wick_terms.chaos_memory_bytes, a dry run) against
+"""The exact attention path's memory estimate (sequence_exact.chaos_memory_bytes, a dry run) against
 tracemalloc's measured peak, and the refusal it drives in exact_inner and plan."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import tensoralg as ta
-from tensoralg.strategies import wick_terms
-from tensoralg.strategies import wick_terms as A
+from tensoralg.strategies import sequence_exact as A
+from tensoralg.strategies.chaos import sequence as chaos_sequence
 
 
 def model(rng, H, dh, d, rope=10000.0, bias=False):
@@ -60,7 +60,7 @@ def test_over_max_memory_is_refused_before_any_contraction(monkeypatch):
     def boom(*args, **kw):
         raise AssertionError("contracted before the refusal")
 
-    monkeypatch.setattr(wick_terms, "run_sum", boom)
+    monkeypatch.setattr(chaos_sequence, "run_sum", boom)
     with pytest.raises(ta.CostTooHigh, match="estimated peak memory .* over max_memory") as err:
         A.exact_inner(a, b, n_ctx=6, max_memory=need - 1)
     assert "method='closure'" in str(err.value) and "raise max_memory" in str(err.value)
@@ -132,11 +132,11 @@ def test_stored_entries_from_small_trees_equal_the_dry_run_at_the_real_context()
         for n in (5, 9):
             full = A.canonicalize(a, n, "a")
             for ts, tf in zip(small.nodes[0].terms, full.nodes[0].terms):
-                side = wick_terms.TermSide(tf, "a", np.einsum, n, False, dry=True)
+                side = chaos_sequence.TermSide(tf, "a", np.einsum, n, False, dry=True)
                 dry = sum(int(np.prod(R[0].shape)) for R in side.R.values()
                           if R[0] is not None)
-                assert wick_terms.stored_entries(ts, "a", n) == dry
-                assert wick_terms.stored_entries(tf, "a", n) == dry
+                assert chaos_sequence.stored_entries(ts, "a", n) == dry
+                assert chaos_sequence.stored_entries(tf, "a", n) == dry
 
 
 def test_an_absurd_context_is_refused_from_shapes_with_nothing_allocated():

@@ -13,8 +13,8 @@ from test_attention_exact import attn as _attn
 
 import tensoralg as ta
 from tensoralg import canonical
-from tensoralg.strategies import wick_terms
-from tensoralg.strategies import wick_terms as A
+from tensoralg.strategies import sequence_exact as A
+from tensoralg.strategies.wick.terms import term_network
 
 
 def _mixed(rng):
@@ -117,7 +117,7 @@ def test_term_network_labels_by_side():
     ``t``; the key position ``s`` becomes ``sa`` / ``sb``; the weights are not copied."""
     rng = np.random.default_rng(3)
     term = A.canonicalize(_mixed(rng), 2).nodes[0].terms[1]
-    static, legs = wick_terms.term_network(term, "b")
+    static, legs = term_network(term, "b")
     assert [lab for _, lab in static] == [("o", "hb", "vb"), ("t", "sb")]
     assert [(leg.name, leg.pos, leg.labels) for leg in legs] == [
         ("Q1b", "t", ("hb", "eb")), ("K1b", "sb", ("hb", "eb")), ("Q2b", "t", ("hb", "fb")),

@@ -14,7 +14,7 @@ import pytest
 
 import tensoralg as ta
 from tensoralg.canonical import canonicalize, stack
-from tensoralg.strategies import chaos
+from tensoralg.strategies.chaos import position_free as chaos
 
 
 def emb_net(seed, d=8, m=3, H=4, out=3, bias=True, residual=True, rank=None, cols=None):

@@ -16,7 +16,7 @@ from netgen import KINDS, brute_inner, rand_bilinear, rand_linear, rand_network
 
 import tensoralg as ta
 from tensoralg.prepare import output_matrix, stack_for
-from tensoralg.strategies import chaos
+from tensoralg.strategies.chaos import position_free as chaos
 
 
 def _dense_sym(T: np.ndarray) -> np.ndarray:

@@ -81,7 +81,7 @@ def test_diffs_follow_from_bilinearity():
     d2 = brute_inner(b, b) - 2 * brute_inner(b, c) + brute_inner(c, c)
     assert ta.diff_norm(b, c) == pytest.approx(math.sqrt(float(d2)), rel=1e-9)
     # exact backend: the squared distance is the exact rational
-    fr = lambda n: ta.layers._map_arrays(n, lambda x: np.vectorize(Fraction, otypes=[object])(x))  # noqa: E731
+    fr = lambda n: ta.layers.map_arrays(n, lambda x: np.vectorize(Fraction, otypes=[object])(x))  # noqa: E731
     dn = ta.diff_norm(fr(b), fr(c), backend="exact")
     assert isinstance(dn, ExactNorm) and dn.squared == d2 and dn.exact ** 2 == d2
     assert ta.diff_norm(b, b) == 0.0

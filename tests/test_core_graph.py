@@ -12,8 +12,14 @@ import pytest
 from netgen import brute_inner, rand_bilinear, rand_network
 
 import tensoralg as ta
-from tensoralg import network
-from tensoralg.wick import group_closure, orbits, partial_matchings, parts, telephone
+from tensoralg.strategies.wick import joined as network
+from tensoralg.strategies.wick.matchings import (
+    group_closure,
+    orbits,
+    partial_matchings,
+    parts,
+    telephone,
+)
 
 
 def test_telephone_numbers_match_enumeration():
@@ -103,7 +109,7 @@ def test_path_cache_on_disk_is_reused_across_processes(tmp_path):
         "rng = np.random.default_rng(0)\n"
         "a = ta.Sequential([ta.Bilinear(*rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 2))),"
         " ta.Bilinear(*rng.standard_normal((2, 1, 2)), rng.standard_normal((1, 1)))])\n"
-        "from tensoralg import network\n"
+        "from tensoralg.strategies.wick import joined as network\n"
         "calls = []\n"
         "orig = network.oe.contract_path\n"
         "def spy(*a, **k):\n"

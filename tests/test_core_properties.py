@@ -111,8 +111,8 @@ def test_closure_is_exact_at_depth_one():
         b = rand_network(rng, kind_b)
         scale = math.sqrt(ta.inner(a, a) * ta.inner(b, b))
         assert abs(ta.inner(a, b, method="closure") - ta.inner(a, b)) <= 1e-10 * scale
-        ae = ta.layers._map_arrays(a, lambda x: np.vectorize(Fraction, otypes=[object])(x))
-        be = ta.layers._map_arrays(b, lambda x: np.vectorize(Fraction, otypes=[object])(x))
+        ae = ta.layers.map_arrays(a, lambda x: np.vectorize(Fraction, otypes=[object])(x))
+        be = ta.layers.map_arrays(b, lambda x: np.vectorize(Fraction, otypes=[object])(x))
         assert ta.inner(ae, be, method="closure", backend="exact") == \
             ta.inner(ae, be, backend="exact")
 

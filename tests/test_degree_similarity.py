@@ -20,7 +20,8 @@ import sympy as sp
 from tensoralg.verify.quadrature import gauss_hermite
 
 import tensoralg as ta
-from tensoralg.degree import DegreeSimilarity, degree_similarity, homogeneous_parts
+from tensoralg.degree import DegreeSimilarity, degree_similarity
+from tensoralg.homogeneous import homogeneous_parts
 
 # ---------------------------------------------------------------------------------------
 # models

@@ -78,7 +78,7 @@ def test_narrow_embeddings_metric_pairs_and_whitened_grams():
     paired through E_a E_b^T (exact in rationals too); a Gram matrix of several such models
     whitens the joint input covariance (rank r = sum of widths)."""
     from tensoralg.prepare import output_matrix, stack_for
-    from tensoralg.strategies import chaos
+    from tensoralg.strategies.chaos import position_free as chaos
 
     rng = np.random.default_rng(1)
     a, b = _embedded(rng, 30, 3, 4, 2), _embedded(rng, 30, 2, 4, 2)
@@ -172,8 +172,8 @@ def test_plan_shows_both_strategies_and_refused_matches_inner():
 
 def _no_full_wick_plan(monkeypatch):
     """Make building the Wick plan (joined network and every orbit's path) an error."""
-    from tensoralg import network
     from tensoralg.strategies import wick
+    from tensoralg.strategies.wick import joined as network
 
     def boom(*args, **kw):
         raise AssertionError("Wick planned in full")
@@ -222,9 +222,9 @@ def test_wick_refused_over_max_flops_from_the_bound_without_planning(monkeypatch
 def test_wick_lower_bounds_never_exceed_the_planned_flops(seed, kind, output, same, frac):
     """Both bounds (closed form; paths of some orbits) are at most the full plan's FLOPs, and
     the orbit-by-orbit sum over all orbits is the plan's FLOPs."""
-    from tensoralg.network import JoinedNetwork, wick_flops_lower_bound
     from tensoralg.prepare import output_matrix, stack_for
     from tensoralg.strategies import wick
+    from tensoralg.strategies.wick import JoinedNetwork, wick_flops_lower_bound
 
     rng = np.random.default_rng(seed)
     a = rand_network(rng, kind, d=3, out=2)
@@ -321,7 +321,7 @@ def test_fraction_weights_exact_through_chaos():
 
 def test_chaos_gram_expands_models_in_chunks_and_matches_wick():
     from tensoralg.nn import BilinearNet
-    from tensoralg.strategies import chaos
+    from tensoralg.strategies.chaos import position_free as chaos
 
     n = chaos.FEATURE_CHUNK * 2 + 3  # three chunks
     models = [BilinearNet(5, 3, d_model=3, d_hidden=4, seed=s) for s in range(n)]

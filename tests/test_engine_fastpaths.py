@@ -15,7 +15,9 @@ import tensoralg as ta
 from tensoralg import prepare
 from tensoralg.canonical import canonicalize, stack
 from tensoralg.prepare import PREPARED, normalize, output_matrix, stack_for
-from tensoralg.strategies import chaos, chaos_depth1, closure
+from tensoralg.strategies import closure
+from tensoralg.strategies.chaos import depth1 as chaos_depth1
+from tensoralg.strategies.chaos import position_free as chaos
 
 
 def _one_layer(rng, d=5, m=4, H=6, out=3):

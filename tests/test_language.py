@@ -582,7 +582,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
     """The audit's Monte Carlo check of a pair is ta.similarity(method="montecarlo") on the
     saved checkpoints (same n_samples and seed: the same number, not just a close one) with
     its delta-method standard error; the exact one-layer value lies within 4 of them."""
-    from tensoralg.strategies import wick_terms
+    from tensoralg.strategies import sequence_exact
 
     _result, out = tiny_run
     js = json.loads((out / "language.json").read_text())
@@ -594,7 +594,7 @@ def test_montecarlo_check_reports_the_library_estimate_and_its_stderr(tiny_run):
                         n_samples=mc["n_samples"], seed=mc["seed"])
     val = mc["montecarlo"] if mc["reliable"] else mc["unreliable_estimate"]
     assert val == float(est) and mc["stderr"] == est.stderr and mc["reliable"] == est.reliable
-    exact = wick_terms.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
+    exact = sequence_exact.exact_similarity(a, b, n_ctx=TINY["n_ctx"])
     assert abs(exact - val) <= 4 * mc["stderr"]
     if mc["reliable"]:
         assert mc["z"] == pytest.approx((mc["exact"] - val) / mc["stderr"])

@@ -445,7 +445,7 @@ def test_blocked_transformer_matrix_equals_unblocked(lm_ckpts, tmp_path, depth, 
     and a few Gram entries against the per-pair functions (one call per pair, nothing shared)."""
     from tensoralg.audit.compare import run_matrix
     from tensoralg.audit.matrix_blocks import run_matrix_blocked
-    from tensoralg.strategies import closure, wick_terms
+    from tensoralg.strategies import closure, sequence_exact
 
     paths = lm_ckpts[depth]
     kw = {} if depth == 1 else {"method": "closure"}
@@ -463,19 +463,19 @@ def test_blocked_transformer_matrix_equals_unblocked(lm_ckpts, tmp_path, depth, 
     assert np.all(np.diag(S) == 1.0) and np.array_equal(S, S.T)
     G = blocks.gram(paths, block_size=2, method=method)
     nets = _lm_nets(paths)
-    pair = wick_terms.exact_inner if method == "exact" else closure.closure_inner
+    pair = sequence_exact.exact_inner if method == "exact" else closure.closure_inner
     for i, j in [(0, len(paths) - 1), (1, 2), (2, 2)]:
         assert G[i, j] == pytest.approx(pair(nets[i], nets[j], n_ctx=3), rel=1e-12)
 
 
 def test_blocked_transformer_models_in_memory_and_n_ctx(lm_ckpts):
-    from tensoralg.strategies import wick_terms
+    from tensoralg.strategies import sequence_exact
 
     nets = _lm_nets(lm_ckpts[1], n_ctx=2)
-    ref = wick_terms.exact_gram(nets, n_ctx=2)
+    ref = sequence_exact.exact_gram(nets, n_ctx=2)
     assert _rel(blocks.gram(nets, block_size=3, n_ctx=2), ref) < 1e-12
     assert _rel(blocks.gram(lm_ckpts[1], block_size=3, n_ctx=2), ref) < 1e-12
-    ref1 = wick_terms.exact_gram(nets, n_ctx=2, output=1)
+    ref1 = sequence_exact.exact_gram(nets, n_ctx=2, output=1)
     assert _rel(blocks.gram(nets, block_size=2, n_ctx=2, output=1), ref1) < 1e-12
 
 
@@ -503,9 +503,9 @@ def test_blocked_transformer_store_round_trip(lm_ckpts, tmp_path, capsys):
     assert "6 computed" in capsys.readouterr().out
     res = json.loads((out / "matrix.json").read_text())
     assert res["n_ctx"] == 2 and res["method"] == "exact"
-    from tensoralg.strategies import wick_terms
+    from tensoralg.strategies import sequence_exact
 
-    S_ref = wick_terms.exact_gram(_lm_nets(paths, n_ctx=2), n_ctx=2, similarity=True)
+    S_ref = sequence_exact.exact_gram(_lm_nets(paths, n_ctx=2), n_ctx=2, similarity=True)
     assert np.max(np.abs(np.load(out / "matrix.npy") - S_ref)) <= 1e-12
     assert main(["matrix", *paths, "--out", str(out), "--block-size", "2", "--n-ctx", "2",
                  "--resume"]) == 0

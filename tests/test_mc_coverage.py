@@ -141,7 +141,7 @@ def _attn_pairs():
     """Three pairs of one-layer attention models (d = 2, n_ctx = 2): heads, biases, RoPE,
     residual, masks varied; similarities between -0.05 and 0.02, so the ratio is not pinned
     near +-1 where its standard error would be tiny."""
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
 
     def attn(rng, H=1, bias=True, residual=False, **kw):
         W = lambda *s: rng.normal(size=s)  # noqa: E731
@@ -231,7 +231,7 @@ def _sequence_inner_z(estimate):
     """|z| of ``estimate(a, b, seed)`` against the exact one-layer inner product (exact Wick
     sum, checked against verify's rational brute force in test_attention_exact), 3 pairs x 100
     seeds."""
-    from tensoralg.strategies import wick_terms as A
+    from tensoralg.strategies import sequence_exact as A
 
     z = []
     for a, b, _ in _attn_pairs():

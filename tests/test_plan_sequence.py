@@ -1,5 +1,5 @@
 """ta.plan for sequence models (bilinear attention, docs/mathematics.md §3.7): it says what ta.inner does
-with the same options — the exact one-attention-layer path of tensoralg.strategies.wick_terms with its
+with the same options — the exact one-attention-layer path of tensoralg.strategies.sequence_exact with its
 Wick configurations, or the refusal — and ``refused`` is set exactly when inner refuses,
 checked by running inner on both sides of the boundary."""
 
@@ -12,7 +12,7 @@ from test_attention_exact import attn
 import tensoralg as ta
 from tensoralg.planner import SequencePlan
 from tensoralg.request import DEFAULT_MAX_FLOPS, DEFAULT_MAX_FLOPS_EXACT_SEQUENCE
-from tensoralg.strategies import closure, wick_terms
+from tensoralg.strategies import closure, sequence_exact
 
 
 def _pair(seed=0):
@@ -38,7 +38,7 @@ def test_plan_counts_the_configurations_inner_contracts():
     p = ta.plan(a, b, n_ctx=2)
     assert isinstance(p, SequencePlan) and p.supported and p.refused is None
     assert p.strategy == "attention" and p.n_ctx == 2
-    assert p.n_configurations == wick_terms.count_configurations(a, b, n_ctx=2)
+    assert p.n_configurations == sequence_exact.count_configurations(a, b, n_ctx=2)
     assert p.n_legs == 10  # two attention terms of 5 legs (docs/mathematics.md §3.7)
     # the sliced linear term of a (zero output bias at output 1) can no longer be capped
     assert ta.plan(a, b, n_ctx=2, output=1).n_configurations < p.n_configurations

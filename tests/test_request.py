@@ -15,7 +15,7 @@ from tensoralg.request import Request, make_request
 from tensoralg.results import ExactSimilarity
 from tensoralg.strategies import closure as C
 from tensoralg.strategies import montecarlo as MC
-from tensoralg.strategies import wick_terms as A
+from tensoralg.strategies import sequence_exact as A
 
 
 class _Untouchable:
@@ -103,7 +103,8 @@ def test_every_entry_point_gives_the_same_error_before_any_work(kw, msg):
 
 
 def test_sequence_entry_points_give_the_same_error():
-    """The sequence-model functions of tensoralg.strategies (wick_terms, montecarlo, closure) build the same request."""
+    """The sequence-model functions of tensoralg.strategies (sequence_exact, montecarlo, closure)
+    build the same request."""
     calls = {
         "exact_inner": lambda kw: A.exact_inner(U, U, **kw),
         "exact_similarity": lambda kw: A.exact_similarity(U, U, **kw),

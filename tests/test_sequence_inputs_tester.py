@@ -9,7 +9,7 @@ from tensoralg.verify.attention import sequence_inner_exact
 from test_attention_exact import attn
 
 import tensoralg as ta
-from tensoralg.strategies import wick_terms
+from tensoralg.strategies import sequence_exact
 
 
 def _pair(seed=0):
@@ -61,7 +61,7 @@ def test_bad_direction_vector_refused_everywhere(u, what):
     e_inner = _err(lambda: ta.inner(a, a, n_ctx=2, output=u))
     assert e_plan == e_inner
     assert e_inner[1].startswith("output:") and what in e_inner[1]
-    assert _err(lambda: wick_terms.count_configurations(a, a, 2, output=u)) == e_inner
+    assert _err(lambda: sequence_exact.count_configurations(a, a, 2, output=u)) == e_inner
     assert _err(lambda: ta.similarity(a, a, n_ctx=2, output=u)) == e_inner
 
 

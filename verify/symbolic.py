@@ -74,7 +74,7 @@ class _Timer:
 
 
 # ----------------------------------------------------------------------------------------
-# matchings (enumerated from the definition; independent of tensoralg.wick)
+# matchings (enumerated from the definition; independent of tensoralg.strategies.wick)
 # ----------------------------------------------------------------------------------------
 
 def perfect_matchings(items: Sequence) -> Iterator[list[tuple]]:

@@ -111,9 +111,9 @@ def run(args, name: str, fn):
     try:
         return fn()
     except CostTooHigh as exc:
-        from .common import _reason
+        from .common import reason_text
 
-        why = _reason(str(exc))
+        why = reason_text(str(exc))
         raise ValueError(f"--method {getattr(args, 'method', 'exact')}: {why}; use --method "
                          f"montecarlo (an estimate with its standard error and reliability "
                          f"verdict) or --method closure (the moment-closure similarity: fast, "

@@ -226,24 +226,24 @@ def exact_cost_refused(net: Any, n_ctx: int | None = None) -> str | None:
     """Why the exact Gaussian inner product ``<net, net>`` is over budget, or ``None`` if it is
     affordable. Contracts nothing: :func:`tensoralg.plan` counts Wick configurations and
     estimates the FLOPs of the contraction paths (refused when it raises ``CostTooHigh``, marks
-    the plan ``refused``, or estimates more than ``tensoralg.network.DEFAULT_MAX_FLOPS``).
+    the plan ``refused``, or estimates more than ``tensoralg.request.DEFAULT_MAX_FLOPS``).
     ``n_ctx``: the sequence length of a sequence network (None for others)."""
     import tensoralg as ta
-    from tensoralg.network import DEFAULT_MAX_FLOPS
+    from tensoralg.request import DEFAULT_MAX_FLOPS
 
     try:
         plan = ta.plan(net) if n_ctx is None else ta.plan(net, n_ctx=n_ctx)
     except ta.CostTooHigh as exc:
-        return _reason(str(exc))
+        return reason_text(str(exc))
     if getattr(plan, "refused", None):
-        return _reason(plan.refused) if isinstance(plan.refused, str) else "over the exact budget"
+        return reason_text(plan.refused) if isinstance(plan.refused, str) else "over the exact budget"
     flops = float(getattr(plan, "flops", 0.0))
     if not flops <= DEFAULT_MAX_FLOPS:
         return f"about {flops:.3g} FLOPs, over the {DEFAULT_MAX_FLOPS:.3g} FLOP budget"
     return None
 
 
-def _reason(text: str) -> str:
+def reason_text(text: str) -> str:
     """The core's refusal text without its advice (which names the API, not the CLI)."""
     for cut in ("; use method", ". Alternatives", "Alternatives:"):
         text = text.split(cut)[0]

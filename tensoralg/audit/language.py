@@ -78,8 +78,8 @@ from .language_common import (  # noqa: F401
     NGRAM_FIG,
     ORDERS,
     PAIRS_CSV,
-    _spearman,
     consecutive_change,
+    spearman,
     transitions_finding,
 )
 
@@ -839,9 +839,9 @@ def montecarlo_text(pairs: list, N: int, info: dict, with_closure: bool) -> list
 
 def _ngram_figure(path: Path, steps, agreement, fin, label: str = "exact") -> Path:
     from .common import save_figure
-    from .plotting import _plt
+    from .plotting import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     x = np.array([max(s, 0.5) for s in steps], dtype=float)   # step 0 drawn at 0.5 (log axis)
     for n, a in agreement.items():

@@ -29,7 +29,7 @@ def consecutive_change(M: np.ndarray) -> np.ndarray:
     return 1.0 - np.array([M[i, i + 1] for i in range(len(M) - 1)])
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> float | None:
+def spearman(x: np.ndarray, y: np.ndarray) -> float | None:
     from scipy.stats import spearmanr
 
     x, y = np.asarray(x, float), np.asarray(y, float)
@@ -89,7 +89,7 @@ def transitions_finding(steps: Sequence[int], mats: dict, agreement: dict,
             "sharpest": tops,
             "sharpness_max_over_median": (float(ch[order[0]] / med) if order and med > 0
                                           else None),
-            "spearman_with_ngram_change": _spearman(ch, total),
+            "spearman_with_ngram_change": spearman(ch, total),
             "n_sharpest_aligned_with_ngram": sum(bool(t["ngram_orders_fastest_within_1_interval"])
                                                  for t in tops),
             "n_sharpest_same_interval_as_ngram": sum(bool(t["ngram_orders_fastest_same_interval"])

@@ -567,9 +567,9 @@ def _figure(path, steps, agreement, fin, deep, metrics):
     from matplotlib.transforms import blended_transform_factory
 
     from .common import save_figure
-    from .plotting import _plt
+    from .plotting import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, (ax, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     x = np.array([max(s, 0.5) for s in steps], dtype=float)   # step 0 drawn at 0.5 (log axis)
     mid = np.sqrt(x[:-1] * x[1:])

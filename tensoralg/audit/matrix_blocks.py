@@ -133,7 +133,7 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
     if workers is not None and blocks.too_many_workers(workers):
         raise ValueError(f"--workers: {blocks.too_many_workers(workers)}")
     if scheduler is not None or workers is not None:
-        blocks._need_distributed()
+        blocks.need_distributed()
     prints = blocks.validate_checkpoints(paths)
     from ..io import read_config
 

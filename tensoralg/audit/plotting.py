@@ -10,7 +10,7 @@ import numpy as np
 from .common import method_label, save_figure
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,7 +25,7 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
     """Per-class slice similarity (target class highlighted) with the global tensor similarity
     and the similarity-like baselines drawn as horizontal lines; the legend sits outside the
     axes so that it never covers a bar."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     k = len(slices)
     colors = ["tab:red" if c == target else "tab:blue" for c in range(k)]
@@ -70,7 +70,7 @@ def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], 
     """Matrices side by side with a shared colour scale, labelled rows and columns."""
     import textwrap
 
-    plt = _plt()
+    plt = pyplot()
     n = len(mats)
     # constrained layout keeps each panel's axis label and title clear of its neighbours
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 0.8, 4.6), squeeze=False,
@@ -102,7 +102,7 @@ def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], 
 def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], title: str,
                   ylabel: str = "class", xlabel: str = "checkpoint") -> Path:
     """Rows = classes, columns = checkpoints; the number written in each cell."""
-    plt = _plt()
+    plt = pyplot()
     values = np.asarray(values, dtype=float)
     fig, ax = plt.subplots(figsize=(1.0 + 0.75 * values.shape[1], 0.45 * values.shape[0] + 1.5))
     im = ax.imshow(values, cmap="viridis", vmin=min(0.0, np.nanmin(values)), vmax=1.0, aspect="auto")
@@ -125,7 +125,7 @@ def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float]
                     method: str) -> Path:
     """Accuracy curves and similarity to the final checkpoint (log steps) next to the
     checkpoint x checkpoint similarity heatmap."""
-    plt = _plt()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = np.maximum(np.asarray(steps, dtype=float), 1.0)
     ax1.plot(x, train_acc, "o-", ms=3, label="train accuracy")

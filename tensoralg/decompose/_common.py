@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from ..canonical import _zeros
+from ..canonical import zeros_array
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
 
-_DEPTH_HINT = ("eigen-components need a depth-1 network (at most one bilinear layer on any "
+DEPTH_HINT = ("eigen-components need a depth-1 network (at most one bilinear layer on any "
                "path: degree <= 2); for a deeper network check a decomposition of your own "
                "with tensoralg.decompose.check_decomposition(model, components), or expand a "
                "residual network with tensoralg.decompose.paths(model)")
@@ -25,7 +25,7 @@ SEQUENCE_HINT = ("tensoralg.decompose takes apart vector networks only (Linear, 
                  "tensoralg compare A B, tensoralg matrix CKPT...)")
 
 
-def _vector_network(obj: Any, name: str) -> Layer:
+def vector_network(obj: Any, name: str) -> Layer:
     """``as_network(obj, name)``, refusing a sequence model (one holding attention), which no
     decomposition here handles, with a message saying so (naming ``name``)."""
     net = as_network(obj, name)
@@ -42,13 +42,13 @@ def bilinear_depth(net: Layer) -> int:
 
 
 
-def _arr(a, exact: bool) -> np.ndarray:
+def as_array(a, exact: bool) -> np.ndarray:
     if exact:
         return np.asarray(a, dtype=object)
     return np.asarray(a, dtype=np.float64)
 
 
-def _coef(c: Any, exact: bool):
+def as_coef(c: Any, exact: bool):
     return Fraction(c) if exact else float(c)
 
 
@@ -65,16 +65,16 @@ def _structure_key(net: Layer) -> tuple:
     raise TypeError(f"unknown layer type {type(net).__name__}")
 
 
-def _type_key(net: Layer) -> tuple:
+def type_key(net: Layer) -> tuple:
     """The layer-type pattern (no sizes): networks with equal patterns can be run side by side."""
     if isinstance(net, (Linear, Bilinear)):
         return (type(net).__name__,)
     if isinstance(net, Residual):
-        return ("Residual", _type_key(net.inner))
-    return ("Sequential",) + tuple(_type_key(x) for x in net.layers)
+        return ("Residual", type_key(net.inner))
+    return ("Sequential",) + tuple(type_key(x) for x in net.layers)
 
 
-def _output_vector(output: Any, n_out: int, name: str = "output") -> np.ndarray | None:
+def output_vector(output: Any, n_out: int, name: str = "output") -> np.ndarray | None:
     """``None`` stays ``None``; an int becomes a one-hot row; a vector is checked."""
     if output is None:
         return None
@@ -108,14 +108,14 @@ def _output_vector(output: Any, n_out: int, name: str = "output") -> np.ndarray 
     return u
 
 
-def _eye(n: int, exact: bool) -> np.ndarray:
-    out = _zeros((n, n), exact)
+def identity_matrix(n: int, exact: bool) -> np.ndarray:
+    out = zeros_array((n, n), exact)
     for i in range(n):
         out[i, i] = Fraction(1) if exact else 1.0
     return out
 
 
-def _gram_mixed(nets: Sequence[Layer], metric: str, backend: str, output: Any,
+def gram_mixed(nets: Sequence[Layer], metric: str, backend: str, output: Any,
                 on_cost: str = "raise") -> np.ndarray:
     """``G[i, j] = <n_i, n_j>`` with one :func:`tensoralg.cross_gram` call per pair of
     architecture groups. ``on_cost="nan"``: a block refused as too costly is left NaN."""

@@ -59,9 +59,9 @@ def eigenvector_figure(path: str | Path, eig: Any, k: int, title: str,
     """The top ``k`` eigenvectors drawn as square images (``d`` a perfect square) or bar plots,
     with the mask (e.g. the trigger) as the first panel. PNG, written atomically."""
     from ..audit.common import save_figure
-    from ..audit.plotting import _plt
+    from ..audit.plotting import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     k = min(k, eig.d)
     side = math.isqrt(eig.d)
     square = side * side == eig.d

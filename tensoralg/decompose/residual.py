@@ -11,7 +11,14 @@ from typing import Any
 import numpy as np
 
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential
-from ._common import _arr, _eye, _gram_mixed, _vector_network, _zeros, bilinear_depth
+from ._common import (
+    as_array,
+    bilinear_depth,
+    gram_mixed,
+    identity_matrix,
+    vector_network,
+    zeros_array,
+)
 from .sums import DecompositionCheck, check_decomposition
 
 
@@ -56,7 +63,7 @@ def _path_network(pre, blocks, post, T: tuple[int, ...], exact: bool) -> Layer:
     so that ``sum_T y_T`` is the residual stream (bilinear expansion of each block)."""
     strip = [Linear(l.weight, None) for l in post]
     if not T:
-        return Sequential(pre + post) if pre + post else Linear(_eye(blocks[0].in_features, exact))
+        return Sequential(pre + post) if pre + post else Linear(identity_matrix(blocks[0].in_features, exact))
     m = blocks[0].in_features
     avail: list[tuple[int, ...]] = [()]
     stages: list[Layer] = []
@@ -73,15 +80,15 @@ def _path_network(pre, blocks, post, T: tuple[int, ...], exact: bool) -> Layer:
         row = {S: i * m for i, S in enumerate(outs)}
         n_in, n_out = len(avail) * m, len(outs) * m
         if isinstance(inner, Linear):
-            W = _zeros((n_out, n_in), exact)
-            b = _zeros((n_out,), exact)
+            W = zeros_array((n_out, n_in), exact)
+            b = zeros_array((n_out,), exact)
             for S in carry:
-                W[row[S]:row[S] + m, col[S]:col[S] + m] = _eye(m, exact)
+                W[row[S]:row[S] + m, col[S]:col[S] + m] = identity_matrix(m, exact)
             for Tn in new:
                 U = tuple(x for x in Tn if x != k)
-                W[row[Tn]:row[Tn] + m, col[U]:col[U] + m] = _arr(inner.weight, exact)
+                W[row[Tn]:row[Tn] + m, col[U]:col[U] + m] = as_array(inner.weight, exact)
                 if not U and inner.bias is not None:
-                    b[row[Tn]:row[Tn] + m] = _arr(inner.bias, exact)
+                    b[row[Tn]:row[Tn] + m] = as_array(inner.bias, exact)
             stages.append(Linear(W, b))
             avail = outs
             continue
@@ -94,29 +101,29 @@ def _path_network(pre, blocks, post, T: tuple[int, ...], exact: bool) -> Layer:
                     if tuple(sorted(set(P) | set(Q))) == U:
                         units.append(((P, Q), Tn))
         n_h = sum(m if pq is None else H for pq, _ in units)
-        L, R = _zeros((n_h, n_in), exact), _zeros((n_h, n_in), exact)
-        lb, rb = _zeros((n_h,), exact), _zeros((n_h,), exact)
-        D, db = _zeros((n_out, n_h), exact), _zeros((n_out,), exact)
+        L, R = zeros_array((n_h, n_in), exact), zeros_array((n_h, n_in), exact)
+        lb, rb = zeros_array((n_h,), exact), zeros_array((n_h,), exact)
+        D, db = zeros_array((n_out, n_h), exact), zeros_array((n_out,), exact)
         h = 0
         for pq, S in units:
             if pq is None:   # carry y_S: (e_i . z) * 1
-                L[h:h + m, col[S]:col[S] + m] = _eye(m, exact)
+                L[h:h + m, col[S]:col[S] + m] = identity_matrix(m, exact)
                 rb[h:h + m] = one
-                D[row[S]:row[S] + m, h:h + m] = _eye(m, exact)
+                D[row[S]:row[S] + m, h:h + m] = identity_matrix(m, exact)
                 h += m
                 continue
             P, Q = pq
-            L[h:h + H, col[P]:col[P] + m] = _arr(inner.left, exact)
-            R[h:h + H, col[Q]:col[Q] + m] = _arr(inner.right, exact)
+            L[h:h + H, col[P]:col[P] + m] = as_array(inner.left, exact)
+            R[h:h + H, col[Q]:col[Q] + m] = as_array(inner.right, exact)
             if not P and inner.left_bias is not None:
-                lb[h:h + H] = _arr(inner.left_bias, exact)
+                lb[h:h + H] = as_array(inner.left_bias, exact)
             if not Q and inner.right_bias is not None:
-                rb[h:h + H] = _arr(inner.right_bias, exact)
-            D[row[S]:row[S] + m, h:h + H] = _arr(inner.down, exact)
+                rb[h:h + H] = as_array(inner.right_bias, exact)
+            D[row[S]:row[S] + m, h:h + H] = as_array(inner.down, exact)
             h += H
         for Tn in new:
             if Tn == (k,) and inner.down_bias is not None:
-                db[row[Tn]:row[Tn] + m] = _arr(inner.down_bias, exact)
+                db[row[Tn]:row[Tn] + m] = as_array(inner.down_bias, exact)
         stages.append(Bilinear(L, R, D, lb, rb, db))
         avail = outs
     return Sequential(pre + stages + strip)
@@ -158,7 +165,7 @@ class PathDecomposition:
 
 
 def _path_networks(model: Any, name: str = "model", exact: bool | None = None):
-    net = _vector_network(model, name)
+    net = vector_network(model, name)
     pre, blocks, post = _split_residual(net)
     if len(blocks) > 8:
         raise ValueError(f"{name}: {len(blocks)} residual blocks give {2 ** len(blocks)} paths; "
@@ -202,7 +209,7 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDeco
     keep = ([0] if not ta.plan(net).refused else []) + [i for i, n in enumerate(names, start=1)
                                                          if n not in over]
     allnets = [net] + nets
-    sub = _gram_mixed([allnets[i] for i in keep], "gaussian", backend, None, on_cost="nan")
+    sub = gram_mixed([allnets[i] for i in keep], "gaussian", backend, None, on_cost="nan")
     G = np.full((len(allnets),) * 2, np.nan, dtype=object if backend == "exact" else float)
     G[np.ix_(keep, keep)] = sub
     chk = None

@@ -12,13 +12,13 @@ import numpy as np
 
 from ..layers import Bilinear, Layer, Linear, Residual, Sequential
 from ._common import (
-    _DEPTH_HINT,
-    _arr,
-    _eye,
-    _output_vector,
-    _vector_network,
-    _zeros,
+    DEPTH_HINT,
+    as_array,
     bilinear_depth,
+    identity_matrix,
+    output_vector,
+    vector_network,
+    zeros_array,
 )
 
 
@@ -43,31 +43,31 @@ def _quadratic_form(net: Layer, exact: bool, name: str, q: _Quad | None = None) 
     (lifted bilinear factors in input coordinates; an embedding is folded into them)."""
     if q is None:
         d = net.in_features
-        q = _Quad(_zeros((d,), exact), _eye(d, exact), _zeros((d, 0), exact),
-                  _zeros((0, d + 1), exact), _zeros((0, d + 1), exact), exact)
+        q = _Quad(zeros_array((d,), exact), identity_matrix(d, exact), zeros_array((d, 0), exact),
+                  zeros_array((0, d + 1), exact), zeros_array((0, d + 1), exact), exact)
     if isinstance(net, Sequential):
         for layer in net.layers:
             q = _quadratic_form(layer, exact, name, q)
         return q
     if isinstance(net, Linear):
-        W = _arr(net.weight, exact)
-        c = W @ q.c + (_arr(net.bias, exact) if net.bias is not None else 0)
+        W = as_array(net.weight, exact)
+        c = W @ q.c + (as_array(net.bias, exact) if net.bias is not None else 0)
         return _Quad(c, W @ q.B, W @ q.D, q.Lt, q.Rt, exact)
     if isinstance(net, Bilinear):
         if not q.affine:
             raise ValueError(f"{name}: a bilinear layer reads the output of another bilinear "
-                             f"layer (degree 4 or more); {_DEPTH_HINT}")
+                             f"layer (degree 4 or more); {DEPTH_HINT}")
 
         def lift(W, b):
-            out = _zeros((W.shape[0], q.B.shape[1] + 1), exact)
-            out[:, 0] = W @ q.c + (_arr(b, exact) if b is not None else 0)
+            out = zeros_array((W.shape[0], q.B.shape[1] + 1), exact)
+            out[:, 0] = W @ q.c + (as_array(b, exact) if b is not None else 0)
             out[:, 1:] = W @ q.B
             return out
-        Lt = lift(_arr(net.left, exact), net.left_bias)
-        Rt = lift(_arr(net.right, exact), net.right_bias)
+        Lt = lift(as_array(net.left, exact), net.left_bias)
+        Rt = lift(as_array(net.right, exact), net.right_bias)
         O, d = net.out_features, q.B.shape[1]
-        c = _arr(net.down_bias, exact) if net.down_bias is not None else _zeros((O,), exact)
-        return _Quad(c, _zeros((O, d), exact), _arr(net.down, exact), Lt, Rt, exact)
+        c = as_array(net.down_bias, exact) if net.down_bias is not None else zeros_array((O,), exact)
+        return _Quad(c, zeros_array((O, d), exact), as_array(net.down, exact), Lt, Rt, exact)
     if isinstance(net, Residual):
         inner = _quadratic_form(net.inner, exact, name, q)
         return _Quad(q.c + inner.c, q.B + inner.B, np.concatenate([q.D, inner.D], axis=1),
@@ -115,16 +115,16 @@ def chaos_coefficients_depth1(net: Any, output: Any = None) -> ChaosCoefficients
         ValueError: a network of bilinear depth >= 2 (the message names check_decomposition),
             a bad ``output``.
     """
-    net = _vector_network(net, "net")
+    net = vector_network(net, "net")
     if bilinear_depth(net) > 1:
         raise ValueError(f"net: bilinear depth {bilinear_depth(net)} (degree up to "
-                         f"{net.degree}); {_DEPTH_HINT}")
-    u = _output_vector(output, net.out_features)
+                         f"{net.degree}); {DEPTH_HINT}")
+    u = output_vector(output, net.out_features)
     exact = net.is_exact and (u is None or u.dtype == object or np.all(u == np.round(u)))
     q = _quadratic_form(net, exact, "net")
     c, B, D = q.c, q.B, q.D
     if u is not None:
-        U = _arr(u, exact)[None, :]
+        U = as_array(u, exact)[None, :]
         if exact:
             U = np.vectorize(Fraction, otypes=[object])(U)
         c, B, D = U @ c, U @ B, U @ D
@@ -133,7 +133,7 @@ def chaos_coefficients_depth1(net: Any, output: Any = None) -> ChaosCoefficients
     C1 = B + D @ (l0[:, None] * r + r0[:, None] * l)
     half = Fraction(1, 2) if exact else 0.5
     K, d = C1.shape
-    C2 = _zeros((K, d, d), exact)
+    C2 = zeros_array((K, d, d), exact)
     for o in range(K):
         M = (l.T * D[o]) @ r
         C2[o] = (M + M.T) * half
@@ -259,10 +259,10 @@ def eigen(model: Any, output: Any = None):
         ValueError: a network of depth >= 2 (the message names check_decomposition), an output
             index out of range, a direction of the wrong length, ``None`` with several outputs.
     """
-    net = _vector_network(model, "model")
+    net = vector_network(model, "model")
     if bilinear_depth(net) > 1:
         raise ValueError(f"model: bilinear depth {bilinear_depth(net)} (degree up to "
-                         f"{net.degree}); {_DEPTH_HINT}")
+                         f"{net.degree}); {DEPTH_HINT}")
     O = net.out_features
     if isinstance(output, str) and output == "each":
         return [eigen(net, c) for c in range(O)]
@@ -271,7 +271,7 @@ def eigen(model: Any, output: Any = None):
             raise ValueError(f"output: the model has {O} outputs; give a class index 0..{O - 1}, "
                              f"a direction vector of length {O}, or 'each'")
         output = 0
-    _output_vector(output, O)
+    output_vector(output, O)
     co = chaos_coefficients_depth1(net, output)
     C0 = float(co.C0[0])
     C1 = np.asarray(co.C1[0], dtype=float)
@@ -290,13 +290,13 @@ def as_bilinear_depth1(net: Any) -> Bilinear:
     Raises:
         ValueError: a network of depth >= 2 (names :func:`check_decomposition`).
     """
-    net = _vector_network(net, "net")
+    net = vector_network(net, "net")
     q = _quadratic_form(net, net.is_exact, "net")
     exact, O, d = q.exact, q.c.shape[0], q.B.shape[1]
     left = np.concatenate([q.Lt[:, 1:], q.B])
     left_bias = np.concatenate([q.Lt[:, 0], q.c])
-    right = np.concatenate([q.Rt[:, 1:], _zeros((O, d), exact)])
+    right = np.concatenate([q.Rt[:, 1:], zeros_array((O, d), exact)])
     one = Fraction(1) if exact else 1.0
     right_bias = np.concatenate([q.Rt[:, 0], np.full(O, one, dtype=object if exact else float)])
-    down = np.concatenate([q.D, _eye(O, exact)], axis=1)
+    down = np.concatenate([q.D, identity_matrix(O, exact)], axis=1)
     return Bilinear(left, right, down, left_bias, right_bias)

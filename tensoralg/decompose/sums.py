@@ -16,15 +16,15 @@ from ..layers import Bilinear, Layer, Linear, Residual, Sequential
 from ..prepare import check_pair
 from ..prepare import check_sizes as _check_sizes
 from ._common import (
-    _arr,
-    _coef,
-    _eye,
-    _gram_mixed,
-    _output_vector,
-    _type_key,
-    _vector_network,
-    _zeros,
+    as_array,
+    as_coef,
     bilinear_depth,
+    gram_mixed,
+    identity_matrix,
+    output_vector,
+    type_key,
+    vector_network,
+    zeros_array,
 )
 from .spectral import as_bilinear_depth1
 
@@ -32,7 +32,7 @@ from .spectral import as_bilinear_depth1
 def _blockdiag(mats: list[np.ndarray], exact: bool) -> np.ndarray:
     rows = sum(m.shape[0] for m in mats)
     cols = sum(m.shape[1] for m in mats)
-    out = _zeros((rows, cols), exact)
+    out = zeros_array((rows, cols), exact)
     r = c = 0
     for m in mats:
         out[r:r + m.shape[0], c:c + m.shape[1]] = m
@@ -43,7 +43,7 @@ def _blockdiag(mats: list[np.ndarray], exact: bool) -> np.ndarray:
 def _cat_bias(biases: list, sizes: list[int], exact: bool):
     if all(b is None for b in biases):
         return None
-    return np.concatenate([_zeros((s,), exact) if b is None else _arr(b, exact)
+    return np.concatenate([zeros_array((s,), exact) if b is None else as_array(b, exact)
                            for b, s in zip(biases, sizes)])
 
 
@@ -51,13 +51,13 @@ def _parallel(layers: list[Layer], exact: bool) -> Layer:
     """Layers of the same type pattern run side by side on concatenated streams."""
     first = layers[0]
     if isinstance(first, Linear):
-        return Linear(_blockdiag([_arr(l.weight, exact) for l in layers], exact),
+        return Linear(_blockdiag([as_array(l.weight, exact) for l in layers], exact),
                       _cat_bias([l.bias for l in layers], [l.out_features for l in layers], exact))
     if isinstance(first, Bilinear):
         hs = [l.hidden_features for l in layers]
-        return Bilinear(_blockdiag([_arr(l.left, exact) for l in layers], exact),
-                        _blockdiag([_arr(l.right, exact) for l in layers], exact),
-                        _blockdiag([_arr(l.down, exact) for l in layers], exact),
+        return Bilinear(_blockdiag([as_array(l.left, exact) for l in layers], exact),
+                        _blockdiag([as_array(l.right, exact) for l in layers], exact),
+                        _blockdiag([as_array(l.down, exact) for l in layers], exact),
                         _cat_bias([l.left_bias for l in layers], hs, exact),
                         _cat_bias([l.right_bias for l in layers], hs, exact),
                         _cat_bias([l.down_bias for l in layers], [l.out_features for l in layers],
@@ -98,7 +98,7 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
             a coefficient that is not a finite number (naming ``coefficients[i]``), or deeper
             networks whose layer patterns differ.
     """
-    nets = [_vector_network(n, f"networks[{i}]") for i, n in enumerate(networks)]
+    nets = [vector_network(n, f"networks[{i}]") for i, n in enumerate(networks)]
     if not nets:
         raise ValueError("networks: expected at least one network")
     coefficients = [1] * len(nets) if coefficients is None else list(coefficients)
@@ -108,7 +108,7 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
     coefficients = [_coefficient(c, f"coefficients[{i}]") for i, c in enumerate(coefficients)]
     _check_sizes(nets[0], nets[1:], "networks", offset=1)
     exact = all(n.is_exact for n in nets) and not any(isinstance(c, float) for c in coefficients)
-    if len({_type_key(n) for n in nets}) > 1:
+    if len({type_key(n) for n in nets}) > 1:
         depths = [bilinear_depth(n) for n in nets]
         if max(depths) > 1:
             raise ValueError(f"networks: combine runs networks side by side layer by layer, so "
@@ -117,8 +117,8 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
                              f"instead (check_decomposition does)")
         nets = [as_bilinear_depth1(n) for n in nets]
     d, O = nets[0].in_features, nets[0].out_features
-    fan_out = Linear(np.concatenate([_eye(d, exact)] * len(nets)))
-    fan_in = Linear(np.concatenate([_eye(O, exact) * _coef(c, exact) for c in coefficients],
+    fan_out = Linear(np.concatenate([identity_matrix(d, exact)] * len(nets)))
+    fan_in = Linear(np.concatenate([identity_matrix(O, exact) * as_coef(c, exact) for c in coefficients],
                                    axis=1))
     return Sequential([fan_out, _parallel(nets, exact), fan_in])
 
@@ -129,7 +129,7 @@ def difference(a: Any, b: Any) -> Layer:
     (exactly: the float sum of ``f_b`` and ``-f_a`` would leave rounding noise of about
     ``eps ||f_b||^2`` that reads as a change). Raises ``ValueError`` as :func:`combine`, with
     size errors naming ``a`` and ``b``."""
-    na, nb = _vector_network(a, "a"), _vector_network(b, "b")
+    na, nb = vector_network(a, "a"), vector_network(b, "b")
     check_pair(na, nb, sliceable=False)
     if _same_network(na, nb):
         return combine([nb], [0])
@@ -228,19 +228,19 @@ def check_decomposition(model: Any, components: Sequence[Any], *, output: Any = 
     """
     import tensoralg as ta
 
-    f = _vector_network(model, "model")
+    f = vector_network(model, "model")
     if isinstance(components, (Layer, dict)) or hasattr(components, "to_network"):
         raise TypeError("components: expected a list of networks, got a single network")
-    comps = [_vector_network(g, f"components[{i}]") for i, g in enumerate(components)]
+    comps = [vector_network(g, f"components[{i}]") for i, g in enumerate(components)]
     if not comps:
         raise ValueError("components: expected at least one component network")
     _check_sizes(f, comps, "components", ref_name="the model")
     if backend not in ("numpy", "exact"):
         raise ValueError(f"backend: expected 'numpy' or 'exact', got {backend!r}")
-    _output_vector(output, f.out_features)
+    output_vector(output, f.out_features)
     exact = backend == "exact"
     nets = [f] + comps
-    G = _gram_mixed(nets, "gaussian", backend, output) if _gram is None else _gram
+    G = gram_mixed(nets, "gaussian", backend, output) if _gram is None else _gram
     notes = []
     route = "gram"
     if exact or _gram is not None:
@@ -258,7 +258,7 @@ def check_decomposition(model: Any, components: Sequence[Any], *, output: Any = 
     if frobenius:
         orders = {bilinear_depth(n) for n in nets}
         if len(orders) == 1:
-            GF = _gram_mixed(nets, "frobenius", backend, output)
+            GF = gram_mixed(nets, "frobenius", backend, output)
             residual_f = GF[0, 0] - 2 * sum(GF[0, 1:]) + sum(GF[1:, 1:].ravel())
             if not exact:
                 residual_f = float(residual_f)

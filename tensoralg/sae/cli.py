@@ -723,7 +723,7 @@ def _cmd_evaluate(args) -> int:
     from ..corpus import load_corpus
     from .evaluation import evaluate_transformer
     from .formats import load_sae
-    from .transformer_acts import DEFAULT_CHARS, _load_transformer
+    from .transformer_acts import DEFAULT_CHARS, load_transformer
 
     sae = load_sae(args.sae)
     layer = args.layer
@@ -735,7 +735,7 @@ def _cmd_evaluate(args) -> int:
                              f"hook_resid.L, got hook_name={hook!r})")
         layer = int(hook[len("hook_resid."):])
     try:
-        model, _ = _load_transformer(args.checkpoint, layer)
+        model, _ = load_transformer(args.checkpoint, layer)
     except (ValueError, FileNotFoundError) as exc:
         raise type(exc)(str(exc).replace("checkpoint:", "--checkpoint:", 1)
                         .replace("layer:", "--layer:", 1)) from None

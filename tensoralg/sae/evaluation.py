@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hooks import _call, get_submodule, spliced
+from .hooks import call_model, get_submodule, spliced
 
 __all__ = ["evaluate_spliced", "evaluate_transformer", "next_token_logits", "fixed_support_map",
            "spliced_network"]
@@ -143,9 +143,9 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
     """
     from tqdm.auto import tqdm
 
-    from .hooks import _check_point
+    from .hooks import check_point
 
-    _check_point(point)
+    check_point(point)
     get_submodule(model, hook_name)
     d_in = sae.cfg.d_in
     sums = _Sums()
@@ -163,11 +163,11 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
             for batch in tqdm(batches, desc=f"splice at {hook_name}", unit="batch",
                               disable=None if progress else True):
                 with spliced(model, hook_name, finite, point):
-                    clean, targets = logits_fn(_call(model, batch), batch)
+                    clean, targets = logits_fn(call_model(model, batch), batch)
                 with spliced(model, hook_name, fn, point):
-                    spl, _ = logits_fn(_call(model, batch), batch)
+                    spl, _ = logits_fn(call_model(model, batch), batch)
                 with spliced(model, hook_name, torch.zeros_like, point):
-                    zero, _ = logits_fn(_call(model, batch), batch)
+                    zero, _ = logits_fn(call_model(model, batch), batch)
                 sums.add("ce_clean", F.cross_entropy(clean.double(), targets, reduction="sum"))
                 ce, kl = _ce_kl(clean, spl, targets)
                 sums.add("ce_spliced", ce)
@@ -206,10 +206,10 @@ def evaluate_transformer(model, sae, layer: int | None, tokens: torch.Tensor,
         ValueError: ``layer`` out of range; ``tokens`` not ``(n, T >= 2)``; see
             :func:`evaluate_spliced`.
     """
-    from .transformer_acts import _check_layer, resid_hook
+    from .transformer_acts import check_layer, resid_hook
 
     n_layers = model.hparams["n_layers"]
-    layer = _check_layer(layer, n_layers, "layer")
+    layer = check_layer(layer, n_layers, "layer")
     tokens = torch.as_tensor(tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens: expected (n_windows, T >= 2), got {tuple(tokens.shape)}")
@@ -262,10 +262,10 @@ def spliced_network(model, sae, layer: int | None, support):
             ``d_in`` is not ``d_model``.
     """
     from ..layers import Linear, Sequential
-    from .transformer_acts import _check_layer
+    from .transformer_acts import check_layer
 
     n_layers = model.hparams["n_layers"]
-    layer = _check_layer(layer, n_layers, "layer")
+    layer = check_layer(layer, n_layers, "layer")
     if sae.cfg.d_in != model.hparams["d_model"]:
         raise ValueError(f"sae: d_in={sae.cfg.d_in}, the model's residual stream has d_model="
                          f"{model.hparams['d_model']}")

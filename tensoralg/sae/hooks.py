@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 __all__ = ["HOOK_POINTS", "get_submodule", "activations_at", "collect_activations", "spliced",
-           "read_activation_metadata"]
+           "read_activation_metadata", "call_model", "check_point"]
 
 HOOK_POINTS = ("output", "input")
 _STATE = "state.json"
@@ -65,7 +65,7 @@ def get_submodule(model: nn.Module, hook_name: str) -> nn.Module:
                      f"({len(names)} submodules); nearest: {near}")
 
 
-def _check_point(point: str) -> None:
+def check_point(point: str) -> None:
     if point not in HOOK_POINTS:
         raise ValueError(f"point: expected one of {list(HOOK_POINTS)}, got {point!r}")
 
@@ -79,7 +79,7 @@ def _tensor_of(value, hook_name: str, point: str) -> torch.Tensor:
     return value
 
 
-def _call(model: nn.Module, batch) -> Any:
+def call_model(model: nn.Module, batch) -> Any:
     if isinstance(batch, dict):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
@@ -98,7 +98,7 @@ def activations_at(model: nn.Module, hook_name: str, batch, point: str = "output
         ValueError: see :func:`get_submodule`; a bad ``point``; the hook never ran in the
             forward pass, or what it sees is not a tensor.
     """
-    _check_point(point)
+    check_point(point)
     module = get_submodule(model, hook_name)
     seen: list[torch.Tensor] = []
 
@@ -113,7 +113,7 @@ def activations_at(model: nn.Module, hook_name: str, batch, point: str = "output
         handle = module.register_forward_hook(lambda mod, args, out: grab(out))
     try:
         with torch.no_grad():
-            _call(model, batch)
+            call_model(model, batch)
     except _Stop:
         pass
     finally:
@@ -134,7 +134,7 @@ def spliced(model: nn.Module, hook_name: str, fn: Callable[[torch.Tensor], torch
     Raises:
         ValueError: see :func:`get_submodule`; a bad ``point``; ``fn`` returns another shape.
     """
-    _check_point(point)
+    check_point(point)
     module = get_submodule(model, hook_name)
 
     def replace(value):
@@ -207,7 +207,7 @@ def collect_activations(model: nn.Module, hook_name: str, batches: Iterable, out
 
     from ..io import atomic_write_bytes, atomic_write_json
 
-    _check_point(point)
+    check_point(point)
     get_submodule(model, hook_name)
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: expected a positive integer, got {chunk_rows!r}")

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["QUICK_MODEL", "residual_stream_at", "resid_hook", "train_quick_transformer",
-           "extract_transformer_activations"]
+           "extract_transformer_activations", "check_layer", "load_transformer"]
 
 # the model trained when no checkpoint is given (fields of audit.language.LanguageConfig):
 # 2 blocks of bilinear attention + bilinear MLP, d_model 32, context 16; 600 AdamW steps
@@ -50,7 +50,7 @@ def resid_hook(layer: int, n_layers: int) -> tuple[str, str]:
     """The forward hook ``(hook_name, point)`` of :mod:`tensoralg.sae.hooks` at the residual
     stream ``h_layer`` of a :class:`~tensoralg.transformer.BilinearTransformer`: the output of
     its identity hook point ``hook_resid.{layer}`` (``0`` embedding ... ``n_layers`` final)."""
-    _check_layer(layer, n_layers, "layer")
+    check_layer(layer, n_layers, "layer")
     return f"hook_resid.{layer}", "output"
 
 
@@ -67,12 +67,12 @@ def residual_stream_at(model, tokens, layer: int | None = None):
     """
     from .hooks import activations_at
 
-    layer = _check_layer(layer, model.hparams["n_layers"], "layer")
+    layer = check_layer(layer, model.hparams["n_layers"], "layer")
     name, point = resid_hook(layer, model.hparams["n_layers"])
     return activations_at(model, name, tokens, point=point).clone()
 
 
-def _check_layer(layer, n_layers: int, name: str) -> int:
+def check_layer(layer, n_layers: int, name: str) -> int:
     if layer is None:
         return n_layers
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
@@ -171,8 +171,8 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
         if save_checkpoint_to is not None:
             raise ValueError("save_checkpoint_to: only a model trained here can be saved; "
                              f"checkpoint={checkpoint} is already on disk")
-        model, ckpt_cfg = _load_transformer(checkpoint, layer)
-        layer = _check_layer(layer, model.hparams["n_layers"], "layer")
+        model, ckpt_cfg = load_transformer(checkpoint, layer)
+        layer = check_layer(layer, model.hparams["n_layers"], "layer")
     else:
         from dataclasses import fields
 
@@ -188,7 +188,7 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
         except ValueError as exc:
             raise ValueError(f"train: {exc}") from None
         n_layers = (train or {}).get("n_layers", QUICK_MODEL["n_layers"])
-        layer = _check_layer(layer, n_layers, "layer")
+        layer = check_layer(layer, n_layers, "layer")
         if save_checkpoint_to is not None:
             from ..audit.common import check_folder_path
             check_folder_path(Path(save_checkpoint_to), "save_checkpoint_to")
@@ -271,7 +271,7 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
     return info
 
 
-def _load_transformer(checkpoint, layer=None):
+def load_transformer(checkpoint, layer=None):
     """``(model, cfg)`` of a transformer checkpoint folder, with errors naming ``checkpoint``;
     ``layer`` is checked against cfg.json's ``n_layers`` before the weights are read."""
     from ..checkpoint import load_checkpoint, read_checkpoint_config
@@ -292,7 +292,7 @@ def _load_transformer(checkpoint, layer=None):
                          f"{cfg.get('architecture')!r}, expected {ARCHITECTURE!r} (a "
                          f"tensoralg BilinearTransformer checkpoint)")
     if isinstance(cfg.get("n_layers"), int) and not isinstance(cfg["n_layers"], bool):
-        _check_layer(layer, cfg["n_layers"], "layer")
+        check_layer(layer, cfg["n_layers"], "layer")
     try:
         model, cfg = load_checkpoint(path)
     except FileNotFoundError as exc:

@@ -28,15 +28,14 @@ from typing import Any
 import numpy as np
 import opt_einsum as oe
 
-from ..canonical import QUERY, Canonical, Term, sequence_tree
-from ..canonical import _flatten as _flatten_layers
+from ..canonical import QUERY, Canonical, Term, flatten_layers, sequence_tree
 from ..layers import Bilinear, BilinearAttention, Layer, Linear, Residual, as_network
-from ..prepare import _selector, check_sequence_models, check_sequence_pair, check_slices
+from ..prepare import check_sequence_models, check_sequence_pair, check_slices, position_selector
 from ..request import Request, make_request
 from ..results import gram_to_similarity, similarity_from, swap_order
-from ..wick import partial_matchings, parts
 from .executor import ein as _ein
 from .executor import torch_backend
+from .wick.matchings import partial_matchings, parts
 
 __all__ = ["cross", "closure_inner", "closure_similarity", "closure_triple", "closure_gram",
            "closure_cross_gram", "closure_inner_req", "closure_similarity_req",
@@ -373,8 +372,8 @@ def _closure_nodes(net: Layer, n_ctx: int, name: str):
     """``[(terms, d_out)]``, one closure node per layer: the nodes of
     :func:`tensoralg.canonical.sequence_tree` (``fold=False``, float64) as :class:`_Term` s."""
     net = as_network(net, name)
-    for i, x in enumerate(_flatten_layers(net)):
-        inner = _flatten_layers(x.inner) if isinstance(x, Residual) else [x]
+    for i, x in enumerate(flatten_layers(net)):
+        inner = flatten_layers(x.inner) if isinstance(x, Residual) else [x]
         for y in inner:
             if not isinstance(y, (Linear, Bilinear, BilinearAttention)):
                 raise ValueError(f"{name}: layer {i}: the closure handles Linear, Bilinear, "
@@ -930,7 +929,7 @@ def _closure_triple_run(req: Request, a, b, need_self):
     swap = need_self and swap_order(a, b)   # a similarity: the pair's canonical order
     a, b = a.astype_float(), b.astype_float()
     U, keep = req.output_matrix(a.out_features)
-    sel = _selector(n_ctx, req.position, False)
+    sel = position_selector(n_ctx, req.position, False)
     each_t = isinstance(req.position, str)
     depth = max(_n_stages(a, n_ctx, "a"), _n_stages(b, n_ctx, "b"))
     ma = _ClosureModel(a, n_ctx, "a", depth)
@@ -1075,7 +1074,7 @@ def closure_similarity_req(req: Request, a: Any, b: Any):
 
 def _closure_setup(req: Request, nets, n_ctx, names):
     U, keep = req.output_matrix(nets[0].out_features)
-    sel = _selector(n_ctx, req.position, False)
+    sel = position_selector(n_ctx, req.position, False)
     each_t = isinstance(req.position, str)
     depth = max(_n_stages(m, n_ctx, nm) for m, nm in zip(nets, names))
     cm = [_ClosureModel(m, n_ctx, nm, depth) for m, nm in zip(nets, names)]

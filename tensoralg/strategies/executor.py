@@ -3,7 +3,7 @@ step by step as batched matrix products (numpy ``matmul``: BLAS for float64, exa
 arrays of ``Fraction``), or in torch float64 on a device inside :class:`torch_backend`.
 
 This is the execution layer of the exact Wick strategy on terms with position-carrying legs
-(:mod:`tensoralg.strategies.wick_terms`) and of the sequence closure
+(:mod:`tensoralg.strategies.sequence_exact`) and of the sequence closure
 (:mod:`tensoralg.strategies.closure`). It computes no mathematics of its own: a contraction
 ``einsum(sub, *ops)`` is split along the greedy path of ``opt_einsum.contract_path`` into
 pairwise steps; a step ``"la,lb->lo"`` sums the labels present in one operand only and absent

@@ -1,7 +1,7 @@
 """Exact strategy 1: the Isserlis/Wick sum over partial matchings of the joined tensor network
 (docs/mathematics.md §3.1; Isserlis 1918, Wick 1950), one opt_einsum contraction per configuration orbit.
 The mechanics (joined network, symmetry, zero patterns, paths) live in
-:mod:`tensoralg.network`; this module is the strategy's face for the planner."""
+:mod:`.joined`; this module is the strategy's face for the planner."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import converter, to_numpy
-from ..canonical import Canonical
-from ..network import JoinedNetwork, WickPlan, wick_flops_lower_bound
+from ...backends import converter, to_numpy
+from ...canonical import Canonical
+from .joined import JoinedNetwork, WickPlan, wick_flops_lower_bound
 
 __all__ = ["build", "compute", "lower_bound"]
 
@@ -28,7 +28,7 @@ def lower_bound(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric:
                 threshold: float) -> tuple[float, str] | None:
     """A lower bound on the Wick plan's FLOPs that exceeds ``threshold``, with how it was
     obtained, or None when none was found (then plan in full). First the closed form of
-    :func:`tensoralg.network.wick_flops_lower_bound` (shapes and zero patterns; nothing built);
+    :func:`.joined.wick_flops_lower_bound` (shapes and zero patterns; nothing built);
     then the joined network is formed (cheap: no contraction) and its configuration orbits'
     paths are searched one by one, dearest first, until their FLOPs pass ``threshold``
     (:meth:`JoinedNetwork.flops_at_least`). Call within the configuration budget."""

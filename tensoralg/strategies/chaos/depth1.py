@@ -1,5 +1,5 @@
 """Chaos coefficients of depth-1 networks in closed form (a kernel of the chaos strategy,
-:mod:`tensoralg.strategies.chaos`, docs/mathematics.md §3.6).
+:mod:`tensoralg.strategies.chaos.position_free`, docs/mathematics.md §3.6).
 
 A folded lifted stage ``y~ = D ((L z~) * (R z~))`` with ``z~ = (1, z)``, ``z ~ N(0, I_r)``,
 projected by ``U (K, O)`` (``Du = U D[1:]``, ``(K, H+1)``), is, per output ``k``, the quadratic
@@ -11,7 +11,7 @@ polynomial ``M0 + <M1, z> + z^T M2 z`` with
 (``l0 = L[:, 0]``, ``L1 = L[:, 1:]``, the same for ``R``). Its chaos (Hermite) coefficients are
 ``C0 = M0 + tr M2``, ``C1 = M1`` and ``C2 = sym M2`` (``E[z^T M z] = tr M`` and
 ``z^T M z - tr M = <sym M, He_2(z)>``), so ``<f, g> = C0 C0' + <C1, C1'> + 2 <C2, C2'>``, the
-formula of :func:`tensoralg.strategies.chaos.features` at degree 2.
+formula of :func:`tensoralg.strategies.chaos.position_free.features` at degree 2.
 
 All three come from one product over the lifted coordinates: with
 ``M~ = L~^T diag(Du[k]/2) R~`` and ``S = M~ + M~^T`` (``(r+1, r+1)``), ``S[0,0] = M0``,
@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..canonical import Canonical
+from ...canonical import Canonical
 
 __all__ = ["applies", "features"]
 
@@ -43,7 +43,7 @@ def applies(can: Canonical) -> bool:
 def features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     """``[C0 (N, K, 1), C1 (N, K, r), C2 (N, K, r(r+1)/2)]``: the chaos coefficients of every model
     of a depth-1 stack for the outputs projected by ``U (K, O)``, in the packed layout of
-    :func:`tensoralg.strategies.chaos.packed_features` (``C2`` of shape ``(N, K, r(r+1)/2)``).
+    :func:`tensoralg.strategies.chaos.position_free.packed_features` (``C2`` of shape ``(N, K, r(r+1)/2)``).
 
     On a stack from :mod:`tensoralg.prepare`'s cache (read-only, ``memo`` set) the result is
     kept in its memo per ``U`` (up to ``MEMO_BYTES`` each; read-only arrays)."""

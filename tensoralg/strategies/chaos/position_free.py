@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from ..canonical import Canonical, Stage
-from . import chaos_depth1
+from ...canonical import Canonical, Stage
+from . import depth1
 
 __all__ = ["ChaosEstimate", "estimate", "whiten", "features", "packed_features",
            "inner_packed", "inner_metric", "n_packed", "multiset_weights", "cross", "triple"]
@@ -1032,8 +1032,8 @@ def _features_on(cans: list[Canonical], U, r: int, conv) -> list[list]:
     ``U``, expanded :data:`FEATURE_CHUNK` models at a time into preallocated arrays."""
     out = []
     for c in cans:
-        if conv is None and chaos_depth1.applies(c):  # closed form, no work arrays
-            out.append(chaos_depth1.features(c, U))
+        if conv is None and depth1.applies(c):  # closed form, no work arrays
+            out.append(depth1.features(c, U))
             continue
         N = c.arrays()[0].shape[0]
         if N <= FEATURE_CHUNK:
@@ -1236,7 +1236,7 @@ def _estimate_packed(ca: Canonical, cb: Canonical, K: int, keep: bool, same: boo
         f, p, feats = _packed_cost(c, kc, r)
         if c.depth == 1 and not exact:  # the closed-form kernel's work vector, and Du
             H = c.stages[0].L.shape[-2]
-            p = max(p, chaos_depth1.work_elements(H, r, kc) + N * kc * H + N * feats)
+            p = max(p, depth1.work_elements(H, r, kc) + N * kc * H + N * feats)
         flops += f * n_chunks
         peak = max(peak, p)
         stored += N * feats
