@@ -73,10 +73,10 @@ def test_a_needle_is_flagged_never_a_confident_wrong_number():
 
 def test_disagreeing_replicates_are_flagged():
     reps = [(1.0, 0.01), (1.0, 0.01), (2.0, 0.01)]
-    d = mc._verdict(reps, 0.001, {})
+    d = mc.verdict(reps, 0.001, {})
     assert not d.reliable and "disagree" in d.reason and d.max_z > 3
-    assert mc._verdict(reps[:2], 0.001, {}).reliable
-    assert not mc._verdict(reps[:2], 0.2, {}).reliable
+    assert mc.verdict(reps[:2], 0.001, {}).reliable
+    assert not mc.verdict(reps[:2], 0.2, {}).reliable
 
 
 def test_the_certified_lower_bound_holds_over_many_seeds():

@@ -20,7 +20,7 @@ from ..request import MC_MIN_SAMPLES, MC_REPLICATES, Request, check_mc, make_req
 
 __all__ = ["MonteCarloEstimate", "MonteCarloArray", "Diagnostics", "check_mc", "moments",
            "similarity", "features", "warn_few", "MC_MIN_DIRECTIONS", "ratio_estimate",
-           "inner_diagnostics", "ratio_diagnostics", "certified_lower_bound", "MC_REPLICATES",
+           "inner_diagnostics", "ratio_diagnostics", "certified_lower_bound", "verdict", "MC_REPLICATES",
            "MC_MIN_SAMPLES", "montecarlo_inner", "cross_checked", "agreement_z",
            "MC_CROSS_Z", "MC_CROSS_DEGREE", "montecarlo_similarity",
            "montecarlo_similarity_pairs", "montecarlo_inner_req", "montecarlo_similarity_req"]
@@ -252,7 +252,7 @@ def _agreement(reps: list) -> float:
     return z
 
 
-def _verdict(reps, share, norms: dict, exact: bool = False) -> Diagnostics:
+def verdict(reps, share, norms: dict, exact: bool = False) -> Diagnostics:
     """The verdict of :class:`Diagnostics`; ``exact``: the sampled quantity did not vary
     between directions (:func:`_constant`, :func:`_proportional`), so the estimate is the value
     whatever the directions drawn: reliable, and labelled exact, whatever its shares."""
@@ -303,7 +303,7 @@ def inner_diagnostics(p: np.ndarray, norm_name: str | None = None) -> Diagnostic
     reps = []
     for part in np.array_split(p, MC_REPLICATES):
         reps.append((float(part.mean()), float(part.std(ddof=1) / math.sqrt(part.size))))
-    return _verdict(reps, _share(p), {norm_name: p} if norm_name else {}, _constant(p))
+    return verdict(reps, _share(p), {norm_name: p} if norm_name else {}, _constant(p))
 
 
 def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
@@ -314,7 +314,7 @@ def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
         est = ratio_estimate(part.sum(axis=1), part @ part.T, part.shape[1])
         reps.append((float(est), est.stderr))
     share = max(_share(x) for x in P)
-    return _verdict(reps, share, {"<a,a>": P[1], "<b,b>": P[2]}, _proportional(P))
+    return verdict(reps, share, {"<a,a>": P[1], "<b,b>": P[2]}, _proportional(P))
 
 
 class MonteCarloArray(np.ndarray):
@@ -667,7 +667,7 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype,
     share = np.where(absum > 0, absmax / np.where(absum > 0, absum, 1.0), 0.0)
     dshare = np.einsum("ii...->i...", share)
     share = np.maximum(share, np.maximum(dshare[:, None], dshare[None, :]))
-    diags = [_verdict([(float(rv[idx]), float(sv[idx])) for rv, sv in reps], float(share[idx]),
+    diags = [verdict([(float(rv[idx]), float(sv[idx])) for rv, sv in reps], float(share[idx]),
                       {}) for idx in np.ndindex(r.shape)]
     r = np.clip(r, -1.0, 1.0)
     for i in range(N):

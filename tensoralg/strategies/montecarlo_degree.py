@@ -24,10 +24,10 @@ from ..homogeneous import dft_parts
 from .montecarlo import (
     MC_CHUNK_ELEMENTS,
     MonteCarloEstimate,
-    _verdict,
     inner_diagnostics,
     ratio_diagnostics,
     ratio_estimate,
+    verdict,
 )
 
 __all__ = ["MC_SCALES", "truncation_estimates"]
@@ -109,7 +109,7 @@ def truncation_estimates(na, nb, n_ctx, Ks, exact_lower, n_samples, seed, kmax_p
         tot = np.abs(raw).sum(axis=1)
         share = float(max(np.abs(rem[i]).max() / tot[i] if tot[i] > 0 else 1.0
                           for i in range(3)))
-        diag = _verdict(list(diag.replicates), share, {"<a,a>": raw[1], "<b,b>": raw[2]},
+        diag = verdict(list(diag.replicates), share, {"<a,a>": raw[1], "<b,b>": raw[2]},
                         diag.exact)
         out[K] = MonteCarloEstimate(float(est), est.stderr, P.shape[1], diag)
     profs = []
