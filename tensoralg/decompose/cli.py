@@ -90,7 +90,7 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
     net = _load(checkpoint, "CKPT")
     what = f"checkpoint {checkpoint}"
     if diff is not None:
-        from ._common import _type_key
+        from ._common import type_key
 
         other = _load(diff, "--diff")
         if (other.in_features, other.out_features) != (net.in_features, net.out_features):
@@ -99,7 +99,7 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
                              f"{net.in_features} to {net.out_features}; the change between two "
                              f"checkpoints needs the same input and output sizes")
         if max(bilinear_depth(net), bilinear_depth(other)) > 1 and \
-                _type_key(net) != _type_key(other):
+                type_key(net) != type_key(other):
             raise ValueError(f"--diff: {diff} (bilinear depth {bilinear_depth(other)}) and CKPT "
                              f"{checkpoint} (bilinear depth {bilinear_depth(net)}) have different "
                              f"layer patterns; the change is decomposed between checkpoints of "
