@@ -212,3 +212,15 @@ def test_guided_estimator_is_unbiased_over_100_seeds():
         v = np.asarray(v)
         se = v.std(ddof=1) / np.sqrt(v.size)
         assert abs(v.mean()) <= 0.25 and abs(v.mean()) <= 3 * se, (q, v.mean(), se)
+
+
+def test_sequence_models_take_the_same_smallest_sample_count_as_vector_models():
+    """``ta.inner`` / ``ta.similarity`` of sequence models refused 6 to 39 directions ("expected
+    an int >= 2 * n_batches = 40", a parameter the caller cannot set; fresh-eyes tester); the
+    smallest count is ``MC_MIN_SAMPLES`` for every model, and 5 is still refused."""
+    m = ta.BilinearTransformer(7, 6, 2, 2, 2, n_ctx=3, seed=1)
+    with pytest.warns(RuntimeWarning, match="n_samples=6 < 300"):
+        est = ta.inner(m, m, method="montecarlo", n_samples=mc.MC_MIN_SAMPLES, n_ctx=3)
+    assert est.n_samples == 6
+    with pytest.raises(ValueError, match="n_samples: expected an integer >= 6"):
+        ta.similarity(m, m, method="montecarlo", n_samples=5, n_ctx=3)

@@ -789,8 +789,11 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
                                 n_batches)
 
 
-def montecarlo_inner_req(req: Request, a: Any, b: Any, n_batches: int = 20):
-    """:func:`montecarlo_inner` of a validated request: :func:`moments` of the pair."""
+def montecarlo_inner_req(req: Request, a: Any, b: Any, n_batches: int = MC_REPLICATES):
+    """:func:`montecarlo_inner` of a validated request: :func:`moments` of the pair. The
+    default ``n_batches`` asks for no more directions than the diagnostics need
+    (``MC_MIN_SAMPLES``, as for vector models): ``ta.inner`` of sequence models took at least
+    40 for a parameter the caller cannot set."""
     na, nb, n_ctx = _mc_checked(req, a, b, n_batches, "montecarlo_inner")
     U, _ = req.output_matrix(na.out_features)
     mean, se, p = moments([na], [nb], U, False, req.n_samples, req.seed, "numpy", None, None,
@@ -827,7 +830,7 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
                                      a, b, n_batches)
 
 
-def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = 20):
+def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = MC_REPLICATES):
     """:func:`montecarlo_similarity` of a validated request: :func:`similarity` of the pair."""
     na, nb, n_ctx = _mc_checked(req, a, b, n_batches, "montecarlo_similarity")
     U, _ = req.output_matrix(na.out_features)
