@@ -1,26 +1,32 @@
-"""Guided Monte Carlo (APPROXIMATE): defensive mixture importance sampling around the modes of
-the integrand (docs/mathematics.md §3.9, "Monte Carlo that knows when it fails").
+"""Guided Monte Carlo (APPROXIMATE): defensive mixture importance sampling of directions around
+the modes of the integrand, the radius integrated exactly (docs/montecarlo.md, "Guided
+sampling"; docs/mathematics.md §3.9).
 
 On deep models the Gaussian norm is carried by rare inputs (one token far out along a
-direction the model amplifies), which plain and radial sampling never draw. The proposal
+direction the model amplifies), which plain directions never draw. The radial estimator of
+:mod:`~tensoralg.strategies.montecarlo` writes ``x = r u`` and integrates the radius exactly
+(``h(u) = E_r[f_a(r u) . f_b(r u)]``, a Gauss rule for the chi radius); here the directions
+``u`` come from the mixture on the sphere ``S^(D-1)``
 
-    q = (1 - beta) N(0, I) + beta * mean_k N(m_k, I)
+    q(u) = (1 - beta) uniform(u) + beta * mean_k vMF(u; mu_k, kappa_k)
 
-puts mass around the modes ``m_k`` of ``log |f(x)|^2 - |x|^2 / 2`` (the log of the integrand
-``|f|^2 phi``), found by gradient ascent from random starts and, for sequences, from one large
-token at each position, for both models, both signs ``±m_k``. The weight is
+of von Mises-Fisher components around the directions ``mu_k = m_k / |m_k|`` of the modes ``m_k``
+of ``log |f(x)|^2 - |x|^2 / 2`` (the log of the integrand ``|f|^2 phi``), found by gradient ascent
+from random starts and, for sequences, from one large token at each position, for both
+models, both signs, at concentrations ``kappa = c |m_k|^2`` (:data:`KAPPA_SCALES`). The weight is
 
-    phi(x) / q(x) = 1 / ((1 - beta) + beta * mean_k exp(m_k . x - |m_k|^2 / 2)) <= 1 / (1 - beta),
+    uniform(u) / q(u) = 1 / ((1 - beta) + beta * mean_k vMF_k(u) / uniform(u)) <= 1 / (1 - beta),
 
-so the estimator ``mean_i w(x_i) f_a(x_i) . f_b(x_i)`` (x_i ~ q) is unbiased and its variance
-never exceeds ``1 / (1 - beta)`` times that of plain sampling (the defensive mixture of
-Hesterberg 1995; Owen & Zhou 2000). Inputs are ``N(0, I)`` here: an input distribution
-``N(0, K K^T)`` is composed into the networks first (``f∘K``). Similarities are the ratio
-estimator with the delta-method standard error; ``||f_b - f_c||^2`` the weighted mean of
-``|f_b - f_c|^2`` (modes of ``f_b``, ``f_c`` and ``f_b - f_c``); every result carries the project's
-:class:`~tensoralg.strategies.montecarlo.Diagnostics` (replicates, largest single-sample
-share, ``reliable``). It is an estimate, never exact: when the modes found are not the ones
-that carry the norm it can still be wrong, which the diagnostics may or may not reveal.
+so the estimator ``mean_i w(u_i) h(u_i)`` is unbiased whatever the modes, its summand is bounded
+(``|w h| <= 2 max |h|``), and its variance never exceeds ``1 / (1 - beta)`` times that of plain
+directions (the defensive mixture of Hesterberg 1995; Owen & Zhou 2000). Inputs are ``N(0, I)``
+here: an input distribution ``N(0, K K^T)`` is composed into the networks first (``f∘K``).
+Similarities are the ratio estimator with the delta-method standard error (reporting the three
+inner products they are the ratio of); ``||f_b - f_c||^2`` the weighted mean of the radial
+average of ``|f_b - f_c|^2`` (modes of ``f_b``, ``f_c`` and ``f_b - f_c``); every result carries
+the project's :class:`~tensoralg.strategies.montecarlo.Diagnostics`. It is an estimate, never
+exact: when the modes found are not the ones that carry the norm it can still be wrong, which
+the diagnostics may or may not reveal (measured: docs/results/montecarlo.md).
 """
 
 from __future__ import annotations
