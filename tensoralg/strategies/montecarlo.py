@@ -109,10 +109,16 @@ class Diagnostics:
                 + (f"; certified lower bounds {lb}" if lb else "") + instead)
 
 
+def _rounding(x):
+    """The rounding floor :data:`MC_ROUNDING_ULPS` units in the last place of ``|x|`` (a float
+    or an array)."""
+    return MC_ROUNDING_ULPS * np.finfo(np.float64).eps * np.abs(x)
+
+
 def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
     """``|x - y| / sqrt(sx^2 + sy^2)``, 0 when ``x`` and ``y`` agree to rounding
     (:data:`MC_ROUNDING_ULPS`), inf when they differ with both standard errors 0."""
-    if abs(x - y) <= MC_ROUNDING_ULPS * np.finfo(np.float64).eps * max(abs(x), abs(y)):
+    if abs(x - y) <= _rounding(max(abs(x), abs(y))):
         return 0.0
     den = math.sqrt(sx * sx + sy * sy)
     return abs(x - y) / den if den > 0 else math.inf
@@ -140,10 +146,7 @@ def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarl
     new = Diagnostics(d.replicates, d.max_share, d.max_z, not why, "; ".join(why),
                       d.lower_bounds, False,
                       (float(ref), ref.stderr, z, bool(ref.reliable)))
-    out = MonteCarloEstimate(float(est), est.stderr, est.n_samples, new)
-    if hasattr(est, "inner_products"):
-        out.inner_products = est.inner_products
-    return out
+    return MonteCarloEstimate(float(est), est.stderr, est.n_samples, new)
 
 
 #: A format spec (Python's format mini-language), its fill, alignment and width named.
@@ -267,10 +270,6 @@ def verdict(reps, share, norms: dict, exact: bool = False) -> Diagnostics:
     return Diagnostics(tuple(reps), share, max_z, not why, "; ".join(why), lbs, bool(exact))
 
 
-def _rounding(x: float) -> float:
-    return MC_ROUNDING_ULPS * np.finfo(np.float64).eps * abs(x)
-
-
 def _constant(p: np.ndarray) -> bool:
     """Every per-direction value equal to rounding (``p`` ``(n,)``): a polynomial on the sphere
     that takes one value at every sampled direction is constant with probability 1, so its
@@ -293,7 +292,7 @@ def _proportional(P: np.ndarray) -> bool:
         return False
     t = P[:, int(np.argmax(norms))] / norms.max()
     resid = np.linalg.norm(P - np.outer(t, t @ P), axis=0)
-    return bool(np.all(resid <= MC_ROUNDING_ULPS * np.finfo(np.float64).eps * norms))
+    return bool(np.all(resid <= _rounding(norms)))
 
 
 def inner_diagnostics(p: np.ndarray, norm_name: str | None = None) -> Diagnostics:
