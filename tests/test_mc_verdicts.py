@@ -186,6 +186,10 @@ def test_compare_prints_what_is_exact_in_place_of_an_unreliable_number(tmp_path,
                                     "S<=5": pytest.approx(float(exact[5]), rel=1e-12)}
     text = capsys.readouterr().out
     assert "no reliable estimate" in text and "exact instead" in text and "S≤5 = " in text
+    lb = row["diagnostics"]["certified_lower_bounds"]
+    assert set(lb) == {"<a,a>", "<b,b>"}
+    assert "certified lower bounds" in text and f"<b,b> ≥ {lb['<b,b>']:.4g}" in text
+    assert row["diagnostics"]["spread_ratio"] > 0   # plain sampling, cross-checked
 
 
 @pytest.mark.slow

@@ -256,6 +256,7 @@ def _compare_rows(rows: list, pairs, na, nb, sequence: bool, n_samples: int, see
                                         "replicates": [list(x) for x in d.replicates],
                                         "certified_lower_bounds": d.lower_bounds,
                                         "exact": bool(d.exact),
+                                        "spread_ratio": d.spread_ratio,
                                         "cross_check": None if d.cross_check is None else
                                         dict(zip(("value", "stderr", "z", "reliable"),
                                                  d.cross_check))}
@@ -293,13 +294,22 @@ def exact_instead(na, nb, n_ctx) -> dict:
 
 
 def _instead_text(r: dict) -> str:
+    """What a table prints in place of an unreliable estimate: the exact degree-resolved
+    similarities and the certified lower bounds on the squared norms."""
     ex = r.get("exact_instead") or {}
     vals = {k: v for k, v in ex.items() if k != "refused"}
-    if not vals:
-        return ""
-    return ("; exact instead (degree-resolved similarity, a different question: the "
-            "low-degree parts) " + ", ".join(f"{k.replace('<=', '≤')} = {v:.6g}"
-                                             for k, v in vals.items()))
+    out = ""
+    if vals:
+        out = ("; exact instead (degree-resolved similarity, a different question: the "
+               "low-degree parts) " + ", ".join(f"{k.replace('<=', '≤')} = {v:.6g}"
+                                                for k, v in vals.items()))
+    lb = (r.get("diagnostics") or {}).get("certified_lower_bounds") or {}
+    if lb:
+        from ..strategies.montecarlo import MC_LOWER_BOUND_CONFIDENCE
+
+        out += (f"; certified lower bounds (confidence {MC_LOWER_BOUND_CONFIDENCE:g}) "
+                + ", ".join(f"{k} ≥ {v:.4g}" for k, v in lb.items()))
+    return out
 
 
 def _warn_once(caught) -> None:

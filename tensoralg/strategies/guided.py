@@ -358,11 +358,11 @@ def _check_scalar(keep: bool) -> None:
 
 def _radial_samples(nets, pairs, U, n_ctx, position, degree: int, modes, n_samples: int,
                     seed: int, device, chunk_points: int = 1 << 15) -> np.ndarray:
-    """``P`` ``(len(pairs), n_samples)``: per direction ``u`` of the mixture
+    """``(P, w)``: ``P`` ``(len(pairs), n_samples)``, per direction ``u`` of the mixture
     (:func:`direction_draws` around the directions of ``modes``), ``w(u) h_ij(u)`` for each
     ``(i, j)`` in ``pairs``, ``h_ij(u) = E_r[U f_i(r u) . U f_j(r u)]`` the exact radial average
     (the Gauss rule for the chi radius of :mod:`~tensoralg.strategies.montecarlo`, exact for
-    degree ``<= 2 degree``) and ``w = uniform / q``. Unbiased: ``E_q[w h] = E_uniform[h] =
+    degree ``<= 2 degree``) and ``w = uniform / q`` ``(n_samples,)``. Unbiased: ``E_q[w h] = E_uniform[h] =
     <f_i, f_j>`` whatever the modes; ``|w h| <= 2 max |h|``, a bounded summand."""
     from .montecarlo import _finite_outputs, _radial_points
 
@@ -371,7 +371,7 @@ def _radial_samples(nets, pairs, U, n_ctx, position, degree: int, modes, n_sampl
     pts, wq = _radial_points(D, 2 * degree)
     Q = pts.size
     mu, kappa = direction_components(modes)
-    out = []
+    out, ws = [], []
     for u, w in direction_draws(mu, kappa, D, n_samples, seed,
                                 chunk=max(1, chunk_points // (Q * max(1, D)))):
         s = len(u)
@@ -381,7 +381,21 @@ def _radial_samples(nets, pairs, U, n_ctx, position, degree: int, modes, n_sampl
         h = np.stack([(_products(F[i], F[j], U, position).reshape(s, Q) * wq).sum(axis=1)
                       for i, j in pairs])
         out.append(h * w[None, :])
-    return np.concatenate(out, axis=1)
+        ws.append(w)
+    return np.concatenate(out, axis=1), np.concatenate(ws)
+
+
+def uniform_variance(P: np.ndarray, w: np.ndarray, g: np.ndarray | None = None) -> float:
+    """The variance over UNIFORM directions of the per-direction summand ``psi = g . h(u)``
+    (``g = None``: ``P`` has one row and ``psi = h``), estimated from the guided samples
+    ``P = w h`` ``(m, n)`` and their weights ``w = uniform / q`` ``(n,)``:
+    ``mean(w psi^2) - mean(w psi)^2`` (``E_q[w psi^2] = E_uniform[psi^2]``; the summand
+    ``w psi^2 <= 2 max psi^2`` is bounded, and the mixture draws the rare directions where
+    ``psi^2`` is large). Plain sampling's standard error is ``sqrt(Var_uniform(psi) / n)``; its
+    own sample variance sees only the directions it drew, so on a heavy tail it is too small,
+    which this estimate reveals (:func:`~tensoralg.strategies.montecarlo.cross_checked`)."""
+    y = P[0] if g is None else np.asarray(g) @ P       # w psi
+    return float(max(np.mean(y * y / w) - np.mean(y) ** 2, 0.0))
 
 
 def _search_seed(seed: int) -> tuple:
@@ -416,11 +430,20 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
     modes = find_modes([na] if same else [na, nb], U, n_ctx, _search_seed(seed), position,
                        device=device)
     nets = [na] if same else [na, nb]
-    p = _radial_samples(nets, [(0, 0) if same else (0, 1)], U, n_ctx, position,
-                        _degree(nets), modes, n_samples, _draw_seed(seed), device)[0]
+    P, w = _radial_samples(nets, [(0, 0) if same else (0, 1)], U, n_ctx, position,
+                           _degree(nets), modes, n_samples, _draw_seed(seed), device)
+    return _mean_estimate(P, w, "<a,a>" if same else None)
+
+
+def _mean_estimate(P: np.ndarray, w: np.ndarray, norm_name: str | None) -> MonteCarloEstimate:
+    """The weighted mean of the one row of ``P = w h`` with its standard error, diagnostics
+    and ``.uniform_variance`` (:func:`uniform_variance` of ``h``)."""
+    p = P[0]
     n = len(p)
-    diag = inner_diagnostics(p, "<a,a>" if same else None)
-    return MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)), n, diag)
+    out = MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)), n,
+                             inner_diagnostics(p, norm_name))
+    out.uniform_variance = uniform_variance(P, w)
+    return out
 
 
 def _points(nets, n_ctx) -> int:
@@ -445,16 +468,20 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
     check_sampling_cost([na, nb], n_samples, _points([na, nb], n_ctx), n_ctx)
     warn_few(n_samples)
     modes = find_modes([na, nb], U, n_ctx, _search_seed(seed), position, device=device)
-    P = _radial_samples([na, nb], [(0, 1), (0, 0), (1, 1)], U, n_ctx, position,
-                        _degree([na, nb]), modes, n_samples, _draw_seed(seed), device)
+    P, w = _radial_samples([na, nb], [(0, 1), (0, 0), (1, 1)], U, n_ctx, position,
+                           _degree([na, nb]), modes, n_samples, _draw_seed(seed), device)
     n = P.shape[1]
     est = ratio_estimate(P.sum(axis=1), P @ P.T, n)
     names = ("<a,b>", "<a,a>", "<b,b>")
-    parts = {k: MonteCarloEstimate(float(P[i].mean()), float(P[i].std(ddof=1) / math.sqrt(n)),
-                                   n, inner_diagnostics(P[i], None if i == 0 else k))
+    parts = {k: _mean_estimate(P[i:i + 1], w, None if i == 0 else k)
              for i, k in enumerate(names)}
     out = MonteCarloEstimate(float(est), est.stderr, n, ratio_diagnostics(P))
     out.inner_products = parts
+    ab, aa, bb = P.mean(axis=1)
+    r = float(est)
+    # the ratio's linearised summand psi = g . (h - m), g its gradient at the guided means
+    g = np.array([1 / math.sqrt(aa * bb), -r / (2 * aa), -r / (2 * bb)])
+    out.uniform_variance = uniform_variance(P - np.outer(P.mean(axis=1), w), w, g)
     return out
 
 
@@ -490,8 +517,6 @@ def diff_sq(nb: Layer, nc: Layer, U: np.ndarray, keep: bool, n_samples: int, see
     diff = Difference(nb, nc)
     modes = find_modes([nb, nc, diff], U, n_ctx, _search_seed(seed), position,
                        device=device)
-    p = _radial_samples([diff], [(0, 0)], U, n_ctx, position, diff.degree, modes, n_samples,
-                        _draw_seed(seed), device)[0]
-    n = len(p)
-    return MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)), n,
-                              inner_diagnostics(p, "||b - c||^2"))
+    P, w = _radial_samples([diff], [(0, 0)], U, n_ctx, position, diff.degree, modes, n_samples,
+                           _draw_seed(seed), device)
+    return _mean_estimate(P, w, "||b - c||^2")
