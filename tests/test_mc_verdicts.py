@@ -228,3 +228,29 @@ def test_sequence_models_take_the_same_smallest_sample_count_as_vector_models():
     assert est.n_samples == 6
     with pytest.raises(ValueError, match="n_samples: expected an integer >= 6"):
         ta.similarity(m, m, method="montecarlo", n_samples=5, n_ctx=3)
+
+
+def _estimate(value, se, n=1000, reliable=True, uv=None):
+    d = mc.Diagnostics(((value, se * 1.7),) * 3, 0.01, 0.5, reliable, "" if reliable else "x", {})
+    e = mc.MonteCarloEstimate(value, se, n, d)
+    if uv is not None:
+        e.uniform_variance = uv
+    return e
+
+
+def test_plain_verdict_refused_when_guided_samples_see_more_variance():
+    """The spread check of cross_checked: a plain estimate that agrees with its guided
+    cross-check but whose standard error the guided samples put at sqrt(50) times too small
+    (uniform_variance = 50 n se^2) is not reliable, and says why; at 2 n se^2 (sampling noise
+    of a variance estimate) it stays reliable; a guided variance at rounding level is agreement
+    (ratio 1), not a division by a zero spread."""
+    plain = _estimate(1.0, 0.01)
+    bad = mc.cross_checked(plain, _estimate(1.0, 0.01, uv=50 * 1000 * 0.01 ** 2))
+    assert not bad.reliable and bad.diagnostics.spread_ratio == pytest.approx(50)
+    assert "variance over plain directions" in bad.diagnostics.reason
+    ok = mc.cross_checked(plain, _estimate(1.0, 0.01, uv=2 * 1000 * 0.01 ** 2))
+    assert ok.reliable and ok.diagnostics.spread_ratio == pytest.approx(2)
+    tiny = mc.cross_checked(_estimate(1.0, 0.0), _estimate(1.0, 0.0, uv=1e-40))
+    assert tiny.diagnostics.spread_ratio in (None, 1.0)
+    assert mc.spread_ratio(_estimate(1.0, 1e-20), _estimate(1.0, 0.0, uv=1e-40)) == 1.0
+    assert mc.spread_ratio(plain, _estimate(1.0, 0.01)) is None
