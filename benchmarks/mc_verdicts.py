@@ -89,8 +89,9 @@ def _two_directions(seed, s, d=16):
     ``v1`` and writes ``v2``, layer 2 reads and writes ``v2``, the head reads both (so the
     model depends on 4 Gaussian variables, and its norm sits where one token is large along
     ``v2``'s chain: a planted model with two directions)."""
-    import tensoralg as ta
     from tensoralg.verify.quadrature import GaussianSlice
+
+    import tensoralg as ta
 
     Q, _ = np.linalg.qr(np.random.default_rng(99).standard_normal((d, 2)))
     v1, v2 = Q[:, 0], Q[:, 1]

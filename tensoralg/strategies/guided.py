@@ -477,7 +477,7 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
              for i, k in enumerate(names)}
     out = MonteCarloEstimate(float(est), est.stderr, n, ratio_diagnostics(P))
     out.inner_products = parts
-    ab, aa, bb = P.mean(axis=1)
+    _, aa, bb = P.mean(axis=1)
     r = float(est)
     # the ratio's linearised summand psi = g . (h - m), g its gradient at the guided means
     g = np.array([1 / math.sqrt(aa * bb), -r / (2 * aa), -r / (2 * bb)])
