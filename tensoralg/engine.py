@@ -185,7 +185,11 @@ def _mode_checked(est, degree: int, make_ref):
     if not isinstance(est, MonteCarloEstimate) or est.diagnostics is None or \
             degree < montecarlo.MC_CROSS_DEGREE:
         return est
-    return montecarlo.cross_checked(est, make_ref())
+    try:
+        ref = make_ref()
+    except CostTooHigh as exc:   # no cross-check, so no promise
+        return montecarlo.unchecked(est, f"its guided cross-check could not run ({exc})")
+    return montecarlo.cross_checked(est, ref)
 
 
 def inner(req: Request, a: Any, b: Any):

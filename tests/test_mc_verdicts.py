@@ -254,3 +254,24 @@ def test_plain_verdict_refused_when_guided_samples_see_more_variance():
     assert tiny.diagnostics.spread_ratio in (None, 1.0)
     assert mc.spread_ratio(_estimate(1.0, 1e-20), _estimate(1.0, 0.0, uv=1e-40)) == 1.0
     assert mc.spread_ratio(plain, _estimate(1.0, 0.01)) is None
+
+
+def test_long_contexts_are_refused_before_any_work_not_out_of_memory():
+    """Attention scores grow like n_ctx^2: a request whose single direction (plain) or mode
+    search (guided) would hold more than MC_MAX_BYTES of them is refused (CostTooHigh naming
+    n_ctx and the GiB) before any sampling, not a MemoryError after minutes; where plain sampling
+    fits and its guided cross-check does not, plain runs and is labelled not reliable (no
+    cross-check, no promise), saying why."""
+    from tensoralg.errors import CostTooHigh
+
+    a = planted_attention(8, 2, n_layers=1, seed=1).network
+    with pytest.raises(CostTooHigh, match=r"n_ctx=5000: .* GiB of attention scores"):
+        ta.inner(a, a, method="montecarlo", n_samples=60, seed=0, n_ctx=5000)
+    with pytest.raises(CostTooHigh, match=r"n_ctx=120: the mode search .* GiB"):
+        ta.inner(a, a, method="montecarlo", proposal="modes", n_samples=60, seed=0, n_ctx=120)
+    est = ta.inner(a, a, method="montecarlo", n_samples=12, seed=0, n_ctx=120)
+    assert est.reliable is False
+    assert "guided cross-check could not run (n_ctx=120" in est.diagnostics.reason
+    # the estimate itself is what plain sampling gives at this n_ctx (chunking changes nothing)
+    plain = mc.montecarlo_inner(a, a, n_samples=12, seed=0, n_ctx=120, n_batches=3)
+    assert float(est) == pytest.approx(float(plain), rel=1e-12)

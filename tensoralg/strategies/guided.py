@@ -139,7 +139,18 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
                random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
     """The modes of :func:`_find_modes` (its docstring), remembered for the last
     :data:`_MODE_CACHE_SIZE` searches by the networks' weights, ``U``, ``n_ctx``, ``seed``,
-    ``position``, ``steps``, ``random_starts`` and ``device`` (a read-only array)."""
+    ``position``, ``steps``, ``random_starts`` and ``device`` (a read-only array).
+
+    Raises:
+        CostTooHigh: the search's attention scores would not fit in
+            :data:`~tensoralg.strategies.montecarlo.MC_MAX_BYTES` (a long ``n_ctx``), before
+            any work.
+    """
+    from .montecarlo import _SCORE_ARRAYS, check_score_memory
+
+    starts = random_starts + (n_ctx or 1) * N_DIRECTIONS * len(START_RADII) * 2
+    check_score_memory(nets, starts * len(TEMPERS), n_ctx,
+                       "the mode search of proposal='modes'", arrays=2 * _SCORE_ARRAYS)
     try:
         key = (tuple(_fingerprint(n) for n in nets), np.asarray(U, np.float64).tobytes(),
                np.shape(U), n_ctx, repr(seed), position, steps, random_starts, str(device))
@@ -364,7 +375,7 @@ def _radial_samples(nets, pairs, U, n_ctx, position, degree: int, modes, n_sampl
     (the Gauss rule for the chi radius of :mod:`~tensoralg.strategies.montecarlo`, exact for
     degree ``<= 2 degree``) and ``w = uniform / q`` ``(n_samples,)``. Unbiased: ``E_q[w h] = E_uniform[h] =
     <f_i, f_j>`` whatever the modes; ``|w h| <= 2 max |h|``, a bounded summand."""
-    from .montecarlo import _finite_outputs, _radial_points
+    from .montecarlo import _finite_outputs, _radial_points, score_chunk
 
     shape = _shape(nets[0], n_ctx)
     D = int(np.prod(shape))
@@ -372,8 +383,8 @@ def _radial_samples(nets, pairs, U, n_ctx, position, degree: int, modes, n_sampl
     Q = pts.size
     mu, kappa = direction_components(modes)
     out, ws = [], []
-    for u, w in direction_draws(mu, kappa, D, n_samples, seed,
-                                chunk=max(1, chunk_points // (Q * max(1, D)))):
+    chunk = score_chunk(nets, n_ctx, Q, max(1, chunk_points // (Q * max(1, D))))
+    for u, w in direction_draws(mu, kappa, D, n_samples, seed, chunk=chunk):
         s = len(u)
         X = (u[:, None, :] * pts[None, :, None]).reshape((s * Q,) + shape)
         F = [_forward(net, X, device) for net in nets]

@@ -22,7 +22,8 @@ __all__ = ["MonteCarloEstimate", "MonteCarloArray", "Diagnostics", "check_mc", "
            "similarity", "features", "warn_few", "MC_MIN_DIRECTIONS", "ratio_estimate",
            "inner_diagnostics", "ratio_diagnostics", "certified_lower_bound", "verdict", "MC_REPLICATES",
            "MC_MIN_SAMPLES", "montecarlo_inner", "cross_checked", "agreement_z",
-           "MC_CROSS_Z", "MC_CROSS_DEGREE", "MC_SPREAD_RATIO", "spread_ratio", "montecarlo_similarity",
+           "MC_CROSS_Z", "MC_CROSS_DEGREE", "MC_SPREAD_RATIO", "spread_ratio", "MC_MAX_BYTES",
+           "check_score_memory", "score_entries", "unchecked", "montecarlo_similarity",
            "montecarlo_similarity_pairs", "montecarlo_inner_req", "montecarlo_similarity_req"]
 
 
@@ -153,6 +154,17 @@ def spread_ratio(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> float | No
     if uv <= floor:
         return 1.0
     return uv / max(est.n_samples * est.stderr * est.stderr, floor)
+
+
+def unchecked(est: MonteCarloEstimate, why: str) -> MonteCarloEstimate:
+    """``est`` (plain sampling) labelled not reliable because its cross-check
+    (:func:`cross_checked`) could not run, ``why``: without it, the verdict promises
+    nothing on models of degree >= :data:`MC_CROSS_DEGREE`."""
+    d = est.diagnostics
+    reason = "; ".join(([d.reason] if not d.reliable else []) + [why])
+    new = Diagnostics(d.replicates, d.max_share, d.max_z, False, reason, d.lower_bounds,
+                      d.exact)
+    return MonteCarloEstimate(float(est), est.stderr, est.n_samples, new)
 
 
 def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarloEstimate:
@@ -477,8 +489,10 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
     check_sampling_cost(nets, n_samples, Q, n_ctx)
     if n_ctx is not None:   # directions per chunk: about MC_CHUNK_ELEMENTS input entries
         width = max(d, max(n.out_features for n in nets))
+        check_score_memory(nets, Q, n_ctx, "one direction's forward passes")
         points = _mc_points(seed, n_samples, n_ctx, d, max(n.degree for n in nets),
-                            max(1, MC_CHUNK_ELEMENTS // (Q * n_ctx * width)))
+                            score_chunk(nets, n_ctx, Q,
+                                        max(1, MC_CHUNK_ELEMENTS // (Q * n_ctx * width))))
         for X, w in points:
             m = X.shape[0] // Q
             outs = [np.asarray(net(X), dtype=np.float64) for net in nets]   # (m Q, n_ctx, o)
@@ -528,12 +542,72 @@ MC_MAX_FLOPS = 1e14
 MC_WARN_FLOPS = 1e12
 
 
+#: Bytes that one chunk of Monte Carlo forward passes may hold in attention scores (sequence
+#: models: ``n_heads n_ctx^2`` entries per attention layer and evaluation point): chunks are
+#: cut to fit, and a request whose single evaluation point (or mode search) needs more is
+#: refused before any work (a MemoryError an hour in is not an answer).
+MC_MAX_BYTES = 4 << 30
+#: Float64 arrays of the scores' size alive at once in one attention forward pass (the two
+#: score matrices, their product, the mask; the mode search's autograd keeps more: x2).
+_SCORE_ARRAYS = 4
+
+
+def _attention_layers(net: Any):
+    """The ``BilinearAttention`` layers inside ``net`` (through ``Sequential``, ``Residual``
+    and the guided estimator's ``Difference``)."""
+    from ..layers import BilinearAttention
+
+    if isinstance(net, BilinearAttention):
+        yield net
+    for sub in (list(getattr(net, "layers", None) or [])
+                + [getattr(net, k, None) for k in ("inner", "nb", "nc")]):
+        if sub is not None:
+            yield from _attention_layers(sub)
+
+
+def score_entries(net: Any, n_ctx: int | None) -> int:
+    """Entries of the attention scores of one forward evaluation of ``net`` at ``n_ctx``
+    positions: ``sum over attention layers of n_heads n_ctx^2`` (0 for vector models)."""
+    if not n_ctx:
+        return 0
+    return sum(int(a.n_heads) * int(n_ctx) ** 2 for a in _attention_layers(net))
+
+
 def forward_flops(net: Any, n_ctx: int | None = None) -> float:
     """About the FLOPs of one forward evaluation of ``net``: two per stored weight entry, per
-    position for a sequence model (the attention mask, ``n_ctx^2`` entries, stands for the
-    scores). An order of magnitude for refusing absurd sample counts, not a benchmark."""
+    position for a sequence model, plus for each attention layer its scores and their mixing,
+    ``n_heads n_ctx^2 (4 d_head + 2 d_v + 1)``. An order of magnitude for refusing absurd sample
+    counts, not a benchmark."""
     size = sum(int(np.size(a)) for a in net.arrays()) if hasattr(net, "arrays") else 0
-    return 2.0 * max(size, 1) * (n_ctx or 1)
+    flops = 2.0 * max(size, 1) * (n_ctx or 1)
+    if n_ctx:
+        flops += sum(float(a.n_heads) * n_ctx ** 2 * (4 * a.d_head + 2 * a.d_v + 1)
+                     for a in _attention_layers(net))
+    return flops
+
+
+def check_score_memory(nets, rows: int, n_ctx: int | None, what: str,
+                       arrays: int = _SCORE_ARRAYS) -> None:
+    """Refuse (CostTooHigh, before any work) ``rows`` evaluations at once whose attention
+    scores (:func:`score_entries`, ``arrays`` float64 arrays of that size) would exceed
+    :data:`MC_MAX_BYTES`; ``what`` says which step (named in the message)."""
+    need = 8.0 * arrays * rows * max((score_entries(n, n_ctx) for n in nets), default=0)
+    if need > MC_MAX_BYTES:
+        from ..errors import CostTooHigh
+
+        raise CostTooHigh(f"n_ctx={n_ctx}: {what} needs about {need / 2**30:.1f} GiB of "
+                          f"attention scores ({rows} evaluation(s) at once, n_heads x n_ctx^2 "
+                          f"entries per attention layer), over the Monte Carlo memory budget of "
+                          f"{MC_MAX_BYTES / 2**30:.0f} GiB; use a shorter n_ctx")
+
+
+def score_chunk(nets, n_ctx: int | None, points: int, default: int) -> int:
+    """Directions per chunk (at most ``default``) such that their ``points`` evaluations each
+    hold at most :data:`MC_MAX_BYTES` of attention scores together (at least one)."""
+    per = 8.0 * _SCORE_ARRAYS * points * max((score_entries(n, n_ctx) for n in nets), default=0)
+    if per <= 0:
+        return max(1, int(default))
+    return max(1, min(int(default), int(MC_MAX_BYTES // per)))
 
 
 def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = None) -> None:
