@@ -27,7 +27,7 @@ __all__ = ["MonteCarloEstimate", "MonteCarloArray", "Diagnostics", "check_mc", "
 
 
 #: Diagnostics of every scalar Monte Carlo result (docs/mathematics.md §3.9): the directions
-#: split into :data:`~tensoralg.request.MC_REPLICATES` independent replicates (disjoint,
+#: split into `MC_REPLICATES` independent replicates (disjoint,
 #: consecutive sets of directions)...
 #: ...reliable only when no single direction carries this share of any sum...
 MC_MAX_SHARE = 0.05
@@ -38,11 +38,11 @@ MC_LOWER_BOUND_CONFIDENCE = 0.999
 
 
 #: Agreement of plain (radial) sampling with the guided estimate of the same quantity
-#: (:func:`cross_checked`): plain is reliable only when the two differ by at most this many
+#: (`cross_checked`): plain is reliable only when the two differ by at most this many
 #: combined standard errors (two: a plain estimate off by more than 3 of its own standard errors
 #: is then caught unless the guided one errs the same way; measured in docs/montecarlo.md).
 MC_CROSS_Z = 2.0
-#: Plain sampling is cross-checked against the guided estimate (:func:`cross_checked`) when a
+#: Plain sampling is cross-checked against the guided estimate (`cross_checked`) when a
 #: model has at least this degree: the integrand then has degree >= 6, where rare directions
 #: can carry the norm (docs/montecarlo.md); below it the radial integrand is a quartic on the
 #: sphere, whose standard error was measured to cover.
@@ -58,16 +58,16 @@ class Diagnostics:
     """Whether a Monte Carlo estimate can be trusted (docs/montecarlo.md).
 
     Attributes:
-        replicates: ``(estimate, stderr)`` of each of :data:`MC_REPLICATES` independent
+        replicates: ``(estimate, stderr)`` of each of `MC_REPLICATES` independent
             replicates (disjoint sets of the directions, in draw order).
         max_share: the largest share one direction has of any of the sums behind the estimate
             (``max_i |p_i| / sum_i |p_i|``; for a similarity the largest over its three sums).
         max_z: the largest pairwise ``|e_i - e_j| / sqrt(se_i^2 + se_j^2)`` of the replicates
-            (0 when they agree to rounding, :data:`MC_ROUNDING_ULPS`).
+            (0 when they agree to rounding, `MC_ROUNDING_ULPS`).
         reliable: ``max_share < MC_MAX_SHARE``, ``max_z <= MC_AGREE_Z`` and, where there is one,
             the cross-check passed.
         reason: why not, when not reliable ("" when reliable).
-        lower_bounds: certified lower bounds (confidence :data:`MC_LOWER_BOUND_CONFIDENCE`) on
+        lower_bounds: certified lower bounds (confidence `MC_LOWER_BOUND_CONFIDENCE`) on
             the squared norms the samples saw, ``{"<a,a>": ..., "<b,b>": ...}`` (empty for a
             cross inner product): ``E[Z] >= t P(Z >= t)`` with a Clopper-Pearson lower bound on
             ``P(Z >= t)`` (Bonferroni over the thresholds tried), ``Z`` the per-direction
@@ -75,7 +75,7 @@ class Diagnostics:
         exact: the sampled per-direction quantity did not vary (standard error 0, every
             replicate equal to rounding): with probability 1 it is constant on the sphere (a
             polynomial), so the estimate is the value itself, not an approximation of it.
-        cross_check: plain sampling of models of degree >= :data:`MC_CROSS_DEGREE` only:
+        cross_check: plain sampling of models of degree >= `MC_CROSS_DEGREE` only:
             ``(value, stderr, z, reliable)`` of the guided estimate of the same quantity
             (``proposal="modes"``, its own samples) and the plain estimate's ``|z|`` against it;
             None where no cross-check ran.
@@ -110,14 +110,14 @@ class Diagnostics:
 
 
 def _rounding(x):
-    """The rounding floor :data:`MC_ROUNDING_ULPS` units in the last place of ``|x|`` (a float
+    """The rounding floor `MC_ROUNDING_ULPS` units in the last place of ``|x|`` (a float
     or an array)."""
     return MC_ROUNDING_ULPS * np.finfo(np.float64).eps * np.abs(x)
 
 
 def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
     """``|x - y| / sqrt(sx^2 + sy^2)``, 0 when ``x`` and ``y`` agree to rounding
-    (:data:`MC_ROUNDING_ULPS`), inf when they differ with both standard errors 0."""
+    (`MC_ROUNDING_ULPS`), inf when they differ with both standard errors 0."""
     if abs(x - y) <= _rounding(max(abs(x), abs(y))):
         return 0.0
     den = math.sqrt(sx * sx + sy * sy)
@@ -127,7 +127,7 @@ def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
 def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarloEstimate:
     """``est`` (plain sampling) with its verdict checked against ``ref`` (the guided estimate of
     the same quantity from its own samples): reliable only when ``est`` was, ``ref`` is, and the
-    two agree within :data:`MC_CROSS_Z` combined standard errors. The value and the standard
+    two agree within `MC_CROSS_Z` combined standard errors. The value and the standard
     error stay those of ``est``."""
     d = est.diagnostics
     z = agreement_z(float(est), est.stderr, float(ref), ref.stderr)
@@ -156,7 +156,7 @@ _SPEC = re.compile(r"(?:(?P<fill>.)?(?P<align>[<>=^]))?[-+ ]?z?#?0?(?P<width>\d*
 
 class MonteCarloEstimate(float):
     """A Monte Carlo estimate (APPROXIMATE): a float with its standard error ``stderr``,
-    ``n_samples`` (directions) and, for scalar results, :class:`Diagnostics` (``reliable``,
+    ``n_samples`` (directions) and, for scalar results, `Diagnostics` (``reliable``,
     ``diagnostics``). A value whose ``reliable`` is False is not an answer: it formats
     (``f"{x:.4f}"``, ``f"{x}"``, ``print(x)``) as ``no reliable estimate (<reason>)`` (its
     ``repr`` keeps the number, marked ``NOT reliable``, for debugging), while ``float(x)`` and
@@ -198,7 +198,7 @@ class MonteCarloEstimate(float):
                                        f"{m['width']}")
 
     def __str__(self) -> str:
-        """``print(x)``: the refusal when unreliable, else :meth:`__repr__` (value ± stderr)."""
+        """``print(x)``: the refusal when unreliable, else `__repr__` (value ± stderr)."""
         return self._refusal() if self.reliable is False else repr(self)
 
     def __repr__(self) -> str:
@@ -256,8 +256,8 @@ def _agreement(reps: list) -> float:
 
 
 def verdict(reps, share, norms: dict, exact: bool = False) -> Diagnostics:
-    """The verdict of :class:`Diagnostics`; ``exact``: the sampled quantity did not vary
-    between directions (:func:`_constant`, :func:`_proportional`), so the estimate is the value
+    """The verdict of `Diagnostics`; ``exact``: the sampled quantity did not vary
+    between directions (`_constant`, `_proportional`), so the estimate is the value
     whatever the directions drawn: reliable, and labelled exact, whatever its shares."""
     max_z = _agreement(reps)
     why = []
@@ -282,7 +282,7 @@ def _proportional(P: np.ndarray) -> bool:
     """The per-direction triples ``P`` ``(3, n)`` are multiples of one triple, each to rounding
     relative to itself (``P = t w^T``, e.g. ``f_b = c f_a``): the ratio ``<a,b> / sqrt(<a,a>
     <b,b>)`` of their means is then ``t_ab / sqrt(t_aa t_bb)`` whatever the directions drawn
-    (as :func:`_constant`). Relative to each direction, not to the largest: a direction that
+    (as `_constant`). Relative to each direction, not to the largest: a direction that
     dominates every sum would otherwise make the others look proportional."""
     P = np.asarray(P, dtype=np.float64)
     if not np.all(np.isfinite(P)):
@@ -319,10 +319,11 @@ def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
 class MonteCarloArray(np.ndarray):
     """A NumPy array of Monte Carlo estimates (APPROXIMATE) with an array ``stderr`` of the
     same shape and, for the per-output slices of ``inner`` / ``similarity`` / ``inner_diff`` /
-    ``diff_norm`` (``output="each"``), one :class:`Diagnostics` per entry (``diagnostics``, a
+    ``diff_norm`` (``output="each"``), one `Diagnostics` per entry (``diagnostics``, a
     tuple in flattened order; ``reliable``: a bool array of the same shape, None where no
     diagnostics were computed, e.g. Gram matrices). An entry whose ``reliable`` is False is not
-    an answer (the same tests as :class:`MonteCarloEstimate`)."""
+    an answer (the same tests as
+    [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate])."""
 
     def __new__(cls, values, stderr, n_samples: int, diagnostics=None):
         obj = np.asarray(values, dtype=np.float64).view(cls)
@@ -377,7 +378,7 @@ MC_MIN_DIRECTIONS = 300
 
 
 def _radial_nodes(degree: int) -> int:
-    """Radii of :func:`_radial_rule` for polynomials of degree ``<= degree`` on the ray (each
+    """Radii of `_radial_rule` for polynomials of degree ``<= degree`` on the ray (each
     evaluated at ``±r``: ``2 m`` points)."""
     return (degree // 2) // 2 + 1
 
@@ -401,7 +402,7 @@ def _radial_rule(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _radial_points(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
     """The points ``±r_q`` ``(Q,)`` along a direction and their weights ``(Q,)`` (sum 1) of
-    :func:`_radial_rule`: the exact average over the radius of a polynomial of degree
+    `_radial_rule`: the exact average over the radius of a polynomial of degree
     ``<= degree`` on the ray."""
     r, w = _radial_rule(d, degree)
     return np.concatenate([r, -r]), np.concatenate([w, w]) / 2
@@ -430,8 +431,8 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
     polynomial ``g`` of degree <= 2 * max degree of ``nets`` along the ray of ``u``.
 
     Sequence models (``n_ctx`` given; docs/mathematics.md §3.9): the directions lie on the
-    sphere of ``R^(n_ctx d)`` (the draws of :func:`_mc_points`, numpy whatever the backend, as
-    :func:`montecarlo_inner`), and the last axis of ``F`` runs over (position, output):
+    sphere of ``R^(n_ctx d)`` (the draws of `_mc_points`, numpy whatever the backend, as
+    `montecarlo_inner`), and the last axis of ``F`` runs over (position, output):
     ``K = n_ctx * U.shape[0]``, or ``U.shape[0]`` at one ``position``, so a product summed over
     it is the inner product summed over positions (no per-output axis is kept)."""
     d = nets[0].in_features
@@ -480,8 +481,8 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
         done += s
 
 
-#: Entries of one chunk's inputs (or outputs) in the sequence samplers (:func:`_mc_features`;
-#: the DFT inputs of :mod:`tensoralg.degree`, complex there: 16 MiB each).
+#: Entries of one chunk's inputs (or outputs) in the sequence samplers (`_mc_features`;
+#: the DFT inputs of `tensoralg.degree`, complex there: 16 MiB each).
 MC_CHUNK_ELEMENTS = 1 << 20
 
 #: FLOPs of forward passes above which a Monte Carlo request is refused before any sampling
@@ -501,8 +502,8 @@ def forward_flops(net: Any, n_ctx: int | None = None) -> float:
 
 def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = None) -> None:
     """Refuse (CostTooHigh, before any sampling) ``n_samples`` directions at ``points``
-    evaluations each whose forward passes would cost more than :data:`MC_MAX_FLOPS`; warn
-    (RuntimeWarning, with the estimate) above :data:`MC_WARN_FLOPS`."""
+    evaluations each whose forward passes would cost more than `MC_MAX_FLOPS`; warn
+    (RuntimeWarning, with the estimate) above `MC_WARN_FLOPS`."""
     per = sum(forward_flops(n, n_ctx) for n in nets)
     total = float(n_samples) * points * per
     if total > MC_MAX_FLOPS:
@@ -535,7 +536,7 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
             samples: bool = False, n_ctx: int | None = None, position: int | None = None):
     """Sample means and standard errors of <a_i, b_j> products (Na, Nb[, K]); with
     ``samples`` also the per-direction values ``(n, Na, Nb[, K])`` (for the diagnostics of a
-    scalar result); ``n_ctx``, ``position``: sequence models (:func:`_mc_features`)."""
+    scalar result); ``n_ctx``, ``position``: sequence models (`_mc_features`)."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     nets = list(nets_a) + list(nets_b)
@@ -564,7 +565,7 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
 def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, dtype,
                n_ctx: int | None = None, position: int | None = None):
     """Ratio estimator ab / sqrt(aa bb) with a delta-method standard error; ``n_ctx``,
-    ``position``: sequence models (:func:`_mc_features`)."""
+    ``position``: sequence models (`_mc_features`)."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     warn_few(n_samples)
@@ -590,7 +591,7 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
 
 def _ratio_se(n, sx, sy, sz, sxx, syy, szz, sxy, sxz, syz):
     """``(r, se)`` of ``r = x / sqrt(y z)`` from the sums over ``n`` samples of ``x, y, z`` and
-    of their products (arrays of one shape): the delta method of :func:`ratio_estimate`."""
+    of their products (arrays of one shape): the delta method of `ratio_estimate`."""
     mx, my, mz = sx / n, sy / n, sz / n
     f = n / (n - 1)
     cxx, cyy, czz = (sxx / n - mx * mx) * f, (syy / n - my * my) * f, (szz / n - mz * mz) * f
@@ -607,12 +608,12 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype,
                       ) -> MonteCarloArray:
     """``S[i, j] = <i, j> / sqrt(<i, i> <j, j>)`` of ``N`` networks from one set of sampled
     directions (radial estimator), with, per entry, the delta-method standard error of the
-    ratio (:func:`ratio_estimate`: the covariance of ``(p_ij, p_ii, p_jj)`` over the
-    directions) and the :class:`Diagnostics` of the three sums behind it (largest
-    single-direction share; :data:`MC_REPLICATES` consecutive replicates; no certified lower
+    ratio (`ratio_estimate`: the covariance of ``(p_ij, p_ii, p_jj)`` over the
+    directions) and the `Diagnostics` of the three sums behind it (largest
+    single-direction share; `MC_REPLICATES` consecutive replicates; no certified lower
     bounds: those need every sample). Streams the directions: memory ``O(N^2 K)``.
-    ``n_ctx``, ``position``: sequence models (:func:`_mc_features`); an entry then equals
-    :func:`montecarlo_similarity` of its pair with the same ``n_samples`` and ``seed``.
+    ``n_ctx``, ``position``: sequence models (`_mc_features`); an entry then equals
+    `montecarlo_similarity` of its pair with the same ``n_samples`` and ``seed``.
 
     Raises:
         ValueError: a model with sampled norm zero (named by index)."""
@@ -712,10 +713,10 @@ features = _mc_features
 
 def _mc_checked(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
     """The request checked against a pair of sequence models (before any sampling): the pair
-    as float networks and its ``n_ctx``. The directions are those of :func:`_mc_points` (``u``
+    as float networks and its ``n_ctx``. The directions are those of `_mc_points` (``u``
     uniform on the sphere of ``R^(n_ctx d)``, each evaluated at the ``Q`` points ``±r_q u`` of
-    the Gauss rule for the chi radius, :func:`_radial_rule`, exact for polynomials of degree
-    ``<= 2 max(degree)``), sampled by :func:`_mc_features`."""
+    the Gauss rule for the chi radius, `_radial_rule`, exact for polynomials of degree
+    ``<= 2 max(degree)``), sampled by `_mc_features`."""
     a, b, n_ctx = check_sequence_pair(a, b, req.n_ctx)
     if isinstance(req.output, str) or isinstance(req.position, str):
         raise ValueError(f"{caller}: output='each' / position='each' are not supported; "
@@ -781,7 +782,7 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
         directions).
 
     Raises:
-        ValueError: as :func:`exact_inner` for the pair and slices; ``n_samples`` below
+        ValueError: as `exact_inner` for the pair and slices; ``n_samples`` below
             ``2 * n_batches``; ``n_batches < 2``; a negative ``seed``.
     """
     return montecarlo_inner_req(_mc_request(n_ctx, n_samples, seed, output, position), a, b,
@@ -789,7 +790,7 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
 
 
 def montecarlo_inner_req(req: Request, a: Any, b: Any, n_batches: int = MC_REPLICATES):
-    """:func:`montecarlo_inner` of a validated request: :func:`moments` of the pair. The
+    """`montecarlo_inner` of a validated request: `moments` of the pair. The
     default ``n_batches`` asks for no more directions than the diagnostics need
     (``MC_MIN_SAMPLES``, as for vector models): ``ta.inner`` of sequence models took at least
     40 for a parameter the caller cannot set."""
@@ -807,7 +808,7 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
     """Monte Carlo estimate (approximate) of ``<a,b> / sqrt(<a,a> <b,b>)`` for sequence models of
     any depth, with a delta-method standard error.
 
-    The directions and radial rule of :func:`montecarlo_inner`: per direction ``p_ab``,
+    The directions and radial rule of `montecarlo_inner`: per direction ``p_ab``,
     ``p_aa``, ``p_bb`` from the same evaluations. The estimate is the ratio
     ``r = mean(p_ab) / sqrt(mean(p_aa) mean(p_bb))`` (consistent, bias O(1/n)) and its standard
     error ``sqrt(g^T C g / n)``, ``C`` the sample covariance of ``(p_ab, p_aa, p_bb)`` over the
@@ -823,14 +824,14 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
         ``tensoralg.MonteCarloEstimate`` (``.stderr``, ``.n_samples`` = directions).
 
     Raises:
-        ValueError: as :func:`montecarlo_inner`; a sampled norm that is zero.
+        ValueError: as `montecarlo_inner`; a sampled norm that is zero.
     """
     return montecarlo_similarity_req(_mc_request(n_ctx, n_samples, seed, output, position),
                                      a, b, n_batches)
 
 
 def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = MC_REPLICATES):
-    """:func:`montecarlo_similarity` of a validated request: :func:`similarity` of the pair."""
+    """`montecarlo_similarity` of a validated request: `similarity` of the pair."""
     na, nb, n_ctx = _mc_checked(req, a, b, n_batches, "montecarlo_similarity")
     U, _ = req.output_matrix(na.out_features)
     return similarity(na, nb, U, False, req.n_samples, req.seed, "numpy", None, None,
@@ -841,9 +842,9 @@ def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
                                 n_samples: int = 20_000, seed: int = 0, n_batches: int = 20,
                                 chunk: int = 25, progress: Any = None) -> dict:
     """Monte Carlo similarity (APPROXIMATE: an estimate) of every pair of ``N`` sequence models
-    from ONE shared set of directions, each pair with its :class:`~tensoralg.strategies.montecarlo.Diagnostics` verdict.
+    from ONE shared set of directions, each pair with its `Diagnostics` verdict.
 
-    The estimator of :func:`montecarlo_similarity` (directions uniform on the sphere of
+    The estimator of `montecarlo_similarity` (directions uniform on the sphere of
     ``R^(n_ctx d)`` drawn from numpy ``default_rng(seed)`` (``n_batches``: as there), the radius
     integrated exactly by the Gauss rule for the chi distribution; docs/mathematics.md §3.4,
     §3.9), with the same directions for every pair: entry ``(i, j)`` equals
@@ -863,7 +864,7 @@ def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
         ``.diagnostics``; a value whose ``.reliable`` is False is not an answer).
 
     Raises:
-        ValueError: fewer than two models; a pair :func:`montecarlo_similarity` refuses (other
+        ValueError: fewer than two models; a pair `montecarlo_similarity` refuses (other
             input size or outputs, ``n_ctx``, ``n_samples`` below ``2 n_batches``); a sampled
             norm that is zero.
     """
