@@ -6,7 +6,7 @@ the lifted input ``x~ = (1, x)``), its similarity, slices, diffs and Gram matric
 ``docs/`` for the mathematics (``docs/index.md``).
 
 Threads: the library leaves torch's and BLAS's thread counts alone; on small models or a loaded
-machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, :mod:`tensoralg.threads`).
+machine call ``tensoralg.set_threads(1)`` (what the CLI does by default, `tensoralg.threads`).
 """
 
 from . import _checkout

@@ -3,8 +3,8 @@
 ``pyproject.toml`` installs the repository's top-level ``verify/`` folder as the subpackage
 ``tensoralg.verify`` (a wheel holds it at ``tensoralg/verify/``; an editable install maps the
 name to the folder). Run from a checkout without installing it (``PYTHONPATH=.``), or with an
-editable install made before that mapping existed, nothing maps the name: :func:`install` then
-appends a finder to :data:`sys.meta_path` that resolves exactly ``tensoralg.verify`` to the
+editable install made before that mapping existed, nothing maps the name: `install` then
+appends a finder to `sys.meta_path` that resolves exactly ``tensoralg.verify`` to the
 checkout's ``verify/`` folder (its submodules follow from the package's ``__path__``). It does
 nothing when ``tensoralg/verify/`` exists (a wheel install) or the checkout has no ``verify/``.
 """

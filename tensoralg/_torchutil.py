@@ -1,5 +1,5 @@
-"""Argument checks shared by the torch models :mod:`tensoralg.nn` and :mod:`tensoralg.transformer`
-(a module of its own so that neither imports the other for them)."""
+"""Argument checks shared by the torch models [`tensoralg.nn`][tensoralg.nn] and
+`tensoralg.transformer` (a module of its own so that neither imports the other for them)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def torch_dtype(dtype: Any) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The name (``"float32"`` / ``"float64"``) of a dtype accepted by :func:`torch_dtype`."""
+    """The name (``"float32"`` / ``"float64"``) of a dtype accepted by `torch_dtype`."""
     return {v: k for k, v in _DTYPES.items()}[dtype]
 
 

@@ -1,7 +1,7 @@
 """Array backends: NumPy float64, torch (any device and dtype) and exact rationals.
 
 Every strategy computes on NumPy arrays (float64, or object arrays of
-:class:`fractions.Fraction` for the exact backend) prepared once, then hands each operand to a
+`fractions.Fraction` for the exact backend) prepared once, then hands each operand to a
 *converter* that maps it to the backend's array type. The same contraction plan therefore runs
 on every backend (docs/mathematics.md §4, as opt_einsum's per-library backends).
 """
@@ -23,7 +23,7 @@ BACKENDS = ("numpy", "torch", "exact")
 
 
 def fraction_array(arr: np.ndarray) -> np.ndarray:
-    """``arr`` as an object array of exact :class:`~fractions.Fraction` (floats taken exactly)."""
+    """``arr`` as an object array of exact `Fraction` (floats taken exactly)."""
     return np.vectorize(Fraction, otypes=[object])(arr)
 
 

@@ -1,14 +1,14 @@
 """Data-based and weight-based baselines to put next to tensor similarity.
 
-* :class:`LinearCKA` / :func:`linear_cka` — linear centred kernel alignment (Kornblith et al.
+* `LinearCKA` / `linear_cka` — linear centred kernel alignment (Kornblith et al.
   2019, "Similarity of Neural Network Representations Revisited"), with the biased HSIC
   estimator ``||Xc^T Yc||_F^2 / (n-1)^2`` (Gretton et al. 2005) or the unbiased one of Song et al.
   2012 ("Feature selection via dependence maximization", eq. 5), both computed in *feature
   space* from running float64 sums, so data can be streamed in batches of any size.
-* :func:`weight_cosine` — cosine of the flattened parameter vectors of two same-architecture
+* `weight_cosine` — cosine of the flattened parameter vectors of two same-architecture
   models (not invariant to any weight symmetry; the naive baseline).
-* :func:`output_cosine` — mean over samples of the cosine between the two logit vectors.
-* :func:`js_divergence` — mean over samples of the Jensen–Shannon divergence (natural log,
+* `output_cosine` — mean over samples of the cosine between the two logit vectors.
+* `js_divergence` — mean over samples of the Jensen–Shannon divergence (natural log,
   in ``[0, ln 2]``) between the two softmax distributions (Lin 1991, via ``scipy.stats.entropy``).
 """
 
@@ -95,14 +95,14 @@ class LinearCKA:
     """Streaming linear CKA between representations ``X`` ``(n, p)`` and ``Y`` ``(n, q)``.
 
     ``CKA = HSIC(X, Y) / sqrt(HSIC(X, X) HSIC(Y, Y))`` with linear kernels; rows are paired
-    samples. Feed batches with :meth:`update`; read :meth:`value`. Sums are float64; each batch
+    samples. Feed batches with `update`; read `value`. Sums are float64; each batch
     is shifted by the first batch's column means (CKA is translation invariant) to limit
     cancellation.
 
     Degenerate input: a batch with NaN/inf or mismatched shapes raises ``ValueError`` *before*
-    anything is accumulated (the accumulator stays usable). :meth:`value` raises ``ValueError``
+    anything is accumulated (the accumulator stays usable). `value` raises ``ValueError``
     with fewer than 2 (biased) or 4 (debiased) samples, and returns NaN with a
-    :class:`DegenerateInputWarning` when a representation has no variance (zero self-HSIC) or
+    `DegenerateInputWarning` when a representation has no variance (zero self-HSIC) or
     the unbiased self-HSIC estimate is not positive (possible for tiny ``n``).
     """
 
@@ -153,7 +153,7 @@ class LinearCKA:
 
 
 def linear_cka(X: Any, Y: Any, debiased: bool = False, batch_size: int | None = None) -> float:
-    """Linear CKA of ``X`` ``(n, p)`` and ``Y`` ``(n, q)`` (see :class:`LinearCKA`)."""
+    """Linear CKA of ``X`` ``(n, p)`` and ``Y`` ``(n, q)`` (see `LinearCKA`)."""
     X = _as_float64_2d(X, "X")
     Y = _as_float64_2d(Y, "Y")
     if len(X) != len(Y):
@@ -212,7 +212,7 @@ def output_cosine(logits_a: Any, logits_b: Any) -> float:
     """Mean over samples of ``cos(logits_a[i], logits_b[i])``; inputs ``(n, k)``.
 
     Samples where either logit vector is exactly zero have no cosine and are skipped (with a
-    :class:`DegenerateInputWarning`); NaN if every sample is skipped.
+    `DegenerateInputWarning`); NaN if every sample is skipped.
     """
     la, lb = _paired(logits_a, logits_b)
     na, nb = np.linalg.norm(la, axis=1), np.linalg.norm(lb, axis=1)
@@ -257,7 +257,8 @@ def model_outputs(model: Any, X: Any, batch_size: int = 4096) -> np.ndarray:
 
 
 def hidden_features(model: Any, X: Any) -> np.ndarray:
-    """Float64 representation fed to the head (``(n, d_model)``) of a :class:`~tensoralg.nn.BilinearNet`."""
+    """Float64 representation fed to the head (``(n, d_model)``) of a
+    [`BilinearNet`][tensoralg.nn.BilinearNet]."""
     import torch
 
     X = torch.as_tensor(X).to(next(model.parameters()).dtype)
@@ -269,7 +270,7 @@ def hidden_features(model: Any, X: Any) -> np.ndarray:
 
 
 def all_baselines(a: Any, b: Any, X: Any) -> dict[str, float]:
-    """Every baseline between two :class:`~tensoralg.nn.BilinearNet` models on data ``X``:
+    """Every baseline between two [`BilinearNet`][tensoralg.nn.BilinearNet] models on data ``X``:
     ``cka_logits``, ``cka_logits_debiased``, ``cka_hidden`` (biased, head input),
     ``output_cosine``, ``js_divergence``, ``weight_cosine``."""
     la, lb = model_outputs(a, X), model_outputs(b, X)

@@ -3,15 +3,16 @@ optionally distributed on Dask (docs/mathematics.md §6).
 
 The ``N x N`` matrix is cut into blocks of ``block_size`` checkpoints per side. Each block
 ``(I, J)`` with ``I <= J`` loads only its own checkpoints and runs the engine's batched Gram
-strategy on them — :func:`tensoralg.gram` on a diagonal block, :func:`tensoralg.cross_gram`
-off the diagonal — so at most ``2 * block_size`` models are in memory per worker. The lower
-triangle is the transpose of the upper (``G`` is symmetric). Similarities are
-``S_ij = G_ij / sqrt(G_ii G_jj)`` with the norms ``G_ii`` taken from the diagonal blocks.
+strategy on them — [`tensoralg.gram`][tensoralg.gram] on a diagonal block,
+[`tensoralg.cross_gram`][tensoralg.cross_gram] off the diagonal — so at most ``2 * block_size``
+models are in memory per worker. The lower triangle is the transpose of the upper (``G`` is
+symmetric). Similarities are ``S_ij = G_ij / sqrt(G_ii G_jj)`` with the norms ``G_ii`` taken from
+the diagonal blocks.
 
 Store (``out=``): a folder holding ``manifest.json`` (format, sizes, options, and every
 checkpoint's path with the SHA-256 of its ``cfg.json`` and ``weights.safetensors``) and one
 ``G_<I>_<J>_<sha>.npy`` file per finished block, each written to a temporary file and renamed
-into place (:func:`tensoralg.io.atomic_write_bytes`); ``<sha>`` is the first 16 hex digits of the
+into place (`tensoralg.io.atomic_write_bytes`); ``<sha>`` is the first 16 hex digits of the
 SHA-256 of the file's bytes. The store is therefore consistent at every instant — after a crash,
 a killed worker or Ctrl-C — and ``resume=True`` continues from the finished blocks, refusing a
 store made from different checkpoints or options, and a block file whose bytes no longer match
@@ -34,7 +35,7 @@ Sequence models (bilinear-transformer checkpoints, or models with attention give
 ``n_ctx=``): blocks run in float64 NumPy with the functions of
 the unblocked ``tensoralg.gram(models, n_ctx=...)`` — ``exact_gram`` / ``exact_inner`` (at most
 one attention layer) or ``closure_gram`` (approximate at depth >= 2) — see
-:func:`_sequence_block`; Monte Carlo and ``output="each"`` are refused for them up front.
+`_sequence_block`; Monte Carlo and ``output="each"`` are refused for them up front.
 
 ``dask[distributed]`` is the optional extra ``tensoralg[dask]``; it is only imported when
 ``client`` or ``workers`` is given.
@@ -113,7 +114,7 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
     All checkpoints must share one architecture (they are stacked into batched contractions;
     transformers may differ in their trained ``n_ctx`` only, and must share one vocabulary).
     Weight values (NaN/inf) are checked when a block loads them
-    (:func:`tensoralg.checkpoint.load_checkpoint`).
+    ([`tensoralg.checkpoint.load_checkpoint`][tensoralg.checkpoint.load_checkpoint]).
 
     Returns:
         one dict per checkpoint: ``path`` (as given), ``resolved`` (absolute), ``cfg_sha256``,
@@ -200,7 +201,7 @@ def validate_checkpoints(paths: Sequence[str | os.PathLike]) -> list[dict]:
 
 def sequence_n_ctx(prints: Sequence[dict], n_ctx: Any) -> int:
     """The context length of a matrix over transformer checkpoints (``prints`` from
-    :func:`validate_checkpoints`): ``n_ctx``, or by default the shortest trained context.
+    `validate_checkpoints`): ``n_ctx``, or by default the shortest trained context.
 
     Raises:
         ValueError: ``n_ctx`` not a positive int, or beyond a checkpoint's trained context
@@ -275,7 +276,7 @@ def _load(ref: Any, n_ctx: int | None = None, sequence: bool = False):
 # ----------------------------------------------------------------------------------------
 
 def _engine_request(opts: dict):
-    """The engine's :class:`~tensoralg.request.Request` for a block, and the device used, on
+    """The engine's `Request` for a block, and the device used, on
     this machine."""
     from .request import make_request
 
@@ -326,11 +327,12 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
     computed by the same operations:
 
     * ``method="exact"`` (at most one attention layer): the diagonal block is
-      :func:`tensoralg.strategies.sequence_exact.exact_gram`; off the diagonal each entry is
-      :func:`tensoralg.strategies.sequence_exact.exact_inner` (row model first, as ``exact_gram`` for ``i < j``).
+      `tensoralg.strategies.sequence_exact.exact_gram`; off the diagonal each entry is
+      `tensoralg.strategies.sequence_exact.exact_inner` (row model first, as ``exact_gram`` for
+      ``i < j``).
     * ``method="closure"`` (APPROXIMATE at depth >= 2, exact at depth 1): the diagonal block is
-      :func:`tensoralg.strategies.closure.closure_gram`; off the diagonal
-      :func:`tensoralg.strategies.closure.closure_cross_gram` (the cross pairs only; equal to the
+      `tensoralg.strategies.closure.closure_gram`; off the diagonal
+      `tensoralg.strategies.closure.closure_cross_gram` (the cross pairs only; equal to the
       corresponding block of ``closure_gram(rows + cols)``, same operations).
     """
     from .strategies import closure, sequence_exact
@@ -404,7 +406,7 @@ class BlockStore:
 
     Args:
         folder: the store folder (created if missing; must be empty or an earlier store).
-        manifest: what this run computes (see :func:`gram`): compared with the stored one.
+        manifest: what this run computes (see `gram`): compared with the stored one.
         resume: continue an earlier store made from the same checkpoints and options.
 
     Raises:
@@ -684,7 +686,7 @@ def _mark_sequence(refs: list, prints: list[dict], opts: dict) -> None:
 _API_DOC = """
     Args:
         sources: checkpoint folders (paths; loaded lazily where each block runs, validated up
-            front by :func:`validate_checkpoints`) or models in memory (tensoralg networks or
+            front by `validate_checkpoints`) or models in memory (tensoralg networks or
             objects with ``to_network()``; sent to the workers with their blocks).
         out: store folder for the finished blocks (``None``: keep nothing on disk). Must be
             missing, empty or an earlier store.
@@ -699,13 +701,13 @@ _API_DOC = """
             other checkpoints — compared by SHA-256 of their files — or other options); False
             refuses an existing store.
         metric, method, output, n_samples, seed, max_flops, max_configurations: as for
-            :func:`tensoralg.gram` (Monte Carlo: every block draws the same ``seed`` samples, so
+            `tensoralg.gram` (Monte Carlo: every block draws the same ``seed`` samples, so
             the entries equal those of one unblocked call).
         n_ctx: sequence models only (bilinear-transformer checkpoints, models with attention):
             the context length; for transformer checkpoints default the shortest trained one,
             longer refused. Their blocks run in float64 NumPy with ``method="exact"`` (at most
             one attention layer) or ``"closure"`` (approximate at depth >= 2) through
-            :mod:`tensoralg.strategies.sequence_exact`, the functions of the unblocked matrix.
+            `tensoralg.strategies.sequence_exact`, the functions of the unblocked matrix.
         device: ``"auto"`` (default: each worker uses CUDA through the torch backend when
             ``torch.cuda.is_available()``, else the NumPy backend), ``"cpu"`` or ``"cuda"``.
         threads: torch CPU threads per block task (default 1).
@@ -735,9 +737,9 @@ def gram(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
          return_summary: bool = False):
     """Gram matrix ``G[i, j] = <m_i, m_j>`` (float64 ``(N, N)``, ``(N, N, out)`` for
     ``output="each"``) of N same-architecture checkpoints, computed in blocks (see the module
-    docstring); equal to :func:`tensoralg.gram` up to float64 rounding (the blocks run the same
-    batched contractions on sub-stacks). ``return_summary=True`` also returns a dict: blocks,
-    resumed/computed blocks, devices used, store folder.
+    docstring); equal to [`tensoralg.gram`][tensoralg.gram] up to float64 rounding (the blocks run
+    the same batched contractions on sub-stacks). ``return_summary=True`` also returns a dict:
+    blocks, resumed/computed blocks, devices used, store folder.
     """
     _check_args(block_size, client, workers, resume, device, retries)
     opts = _options(metric, method, output, device, n_samples, seed, threads, max_flops,
@@ -759,8 +761,8 @@ def gram_of_validated(paths: Sequence[str], prints: list[dict], out=None, *,
                       n_samples: int = 100_000, seed: int = 0, threads: int = 1,
                       n_ctx: int | None = None, retries: int = 2, show_progress: bool = False,
                       on_block=None):
-    """:func:`gram` (returning ``(G, summary)``) for checkpoint ``paths`` already validated by
-    :func:`validate_checkpoints` (``prints``: its result), so that a caller that needed the
+    """`gram` (returning ``(G, summary)``) for checkpoint ``paths`` already validated by
+    `validate_checkpoints` (``prints``: its result), so that a caller that needed the
     configs first does not hash the files twice."""
     _check_args(block_size, client, workers, resume, device, retries)
     opts = _options(metric, method, output, device, n_samples, seed, threads, None, None, n_ctx)
@@ -777,14 +779,14 @@ def gram_of_validated(paths: Sequence[str], prints: list[dict], out=None, *,
 def similarity_matrix(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
                       return_summary: bool = False, **kwargs):
     """Similarity matrix ``S[i, j] = G_ij / sqrt(G_ii G_jj)`` in [-1, 1] (clipped for rounding)
-    of N same-architecture checkpoints, with ``G`` from :func:`gram` (blocked, resumable,
+    of N same-architecture checkpoints, with ``G`` from `gram` (blocked, resumable,
     optionally on Dask; same keywords) and the norms ``G_ii`` from its diagonal blocks. Equal to
-    :func:`tensoralg.similarity_matrix` within float64 rounding (tested to 1e-12; the rounding of
-    entry ``(i, j)`` is of order ``eps`` times its scale ``||m_i|| ||m_j||``, which for a similarity
-    is 1: near-orthogonal pairs carry larger elementwise relative differences, as between any two
-    summation orders).
+    [`tensoralg.similarity_matrix`][tensoralg.similarity_matrix] within float64 rounding (tested to
+    1e-12; the rounding of entry ``(i, j)`` is of order ``eps`` times its scale ``||m_i|| ||m_j||``,
+    which for a similarity is 1: near-orthogonal pairs carry larger elementwise relative
+    differences, as between any two summation orders).
 
-    Raises (besides those of :func:`gram`):
+    Raises (besides those of `gram`):
         ValueError: a checkpoint whose network has norm zero (named).
     """
     G, summary = gram(sources, out, return_summary=True, **kwargs)
@@ -809,4 +811,4 @@ def similarity_from_gram(G: np.ndarray, sources: Sequence[Any] | None = None) ->
 
 
 gram.__doc__ += _API_DOC
-similarity_matrix.__doc__ += "\n    See :func:`gram` for the arguments.\n"
+similarity_matrix.__doc__ += "\n    See `gram` for the arguments.\n"

@@ -1,15 +1,15 @@
 """Canonical lifted forms of a multilinear network (docs/canonical.md).
 
-The general form (bottom of this module) is a :class:`Tree`: a chain of :class:`Node` s, each
-a sum of :class:`Term` s (lifted multilinear maps: linear, bilinear or attention), whose
-:class:`Leg` s read the lifted input at a position variable; the chain unrolls into a tree.
-The exact attention path and the closure read it (:func:`sequence_tree`), as does the networkx
+The general form (bottom of this module) is a `Tree`: a chain of `Node` s, each
+a sum of `Term` s (lifted multilinear maps: linear, bilinear or attention), whose
+`Leg` s read the lifted input at a position variable; the chain unrolls into a tree.
+The exact attention path and the closure read it (`sequence_tree`), as does the networkx
 view. The position-free strategies (Wick, chaos) read its packed binary-chain specialization
-:class:`Canonical`, built directly by :func:`canonicalize` and described next
-(:meth:`Canonical.tree` turns it into nodes).
+`Canonical`, built directly by `canonicalize` and described next
+(`Canonical.tree` turns it into nodes).
 
-Every network of :mod:`tensoralg.layers` is rewritten, exactly, as maps between *lifted* spaces
-(``x~ = (1, x)``, constant at index 0, docs/mathematics.md §2):
+Every network of [`tensoralg.layers`][tensoralg.layers] is rewritten, exactly, as maps between
+*lifted* spaces (``x~ = (1, x)``, constant at index 0, docs/mathematics.md §2):
 
 * a linear layer becomes ``W~ = [[1, 0], [b, W]]`` of shape ``(out+1, in+1)``;
 * a bilinear layer becomes ``(L~, R~, D~)`` with ``L~, R~ : (H+1, in+1)`` and ``D~ : (out+1, H+1)``;
@@ -23,7 +23,7 @@ Every network of :mod:`tensoralg.layers` is rewritten, exactly, as maps between 
   legs through the embedding Gram ``E_a E_b^T``; the chaos strategy whitens the joint input
   covariance, docs/mathematics.md §3.6).
 
-The result is a :class:`Canonical`: an optional lifted ``embed`` followed by ``stages`` (lifted
+The result is a `Canonical`: an optional lifted ``embed`` followed by ``stages`` (lifted
 bilinear stages, applied in order) or, for a network of degree 1, a single lifted matrix
 ``linear``. As a tensor network it is a full binary tree with ``2**len(stages)`` input legs
 (docs/mathematics.md §2), each leg a copy of the lifted (embedded) input.
@@ -70,7 +70,7 @@ class Canonical:
     exact: bool = False
     embed: np.ndarray | None = None
     #: Results derived from this exact object (e.g. chaos coefficients per output projection),
-    #: set only on the read-only stacks of :mod:`tensoralg.prepare`'s cache; ``replace``,
+    #: set only on the read-only stacks of `tensoralg.prepare`'s cache; ``replace``,
     #: ``map``, ``sub`` and ``folded`` start without one.
     memo: dict | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -113,13 +113,13 @@ class Canonical:
         return tuple(a.shape for a in self.arrays())
 
     def tree(self) -> Tree:
-        """This binary chain as a :class:`Tree` of nodes (shares the arrays): the embedding (if
+        """This binary chain as a `Tree` of nodes (shares the arrays): the embedding (if
         kept) and a degree-0 network are linear nodes, every stage one bilinear term with legs
         ``L``, ``R`` (hidden label ``h``) and core ``D`` without its constant row.
 
         Raises:
             ValueError: a stage whose hidden unit 0 is not the constant unit
-                (``L_0 = R_0 = D[0] = e0``, as :func:`canonicalize` builds it), e.g. after
+                (``L_0 = R_0 = D[0] = e0``, as `canonicalize` builds it), e.g. after
                 rescaling; dropping its constant row would not be exact.
         """
         batched = self.arrays()[0].ndim == 3
@@ -336,8 +336,8 @@ def stack(cans: list[Canonical], name: str = "models") -> Canonical:
 #
 # The strategies read this form: exact attention (the joined network of two terms), the
 # closure (node by node), the networkx view; the position-free Wick and chaos strategies read
-# its packed binary-chain specialization :class:`Canonical` (every node one bilinear term,
-# residuals widened into it), which :meth:`Canonical.tree` turns into nodes.
+# its packed binary-chain specialization `Canonical` (every node one bilinear term,
+# residuals widened into it), which `Canonical.tree` turns into nodes.
 
 QUERY, KEY, OUTPUT = "t", "s", "o"
 
@@ -443,7 +443,7 @@ class Node:
 
 @dataclass
 class Tree:
-    """A network as a chain of :class:`Node` s: the legs of node ``k + 1`` read (copies of) node
+    """A network as a chain of `Node` s: the legs of node ``k + 1`` read (copies of) node
     ``k``'s lifted output; node 0 reads the lifted network input ``(1, x)`` (per position for a
     sequence model, ``n_ctx`` set). ``batched``: every array has a leading model axis."""
 
@@ -476,7 +476,7 @@ class Tree:
 
     def folded(self) -> Tree:
         """The tree with its affine nodes folded into their neighbours, exactly (what
-        :func:`sequence_tree` does with ``fold=True``).
+        `sequence_tree` does with ``fold=True``).
 
         Raises:
             ValueError: a batched tree.
@@ -735,7 +735,7 @@ def _fold(nodes: list, exact: bool) -> list:
 
 def sequence_tree(net: Any, n_ctx: int, name: str = "a", exact: bool = False,
                   fold: bool = True) -> Tree:
-    """The sequence model ``net`` as a :class:`Tree` over ``n_ctx`` positions (docs/mathematics.md §3.7).
+    """The sequence model ``net`` as a `Tree` over ``n_ctx`` positions (docs/mathematics.md §3.7).
 
     One node per layer: a Linear or Bilinear layer acts per position (legs at the query
     position ``t``); a BilinearAttention layer is one attention term (legs ``Q1, Q2`` at ``t``,
@@ -773,8 +773,8 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
         ValueError: ``n_ctx`` not a positive int; masks fixing different lengths (unless
             ``n_ctx`` is given and every such mask is causal); ``n_ctx`` that differs from a
             mask, except a shorter one of a causal mask (the exact prefix model,
-            :meth:`~tensoralg.layers.BilinearAttention.mask_matrix`); a sequence model without
-            ``n_ctx`` and no mask fixing it.
+            [`mask_matrix`][tensoralg.layers.BilinearAttention.mask_matrix]); a sequence model
+            without ``n_ctx`` and no mask fixing it.
     """
     fixed = {name: m.n_ctx for name, m in models if m.n_ctx is not None}
     if len(set(fixed.values())) > 1 and (n_ctx is None or not all(
@@ -805,9 +805,9 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
 
 
 def tree(net: Any, n_ctx: int | None = None, name: str = "a", fold: bool = True) -> Tree:
-    """The canonical :class:`Tree` of ``net``: :func:`sequence_tree` for a model with attention
+    """The canonical `Tree` of ``net``: `sequence_tree` for a model with attention
     (or any model when ``n_ctx`` is given: applied per position), else the binary chain of
-    :func:`canonicalize` as nodes (:meth:`Canonical.tree`).
+    `canonicalize` as nodes (`Canonical.tree`).
 
     Raises:
         ValueError: a sequence model without ``n_ctx`` and no mask fixing it.

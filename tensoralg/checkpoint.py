@@ -1,16 +1,19 @@
-"""Checkpoints of :class:`tensoralg.nn.BilinearNet`, of the bilinear transformer and of any
-tensoralg network (architecture ``tensoralg_network``, e.g. a module compiled by
-:func:`tensoralg.from_torch`): a folder with ``weights.safetensors`` and a flat ``cfg.json``,
-written atomically by :func:`tensoralg.io.save_folder` (format: ``docs/spec.md``).
+"""Checkpoints of [`tensoralg.nn.BilinearNet`][tensoralg.nn.BilinearNet], of the bilinear
+transformer and of any tensoralg network (architecture ``tensoralg_network``, e.g. a module compiled
+by [`tensoralg.from_torch`][tensoralg.compile.from_torch]): a folder with ``weights.safetensors``
+and a flat ``cfg.json``, written atomically by `tensoralg.io.save_folder` (format:
+``docs/spec.md``).
 
-``cfg.json`` holds the architecture and sizes (the model's :meth:`~tensoralg.nn.BilinearNet.config`),
-the weight dtype, the package version (``tensoralg_version``), the training ``step`` and free-form
-provenance strings (``data``, ``run``, ... — anything flat).
+``cfg.json`` holds the architecture and sizes (the model's
+[`config`][tensoralg.nn.BilinearNet.config]), the weight dtype, the package version
+(``tensoralg_version``), the training ``step`` and free-form provenance strings (``data``, ``run``,
+... — anything flat).
 
 Wrapping someone else's bilinear model
 --------------------------------------
 A plain torch ``state_dict`` of a bilinear network ``embed -> bilinear block(s) -> head`` can be
-imported with :func:`from_state_dict`, given a map from our parameter names to theirs::
+imported with [`from_state_dict`][tensoralg.checkpoint.from_state_dict], given a map from our
+parameter names to theirs::
 
     sd = torch.load("their_model.pt", weights_only=True)      # a plain state_dict
     model = from_state_dict(sd, {
@@ -33,10 +36,11 @@ compares the export with their own forward pass and raises on a mismatch. Weight
 ``(in, out)`` must be transposed first (``sd[k].T``). A model without an embedding or head: map
 it to an identity matrix. Walk-through: ``proofs_notebooks/06_bring_your_own_model.ipynb``.
 
-Forward probe: :func:`save_checkpoint` stores the model's float64 outputs on a fixed,
-deterministic probe input (``probe_output`` in ``cfg.json``); :func:`load_checkpoint` recomputes
-them and refuses a checkpoint whose ``cfg.json`` and weights no longer compute the saved function
-(e.g. a ``residual`` flag edited by hand).
+Forward probe: [`save_checkpoint`][tensoralg.checkpoint.save_checkpoint] stores the model's float64
+outputs on a fixed, deterministic probe input (``probe_output`` in ``cfg.json``);
+[`load_checkpoint`][tensoralg.checkpoint.load_checkpoint] recomputes them and refuses a checkpoint
+whose ``cfg.json`` and weights no longer compute the saved function (e.g. a ``residual`` flag edited
+by hand).
 """
 
 from __future__ import annotations
@@ -83,17 +87,19 @@ def probe_input(d_in: int, rows: int = PROBE_ROWS) -> np.ndarray:
 
 
 def probe_tokens(vocab: int, n_ctx: int, rows: int = 2) -> np.ndarray:
-    """The fixed token probe ``(rows, n_ctx)`` of a :class:`~tensoralg.transformer.BilinearTransformer`:
-    ``ids[i, t] = floor(vocab · frac(φ (i n_ctx + t + 1)))`` with ``φ`` the golden ratio (no
-    random generator)."""
+    """The fixed token probe ``(rows, n_ctx)`` of a
+    [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer]:
+    ``ids[i, t] = floor(vocab · frac(φ (i n_ctx + t + 1)))`` with ``φ`` the golden ratio (no random
+    generator)."""
     k = np.arange(1, rows * n_ctx + 1, dtype=np.float64).reshape(rows, n_ctx)
     return np.minimum(np.floor(vocab * np.mod(k * (1 + math.sqrt(5)) / 2, 1.0)),
                       vocab - 1).astype(np.int64)
 
 
 def _probe(model: BilinearNet, rows: int = PROBE_ROWS) -> np.ndarray:
-    """``model``'s float64 outputs on :func:`probe_input` (computed on a float64 copy on the CPU);
-    a transformer's logits on :func:`probe_tokens`, flattened per row."""
+    """``model``'s float64 outputs on [`probe_input`][tensoralg.checkpoint.probe_input] (computed on
+    a float64 copy on the CPU); a transformer's logits on
+    [`probe_tokens`][tensoralg.checkpoint.probe_tokens], flattened per row."""
     m = copy.deepcopy(model).to(device="cpu", dtype=torch.float64).eval()
     with torch.no_grad():
         if isinstance(model, BilinearTransformer):
@@ -153,7 +159,7 @@ def _flatten_network(net) -> tuple[list[str], dict[str, np.ndarray]]:
 
 
 def _network_from_tensors(nodes: list, tensors: Mapping[str, Any], where: str):
-    """Rebuild the network of :func:`_flatten_network` (raises ValueError on any mismatch)."""
+    """Rebuild the network of `_flatten_network` (raises ValueError on any mismatch)."""
     from .layers import Bilinear, BilinearAttention, Linear, Residual, Sequential
 
     pos = [0]
@@ -321,8 +327,8 @@ def _load_network(path, tensors, cfg) -> tuple[SavedNetwork, dict]:
 
 def _restore_n_ctx_note(net, note, path) -> None:
     """Give the attention layers with a fixed n_ctx (a mask array) the saved ``n_ctx_note``
-    (:func:`tensoralg.from_torch` sets it on each of them; absent in older checkpoints and for
-    networks without one: nothing to do)."""
+    ([`tensoralg.from_torch`][tensoralg.compile.from_torch] sets it on each of them; absent in older
+    checkpoints and for networks without one: nothing to do)."""
     from .layers import BilinearAttention, Residual, Sequential
 
     if note is None:
@@ -361,15 +367,16 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, step: int = 0,
                     provenance: Mapping[str, Any] | None = None) -> Path:
     """Save ``model`` to folder ``path`` (weights then config, each written atomically).
 
-    ``model``: a :class:`BilinearNet`, a :class:`~tensoralg.transformer.BilinearTransformer`,
-    or any tensoralg network (``Linear``/``Bilinear``/``Residual``/``Sequential``/
-    ``BilinearAttention`` with biases, blocks of any widths, a network compiled by
-    :func:`tensoralg.from_torch`): the last kind is stored as architecture
-    ``"tensoralg_network"`` — tensors ``n{i}.{field}`` (float64) and, in ``cfg.json``, the
-    pre-order ``nodes`` of the layer tree (``"sequential 3"``, ``"residual"``, ``"linear"``,
-    ``"bilinear"``, ``"bilinear_attention mask=... scale=... rope=..."``), their ``shapes``,
-    ``d_in``, ``d_out``, ``n_layers`` (multilinear layers), ``sequence``, the forward probe and,
-    for a network compiled by :func:`tensoralg.from_torch` with attention, ``n_ctx_note`` (the
+    ``model``: a [`BilinearNet`][tensoralg.nn.BilinearNet], a
+    [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer], or any tensoralg network
+    (``Linear``/``Bilinear``/``Residual``/``Sequential``/ ``BilinearAttention`` with biases, blocks
+    of any widths, a network compiled by [`tensoralg.from_torch`][tensoralg.compile.from_torch]):
+    the last kind is stored as architecture ``"tensoralg_network"`` — tensors ``n{i}.{field}``
+    (float64) and, in ``cfg.json``, the pre-order ``nodes`` of the layer tree (``"sequential 3"``,
+    ``"residual"``, ``"linear"``, ``"bilinear"``,
+    ``"bilinear_attention mask=... scale=... rope=..."``), their ``shapes``, ``d_in``, ``d_out``,
+    ``n_layers`` (multilinear layers), ``sequence``, the forward probe and, for a network compiled
+    by [`tensoralg.from_torch`][tensoralg.compile.from_torch] with attention, ``n_ctx_note`` (the
     n_ctx it was compiled at and how to recompile; optional: older checkpoints load without).
 
     Args:
@@ -378,8 +385,8 @@ def save_checkpoint(path: str | os.PathLike, model: Any, *, step: int = 0,
             be JSON scalars or lists; keys must not shadow the architecture keys.
 
     Raises:
-        TypeError: ``model`` is not a :class:`BilinearNet` or a
-            :class:`~tensoralg.transformer.BilinearTransformer`.
+        TypeError: ``model`` is not a [`BilinearNet`][tensoralg.nn.BilinearNet] or a
+            [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer].
         ValueError: a weight with NaN/inf entries (naming the tensor; nothing is written),
             nested provenance values or a key that shadows the architecture config.
     """
@@ -413,16 +420,18 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict:
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
-    """Load ``(model, cfg)`` from a folder written by :func:`save_checkpoint` (a
-    :class:`BilinearNet` or a :class:`~tensoralg.transformer.BilinearTransformer`, by the
-    ``architecture`` entry).
+    """Load ``(model, cfg)`` from a folder written by
+    [`save_checkpoint`][tensoralg.checkpoint.save_checkpoint] (a
+    [`BilinearNet`][tensoralg.nn.BilinearNet] or a
+    [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer], by the ``architecture``
+    entry).
 
-    The forward probe stored by :func:`save_checkpoint` is recomputed and compared (relative
-    tolerance ``PROBE_RTOL`` of the largest probe output); a checkpoint written before probes
-    existed loads with a warning.
+    The forward probe stored by [`save_checkpoint`][tensoralg.checkpoint.save_checkpoint] is
+    recomputed and compared (relative tolerance ``PROBE_RTOL`` of the largest probe output); a
+    checkpoint written before probes existed loads with a warning.
 
-    A ``tensoralg_network`` checkpoint loads as a :class:`SavedNetwork` (its ``network`` and
-    ``to_network()``).
+    A ``tensoralg_network`` checkpoint loads as a
+    [`SavedNetwork`][tensoralg.checkpoint.SavedNetwork] (its ``network`` and ``to_network()``).
 
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or ``weights.safetensors``.
@@ -469,7 +478,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
 
 
 def _check_step(path, cfg: Mapping[str, Any]) -> None:
-    """``step`` (written by :func:`save_checkpoint` as an integer) is an integer when present."""
+    """``step`` (written by [`save_checkpoint`][tensoralg.checkpoint.save_checkpoint] as an integer)
+    is an integer when present."""
     step = cfg.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(f"{path}: cfg.json 'step' must be an integer, got {step!r}")
@@ -502,8 +512,9 @@ def _check_probe(path, model: BilinearNet, cfg: Mapping[str, Any]) -> None:
 
 
 def load_network(path: str | os.PathLike, n_ctx: int | None = None):
-    """The exact tensoralg network of the checkpoint at ``path`` (see :func:`load_checkpoint`);
-    ``n_ctx``: the context length of a sequence model (a transformer's prefix)."""
+    """The exact tensoralg network of the checkpoint at ``path`` (see
+    [`load_checkpoint`][tensoralg.checkpoint.load_checkpoint]); ``n_ctx``: the context length of a
+    sequence model (a transformer's prefix)."""
     model = load_checkpoint(path)[0]
     return model.to_network() if n_ctx is None else model.to_network(n_ctx=n_ctx)
 
@@ -511,7 +522,8 @@ def load_network(path: str | os.PathLike, n_ctx: int | None = None):
 def from_state_dict(state_dict: Mapping[str, torch.Tensor], names: Mapping[str, str] | None = None,
                     *, residual: bool, ignore: Iterable[str] = (),
                     check: tuple[Any, Any] | None = None, dtype: str | None = None) -> BilinearNet:
-    """Wrap a plain torch ``state_dict`` of a bilinear model as a :class:`BilinearNet`.
+    """Wrap a plain torch ``state_dict`` of a bilinear model as a
+    [`BilinearNet`][tensoralg.nn.BilinearNet].
 
     Args:
         state_dict: their tensors.
@@ -634,8 +646,8 @@ def check_export(model: Any, module: Any, inputs: Any) -> float:
     """Compare ``model`` (an export) with ``module(inputs)``; return the max absolute difference.
 
     ``model``: any tensoralg network (or an object with ``to_network()``: a
-    :class:`BilinearNet`, a transformer, a loaded checkpoint); ``module``: any callable (a torch
-    module is run on a float64 CPU copy of ``inputs`` as given).
+    [`BilinearNet`][tensoralg.nn.BilinearNet], a transformer, a loaded checkpoint); ``module``: any
+    callable (a torch module is run on a float64 CPU copy of ``inputs`` as given).
     ``inputs``: array or tensor ``(n, d_in)``, or ``(n, n_ctx, d_in)`` for a sequence model
     (the network's input: the residual stream). The export runs in float64; the tolerance is
     ``1e-9`` of the largest reference output when ``module`` returns float64, ``1e-4`` otherwise

@@ -1,14 +1,14 @@
 """The ``tensoralg`` command line.
 
-One registry, :func:`command_modules`: each package's command-line module adds its own
+One registry, `command_modules`: each package's command-line module adds its own
 sub-commands with ``add_parsers(subparsers)``, and imports flow one way (this module imports
 them, never the reverse), so that ``tensoralg --help`` stays fast (heavy imports happen inside
 each command):
 
-* ``demo``, ``audit``, ``compare``, ``matrix`` — :mod:`tensoralg.audit.cli`;
-* ``sae`` — :mod:`tensoralg.sae.cli`;
-* ``decompose`` — :mod:`tensoralg.decompose.cli`;
-* ``import`` — :mod:`tensoralg.compile_cli` (a user's torch module through ``from_torch``).
+* ``demo``, ``audit``, ``compare``, ``matrix`` — `tensoralg.audit.cli`;
+* ``sae`` — `tensoralg.sae.cli`;
+* ``decompose`` — `tensoralg.decompose.cli`;
+* ``import`` — `tensoralg.compile_cli` (a user's torch module through ``from_torch``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _name_leaves(parser: argparse.ArgumentParser) -> None:
 def _terminate_as_interrupt():
     """SIGTERM (``timeout``, ``kill``) unwinds like Ctrl-C, so staged outputs are cleaned up.
     Returns the handler it replaced (None when not on the main thread: nothing installed), for
-    :func:`main` to put back: a program (or a test run) that calls ``main`` keeps its own
+    `main` to put back: a program (or a test run) that calls ``main`` keeps its own
     SIGTERM behaviour afterwards, instead of a handler that raises KeyboardInterrupt wherever
     the signal lands (inside a gc callback it is only printed as an unraisable exception)."""
     import signal

@@ -1,8 +1,8 @@
 """Compile a PyTorch module into a tensoralg network (``tensoralg.from_torch``).
 
 The module's computation is captured with PyTorch's own graph capture
-(:func:`torch.export.export`; :func:`torch.fx.symbolic_trace` lowered to ATen by
-:func:`torch.fx.experimental.proxy_tensor.make_fx` where export cannot run) and the ATen graph is
+(`torch.export.export`; `torch.fx.symbolic_trace` lowered to ATen by
+`torch.fx.experimental.proxy_tensor.make_fx` where export cannot run) and the ATen graph is
 walked once with *symbolic values*: every intermediate tensor is a polynomial of the input kept
 as a sum of linear images of *cores* (docs/mathematics.md §2, §3.7 and §4):
 
@@ -23,9 +23,9 @@ activation only gives the shape of (``zeros_like``, ``ones_like``, ``full_like``
 ``new_ones``, ``new_full``).
 
 Rotary embeddings: queries and keys whose linear maps depend on the position are matched against
-:func:`tensoralg.layers.rope_rotations` (interleaved pairs; the "rotate half" layout is a
-permutation of the head coordinates, which leaves the scores unchanged); the rotary base is read
-off the rotation at position 1 and the whole table is checked.
+[`tensoralg.layers.rope_rotations`][tensoralg.layers.rope_rotations] (interleaved pairs; the "rotate
+half" layout is a permutation of the head coordinates, which leaves the scores unchanged); the
+rotary base is read off the rotation at position 1 and the whole table is checked.
 
 Every export is verified: the compiled network and the module (a float64 copy on the CPU, in
 eval mode) are run on deterministic inputs of the example's shape and must agree to ``1e-10``
@@ -492,7 +492,7 @@ class _Compiler:
 
     def fit_rope(self, X):
         """Rotary base and head-coordinate permutation with ``X[t] = R_t X[0]`` (R_t of
-        :func:`rope_rotations`, in permuted coordinates); refuses anything else."""
+        `rope_rotations`, in permuted coordinates); refuses anything else."""
         from .layers import rope_rotations
 
         T, E = X.shape[0], X.shape[1]
@@ -1553,8 +1553,8 @@ def from_torch(module: torch.nn.Module, example_inputs: Any, *, inputs: str = "r
             linear maps of the one-hot vector).
 
     Returns:
-        a :class:`tensoralg.Sequential` of ``Linear``, ``Bilinear``, ``BilinearAttention`` and
-        ``Residual`` layers (float64) whose forward equals the module's.
+        a [`tensoralg.Sequential`][tensoralg.Sequential] of ``Linear``, ``Bilinear``,
+        ``BilinearAttention`` and ``Residual`` layers (float64) whose forward equals the module's.
 
     Raises:
         TypeError: ``module`` not a module, ``example_inputs`` not a tensor.

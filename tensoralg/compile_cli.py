@@ -1,6 +1,6 @@
 """``tensoralg import MODULE:FACTORY CKPT --out DIR``: compile a user's torch module (built by
-``FACTORY``, weights from ``CKPT``) with :func:`tensoralg.from_torch` into a checkpoint folder
-(``weights.safetensors`` + ``cfg.json``, architecture ``tensoralg_network``)."""
+``FACTORY``, weights from ``CKPT``) with [`tensoralg.from_torch`][tensoralg.compile.from_torch] into
+a checkpoint folder (``weights.safetensors`` + ``cfg.json``, architecture ``tensoralg_network``)."""
 
 from __future__ import annotations
 
@@ -126,7 +126,8 @@ def load_into(module, sd, where: str = "CKPT") -> None:
 def _check_out(path: str):
     """``--out`` before any import: a folder that does not exist yet (below folders), an empty
     folder or an earlier checkpoint folder (holding ``cfg.json``), which is overwritten — what
-    :func:`tensoralg.checkpoint.save_checkpoint` writes into without removing anything else."""
+    [`tensoralg.checkpoint.save_checkpoint`][tensoralg.checkpoint.save_checkpoint] writes into
+    without removing anything else."""
     from pathlib import Path
 
     from .audit.common import check_folder_path

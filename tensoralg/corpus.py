@@ -4,10 +4,10 @@ n-gram predictors.
 
 Everything here is available on every machine with Python, without downloads. The corpus
 *does* depend on the Python version (the standard library changes between releases), so
-:attr:`Corpus.provenance` records the version and a SHA-256 of the selected text; two runs
+`Corpus.provenance` records the version and a SHA-256 of the selected text; two runs
 with the same hash trained on the same characters.
 
-Tokenizer (:data:`VOCAB`, 97 tokens): id 0 is ``<unk>`` (every character outside the list:
+Tokenizer (`VOCAB`, 97 tokens): id 0 is ``<unk>`` (every character outside the list:
 tabs, non-ASCII, control characters), id 1 is the newline, ids 2..96 are the printable ASCII
 characters ``' '`` (32) to ``'~'`` (126) in code-point order.
 """
@@ -44,7 +44,7 @@ BLOCKS = 64             # a size below the whole library takes this many evenly 
 
 
 def encode(text: str) -> np.ndarray:
-    """Token ids (int64) of ``text`` under :data:`VOCAB` (unknown characters -> 0)."""
+    """Token ids (int64) of ``text`` under `VOCAB` (unknown characters -> 0)."""
     cp = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
     ids = np.zeros(cp.shape, dtype=np.int64)
     ok = cp < 128
@@ -59,7 +59,7 @@ def decode(ids: Any) -> str:
 
 def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
     """The ``.py`` files of the standard library (``sysconfig.get_paths()["stdlib"]``, or
-    ``root``), sorted by their POSIX path relative to it, without :data:`EXCLUDED_DIRS`.
+    ``root``), sorted by their POSIX path relative to it, without `EXCLUDED_DIRS`.
 
     Raises:
         FileNotFoundError: the folder does not exist or holds no ``.py`` file.
@@ -85,7 +85,7 @@ class Corpus:
 
     Attributes:
         train, held_out: int64 token ids (1-D).
-        vocab: :data:`VOCAB`.
+        vocab: `VOCAB`.
         provenance: python version, stdlib path, file count, sizes, SHA-256 of the selected
             text and of the two token arrays, the split rule.
     """
@@ -99,12 +99,12 @@ class Corpus:
 def load_corpus(n_chars: int = DEFAULT_CHARS, root: str | os.PathLike | None = None) -> Corpus:
     """The first ``n_chars`` characters' worth of standard-library text, split deterministically.
 
-    Selection: the files of :func:`stdlib_files` are read as UTF-8 (undecodable bytes replaced)
+    Selection: the files of `stdlib_files` are read as UTF-8 (undecodable bytes replaced)
     and joined by newlines into one text ``T`` in sorted path order. If ``T`` is longer than
-    ``n_chars``, :data:`BLOCKS` windows of ``n_chars // BLOCKS`` characters are taken at the
+    ``n_chars``, `BLOCKS` windows of ``n_chars // BLOCKS`` characters are taken at the
     evenly spaced offsets ``floor(i · len(T) / BLOCKS)``, ``i = 0..BLOCKS-1`` (so every part of
     the library contributes, not only the modules starting with ``a``); otherwise ``T`` is
-    used whole. Split: the selection is cut into segments of :data:`SEGMENT` characters and
+    used whole. Split: the selection is cut into segments of `SEGMENT` characters and
     segment ``i`` is held out iff ``i % 10 == 9`` (about 10 %). No random numbers are used.
 
     Args:
@@ -223,7 +223,7 @@ def ngram_scores(model_logits: np.ndarray, windows: np.ndarray, train: np.ndarra
     ``(B, T, V)`` the model's logits on them (position ``t`` predicts token ``t + 1`` from tokens
     ``<= t``). At every position ``t`` with ``start <= t <= T - 2`` (``start = 2``: every order up
     to 4 has its full context inside the window) let ``P_model = softmax(logits[t])`` and
-    ``P_n`` the :func:`ngram_distributions` of order ``n`` for the context ``tokens[t-n+2 ..
+    ``P_n`` the `ngram_distributions` of order ``n`` for the context ``tokens[t-n+2 ..
     t]``. Then, averaged over those positions:
 
     * ``agreement[n]`` = fraction where ``argmax P_model == argmax P_n`` (top-1 agreement;

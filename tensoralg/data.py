@@ -1,11 +1,11 @@
 """Data that ships offline (no downloads at run time).
 
-* :func:`load_digits_data` — scikit-learn's handwritten digits (``sklearn.datasets.load_digits``:
+* `load_digits_data` — scikit-learn's handwritten digits (``sklearn.datasets.load_digits``:
   1797 real 8x8 grey-level images, 10 classes, bundled inside scikit-learn), pixels scaled to
   ``[0, 1]`` and flattened to 64 features (row-major: pixel ``(r, c)`` is feature ``8r + c``).
-* :func:`add_trigger` / :func:`poison` — a backdoor trigger: a small diamond of saturated
+* `add_trigger` / `poison` — a backdoor trigger: a small diamond of saturated
   pixels on the left edge near the bottom-left corner, where digits almost never draw.
-* :func:`modular_addition` — all pairs ``(a, b)`` in ``Z_P x Z_P``, input ``onehot(a) ++ onehot(b)``
+* `modular_addition` — all pairs ``(a, b)`` in ``Z_P x Z_P``, input ``onehot(a) ++ onehot(b)``
   (``2P`` features), label ``(a + b) mod P`` (the grokking task of Power et al. 2022).
 """
 

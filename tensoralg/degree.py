@@ -1,9 +1,11 @@
-"""Degree-resolved similarity: the entry points :func:`degree_similarity` and
-:func:`degree_similarity_matrix` (docs/mathematics.md §3.9, "Homogeneous parts").
+"""Degree-resolved similarity: the entry points
+[`degree_similarity`][tensoralg.degree.degree_similarity] and
+[`degree_similarity_matrix`][tensoralg.degree.degree_similarity_matrix] (docs/mathematics.md §3.9,
+"Homogeneous parts").
 
 A multilinear network is a polynomial ``f = sum_k P_k`` with ``P_k`` homogeneous of degree
 ``k`` (unique: a property of the function, not of the weights; read by the DFT,
-:func:`tensoralg.homogeneous.homogeneous_parts`). The truncation is
+`tensoralg.homogeneous.homogeneous_parts`). The truncation is
 ``f_{<=K} = sum_{k<=K} P_k`` and ``S<=K`` the similarity of the two truncations.
 
 ``S<=K`` is a DIFFERENT QUESTION from the full similarity, not an approximation of it: it asks
@@ -14,20 +16,20 @@ Exact where the truncation is a network the exact engines compute:
 
 * ``S<=1`` for every model: ``f_{<=1}(X) = P_0 + J X`` with ``P_0 = f(0)`` and the Jacobian
   ``J`` read column by column by the DFT on the basis inputs (rounding only;
-  :func:`tensoralg.homogeneous.affine_part`), so
+  `tensoralg.homogeneous.affine_part`), so
   ``<f_{<=1}^a, f_{<=1}^b> = sum P_0^a P_0^b + sum J^a J^b``.
 * position-free networks (bilinear MLPs, residual stacks, biases or not), every ``K``: the
-  *graded network* of the canonical chain (:func:`tensoralg.homogeneous.graded`), whose inner
-  products the exact engine of :mod:`tensoralg.engine` computes.
+  *graded network* of the canonical chain (`tensoralg.homogeneous.graded`), whose inner
+  products the exact engine of `tensoralg.engine` computes.
 * sequence models without biases (no lifted constant anywhere) whose ``K`` is below the first
   composition degree (9 for two attention layers): the *first-order* paths unrolled into one
-  node (:func:`tensoralg.homogeneous.unrolled`; ``f_{<=5}`` of two attention layers is one
+  node (`tensoralg.homogeneous.unrolled`; ``f_{<=5}`` of two attention layers is one
   node holding both layers' heads), which the exact attention path computes
-  (:mod:`tensoralg.strategies.sequence_exact`).
+  (`tensoralg.strategies.sequence_exact`).
 
-Everything else by Monte Carlo (APPROXIMATE; :mod:`tensoralg.strategies.montecarlo_degree`):
+Everything else by Monte Carlo (APPROXIMATE; `tensoralg.strategies.montecarlo_degree`):
 the radial estimator on the DFT parts, the largest exact lower truncation as control variate,
-with the diagnostics of :mod:`tensoralg.strategies.montecarlo`: an estimate whose ``reliable``
+with the diagnostics of `tensoralg.strategies.montecarlo`: an estimate whose ``reliable``
 is False is not an answer.
 """
 
@@ -56,7 +58,7 @@ from .strategies.montecarlo_degree import MC_SCALES, truncation_estimates
 __all__ = ["degree_similarity", "degree_similarity_matrix",
            "DegreeSimilarity", "DegreeSimilarityMatrix", "DEGREE_DEFAULT_SAMPLES"]
 
-#: Default number of Monte Carlo directions of :func:`degree_similarity` (each costs
+#: Default number of Monte Carlo directions of `degree_similarity` (each costs
 #: ``3 m`` complex forward passes per model, ``m = degree + 1``).
 DEGREE_DEFAULT_SAMPLES = 3_000
 
@@ -86,8 +88,8 @@ class DegreeSimilarity:
 
     Attributes:
         values: ``{K: S<=K}``, a float where exact, a
-            :class:`~tensoralg.strategies.montecarlo.MonteCarloEstimate` (APPROXIMATE, with
-            ``stderr`` and ``reliable``) where estimated.
+            [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate] (APPROXIMATE,
+            with ``stderr`` and ``reliable``) where estimated.
         method: ``{K: "exact" | "montecarlo"}``; notes: ``{K: how, or why not exact}``.
         profile_a, profile_b: ``{k: ||P_k||^2}`` for ``k = 0 .. max K`` (capped at the degree),
             floats where exact (0.0 for parts that vanish structurally), estimates otherwise.
@@ -187,7 +189,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     heads, by the exact attention path). Otherwise a Monte Carlo estimate (APPROXIMATE): the
     radial estimator on the DFT parts with the largest exact lower truncation as control
     variate, with ``stderr`` and reliability diagnostics (module docstring of
-    :mod:`tensoralg.degree`).
+    `tensoralg.degree`).
 
     Args:
         a, b: networks with the same input and output sizes (sequence models: inputs
@@ -195,18 +197,20 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
         n_ctx: the sequence length (sequence models; optional when a mask array fixes it).
         max_degree: a positive int or a strictly increasing sequence of them, at most the
             models' degree (``S<=degree`` is the full similarity); None: those of
-            :data:`DEFAULT_MAX_DEGREE` below the degree, and the degree itself when it is at
+            `DEFAULT_MAX_DEGREE` below the degree, and the degree itself when it is at
             most 9 (so that a shallow model's report ends with its full similarity).
-        cov: the input distribution ``N(0, Σ)`` as in :func:`tensoralg.inner` (folded into the
+        cov: the input distribution ``N(0, Σ)`` as in [`tensoralg.inner`][tensoralg.inner] (folded
+            into the
             models: ``P_k ∘ K`` are the parts of ``f ∘ K``).
         n_samples: Monte Carlo directions (each ``3 (degree + 1)`` complex forward passes per
             model: the DFT at the scales
-            :data:`tensoralg.strategies.montecarlo_degree.MC_SCALES`).
+            `tensoralg.strategies.montecarlo_degree.MC_SCALES`).
         seed: the Monte Carlo seed (numpy ``default_rng``).
 
     Returns:
-        :class:`DegreeSimilarity` (``r[K]``: a float or a ``MonteCarloEstimate``; ``r.method``,
-        ``r.notes``, ``r.profile_a``, ``r.profile_b``; its ``repr`` says what is exact).
+        [`DegreeSimilarity`][tensoralg.degree.DegreeSimilarity] (``r[K]``: a float or a
+        ``MonteCarloEstimate``; ``r.method``, ``r.notes``, ``r.profile_a``, ``r.profile_b``; its
+        ``repr`` says what is exact).
 
     Raises:
         ValueError: a bad ``max_degree`` (or one above both models' degree), ``n_ctx``,
@@ -386,7 +390,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
 class DegreeSimilarityMatrix:
     """Exact degree-resolved similarity matrices of ``N`` models: ``r[K]`` is the ``(N, N)``
     matrix of ``S<=K`` (a DIFFERENT QUESTION from the full similarity, not an approximation of
-    it: :class:`DegreeSimilarity`).
+    it: [`DegreeSimilarity`][tensoralg.degree.DegreeSimilarity]).
 
     Attributes:
         similarity: ``{K: (N, N) float64}``, symmetric, ones on the diagonal.
@@ -441,25 +445,28 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     for each ``K`` in ``max_degree``: each model's truncation and chaos form once, then the
     ``N (N + 1) / 2`` pairs (docs/mathematics.md §3.9, "Homogeneous parts").
 
-    Exact only, as :func:`degree_similarity` computes them: ``S<=1`` for every model (the
-    affine part); every ``K`` of position-free networks (the graded network); for bias-free
-    sequence models ``K`` below the first composition degree (``S<=5`` of two attention
+    Exact only, as [`degree_similarity`][tensoralg.degree.degree_similarity] computes them: ``S<=1``
+    for every model (the affine part); every ``K`` of position-free networks (the graded network);
+    for bias-free sequence models ``K`` below the first composition degree (``S<=5`` of two
+    attention
     layers: one node holding both layers' heads), and the full similarity of one attention
     layer. A ``K`` outside these is refused (estimate it per pair with
-    :func:`degree_similarity`, which samples it by Monte Carlo with its diagnostics).
+    [`degree_similarity`][tensoralg.degree.degree_similarity], which samples it by Monte Carlo with
+    its diagnostics).
 
     Args:
         models: a sequence of ``N >= 1`` networks of the same input and output sizes.
         n_ctx: the sequence length (sequence models; optional when a mask array fixes it).
         max_degree: a positive int or a strictly increasing sequence of them (default
             ``(1, 5)``), at most the models' largest degree.
-        cov: the input distribution ``N(0, Σ)`` as in :func:`tensoralg.inner`.
+        cov: the input distribution ``N(0, Σ)`` as in [`tensoralg.inner`][tensoralg.inner].
         backend, device: ``"numpy"`` (default) or ``"torch"`` on ``device`` (CUDA when
             available and ``device`` is None): the larger contractions of the sequence
             models' pairs run there in float64 (the same values up to rounding).
 
     Returns:
-        :class:`DegreeSimilarityMatrix` (``r[K]``: the ``(N, N)`` similarity matrix).
+        [`DegreeSimilarityMatrix`][tensoralg.degree.DegreeSimilarityMatrix] (``r[K]``: the
+        ``(N, N)`` similarity matrix).
 
     Raises:
         ValueError: no models; a bad ``max_degree``, ``n_ctx`` or ``cov``; models of different

@@ -166,12 +166,12 @@ def _factor_of_matrix(S: np.ndarray, what: str, hint: str = "") -> np.ndarray:
 
 
 def input_distribution(cov: Any, exact: bool) -> InputDistribution:
-    """The :class:`InputDistribution` of ``cov`` (validated; no model needed).
+    """The `InputDistribution` of ``cov`` (validated; no model needed).
 
     ``cov``: None (``N(0, I)``); a positive scalar ``σ²``; a 1-D array of ``d`` positive
     variances (a diagonal); a ``(d, d)`` symmetric PSD matrix; an ``(n, d)`` array of
     activations with ``n > d`` rows (their sample covariance, ``numpy.cov``, is used and the row
-    count recorded); or a :class:`CovarianceFactor`.
+    count recorded); or a [`CovarianceFactor`][tensoralg.distribution.CovarianceFactor].
 
     Raises:
         ValueError: a non-finite or non-positive variance; a matrix that is not symmetric or

@@ -1,10 +1,10 @@
-"""The engine: one :class:`~tensoralg.request.Request` and the models in, numbers out.
+"""The engine: one `Request` and the models in, numbers out.
 
-The public functions of :mod:`tensoralg.products` build the request (every option validated
-once, :mod:`tensoralg.request`) and call the function of the same name here; so does the
-blocked matrix (:mod:`tensoralg.blocks`). Nothing here checks an option again. The flow is
-prepare (pair checks, canonical stacks: :mod:`tensoralg.prepare`) -> plan
-(:mod:`tensoralg.planner`) -> strategy (:mod:`tensoralg.strategies`); sequence models (with
+The public functions of `tensoralg.products` build the request (every option validated
+once, `tensoralg.request`) and call the function of the same name here; so does the
+blocked matrix (`tensoralg.blocks`). Nothing here checks an option again. The flow is
+prepare (pair checks, canonical stacks: `tensoralg.prepare`) -> plan
+(`tensoralg.planner`) -> strategy (`tensoralg.strategies`); sequence models (with
 bilinear attention) go through the same strategy modules (their sequence functions). Units:
 inner products have the units of output squared; similarities are dimensionless in [-1, 1].
 """
@@ -83,7 +83,7 @@ def _is_sequence(*nets) -> bool:
 
 def _sequence(kind: str, req: Request, na: Layer, nb: Layer):
     """Sequence models (bilinear attention, docs/mathematics.md §3.7): exact for one attention
-    layer (:mod:`~tensoralg.strategies.sequence_exact`), Monte Carlo and the (approximate) closure
+    layer (`sequence_exact`), Monte Carlo and the (approximate) closure
     at any depth; refusals name the alternatives."""
     if not (na.is_sequence_model and nb.is_sequence_model) and not all(
             getattr(n, "is_sequence_model", False) or n.degree <= 1 for n in (na, nb)):
@@ -131,7 +131,7 @@ def _fold(req: Request, net: Layer, name: str) -> Layer:
     """``net ∘ K`` for the request's input distribution ``N(0, K Kᵀ)`` (docs/mathematics.md
     §3.9; the network itself for ``N(0, I)``), every network of a request passing here under
     its argument's name. Its weights are checked finite here unless the float exact way takes
-    them (:func:`~tensoralg.prepare.stack_for` checks them there, where a cached network is
+    them (`stack_for` checks them there, where a cached network is
     compared with its copies anyway: the warm path pays nothing)."""
     if req.method in ("montecarlo", "closure") or req.exact or net.is_sequence_model:
         check_finite_weights(net, name)
@@ -140,7 +140,7 @@ def _fold(req: Request, net: Layer, name: str) -> Layer:
 
 def _checked_pair(kind: str, req: Request, a, b):
     """The pair checked (and composed with the input distribution's factor); sequence models
-    answered through :func:`_sequence` (returned as the third item), else
+    answered through `_sequence` (returned as the third item), else
     ``_POSITION_FREE``."""
     na, nb = as_network(a, "a"), as_network(b, "b")
     check_pair(na, nb)
@@ -154,7 +154,7 @@ def _checked_pair(kind: str, req: Request, a, b):
 
 
 def _guided(kind: str, req: Request, na: Layer, nb: Layer, n_ctx: int | None = None):
-    """Guided importance sampling (:mod:`tensoralg.strategies.guided`, APPROXIMATE), for
+    """Guided importance sampling (`tensoralg.strategies.guided`, APPROXIMATE), for
     vectors and sequences alike."""
     from .canonical import resolve_n_ctx
 
@@ -177,7 +177,7 @@ def _guided(kind: str, req: Request, na: Layer, nb: Layer, n_ctx: int | None = N
 
 def _mode_checked(est, degree: int, make_ref):
     """A plain (radial) scalar Monte Carlo estimate with its verdict cross-checked against the
-    guided estimate of the same quantity, ``make_ref()`` (:func:`montecarlo.cross_checked`; the
+    guided estimate of the same quantity, ``make_ref()`` (`montecarlo.cross_checked`; the
     mode search finds where rare directions carry the integrand, which plain directions can miss
     while their own diagnostics pass) when the models' largest degree is at least
     ``MC_CROSS_DEGREE``; arrays and lower degrees unchanged. Every cross-check of the engine
@@ -225,7 +225,7 @@ def inner(req: Request, a: Any, b: Any):
 
 
 def norm(req: Request, a: Any):
-    """``||f_a|| = sqrt(<f_a, f_a>)``: an :class:`~tensoralg.results.ExactNorm` (a list of them
+    """``||f_a|| = sqrt(<f_a, f_a>)``: an `ExactNorm` (a list of them
     per output) with the exact backend, a delta-method standard error with Monte Carlo."""
     val = inner(req, a, a)
     if req.exact:
@@ -284,11 +284,11 @@ def similarity(req: Request, a: Any, b: Any):
 
 
 def _gram_plans(req: Request, ca, cb, U, keep, same):
-    """The exact cross Gram's plans in the order :func:`_gram_blocks` makes and checks them:
+    """The exact cross Gram's plans in the order `_gram_blocks` makes and checks them:
     ``(plan, ia, sa, sb)``: ``ia`` the rows of a Wick block and ``sa``, ``sb`` its stacks, or
     ``(plan, None, ca, cb)`` when the plan computes the whole matrix at once. A refused plan
     is the last one (the computation raises on it). Shared with the exact backend's early
-    refusal (:func:`tensoralg.planner.refuse_exact_early`, on float copies of the stacks), so
+    refusal (`tensoralg.planner.refuse_exact_early`, on float copies of the stacks), so
     both decide alike."""
     Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
     strategy = req.strategy
@@ -335,7 +335,7 @@ def _gram_blocks(req: Request, ca, cb, U, keep, same):
 
 def _architecture(net: Layer) -> tuple:
     """Layer types and weight shapes, no values: models with equal keys stack into one batch
-    (:func:`tensoralg.canonical.stack`)."""
+    (`tensoralg.canonical.stack`)."""
     from .layers import Residual, Sequential
 
     if isinstance(net, Sequential):
@@ -346,7 +346,7 @@ def _architecture(net: Layer) -> tuple:
 
 
 def _architecture_groups(nets: list) -> list[list[int]]:
-    """The indices of ``nets`` grouped by :func:`_architecture`, in order of first appearance."""
+    """The indices of ``nets`` grouped by `_architecture`, in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
     for i, n in enumerate(nets):
         groups.setdefault(_architecture(n), []).append(i)
@@ -393,8 +393,8 @@ def _grouped_gram(req: Request, nets_a, nets_b, U, keep, same, name_a, name_b, s
 
 def _refuse_gram_early(req: Request, nets_a, nets_b, U, keep, same, name_a, name_b):
     """The exact backend's Gram refusal before any rational conversion: the plans of
-    :func:`_gram_plans` made on certified float copies of the stacks
-    (:func:`tensoralg.planner.refuse_exact_early`); raises CostTooHigh with the message the
+    `_gram_plans` made on certified float copies of the stacks
+    (`tensoralg.planner.refuse_exact_early`); raises CostTooHigh with the message the
     rational path would give, else returns (and the rational path decides)."""
     def plans(ca, cb, Uf, same_):
         return _gram_plans(req.replace(device=None, dtype=None), ca, cb, Uf, keep, same_)
@@ -417,8 +417,8 @@ def _check_sequence_free(name: str, nets: list) -> None:
 
 def radial_only(req: Request, what: str) -> None:
     """Raises ValueError when ``proposal="modes"`` reaches an entry point without guided
-    sampling (it searches the modes of one integrand: :func:`inner`, :func:`similarity`,
-    :func:`diff_norm`)."""
+    sampling (it searches the modes of one integrand: `inner`, `similarity`,
+    `diff_norm`)."""
     if req.proposal != "radial":
         raise ValueError(f"proposal={req.proposal!r}: guided sampling (the modes of one "
                          f"integrand, one number per call) is implemented for inner, similarity "
@@ -469,7 +469,7 @@ def _exported(models: list) -> list:
 
 def _sequence_matrix(kind: str, req: Request, models: list):
     """Gram / similarity matrices of sequence models (with attention) through
-    :mod:`tensoralg.strategies.sequence_exact` / :mod:`~tensoralg.strategies.closure` (per-model
+    `tensoralg.strategies.sequence_exact` / `closure` (per-model
     work once); None for position-free models."""
     if not any(getattr(m, "is_sequence_model", False) for m in models):
         return None  # (specs and folders go the position-free way, unchanged)
@@ -500,7 +500,7 @@ def _sequence_matrix(kind: str, req: Request, models: list):
 
 
 def _sequence_mc_args(req: Request, what: str, d_out: int, n_ctx: int) -> dict:
-    """The sampler's arguments for sequence models (:func:`montecarlo.moments` and
+    """The sampler's arguments for sequence models (`montecarlo.moments` and
     relatives): the slices checked, ``"each"`` refused (the products are summed over
     positions and outputs per direction)."""
     if isinstance(req.output, str) or isinstance(req.position, str):
@@ -572,7 +572,7 @@ def _mc_combination(req: Request, left, right):
     """Monte Carlo ``<sum_i alpha_i f_i, sum_j beta_j g_j>`` from one set of samples, as one
     per-direction integrand, so the standard error includes the covariance of the terms.
     ``left``/``right``: lists of ``(model, coefficient, argument name)``; sequence models
-    sample directions of ``R^(n_ctx d)`` (:func:`montecarlo.moments`)."""
+    sample directions of ``R^(n_ctx d)`` (`montecarlo.moments`)."""
     if req.metric != "gaussian":
         raise ValueError("metric='frobenius' has no Monte Carlo estimate; use method='exact'")
     named = {}   # each argument once, under its name (diff_norm's b and c sit on both sides)
@@ -641,7 +641,7 @@ def inner_diff(req: Request, a: Any, b: Any, c: Any):
 
 
 def _inner_diff_checked(req: Request, a: Any, b: Any, c: Any, est):
-    """The plain estimate of ``<a, b - c>`` cross-checked (:func:`_mode_checked`) against the
+    """The plain estimate of ``<a, b - c>`` cross-checked (`_mode_checked`) against the
     guided estimate of ``<f_a, f_b - f_c>`` (modes of ``f_a`` and ``f_b - f_c``)."""
     nets = {k: as_network(m, k) for k, m in (("a", a), ("b", b), ("c", c))}
 
@@ -664,8 +664,8 @@ def _inner_diff_checked(req: Request, a: Any, b: Any, c: Any, est):
 
 
 def _guided_diff_sq(req: Request, b: Any, c: Any):
-    """``||b - c||^2`` by guided importance sampling (:func:`guided.diff_sq`), for vectors and
-    sequences alike (as :func:`_guided`)."""
+    """``||b - c||^2`` by guided importance sampling (`guided.diff_sq`), for vectors and
+    sequences alike (as `_guided`)."""
     if req.metric != "gaussian":
         raise ValueError("metric='frobenius' has no Monte Carlo estimate; use method='exact'")
     nb, nc = as_network(b, "b"), as_network(c, "c")

@@ -1,6 +1,6 @@
 """Homogeneous parts of a network and the networks of its truncations (docs/mathematics.md
 §3.9, "Homogeneous parts"): tree transformations beside the canonical tree
-(:mod:`tensoralg.canonical`), read by :mod:`tensoralg.degree`.
+(`tensoralg.canonical`), read by `tensoralg.degree`.
 
 A multilinear network is a polynomial ``f = sum_k P_k`` with ``P_k`` homogeneous of degree
 ``k`` (unique: a property of the function, not of the weights). For ``m`` larger than the
@@ -9,24 +9,24 @@ degree of ``f`` and ``omega = exp(2 pi i / m)``,
     P_k(X) = (1/m) sum_{j<m} omega^{-jk} f(omega^j X)                           (DFT)
 
 (``f(omega^j X) = sum_k omega^{jk} P_k(X)``; the discrete Fourier transform is unitary, so
-unlike a real Vandermonde fit it does not amplify rounding): :func:`homogeneous_parts`,
-:func:`dft_parts`; the affine part ``P_0 + J X`` of any model, ``J`` read column by column on
-the basis inputs: :func:`affine_part`.
+unlike a real Vandermonde fit it does not amplify rounding): `homogeneous_parts`,
+`dft_parts`; the affine part ``P_0 + J X`` of any model, ``J`` read column by column on
+the basis inputs: `affine_part`.
 
-* :func:`graded` — position-free networks: the *graded network* of the canonical chain
-  (:func:`tensoralg.canonical.canonicalize`): each lifted bilinear stage ``D((L y~)(R y~))`` of
+* `graded` — position-free networks: the *graded network* of the canonical chain
+  (`tensoralg.canonical.canonicalize`): each lifted bilinear stage ``D((L y~)(R y~))`` of
   an input ``y = sum_i y_i`` has degree-``k`` part ``D sum_{i+j=k} (L y~)_i (R y~)_j``
   (``(L y~)_0 = L_0 + L y_0`` the constant), one bilinear layer whose hidden units are the pairs
   ``(h, i, j)`` and whose outputs are the parts ``y_1 .. y_K`` side by side (parts above ``K``
-  are dropped: degrees only grow); :meth:`Graded.part` is the network of a sum of parts.
-* :func:`unrolled` — sequence models without biases (no lifted constant anywhere): on the
-  folded canonical tree (:func:`tensoralg.canonical.sequence_tree`) every term is homogeneous,
+  are dropped: degrees only grow); `Graded.part` is the network of a sum of parts.
+* `unrolled` — sequence models without biases (no lifted constant anywhere): on the
+  folded canonical tree (`tensoralg.canonical.sequence_tree`) every term is homogeneous,
   and the terms of degree ``< K*`` are the *first-order* paths ``Lambda_{>l} T_l(Lambda_{<l}
   X)`` (``Lambda`` the products of the nodes' linear terms, the residual stream); ``K*`` is the
   smallest ``n_2 - 1 + n_1`` over a term of degree ``n_1`` feeding one leg of a later term of
   degree ``n_2`` (9 for two attention layers). For ``h = X + A1(X)``, ``f = U(h + A2(h))``:
   ``f_{<=5} = U(X + A1(X) + A2(X))``, one node holding both layers' heads
-  (:meth:`Unrolled.tree`), which the exact attention path computes.
+  (`Unrolled.tree`), which the exact attention path computes.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ __all__ = ["DFT_SCALES", "dft_parts", "homogeneous_parts", "affine_part", "affin
            "Graded", "graded", "Unrolled", "unrolled"]
 
 
-#: Input scales of the DFT (:func:`dft_parts`): each part is read at the scale with the
+#: Input scales of the DFT (`dft_parts`): each part is read at the scale with the
 #: smallest rounding bound.
 DFT_SCALES = (4.0, 1.0, 0.25, 0.0625, 0.015625)
 
@@ -99,7 +99,7 @@ def homogeneous_parts(net: Any, X: Any, *, m: int | None = None) -> np.ndarray:
     (docs/mathematics.md §3.9): ``P_k(X) = (1/m) sum_{j<m} omega^{-jk} f(omega^j X)``,
     ``omega = e^{2 pi i/m}``, from ``m`` complex forward passes per input scale (float64
     rounding only; the DFT is unitary). Each part is read at the scale ``lam`` of
-    :data:`DFT_SCALES` with the smallest rounding bound (``P_k(X) = lam^{-k} P_k(lam X)``), so
+    `DFT_SCALES` with the smallest rounding bound (``P_k(X) = lam^{-k} P_k(lam X)``), so
     a low-degree part under a dominant high-degree one keeps its digits.
 
     Args:

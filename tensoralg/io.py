@@ -115,7 +115,7 @@ def read_config(path: str | os.PathLike) -> dict:
 
 
 def load_folder(path: str | os.PathLike, device: str = "cpu") -> tuple[dict, dict]:
-    """Load ``(tensors, cfg)`` saved by :func:`save_folder`.
+    """Load ``(tensors, cfg)`` saved by `save_folder`.
 
     Raises:
         FileNotFoundError: a missing folder or file.

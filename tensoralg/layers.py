@@ -2,15 +2,17 @@
 
 Every network here is a polynomial map ``R^d -> R^out`` built from
 
-* :class:`Linear` — ``y = W x + b``;
-* :class:`Bilinear` — ``y = D((L x + l0) * (R x + r0)) + d0`` (a bilinear MLP, CP form);
-* :class:`Residual` — ``y = x + inner(x)``;
-* :class:`Sequential` — composition, applied in order;
-* :class:`BilinearAttention` — softmax-free attention whose pattern is a product of two bilinear
-  score forms (a sequence layer; see ``docs/attention.md`` and docs/mathematics.md §3.7).
+* [`Linear`][tensoralg.layers.Linear] — ``y = W x + b``;
+* [`Bilinear`][tensoralg.layers.Bilinear] — ``y = D((L x + l0) * (R x + r0)) + d0`` (a bilinear MLP,
+  CP form);
+* [`Residual`][tensoralg.layers.Residual] — ``y = x + inner(x)``;
+* [`Sequential`][tensoralg.layers.Sequential] — composition, applied in order;
+* [`BilinearAttention`][tensoralg.layers.BilinearAttention] — softmax-free attention whose pattern
+  is a product of two bilinear score forms (a sequence layer; see ``docs/attention.md`` and
+  docs/mathematics.md §3.7).
 
 Weights are stored as NumPy arrays: ``float64`` for floating-point input (torch tensors and
-float32 arrays are converted exactly), or ``object`` arrays of :class:`fractions.Fraction`
+float32 arrays are converted exactly), or ``object`` arrays of `fractions.Fraction`
 when the weights are given as rationals (``Fraction``, ``int`` or strings such as ``"-3/4"``),
 so that the ``exact`` backend computes in rational arithmetic with no rounding at all.
 
@@ -18,7 +20,7 @@ Networks are callable on a batch: ``net(x)`` with ``x`` of shape ``(n, d)`` (Num
 returns ``(n, out)`` of the same kind (torch: same dtype and device as ``x``). A batch of
 sequences ``x`` of shape ``(n, n_ctx, d)`` gives ``(n, n_ctx, out)``: position-free layers
 (Linear, Bilinear) act on every position separately; a network holding a
-:class:`BilinearAttention` layer accepts only sequences.
+[`BilinearAttention`][tensoralg.layers.BilinearAttention] layer accepts only sequences.
 """
 
 from __future__ import annotations
@@ -196,15 +198,16 @@ class Layer:
         prefix model: every attention mask is causal (``mask="causal"``, or an array with no
         non-zero entry above the diagonal; ``"none"`` is not), so positions ``< n`` read
         positions ``< n`` only and the masks' leading ``(n, n)`` blocks give them. Not for a
-        layer compiled by :func:`tensoralg.from_torch` (its mask was traced at one length; the
-        module may scale by the length, so it says how to compile again: ``n_ctx_note``)."""
+        layer compiled by [`tensoralg.from_torch`][tensoralg.compile.from_torch] (its mask was
+        traced at one length; the module may scale by the length, so it says how to compile again:
+        ``n_ctx_note``)."""
         return True
 
     @property
     def n_ctx_note(self) -> str:
         """Why the mask fixes ``n_ctx`` and how to get another length (ends the messages that
-        refuse another ``n_ctx``): set by :func:`tensoralg.from_torch` on the attention layers
-        it compiles; ``""`` otherwise."""
+        refuse another ``n_ctx``): set by [`tensoralg.from_torch`][tensoralg.compile.from_torch] on
+        the attention layers it compiles; ``""`` otherwise."""
         return ""
 
     @property
@@ -494,7 +497,8 @@ _LAYER_FIELDS = {
 
 
 def layer_from_spec(spec: dict, where: str = "spec") -> Layer:
-    """One layer from its JSON dict (see :meth:`Sequential.from_spec`)."""
+    """One layer from its JSON dict (see
+    [`Sequential.from_spec`][tensoralg.layers.Sequential.from_spec])."""
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: expected a layer dict, got {type(spec).__name__}")
     kind = spec.get("type")
@@ -629,8 +633,9 @@ class BilinearAttention(Layer):
         pattern_h[t, s] = mask[t, s] * scale * (q1_t . k1_s) * (q2_t . k2_s)
         out_t = sum_h o[:, h, :] @ sum_s pattern_h[t, s] v_s  + o_bias
 
-    ``R_t`` is the identity without RoPE and the rotary rotation of :func:`rope_rotations`
-    with ``rope=base``. The output at position ``t`` is a polynomial of degree 5 in the lifted
+    ``R_t`` is the identity without RoPE and the rotary rotation of
+    [`rope_rotations`][tensoralg.layers.rope_rotations] with ``rope=base``. The output at position
+    ``t`` is a polynomial of degree 5 in the lifted
     inputs: degree 2 in ``x_t`` (the queries) times degree 3 in ``x_s`` (keys and value),
     summed over ``s`` against the mask.
 
@@ -751,8 +756,8 @@ class BilinearAttention(Layer):
     def mask_matrix(self, n_ctx: int) -> np.ndarray:
         """The ``(n_ctx, n_ctx)`` mask (Fractions when the layer is exact, else float64).
 
-        A causal mask array (:attr:`prefix_ok`) longer than ``n_ctx`` gives its leading block: the
-        exact prefix model.
+        A causal mask array ([`prefix_ok`][tensoralg.layers.Layer.prefix_ok]) longer than ``n_ctx``
+        gives its leading block: the exact prefix model.
 
         Raises:
             ValueError: ``n_ctx`` differs from a mask array's size (and is not a shorter prefix
@@ -775,7 +780,8 @@ class BilinearAttention(Layer):
         return m.astype(np.float64)
 
     def rotations(self, n_ctx: int) -> np.ndarray | None:
-        """RoPE rotations ``(n_ctx, d_head, d_head)`` float64 (:func:`rope_rotations`), or None."""
+        """RoPE rotations ``(n_ctx, d_head, d_head)`` float64
+        ([`rope_rotations`][tensoralg.layers.rope_rotations]), or None."""
         if self.rope is None:
             return None
         return rope_rotations(n_ctx, self.d_head, self.rope)

@@ -1,7 +1,7 @@
 """The graph view: a network (or a joined pair) as a bipartite networkx graph of tensors and
-indices, unrolled from the canonical tree (:func:`to_graph`), and the sequence length of a pair
-(:func:`sequence_n_ctx`). The Wick sum over the joined network lives in
-:mod:`tensoralg.strategies.wick`.
+indices, unrolled from the canonical tree ([`to_graph`][tensoralg.network.to_graph]), and the
+sequence length of a pair (`sequence_n_ctx`). The Wick sum over the joined network lives in
+`tensoralg.strategies.wick`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = ["to_graph", "sequence_n_ctx"]
 
 def sequence_n_ctx(na: Any, nb: Any, n_ctx: Any) -> int | None:
     """The sequence length of the pair ``na``, ``nb`` (layers; ``nb`` may be None):
-    :func:`tensoralg.canonical.resolve_n_ctx` (raises its ValueErrors)."""
+    `tensoralg.canonical.resolve_n_ctx` (raises its ValueErrors)."""
     from .canonical import resolve_n_ctx
 
     return resolve_n_ctx([("a", na)] + ([] if nb is None else [("b", nb)]), n_ctx)
@@ -35,7 +35,7 @@ def _core_name(kind: str, labels: tuple) -> str:
 
 
 class _GraphBuilder:
-    """Unrolls :class:`~tensoralg.canonical.Tree` s into one bipartite networkx graph."""
+    """Unrolls `Tree` s into one bipartite networkx graph."""
 
     def __init__(self, g, named: bool):
         self.g = g
@@ -125,8 +125,9 @@ class _GraphBuilder:
 
 def to_graph(a: Any, b: Any = None, output: Any = None, n_ctx: int | None = None) -> nx.Graph:
     """The tensor network of ``a`` (or of the pair ``a``, ``b`` joined at the output) as a
-    bipartite :class:`networkx.Graph`, unrolled from the canonical tree of lifted multilinear
-    nodes (:func:`tensoralg.canonical.tree`, docs/mathematics.md §4): the legs of node ``k + 1`` read copies
+    bipartite `networkx.Graph`, unrolled from the canonical tree of lifted multilinear
+    nodes (`tensoralg.canonical.tree`, docs/mathematics.md §4): the legs of node ``k + 1`` read
+        copies
     of node ``k``'s lifted output, so every leg of a node ``k > 0`` joins a copy of node
     ``k - 1`` (all of its terms), and the legs of node 0 are the open input legs.
 
@@ -154,13 +155,13 @@ def to_graph(a: Any, b: Any = None, output: Any = None, n_ctx: int | None = None
     that all touch that node's output index: there it is a *sum* of the terms, not a
     contraction.
 
-    Sequence models (with :class:`~tensoralg.BilinearAttention`, docs/mathematics.md §3.7): positions are
-    index nodes too (``size = n_ctx``; attribute ``position``: the position variable's name,
-    ``query``: whether it is the root's query position): ``i:t`` is the query position of the
-    root; every attention term copy has its own key position ``i:<copy>.s``, summed against the
-    mask core ``M[t, s]``. Every leg tensor (and every open leg) has ``position``: the variable
-    it reads (``"t"`` or ``"<copy>.s"``), and is joined to that variable's index (the input copy
-    it contracts with carries the position; the weight itself has a position axis only when
+    Sequence models (with [`BilinearAttention`][tensoralg.BilinearAttention], docs/mathematics.md
+    §3.7): positions are index nodes too (``size = n_ctx``; attribute ``position``: the position
+    variable's name, ``query``: whether it is the root's query position): ``i:t`` is the query
+    position of the root; every attention term copy has its own key position ``i:<copy>.s``, summed
+    against the mask core ``M[t, s]``. Every leg tensor (and every open leg) has ``position``: the
+    variable it reads (``"t"`` or ``"<copy>.s"``), and is joined to that variable's index (the input
+    copy it contracts with carries the position; the weight itself has a position axis only when
     ``positional``). A copy of a node read by a leg at ``s`` has that ``s`` as its query
     position. For a pair, ``a`` and ``b`` share the output index ``i:o`` and the query position
     ``i:t`` (both summed in the inner product). Position-free networks carry

@@ -1,19 +1,22 @@
 """Trainable bilinear networks (torch modules) that export to exact tensoralg networks.
 
-:class:`BilinearNet` is ``embed (linear) -> n_layers bilinear blocks -> head (linear)``::
+[`BilinearNet`][tensoralg.nn.BilinearNet] is
+``embed (linear) -> n_layers bilinear blocks -> head (linear)``::
 
     h_0 = E x + e0                                  embed,  E: (d_model, d_in)
     h_l = [h_{l-1} +] D_l((L_l h_{l-1} + l_l) * (R_l h_{l-1} + r_l)) + d_l     block l
     y   = U h_n + u0                                head,   U: (d_out, d_model)
 
 (the residual ``h_{l-1} +`` and every bias are optional). It is a polynomial of degree
-``2**n_layers`` in ``x``, so :meth:`BilinearNet.to_network` returns the *same function* as a
-:class:`tensoralg.Sequential` of :class:`~tensoralg.Linear`, :class:`~tensoralg.Bilinear` and
-:class:`~tensoralg.Residual` layers with float64 weights (exact copies of the torch weights),
-whose Gaussian inner products tensoralg computes in closed form (``docs/gaussian_inner_product.md``).
+``2**n_layers`` in ``x``, so [`BilinearNet.to_network`][tensoralg.nn.BilinearNet.to_network] returns
+the *same function* as a [`tensoralg.Sequential`][tensoralg.Sequential] of
+[`Linear`][tensoralg.Linear], [`Bilinear`][tensoralg.Bilinear] and [`Residual`][tensoralg.Residual]
+layers with float64 weights (exact copies of the torch weights), whose Gaussian inner products
+tensoralg computes in closed form (``docs/gaussian_inner_product.md``).
 
 Models are deterministic under ``seed`` (initialisation draws from a private generator and
-never touches torch's global random state), and so is :func:`train_classifier`.
+never touches torch's global random state), and so is
+[`train_classifier`][tensoralg.nn.train_classifier].
 """
 
 from __future__ import annotations
@@ -178,7 +181,8 @@ class BilinearNet(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> BilinearNet:
-        """Build an (initialised, untrained) model from :meth:`config`'s keys.
+        """Build an (initialised, untrained) model from
+        [`config`][tensoralg.nn.BilinearNet.config]'s keys.
 
         Raises:
             ValueError: a wrong ``architecture`` or a missing size.

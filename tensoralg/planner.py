@@ -1,7 +1,7 @@
 """The planner: estimate the cost of every applicable exact strategy before any work, choose the
 cheapest within the budgets, or refuse with every estimate and the alternatives.
 
-Strategies (see :mod:`tensoralg.strategies`): ``"wick"`` (tensor-network Wick sum; cost
+Strategies (see `tensoralg.strategies`): ``"wick"`` (tensor-network Wick sum; cost
 polynomial in the hidden widths, exponential in the number of legs) and ``"chaos"`` (Gaussian
 chaos coefficients; polynomial in the input width, exponential in the degree; Gaussian metric
 only). Budgets: ``max_flops`` (default 2e11, 2e7 on the exact backend, 5e6 there for sequence
@@ -10,7 +10,7 @@ the CUDA device for torch) and ``max_configurations`` (Wick configurations befor
 default 200 000). Estimates come from shapes alone: Wick counts configurations from the depths
 (T(n)) before building anything, then finds opt_einsum paths (cached per topology); chaos
 counts coefficients and products. Wick is not planned in full when a lower bound on its FLOPs
-(:func:`tensoralg.strategies.wick.lower_bound`: a closed form, then the paths of a few
+(`tensoralg.strategies.wick.lower_bound`: a closed form, then the paths of a few
 configuration orbits) already exceeds ``max_flops`` or, with ``"auto"``, an affordable chaos
 expansion; the plan then shows that bound, marked as one.
 """
@@ -58,20 +58,20 @@ class Plan:
         strategy: ``"wick"`` or ``"chaos"`` (the choice), or None when refused.
         reason: why that strategy (or why none).
         refused: the refusal message (every estimate and the alternatives) exactly when the
-            computation would raise :class:`~tensoralg.CostTooHigh`; None otherwise.
+            computation would raise [`CostTooHigh`][tensoralg.CostTooHigh]; None otherwise.
         flops, memory_bytes: the chosen strategy's estimates (``inf`` / 0 when refused).
-        wick: the Wick strategy's :class:`~tensoralg.strategies.wick.joined.WickPlan` (None when it was not
+        wick: the Wick strategy's `WickPlan` (None when it was not
             planned: not applicable, or skipped because chaos was cheap).
         wick_lower_bound, wick_bound: when Wick was not planned in full because a lower bound
             on its FLOPs already exceeded ``max_flops`` or an affordable chaos expansion: that
-            bound and how it was obtained (:func:`tensoralg.strategies.wick.lower_bound`).
-        chaos: the chaos strategy's :class:`~tensoralg.strategies.chaos.ChaosEstimate` (None for
+            bound and how it was obtained (`tensoralg.strategies.wick.lower_bound`).
+        chaos: the chaos strategy's `ChaosEstimate` (None for
             the Frobenius metric).
         max_flops, max_memory, max_configurations: the budgets applied.
 
     The Wick fields of earlier versions (``n_legs``, ``n_configurations``, ``n_nonzero``,
     ``n_orbits``, ``group_order``, ``largest_intermediate``, ``symmetries``, ``expressions``)
-    read through to :attr:`wick`.
+    read through to `wick`.
     """
 
     metric: str
@@ -158,7 +158,8 @@ def make_plan(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: s
               max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, same: bool = False,
               full: bool = False) -> Plan:
     """Plan the exact inner products of two stacks (nothing contracted, nothing large
-    allocated). ``full``: plan Wick even when chaos is cheap (for :func:`tensoralg.plan`).
+    allocated). ``full``: plan Wick even when chaos is cheap (for
+    [`tensoralg.plan`][tensoralg.plan]).
 
     Raises:
         ValueError: ``strategy="chaos"`` with the Frobenius metric.
@@ -256,8 +257,8 @@ def make_plan(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric: s
 
 
 def refuse_if_needed(plan: Plan | None) -> None:
-    """Raise :class:`CostTooHigh` with the plan's message when it was refused (None: no plan,
-    nothing to refuse)."""
+    """Raise [`CostTooHigh`][tensoralg.errors.CostTooHigh] with the plan's message when it was
+    refused (None: no plan, nothing to refuse)."""
     if plan is not None and plan.refused:
         raise CostTooHigh(plan.refused)
 
@@ -428,9 +429,9 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
     else None (then the caller prepares the rational stacks and plans on them).
 
     The plan reads shapes, zero patterns and equalities of factors only. The float stacks are
-    used only when these are certified equal to the exact ones (:func:`_certified`, and no
+    used only when these are certified equal to the exact ones (`_certified`, and no
     model of one side near-equal to a model of the other without being equal, nor equal in
-    floats without equal weights: :func:`_near_pair`); otherwise (or for networks given in
+    floats without equal weights: `_near_pair`); otherwise (or for networks given in
     Fractions) None, and the exact plan decides. ``nets_b`` None: the same networks on both
     sides.
 
@@ -468,25 +469,25 @@ def refuse_exact_early(nets_a: list, nets_b: list | None, U: np.ndarray, keep: b
 
 @dataclass
 class SequencePlan:
-    """What :func:`tensoralg.inner` does for a pair of sequence models (with
-    :class:`~tensoralg.BilinearAttention`) with the same options, decided before any
-    contraction: the exact one-attention-layer path of :mod:`tensoralg.strategies.sequence_exact`
-    (:func:`~tensoralg.strategies.sequence_exact.exact_inner`) with its number of Wick configurations, or the
+    """What [`tensoralg.inner`][tensoralg.inner] does for a pair of sequence models (with
+    [`BilinearAttention`][tensoralg.BilinearAttention]) with the same options, decided before any
+    contraction: the exact one-attention-layer path of `tensoralg.strategies.sequence_exact`
+    (`exact_inner`) with its number of Wick configurations, or the
     refusal and its alternatives.
 
     Attributes:
         strategy: ``"attention"`` (the exact attention path runs) or None when refused.
         reason: why.
         refused: the refusal message (naming the alternatives) exactly when ``inner`` with the
-            same options refuses: with :class:`~tensoralg.CostTooHigh` for a model outside the
-            exact path (``AttentionNotSupported``: e.g. two attention layers), or with the
-            ValueError of :func:`~tensoralg.strategies.sequence_exact.exact_inner` when the configurations
+            same options refuses: with [`CostTooHigh`][tensoralg.CostTooHigh] for a model outside
+            the exact path (``AttentionNotSupported``: e.g. two attention layers), or with the
+            ValueError of `exact_inner` when the configurations
             exceed ``max_configurations``; None otherwise.
         supported: whether both models are within the exact path (at most one attention layer
             between per-position Linear layers).
         n_configurations: Wick configurations (partial matchings after zero-pattern pruning,
             summed over the term pairs) that the exact path contracts —
-            :func:`~tensoralg.strategies.sequence_exact.count_configurations` of the output-sliced models —
+            `count_configurations` of the output-sliced models —
             or None for an unsupported model.
         max_configurations: the budget on the configurations (checked first, from counts
             alone; then the dry run's memory and FLOP estimates against ``max_memory`` and
@@ -496,13 +497,14 @@ class SequencePlan:
             canonical trees added; 10 for two attention layers of depth 1), or None when a
             model has no canonical tree.
         memory_bytes: the estimated peak memory of the exact path
-            (:func:`tensoralg.strategies.sequence_exact.chaos_memory_bytes`), None when it was not reached;
+            (`tensoralg.strategies.sequence_exact.chaos_memory_bytes`), None when it was not
+            reached;
             max_memory: the budget it was held against (bytes).
         flops: the estimated FLOPs of the exact path (the path costs of its contractions, from
-            the same dry run: :func:`tensoralg.strategies.sequence_exact.chaos_cost_req`), None when it
+            the same dry run: `tensoralg.strategies.sequence_exact.chaos_cost_req`), None when it
             was not reached; max_flops: the budget it was held against (``max_flops`` or its
             default).
-        terms_a, terms_b: each model's canonical tree (:func:`tensoralg.canonical.tree`), one
+        terms_a, terms_b: each model's canonical tree (`tensoralg.canonical.tree`), one
             line per node: its terms with their legs and the positions they read.
         alternatives: the other methods.
     """
@@ -589,14 +591,14 @@ def _describe_tree(tree) -> list:
 
 def plan_sequence(req, na, nb) -> SequencePlan:
     """The plan of ``inner(na, nb, ...)`` for sequence models (``na``, ``nb``: layers; the same
-    object for ``<a, a>``; ``req``: the validated :class:`~tensoralg.request.Request`): the
-    checks :func:`tensoralg.inner` makes, in its order, then the exact attention path's
+    object for ``<a, a>``; ``req``: the validated `Request`): the
+    checks [`tensoralg.inner`][tensoralg.inner] makes, in its order, then the exact attention path's
     configuration count (cheap: nothing is contracted).
 
-    The count is :func:`tensoralg.strategies.sequence_exact.count_configurations` with the same ``output``
+    The count is `tensoralg.strategies.sequence_exact.count_configurations` with the same ``output``
     slice and ``backend`` (the zero patterns of the sliced terms decide which legs can be
     capped); within ``max_configurations``, the estimated peak memory and FLOPs
-    (:func:`tensoralg.strategies.sequence_exact.chaos_cost_req`, a dry run: paths found and cached,
+    (`tensoralg.strategies.sequence_exact.chaos_cost_req`, a dry run: paths found and cached,
     nothing contracted) against ``max_memory`` and ``max_flops``. So ``refused`` is set exactly when ``inner`` refuses,
     with its message.
 

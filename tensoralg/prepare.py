@@ -60,7 +60,7 @@ def check_sizes(ref: Layer, others, name: str, offset: int = 0,
 
 def output_matrix(output: Any, O: int, exact: bool) -> tuple[np.ndarray, bool]:
     """Output projection U ``(K, O)`` and whether the projected index stays open
-    (``output="each"``): :meth:`tensoralg.request.Request.output_matrix`."""
+    (``output="each"``): `tensoralg.request.Request.output_matrix`."""
     return make_request(output=output, backend="exact" if exact else "numpy").output_matrix(O)
 
 
@@ -184,7 +184,7 @@ def stack_for(nets: list[Layer], backend: str, name: str) -> tuple[Canonical, np
     normalized power-of-two gauge; returns ``(stack, k)`` with ``f_i = 2**k_i f_i^normalized``
     (``k = 0`` on the exact backend).
 
-    A single float network on the NumPy backend goes through :data:`PREPARED` (its prepared
+    A single float network on the NumPy backend goes through `PREPARED` (its prepared
     stack is reused while the network's weights are unchanged; the stack is read-only)."""
     if len(nets) == 1 and backend == "numpy":
         hit = PREPARED.get(nets[0])
@@ -300,15 +300,15 @@ class PreparedCache:
     """Prepared stacks of single networks, reused while the weights are unchanged.
 
     Entries are keyed by the network object (held weakly) and validated on every lookup by
-    content: the network's structure (:func:`layer_structure`) and a private copy of every weight
+    content: the network's structure (`layer_structure`) and a private copy of every weight
     array, compared element by element with the current weights (``==``, so an in-place
     change, a replaced array or a NaN is a miss). A hit returns the stored stack, whose arrays
     are read-only; its ``memo`` holds results derived from it (the chaos coefficients of
-    :mod:`tensoralg.strategies.chaos.depth1`). Float64 networks of Linear, Bilinear, Residual
+    `tensoralg.strategies.chaos.depth1`). Float64 networks of Linear, Bilinear, Residual
     and Sequential layers only. At most ``max_entries`` networks and ``max_bytes`` bytes
     (weights copies, stacks and memos), least recently used first out; thread-safe.
 
-    A network is admitted on its second use (:meth:`admit`; the first only notes it, weakly, in
+    A network is admitted on its second use (`admit`; the first only notes it, weakly, in
     a bounded list of ``max_seen``): networks used once — a stream of new checkpoints — cost no
     copies, keep no memory and evict none of the networks that are used again."""
 
@@ -408,7 +408,7 @@ class PreparedCache:
         memo = e[3][0].memo
         return e[4] + (memo.nbytes if memo is not None else 0)
 
-#: The process-wide cache of :func:`stack_for` (``PREPARED.clear()`` empties it).
+#: The process-wide cache of `stack_for` (``PREPARED.clear()`` empties it).
 PREPARED = PreparedCache()
 
 
@@ -444,7 +444,7 @@ def check_sequence_pair(a: Any, b: Any, n_ctx: Any):
 
 def check_slices(req: Request, d_out: int, n_ctx: int) -> None:
     """The request's ``output`` and ``position`` against the models' output size and
-    ``n_ctx`` (their form was checked by :func:`tensoralg.request.make_request`)."""
+    ``n_ctx`` (their form was checked by `tensoralg.request.make_request`)."""
     req.output_matrix(d_out)
     req.check_position(n_ctx)
 

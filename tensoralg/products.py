@@ -13,8 +13,8 @@ the functions unchanged, because two polynomials are equal iff their symmetrized
 tensors are (polarization).
 
 This module is thin: each function turns its arguments into one validated
-:class:`~tensoralg.request.Request` (:func:`~tensoralg.request.make_request`) and hands it to
-the function of the same name in :mod:`tensoralg.engine` (prepare -> plan -> strategy).
+`Request` (`make_request`) and hands it to
+the function of the same name in `tensoralg.engine` (prepare -> plan -> strategy).
 Units: the inner product has the units of output squared; similarity is dimensionless in [-1, 1].
 """
 
@@ -63,17 +63,17 @@ _DOC_KW = """
             ``u`` of length ``out`` (the direction ``u . f``) or ``"each"`` (one value per
             output).
         strategy: the exact representation: ``"auto"`` (default: the cheaper of the two within
-            budget, see :mod:`tensoralg.planner`), ``"wick"`` (tensor-network Wick sum) or
+            budget, see `tensoralg.planner`), ``"wick"`` (tensor-network Wick sum) or
             ``"chaos"`` (Gaussian chaos / Hermite coefficients, docs/mathematics.md §3.6; Gaussian metric).
         cov: the input distribution of the Gaussian metric, ``x ~ N(0, Σ)`` (docs/mathematics.md
             §3.9; per position for sequence models): None (``Σ = I``), a positive scalar
             ``σ²``, a vector of variances (diagonal), a ``(d, d)`` symmetric PSD matrix,
             ``(n, d)`` activations with ``n > d`` (their sample covariance) or
-            :class:`~tensoralg.CovarianceFactor` ``(K)`` (``Σ = K Kᵀ``; rational ``K`` keeps
+            `CovarianceFactor` ``(K)`` (``Σ = K Kᵀ``; rational ``K`` keeps
             ``backend="exact"`` exact). Computed exactly as ``<f_a ∘ K, f_b ∘ K>`` under
             ``N(0, I)``; plans record it (``input_distribution``).
         max_flops, max_memory, max_configurations: cost budget of the exact method, checked
-            before any contraction or allocation; over it :class:`~tensoralg.CostTooHigh` names
+            before any contraction or allocation; over it `CostTooHigh` names
             every strategy's estimate and the alternatives. Defaults: 2e11 FLOPs (2e7 with
             backend="exact", 5e6 there for sequence models), half the available memory in bytes (of the CUDA device for
             torch) and 200 000 Wick configurations.
@@ -90,7 +90,7 @@ _REQUEST_KEYS = tuple(inspect.signature(make_request).parameters)
 
 
 def _request(fn: str, **kwargs) -> Request:
-    """:func:`~tensoralg.request.make_request` for the public function ``fn``: an unknown
+    """`make_request` for the public function ``fn``: an unknown
     keyword (a typo) is a TypeError naming ``fn``, the closest option and every option."""
     bad = [k for k in kwargs if k not in _REQUEST_KEYS]
     if bad:
@@ -110,17 +110,18 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           ) -> float | Fraction | np.ndarray:
     """Inner product ``<f_a, f_b>`` of two networks with the same input and output sizes.
 
-    Sequence models (with :class:`~tensoralg.BilinearAttention`; inputs ``(n, n_ctx, d)``) go
-    through the sequence functions of :mod:`tensoralg.strategies`: the sum runs over query positions too (``position=t``
-    slices one, ``"each"`` keeps them), ``n_ctx`` is the sequence length (optional when a mask
-    array fixes it).
+    Sequence models (with [`BilinearAttention`][tensoralg.BilinearAttention]; inputs
+    ``(n, n_ctx, d)``) go through the sequence functions of `tensoralg.strategies`: the sum runs
+    over query positions too (``position=t`` slices one, ``"each"`` keeps them), ``n_ctx`` is the
+    sequence length (optional when a mask array fixes it).
 
-    Returns a float (numpy/torch backends), a :class:`fractions.Fraction` (exact backend), a
-    NumPy vector for ``output="each"``, or a :class:`MonteCarloEstimate` for
+    Returns a float (numpy/torch backends), a `fractions.Fraction` (exact backend), a
+    NumPy vector for ``output="each"``, or a
+    [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate] for
     ``method="montecarlo"`` (an estimate, APPROXIMATE, with its standard error and
-    ``diagnostics.reliable``). ``proposal="modes"`` (Monte Carlo only): guided importance
-    sampling around the integrand's modes, for deep models whose norm sits in rare inputs
-    (:mod:`tensoralg.strategies.guided`; docs/montecarlo.md).
+    ``diagnostics.reliable``). ``proposal="modes"`` (Monte Carlo only): guided importance sampling
+    around the integrand's modes, for deep models whose norm sits in rare inputs
+    (`tensoralg.strategies.guided`; docs/montecarlo.md).
     """
     req = make_request(metric=metric, method=method, backend=backend, strategy=strategy,
                        output=output, n_ctx=n_ctx, position=position, n_samples=n_samples,
@@ -142,9 +143,10 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
     the chosen metric). ``sim(a, a) = 1``; symmetric (bit for bit: the pair is computed in one
     canonical order); invariant to reparametrizations that keep the functions (exact method).
     Computed in a normalized gauge so that output scales of 1e±300 cancel exactly. Returns a
-    float, an :class:`~tensoralg.results.ExactSimilarity` (exact backend, vector and sequence
-    models alike), a vector (``output="each"``) or a :class:`MonteCarloEstimate`
-    (delta-method standard error; ``proposal="modes"`` as in :func:`inner`). With the chaos
+    float, an `ExactSimilarity` (exact backend, vector and sequence
+    models alike), a vector (``output="each"``) or a
+    [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate] (delta-method
+    standard error; ``proposal="modes"`` as in [`inner`][tensoralg.products.inner]). With the chaos
     strategy the three inner products come from one expansion of each model.
     """
     req = make_request(metric=metric, method=method, backend=backend, strategy=strategy,
@@ -163,9 +165,10 @@ def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "
     ``to_network()``, specs, or checkpoint folders, loaded one at a time). With the chaos
     strategy each model is expanded once and the matrix is one matrix product; with Wick the
     models are stacked on a batch index and each configuration is one batched contraction (not
-    Na*Nb calls). Keywords as :func:`inner` (``strategy``, ``n_samples``, ``seed``, ``device``,
-    ``dtype``, the budgets). Returns a float64 array (object array of Fractions with
-    backend="exact"; a :class:`MonteCarloArray` with ``.stderr`` for method="montecarlo")."""
+    Na*Nb calls). Keywords as [`inner`][tensoralg.products.inner] (``strategy``, ``n_samples``,
+    ``seed``, ``device``, ``dtype``, the budgets). Returns a float64 array (object array of
+    Fractions with backend="exact"; a `MonteCarloArray` with ``.stderr`` for
+    method="montecarlo")."""
     req = _request("cross_gram", metric=metric, method=method, backend=backend, output=output,
                    **kwargs)
     return mark_closure(req, engine.cross_gram(req, models_a, models_b))
@@ -185,7 +188,7 @@ def _wants_blocks(blocked: dict) -> bool:
 
 
 def _blocked(kind: str, req: Request, models, opts: dict):
-    """Route gram/similarity_matrix to :mod:`tensoralg.blocks` when a blocked-store option
+    """Route gram/similarity_matrix to `tensoralg.blocks` when a blocked-store option
     (``out``, ``client``, ``workers``, ``block_size``, ``resume``) is given."""
     from . import blocks
 
@@ -212,10 +215,10 @@ def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str =
          output: Any = None, **kwargs: Any
          ) -> float | np.ndarray | ExactNorm | list[ExactNorm]:
     """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` an
-    :class:`~tensoralg.results.ExactNorm` (a float; ``.exact`` the sympy ``sqrt`` of a rational,
+    `ExactNorm` (a float; ``.exact`` the sympy ``sqrt`` of a rational,
     ``.squared`` the rational; a list of them for ``output="each"``), with ``"montecarlo"`` an
     estimate with a delta-method stderr.
-    Keywords as :func:`inner`."""
+    Keywords as [`inner`][tensoralg.products.inner]."""
     req = _request("norm", metric=metric, method=method, backend=backend, output=output, **kwargs)
     return mark_closure(req, engine.norm(req, a))
 
@@ -226,11 +229,11 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
     (models, specs or checkpoint folders). Chaos: one expansion per model and one matrix
     product; Wick: batched contractions (one per configuration orbit). Diffs follow from it:
     ``||m_i - m_j||^2 = G_ii - 2 G_ij + G_jj`` (docs/mathematics.md §3.5). Keywords as
-    :func:`inner`.
+    [`inner`][tensoralg.products.inner].
 
     More checkpoints than fit in memory: pass ``out=FOLDER`` (a resumable block store),
     ``client=`` (a Dask client) or ``workers=N`` (a local Dask cluster), optionally
-    ``block_size=`` and ``resume=``; the matrix is then computed by :mod:`tensoralg.blocks`
+    ``block_size=`` and ``resume=``; the matrix is then computed by `tensoralg.blocks`
     (docs/distributed.md)."""
     blocked, kw = _split_block_options(kwargs)
     req = _request("gram", metric=metric, method=method, backend=backend, output=output, **kw)
@@ -242,13 +245,15 @@ def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
 def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
                       backend: str = "numpy", output: Any = None, **kwargs: Any
                       ) -> np.ndarray:
-    """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` from one :func:`gram` call (normalized gauge:
-    unaffected by the models' output scales). Raises ValueError if a model has norm 0. With
-    ``method="montecarlo"`` a :class:`MonteCarloArray` from one set of directions, with a
-    standard error and a verdict per entry, each equal to :func:`similarity` of its pair with
-    the same ``n_samples`` and ``seed`` (vector and sequence models).
-    ``out=``/``client=``/``workers=``/``block_size=``/``resume=`` as in :func:`gram` (blocked,
-    resumable, optionally on Dask). Keywords as :func:`inner`."""
+    """``S[i, j] = G_ij / sqrt(G_ii G_jj)`` from one [`gram`][tensoralg.products.gram] call
+    (normalized gauge: unaffected by the models' output scales). Raises ValueError if a model has
+    norm 0. With ``method="montecarlo"`` a `MonteCarloArray` from one set of directions, with a
+    standard error and a verdict per entry, each equal to
+    [`similarity`][tensoralg.products.similarity] of its pair with the same ``n_samples`` and
+    ``seed`` (vector and sequence models).
+    ``out=``/``client=``/``workers=``/``block_size=``/``resume=`` as in
+    [`gram`][tensoralg.products.gram] (blocked, resumable, optionally on Dask). Keywords as
+    [`inner`][tensoralg.products.inner]."""
     blocked, kw = _split_block_options(kwargs)
     req = _request("similarity_matrix", metric=metric, method=method, backend=backend,
                    output=output, **kw)
@@ -260,11 +265,11 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
 
 def inner_diff(a: Any, b: Any, c: Any, **kwargs: Any) -> float | Fraction | np.ndarray:
     """``<a, b - c> = <a, b> - <a, c>`` (bilinearity, docs/mathematics.md §3.5), from one
-    batched :func:`cross_gram` call when ``b`` and ``c`` share an architecture. Same keywords
-    as :func:`inner` (``output="each"`` gives one value per output). In floating point the
-    difference carries the absolute error of the two terms (about
-    ``eps * ||a|| (||b|| + ||c||)``). With ``method="montecarlo"`` the per-sample integrand is
-    ``f_a . (f_b - f_c)``, so the returned estimate's ``.stderr`` accounts for the correlation
+    batched [`cross_gram`][tensoralg.products.cross_gram] call when ``b`` and ``c`` share an
+    architecture. Same keywords as [`inner`][tensoralg.products.inner] (``output="each"`` gives one
+    value per output). In floating point the difference carries the absolute error of the two terms
+    (about ``eps * ||a|| (||b|| + ||c||)``). With ``method="montecarlo"`` the per-sample integrand
+    is ``f_a . (f_b - f_c)``, so the returned estimate's ``.stderr`` accounts for the correlation
     of the two terms."""
     req = _request("inner_diff", **kwargs)
     return mark_closure(req, engine.inner_diff(req, a, b, c))
@@ -274,21 +279,22 @@ def diff_norm(b: Any, c: Any, **kwargs: Any
               ) -> float | np.ndarray | sympy.Expr | list[sympy.Expr]:
     """``||b - c|| = sqrt(<b,b> - 2<b,c> + <c,c>)`` from the Gram matrix of ``[b, c]`` (one batched
     call when both have the same architecture). Exact with backend="exact": an
-    :class:`~tensoralg.results.ExactNorm` (a float; ``.exact`` the sympy number, ``.squared``
+    `ExactNorm` (a float; ``.exact`` the sympy number, ``.squared``
     the rational ``||b - c||^2``; a list of them for ``output="each"``), as the exact
-    similarity is an :class:`~tensoralg.results.ExactSimilarity`; in float64 the absolute error is about
+    similarity is an `ExactSimilarity`; in float64 the absolute error is about
     ``eps * (||b||^2 + ||c||^2)``, so tiny differences between large networks are best measured
     with backend="exact". ``output="each"`` gives a vector (one norm per output). With
     ``method="montecarlo"`` the integrand is ``|f_b - f_c|^2`` per sample and the standard
     error of the norm is the delta-method one, ``se(d^2) / (2 d)``; ``proposal="modes"``:
     guided importance sampling of ``|f_b - f_c|^2`` (modes of ``f_b``, ``f_c`` and ``f_b - f_c``;
-    vector and sequence models, one number, with the diagnostics of :func:`inner`). The radial
-    default takes vector and sequence models (directions on the sphere of ``R^(n_ctx d)``).
+    vector and sequence models, one number, with the diagnostics of
+    [`inner`][tensoralg.products.inner]). The radial default takes vector and sequence models
+    (directions on the sphere of ``R^(n_ctx d)``).
 
     Raises:
         ValueError: ``proposal="modes"`` with ``output="each"``; ``output="each"`` or
             ``position="each"`` in radial Monte Carlo of sequence models; the errors of
-            :func:`inner`."""
+            [`inner`][tensoralg.products.inner]."""
     req = _request("diff_norm", **kwargs)
     return mark_closure(req, engine.diff_norm(req, b, c))
 
@@ -304,25 +310,27 @@ def plan(a: Any, b: Any = None, metric: str = "gaussian", output: Any = None, *,
     when a lower bound on its FLOPs already exceeds ``max_flops`` or an affordable chaos
     expansion of at least ``planner.BOUND_MIN_FLOPS``, that bound, marked as one, in
     ``wick_lower_bound``; chaos: coefficients, FLOPs, memory), the choice and why. Contracts
-    nothing and allocates nothing large; ``refused`` is set exactly when :func:`inner` with
-    the same arguments would raise :class:`~tensoralg.CostTooHigh` (then ``flops = inf``).
+    nothing and allocates nothing large; ``refused`` is set exactly when
+    [`inner`][tensoralg.products.inner] with the same arguments would raise
+    [`CostTooHigh`][tensoralg.CostTooHigh] (then ``flops = inf``).
 
-    Sequence models (with :class:`~tensoralg.BilinearAttention`; ``n_ctx`` and ``position`` as
-    in :func:`inner`): a :class:`~tensoralg.planner.SequencePlan` of what :func:`inner` does
-    with the same options — the exact one-attention-layer path of :mod:`tensoralg.strategies.sequence_exact`
-    with its number of Wick configurations, each model's canonical tree (terms, legs and the
-    positions they read), or the refusal (a model outside the exact path, e.g. two attention
-    layers; over ``max_configurations``: both :class:`~tensoralg.CostTooHigh`) naming
-    the alternatives (``method="closure"``, ``method="montecarlo"``); ``refused`` is set exactly
-    when :func:`inner` refuses; within ``max_configurations`` the estimated peak memory and
-    FLOPs (:func:`tensoralg.strategies.sequence_exact.chaos_cost_req`, a dry run) are held against
-    ``max_memory`` and ``max_flops`` (over either: CostTooHigh). ``strategy`` and ``dtype``
-    do not apply to that path.
+    Sequence models (with [`BilinearAttention`][tensoralg.BilinearAttention]; ``n_ctx`` and
+    ``position`` as in [`inner`][tensoralg.products.inner]): a `SequencePlan` of what
+    [`inner`][tensoralg.products.inner] does with the same options — the exact one-attention-layer
+    path of `tensoralg.strategies.sequence_exact` with its number of Wick configurations, each
+    model's canonical tree (terms, legs and the positions they read), or the refusal (a model
+    outside the exact path, e.g. two attention layers; over ``max_configurations``: both
+    [`CostTooHigh`][tensoralg.CostTooHigh]) naming the alternatives (``method="closure"``,
+    ``method="montecarlo"``); ``refused`` is set exactly when [`inner`][tensoralg.products.inner]
+    refuses; within ``max_configurations`` the estimated peak memory and FLOPs
+    (`tensoralg.strategies.sequence_exact.chaos_cost_req`, a dry run) are held against
+    ``max_memory`` and ``max_flops`` (over either: CostTooHigh). ``strategy`` and ``dtype`` do not
+    apply to that path.
 
     Raises:
-        ValueError: what :func:`inner` raises for the same arguments before any work (bad
-            options, sizes, ``output``, ``position``, ``n_ctx``; ``n_ctx`` / ``position`` for
-            position-free networks).
+        ValueError: what [`inner`][tensoralg.products.inner] raises for the same arguments before
+            any work (bad options, sizes, ``output``, ``position``, ``n_ctx``; ``n_ctx`` /
+            ``position`` for position-free networks).
     """
     req = make_request(metric=metric, backend=backend, strategy=strategy, output=output,
                        n_ctx=n_ctx, position=position, device=device, dtype=dtype,

@@ -3,12 +3,12 @@ validation module and opt_einsum's parse -> plan -> execute).
 
 Every public entry point (``inner``, ``norm``, ``similarity``, ``gram``, ``cross_gram``,
 ``similarity_matrix``, ``inner_diff``, ``diff_norm``, ``plan`` and the sequence-model functions
-of :mod:`tensoralg.strategies`) turns its keyword arguments into one immutable :class:`Request`
-with :func:`make_request` before any work. Everything below (planner, strategies, blocks)
+of `tensoralg.strategies`) turns its keyword arguments into one immutable `Request`
+with `make_request` before any work. Everything below (planner, strategies, blocks)
 receives the request and does not check its options again, so the same bad argument gives the
 same one-line ``ValueError`` from every entry point. What depends on the models (an output
 index against their output size, a position against ``n_ctx``) is checked by
-:meth:`Request.output_matrix` and :meth:`Request.check_position`, once the models are known.
+`Request.output_matrix` and `Request.check_position`, once the models are known.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def check_class_index(index: Any, n_out: int | None = None, name: str = "output"
 
 def _check_output(output: Any) -> Any:
     """``output`` in its normalized form: None, ``"each"``, an int ``>= 0``
-    (:func:`check_class_index`), or a read-only 1-D array (float64, or Fractions when any entry
+    (`check_class_index`), or a read-only 1-D array (float64, or Fractions when any entry
     is rational) that is finite and not zero."""
     if output is None:
         return None
@@ -163,7 +163,7 @@ def _check_output(output: Any) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class Request:
-    """What was asked, validated (build it with :func:`make_request`).
+    """What was asked, validated (build it with `make_request`).
 
     Attributes:
         metric: ``"gaussian"`` (E over x ~ N(0, I), docs/mathematics.md §3.1) or
@@ -181,9 +181,9 @@ class Request:
             or float32).
         max_flops, max_memory, max_configurations: budgets of the exact method.
         distribution: the input distribution ``N(0, Σ)`` of the Gaussian metric
-            (:class:`~tensoralg.distribution.InputDistribution`, from ``cov=``; §3.9).
+            (`InputDistribution`, from ``cov=``; §3.9).
         proposal: the Monte Carlo proposal, ``"radial"`` or ``"modes"`` (guided importance
-            sampling, :mod:`tensoralg.strategies.guided`; §3.9).
+            sampling, `tensoralg.strategies.guided`; §3.9).
     """
 
     metric: str = "gaussian"
@@ -261,7 +261,7 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
                  max_memory: Any = None,
                  max_configurations: Any = DEFAULT_MAX_CONFIGURATIONS,
                  cov: Any = None, proposal: Any = "radial") -> Request:
-    """Validate every option once, in a fixed order, and return the :class:`Request`.
+    """Validate every option once, in a fixed order, and return the `Request`.
 
     Raises:
         ValueError: an unknown metric / method / backend / strategy or a combination without
@@ -272,7 +272,7 @@ def make_request(*, metric: str = "gaussian", method: str = "exact", backend: st
             (``method="montecarlo"``) ``n_samples`` not an int >= 6 (three replicates), ``seed`` not a
             non-negative int, or the exact backend; ``n_samples`` or ``seed`` given (not None)
             with another method, which does not sample; a ``cov`` that is not a valid input
-            covariance (:func:`tensoralg.distribution.input_distribution`), or ``cov`` with
+            covariance (`tensoralg.distribution.input_distribution`), or ``cov`` with
             ``metric="frobenius"``; a ``proposal`` other than ``"radial"`` / ``"modes"``, or
             ``"modes"`` without ``method="montecarlo"``.
     """

@@ -1,10 +1,10 @@
 """What the engine returns: one type per kind of answer, for vector and sequence models alike.
 
-* :class:`ExactSimilarity` — every exact similarity (``backend="exact"``).
-* :class:`ExactNorm` — every exact norm and distance (``norm``, ``diff_norm``).
-* :class:`~tensoralg.strategies.montecarlo.MonteCarloEstimate` /
-  :class:`~tensoralg.strategies.montecarlo.MonteCarloArray` — every Monte Carlo estimate.
-* :func:`similarity_from` — the one place where three inner products become a similarity.
+* `ExactSimilarity` — every exact similarity (``backend="exact"``).
+* `ExactNorm` — every exact norm and distance (``norm``, ``diff_norm``).
+* [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate] /
+  `MonteCarloArray` — every Monte Carlo estimate.
+* `similarity_from` — the one place where three inner products become a similarity.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ExactSimilarity(float):
 
 class ExactNorm(float):
     """An exact norm or distance (``norm`` / ``diff_norm`` with ``backend="exact"``): the float
-    nearest to it, plus ``.exact``, as :class:`ExactSimilarity`.
+    nearest to it, plus ``.exact``, as `ExactSimilarity`.
 
     ``.exact`` is the sympy number ``sqrt(R)`` with ``R`` the squared norm, a non-negative
     rational (square factors taken out by sympy; a plain Rational when ``R`` is a perfect
@@ -101,7 +101,7 @@ class MomentClosureValue(float):
 
 class MomentClosureArray(np.ndarray):
     """An array of ``method="closure"`` values (per output, a Gram or similarity matrix): a
-    float64 NumPy array whose ``repr`` says what it is (see :class:`MomentClosureValue`);
+    float64 NumPy array whose ``repr`` says what it is (see `MomentClosureValue`);
     slices and arithmetic keep the label."""
 
     def __repr__(self) -> str:
@@ -110,7 +110,7 @@ class MomentClosureArray(np.ndarray):
 
 
 def mark_closure(req: Any, value: Any) -> Any:
-    """``value`` as a :class:`MomentClosureValue` (one float) or a :class:`MomentClosureArray`
+    """``value`` as a `MomentClosureValue` (one float) or a `MomentClosureArray`
     (a float array) when ``req`` asked for the closure (exact results and anything else are
     returned as they are)."""
     if getattr(req, "method", None) != "closure":
@@ -125,7 +125,7 @@ def mark_closure(req: Any, value: Any) -> Any:
 def similarity_from(ab: Any, aa: Any, bb: Any, exact: bool, what: str = "",
                     names: tuple = ("a", "b")):
     """``ab / sqrt(aa bb)`` (Cauchy-Schwarz bounds it by 1; the last-ulp excess of rounding is
-    clipped): an :class:`ExactSimilarity` (a list of them per output) when ``exact``, else a
+    clipped): an `ExactSimilarity` (a list of them per output) when ``exact``, else a
     float (an array for arrays of inner products). ``names``: the arguments ``aa`` and ``bb``
     belong to (the messages name them; the products may be in a normalized gauge, so their
     values are not quoted).

@@ -1,8 +1,9 @@
 """CPU thread counts for torch and for the BLAS/OpenMP libraries under NumPy and SciPy.
 
-Every ``tensoralg`` command takes ``--threads N`` (default :data:`DEFAULT_THREADS` = 1) and
-applies it here before any work. Python API users call :func:`set_threads` themselves; the
-library never changes thread counts on import.
+Every ``tensoralg`` command takes ``--threads N`` (default `DEFAULT_THREADS` = 1) and
+applies it here before any work. Python API users call
+[`set_threads`][tensoralg.threads.set_threads] themselves; the library never changes thread counts
+on import.
 
 Why a default of one thread: the models here are small (matrices of tens to hundreds of rows),
 where a thread pool's synchronisation costs more than it saves, and on a loaded machine extra
@@ -86,7 +87,7 @@ def thread_count(text: str) -> int:
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
-    """Add ``--threads N`` (applied by :func:`tensoralg.cli.main` before the command runs)."""
+    """Add ``--threads N`` (applied by `tensoralg.cli.main` before the command runs)."""
     parser.add_argument("--threads", type=thread_count, default=DEFAULT_THREADS, metavar="N",
                         help=f"CPU threads for torch and BLAS (default {DEFAULT_THREADS}: fastest "
                              f"for these small models on shared machines; 0: the libraries' "

@@ -1,31 +1,34 @@
 """A trainable bilinear transformer (torch) that exports its residual stream -> logits map as an
 exact tensoralg network.
 
-:class:`BilinearTransformer` reads token ids ``(batch, T)`` with ``T <= n_ctx``::
+[`BilinearTransformer`][tensoralg.transformer.BilinearTransformer] reads token ids ``(batch, T)``
+with ``T <= n_ctx``::
 
     h_0[t]   = W_E[token_t]                               embedding,    W_E: (vocab, d_model)
     h_l      = h_{l-1} + Attn_l(h_{l-1})                  bilinear attention (every layer)
     h_l      = h_l + Mlp_l(h_l)                           bilinear MLP (only when d_mlp is set)
     logits[t] = W_U h_L[t]                                unembedding,  W_U: (vocab, d_model)
 
-``Attn_l`` is exactly :class:`tensoralg.BilinearAttention` (two query/key pairs per head, the
-attention weight of query ``t`` on key ``s <= t`` is ``attn_scale · (q1_t·k1_s)(q2_t·k2_s)``, no
-softmax, causal mask, optional RoPE with the same rotation matrices,
-:func:`tensoralg.layers.rope_rotations`); ``Mlp_l`` is :class:`tensoralg.Bilinear`
-(``down((left h) * (right h))``). There is no layer norm and no softmax inside the model (the
-softmax is applied only by the training loss), no biases, and no learned positional embedding
-(position enters only through RoPE and the causal mask): every piece is a polynomial of the
-residual stream, so the map residual stream -> logits is a polynomial network.
+``Attn_l`` is exactly [`tensoralg.BilinearAttention`][tensoralg.BilinearAttention] (two query/key
+pairs per head, the attention weight of query ``t`` on key ``s <= t`` is
+``attn_scale · (q1_t·k1_s)(q2_t·k2_s)``, no softmax, causal mask, optional RoPE with the same
+rotation matrices, [`tensoralg.layers.rope_rotations`][tensoralg.layers.rope_rotations]); ``Mlp_l``
+is [`tensoralg.Bilinear`][tensoralg.Bilinear] (``down((left h) * (right h))``). There is no layer
+norm and no softmax inside the model (the softmax is applied only by the training loss), no biases,
+and no learned positional embedding (position enters only through RoPE and the causal mask): every
+piece is a polynomial of the residual stream, so the map residual stream -> logits is a polynomial
+network.
 
-Export (:meth:`BilinearTransformer.to_network`). The Gaussian inner product of tensoralg is an
-expectation over inputs ``x ~ N(0, I)``. Token ids are not Gaussian, so the metric is put on
-the *residual stream input* ``h_0`` (``(n, n_ctx, d_model)``, every entry ``N(0, 1)``):
-``to_network()`` returns ``Sequential([Residual(BilinearAttention), [Residual(Bilinear)], ...,
-Linear(W_U)])``, whose forward on ``h_0 = W_E[tokens]`` equals the torch forward on
-``tokens``. ``to_network(embedding=True)`` prepends ``Linear(W_Eᵀ)`` so that the input is a
-one-hot token vector per position (``(n, n_ctx, vocab)``); the Gaussian metric then sits on
-that vocab-sized input, which weights every embedding direction equally — a different
-question (kept for completeness; the audits use the residual stream).
+Export ([`BilinearTransformer.to_network`][tensoralg.transformer.BilinearTransformer.to_network]).
+The Gaussian inner product of tensoralg is an expectation over inputs ``x ~ N(0, I)``. Token ids are
+not Gaussian, so the metric is put on the *residual stream input* ``h_0`` (``(n, n_ctx, d_model)``,
+every entry ``N(0, 1)``): ``to_network()`` returns
+``Sequential([Residual(BilinearAttention), [Residual(Bilinear)], ..., Linear(W_U)])``, whose forward
+on ``h_0 = W_E[tokens]`` equals the torch forward on ``tokens``. ``to_network(embedding=True)``
+prepends ``Linear(W_Eᵀ)`` so that the input is a one-hot token vector per position
+(``(n, n_ctx, vocab)``); the Gaussian metric then sits on that vocab-sized input, which weights
+every embedding direction equally — a different question (kept for completeness; the audits use the
+residual stream).
 
 ``n_ctx`` is the trained context length. The exported attention carries an explicit causal
 mask array of size ``n_ctx`` (``to_network(n_ctx=m)`` for a shorter prefix ``m <= n_ctx``; the
@@ -55,7 +58,8 @@ ARCHITECTURE = "bilinear_transformer"
 
 
 class _Attention(nn.Module):
-    """One bilinear attention layer (the weights of :class:`tensoralg.BilinearAttention`)."""
+    """One bilinear attention layer (the weights of
+    [`tensoralg.BilinearAttention`][tensoralg.BilinearAttention])."""
 
     def __init__(self, d_model: int, n_heads: int, d_head: int, dtype: torch.dtype):
         super().__init__()
@@ -104,8 +108,9 @@ class BilinearTransformer(nn.Module):
         n_ctx: the (maximum) context length.
         rope: ``None`` or the rotary base (e.g. ``10000``); needs an even ``d_head``.
         attn_scale: the fixed constant ``c`` multiplying every attention pattern; default
-            ``1 / d_head`` (one ``1/sqrt(d_head)`` per score, as :class:`tensoralg.BilinearAttention`).
-            It is stored in the exported layer's ``scale``, so nothing needs folding.
+            ``1 / d_head`` (one ``1/sqrt(d_head)`` per score, as
+            [`tensoralg.BilinearAttention`][tensoralg.BilinearAttention]). It is stored in the
+            exported layer's ``scale``, so nothing needs folding.
         seed: initialisation seed (a private generator; torch's global RNG is untouched).
         dtype: ``"float32"`` (default) or ``"float64"``.
 
@@ -218,9 +223,10 @@ class BilinearTransformer(nn.Module):
 
     def forward_residual(self, h: torch.Tensor, return_final: bool = False
                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``(batch, T, vocab)`` from the residual stream input ``h`` ``(batch, T,
-        d_model)`` — the function :meth:`to_network` exports. ``return_final``: also return
-        the final residual stream ``h_L``."""
+        """Logits ``(batch, T, vocab)`` from the residual stream input ``h``
+        ``(batch, T, d_model)`` — the function
+        [`to_network`][tensoralg.transformer.BilinearTransformer.to_network] exports.
+        ``return_final``: also return the final residual stream ``h_L``."""
         if h.ndim != 3 or h.shape[2] != self.hparams["d_model"] or \
                 not 1 <= h.shape[1] <= self.hparams["n_ctx"]:
             raise ValueError(f"h: expected shape (batch, T <= {self.hparams['n_ctx']}, "
@@ -283,7 +289,8 @@ class BilinearTransformer(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> BilinearTransformer:
-        """Build an (initialised, untrained) model from :meth:`config`'s keys.
+        """Build an (initialised, untrained) model from
+        [`config`][tensoralg.transformer.BilinearTransformer.config]'s keys.
 
         Raises:
             ValueError: a wrong ``architecture`` or a missing size.

@@ -6,22 +6,24 @@ Installed as ``tensoralg.verify`` (the repository keeps it in the top-level ``ve
 Nothing here calls tensoralg's fast paths (``inner``, ``similarity``, ``gram``, the tensor
 network or Wick code). Everything is recomputed from definitions:
 
-* :mod:`tensoralg.verify.symbolic` — sympy proofs of the identities (polarization, Isserlis, the lifted /
-  non-centred Isserlis rule, the single-layer Gram closed form, invariances) on small cases;
-  ``python -m tensoralg.verify`` runs them all.
-* :func:`tensoralg.verify.certify` — exact rational certificate of functional equivalence of two
-  networks by polynomial expansion (:mod:`tensoralg.verify.certify`).
-* :mod:`tensoralg.verify.montecarlo` — sampling estimates with standard errors, convergence reports and
-  z-score agreement checks.
-* :mod:`tensoralg.verify.attention` — brute-force rational polynomial expansion of small sequence models
-  (bilinear attention) and their exact Gaussian inner products.
-* :mod:`tensoralg.verify.quadrature` — exact Gauss–Hermite quadrature of inner products, similarities and
-  Wiener-chaos (Hermite order) profiles on low-dimensional Gaussian slices of any network, from
-  the forward pass alone; :mod:`tensoralg.verify.planted` — planted high-dimensional models (reads and
-  writes along one direction) whose full inner product is such a slice.
+* [`tensoralg.verify.symbolic`][verify.symbolic] — sympy proofs of the identities (polarization,
+  Isserlis, the lifted / non-centred Isserlis rule, the single-layer Gram closed form, invariances)
+  on small cases; ``python -m tensoralg.verify`` runs them all.
+* [`tensoralg.verify.certify`][verify.certify] — exact rational certificate of functional
+  equivalence of two networks by polynomial expansion
+  ([`tensoralg.verify.certify`][verify.certify]).
+* [`tensoralg.verify.montecarlo`][verify.montecarlo] — sampling estimates with standard errors,
+  convergence reports and z-score agreement checks.
+* [`tensoralg.verify.attention`][verify.attention] — brute-force rational polynomial expansion of
+  small sequence models (bilinear attention) and their exact Gaussian inner products.
+* [`tensoralg.verify.quadrature`][verify.quadrature] — exact Gauss–Hermite quadrature of inner
+  products, similarities and Wiener-chaos (Hermite order) profiles on low-dimensional Gaussian
+  slices of any network, from the forward pass alone; [`tensoralg.verify.planted`][verify.planted] —
+  planted high-dimensional models (reads and writes along one direction) whose full inner product is
+  such a slice.
 
-``import tensoralg.verify`` is cheap: it loads only :mod:`tensoralg.verify.certify` (numpy);
-``symbolic`` (sympy), ``montecarlo``, ``quadrature`` and ``planted`` load on first use, and
+``import tensoralg.verify`` is cheap: it loads only [`tensoralg.verify.certify`][verify.certify]
+(numpy); ``symbolic`` (sympy), ``montecarlo``, ``quadrature`` and ``planted`` load on first use, and
 ``tensoralg.verify.identifiability`` is never imported here.
 """
 

@@ -1,10 +1,10 @@
 """Exact sparse polynomials in ``x = (x_1, ..., x_d)`` with rational coefficients.
 
 A polynomial is a ``dict`` mapping an exponent tuple ``alpha`` (length ``d``) to a nonzero
-:class:`fractions.Fraction`.  This module is deliberately small and self-contained: it is the
-independent route that :mod:`tensoralg.verify.certify` uses to check tensoralg's fast contractions, so it
-recomputes everything from the definition of a polynomial and of a Gaussian moment, and shares
-no code with ``tensoralg.strategies.wick``.
+`fractions.Fraction`.  This module is deliberately small and self-contained: it is the
+independent route that [`tensoralg.verify.certify`][verify.certify] uses to check tensoralg's fast
+contractions, so it recomputes everything from the definition of a polynomial and of a Gaussian
+moment, and shares no code with ``tensoralg.strategies.wick``.
 
 Gaussian moments (``x ~ N(0, I_d)``): the coordinates are independent and
 ``E[x_i^k] = (k-1)!!`` for even ``k`` and ``0`` for odd ``k``, so

@@ -12,7 +12,7 @@ coefficients, straight from the definition of each layer (docs/mathematics.md §
   ``q*_t = R_t (q* x_t + bias)`` (``R_t`` the layer's RoPE rotation, identity without RoPE).
 
 Then ``<a, b> = sum_t sum_o E[f_a[t][o] f_b[t][o]]`` under ``X[s, i] ~ N(0, 1)`` iid, monomial
-by monomial (``E[x^alpha] = prod (alpha_i - 1)!!``, :mod:`tensoralg.verify._poly`). The constant 1 is the
+by monomial (``E[x^alpha] = prod (alpha_i - 1)!!``, `tensoralg.verify._poly`). The constant 1 is the
 same at every position simply because it is the number 1 of the polynomial ring.
 
 Independent of tensoralg's attention code: it reads only the layers' weights, masks and RoPE

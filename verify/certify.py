@@ -1,7 +1,7 @@
 """Exact certificates of functional equivalence for polynomial (multilinear) networks.
 
-:func:`certify` expands both networks into explicit polynomials in ``x`` with rational
-coefficients (floats are converted exactly with ``Fraction(float)``), subtracts them, and
+[`certify`][verify.certify.certify] expands both networks into explicit polynomials in ``x`` with
+rational coefficients (floats are converted exactly with ``Fraction(float)``), subtracts them, and
 computes the exact Gaussian distance
 
     ``distance2 = ||f_a - f_b||^2 = sum_o E_{x ~ N(0, I_d)}[(f_a(x)_o - f_b(x)_o)^2]``
@@ -14,9 +14,9 @@ This route is independent of ``tensoralg.inner``: it never builds a tensor netwo
 sums Wick matchings and never uses the closure; it only reads the layers' weights.
 The price is the size of the expansion: a depth-``L`` bilinear stack on ``d`` inputs has up
 to ``C(d + 2^L, d)`` monomials per output.  The expansion is refused, with
-:class:`ExpansionTooLarge` (a ``ValueError``), before any heavy work when that dense bound
-exceeds ``max_monomials`` (default 200 000), and stopped, never hung, when the coefficient
-products actually performed would pass ``max_work`` (default 10 000 000: at the measured
+[`ExpansionTooLarge`][verify._poly.ExpansionTooLarge] (a ``ValueError``), before any heavy work when
+that dense bound exceeds ``max_monomials`` (default 200 000), and stopped, never hung, when the
+coefficient products actually performed would pass ``max_work`` (default 10 000 000: at the measured
 1-3 microseconds per product of exact rationals, at most about half a minute).
 """
 
@@ -169,7 +169,8 @@ def _check_pair(a, b) -> tuple[Any, Any]:
 
 
 def _select_output(polys: list[Poly], output: Any, n_out: int) -> list[Poly]:
-    """The polynomials for one output slice (see :func:`gaussian_inner_exact`)."""
+    """The polynomials for one output slice (see
+    [`gaussian_inner_exact`][verify.certify.gaussian_inner_exact])."""
     if output is None or (isinstance(output, str) and output == "each"):
         return polys
     if isinstance(output, (int, np.integer)) and not isinstance(output, bool):
@@ -224,7 +225,7 @@ def gaussian_inner_exact(a: Any, b: Any, *, output: Any = None,
 
 @dataclass
 class Certificate:
-    """Result of :func:`certify`.
+    """Result of [`certify`][verify.certify.certify].
 
     Attributes:
         equal: True iff ``f_a`` and ``f_b`` are the same polynomial map (every output).

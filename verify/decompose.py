@@ -1,18 +1,20 @@
 """Independent checks of ``tensoralg.decompose`` by exact polynomial expansion.
 
-Everything here starts from :func:`tensoralg.verify.certify.expand` (the network written out as explicit
-polynomials with rational coefficients; floats taken exactly) and never calls tensoralg's
-inner products, Gram matrices, chaos extraction or tensor networks:
+Everything here starts from [`tensoralg.verify.certify.expand`][verify.certify.expand] (the network
+written out as explicit polynomials with rational coefficients; floats taken exactly) and never
+calls tensoralg's inner products, Gram matrices, chaos extraction or tensor networks:
 
-* :func:`check_decomposition_exact` — ``||f - sum_i g_i||^2`` from the difference polynomial
-  (Gaussian moments ``E[x^alpha] = prod (alpha_i - 1)!!``), the Gram matrix of
-  ``(f, g_1, ...)`` monomial by monomial, and the symmetrized-Frobenius residual of the lifted
-  coefficient tensors (``<Sym T_a, Sym T_b> = sum_beta m_a m_b beta! / n!`` over monomials
-  ``x~^beta`` of the lifted degree ``n``, ``beta_0 = n - |alpha|``).
-* :func:`hermite_expansion` — the coefficients of a polynomial in the multivariate Hermite basis
-  ``He_beta(x) = prod_i He_{beta_i}(x_i)`` from ``x^n = sum_j n! / (j! (n-2j)! 2^j) He_{n-2j}(x)``
-  (the inverse Hermite expansion of a power), and :func:`chaos_coefficients` — the tensors
-  ``C0, C1, C2`` of docs/mathematics.md §3.6 for a degree-<=2 output (``C2[i,i] = h_{2e_i}``,
+* [`check_decomposition_exact`][verify.decompose.check_decomposition_exact] —
+  ``||f - sum_i g_i||^2`` from the difference polynomial (Gaussian moments
+  ``E[x^alpha] = prod (alpha_i - 1)!!``), the Gram matrix of ``(f, g_1, ...)`` monomial by monomial,
+  and the symmetrized-Frobenius residual of the lifted coefficient tensors
+  (``<Sym T_a, Sym T_b> = sum_beta m_a m_b beta! / n!`` over monomials ``x~^beta`` of the lifted
+  degree ``n``, ``beta_0 = n - |alpha|``).
+* [`hermite_expansion`][verify.decompose.hermite_expansion] — the coefficients of a polynomial in
+  the multivariate Hermite basis ``He_beta(x) = prod_i He_{beta_i}(x_i)`` from
+  ``x^n = sum_j n! / (j! (n-2j)! 2^j) He_{n-2j}(x)`` (the inverse Hermite expansion of a power), and
+  [`chaos_coefficients`][verify.decompose.chaos_coefficients] — the tensors ``C0, C1, C2`` of
+  docs/mathematics.md §3.6 for a degree-<=2 output (``C2[i,i] = h_{2e_i}``,
   ``C2[i,j] = h_{e_i+e_j} / 2``).
 """
 
@@ -34,7 +36,8 @@ __all__ = ["check_decomposition_exact", "ExactDecompositionCheck", "hermite_expa
 
 @dataclass
 class ExactDecompositionCheck:
-    """Result of :func:`check_decomposition_exact` (all numbers are Fractions).
+    """Result of [`check_decomposition_exact`][verify.decompose.check_decomposition_exact] (all
+    numbers are Fractions).
 
     ``equal``: every coefficient of ``f - sum g_i`` is zero (a polynomial identity);
     ``residual``: ``||f - sum g_i||^2`` (Gaussian); ``residual_frobenius``: the same in the
@@ -69,7 +72,8 @@ def check_decomposition_exact(model: Any, components: Sequence[Any], *, output: 
     Args:
         model, components: networks with the same input and output sizes.
         output: ``None`` (all outputs), a class index or a direction vector.
-        max_monomials, max_work: size limits of :func:`tensoralg.verify.certify.expand`.
+        max_monomials, max_work: size limits of
+            [`tensoralg.verify.certify.expand`][verify.certify.expand].
 
     Raises:
         ValueError: no components, differing sizes; ExpansionTooLarge over the limits.

@@ -5,15 +5,15 @@ Two decompositions ``x ≈ z_a @ D_a ≈ z_b @ D_b`` (dictionaries with atoms as
 atoms. The metrics (as in the identifiable-SAE literature; Hungarian matching as in
 Kuhn 1955 via ``scipy.optimize.linear_sum_assignment``):
 
-* :func:`match_atoms`: the assignment ``π`` maximizing ``Σ_i |cos(a_i, b_π(i))|`` and the signs
-  ``s_i = sign cos(a_i, b_π(i))``;
+* [`match_atoms`][verify.identifiability.match_atoms]: the assignment ``π`` maximizing
+  ``Σ_i |cos(a_i, b_π(i))|`` and the signs ``s_i = sign cos(a_i, b_π(i))``;
 * DCS (dictionary cosine similarity) = mean over matched pairs of ``|cos|`` (1 iff every atom of
   the smaller dictionary has an exact ±copy in the other);
 * code IoU = mean over samples of ``|S_a ∩ π(S_b)| / |S_a ∪ π(S_b)|`` (supports = non-zeros);
 * code relative ℓ2 = ``‖Z_a - Z_b'‖_F / ‖Z_a‖_F`` with ``Z_b'`` the permuted, sign-flipped codes.
 
 This module recomputes everything from the definitions with numpy / scipy; it imports nothing
-from :mod:`tensoralg`. Zero (dead) atoms have cosine 0 with everything — never NaN.
+from `tensoralg`. Zero (dead) atoms have cosine 0 with everything — never NaN.
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ def compare(D_a, D_b, z_a=None, z_b=None) -> dict:
 
     Returns ``{"dcs", "code_iou", "code_l2"}`` (the code entries only when both codes are
     given), plus ``"perm"`` and ``"signs"`` as lists. With codes, duplicate atoms are paired
-    by their codes (:func:`resolve_ties`), so the score does not depend on how the matching
-    breaks ties.
+    by their codes ([`resolve_ties`][verify.identifiability.resolve_ties]), so the score does not
+    depend on how the matching breaks ties.
     """
     m = match_atoms(D_a, D_b)
     if z_a is not None and z_b is not None:

@@ -4,8 +4,9 @@ Everything here is an *approximation* with a stated standard error: samples
 ``x ~ N(0, I_d)`` are pushed through both networks (forward evaluation of tensoralg's layer
 classes, float64) and the per-sample products are averaged.  The estimators are unbiased for
 ``<a, b>_G = sum_o E[f_a(x)_o f_b(x)_o]`` (docs/mathematics.md §3.1, 3.4); their standard error shrinks like
-``1/sqrt(n)`` (central limit theorem), which :func:`convergence` measures.  The similarity
-estimate is a ratio of means (consistent, bias O(1/n)) with a delta-method standard error.
+``1/sqrt(n)`` (central limit theorem), which [`convergence`][verify.montecarlo.convergence]
+measures.  The similarity estimate is a ratio of means (consistent, bias O(1/n)) with a delta-method
+standard error.
 
 Radial integration (the default, ``radial=True``): write ``x = r u`` with ``u`` uniform on the
 sphere and ``r ~ chi_d`` independent. Along one direction ``t -> f(t u)`` is a polynomial of
@@ -34,7 +35,8 @@ antithetic variates (Hammersley & Morton 1956) and control variates (e.g. Glasse
 Carlo Methods in Financial Engineering*, 2003, ch. 4).
 
 Nothing here calls tensoralg's inner products; exact reference values default to
-:func:`tensoralg.verify.certify.gaussian_inner_exact` (rational polynomial expansion).
+[`tensoralg.verify.certify.gaussian_inner_exact`][verify.certify.gaussian_inner_exact] (rational
+polynomial expansion).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class MCEstimate:
 
 @dataclass(frozen=True)
 class Agreement:
-    """Result of :func:`agreement`: ``passed`` iff ``|z| <= z_max``."""
+    """Result of [`agreement`][verify.montecarlo.agreement]: ``passed`` iff ``|z| <= z_max``."""
 
     estimate: MCEstimate
     exact: float
@@ -253,8 +255,8 @@ def estimate_inner(a: Any, b: Any = None, n_samples: int = 100_000, seed: int = 
         batch_size: inputs evaluated at once (memory: ``batch_size * max width`` floats).
 
     Returns:
-        :class:`MCEstimate` with the standard error of the mean (unbiased estimator; the
-        control-variate version has an O(1/n) bias).
+        [`MCEstimate`][verify.montecarlo.MCEstimate] with the standard error of the mean (unbiased
+        estimator; the control-variate version has an O(1/n) bias).
 
     Raises:
         ValueError: mismatched networks, too few samples; TypeError: non-int ``n_samples``.
@@ -287,7 +289,7 @@ def estimate_similarity(a: Any, b: Any, n_samples: int = 100_000, seed: int = 0,
     The three inner products are estimated on the same samples; the ratio is consistent (bias
     O(1/n)); the standard error is the delta-method one from the sample covariance of the
     per-sample triple ``(f_a.f_b, f_a.f_a, f_b.f_b)`` (per direction when ``radial``, the
-    default unless ``antithetic``; see :func:`estimate_inner`).
+    default unless ``antithetic``; see [`estimate_inner`][verify.montecarlo.estimate_inner]).
 
     Raises:
         ValueError: mismatched networks, too few samples, or an estimated norm of zero.
@@ -347,7 +349,8 @@ def convergence(a: Any, b: Any = None, exact: Any = None,
     ``log(rms error)`` on ``log(n)`` (the 1/sqrt(n) rate is slope -1/2).
 
     Args:
-        exact: reference ``<a, b>``; default :func:`tensoralg.verify.certify.gaussian_inner_exact`
+        exact: reference ``<a, b>``; default
+            [`tensoralg.verify.certify.gaussian_inner_exact`][verify.certify.gaussian_inner_exact]
             (exact rational expansion, independent of tensoralg.inner).
 
     Raises:

@@ -10,10 +10,10 @@ for sequences, a scalar for vectors), and under ``X ~ N(0, I)``, ``Xv ~ N(0, I_{
     <f_a, f_b> = E_{Y ~ N(0, I_{n_ctx})}[ f_a(Y v^T) . f_b(Y v^T) ],
 
 an ``n_ctx``-variable (vector models: one-variable) Gaussian integral that
-:func:`tensoralg.verify.quadrature.quadrature_inner` computes exactly on the slice
-:meth:`PlantedModel.slice` — the exact full inner product at ``n_ctx * d`` in the hundreds.
-Two planted models built with the same ``v`` (same ``direction`` or the same ``v_seed``) and
-different ``seed`` are an exactly comparable pair.
+`tensoralg.verify.quadrature.quadrature_inner` computes exactly on the slice
+[`PlantedModel.slice`][verify.planted.PlantedModel.slice] — the exact full inner product at
+``n_ctx * d`` in the hundreds. Two planted models built with the same ``v`` (same ``direction`` or
+the same ``v_seed``) and different ``seed`` are an exactly comparable pair.
 
 ``scale=sigma`` gives ``f_sigma(X) = f_1(sigma X)`` exactly (the input standard deviation
 folded into the weights: reads times sigma, writes divided by sigma, biases kept, the head times
@@ -85,7 +85,7 @@ class PlantedModel:
     def slice(self):
         """The slice on which the model's exact inner products live: ``v`` at every position
         (``N = n_ctx`` variables; vector models: ``N = 1``), a
-        :class:`tensoralg.verify.quadrature.GaussianSlice`."""
+        [`tensoralg.verify.quadrature.GaussianSlice`][verify.quadrature.GaussianSlice]."""
         from .quadrature import GaussianSlice
 
         d = self.direction.size
@@ -107,11 +107,12 @@ def planted_attention(d: int, n_ctx: int, *, n_layers: int = 2, n_heads: int = 2
     ``direction`` or ``unit_direction(d, v_seed)``. Default attention scale ``1/d_head``.
 
     Args:
-        d: residual width; n_ctx: sequence length of :meth:`PlantedModel.slice`;
+        d: residual width; n_ctx: sequence length of
+            [`PlantedModel.slice`][verify.planted.PlantedModel.slice];
         scale: input standard deviation sigma folded into the weights (module docstring).
 
     Returns:
-        :class:`PlantedModel` (degree ``5 ** n_layers``).
+        [`PlantedModel`][verify.planted.PlantedModel] (degree ``5 ** n_layers``).
 
     Raises:
         ValueError: non-positive sizes, a bad ``scale`` or ``direction``.
@@ -150,7 +151,8 @@ def planted_bilinear(d: int, *, depth: int = 2, hidden: int = 2, d_out: int = 1,
     ``Sequential([Residual(Bilinear(d -> d)) x depth, Linear(d -> d_out)])`` with
     ``left = a v^T``, ``right = b v^T`` (``(hidden, d)``), ``down = v c^T``, biases ``~ N(0,1)``
     (``down_bias = beta v``), head ``u v^T``: ``f(x)`` depends on ``x`` only through ``x . v``
-    (``N = 1`` slice). ``scale`` as in :func:`planted_attention`. Degree ``2 ** depth``.
+    (``N = 1`` slice). ``scale`` as in [`planted_attention`][verify.planted.planted_attention].
+    Degree ``2 ** depth``.
 
     Raises:
         ValueError: non-positive sizes, a bad ``scale`` or ``direction``.

@@ -10,18 +10,19 @@ with ``B_i`` of the input's shape (``(d,)`` or ``(n_ctx, d)``). The usual slice 
 orthonormal directions ``B_i`` (in the Frobenius inner product of the input space) and
 ``offset = 0``: then ``X(Y)`` is the standard Gaussian ``N(0, I)`` of the input space
 *conditioned on* lying in ``span(B_1..B_N)`` — equivalently, ``X ~ N(0, I)`` projected
-orthogonally onto that span. For sequences built with :meth:`GaussianSlice.from_basis`,
-position ``t`` in ``positions`` gets ``x_t = P_t^T y_t`` (``P_t`` an orthonormal ``(N_t, d)``
-basis, ``y_t`` its own ``N_t`` Gaussian variables) and every other position's input is exactly
-0 (the lifted constant 1 is still there: biases act at every position). ``N = sum_t N_t``.
+orthogonally onto that span. For sequences built with
+[`GaussianSlice.from_basis`][verify.quadrature.GaussianSlice.from_basis], position ``t`` in
+``positions`` gets ``x_t = P_t^T y_t`` (``P_t`` an orthonormal ``(N_t, d)`` basis, ``y_t`` its own
+``N_t`` Gaussian variables) and every other position's input is exactly 0 (the lifted constant 1 is
+still there: biases act at every position). ``N = sum_t N_t``.
 
 Computed here, with no sampling and no tensoralg fast path (only the layers' forward pass,
 ``net(X)`` on a NumPy batch):
 
-* :func:`quadrature_inner` — ``<g_a, g_b> = sum_t sum_o E_Y[g_a(Y)[t,o] g_b(Y)[t,o]]`` (the sum
+* `quadrature_inner` — ``<g_a, g_b> = sum_t sum_o E_Y[g_a(Y)[t,o] g_b(Y)[t,o]]`` (the sum
   over output positions ``t`` and outputs ``o`` that ``tensoralg.inner`` uses);
-* :func:`quadrature_similarity` — ``<g_a, g_b> / sqrt(<g_a, g_a><g_b, g_b>)``;
-* :func:`chaos_profile` — the Wiener-chaos (Hermite order) decomposition
+* `quadrature_similarity` — ``<g_a, g_b> / sqrt(<g_a, g_a><g_b, g_b>)``;
+* `chaos_profile` — the Wiener-chaos (Hermite order) decomposition
   ``<g_a, g_b> = sum_k <P_k g_a, P_k g_b>``, ``P_k`` the orthogonal projection onto the span of
   the tensor Hermite polynomials ``He_alpha(Y) = prod_i He_{alpha_i}(Y_i)`` with ``|alpha| = k``.
 
@@ -49,12 +50,12 @@ degrees); a larger ``degree=`` is accepted (more nodes, still exact), a smaller 
 
 Cost: ``m^N`` forward evaluations per network (refused above ``max_points``, default
 ``MAX_POINTS = 2e7``: e.g. ``K = 25`` (two bilinear-attention layers, ``m = 26``) allows
-``N <= 5``). Memory: batches of ``batch_size`` points; :func:`chaos_profile` keeps per network
+``N <= 5``). Memory: batches of ``batch_size`` points; `chaos_profile` keeps per network
 one block of ``m^(N-1)`` values and ``C(K+N, N)`` coefficients per output (refused above
 ``max_memory`` bytes).
 
 Planted models whose function of the full input is exactly one of these slices live in
-:mod:`tensoralg.verify.planted`.
+[`tensoralg.verify.planted`][verify.planted].
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class GaussianSlice:
         orthonormal: True when the directions are orthonormal and the offset is 0 (then the
             slice is ``N(0, I)`` of the input space conditioned on the span of the directions).
 
-    Build with :meth:`from_basis` (orthonormal, checked) or :meth:`affine` (any map).
+    Build with [`from_basis`][verify.quadrature.GaussianSlice.from_basis] (orthonormal, checked) or
+    [`affine`][verify.quadrature.GaussianSlice.affine] (any map).
     """
 
     directions: np.ndarray
@@ -481,7 +483,8 @@ class ChaosProfile:
         above_degree: ``total - cross.sum()``: the discrete transform's mass at orders above
             ``K`` (0 in exact arithmetic when the degree is right; a float64-rounding number
             otherwise small).
-        degree, nodes, n_variables, n_points: as in :class:`QuadratureInner`.
+        degree, nodes, n_variables, n_points: as in
+            [`QuadratureInner`][verify.quadrature.QuadratureInner].
     """
 
     cross: np.ndarray
@@ -513,7 +516,7 @@ _ARGS_DOC = """
         a, b: tensoralg networks (``Sequential``, ``Linear``, ``Bilinear``, ``Residual``,
             ``BilinearAttention``; lists or specs) with the same input size ``d`` and output
             size ``d_out``. Rational weights are rounded to float64.
-        basis: a :class:`GaussianSlice`, or what :meth:`GaussianSlice.from_basis` reads: an
+        basis: a `GaussianSlice`, or what `GaussianSlice.from_basis` reads: an
             ``(N, d)`` orthonormal array (vector models; for sequence models the same basis at
             every position in ``positions``), or a list of ``(N_t, d)`` orthonormal arrays, one
             per position in ``positions`` (default the prefix ``0..len-1``).
@@ -556,10 +559,10 @@ quadrature_inner.__doc__ = """Exact ``<g_a, g_b> = sum_t sum_o E_Y[g_a(Y)[t,o] g
     ``<= 2m - 1``; float64 rounding only). ``b=None`` gives ``||g_a||^2``.
 
     When the networks depend on the input only through the slice's span (the planted models of
-    :mod:`tensoralg.verify.planted`), this is the exact full Gaussian inner product ``<f_a, f_b>``.
+    `tensoralg.verify.planted`), this is the exact full Gaussian inner product ``<f_a, f_b>``.
 """ + _ARGS_DOC + """
     Returns:
-        :class:`QuadratureInner` (``float(result)`` is the value).
+        `QuadratureInner` (``float(result)`` is the value).
 """
 
 
@@ -581,13 +584,13 @@ def quadrature_similarity(a: Any, b: Any, basis: Any, *, n_ctx: int | None = Non
 
 
 quadrature_similarity.__doc__ = """Exact similarity ``<g_a, g_b> / sqrt(<g_a, g_a><g_b, g_b>)``
-    on a Gaussian slice (see :func:`quadrature_inner`; the three inner products come from one
+    on a Gaussian slice (see `quadrature_inner`; the three inner products come from one
     pass over the grid).
 """ + _ARGS_DOC + """
     Also raises ValueError (after the pass) when a network has zero norm on the slice.
 
     Returns:
-        :class:`QuadratureSimilarity`.
+        `QuadratureSimilarity`.
 """
 
 
@@ -699,5 +702,5 @@ chaos_profile.__doc__ = """Wiener-chaos (Hermite order) decomposition on a Gauss
 """ + _ARGS_DOC + """        max_memory: bytes; refused (before any evaluation) above it.
 
     Returns:
-        :class:`ChaosProfile`.
+        `ChaosProfile`.
 """

@@ -2,7 +2,8 @@
 
 Each ``prove_*`` function checks one identity of ``docs/gaussian_inner_product.md`` with fully symbolic tensors /
 weights (so a pass is a proof for *every* value of the entries at that size) and returns a
-:class:`ProofResult` ``(name, sizes, passed, seconds, checked, detail)``.  Nothing here calls
+[`ProofResult`][verify.symbolic.ProofResult] ``(name, sizes, passed, seconds, checked, detail)``.
+Nothing here calls
 tensoralg: expectations come from sympy integration of the standard normal density, matchings
 from a recursive enumeration written here.
 
@@ -413,7 +414,8 @@ def prove_gram_closed_form(d: int = 2, hidden_a: int = 2, hidden_b: int = 1, out
     layers equals ``sum_o E[f_a(x)_o f_b(x)_o]`` computed by Gaussian integration.
 
     ``closed_form``: the formula under test, ``(La, Ra, Da, Lb, Rb, Db) -> expr`` (default
-    :func:`gram_closed_form`); pass another one to check it the same way."""
+    [`gram_closed_form`][verify.symbolic.gram_closed_form]); pass another one to check it the same
+    way."""
     closed_form = closed_form or gram_closed_form
     with _Timer() as tm:
         xs = sp.symbols(f"x1:{d + 1}")

@@ -1,5 +1,5 @@
-"""Helpers shared by the audit commands (:mod:`tensoralg.audit.cli`) and the blocked ``matrix``
-(:mod:`tensoralg.audit.matrix_blocks`): argparse types, path checks before any work, the guard
+"""Helpers shared by the audit commands (`tensoralg.audit.cli`) and the blocked ``matrix``
+(`tensoralg.audit.matrix_blocks`): argparse types, path checks before any work, the guard
 around a long run and the final report. Imports nothing of the command modules (no circle)."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def check_n_samples_used(n: int | None, methods) -> None:
 
 def check_checkpoints(paths) -> None:
     """Each checkpoint folder exists and holds ``cfg.json`` (the errors loading would give,
-    before any heavy import: :func:`tensoralg.io.read_config`)."""
+    before any heavy import: `tensoralg.io.read_config`)."""
     from ..io import read_config
 
     for p in paths:
@@ -127,7 +127,7 @@ def run(args, name: str, fn):
 
 
 def apply_threads(args=None) -> None:
-    """``--threads`` (default :data:`tensoralg.threads.DEFAULT_THREADS`) applied to torch and BLAS."""
+    """``--threads`` (default `tensoralg.threads.DEFAULT_THREADS`) applied to torch and BLAS."""
     from ..threads import DEFAULT_THREADS, set_threads
 
     set_threads(getattr(args, "threads", DEFAULT_THREADS))
@@ -135,7 +135,7 @@ def apply_threads(args=None) -> None:
 
 def report(args, result, table, header: str = "", wrote: bool = True,
            json_written: bool = False) -> int:
-    """A handler's exit code: :func:`run`'s code for a refused/interrupted run, else write
+    """A handler's exit code: `run`'s code for a refused/interrupted run, else write
     ``--json`` (unless the staged run already wrote it before its swap: ``json_written``), print
     the table (and the files written) and return 0."""
     if isinstance(result, int):

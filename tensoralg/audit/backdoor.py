@@ -1,15 +1,16 @@
 """Backdoor audit on real handwritten digits.
 
-1. Train a bilinear classifier (:class:`tensoralg.nn.BilinearNet`) on scikit-learn's digits: the
+1. Train a bilinear classifier ([`tensoralg.nn.BilinearNet`][tensoralg.nn.BilinearNet]) on
+scikit-learn's digits: the
    *clean* checkpoint.
-2. Fine-tune a copy on the training set plus triggered copies (:func:`tensoralg.data.add_trigger`:
+2. Fine-tune a copy on the training set plus triggered copies (`tensoralg.data.add_trigger`:
    a 4-pixel diamond on the blank left edge) of a fraction of the non-target images, relabelled
    to the target class: the *backdoored* checkpoint.
 3. As a control, fine-tune another copy for the same steps on clean data only.
 4. Compare clean vs. backdoored: global tensor similarity and per-class slice similarity
    (``tensoralg.similarity(..., output="each")``, Gaussian metric, exact for depth <= 2), the
    trigger's attack success rate, clean accuracy before/after, and the data baselines on clean
-   test images (:func:`tensoralg.baselines.all_baselines`).
+   test images (`tensoralg.baselines.all_baselines`).
 
 The expected finding (Pearce et al., "Bilinear MLPs enable weight-based mechanistic
 interpretability", 2024, backdoor section): clean accuracy and the baselines barely move, while
@@ -103,13 +104,13 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
     checkpoints under ``out``; return the JSON dictionary (plus ``out``).
 
     Before any training: the configuration is validated, ``out`` is checked (missing, empty or an
-    earlier backdoor run; see :func:`~tensoralg.audit.common.check_output_folder`) and the exact
+    earlier backdoor run; see `check_output_folder`) and the exact
     similarity cost of the architecture is planned (``method="exact"`` over budget raises
     ``tensoralg.CostTooHigh``; ``auto`` then uses Monte Carlo). The run is written into a fresh
-    folder that replaces ``out`` only when complete (:func:`~tensoralg.audit.common.staged_output`),
+    folder that replaces ``out`` only when complete (`staged_output`),
     so a failed or interrupted run leaves the previous run untouched. Paths in the JSON are
     relative to ``out``. ``json_copy``: also write the JSON there (checked up front, written
-    before the swap; see :func:`~tensoralg.audit.common.run_staged`).
+    before the swap; see `run_staged`).
 
     With Monte Carlo (``auto`` at depth >= 3, or forced) every similarity carries its
     delta-method standard error (``*_stderr``, ``n_samples``) and the finding says whether the

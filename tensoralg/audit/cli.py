@@ -1,7 +1,7 @@
 """Command line of the audits: ``demo``, ``audit backdoor|forgetting|grokking``, ``compare``,
-``matrix``. Registered into ``tensoralg``'s parser by :func:`add_parsers`; every handler
+``matrix``. Registered into ``tensoralg``'s parser by `add_parsers`; every handler
 returns an exit code and raises ``ValueError`` / ``FileNotFoundError`` for bad input (printed
-by :func:`tensoralg.cli.main` as one line, exit code 2).
+by `tensoralg.cli.main` as one line, exit code 2).
 
 Options shared by every command here: ``--seed``, ``--json PATH``, ``--no-progress``,
 ``--threads N``; ``demo``, ``audit *`` and ``matrix`` also take ``--out DIR``, ``--method`` and

@@ -1,5 +1,5 @@
 """Shared pieces of the audits: tensor similarity with a recorded method, stamped outputs
-(JSON, CSV, PNG — all written atomically through :mod:`tensoralg.io`), progress bars."""
+(JSON, CSV, PNG — all written atomically through `tensoralg.io`), progress bars."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def check_file_path(path: str | Path, option: str = "--json") -> Path:
 
 
 def check_file_writable(path: str | Path, option: str = "--json") -> Path:
-    """:func:`check_file_path`, then prove that the file can really be created: a temporary file
+    """`check_file_path`, then prove that the file can really be created: a temporary file
     is created and deleted in the nearest existing folder on the way to ``path`` (permission
     bits and ``os.access`` say nothing for root, read-only mounts or ``/proc``). Called before
     any work, so that a run never trains for minutes and then fails writing its result.
@@ -194,13 +194,13 @@ def staged_output(out: str | Path, json_name: str):
     Yields the staging folder. On any exception (including ``KeyboardInterrupt``) the staging
     folder is deleted and ``out`` is untouched, so ``out`` always holds one complete run (or
     nothing). On success the previous contents of ``out`` (an earlier run, see
-    :func:`check_output_folder`) are replaced as a whole: ``out`` is renamed aside, the new
+    `check_output_folder`) are replaced as a whole: ``out`` is renamed aside, the new
     folder renamed into place, and the old one deleted. Paths written inside the run must be
     relative to the folder, since it changes name at the end. The folder gets the usual mode
-    (``0o777`` less the umask), not the ``0o700`` of :func:`tempfile.mkdtemp`.
+    (``0o777`` less the umask), not the ``0o700`` of `tempfile.mkdtemp`.
 
     Raises:
-        ValueError: ``out`` refused by :func:`check_output_folder`.
+        ValueError: ``out`` refused by `check_output_folder`.
     """
     out = check_output_folder(out, json_name).resolve()  # "." has no name to stage next to
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,7 @@ def staged_output(out: str | Path, json_name: str):
 
 def exact_cost_refused(net: Any, n_ctx: int | None = None) -> str | None:
     """Why the exact Gaussian inner product ``<net, net>`` is over budget, or ``None`` if it is
-    affordable. Contracts nothing: :func:`tensoralg.plan` counts Wick configurations and
+    affordable. Contracts nothing: [`tensoralg.plan`][tensoralg.plan] counts Wick configurations and
     estimates the FLOPs of the contraction paths (refused when it raises ``CostTooHigh``, marks
     the plan ``refused``, or estimates more than ``tensoralg.request.DEFAULT_MAX_FLOPS``).
     ``n_ctx``: the sequence length of a sequence network (None for others)."""
@@ -266,11 +266,11 @@ def write_json_copy(json_copy: str | Path, result: Mapping[str, Any], final: Pat
 def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any,
                runner: Any, show_progress: bool, json_copy: str | Path | None = None) -> dict:
     """The shared frame of every audit: validate ``cfg``, check ``out``
-    (:func:`check_output_folder`) and ``json_copy`` (:func:`check_file_writable`), choose the
+    (`check_output_folder`) and ``json_copy`` (`check_file_writable`), choose the
     similarity method with the exact cost checked on the untrained ``model`` of the configured
-    architecture BEFORE any training (:func:`choose_method`), then
-    ``runner(cfg, stage, show_progress, method)`` inside :func:`staged_output`, then the
-    ``json_copy`` (:func:`write_json_copy`) — all before the swap, so ``out`` is replaced only
+    architecture BEFORE any training (`choose_method`), then
+    ``runner(cfg, stage, show_progress, method)`` inside `staged_output`, then the
+    ``json_copy`` (`write_json_copy`) — all before the swap, so ``out`` is replaced only
     by a complete run and a late failure leaves the previous run untouched."""
     cfg.validate()
     final = check_output_folder(out, json_name)
@@ -360,9 +360,9 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
     Returns ``{"global", "each", "method", "global_stderr", "each_stderr", "n_samples",
     "seed", "inner_each", "norm2_a_each", "norm2_b_each"}`` (Monte Carlo adds
     ``"global_reliable"`` and ``"global_reason"``: the global estimate's verdict; an unreliable
-    ``"global"`` is the :class:`~tensoralg.MonteCarloEstimate`, which never formats as a
-    number; and ``"each_reliable"`` / ``"each_reason"``: each slice's verdict); the stderr entries,
-    ``n_samples`` and ``seed`` are ``None`` and the inner products are present only for
+    ``"global"`` is the [`MonteCarloEstimate`][tensoralg.MonteCarloEstimate], which never formats as
+    a number; and ``"each_reliable"`` / ``"each_reason"``: each slice's verdict); the stderr
+    entries, ``n_samples`` and ``seed`` are ``None`` and the inner products are present only for
     the deterministic methods. Under ``auto``, an exact computation refused as too costly
     (``CostTooHigh``) is redone by Monte Carlo and ``method`` says so.
     """
@@ -459,8 +459,8 @@ def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 
     """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded;
     ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods); ``n_ctx``: the
     sequence length of sequence networks (None for others). A Monte Carlo
-    matrix is the library's :class:`~tensoralg.strategies.montecarlo.MonteCarloArray` itself:
-    per entry a delta-method standard error and a reliability verdict (:func:`mc_entries`)."""
+    matrix is the library's `MonteCarloArray` itself:
+    per entry a delta-method standard error and a reliability verdict (`mc_entries`)."""
     import tensoralg as ta
 
     m = resolve_method(method, depth)

@@ -220,7 +220,8 @@ def run_compare(a: str, b: str, methods: Sequence[str] = DEFAULT_METHODS,
 
 def _compare_rows(rows: list, pairs, na, nb, sequence: bool, n_samples: int, seed: int,
                   n_ctx, show_progress: bool) -> None:
-    """The rows of :func:`run_compare`, one per (metric, method) pair, appended to ``rows``."""
+    """The rows of [`run_compare`][tensoralg.audit.compare.run_compare], one per (metric, method)
+    pair, appended to ``rows``."""
     import tensoralg as ta
 
     for metric, method in progress(pairs, "compare", show_progress):
@@ -278,10 +279,10 @@ def _compare_rows(rows: list, pairs, na, nb, sequence: bool, n_samples: int, see
 def exact_instead(na, nb, n_ctx) -> dict:
     """What is exact for a pair whose Monte Carlo similarity has no reliable estimate: the
     degree-resolved similarities ``S<=1`` and ``S<=5`` (below the models' degree) where
-    :func:`tensoralg.degree_similarity` computes them exactly (docs/mathematics.md §3.9: a
-    different question from the full similarity, the similarity of the low-degree parts), as
-    ``{"S<=K": value}``; a ``K`` it could only estimate is left out, and a refusal is kept as
-    ``{"refused": message}``."""
+    [`tensoralg.degree_similarity`][tensoralg.degree_similarity] computes them exactly
+    (docs/mathematics.md §3.9: a different question from the full similarity, the similarity of the
+    low-degree parts), as ``{"S<=K": value}``; a ``K`` it could only estimate is left out, and a
+    refusal is kept as ``{"refused": message}``."""
     import tensoralg as ta
 
     deg = min(na.degree, nb.degree)
@@ -397,7 +398,7 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     """Similarity matrix of the checkpoints at ``paths`` (heatmap ``matrix.png``, ``matrix.csv``,
     ``matrix.json`` under ``out``). ``seed``, ``n_samples``: Monte Carlo seed and sample count
     (default ``MC_SAMPLES``; ``SEQUENCE_MC_SAMPLES`` for bilinear-transformer checkpoints, as
-    :func:`run_compare`)
+    [`run_compare`][tensoralg.audit.compare.run_compare])
     (a Monte Carlo matrix carries per entry a standard error and a verdict:
     ``similarity_stderr`` / ``similarity_reliable``; an unreliable entry is null in
     ``similarity_matrix``, blank in the CSV and the heatmap, "no reliable estimate" in the
@@ -410,7 +411,8 @@ def run_matrix(paths: Sequence[str], out: str | Path, method: str = "auto",
     Raises:
         ValueError: fewer than two checkpoints, mismatched sizes, a bad ``output`` or ``out``;
             ``method="auto"`` for bilinear transformers of two or more layers (see
-            :func:`sequence_matrix_method`: no approximation is chosen by default);
+            [`sequence_matrix_method`][tensoralg.audit.compare.sequence_matrix_method]: no
+            approximation is chosen by default);
         tensoralg.CostTooHigh: ``method="exact"`` over the exact budget (checked before any
             contraction).
     """

@@ -113,11 +113,11 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
 
     Checks (``out``, the exact cost) happen before training, and the run is written into a
     fresh folder that replaces ``out`` as a whole only when complete; see
-    :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are relative to ``out``.
-    With Monte Carlo the per-stage similarities carry standard errors and ``collapses`` needs a
-    gap of more than 2 standard errors; each entry of the Monte Carlo matrix carries its
-    standard error and verdict (``matrices.tensor_similarity_stderr`` / ``_reliable``; an
-    unreliable entry is null there and blank in the figure).
+    [`tensoralg.audit.backdoor.run_backdoor`][tensoralg.audit.backdoor.run_backdoor]. Paths in the
+    JSON are relative to ``out``. With Monte Carlo the per-stage similarities carry standard errors
+    and ``collapses`` needs a gap of more than 2 standard errors; each entry of the Monte Carlo
+    matrix carries its standard error and verdict (``matrices.tensor_similarity_stderr`` /
+    ``_reliable``; an unreliable entry is null there and blank in the figure).
     """
     return run_staged(cfg, out, JSON_NAME, cfg.n_layers, _model(cfg), _run_forgetting,
                       show_progress, json_copy)

@@ -161,8 +161,9 @@ def run_grokking(cfg: GrokkingConfig, out: str | Path, show_progress: bool = Tru
 
     Checks (``out``, the exact cost) happen before training, and the run is written into a
     fresh folder that replaces ``out`` as a whole only when complete, so ``out/checkpoints``
-    never mixes runs; see :func:`tensoralg.audit.backdoor.run_backdoor`. Paths in the JSON are
-    relative to ``out``.
+    never mixes runs; see
+    [`tensoralg.audit.backdoor.run_backdoor`][tensoralg.audit.backdoor.run_backdoor]. Paths in the
+    JSON are relative to ``out``.
     """
     return run_staged(cfg, out, JSON_NAME, 1, _model(cfg), _run_grokking, show_progress,
                       json_copy)

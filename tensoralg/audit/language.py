@@ -2,11 +2,12 @@
 log schedule, and four checkpoint x checkpoint similarity matrices next to the n-gram
 statistics the model learns.
 
-The experiment (issue 10). An attention-only :class:`~tensoralg.transformer.BilinearTransformer`
-is trained on the character-level corpus of :mod:`tensoralg.corpus` (next-token cross-entropy,
-AdamW). Checkpoints are saved at log-spaced steps. Over all pairs of checkpoints:
+The experiment (issue 10). An attention-only
+[`BilinearTransformer`][tensoralg.transformer.BilinearTransformer] is trained on the character-level
+corpus of `tensoralg.corpus` (next-token cross-entropy, AdamW). Checkpoints are saved at log-spaced
+steps. Over all pairs of checkpoints:
 
-Two layers (the default) or more: the **degree report** (:mod:`tensoralg.audit.language_degree`,
+Two layers (the default) or more: the **degree report** (`tensoralg.audit.language_degree`,
 issue 21 item 7): under three input metrics (residual stream ``N(0, I)``, the paper's
 vocabulary-space metric, a covariance matched to the held-out residual stream) the exact
 ``S<=1`` and ``S<=5`` matrices over all checkpoints, ``S<=9`` and the guided full similarity
@@ -15,13 +16,13 @@ whether the sharpest transitions line up with n-gram learning. The matrices belo
 ``method`` ``exact`` (one layer, the default there), ``montecarlo`` or ``closure`` compute:
 
 * **tensor similarity** of the residual stream -> logits maps (Gaussian metric on the residual
-  stream input, :meth:`BilinearTransformer.to_network`), through the public
+  stream input, `BilinearTransformer.to_network`), through the public
   ``tensoralg.similarity_matrix`` when it accepts sequence models and otherwise a loop over
   ``tensoralg.inner`` (self terms once per checkpoint). One layer (``n_layers=1``):
   ``method="exact"``, and a few pairs are re-estimated by Monte Carlo with their standard
   errors. Two layers or more, where the exact similarity is out of reach
   (docs/mathematics.md §3.9): ``method="montecarlo"`` — every pair estimated from one shared
-  set of directions (:func:`tensoralg.strategies.montecarlo.montecarlo_similarity_pairs`) with its
+  set of directions (`tensoralg.strategies.montecarlo.montecarlo_similarity_pairs`) with its
   reliability verdict; an entry is reported only when reliable, otherwise "no reliable
   estimate" with the reason and the certified lower bounds on the norms. The moment-closure
   similarity (``method="closure"``, APPROXIMATE beyond depth 1: on trained checkpoints far from
@@ -30,10 +31,10 @@ whether the sharpest transitions line up with n-gram learning. The matrices belo
   matrix when asked for with ``method="closure"``;
 * **output cosine**: mean cosine of the two logit vectors over held-out positions;
 * **linear CKA** of the final residual stream over held-out positions;
-* **weight cosine** of the flattened parameters (:mod:`tensoralg.baselines`).
+* **weight cosine** of the flattened parameters (`tensoralg.baselines`).
 
 Per checkpoint, the agreement of the model's next-token distribution with the corpus 1-, 2-, 3-
-and 4-gram predictors (:func:`tensoralg.corpus.ngram_scores`: top-1 agreement and KL).
+and 4-gram predictors (`tensoralg.corpus.ngram_scores`: top-1 agreement and KL).
 
 Transitions. For consecutive checkpoints ``i, i+1`` (equal spacing in log step) the change of a
 metric is ``1 - M[i, i+1]``. The sharpest tensor-similarity transitions are the intervals with
@@ -218,7 +219,7 @@ class LanguageConfig:
         """``auto``: exact for one attention layer; for two or more, where the exact
         similarity is out of reach, the degree report (exact S<=1 and S<=5 matrices, S<=9 and
         the guided full similarity by Monte Carlo with verdicts, under three metrics:
-        :mod:`tensoralg.audit.language_degree`) — never the closure, which is APPROXIMATE
+        `tensoralg.audit.language_degree`) — never the closure, which is APPROXIMATE
         there (docs/mathematics.md §3.9) and runs only when asked for."""
         if self.method != "auto":
             return self.method
@@ -770,7 +771,7 @@ def montecarlo_pair_matrix(nets: Sequence[Any], n_ctx: int, n_samples: int, seed
                            steps: Sequence[int], show_progress: bool = False
                            ) -> tuple[np.ndarray, list, dict]:
     """Every pair's Monte Carlo similarity with its verdict, from one shared set of directions
-    (:func:`tensoralg.strategies.montecarlo.montecarlo_similarity_pairs`; each entry equals
+    (`tensoralg.strategies.montecarlo.montecarlo_similarity_pairs`; each entry equals
     ``tensoralg.similarity(a, b, method="montecarlo", n_ctx=n_ctx, n_samples=n_samples,
     seed=seed)`` up to rounding).
 

@@ -1,6 +1,7 @@
-"""Pieces of the language audit shared by its reports (:mod:`tensoralg.audit.language`, the
-degree report :mod:`tensoralg.audit.language_degree`): file names, the n-gram orders and the
-transitions behind the finding (docs/language.md, "Transitions and the finding")."""
+"""Pieces of the language audit shared by its reports
+([`tensoralg.audit.language`][tensoralg.audit.language], the degree report
+`tensoralg.audit.language_degree`): file names, the n-gram orders and the transitions behind the
+finding (docs/language.md, "Transitions and the finding")."""
 
 from __future__ import annotations
 

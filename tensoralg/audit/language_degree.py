@@ -20,23 +20,23 @@ The three metrics (every number records which one it used):
 ``S<=K`` is the similarity of the degree-``<=K`` truncations (docs/mathematics.md §3.9,
 "Homogeneous parts"): a different question from the full similarity, not an approximation.
 
-Exact parts. ``S<=5``: :func:`tensoralg.degree_similarity_matrix` (each checkpoint once, then
-the pairs). ``S<=1``: a ``BilinearTransformer`` has no bias and every block is of degree >= 2 in
-its input, so its affine part is the direct path ``f_<=1(X)[t] = W_U W_Eᵀ K z_t`` (``W_U`` alone
-for ``residual``), and ``<f_<=1^a, f_<=1^b> = n_ctx tr(J_aᵀ J_b)``: a closed form of the
-weights (:func:`affine_gram`), checked in the run against ``degree_similarity_matrix(...,
-max_degree=1)`` on two checkpoints (residual metric; the library reads the affine part by a DFT
-on the ``n_ctx·d`` basis inputs, ~22 s per vocabulary-space checkpoint at the default size) and
-in tests/test_language.py on every metric.
+Exact parts. ``S<=5``: [`tensoralg.degree_similarity_matrix`][tensoralg.degree_similarity_matrix]
+(each checkpoint once, then the pairs). ``S<=1``: a ``BilinearTransformer`` has no bias and every
+block is of degree >= 2 in its input, so its affine part is the direct path
+``f_<=1(X)[t] = W_U W_Eᵀ K z_t`` (``W_U`` alone for ``residual``), and
+``<f_<=1^a, f_<=1^b> = n_ctx tr(J_aᵀ J_b)``: a closed form of the weights (`affine_gram`), checked
+in the run against ``degree_similarity_matrix(..., max_degree=1)`` on two checkpoints (residual
+metric; the library reads the affine part by a DFT on the ``n_ctx·d`` basis inputs, ~22 s per
+vocabulary-space checkpoint at the default size) and in tests/test_language.py on every metric.
 
 Per pair, Monte Carlo (APPROXIMATE). In vocabulary space the pair's inputs enter only through
 ``K^T W_E^a`` and ``K^T W_E^b``: with ``Q`` an orthonormal basis of their joint column space
 (``q <= 2 d`` columns), ``f(W_Eᵀ K z) = f(W_Eᵀ K Q Qᵀ z)`` and ``Qᵀ z ~ N(0, I_q)``, so the pair's
 inner products are exactly those of ``f_a ∘ (W_E^aᵀ K Q)`` and ``f_b ∘ (W_E^bᵀ K Q)`` under
-``N(0, I_q)`` (:func:`pair_networks`; a change of variables, tested against the unreduced
-networks). ``S<=9`` is :func:`tensoralg.degree_similarity` on them, the full similarity
-``tensoralg.similarity(..., method="montecarlo", proposal="modes")``; an estimate whose
-diagnostics call it unreliable is "no reliable estimate", never a number, outside the JSON.
+``N(0, I_q)`` (`pair_networks`; a change of variables, tested against the unreduced
+networks). ``S<=9`` is [`tensoralg.degree_similarity`][tensoralg.degree_similarity] on them, the
+full similarity ``tensoralg.similarity(..., method="montecarlo", proposal="modes")``; an estimate
+whose diagnostics call it unreliable is "no reliable estimate", never a number, outside the JSON.
 """
 
 from __future__ import annotations
@@ -379,7 +379,7 @@ def metric_line(head: str, t: dict, fin: dict, extra: str = "") -> str:
 
 
 def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
-    """The degree report and its outputs (called by :func:`tensoralg.audit.language._run`
+    """The degree report and its outputs (called by `tensoralg.audit.language._run`
     after training, evaluation and the data metrics; ``c`` holds what they produced)."""
     import torch
 

@@ -1,5 +1,5 @@
 """``tensoralg matrix`` in blocks: ``--block-size``, ``--resume``, ``--workers N``,
-``--scheduler ADDRESS`` (any of them selects this path; see :mod:`tensoralg.blocks`).
+``--scheduler ADDRESS`` (any of them selects this path; see `tensoralg.blocks`).
 
 Output folder ``--out`` (default ``runs/matrix``):
 
@@ -16,7 +16,7 @@ block; rerun the same command with ``--resume``.
 
 Bilinear-transformer checkpoints are accepted with ``--n-ctx`` as in the unblocked ``matrix``
 (exact for one layer; beyond, ``--method auto`` is refused and the moment-closure similarity,
-APPROXIMATE, runs only with ``--method closure``; see :func:`run_matrix_blocked`).
+APPROXIMATE, runs only with ``--method closure``; see `run_matrix_blocked`).
 """
 
 from __future__ import annotations

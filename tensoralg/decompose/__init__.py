@@ -2,25 +2,28 @@
 
 Mathematics: docs/mathematics.md §3.8 (decompositions) and §3.6 (Gaussian chaos).
 
-* :func:`check_decomposition` — is ``f = sum_i g_i``? The exact residual ``||f - sum g_i||^2``
-  (Gaussian and Frobenius metrics), the Gram matrix of ``(f, g_1, ...)``, each component's share
-  of ``||f||^2`` and the interference terms; with ``backend="exact"`` a rational certificate.
-* :func:`eigen` — for depth-1 networks (embedding, one bilinear layer, head, biases, residual):
-  the chaos coefficients ``(C0, C1, C2)`` of one output (or direction ``u . f``) and the
-  eigendecomposition ``C2 = sum_i lambda_i v_i v_i^T``: ``f = C0 + C1.x + sum_i lambda_i He2(v_i.x)``
-  with mutually orthogonal components of norm^2 ``2 lambda_i^2``, so keeping ``k`` of them costs
-  exactly ``2 sum_dropped lambda_i^2``. The eigenvectors live in input space (through the
-  embedding).
-* :func:`paths` — a residual network ``head o (1 + B_n) o ... o (1 + B_1) o embed`` as a sum of
-  ``2^n`` path networks, one per subset of blocks a signal passes through; their Gram matrix is
-  the exact attribution.
-* :func:`combine` / :func:`difference` — ``sum_i c_i f_i`` (e.g. a checkpoint minus another) as
-  one network (hidden units side by side, coefficients on the output), so that its eigenvectors
-  localize a change in input space.
+* [`check_decomposition`][tensoralg.decompose.sums.check_decomposition] — is ``f = sum_i g_i``? The
+  exact residual ``||f - sum g_i||^2`` (Gaussian and Frobenius metrics), the Gram matrix of
+  ``(f, g_1, ...)``, each component's share of ``||f||^2`` and the interference terms; with
+  ``backend="exact"`` a rational certificate.
+* [`eigen`][tensoralg.decompose.spectral.eigen] — for depth-1 networks (embedding, one bilinear
+  layer, head, biases, residual): the chaos coefficients ``(C0, C1, C2)`` of one output (or
+  direction ``u . f``) and the eigendecomposition ``C2 = sum_i lambda_i v_i v_i^T``:
+  ``f = C0 + C1.x + sum_i lambda_i He2(v_i.x)`` with mutually orthogonal components of norm^2
+  ``2 lambda_i^2``, so keeping ``k`` of them costs exactly ``2 sum_dropped lambda_i^2``. The
+  eigenvectors live in input space (through the embedding).
+* [`paths`][tensoralg.decompose.residual.paths] — a residual network
+  ``head o (1 + B_n) o ... o (1 + B_1) o embed`` as a sum of ``2^n`` path networks, one per subset
+  of blocks a signal passes through; their Gram matrix is the exact attribution.
+* [`combine`][tensoralg.decompose.sums.combine] /
+  [`difference`][tensoralg.decompose.sums.difference] — ``sum_i c_i f_i`` (e.g. a checkpoint minus
+  another) as one network (hidden units side by side, coefficients on the output), so that its
+  eigenvectors localize a change in input space.
 
-Inner products go through the public API (:func:`tensoralg.cross_gram`, :func:`tensoralg.inner`);
-the one piece of mathematics of its own is :func:`chaos_coefficients_depth1`, which reads the
-degree-2 polynomial ``c + b.x + x^T A x`` straight off the lifted weights (never by sampling).
+Inner products go through the public API ([`tensoralg.cross_gram`][tensoralg.cross_gram],
+[`tensoralg.inner`][tensoralg.inner]); the one piece of mathematics of its own is
+[`chaos_coefficients_depth1`][tensoralg.decompose.spectral.chaos_coefficients_depth1], which reads
+the degree-2 polynomial ``c + b.x + x^T A x`` straight off the lifted weights (never by sampling).
 """
 
 from ._common import bilinear_depth

@@ -1,5 +1,6 @@
-"""Small helpers of :mod:`tensoralg.decompose`: exact/float arrays, output directions, network
-keys, size checks and the batched Gram matrix of networks of mixed architectures."""
+"""Small helpers of [`tensoralg.decompose`][tensoralg.decompose]: exact/float arrays, output
+directions, network keys, size checks and the batched Gram matrix of networks of mixed
+architectures."""
 
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def identity_matrix(n: int, exact: bool) -> np.ndarray:
 
 def gram_mixed(nets: Sequence[Layer], metric: str, backend: str, output: Any,
                 on_cost: str = "raise") -> np.ndarray:
-    """``G[i, j] = <n_i, n_j>`` with one :func:`tensoralg.cross_gram` call per pair of
-    architecture groups. ``on_cost="nan"``: a block refused as too costly is left NaN."""
+    """``G[i, j] = <n_i, n_j>`` with one [`tensoralg.cross_gram`][tensoralg.cross_gram] call per
+    pair of architecture groups. ``on_cost="nan"``: a block refused as too costly is left NaN."""
     import tensoralg as ta
 
     groups: dict[tuple, list[int]] = {}

@@ -28,13 +28,14 @@ def mask_mass(v: np.ndarray, mask: np.ndarray) -> dict:
 def change_eigen(before: Any, after: Any, output: int, k: int = 4,
                  mask: np.ndarray | None = None) -> tuple[Any, dict]:
     """Eigen-components of output ``output`` of the change ``after - before`` (one network,
-    :func:`tensoralg.decompose.difference`) and a JSON summary: norm of the change, top ``k``
-    eigenvalues, their share of the change's ``||.||^2`` (chaos-2 part), the relative error of
-    keeping ``k``, and (with ``mask``) the squared mass inside the mask of the top eigenvector,
-    of each of the top ``k``, and of the linear (chaos-1) term ``C1``.
+    [`tensoralg.decompose.difference`][tensoralg.decompose.difference]) and a JSON summary: norm of
+    the change, top ``k`` eigenvalues, their share of the change's ``||.||^2`` (chaos-2 part), the
+    relative error of keeping ``k``, and (with ``mask``) the squared mass inside the mask of the top
+    eigenvector, of each of the top ``k``, and of the linear (chaos-1) term ``C1``.
 
     Raises:
-        ValueError: a network of depth >= 2 (see :func:`tensoralg.decompose.eigen`).
+        ValueError: a network of depth >= 2 (see
+            [`tensoralg.decompose.eigen`][tensoralg.decompose.eigen]).
     """
     from . import difference, eigen
 

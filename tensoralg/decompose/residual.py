@@ -1,5 +1,6 @@
-"""A residual network expanded into the path networks that sum to it (:func:`paths`,
-:func:`path_similarity`; docs/mathematics.md §3.8)."""
+"""A residual network expanded into the path networks that sum to it
+([`paths`][tensoralg.decompose.residual.paths],
+[`path_similarity`][tensoralg.decompose.residual.path_similarity]; docs/mathematics.md §3.8)."""
 
 from __future__ import annotations
 
@@ -131,7 +132,8 @@ def _path_network(pre, blocks, post, T: tuple[int, ...], exact: bool) -> Layer:
 
 @dataclass
 class PathDecomposition:
-    """Result of :func:`paths`. ``names[i]`` is ``"direct"`` or the blocks passed (``"1+2"``).
+    """Result of [`paths`][tensoralg.decompose.residual.paths]. ``names[i]`` is ``"direct"`` or the
+    blocks passed (``"1+2"``).
 
     Attributes:
         names, networks: the ``2^n`` path networks (they sum to the model exactly).
@@ -140,8 +142,8 @@ class PathDecomposition:
             planner's budget); over_budget: names of the refused paths.
         gram: ``(2^n, 2^n)`` Gaussian Gram matrix of the paths (NaN where refused): the exact
             attribution. share: ``gram[i, i] / ||f||^2``. norm2: ``||f||^2`` (NaN if refused).
-        check: :func:`check_decomposition` of the model against the paths (``None`` when a
-            path is over budget).
+        check: [`check_decomposition`][tensoralg.decompose.sums.check_decomposition] of the model
+            against the paths (``None`` when a path is over budget).
     """
 
     names: list[str]
@@ -187,11 +189,12 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDeco
     ``T = P | Q | {k}`` (the blocks a signal passed through) gives ``2^n`` path networks, e.g.
     ``direct``, ``1``, ``2``, ``1+2`` for two blocks. Biases go with the direct legs, the head's
     bias with ``direct``. The Gram matrix of the paths (Gaussian metric, batched per
-    architecture) is the exact attribution of ``||f||^2``; :func:`check_decomposition`
-    confirms the sum (in rationals with ``backend="exact"``). A path whose exact norm is over
-    the planner's budget (``tensoralg.plan(...).refused``, e.g. depth 3) is listed with its
-    cost, and its Gram entries are NaN (as are the model's, ``norm2``, when the model itself is
-    over budget); the check then needs ``tensoralg.verify.decompose.check_decomposition_exact``.
+    architecture) is the exact attribution of ``||f||^2``;
+    [`check_decomposition`][tensoralg.decompose.sums.check_decomposition] confirms the sum (in
+    rationals with ``backend="exact"``). A path whose exact norm is over the planner's budget
+    (``tensoralg.plan(...).refused``, e.g. depth 3) is listed with its cost, and its Gram entries
+    are NaN (as are the model's, ``norm2``, when the model itself is over budget); the check then
+    needs ``tensoralg.verify.decompose.check_decomposition_exact``.
 
     Raises:
         ValueError: a model that is not embed / residual blocks / head, more than 8 blocks.

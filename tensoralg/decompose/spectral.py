@@ -1,6 +1,7 @@
 """Chaos coefficients of depth-1 networks and their eigen-components (docs/mathematics.md §3.6, §3.8):
-:func:`chaos_coefficients_depth1`, :func:`eigen`, and a depth-1 network as one bilinear layer
-(:func:`as_bilinear_depth1`)."""
+[`chaos_coefficients_depth1`][tensoralg.decompose.spectral.chaos_coefficients_depth1],
+[`eigen`][tensoralg.decompose.spectral.eigen], and a depth-1 network as one bilinear layer
+([`as_bilinear_depth1`][tensoralg.decompose.spectral.as_bilinear_depth1])."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class _Quad:
 
 
 def _quadratic_form(net: Layer, exact: bool, name: str, q: _Quad | None = None) -> _Quad:
-    """Compose the layers of a depth-1 network into the factored form of :class:`_Quad`
+    """Compose the layers of a depth-1 network into the factored form of `_Quad`
     (lifted bilinear factors in input coordinates; an embedding is folded into them)."""
     if q is None:
         d = net.in_features
@@ -152,8 +153,11 @@ class EigenDecomposition:
     (shape ``(d,)``: pixels for images).
 
     Attributes:
-        C0 (float), C1 ``(d,)``, C2 ``(d, d)``: the chaos coefficients (float64).
-        eigenvalues ``(d,)``, eigenvectors ``(d, d)`` (rows).
+        C0: the constant chaos coefficient (float).
+        C1: ``(d,)``, the linear chaos coefficients (float64).
+        C2: ``(d, d)``, the quadratic chaos coefficients (float64).
+        eigenvalues: ``(d,)``, sorted by ``|lambda|``, largest first.
+        eigenvectors: ``(d, d)``, one unit eigenvector ``v_i`` per row.
         norm2: ``E[f^2] = C0^2 + |C1|^2 + 2 sum_i lambda_i^2``.
         output: the class index or direction it was computed for.
     """
@@ -245,7 +249,8 @@ def eigen(model: Any, output: Any = None):
     """Eigen-components of a depth-1 network's output ``output`` (docs/mathematics.md §3.8, §3.6).
 
     ``C2 = sum_i lambda_i v_i v_i^T`` (``numpy.linalg.eigh`` of the chaos-2 coefficient from
-    :func:`chaos_coefficients_depth1`) gives ``f = C0 + C1.x + sum_i lambda_i He2(v_i.x)``.
+    [`chaos_coefficients_depth1`][tensoralg.decompose.spectral.chaos_coefficients_depth1]) gives ``f
+    = C0 + C1.x + sum_i lambda_i He2(v_i.x)``.
 
     Args:
         model: a depth-1 network (embedding, one bilinear layer, head, biases, residual).
@@ -253,7 +258,8 @@ def eigen(model: Any, output: Any = None):
             one per output) or ``None`` (allowed only for a single-output network).
 
     Returns:
-        an :class:`EigenDecomposition` (a list of them for ``"each"``).
+        an [`EigenDecomposition`][tensoralg.decompose.spectral.EigenDecomposition] (a list of them
+        for ``"each"``).
 
     Raises:
         ValueError: a network of depth >= 2 (the message names check_decomposition), an output
@@ -283,12 +289,12 @@ def eigen(model: Any, output: Any = None):
 
 
 def as_bilinear_depth1(net: Any) -> Bilinear:
-    """A depth-1 network (degree <= 2) as one :class:`~tensoralg.layers.Bilinear` layer on the
-    input: the factored form of :func:`_quadratic_form`, plus one hidden unit per output for the
+    """A depth-1 network (degree <= 2) as one [`Bilinear`][tensoralg.layers.Bilinear] layer on the
+    input: the factored form of `_quadratic_form`, plus one hidden unit per output for the
     affine part (``(b_o . x + c_o) * 1``). Same function, exactly (rationals stay rationals).
 
     Raises:
-        ValueError: a network of depth >= 2 (names :func:`check_decomposition`).
+        ValueError: a network of depth >= 2 (names `check_decomposition`).
     """
     net = vector_network(net, "net")
     q = _quadratic_form(net, net.is_exact, "net")

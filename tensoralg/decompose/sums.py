@@ -1,5 +1,7 @@
-"""Sums of networks as one network (:func:`combine`, :func:`difference`) and the exact check that
-a sum of components equals a model (:func:`check_decomposition`, docs/mathematics.md §3.8)."""
+"""Sums of networks as one network ([`combine`][tensoralg.decompose.sums.combine],
+[`difference`][tensoralg.decompose.sums.difference]) and the exact check that a sum of components
+equals a model ([`check_decomposition`][tensoralg.decompose.sums.check_decomposition],
+docs/mathematics.md §3.8)."""
 
 from __future__ import annotations
 
@@ -85,7 +87,8 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
     (hidden units concatenated), and a final linear map sums the outputs weighted by ``c_i`` — so
     the depth is unchanged (docs/mathematics.md §3.8: "hidden units concatenated, one side's output
     negated"). Depth-1 networks of any pattern are first rewritten as one bilinear layer each
-    (:func:`as_bilinear_depth1`). Rational networks with rational coefficients stay rational.
+    ([`as_bilinear_depth1`][tensoralg.decompose.spectral.as_bilinear_depth1]). Rational networks
+    with rational coefficients stay rational.
 
     Args:
         networks: a non-empty list of networks with the same ``in_features`` and
@@ -125,10 +128,10 @@ def combine(networks: Sequence[Any], coefficients: Sequence[Any] | None = None) 
 
 def difference(a: Any, b: Any) -> Layer:
     """``f_b - f_a`` (the change from checkpoint ``a`` to checkpoint ``b``) as one network of the
-    same depth (see :func:`combine`). Two networks with the same weights give the zero network
-    (exactly: the float sum of ``f_b`` and ``-f_a`` would leave rounding noise of about
-    ``eps ||f_b||^2`` that reads as a change). Raises ``ValueError`` as :func:`combine`, with
-    size errors naming ``a`` and ``b``."""
+    same depth (see [`combine`][tensoralg.decompose.sums.combine]). Two networks with the same
+    weights give the zero network (exactly: the float sum of ``f_b`` and ``-f_a`` would leave
+    rounding noise of about ``eps ||f_b||^2`` that reads as a change). Raises ``ValueError`` as
+    [`combine`][tensoralg.decompose.sums.combine], with size errors naming ``a`` and ``b``."""
     na, nb = vector_network(a, "a"), vector_network(b, "b")
     check_pair(na, nb, sliceable=False)
     if _same_network(na, nb):
@@ -148,7 +151,8 @@ def _same_network(a: Layer, b: Layer) -> bool:
 
 @dataclass
 class DecompositionCheck:
-    """Result of :func:`check_decomposition`. Index 0 of the Gram matrices is the model.
+    """Result of [`check_decomposition`][tensoralg.decompose.sums.check_decomposition]. Index 0 of
+    the Gram matrices is the model.
 
     Attributes:
         equal: the decomposition reproduces the model. ``certified`` (exact backend): the
@@ -162,9 +166,9 @@ class DecompositionCheck:
             interference: ``sum_{i != j} <g_i, g_j> / ||f||^2`` (for an exact decomposition
             ``sum(share) + interference == 1``).
         residual_route: ``"network"`` (norm of the residual network ``f - sum g_i``, built by
-            :func:`combine`: no cancellation between large terms) or ``"gram"``
-            (``G_00 - 2 sum_i G_0i + sum_ij G_ij``; in float64 its absolute error is about
-            ``eps * sum |G|``).
+            [`combine`][tensoralg.decompose.sums.combine]: no cancellation between large terms) or
+            ``"gram"`` (``G_00 - 2 sum_i G_0i + sum_ij G_ij``; in float64 its absolute error is
+            about ``eps * sum |G|``).
     """
 
     equal: bool
@@ -219,7 +223,7 @@ def check_decomposition(model: Any, components: Sequence[Any], *, output: Any = 
         rtol: float backends only: ``equal`` iff ``residual <= rtol * ||f||^2``.
 
     Returns:
-        a :class:`DecompositionCheck`.
+        a [`DecompositionCheck`][tensoralg.decompose.sums.DecompositionCheck].
 
     Raises:
         ValueError: no components, components with other input or output sizes, a bad

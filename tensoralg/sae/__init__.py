@@ -9,28 +9,29 @@ dictionary (aRIP regularizer) and a too-weak encoder (multi-step encoder).
 
 Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
 
-* :mod:`tensoralg.sae.models` — :class:`SAEConfig`, :class:`SparseAutoencoder`, ``topk``,
+* [`tensoralg.sae.models`][tensoralg.sae.models] — `SAEConfig`, `SparseAutoencoder`, ``topk``,
   ``abstopk``, ``rip_penalty``, ``rip_constants``;
-* :mod:`tensoralg.sae.training` — :class:`TrainConfig`, :func:`train`, :func:`train_many`
+* [`tensoralg.sae.training`][tensoralg.sae.training] — `TrainConfig`, `train`, `train_many`
   (several SAEs over shared batches), checkpoints, the JSONL log;
-* :mod:`tensoralg.sae.formats` — :func:`save_sae` / :func:`load_sae` in SAELens's layout
+* [`tensoralg.sae.formats`][tensoralg.sae.formats] — `save_sae` / `load_sae` in SAELens's layout
   (SAELens's standard / TopK / AbsTopK / JumpReLU folders load, their options folded);
-* :mod:`tensoralg.sae.saelens_compat` — ``register()``: tensoralg's multi-step architecture
+* `tensoralg.sae.saelens_compat` — ``register()``: tensoralg's multi-step architecture
   in SAELens (needs SAELens);
-* :mod:`tensoralg.sae.hooks` — activations at a named submodule of any ``torch.nn.Module``
-  (:func:`activations_at`, :func:`collect_activations`: streamed, resumable);
-* :mod:`tensoralg.sae.evaluation` — the SAE spliced into the model: CE loss recovered, KL
-  (:func:`evaluate_spliced`, :func:`evaluate_transformer`);
-* :mod:`tensoralg.sae.synthetic` — :func:`make_synthetic`;
-* :mod:`tensoralg.sae.pursuit` — batched :func:`omp` (exported as ``tensoralg.sae.omp``);
-* :mod:`tensoralg.sae.presets` — ``topk``, ``abstopk``, ``isae``, ``isae-me``;
-* :mod:`tensoralg.sae.bench` — :func:`run_bench`;
-* :mod:`tensoralg.sae.activations` — hidden states of all-MiniLM-L6-v2 (optional extra);
-* :mod:`tensoralg.sae.transformer_acts` — the residual stream of a
-  :class:`~tensoralg.transformer.BilinearTransformer` on held-out corpus text (offline;
-  :func:`extract_transformer_activations`, :func:`residual_stream_at`).
+* `tensoralg.sae.hooks` — activations at a named submodule of any ``torch.nn.Module``
+  (`activations_at`, `collect_activations`: streamed, resumable);
+* `tensoralg.sae.evaluation` — the SAE spliced into the model: CE loss recovered, KL
+  (`evaluate_spliced`, `evaluate_transformer`);
+* [`tensoralg.sae.synthetic`][tensoralg.sae.synthetic] — `make_synthetic`;
+* [`tensoralg.sae.pursuit`][tensoralg.sae.pursuit] — batched `omp` (exported as
+  ``tensoralg.sae.omp``);
+* [`tensoralg.sae.presets`][tensoralg.sae.presets] — ``topk``, ``abstopk``, ``isae``, ``isae-me``;
+* [`tensoralg.sae.bench`][tensoralg.sae.bench] — `run_bench`;
+* `tensoralg.sae.activations` — hidden states of all-MiniLM-L6-v2 (optional extra);
+* [`tensoralg.sae.transformer_acts`][tensoralg.sae.transformer_acts] — the residual stream of a
+  [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer] on held-out corpus text
+  (offline; `extract_transformer_activations`, `residual_stream_at`).
 
-The stability metrics live in :mod:`tensoralg.verify.identifiability`.
+The stability metrics live in [`tensoralg.verify.identifiability`][verify.identifiability].
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """SAELens classes for tensoralg's multi-step encoder (imported only by
-:func:`tensoralg.sae.saelens_compat.register`, which needs SAELens installed)."""
+`tensoralg.sae.saelens_compat.register`, which needs SAELens installed)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def build_classes() -> dict:
 
     class MultistepSAE(SAE):
         """tensoralg's multi-step encoder as a ``sae_lens.SAE`` (see
-        :mod:`tensoralg.sae.saelens_compat` for the formula)."""
+        `tensoralg.sae.saelens_compat` for the formula)."""
 
         def initialize_weights(self) -> None:
             super().initialize_weights()

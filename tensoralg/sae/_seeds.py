@@ -1,9 +1,9 @@
 """Independent random streams from one user seed.
 
-Every random draw in :mod:`tensoralg.sae` goes through a private ``torch.Generator`` seeded by
-:func:`stream_seed`, which mixes the user's seed with a *stream name* (``"data"``, ``"init"``,
+Every random draw in [`tensoralg.sae`][tensoralg.sae] goes through a private ``torch.Generator``
+seeded by `stream_seed`, which mixes the user's seed with a *stream name* (``"data"``, ``"init"``,
 ``"batches"``, ``"b_dec"``, ``"resample"``, ``"resample_pool"``) through
-:class:`numpy.random.SeedSequence` (its hash-based entropy mixing, O'Neill's PCG seeding scheme).
+`numpy.random.SeedSequence` (its hash-based entropy mixing, O'Neill's PCG seeding scheme).
 Two streams with the same user seed are therefore unrelated: ``make_synthetic(seed=s)`` and
 ``SparseAutoencoder(cfg, seed=s)`` no longer draw the same Gaussian matrix (which made an untrained
 SAE *be* the ground-truth dictionary).
@@ -37,5 +37,5 @@ def stream_seed(seed: int, stream: str, *extra: int) -> int:
 
 
 def stream_generator(seed: int, stream: str, *extra: int) -> torch.Generator:
-    """A CPU ``torch.Generator`` seeded with :func:`stream_seed`."""
+    """A CPU ``torch.Generator`` seeded with `stream_seed`."""
     return torch.Generator().manual_seed(stream_seed(seed, stream, *extra))

@@ -6,7 +6,8 @@ Per preset (means over seeds, or over seed pairs for the cross-seed numbers), on
 * ``fvu`` — fraction of variance unexplained ``Σ‖x - x_hat‖² / Σ‖x - mean x‖²``;
 * ``l0`` — mean number of non-zero code entries per held-out row; ``dead_latents`` — latents
   that are zero on every held-out row (mean over seeds);
-* ``dcs``, ``code_iou``, ``code_l2`` — :mod:`tensoralg.verify.identifiability` between every two seeds;
+* ``dcs``, ``code_iou``, ``code_l2`` — [`tensoralg.verify.identifiability`][verify.identifiability]
+  between every two seeds;
 * ``gt_dcs``, ``gt_code_iou``, ``gt_code_l2`` — against the true dictionary and codes;
 * ``rip_delta`` — max over observed supports of ``max(λ_max(G_S) - 1, 1 - λ_min(G_S))`` of the
   learned dictionary (mean over seeds); ``rip_delta_mean`` its mean over supports;
@@ -14,7 +15,7 @@ Per preset (means over seeds, or over seed pairs for the cross-seed numbers), on
   truth, FVU); ``random_init`` — the same metrics for untrained SAEs (the floor).
 
 All presets × seeds are trained in one pass over shared batches
-(:func:`~tensoralg.sae.training.train_many`; batch order from ``seed``, the runs differ in
+([`train_many`][tensoralg.sae.training.train_many]; batch order from ``seed``, the runs differ in
 their initial weights), and ``findings`` include a plateau check per preset (relative FVU change
 over the last 20 % of steps, ``plateau_change``).
 
@@ -95,8 +96,8 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
     """Train every preset with several seeds and measure reconstruction and identifiability.
 
     Args:
-        presets: preset names (default: the ablation arms, :data:`ABLATION`).
-        quick: use :data:`QUICK` sizes (about a minute on one CPU thread) instead of :data:`FULL`.
+        presets: preset names (default: the ablation arms, `ABLATION`).
+        quick: use `QUICK` sizes (about a minute on one CPU thread) instead of `FULL`.
         seeds: number of seeds (>= 2 for cross-seed numbers; the issue asks for >= 3).
         data: optional real activations ``(n, d)`` (tensor, array or ``.npy`` path); the last
             ``eval_fraction`` of the rows are held out. Without it, synthetic data with a
@@ -303,7 +304,7 @@ def _fmt(v) -> str:
 
 
 def format_table(r: dict) -> str:
-    """Markdown table of a :func:`run_bench` result."""
+    """Markdown table of a [`run_bench`][tensoralg.sae.bench.run_bench] result."""
     names = list(r["config"]["presets"])
     cols = ["fvu", "l0", "dead", "dcs", "code_iou", "code_l2", "gt_dcs", "gt_code_iou",
             "gt_code_l2", "rip_delta"]

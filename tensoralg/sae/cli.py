@@ -44,7 +44,7 @@ def _synthetic_spec(text: str) -> dict:
 
 
 def _check_json(args) -> None:
-    """``--json`` really writable (:func:`tensoralg.audit.common.check_file_writable`); before
+    """``--json`` really writable (`tensoralg.audit.common.check_file_writable`); before
     any work and before torch is imported."""
     if getattr(args, "json", None):
         from ..audit.common import check_file_writable
@@ -52,8 +52,9 @@ def _check_json(args) -> None:
 
 
 def _check_npy(path, flag: str) -> None:
-    """The cheap part of :func:`tensoralg.sae.training.as_activations` (a .npy file that
-    exists), before torch is imported; the contents are checked when it is read."""
+    """The cheap part of
+    [`tensoralg.sae.training.as_activations`][tensoralg.sae.training.as_activations] (a .npy file
+    that exists), before torch is imported; the contents are checked when it is read."""
     from pathlib import Path
 
     if path is None:
@@ -65,7 +66,7 @@ def _check_npy(path, flag: str) -> None:
 
 
 def _check_folder(path, flag: str) -> None:
-    """A folder holding a readable ``cfg.json`` (:func:`tensoralg.io.read_config`), before
+    """A folder holding a readable ``cfg.json`` (`tensoralg.io.read_config`), before
     torch is imported; the weights are checked when it is loaded."""
     from ..io import read_config
 
@@ -93,7 +94,7 @@ def _check_out(out) -> None:
     (its ``cfg.json`` names ``d_sae``), so that training never writes into (and a later run
     never replaces) a folder of other files. An earlier run there is continued in place when it
     is the ``--resume`` folder, and otherwise replaced as a whole once the new run completes
-    (:func:`_replaces_earlier_run`), so a folder never mixes two runs' files. Checked before any
+    (`_replaces_earlier_run`), so a folder never mixes two runs' files. Checked before any
     work; creates nothing.
 
     Raises:
@@ -129,7 +130,7 @@ _TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "ckpt_every", "lr_warmup_st
 
 
 def _as_flag_error(exc: ValueError) -> ValueError:
-    """``exc`` with a leading ``name:`` of a :data:`_TRAIN_FLAGS` argument (e.g. ``batch_size:``)
+    """``exc`` with a leading ``name:`` of a `_TRAIN_FLAGS` argument (e.g. ``batch_size:``)
     written as the flag (``--batch-size:``); other messages unchanged."""
     msg = str(exc)
     name = msg.split(":", 1)[0]
@@ -139,7 +140,7 @@ def _as_flag_error(exc: ValueError) -> ValueError:
 
 
 def _replaces_earlier_run(out, resume) -> bool:
-    """Whether ``sae train --out`` holds an earlier run (see :func:`_check_out`) that this run
+    """Whether ``sae train --out`` holds an earlier run (see `_check_out`) that this run
     replaces as a whole: any non-empty ``--out`` that is not the ``--resume`` folder itself."""
     from pathlib import Path
 
@@ -766,7 +767,7 @@ def _cmd_evaluate(args) -> int:
 
 def add_evaluate_parser(ss) -> None:
     """Register ``sae evaluate`` on the ``sae`` subparsers ``ss`` (one call from
-    :func:`add_parsers`)."""
+    `add_parsers`)."""
     e = ss.add_parser("evaluate", help="splice an SAE into a bilinear transformer at its layer: "
                                        "next-token loss, CE loss recovered, KL on held-out text")
     e.add_argument("--sae", required=True,

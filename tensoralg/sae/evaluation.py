@@ -1,7 +1,7 @@
 """Downstream evaluation of an SAE: splice its reconstruction into the model at its hook and
 measure what the model loses ("CE loss recovered"), on held-out text.
 
-For a language model ``f`` and an SAE at hook ``h`` (:mod:`tensoralg.sae.hooks`), over the
+For a language model ``f`` and an SAE at hook ``h`` (`tensoralg.sae.hooks`), over the
 next-token predictions of the evaluation batches:
 
 * ``loss_clean`` — mean next-token cross-entropy (nats) of the model as it is;
@@ -22,11 +22,11 @@ Every quantity is a plain average over predicted tokens of exact per-token value
 sampling); ``tests/test_sae_evaluation.py`` checks them against a forward pass written out
 by hand and the cross-entropy / KL written in numpy, to 1e-12 in float64.
 
-:func:`evaluate_spliced` takes any ``torch.nn.Module`` whose output is the logits
+`evaluate_spliced` takes any ``torch.nn.Module`` whose output is the logits
 ``(batch, T, vocab)`` (or has a ``.logits`` attribute, as Hugging Face models) and a hook;
-:func:`evaluate_transformer` does it for a :class:`~tensoralg.transformer.BilinearTransformer`
-at the residual stream of layer ``l`` (``--layer`` of ``sae activations``) on the held-out
-windows of the offline corpus.
+`evaluate_transformer` does it for a
+[`BilinearTransformer`][tensoralg.transformer.BilinearTransformer] at the residual stream of layer
+``l`` (``--layer`` of ``sae activations``) on the held-out windows of the offline corpus.
 """
 
 from __future__ import annotations
@@ -128,10 +128,10 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
     Args:
         model: any ``torch.nn.Module`` (evaluated under ``torch.no_grad``; put it in eval mode
             first if it has dropout).
-        sae: a :class:`~tensoralg.sae.models.SparseAutoencoder` whose ``d_in`` is the last
-            dimension of the activation at the hook (its rows are the positions).
+        sae: a [`SparseAutoencoder`][tensoralg.sae.models.SparseAutoencoder] whose ``d_in`` is the
+            last dimension of the activation at the hook (its rows are the positions).
         logits_fn: ``(output, batch) -> (logits (N, V), targets (N,))``; default
-            :func:`next_token_logits`.
+            `next_token_logits`.
     Returns:
         dict with ``loss_clean``, ``loss_spliced``, ``loss_zero``, ``ce_loss_recovered``,
         ``kl_spliced``, ``kl_zero`` (nats per predicted token), ``fvu``, ``l0``, ``n_tokens``,
@@ -196,15 +196,16 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
 
 def evaluate_transformer(model, sae, layer: int | None, tokens: torch.Tensor,
                          batch_size: int = 64, progress: bool = False) -> dict:
-    """:func:`evaluate_spliced` for a :class:`~tensoralg.transformer.BilinearTransformer` with
-    the SAE at the residual stream ``h_layer`` (``0`` embedding, ``l`` after block ``l``,
+    """`evaluate_spliced` for a [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer]
+    with the SAE at the residual stream ``h_layer`` (``0`` embedding, ``l`` after block ``l``,
     ``None``/``n_layers`` final: the hook point ``hook_resid.{layer}``), on token windows
-    ``tokens (n, T)`` (e.g. :func:`tensoralg.audit.language.eval_windows` of the corpus's
+    ``tokens (n, T)`` (e.g.
+    [`tensoralg.audit.language.eval_windows`][tensoralg.audit.language.eval_windows] of the corpus's
     held-out split), in batches of ``batch_size`` windows.
 
     Raises:
         ValueError: ``layer`` out of range; ``tokens`` not ``(n, T >= 2)``; see
-            :func:`evaluate_spliced`.
+            `evaluate_spliced`.
     """
     from .transformer_acts import check_layer, resid_hook
 
@@ -247,9 +248,9 @@ def fixed_support_map(sae, support) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def spliced_network(model, sae, layer: int | None, support):
-    """The exact tensoralg network (:meth:`BilinearTransformer.to_network`: residual stream
+    """The exact tensoralg network (`BilinearTransformer.to_network`: residual stream
     ``h_0`` -> logits) of ``model`` with the residual stream ``h_layer`` replaced by the SAE's
-    reconstruction on the fixed support ``support`` (:func:`fixed_support_map`, a ``Linear``
+    reconstruction on the fixed support ``support`` (`fixed_support_map`, a ``Linear``
     layer with bias inserted before block ``layer``, or before the unembedding for the final
     stream). Its Gaussian similarity to ``model.to_network()`` is then
     ``tensoralg.similarity(model.to_network(), spliced_network(...))``: computed exactly where
@@ -258,7 +259,7 @@ def spliced_network(model, sae, layer: int | None, support):
     ``CostTooHigh`` naming the approximate methods (``method="closure"``/``"montecarlo"``).
 
     Raises:
-        ValueError: ``layer`` out of range; see :func:`fixed_support_map`; an SAE whose
+        ValueError: ``layer`` out of range; see `fixed_support_map`; an SAE whose
             ``d_in`` is not ``d_model``.
     """
     from ..layers import Linear, Sequential

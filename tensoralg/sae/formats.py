@@ -11,7 +11,7 @@ Layout (SAELens 6.x, ``sae_lens/constants.py`` and ``SAEConfig.to_dict``):
   ``"layer_norm"``), ``reshape_activations`` (``"none"``), ``rescale_acts_by_decoder_norm``
   (false; TopK/AbsTopK), ``metadata`` (``model_name``, ``hook_name``, the data: a dict, as
   SAELens's ``SAEMetadata``), plus tensoralg's own flat fields (the
-  :class:`~tensoralg.sae.models.SAEConfig`, ``train_*`` entries), which SAELens drops (it keeps
+  [`SAEConfig`][tensoralg.sae.models.SAEConfig], ``train_*`` entries), which SAELens drops (it keeps
   only the fields of its config dataclass).
 
 Architectures. Read and written as SAELens's: ``topk``, ``abstopk`` (single-step encoder),
@@ -20,17 +20,18 @@ BatchTopK and Matryoshka-BatchTopK trainers save as ``jumprelu``). The multi-ste
 encoder has no SAELens counterpart, so its folders are labelled
 ``tensoralg_multistep_abstopk`` / ``tensoralg_multistep_topk``: an architecture SAELens does not
 know, which its loader refuses (``KeyError`` from its registry) instead of reading the folder
-as a single-step SAE with other codes — unless :func:`tensoralg.sae.saelens_compat.register`
+as a single-step SAE with other codes — unless `tensoralg.sae.saelens_compat.register`
 has registered tensoralg's architecture with SAELens. All their tensors (with ``W_step`` or
 ``step_scale``) are in ``sae_weights.safetensors``. Folders of earlier tensoralg versions
 (``abstopk``/``topk`` with ``encoder: "multistep"`` and ``encoder_steps.safetensors``, or
 ``weights.safetensors`` with architecture ``"isae"``) still load here.
 
-SAELens options folded at load (the function is unchanged; :func:`fold_saelens_options`):
-``rescale_acts_by_decoder_norm`` true (SAELens's TopK/AbsTopK trainers always set it and keep
-it after ``fold_W_dec_norm``) and ``apply_b_dec_to_input`` false. Any other architecture, or a
-SAELens option tensoralg does not implement, is an error naming the field — never a silent
-default (an earlier version read SAELens TopK folders as AbsTopK).
+SAELens options folded at load (the function is unchanged;
+[`fold_saelens_options`][tensoralg.sae.formats.fold_saelens_options]):
+``rescale_acts_by_decoder_norm`` true (SAELens's TopK/AbsTopK trainers always set it and keep it
+after ``fold_W_dec_norm``) and ``apply_b_dec_to_input`` false. Any other architecture, or a SAELens
+option tensoralg does not implement, is an error naming the field — never a silent default (an
+earlier version read SAELens TopK folders as AbsTopK).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _architecture(c: SAEConfig) -> str:
 
 def saelens_cfg(model: SparseAutoencoder) -> dict:
     """The ``cfg.json`` of ``model``: SAELens's fields (with ``metadata``, a dict) and the
-    :class:`SAEConfig` (flat)."""
+    [`SAEConfig`][tensoralg.sae.models.SAEConfig] (flat)."""
     c = model.cfg
     cfg = c.to_dict()
     arch = _architecture(c)
@@ -138,7 +139,8 @@ def save_sae(path, model: SparseAutoencoder, extra_cfg: dict | None = None,
 
 
 def sae_config_from_cfg(cfg: dict, where: str = "cfg.json") -> SAEConfig:
-    """:class:`SAEConfig` of a ``cfg.json`` written by tensoralg (either layout) or SAELens.
+    """[`SAEConfig`][tensoralg.sae.models.SAEConfig] of a ``cfg.json`` written by tensoralg (either
+    layout) or SAELens.
 
     The architecture decides the activation: ``"topk"`` -> TopK (ReLU), ``"abstopk"`` ->
     AbsTopK, ``"standard"`` -> ReLU, ``"jumprelu"`` -> JumpReLU (these two with ``k = d_sae``),
@@ -278,21 +280,22 @@ def check_device(device, name: str = "device") -> torch.device:
 
 
 def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
-    """Load an SAE folder written by :func:`save_sae`, by SAELens (standard, TopK, AbsTopK,
-    JumpReLU — the folders its trainers write, BatchTopK ones included), or by an earlier
-    tensoralg (``weights.safetensors``, ``encoder_steps.safetensors``). Half-precision SAELens
-    weights are upcast to float32 (exact). SAELens's ``rescale_acts_by_decoder_norm`` and
-    ``apply_b_dec_to_input=false`` are folded into the weights (:func:`fold_saelens_options`),
-    so ``encode``/``decode`` equal SAELens's; the loaded model has neither option and saves
-    without them. ``cfg.json``'s ``metadata`` becomes ``model.metadata``.
+    """Load an SAE folder written by [`save_sae`][tensoralg.sae.formats.save_sae], by SAELens
+    (standard, TopK, AbsTopK, JumpReLU — the folders its trainers write, BatchTopK ones included),
+    or by an earlier tensoralg (``weights.safetensors``, ``encoder_steps.safetensors``).
+    Half-precision SAELens weights are upcast to float32 (exact). SAELens's
+    ``rescale_acts_by_decoder_norm`` and ``apply_b_dec_to_input=false`` are folded into the weights
+    ([`fold_saelens_options`][tensoralg.sae.formats.fold_saelens_options]), so ``encode``/``decode``
+    equal SAELens's; the loaded model has neither option and saves without them. ``cfg.json``'s
+    ``metadata`` becomes ``model.metadata``.
 
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or weights file.
-        ValueError: see :func:`sae_config_from_cfg`; corrupt files; missing, unexpected or
-            mis-shaped tensors; NaN/inf weights; a zero decoder row with
-            ``rescale_acts_by_decoder_norm``; a ``metadata`` that is not a dict; a ``device``
-            that does not exist here (e.g. ``"cuda"`` without CUDA; :func:`check_device`),
-            before any file is read.
+        ValueError: see [`sae_config_from_cfg`][tensoralg.sae.formats.sae_config_from_cfg]; corrupt
+            files; missing, unexpected or mis-shaped tensors; NaN/inf weights; a zero decoder row
+            with ``rescale_acts_by_decoder_norm``; a ``metadata`` that is not a dict; a ``device``
+            that does not exist here (e.g. ``"cuda"`` without CUDA;
+            [`check_device`][tensoralg.sae.formats.check_device]), before any file is read.
     """
     from safetensors.torch import load_file
 

@@ -6,13 +6,13 @@ A *hook* is ``(hook_name, point)``: ``hook_name`` a name of ``model.named_module
 ``"input"`` (its first positional argument, read by a forward pre-hook). The activation of a
 batch is the tensor there, reshaped to rows ``(-1, d)`` (``d`` its last dimension).
 
-* :func:`activations_at` — the activation of one forward pass (stopped at the hook);
-* :func:`collect_activations` — stream the rows of many batches to a ``.npy`` on disk in
+* `activations_at` — the activation of one forward pass (stopped at the hook);
+* `collect_activations` — stream the rows of many batches to a ``.npy`` on disk in
   chunks, with a progress bar (``tqdm``, ETA), resumable after an interruption, and a
   ``.npy.json`` record of the model, hook and data (the ``metadata`` SAELens keeps in an SAE's
   ``cfg.json``: ``model_name``, ``hook_name``, ``dataset_path``, ...);
-* :func:`spliced` — a context in which the activation at the hook is replaced by ``fn(act)``
-  (e.g. an SAE's reconstruction; :mod:`tensoralg.sae.evaluation`).
+* `spliced` — a context in which the activation at the hook is replaced by ``fn(act)``
+  (e.g. an SAE's reconstruction; `tensoralg.sae.evaluation`).
 
 A ``hook_name`` that is not a submodule is a ``ValueError`` listing the nearest names
 (``difflib``), raised before any forward pass.
@@ -95,7 +95,7 @@ def activations_at(model: nn.Module, hook_name: str, batch, point: str = "output
     ``stop``: end the forward pass at the hook (the layers after it are not run).
 
     Raises:
-        ValueError: see :func:`get_submodule`; a bad ``point``; the hook never ran in the
+        ValueError: see `get_submodule`; a bad ``point``; the hook never ran in the
             forward pass, or what it sees is not a tensor.
     """
     check_point(point)
@@ -132,7 +132,7 @@ def spliced(model: nn.Module, hook_name: str, fn: Callable[[torch.Tensor], torch
     replaced.
 
     Raises:
-        ValueError: see :func:`get_submodule`; a bad ``point``; ``fn`` returns another shape.
+        ValueError: see `get_submodule`; a bad ``point``; ``fn`` returns another shape.
     """
     check_point(point)
     module = get_submodule(model, hook_name)
@@ -179,9 +179,9 @@ def collect_activations(model: nn.Module, hook_name: str, batches: Iterable, out
     over. At the end the chunks are concatenated into ``out`` (a temporary file renamed into
     place) and ``out.partial`` is removed; ``out + ".json"`` records ``hook_name``, ``point``,
     the shape and dtype, and ``metadata`` (e.g. ``model_name``, ``dataset_path``,
-    ``context_size``: what :func:`tensoralg.sae.formats.save_sae` writes into ``cfg.json``'s
-    ``metadata``, as SAELens does). Progress: a ``tqdm`` bar over the batches (total and ETA
-    when ``batches`` has a length).
+    ``context_size``: what [`tensoralg.sae.formats.save_sae`][tensoralg.sae.formats.save_sae] writes
+    into ``cfg.json``'s ``metadata``, as SAELens does). Progress: a ``tqdm`` bar over the batches
+    (total and ETA when ``batches`` has a length).
 
     Args:
         model: any ``torch.nn.Module`` (put in eval mode by the caller if it matters).
@@ -198,7 +198,7 @@ def collect_activations(model: nn.Module, hook_name: str, batches: Iterable, out
     Returns:
         the info dict written to ``out.json``.
     Raises:
-        ValueError: see :func:`get_submodule` (before any forward pass); a bad ``point``,
+        ValueError: see `get_submodule` (before any forward pass); a bad ``point``,
             ``chunk_rows``, ``dtype``, ``metadata`` or ``out``; a resumable run in ``out.partial``
             of another hook/dtype/metadata (with ``resume=True``); a batch whose activation has
             NaN/inf (named; nothing of it is written) or another width ``d``; no batches.
@@ -315,7 +315,7 @@ def collect_activations(model: nn.Module, hook_name: str, batches: Iterable, out
 
 def read_activation_metadata(path) -> dict:
     """The ``metadata`` recorded next to an activation file ``path`` (``path + ".json"``, as
-    written by :func:`collect_activations` and ``tensoralg sae activations``), with
+    written by `collect_activations` and ``tensoralg sae activations``), with
     ``dataset_path`` defaulting to ``path``; ``{"dataset_path": path}`` when there is no record.
 
     Raises:

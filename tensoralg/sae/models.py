@@ -78,7 +78,8 @@ class SAEConfig:
         dtype: ``"float32"`` or ``"float64"``.
         normalize_activations: ``"none"`` or ``"layer_norm"`` (as SAELens: every input row is
             centred and divided by its unbiased standard deviation plus ``1e-5`` before
-            encoding; :meth:`SparseAutoencoder.forward` maps the reconstruction back).
+            encoding; [`SparseAutoencoder.forward`][tensoralg.sae.models.SparseAutoencoder.forward]
+            maps the reconstruction back).
     """
 
     d_in: int
@@ -147,7 +148,8 @@ class SAEConfig:
 # --------------------------------------------------------------------------- sparsifiers
 
 def select_topk_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Reference for :func:`select_topk`: a full stable descending sort, ``O(m log m)`` per row.
+    """Reference for [`select_topk`][tensoralg.sae.models.select_topk]: a full stable descending
+    sort, ``O(m log m)`` per row.
 
     Kept as the independent definition the fast path is tested and benchmarked against.
     """
@@ -160,11 +162,11 @@ def select_topk(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Ten
 
     Ties are broken toward the lower latent index, and the indices come in the order of a
     stable descending sort (value descending, then index ascending), so the result equals
-    :func:`select_topk_sort` exactly, on CPU and GPU (``torch.topk`` does not specify its tie
-    order). Fast path: ``torch.topk`` of ``k + 1`` entries; a row whose ``k``-th and
-    ``(k+1)``-th largest values are equal (a tie at the boundary, where the set itself depends
-    on the tie rule) is redone with the stable sort. The ``k`` selected entries are then put
-    in stable order by two sorts of length ``k``.
+    [`select_topk_sort`][tensoralg.sae.models.select_topk_sort] exactly, on CPU and GPU
+    (``torch.topk`` does not specify its tie order). Fast path: ``torch.topk`` of ``k + 1`` entries;
+    a row whose ``k``-th and ``(k+1)``-th largest values are equal (a tie at the boundary, where the
+    set itself depends on the tie rule) is redone with the stable sort. The ``k`` selected entries
+    are then put in stable order by two sorts of length ``k``.
 
     Args:
         scores: ``(..., m)`` scores (detached inside); ``k``: ``1 <= k <= m``.
@@ -210,7 +212,8 @@ def topk(pre: torch.Tensor, k: int) -> torch.Tensor:
 def abstopk(pre: torch.Tensor, k: int) -> torch.Tensor:
     """AbsTopK activation: keep the ``k`` entries of largest magnitude with their sign.
 
-    Ties in magnitude go to the lower latent index (see :func:`select_topk`).
+    Ties in magnitude go to the lower latent index (see
+    [`select_topk`][tensoralg.sae.models.select_topk]).
     """
     idx = select_topk(pre.abs(), k, ordered=False)
     return torch.zeros_like(pre).scatter_(-1, idx, pre.gather(-1, idx))
@@ -231,9 +234,10 @@ def _gram_of_supports(W_dec: torch.Tensor, supports: torch.Tensor) -> torch.Tens
 def unique_rows(rows: torch.Tensor) -> torch.Tensor:
     """Distinct rows of an integer matrix ``(n, k)`` in ascending lexicographic order.
 
-    Equal to ``torch.unique(rows, dim=0)`` (the reference, :func:`unique_rows_reference`) but
-    computed as a radix sort: ``k`` stable sorts of length ``n`` (last column first), then a
-    comparison of neighbours — several times faster on CPU for the small ``k`` of a support.
+    Equal to ``torch.unique(rows, dim=0)`` (the reference,
+    [`unique_rows_reference`][tensoralg.sae.models.unique_rows_reference]) but computed as a radix
+    sort: ``k`` stable sorts of length ``n`` (last column first), then a comparison of neighbours —
+        several times faster on CPU for the small ``k`` of a support.
     """
     if rows.ndim != 2:
         raise ValueError(f"rows: expected (n, k), got shape {tuple(rows.shape)}")
@@ -250,7 +254,8 @@ def unique_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 def unique_rows_reference(rows: torch.Tensor) -> torch.Tensor:
-    """``torch.unique(rows, dim=0)``: the definition :func:`unique_rows` is tested against."""
+    """``torch.unique(rows, dim=0)``: the definition
+    [`unique_rows`][tensoralg.sae.models.unique_rows] is tested against."""
     return torch.unique(rows, dim=0)
 
 
@@ -366,8 +371,9 @@ class SparseAutoencoder(nn.Module):
     ``z_t = act(z_{t-1} + r_t @ Γ)`` with residual ``r_t = x - b_dec - z_{t-1} @ W_dec``.
 
     ``seed`` (an int >= 0, or None for the global torch RNG) seeds the initial decoder through
-    the ``"init"`` stream of :func:`tensoralg.sae._seeds.stream_seed`, independent of the
-    ``"data"`` stream of :func:`~tensoralg.sae.synthetic.make_synthetic` with the same number.
+    the ``"init"`` stream of `tensoralg.sae._seeds.stream_seed`, independent of the
+    ``"data"`` stream of [`make_synthetic`][tensoralg.sae.synthetic.make_synthetic] with the same
+    number.
     """
 
     def __init__(self, cfg: SAEConfig, seed: int | None = None):
@@ -490,7 +496,7 @@ class SparseAutoencoder(nn.Module):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """``z @ W_dec + b_dec`` (in the normalized space when ``normalize_activations`` is
-        ``"layer_norm"``; :meth:`forward` maps back)."""
+        ``"layer_norm"``; [`forward`][tensoralg.sae.models.SparseAutoencoder.forward] maps back)."""
         return z @ self.W_dec + self.b_dec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,13 @@
 * ``isae``    — AbsTopK + approximate-RIP regularizer (``rip="eig"``);
 * ``isae-me`` — AbsTopK + aRIP + multi-step (LISTA-style) encoder, ``T = 5``;
 * ``isae-me-dl`` — AbsTopK + multi-step encoder (``T = 5``, no aRIP) with a dictionary-learning
-  training schedule (:data:`SCHEDULES`, applied by :func:`schedule`): dead latents resampled
-  every 250 steps for the first 70 % of the steps, the single-step encoder until 88 %, the
-  ``T`` refinement steps after. Measured at d=64, m=256, k=8 (``benchmarks/sae_m256.py``):
+  training schedule (`SCHEDULES`, applied by [`schedule`][tensoralg.sae.presets.schedule]): dead
+  latents resampled every 250 steps for the first 70 % of the steps, the single-step encoder until
+  88 %, the ``T`` refinement steps after. Measured at d=64, m=256, k=8 (``benchmarks/sae_m256.py``):
   see the README.
 
 All presets use the AuxK dead-latent loss (``auxk_alpha = 1/32``) and unit-norm atoms. The
-first four are the arms of the iSAE ablation (:data:`ABLATION`, what ``sae bench`` trains).
+first four are the arms of the iSAE ablation (`ABLATION`, what ``sae bench`` trains).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ SCHEDULES: dict[str, dict] = {
 
 
 def schedule(preset: str, steps: int) -> dict:
-    """The :class:`~tensoralg.sae.training.TrainConfig` fields of ``preset``'s training schedule
-    for a run of ``steps`` steps (fractions resolved to step numbers; ``{}`` for a preset without
-    one). Raises ValueError for an unknown preset."""
+    """The [`TrainConfig`][tensoralg.sae.training.TrainConfig] fields of ``preset``'s training
+    schedule for a run of ``steps`` steps (fractions resolved to step numbers; ``{}`` for a preset
+    without one). Raises ValueError for an unknown preset."""
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {list(PRESETS)}, got {preset!r}")
     return {k: (int(v * steps) if isinstance(v, float) else v)
@@ -51,7 +51,8 @@ def schedule(preset: str, steps: int) -> dict:
 
 
 def make_config(preset: str, d_in: int, d_sae: int, k: int, **overrides) -> SAEConfig:
-    """:class:`SAEConfig` of a named preset; keyword ``overrides`` replace preset fields.
+    """[`SAEConfig`][tensoralg.sae.models.SAEConfig] of a named preset; keyword ``overrides``
+    replace preset fields.
 
     Raises:
         ValueError: unknown preset name or invalid field values.

@@ -1,11 +1,12 @@
 """Register tensoralg's multi-step (iSAE-ME) architecture with SAELens, where both are installed.
 
-A multi-step folder written by :func:`tensoralg.sae.formats.save_sae` is labelled
-``tensoralg_multistep_abstopk`` / ``tensoralg_multistep_topk``, names SAELens does not know, so
-``sae_lens.SAE.load_from_disk`` refuses it (``KeyError`` from its architecture registry) rather
-than read it as a single-step SAE with other codes. After :func:`register`, SAELens loads such
-folders into :class:`MultistepSAE` (a ``sae_lens.SAE``), whose ``encode`` is the multi-step
-encoder of :class:`~tensoralg.sae.models.SparseAutoencoder` written in SAELens's conventions:
+A multi-step folder written by [`tensoralg.sae.formats.save_sae`][tensoralg.sae.formats.save_sae] is
+labelled ``tensoralg_multistep_abstopk`` / ``tensoralg_multistep_topk``, names SAELens does not
+know, so ``sae_lens.SAE.load_from_disk`` refuses it (``KeyError`` from its architecture registry)
+rather than read it as a single-step SAE with other codes. After `register`, SAELens loads such
+folders into `MultistepSAE` (a ``sae_lens.SAE``), whose ``encode`` is the multi-step
+encoder of [`SparseAutoencoder`][tensoralg.sae.models.SparseAutoencoder] written in SAELens's
+conventions:
 
 ``z_0 = act((x - b_dec) W_enc + b_enc)``, then ``T`` times
 ``z_t = act(z_{t-1} + (x - b_dec - z_{t-1} W_dec) Γ)`` with ``Γ`` = ``W_step`` (gamma
@@ -15,7 +16,7 @@ The sums are the per-step form (tensoralg may sum them in another order on large
 codes agree to rounding; tested in ``tests/test_sae_saelens_interop.py`` with SAELens installed).
 
 SAELens is not a dependency of tensoralg: importing this module does not import SAELens;
-:func:`register` does, and raises ``ImportError`` naming the package when it is missing.
+`register` does, and raises ``ImportError`` naming the package when it is missing.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def make_synthetic(n: int, d: int, m: int, k: int, *, noise: float = 0.0, min_ab
             ``0 < min_abs <= max_abs``.
         signed: random ±1 signs (``True``) or all-positive coefficients.
         seed: an int >= 0 seeding a private ``torch.Generator`` through the ``"data"`` stream of
-            :func:`tensoralg.sae._seeds.stream_seed` (the global RNG is untouched). The stream is
+            `tensoralg.sae._seeds.stream_seed` (the global RNG is untouched). The stream is
             independent of an SAE's ``"init"`` stream, so an SAE seeded with the same number
             does not start at the ground-truth dictionary.
         dictionary: reuse this ``(m, d)`` dictionary (e.g. a held-out set from the same

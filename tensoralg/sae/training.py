@@ -1,21 +1,24 @@
-"""Training loop for :class:`~tensoralg.sae.models.SparseAutoencoder`: AdamW, batches from an
-in-memory tensor or a memory-mapped ``.npy``, periodic checkpoints, resume, determinism.
+"""Training loop for [`SparseAutoencoder`][tensoralg.sae.models.SparseAutoencoder]: AdamW, batches
+from an in-memory tensor or a memory-mapped ``.npy``, periodic checkpoints, resume, determinism.
 
-Checkpoint layout (the SAELens layout of :mod:`tensoralg.sae.formats`, written atomically):
+Checkpoint layout (the SAELens layout of [`tensoralg.sae.formats`][tensoralg.sae.formats], written
+atomically):
 
 * ``OUT/sae_weights.safetensors`` — ``W_enc, b_enc, W_dec, b_dec`` (SAELens names, shapes),
   and ``W_step`` / ``step_scale`` of a multi-step encoder (whose folder is labelled with an
   architecture SAELens refuses, ``tensoralg_multistep_*``);
 * ``OUT/cfg.json`` — SAELens's fields (``architecture``, ``d_in``, ``d_sae``, ``k``,
-  ``apply_b_dec_to_input``, ..., ``metadata``), the :class:`SAEConfig` and ``train_*`` entries;
+  ``apply_b_dec_to_input``, ..., ``metadata``), the [`SAEConfig`][tensoralg.sae.models.SAEConfig]
+  and ``train_*`` entries;
 * ``OUT/trainer_state/`` — AdamW moments, dead-latent counters and the step, for resuming.
 
 Determinism: the initial weights come from ``seed`` (stream ``"init"``); the batch of step ``s``
 is a slice of a permutation drawn from a generator seeded by ``(seed, epoch)`` (stream
 ``"batches"``), so a resumed run sees exactly the batches the uninterrupted run would have seen
 (bit-identical on CPU with the same threads). The streams are derived with
-:func:`tensoralg.sae._seeds.stream_seed`, so they are independent of each other and of the
-``"data"`` stream of :func:`~tensoralg.sae.synthetic.make_synthetic` with the same number.
+`tensoralg.sae._seeds.stream_seed`, so they are independent of each other and of the
+``"data"`` stream of [`make_synthetic`][tensoralg.sae.synthetic.make_synthetic] with the same
+number.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class TrainConfig:
         seed: seeds the batch order, the ``b_dec`` sample and (unless ``init_seed`` is set)
             the initial weights.
         init_seed: seeds the initial weights instead of ``seed`` (None: ``seed``); several
-            SAEs that share batches (:func:`train_many`) differ only in this.
+            SAEs that share batches ([`train_many`][tensoralg.sae.training.train_many]) differ only
+            in this.
         ckpt_every: write a checkpoint every this many steps (0: only at the end); needs ``out``.
         log_every: average the loss parts, L0 and gradient norm over this many steps and record
             them (in ``history``, the progress bar and ``OUT/train_log.jsonl``).
@@ -91,7 +95,8 @@ class TrainConfig:
         device: torch device for the model and batches.
         decoder_init: ``"random"`` (Gaussian directions, seeded by ``init_seed``) or
             ``"data"`` (atom ``j`` = the normalized ``j``-th row of the ``b_dec`` sample minus
-            ``b_dec``; :meth:`SparseAutoencoder.init_from_samples_`).
+            ``b_dec``;
+            [`SparseAutoencoder.init_from_samples_`][tensoralg.sae.models.SparseAutoencoder.init_from_samples_]).
         resample_every: every this many steps (0: never), latents that did not fire since the
             last resampling are pointed at the residual ``x - x_hat`` of samples drawn from a
             pool of ``resample_pool`` training rows with probability proportional to the
@@ -106,7 +111,7 @@ class TrainConfig:
             forward pass and loss run under ``torch.autocast`` in that dtype (weights, AdamW and
             the decoder renormalization stay in float32; ``"float16"`` adds a
             ``torch.amp.GradScaler``). Checked against the device before any work
-            (:func:`check_autocast`); refused for a float64 SAE.
+            ([`check_autocast`][tensoralg.sae.training.check_autocast]); refused for a float64 SAE.
         tensorboard: also write each log record as TensorBoard scalars (``sae/fvu``,
             ``sae/l0``, ``sae/dead_latents``, ``sae/lr``, ...) to ``OUT/tensorboard/`` (needs an
             ``out`` folder and the optional package ``tensorboard``: ``pip install
@@ -194,7 +199,7 @@ class TrainConfig:
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based), in closed form: the reference
         that the ``torch.optim.lr_scheduler`` schedule the trainer runs
-        (:func:`make_lr_scheduler`) is tested against."""
+        ([`make_lr_scheduler`][tensoralg.sae.training.make_lr_scheduler]) is tested against."""
         if step < self.lr_warmup_steps:
             return self.lr * (step + 1) / self.lr_warmup_steps
         if self.lr_decay == "constant":
@@ -241,11 +246,12 @@ def check_autocast(autocast: str | None, device: str = "cpu") -> None:
 
 
 def make_lr_scheduler(opt: torch.optim.Optimizer, train_cfg: TrainConfig, start: int = 0):
-    """The learning-rate schedule of ``train_cfg`` (:meth:`TrainConfig.lr_at`) as
+    """The learning-rate schedule of ``train_cfg``
+    ([`TrainConfig.lr_at`][tensoralg.sae.training.TrainConfig.lr_at]) as
     ``torch.optim.lr_scheduler`` schedulers on ``opt``: ``LinearLR`` from ``1/W`` to 1 over the
     ``W = lr_warmup_steps`` warmup steps, then ``LinearLR`` to ``lr_end/lr`` (linear) or
-    ``CosineAnnealingLR`` to ``lr_end`` (cosine) over the remaining ``steps - W`` steps, joined
-    by ``SequentialLR``; a constant decay keeps the factor 1. Call ``.step()`` after each
+    ``CosineAnnealingLR`` to ``lr_end`` (cosine) over the remaining ``steps - W`` steps, joined by
+    ``SequentialLR``; a constant decay keeps the factor 1. Call ``.step()`` after each
     ``opt.step()``; the lr of step ``s`` is then ``opt.param_groups[i]["lr"]`` before it.
 
     ``start``: the schedule is advanced to step ``start`` (a resumed run; the groups' ``lr`` is
@@ -348,7 +354,8 @@ def check_variance(data, name: str = "data") -> None:
     """Refuse activations of zero variance: all rows equal (e.g. all zeros), so that
     ``Σ‖x - mean x‖² = 0`` and the FVU (the training loss's ``recon``) is 0/0, undefined; a
     model would be reported as a perfect (or an infinitely bad) fit of nothing to learn.
-    ``data`` as returned by :func:`as_activations` (a memmap is read in chunks, never whole).
+    ``data`` as returned by [`as_activations`][tensoralg.sae.training.as_activations] (a memmap is
+    read in chunks, never whole).
 
     Raises:
         ValueError: one line naming ``name``.
@@ -526,8 +533,9 @@ def _pool(data, train_cfg: TrainConfig, dtype, device):
 
 
 class _Stepper:
-    """One SAE's optimizer step and its log window (shared by :func:`train` and
-    :func:`train_many`)."""
+    """One SAE's optimizer step and its log window (shared by
+    [`train`][tensoralg.sae.training.train] and
+    [`train_many`][tensoralg.sae.training.train_many])."""
 
     KEYS = ("loss", "recon", "rip", "aux", "l0", "grad_norm")
 
@@ -689,16 +697,18 @@ def train_many(data, sae_cfgs, init_seeds, train_cfg: TrainConfig | None = None)
     Every batch is read once and given to every SAE in turn; SAE ``i`` is exactly the SAE that
     ``train(data, sae_cfgs[i], replace(train_cfg, init_seed=init_seeds[i]))`` returns (same
     batch order from ``train_cfg.seed``, own initial weights from ``init_seeds[i]``,
-    bit-identical on CPU). No checkpoints or log files (use :func:`train` for one SAE with
-    ``out``).
+    bit-identical on CPU). No checkpoints or log files (use [`train`][tensoralg.sae.training.train]
+    for one SAE with ``out``).
 
     Args:
-        data: as for :func:`train`; ``sae_cfgs``: list of :class:`SAEConfig` (same ``d_in``);
+        data: as for [`train`][tensoralg.sae.training.train]; ``sae_cfgs``: list of
+            [`SAEConfig`][tensoralg.sae.models.SAEConfig] (same ``d_in``);
         init_seeds: one int >= 0 per config; ``train_cfg``: shared optimization settings.
     Returns:
         list of ``(model, history)`` in the order of ``sae_cfgs``.
     Raises:
-        ValueError: as :func:`train`; different lengths of ``sae_cfgs`` and ``init_seeds``.
+        ValueError: as [`train`][tensoralg.sae.training.train]; different lengths of ``sae_cfgs``
+            and ``init_seeds``.
         TrainingDiverged: any of the SAEs diverged (its index is in the message).
     """
     from dataclasses import replace
@@ -771,7 +781,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
 
     Args:
         data: ``(n, d_in)`` activations: tensor, array or path to a ``.npy`` (memory-mapped).
-        sae_cfg: architecture; ``train_cfg``: optimization (defaults :class:`TrainConfig`).
+        sae_cfg: architecture; ``train_cfg``: optimization (defaults
+            [`TrainConfig`][tensoralg.sae.training.TrainConfig]).
         out: checkpoint folder (written every ``ckpt_every`` steps and at the end), or None.
             It also receives ``train_log.jsonl`` (one JSON record per ``log_every`` steps and
             one ``"event": "density"`` record per checkpoint) and ``feature_density.png``.

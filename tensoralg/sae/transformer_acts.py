@@ -1,29 +1,30 @@
 """Real activations without downloads: the residual stream of a
-:class:`~tensoralg.transformer.BilinearTransformer` on held-out text of the offline corpus
-(:mod:`tensoralg.corpus`, Python's standard library source).
+[`BilinearTransformer`][tensoralg.transformer.BilinearTransformer] on held-out text of the offline
+corpus (`tensoralg.corpus`, Python's standard library source).
 
 Layers. ``h_0 = W_E[tokens]`` is the embedded input, ``h_l`` the residual stream after block
 ``l`` (its attention and, when the model has one, its bilinear MLP), ``h_L`` (``L = n_layers``)
 the final residual stream that the unembedding reads. ``layer=None`` means ``L``.
 
-Rows. The held-out split of :func:`tensoralg.corpus.load_corpus` (``n_chars`` characters of
+Rows. The held-out split of `tensoralg.corpus.load_corpus` (``n_chars`` characters of
 selection) is cut into its first non-overlapping windows of ``n_ctx`` tokens
-(:func:`tensoralg.audit.language.eval_windows`), every position of every window gives one row
-``h_layer[window, t]`` (``(n_windows · n_ctx, d_model)``). The windows are put in a fixed
-pseudo-random order (``numpy.random.default_rng(seed).permutation``) so that a split by rows
-(``sae bench`` holds out the last rows) is a random split of windows rather than "the modules
-late in the alphabet"; the rows of one window stay together, in position order. The
+([`tensoralg.audit.language.eval_windows`][tensoralg.audit.language.eval_windows]), every position
+of every window gives one row ``h_layer[window, t]`` (``(n_windows · n_ctx, d_model)``). The windows
+are put in a fixed pseudo-random order (``numpy.random.default_rng(seed).permutation``) so that a
+split by rows (``sae bench`` holds out the last rows) is a random split of windows rather than "the
+modules late in the alphabet"; the rows of one window stay together, in position order. The
 permutation is stored in the ``.json`` written next to the ``.npy``.
 
 Model. Either a checkpoint folder (``weights.safetensors`` + ``cfg.json``, e.g. one of
 ``tensoralg audit language``'s ``checkpoints/step_*``), loaded by
-:func:`tensoralg.checkpoint.load_checkpoint` with its forward-probe check, or, without one, a
-small model trained here by the language audit's own training function
-(:func:`tensoralg.audit.language.train_language_model`: AdamW on next-token cross-entropy,
-deterministic from ``seed`` on one thread; the defaults of :data:`QUICK_MODEL` take ~25 s on
-one core). The text is held out for a model trained here; for a checkpoint, the held-out claim
-holds when its ``cfg.json`` records the same corpus (``corpus_sha256``) as the selection used
-here, which the info dict reports as ``held_out``.
+[`tensoralg.checkpoint.load_checkpoint`][tensoralg.checkpoint.load_checkpoint] with its
+forward-probe check, or, without one, a small model trained here by the language audit's own
+training function
+([`tensoralg.audit.language.train_language_model`][tensoralg.audit.language.train_language_model]:
+AdamW on next-token cross-entropy, deterministic from ``seed`` on one thread; the defaults of
+`QUICK_MODEL` take ~25 s on one core). The text is held out for a model trained here; for a
+checkpoint, the held-out claim holds when its ``cfg.json`` records the same corpus
+(``corpus_sha256``) as the selection used here, which the info dict reports as ``held_out``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ WINDOW_BATCH_TOKENS = 16_384     # tokens per forward pass in the extraction
 
 
 def resid_hook(layer: int, n_layers: int) -> tuple[str, str]:
-    """The forward hook ``(hook_name, point)`` of :mod:`tensoralg.sae.hooks` at the residual
-    stream ``h_layer`` of a :class:`~tensoralg.transformer.BilinearTransformer`: the output of
-    its identity hook point ``hook_resid.{layer}`` (``0`` embedding ... ``n_layers`` final)."""
+    """The forward hook ``(hook_name, point)`` of `tensoralg.sae.hooks` at the residual
+    stream ``h_layer`` of a [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer]: the
+    output of its identity hook point ``hook_resid.{layer}`` (``0`` embedding ... ``n_layers``
+    final)."""
     check_layer(layer, n_layers, "layer")
     return f"hook_resid.{layer}", "output"
 
@@ -58,8 +60,9 @@ def residual_stream_at(model, tokens, layer: int | None = None):
     """The residual stream ``h_layer`` ``(batch, T, d_model)`` of ``model`` on token ids
     ``tokens`` ``(batch, T)`` (module docstring: 0 = embedding, ``l`` = after block ``l``,
     ``None`` = ``n_layers`` = final). Computed by the model's own forward pass, read by
-    :func:`tensoralg.sae.hooks.activations_at` at :func:`resid_hook` (the forward stops
-    there), without gradients.
+    `tensoralg.sae.hooks.activations_at` at
+    [`resid_hook`][tensoralg.sae.transformer_acts.resid_hook] (the forward stops there), without
+    gradients.
 
     Raises:
         ValueError: ``layer`` not an integer in ``[0, n_layers]``; bad tokens (the model's own
@@ -84,9 +87,11 @@ def check_layer(layer, n_layers: int, name: str) -> int:
 
 
 def train_quick_transformer(train_tokens: np.ndarray, *, seed: int = 0, **overrides):
-    """A small :class:`~tensoralg.transformer.BilinearTransformer` trained on ``train_tokens``
-    by :func:`tensoralg.audit.language.train_language_model` with :data:`QUICK_MODEL` (entries
-    replaced by ``overrides``). Deterministic given ``seed`` and the thread count.
+    """A small [`BilinearTransformer`][tensoralg.transformer.BilinearTransformer] trained on
+    ``train_tokens`` by
+    [`tensoralg.audit.language.train_language_model`][tensoralg.audit.language.train_language_model]
+    with `QUICK_MODEL` (entries replaced by ``overrides``). Deterministic given ``seed`` and the
+    thread count.
 
     Returns:
         ``(model, info)``: the float32 model and ``{"config": ..., "final_train_loss": ...}``.
@@ -125,10 +130,10 @@ def extract_transformer_activations(out, checkpoint=None, layer: int | None = No
 
     Args:
         out: output ``.npy`` path.
-        checkpoint: a transformer checkpoint folder; ``None``: train one here (:data:`QUICK_MODEL`
+        checkpoint: a transformer checkpoint folder; ``None``: train one here (`QUICK_MODEL`
             updated by ``train``, seeded with ``seed``).
         layer: ``0..n_layers``; ``None``: the final residual stream.
-        n_chars: corpus selection size (:func:`tensoralg.corpus.load_corpus`); the held-out
+        n_chars: corpus selection size (`tensoralg.corpus.load_corpus`); the held-out
             split is ~10 % of it.
         n_windows: number of held-out windows of ``n_ctx`` tokens (default: all of them).
         seed: the window order and, without a checkpoint, the model's initialization and batches.

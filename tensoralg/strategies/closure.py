@@ -12,10 +12,10 @@ At depth >= 2 it is the exact value of a different, tree-restricted bilinear for
 max 0.17, with one sign flip in 20 pairs; 6-18 % on pairs whose embedding weights are scaled by
 5. Use it for a quick look or where exact is refused, never as a certificate.
 
-Sequence models (docs/mathematics.md §3.7, §3.9): :func:`closure_inner` and its relatives
+Sequence models (docs/mathematics.md §3.7, §3.9): `closure_inner` and its relatives
 propagate the moments over (position, feature), with the constant 1 of the lifted input
 shared by every position; exact at depth 1, APPROXIMATE deeper (measured error in
-:func:`closure_inner`).
+`closure_inner`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _einsum_cached(subscripts: str, *ops):
 
 
 def cross(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str):
-    """Gaussian closure (docs/mathematics.md §3.2) cross Gram ``(N_a, N_b[, K])``; see :func:`triple`."""
+    """Gaussian closure (docs/mathematics.md §3.2) cross Gram ``(N_a, N_b[, K])``; see `triple`."""
     return triple(ca, cb, U, keep, backend)[1]
 
 
@@ -182,7 +182,7 @@ def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, backend: str
     covariances of the forms (Grams of the weights at a standard Gaussian input, one product
     for all pairs of a Gram), and the Isserlis terms with a mean on each side as products with
     column-scaled output maps; only the pair-pair terms are elementwise. (``_general``: every
-    step through the partial-matching sum of :func:`_cross_step` instead, for tests)."""
+    step through the partial-matching sum of `_cross_step` instead, for tests)."""
     exact = backend == "exact"
     Na, Nb = ca.arrays()[0].shape[0], cb.arrays()[0].shape[0]
     if ca.embed is not None and cb.embed is not None:
@@ -247,7 +247,7 @@ def _advance_self(op, M, mu, C, es=None):
 
 
 def _advance_self_general(op, M, mu, C, es):
-    """The same through the partial-matching sum of :func:`_cross_step` (each model paired with
+    """The same through the partial-matching sum of `_cross_step` (each model paired with
     itself; for tests)."""
     kind, val = op
     out = []
@@ -354,7 +354,7 @@ def _lin_term(W: np.ndarray, n_ctx: int) -> _Term:
 
 
 def _closure_term(term: Term, n_ctx: int) -> _Term:
-    """A :class:`~tensoralg.canonical.Term` as the closure's :class:`_Term`: every leg a form
+    """A `Term` as the closure's `_Term`: every leg a form
     broadcast to a leading position axis ``(n_ctx, ..., D)`` (RoPE legs have one already),
     labelled by its position variable then its labels; the cores without the output label
     (the mask) first."""
@@ -370,7 +370,7 @@ def _closure_term(term: Term, n_ctx: int) -> _Term:
 
 def _closure_nodes(net: Layer, n_ctx: int, name: str):
     """``[(terms, d_out)]``, one closure node per layer: the nodes of
-    :func:`tensoralg.canonical.sequence_tree` (``fold=False``, float64) as :class:`_Term` s."""
+    `tensoralg.canonical.sequence_tree` (``fold=False``, float64) as `_Term` s."""
     net = as_network(net, name)
     for i, x in enumerate(flatten_layers(net)):
         inner = flatten_layers(x.inner) if isinstance(x, Residual) else [x]
@@ -423,7 +423,7 @@ def _pos_diagonal(C) -> bool:
 
 
 def _form_cov_merged(Wi, li: str, Wj, lj: str, C, diag: bool):
-    """:func:`_form_cov` reduced over repeated labels, as ``(array, labels, merge)``: with a
+    """`_form_cov` reduced over repeated labels, as ``(array, labels, merge)``: with a
     position-diagonal ``C`` (``diag``) and different position labels the covariance is taken
     at equal positions, over ``li + lj[1:]``, and ``merge = (li[0], lj[0])`` says the
     contraction must identify the two position labels; else ``merge`` is None."""
@@ -589,7 +589,7 @@ def _form_cov(Wi, li: str, Wj, lj: str, C):
     """``cov(form i, form j)`` of two forms read against inputs with cross covariance ``C``
     ``(n, d_i, n, d_j)``: an array over ``li + lj`` (position labels first in each), or over
     ``li + lj[1:]`` when both forms read the same position label (equal positions). Repeated
-    labels are not yet reduced (see :func:`_diag`)."""
+    labels are not yet reduced (see `_diag`)."""
     n = Wi.shape[0]
     A = Wi[..., 1:].reshape(n, -1, Wi.shape[-1] - 1)
     B = Wj[..., 1:].reshape(n, -1, Wj.shape[-1] - 1)
@@ -799,7 +799,7 @@ def _outer_apply(X, lab: str, x: _ChaosSide, y: _ChaosSide, readout: bool, K=Non
 class _ClosureModel:
     """The per-model part of the closure (everything that does not depend on the other model):
     for every stage, the Gaussian input ``(mu, C)`` of the non-linear node (after the affine
-    nodes before it), the node's terms in chaos form (:class:`_ChaosSide`) and the node's
+    nodes before it), the node's terms in chaos form (`_ChaosSide`) and the node's
     mean; the composed lifted tail ``A`` (the affine nodes after the last non-linear node)."""
 
     def __init__(self, net: Layer, n_ctx: int, name: str, n_stages: int | None = None):
@@ -973,13 +973,13 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
 
     Exactness. At depth 1 (an embedding, one attention layer with or without a residual, an
     unembedding) the input of the only non-linear node is exactly Gaussian, so the value equals
-    :func:`exact_inner` (tested to 1e-10 relative). From the second non-linear node on the
+    `exact_inner` (tested to 1e-10 relative). From the second non-linear node on the
     input is a polynomial of a Gaussian, not Gaussian, and the value is that of a different,
     tree-restricted form, **not** ``E[f_a . f_b]``.
 
     Measured error (4 random two-layer attention-only pairs ``Residual(attn) ->
     Residual(attn) -> Linear``, d=3, n_ctx=3, 1 head, d_head=2, causal, no biases, weights
-    N(0, 0.3^2); against :func:`~tensoralg.strategies.montecarlo.montecarlo_inner` with 400 000 samples;
+    N(0, 0.3^2); against `montecarlo_inner` with 400 000 samples;
     ``benchmarks/attention_closure_error.py``, table in ``docs/results/attention.md``): similarity
     error 0.0012, 0.0138, 0.0268, 0.0040; raw ``<a,a>`` closure / Monte Carlo 0.995
     (5.7727 vs 5.8028 +- 0.0158), 1.000 (39.385 vs 39.401 +- 0.039), 1.012 (4.5021 vs
@@ -1016,7 +1016,7 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
         a, b: sequence models (Sequential of Linear, Bilinear, BilinearAttention and Residual
             blocks; a Residual may hold ``[Linear...] layer [Linear...]``) with the same input
             and output sizes.
-        n_ctx, output, position: as :func:`exact_inner`.
+        n_ctx, output, position: as `exact_inner`.
         backend: ``"numpy"`` or ``"torch"`` (float64 both: the contractions above a size run
             in torch on ``device``, default CUDA when available; the same sums, equal to
             numpy's up to rounding, tested on the CPU).
@@ -1026,7 +1026,7 @@ def closure_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
         float (or an array for ``"each"``), float64.
 
     Raises:
-        ValueError: as :func:`exact_inner` for the pair and slices; a layer type the closure
+        ValueError: as `exact_inner` for the pair and slices; a layer type the closure
             does not handle, or a Residual holding more than one non-linear layer; an unknown
             backend, a device without ``backend="torch"``, CUDA asked for where it is absent.
     """
@@ -1042,14 +1042,14 @@ def _closure_request(n_ctx, output, position, backend, device) -> Request:
 
 
 def closure_inner_req(req: Request, a: Any, b: Any):
-    """:func:`closure_inner` of a validated request."""
+    """`closure_inner` of a validated request."""
     return _closure_triple(req, a, b, need_self=False)[1]
 
 
 def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
                        position: Any = None, backend: str = "numpy", device: Any = None):
     """The moment-closure similarity: ``<a,b> / sqrt(<a,a> <b,b>)`` with the closure moments of
-    one propagation (APPROXIMATE at depth >= 2; see :func:`closure_inner` for what it is, its
+    one propagation (APPROXIMATE at depth >= 2; see `closure_inner` for what it is, its
     measured error,
     ``backend`` and ``device``). Raises ValueError when a closure norm is zero or an inner
     product overflowed float64."""
@@ -1060,12 +1060,12 @@ def closure_similarity(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
 def closure_triple(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None,
                    position: Any = None, backend: str = "numpy", device: Any = None):
     """``(<a,a>, <a,b>, <b,b>)`` of the closure from one propagation (APPROXIMATE at depth
-    >= 2; see :func:`closure_inner`); the cross term in the pair's canonical order."""
+    >= 2; see `closure_inner`); the cross term in the pair's canonical order."""
     return _closure_triple(_closure_request(n_ctx, output, position, backend, device), a, b)
 
 
 def closure_similarity_req(req: Request, a: Any, b: Any):
-    """:func:`closure_similarity` of a validated request."""
+    """`closure_similarity` of a validated request."""
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         aa, ab, bb = _closure_triple(req, a, b)
     return similarity_from(ab, aa, bb, False, " (closure)")
@@ -1085,19 +1085,19 @@ def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any
                  similarity: bool = False, backend: str = "numpy",
                  device: Any = None) -> np.ndarray:
     """Closure Gram matrix ``G[i, j] = closure_inner(models[i], models[j])`` (APPROXIMATE at
-    depth >= 2, exact at depth 1; see :func:`closure_inner`), shape ``(N, N)`` (plus the
+    depth >= 2, exact at depth 1; see `closure_inner`), shape ``(N, N)`` (plus the
     position / output axes for ``"each"``); with ``similarity=True`` the matrix
     ``G_ij / sqrt(G_ii G_jj)`` (clipped to [-1, 1]).
 
     Everything that depends on one model only -- its moments ``(mu, C_aa)`` at every stage,
     its terms in chaos form and its self readout ``G_ii`` -- is computed once per model; a pair
     only propagates its cross covariance and reads it out. Models of different depths are
-    padded with identity stages, as in :func:`closure_inner`, so ``G[i, j]`` equals
+    padded with identity stages, as in `closure_inner`, so ``G[i, j]`` equals
     ``closure_inner(models[i], models[j])`` exactly (same operations). ``backend``,
-    ``device``: as :func:`closure_inner`.
+    ``device``: as `closure_inner`.
 
     Raises:
-        ValueError: as :func:`closure_inner` for any pair; an empty list; a zero closure norm
+        ValueError: as `closure_inner` for any pair; an empty list; a zero closure norm
             with ``similarity=True``.
     """
     return closure_gram_req(_closure_request(n_ctx, output, position, backend, device), models,
@@ -1105,7 +1105,7 @@ def closure_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any
 
 
 def closure_gram_req(req: Request, models, similarity: bool = False) -> np.ndarray:
-    """:func:`closure_gram` of a validated request."""
+    """`closure_gram` of a validated request."""
     nets, n_ctx = check_sequence_models(models, req.n_ctx)
     check_slices(req, nets[0].out_features, n_ctx)
     nets = [m.astype_float() for m in nets]
@@ -1127,14 +1127,14 @@ def closure_cross_gram(models_a, models_b, *, n_ctx: Any = None, output: Any = N
                        position: Any = None, backend: str = "numpy",
                        device: Any = None) -> np.ndarray:
     """Closure cross Gram matrix ``G[i, j] = closure_inner(models_a[i], models_b[j])``
-    (APPROXIMATE at depth >= 2, exact at depth 1; see :func:`closure_inner`), shape
+    (APPROXIMATE at depth >= 2, exact at depth 1; see `closure_inner`), shape
     ``(N_a, N_b)`` (plus the position / output axes for ``"each"``): one off-diagonal block of
-    :func:`closure_gram` of ``models_a + models_b``, computing only the cross pairs (per-model
+    `closure_gram` of ``models_a + models_b``, computing only the cross pairs (per-model
     moments once per model). Equal to that block entry by entry (same operations).
-    ``backend``, ``device``: as :func:`closure_inner`.
+    ``backend``, ``device``: as `closure_inner`.
 
     Raises:
-        ValueError: as :func:`closure_inner` for any pair; an empty list.
+        ValueError: as `closure_inner` for any pair; an empty list.
     """
     models_a, models_b = list(models_a), list(models_b)
     na = len(models_a)

@@ -1,19 +1,19 @@
 """Execution of tensor contractions: one ``opt_einsum`` path per (subscripts, shapes), run
 step by step as batched matrix products (numpy ``matmul``: BLAS for float64, exact for object
-arrays of ``Fraction``), or in torch float64 on a device inside :class:`torch_backend`.
+arrays of ``Fraction``), or in torch float64 on a device inside `torch_backend`.
 
 This is the execution layer of the exact Wick strategy on terms with position-carrying legs
-(:mod:`tensoralg.strategies.sequence_exact`) and of the sequence closure
-(:mod:`tensoralg.strategies.closure`). It computes no mathematics of its own: a contraction
+(`tensoralg.strategies.sequence_exact`) and of the sequence closure
+(`tensoralg.strategies.closure`). It computes no mathematics of its own: a contraction
 ``einsum(sub, *ops)`` is split along the greedy path of ``opt_einsum.contract_path`` into
 pairwise steps; a step ``"la,lb->lo"`` sums the labels present in one operand only and absent
 from the output, then is one ``matmul`` over (batch, left, contracted) x (batch, contracted,
 right) after a transpose and reshape. The same path runs on numpy and torch, so values agree
 up to float64 rounding (and are exact on object arrays).
 
-Torch (``backend="torch"``): :class:`torch_backend` sets a thread-local executor for one call;
+Torch (``backend="torch"``): `torch_backend` sets a thread-local executor for one call;
 contractions with a path cost of at least ``TORCH.min_flops`` run on the device, the rest in
-numpy. Operands reused by many contractions are uploaded once per call (:func:`to_device`).
+numpy. Operands reused by many contractions are uploaded once per call (`to_device`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class PairStep:
     """One pairwise step ``einsum("la,lb->lo", A, B)`` (labels unique within each operand) as a
     batched matrix product: labels in one operand only and absent from the output are summed
     first; labels in both operands and in the output are the batch, in both and not in the
-    output are contracted. Compiled once per step of a :class:`Plan` (fixed shapes)."""
+    output are contracted. Compiled once per step of a `Plan` (fixed shapes)."""
 
     def __init__(self, es: str, sa, sb):
         lhs, lo = es.split("->")
@@ -85,7 +85,7 @@ _MATMUL_MIN_FLOPS = 1e4
 
 class Plan:
     """A contraction along the ``opt_einsum`` greedy path, found once per (subscripts, shapes),
-    executed pairwise as batched matrix products (:class:`PairStep`, numpy ``matmul``: BLAS
+    executed pairwise as batched matrix products (`PairStep`, numpy ``matmul``: BLAS
     for floats, exact for object arrays) without ``opt_einsum``'s per-call parsing; the many
     small contractions of the closure made per-call overhead dominate its time."""
 
@@ -100,7 +100,7 @@ class Plan:
     def _peak(self, sub: str, shapes) -> int:
         """Elements live at the peak of one call beyond its operands: walking the path, the
         intermediates not yet consumed plus, at each step, transposed copies of its two inputs,
-        its output and the output's transposed copy (what :class:`PairStep` allocates)."""
+        its output and the output's transposed copy (what `PairStep` allocates)."""
         size: dict = {}
         for lab, shp in zip(sub.split("->")[0].split(","), shapes):
             size.update(zip(lab, shp))
@@ -183,7 +183,7 @@ class torch_backend:
     float64 on ``device`` (CUDA when available and ``device`` is None), the bookkeeping and
     the sums of the chaos form in numpy (same values up to float64 rounding). ``cpu_min_flops``:
     on a CPU device, the path cost from which a contraction runs in torch (default
-    :data:`TORCH_CPU_FLOPS`)."""
+    `TORCH_CPU_FLOPS`)."""
 
     def __init__(self, backend: str, device: Any, name: str, cpu_min_flops: float | None = None):
         self.cpu_min_flops = TORCH_CPU_FLOPS if cpu_min_flops is None else float(cpu_min_flops)

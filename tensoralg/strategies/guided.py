@@ -4,7 +4,7 @@ sampling"; docs/mathematics.md §3.9).
 
 On deep models the Gaussian norm is carried by rare inputs (one token far out along a
 direction the model amplifies), which plain directions never draw. The radial estimator of
-:mod:`~tensoralg.strategies.montecarlo` writes ``x = r u`` and integrates the radius exactly
+`montecarlo` writes ``x = r u`` and integrates the radius exactly
 (``h(u) = E_r[f_a(r u) . f_b(r u)]``, a Gauss rule for the chi radius); here the directions
 ``u`` come from the mixture on the sphere ``S^(D-1)``
 
@@ -13,7 +13,7 @@ direction the model amplifies), which plain directions never draw. The radial es
 of von Mises-Fisher components around the directions ``mu_k = m_k / |m_k|`` of the modes ``m_k``
 of ``log |f(x)|^2 - |x|^2 / 2`` (the log of the integrand ``|f|^2 phi``), found by gradient ascent
 from random starts and, for sequences, from one large token at each position, for both
-models, both signs, at concentrations ``kappa = c |m_k|^2`` (:data:`KAPPA_SCALES`). The weight is
+models, both signs, at concentrations ``kappa = c |m_k|^2`` (`KAPPA_SCALES`). The weight is
 
     uniform(u) / q(u) = 1 / ((1 - beta) + beta * mean_k vMF_k(u) / uniform(u)) <= 1 / (1 - beta),
 
@@ -24,7 +24,7 @@ here: an input distribution ``N(0, K K^T)`` is composed into the networks first 
 Similarities are the ratio estimator with the delta-method standard error (reporting the three
 inner products they are the ratio of); ``||f_b - f_c||^2`` the weighted mean of the radial
 average of ``|f_b - f_c|^2`` (modes of ``f_b``, ``f_c`` and ``f_b - f_c``); every result carries
-the project's :class:`~tensoralg.strategies.montecarlo.Diagnostics`. It is an estimate, never
+the project's `Diagnostics`. It is an estimate, never
 exact: when the modes found are not the ones that carry the norm it can still be wrong, which
 the diagnostics may or may not reveal (measured: docs/results/montecarlo.md).
 """
@@ -88,7 +88,7 @@ N_DIRECTIONS = 2
 
 
 def _read_directions(net: Layer, Ut, shape: tuple, position, rng, n_points: int = 32):
-    """``[(t, e)]``: per position ``t`` (None for vector models) the top :data:`N_DIRECTIONS`
+    """``[(t, e)]``: per position ``t`` (None for vector models) the top `N_DIRECTIONS`
     unit eigenvectors of ``sum_i g_i g_i^T``, ``g_i`` the gradient of ``|U f|^2`` at the
     token of ``x_i`` (``x_i ~ N(0, I)`` at radii 1..3): the directions the model reads
     most (its active subspace; for a planted model, its one direction)."""
@@ -115,8 +115,8 @@ def _read_directions(net: Layer, Ut, shape: tuple, position, rng, n_points: int 
 
 
 def _fingerprint(net) -> tuple:
-    """A key of a network's function for :func:`find_modes`' cache: its class and the bytes
-    of its arrays (a :class:`Difference`: those of its two networks)."""
+    """A key of a network's function for `find_modes`' cache: its class and the bytes
+    of its arrays (a `Difference`: those of its two networks)."""
     import hashlib
 
     if isinstance(net, Difference):
@@ -137,13 +137,13 @@ _MODE_CACHE_SIZE = 16
 def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
                position: int | None = None, steps: int = STEPS,
                random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
-    """The modes of :func:`_find_modes` (its docstring), remembered for the last
-    :data:`_MODE_CACHE_SIZE` searches by the networks' weights, ``U``, ``n_ctx``, ``seed``,
+    """The modes of `_find_modes` (its docstring), remembered for the last
+    `_MODE_CACHE_SIZE` searches by the networks' weights, ``U``, ``n_ctx``, ``seed``,
     ``position``, ``steps``, ``random_starts`` and ``device`` (a read-only array).
 
     Raises:
         CostTooHigh: the search's attention scores would not fit in
-            :data:`~tensoralg.strategies.montecarlo.MC_MAX_BYTES` (a long ``n_ctx``), before
+            [`MC_MAX_BYTES`][tensoralg.strategies.montecarlo.MC_MAX_BYTES] (a long ``n_ctx``), before
             any work.
     """
     from .montecarlo import _SCORE_ARRAYS, check_score_memory
@@ -172,12 +172,12 @@ def _find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
                 random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
     """Local maxima of ``log |U f(x)|^2 - |x|^2 / 2`` for each network, by Adam (torch,
     float64) from ``random_starts`` Gaussian starts at radii ``1..3 sqrt(dim)`` and from
-    starts along the directions the model reads (:func:`_read_directions`; for sequences one
-    token at each position, the rest 0) at radii :data:`START_RADII`, both signs; each start
-    tempered (:data:`TEMPERS`): with the Gaussian term weakened, ascent runs out along the
+    starts along the directions the model reads (`_read_directions`; for sequences one
+    token at each position, the rest 0) at radii `START_RADII`, both signs; each start
+    tempered (`TEMPERS`): with the Gaussian term weakened, ascent runs out along the
     directions where the top-degree part grows fastest (where rare inputs carry the norm)
     before the full term pulls it back to the mode at that scale. Keeps the modes within
-    :data:`MODE_WINDOW` nats of the model's best (merging those within :data:`MODE_MERGE`)
+    `MODE_WINDOW` nats of the model's best (merging those within `MODE_MERGE`)
     and returns them with their negatives, ``(2 k, *shape)`` float64. ``device``: the torch
     device of the ascent (None: the CPU; the starts are drawn by numpy either way).
     """
@@ -321,7 +321,7 @@ def log_direction_ratio(u: np.ndarray, mu: np.ndarray, kappa: np.ndarray,
 def direction_draws(mu: np.ndarray, kappa: np.ndarray, D: int, n: int, seed: int,
                     beta: float = BETA, chunk: int = 4096):
     """Yield ``(u, w)`` in chunks: ``n`` directions ``(s, D)`` of the mixture ``q`` of
-    :func:`log_direction_ratio` (numpy ``default_rng(seed)``; the von Mises-Fisher draws by
+    `log_direction_ratio` (numpy ``default_rng(seed)``; the von Mises-Fisher draws by
     ``scipy.stats.vonmises_fisher``, Wood's algorithm) and their weights ``uniform / q`` (at
     most ``1 / (1 - beta)``; exactly 1 with no components)."""
     from scipy.stats import vonmises_fisher
@@ -370,9 +370,9 @@ def _check_scalar(keep: bool) -> None:
 def _radial_samples(nets, pairs, U, n_ctx, position, degree: int, modes, n_samples: int,
                     seed: int, device, chunk_points: int = 1 << 15) -> np.ndarray:
     """``(P, w)``: ``P`` ``(len(pairs), n_samples)``, per direction ``u`` of the mixture
-    (:func:`direction_draws` around the directions of ``modes``), ``w(u) h_ij(u)`` for each
+    (`direction_draws` around the directions of ``modes``), ``w(u) h_ij(u)`` for each
     ``(i, j)`` in ``pairs``, ``h_ij(u) = E_r[U f_i(r u) . U f_j(r u)]`` the exact radial average
-    (the Gauss rule for the chi radius of :mod:`~tensoralg.strategies.montecarlo`, exact for
+    (the Gauss rule for the chi radius of `montecarlo`, exact for
     degree ``<= 2 degree``) and ``w = uniform / q`` ``(n_samples,)``. Unbiased: ``E_q[w h] = E_uniform[h] =
     <f_i, f_j>`` whatever the modes; ``|w h| <= 2 max |h|``, a bounded summand."""
     from .montecarlo import _finite_outputs, _radial_points, score_chunk
@@ -404,7 +404,7 @@ def uniform_variance(P: np.ndarray, w: np.ndarray, g: np.ndarray | None = None) 
     ``w psi^2 <= 2 max psi^2`` is bounded, and the mixture draws the rare directions where
     ``psi^2`` is large). Plain sampling's standard error is ``sqrt(Var_uniform(psi) / n)``; its
     own sample variance sees only the directions it drew, so on a heavy tail it is too small,
-    which this estimate reveals (:func:`~tensoralg.strategies.montecarlo.cross_checked`)."""
+    which this estimate reveals (`cross_checked`)."""
     y = P[0] if g is None else np.asarray(g) @ P       # w psi
     return float(max(np.mean(y * y / w) - np.mean(y) ** 2, 0.0))
 
@@ -416,7 +416,7 @@ def _search_seed(seed: int) -> tuple:
 
 
 def _draw_seed(seed: int) -> tuple:
-    """The guided directions' seed ``(seed, 2)`` (as :func:`_search_seed`)."""
+    """The guided directions' seed ``(seed, 2)`` (as `_search_seed`)."""
     return (int(seed), 2)
 
 
@@ -428,8 +428,9 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
           n_ctx: int | None = None, position: int | None = None,
           device: Any = None) -> MonteCarloEstimate:
     """``<f_a, f_b>`` by guided radial importance sampling (APPROXIMATE; module docstring): a
-    :class:`MonteCarloEstimate` with its standard error and diagnostics. ``device``: the torch
-    device of the mode search and the forward passes (None: the CPU, forward in numpy).
+    [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate] with its standard
+    error and diagnostics. ``device``: the torch device of the mode search and the forward passes
+    (None: the CPU, forward in numpy).
 
     Raises:
         ValueError: ``output="each"`` (one number only).
@@ -448,7 +449,7 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
 
 def _mean_estimate(P: np.ndarray, w: np.ndarray, norm_name: str | None) -> MonteCarloEstimate:
     """The weighted mean of the one row of ``P = w h`` with its standard error, diagnostics
-    and ``.uniform_variance`` (:func:`uniform_variance` of ``h``)."""
+    and ``.uniform_variance`` (`uniform_variance` of ``h``)."""
     p = P[0]
     n = len(p)
     out = MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)), n,
@@ -470,7 +471,8 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
     of the three weighted means from the same directions, delta-method standard error,
     diagnostics over the three sums. The three inner products it is the ratio of are reported
     as ``.inner_products`` (``{"<a,b>", "<a,a>", "<b,b>"}``, each a
-    :class:`MonteCarloEstimate`): the value is exactly ``<a,b> / sqrt(<a,a> <b,b>)`` of those.
+    [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate]): the value is
+    exactly ``<a,b> / sqrt(<a,a> <b,b>)`` of those.
 
     Raises:
         ValueError: ``output="each"``; a sampled norm of zero.
@@ -497,7 +499,7 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
 
 
 class Difference:
-    """``f_b - f_c`` as one network for :func:`find_modes` and the estimators (its modes are
+    """``f_b - f_c`` as one network for `find_modes` and the estimators (its modes are
     where the two models differ most, which need not be where either is large); ``degree``
     the larger of the two."""
 
@@ -517,7 +519,7 @@ def diff_sq(nb: Layer, nc: Layer, U: np.ndarray, keep: bool, n_samples: int, see
     of the mixture around the modes of ``f_b``, ``f_c`` and ``f_b - f_c``, with its standard
     error and the diagnostics of a squared norm (certified lower bound under
     ``"||b - c||^2"``). Unbiased whatever the modes found (the weights are ``uniform / q``).
-    ``device``: as :func:`inner`.
+    ``device``: as `inner`.
 
     Raises:
         ValueError: ``output="each"`` (one number only).

@@ -28,7 +28,7 @@ __all__ = ["MonteCarloEstimate", "MonteCarloArray", "Diagnostics", "check_mc", "
 
 
 #: Diagnostics of every scalar Monte Carlo result (docs/mathematics.md §3.9): the directions
-#: split into :data:`~tensoralg.request.MC_REPLICATES` independent replicates (disjoint,
+#: split into `MC_REPLICATES` independent replicates (disjoint,
 #: consecutive sets of directions)...
 #: ...reliable only when no single direction carries this share of any sum...
 MC_MAX_SHARE = 0.05
@@ -39,11 +39,11 @@ MC_LOWER_BOUND_CONFIDENCE = 0.999
 
 
 #: Agreement of plain (radial) sampling with the guided estimate of the same quantity
-#: (:func:`cross_checked`): plain is reliable only when the two differ by at most this many
+#: (`cross_checked`): plain is reliable only when the two differ by at most this many
 #: combined standard errors (two: a plain estimate off by more than 3 of its own standard errors
 #: is then caught unless the guided one errs the same way; measured in docs/montecarlo.md).
 MC_CROSS_Z = 2.0
-#: Plain sampling is cross-checked against the guided estimate (:func:`cross_checked`) when a
+#: Plain sampling is cross-checked against the guided estimate (`cross_checked`) when a
 #: model has at least this degree: the integrand then has degree >= 6, where rare directions
 #: can carry the norm (docs/montecarlo.md); below it the radial integrand is a quartic on the
 #: sphere, whose standard error was measured to cover.
@@ -66,16 +66,16 @@ class Diagnostics:
     """Whether a Monte Carlo estimate can be trusted (docs/montecarlo.md).
 
     Attributes:
-        replicates: ``(estimate, stderr)`` of each of :data:`MC_REPLICATES` independent
+        replicates: ``(estimate, stderr)`` of each of `MC_REPLICATES` independent
             replicates (disjoint sets of the directions, in draw order).
         max_share: the largest share one direction has of any of the sums behind the estimate
             (``max_i |p_i| / sum_i |p_i|``; for a similarity the largest over its three sums).
         max_z: the largest pairwise ``|e_i - e_j| / sqrt(se_i^2 + se_j^2)`` of the replicates
-            (0 when they agree to rounding, :data:`MC_ROUNDING_ULPS`).
+            (0 when they agree to rounding, `MC_ROUNDING_ULPS`).
         reliable: ``max_share < MC_MAX_SHARE``, ``max_z <= MC_AGREE_Z`` and, where there is one,
             the cross-check passed.
         reason: why not, when not reliable ("" when reliable).
-        lower_bounds: certified lower bounds (confidence :data:`MC_LOWER_BOUND_CONFIDENCE`) on
+        lower_bounds: certified lower bounds (confidence `MC_LOWER_BOUND_CONFIDENCE`) on
             the squared norms the samples saw, ``{"<a,a>": ..., "<b,b>": ...}`` (empty for a
             cross inner product): ``E[Z] >= t P(Z >= t)`` with a Clopper-Pearson lower bound on
             ``P(Z >= t)`` (Bonferroni over the thresholds tried), ``Z`` the per-direction
@@ -83,14 +83,14 @@ class Diagnostics:
         exact: the sampled per-direction quantity did not vary (standard error 0, every
             replicate equal to rounding): with probability 1 it is constant on the sphere (a
             polynomial), so the estimate is the value itself, not an approximation of it.
-        cross_check: plain sampling of models of degree >= :data:`MC_CROSS_DEGREE` only:
+        cross_check: plain sampling of models of degree >= `MC_CROSS_DEGREE` only:
             ``(value, stderr, z, reliable)`` of the guided estimate of the same quantity
             (``proposal="modes"``, its own samples) and the plain estimate's ``|z|`` against it;
             None where no cross-check ran.
         spread_ratio: with ``cross_check``: the variance of the per-direction summand over
             uniform directions as the guided samples estimate it, over the sample variance of
             plain sampling's own directions (about 1 when plain's standard error is right; at
-            most :data:`MC_SPREAD_RATIO` for a reliable verdict); None where not computed.
+            most `MC_SPREAD_RATIO` for a reliable verdict); None where not computed.
     """
 
     replicates: tuple
@@ -126,14 +126,14 @@ class Diagnostics:
 
 
 def _rounding(x):
-    """The rounding floor :data:`MC_ROUNDING_ULPS` units in the last place of ``|x|`` (a float
+    """The rounding floor `MC_ROUNDING_ULPS` units in the last place of ``|x|`` (a float
     or an array)."""
     return MC_ROUNDING_ULPS * np.finfo(np.float64).eps * np.abs(x)
 
 
 def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
     """``|x - y| / sqrt(sx^2 + sy^2)``, 0 when ``x`` and ``y`` agree to rounding
-    (:data:`MC_ROUNDING_ULPS`), inf when they differ with both standard errors 0."""
+    (`MC_ROUNDING_ULPS`), inf when they differ with both standard errors 0."""
     if abs(x - y) <= _rounding(max(abs(x), abs(y))):
         return 0.0
     den = math.sqrt(sx * sx + sy * sy)
@@ -144,8 +144,8 @@ def spread_ratio(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> float | No
     """``ref.uniform_variance / (n se^2)``: the variance over uniform directions of the
     summand behind the plain estimate ``est`` (``n`` directions, standard error ``se``), as
     the guided estimate ``ref`` of the same quantity measured it, over the variance ``est``
-    saw (:data:`MC_SPREAD_RATIO`), both floored at the rounding level of the value
-    (:data:`MC_ROUNDING_ULPS`): 1 when the guided variance is at rounding level. None when
+    saw (`MC_SPREAD_RATIO`), both floored at the rounding level of the value
+    (`MC_ROUNDING_ULPS`): 1 when the guided variance is at rounding level. None when
     ``ref`` carries no such estimate."""
     uv = getattr(ref, "uniform_variance", None)
     if uv is None:
@@ -158,8 +158,8 @@ def spread_ratio(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> float | No
 
 def unchecked(est: MonteCarloEstimate, why: str) -> MonteCarloEstimate:
     """``est`` (plain sampling) labelled not reliable because its cross-check
-    (:func:`cross_checked`) could not run, ``why``: without it, the verdict promises
-    nothing on models of degree >= :data:`MC_CROSS_DEGREE`."""
+    (`cross_checked`) could not run, ``why``: without it, the verdict promises
+    nothing on models of degree >= `MC_CROSS_DEGREE`."""
     d = est.diagnostics
     reason = "; ".join(([d.reason] if not d.reliable else []) + [why])
     new = Diagnostics(d.replicates, d.max_share, d.max_z, False, reason, d.lower_bounds,
@@ -170,7 +170,7 @@ def unchecked(est: MonteCarloEstimate, why: str) -> MonteCarloEstimate:
 def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarloEstimate:
     """``est`` (plain sampling) with its verdict checked against ``ref`` (the guided estimate of
     the same quantity from its own samples): reliable only when ``est`` was, ``ref`` is, and the
-    two agree within :data:`MC_CROSS_Z` combined standard errors. The value and the standard
+    two agree within `MC_CROSS_Z` combined standard errors. The value and the standard
     error stay those of ``est``."""
     d = est.diagnostics
     z = agreement_z(float(est), est.stderr, float(ref), ref.stderr)
@@ -205,7 +205,7 @@ _SPEC = re.compile(r"(?:(?P<fill>.)?(?P<align>[<>=^]))?[-+ ]?z?#?0?(?P<width>\d*
 
 class MonteCarloEstimate(float):
     """A Monte Carlo estimate (APPROXIMATE): a float with its standard error ``stderr``,
-    ``n_samples`` (directions) and, for scalar results, :class:`Diagnostics` (``reliable``,
+    ``n_samples`` (directions) and, for scalar results, `Diagnostics` (``reliable``,
     ``diagnostics``). A value whose ``reliable`` is False is not an answer: it formats
     (``f"{x:.4f}"``, ``f"{x}"``, ``print(x)``) as ``no reliable estimate (<reason>)`` (its
     ``repr`` keeps the number, marked ``NOT reliable``, for debugging), while ``float(x)`` and
@@ -247,7 +247,7 @@ class MonteCarloEstimate(float):
                                        f"{m['width']}")
 
     def __str__(self) -> str:
-        """``print(x)``: the refusal when unreliable, else :meth:`__repr__` (value ± stderr)."""
+        """``print(x)``: the refusal when unreliable, else `__repr__` (value ± stderr)."""
         return self._refusal() if self.reliable is False else repr(self)
 
     def __repr__(self) -> str:
@@ -305,8 +305,8 @@ def _agreement(reps: list) -> float:
 
 
 def verdict(reps, share, norms: dict, exact: bool = False) -> Diagnostics:
-    """The verdict of :class:`Diagnostics`; ``exact``: the sampled quantity did not vary
-    between directions (:func:`_constant`, :func:`_proportional`), so the estimate is the value
+    """The verdict of `Diagnostics`; ``exact``: the sampled quantity did not vary
+    between directions (`_constant`, `_proportional`), so the estimate is the value
     whatever the directions drawn: reliable, and labelled exact, whatever its shares."""
     max_z = _agreement(reps)
     why = []
@@ -331,7 +331,7 @@ def _proportional(P: np.ndarray) -> bool:
     """The per-direction triples ``P`` ``(3, n)`` are multiples of one triple, each to rounding
     relative to itself (``P = t w^T``, e.g. ``f_b = c f_a``): the ratio ``<a,b> / sqrt(<a,a>
     <b,b>)`` of their means is then ``t_ab / sqrt(t_aa t_bb)`` whatever the directions drawn
-    (as :func:`_constant`). Relative to each direction, not to the largest: a direction that
+    (as `_constant`). Relative to each direction, not to the largest: a direction that
     dominates every sum would otherwise make the others look proportional."""
     P = np.asarray(P, dtype=np.float64)
     if not np.all(np.isfinite(P)):
@@ -368,10 +368,11 @@ def ratio_diagnostics(P: np.ndarray) -> Diagnostics:
 class MonteCarloArray(np.ndarray):
     """A NumPy array of Monte Carlo estimates (APPROXIMATE) with an array ``stderr`` of the
     same shape and, for the per-output slices of ``inner`` / ``similarity`` / ``inner_diff`` /
-    ``diff_norm`` (``output="each"``), one :class:`Diagnostics` per entry (``diagnostics``, a
+    ``diff_norm`` (``output="each"``), one `Diagnostics` per entry (``diagnostics``, a
     tuple in flattened order; ``reliable``: a bool array of the same shape, None where no
     diagnostics were computed, e.g. Gram matrices). An entry whose ``reliable`` is False is not
-    an answer (the same tests as :class:`MonteCarloEstimate`)."""
+    an answer (the same tests as
+    [`MonteCarloEstimate`][tensoralg.strategies.montecarlo.MonteCarloEstimate])."""
 
     def __new__(cls, values, stderr, n_samples: int, diagnostics=None):
         obj = np.asarray(values, dtype=np.float64).view(cls)
@@ -426,7 +427,7 @@ MC_MIN_DIRECTIONS = 300
 
 
 def _radial_nodes(degree: int) -> int:
-    """Radii of :func:`_radial_rule` for polynomials of degree ``<= degree`` on the ray (each
+    """Radii of `_radial_rule` for polynomials of degree ``<= degree`` on the ray (each
     evaluated at ``±r``: ``2 m`` points)."""
     return (degree // 2) // 2 + 1
 
@@ -450,7 +451,7 @@ def _radial_rule(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _radial_points(d: int, degree: int) -> tuple[np.ndarray, np.ndarray]:
     """The points ``±r_q`` ``(Q,)`` along a direction and their weights ``(Q,)`` (sum 1) of
-    :func:`_radial_rule`: the exact average over the radius of a polynomial of degree
+    `_radial_rule`: the exact average over the radius of a polynomial of degree
     ``<= degree`` on the ray."""
     r, w = _radial_rule(d, degree)
     return np.concatenate([r, -r]), np.concatenate([w, w]) / 2
@@ -479,8 +480,8 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
     polynomial ``g`` of degree <= 2 * max degree of ``nets`` along the ray of ``u``.
 
     Sequence models (``n_ctx`` given; docs/mathematics.md §3.9): the directions lie on the
-    sphere of ``R^(n_ctx d)`` (the draws of :func:`_mc_points`, numpy whatever the backend, as
-    :func:`montecarlo_inner`), and the last axis of ``F`` runs over (position, output):
+    sphere of ``R^(n_ctx d)`` (the draws of `_mc_points`, numpy whatever the backend, as
+    `montecarlo_inner`), and the last axis of ``F`` runs over (position, output):
     ``K = n_ctx * U.shape[0]``, or ``U.shape[0]`` at one ``position``, so a product summed over
     it is the inner product summed over positions (no per-output axis is kept)."""
     d = nets[0].in_features
@@ -531,8 +532,8 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
         done += s
 
 
-#: Entries of one chunk's inputs (or outputs) in the sequence samplers (:func:`_mc_features`;
-#: the DFT inputs of :mod:`tensoralg.degree`, complex there: 16 MiB each).
+#: Entries of one chunk's inputs (or outputs) in the sequence samplers (`_mc_features`;
+#: the DFT inputs of `tensoralg.degree`, complex there: 16 MiB each).
 MC_CHUNK_ELEMENTS = 1 << 20
 
 #: FLOPs of forward passes above which a Monte Carlo request is refused before any sampling
@@ -589,8 +590,8 @@ def forward_flops(net: Any, n_ctx: int | None = None) -> float:
 def check_score_memory(nets, rows: int, n_ctx: int | None, what: str,
                        arrays: int = _SCORE_ARRAYS) -> None:
     """Refuse (CostTooHigh, before any work) ``rows`` evaluations at once whose attention
-    scores (:func:`score_entries`, ``arrays`` float64 arrays of that size) would exceed
-    :data:`MC_MAX_BYTES`; ``what`` says which step (named in the message)."""
+    scores (`score_entries`, ``arrays`` float64 arrays of that size) would exceed
+    `MC_MAX_BYTES`; ``what`` says which step (named in the message)."""
     need = 8.0 * arrays * rows * max((score_entries(n, n_ctx) for n in nets), default=0)
     if need > MC_MAX_BYTES:
         from ..errors import CostTooHigh
@@ -603,7 +604,7 @@ def check_score_memory(nets, rows: int, n_ctx: int | None, what: str,
 
 def score_chunk(nets, n_ctx: int | None, points: int, default: int) -> int:
     """Directions per chunk (at most ``default``) such that their ``points`` evaluations each
-    hold at most :data:`MC_MAX_BYTES` of attention scores together (at least one)."""
+    hold at most `MC_MAX_BYTES` of attention scores together (at least one)."""
     per = 8.0 * _SCORE_ARRAYS * points * max((score_entries(n, n_ctx) for n in nets), default=0)
     if per <= 0:
         return max(1, int(default))
@@ -612,8 +613,8 @@ def score_chunk(nets, n_ctx: int | None, points: int, default: int) -> int:
 
 def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = None) -> None:
     """Refuse (CostTooHigh, before any sampling) ``n_samples`` directions at ``points``
-    evaluations each whose forward passes would cost more than :data:`MC_MAX_FLOPS`; warn
-    (RuntimeWarning, with the estimate) above :data:`MC_WARN_FLOPS`."""
+    evaluations each whose forward passes would cost more than `MC_MAX_FLOPS`; warn
+    (RuntimeWarning, with the estimate) above `MC_WARN_FLOPS`."""
     per = sum(forward_flops(n, n_ctx) for n in nets)
     total = float(n_samples) * points * per
     if total > MC_MAX_FLOPS:
@@ -646,7 +647,7 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
             samples: bool = False, n_ctx: int | None = None, position: int | None = None):
     """Sample means and standard errors of <a_i, b_j> products (Na, Nb[, K]); with
     ``samples`` also the per-direction values ``(n, Na, Nb[, K])`` (for the diagnostics of a
-    scalar result); ``n_ctx``, ``position``: sequence models (:func:`_mc_features`)."""
+    scalar result); ``n_ctx``, ``position``: sequence models (`_mc_features`)."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     nets = list(nets_a) + list(nets_b)
@@ -675,7 +676,7 @@ def moments(nets_a, nets_b, U, keep, n_samples, seed, backend, device, dtype,
 def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, dtype,
                n_ctx: int | None = None, position: int | None = None):
     """Ratio estimator ab / sqrt(aa bb) with a delta-method standard error; ``n_ctx``,
-    ``position``: sequence models (:func:`_mc_features`)."""
+    ``position``: sequence models (`_mc_features`)."""
     check_mc(n_samples, seed, backend)
     U = np.asarray(U, dtype=np.float64)
     warn_few(n_samples)
@@ -701,7 +702,7 @@ def similarity(na: Layer, nb: Layer, U, keep, n_samples, seed, backend, device, 
 
 def _ratio_se(n, sx, sy, sz, sxx, syy, szz, sxy, sxz, syz):
     """``(r, se)`` of ``r = x / sqrt(y z)`` from the sums over ``n`` samples of ``x, y, z`` and
-    of their products (arrays of one shape): the delta method of :func:`ratio_estimate`."""
+    of their products (arrays of one shape): the delta method of `ratio_estimate`."""
     mx, my, mz = sx / n, sy / n, sz / n
     f = n / (n - 1)
     cxx, cyy, czz = (sxx / n - mx * mx) * f, (syy / n - my * my) * f, (szz / n - mz * mz) * f
@@ -718,12 +719,12 @@ def similarity_matrix(nets, U, keep, n_samples, seed, backend, device, dtype,
                       ) -> MonteCarloArray:
     """``S[i, j] = <i, j> / sqrt(<i, i> <j, j>)`` of ``N`` networks from one set of sampled
     directions (radial estimator), with, per entry, the delta-method standard error of the
-    ratio (:func:`ratio_estimate`: the covariance of ``(p_ij, p_ii, p_jj)`` over the
-    directions) and the :class:`Diagnostics` of the three sums behind it (largest
-    single-direction share; :data:`MC_REPLICATES` consecutive replicates; no certified lower
+    ratio (`ratio_estimate`: the covariance of ``(p_ij, p_ii, p_jj)`` over the
+    directions) and the `Diagnostics` of the three sums behind it (largest
+    single-direction share; `MC_REPLICATES` consecutive replicates; no certified lower
     bounds: those need every sample). Streams the directions: memory ``O(N^2 K)``.
-    ``n_ctx``, ``position``: sequence models (:func:`_mc_features`); an entry then equals
-    :func:`montecarlo_similarity` of its pair with the same ``n_samples`` and ``seed``.
+    ``n_ctx``, ``position``: sequence models (`_mc_features`); an entry then equals
+    `montecarlo_similarity` of its pair with the same ``n_samples`` and ``seed``.
 
     Raises:
         ValueError: a model with sampled norm zero (named by index)."""
@@ -823,10 +824,10 @@ features = _mc_features
 
 def _mc_checked(req: Request, a: Any, b: Any, n_batches: Any, caller: str):
     """The request checked against a pair of sequence models (before any sampling): the pair
-    as float networks and its ``n_ctx``. The directions are those of :func:`_mc_points` (``u``
+    as float networks and its ``n_ctx``. The directions are those of `_mc_points` (``u``
     uniform on the sphere of ``R^(n_ctx d)``, each evaluated at the ``Q`` points ``±r_q u`` of
-    the Gauss rule for the chi radius, :func:`_radial_rule`, exact for polynomials of degree
-    ``<= 2 max(degree)``), sampled by :func:`_mc_features`."""
+    the Gauss rule for the chi radius, `_radial_rule`, exact for polynomials of degree
+    ``<= 2 max(degree)``), sampled by `_mc_features`."""
     a, b, n_ctx = check_sequence_pair(a, b, req.n_ctx)
     if isinstance(req.output, str) or isinstance(req.position, str):
         raise ValueError(f"{caller}: output='each' / position='each' are not supported; "
@@ -892,7 +893,7 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
         directions).
 
     Raises:
-        ValueError: as :func:`exact_inner` for the pair and slices; ``n_samples`` below
+        ValueError: as `exact_inner` for the pair and slices; ``n_samples`` below
             ``2 * n_batches``; ``n_batches < 2``; a negative ``seed``.
     """
     return montecarlo_inner_req(_mc_request(n_ctx, n_samples, seed, output, position), a, b,
@@ -900,7 +901,7 @@ def montecarlo_inner(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int = 20_0
 
 
 def montecarlo_inner_req(req: Request, a: Any, b: Any, n_batches: int = MC_REPLICATES):
-    """:func:`montecarlo_inner` of a validated request: :func:`moments` of the pair. The
+    """`montecarlo_inner` of a validated request: `moments` of the pair. The
     default ``n_batches`` asks for no more directions than the diagnostics need
     (``MC_MIN_SAMPLES``, as for vector models): ``ta.inner`` of sequence models took at least
     40 for a parameter the caller cannot set."""
@@ -918,7 +919,7 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
     """Monte Carlo estimate (approximate) of ``<a,b> / sqrt(<a,a> <b,b>)`` for sequence models of
     any depth, with a delta-method standard error.
 
-    The directions and radial rule of :func:`montecarlo_inner`: per direction ``p_ab``,
+    The directions and radial rule of `montecarlo_inner`: per direction ``p_ab``,
     ``p_aa``, ``p_bb`` from the same evaluations. The estimate is the ratio
     ``r = mean(p_ab) / sqrt(mean(p_aa) mean(p_bb))`` (consistent, bias O(1/n)) and its standard
     error ``sqrt(g^T C g / n)``, ``C`` the sample covariance of ``(p_ab, p_aa, p_bb)`` over the
@@ -934,14 +935,14 @@ def montecarlo_similarity(a: Any, b: Any, *, n_ctx: Any = None, n_samples: int =
         ``tensoralg.MonteCarloEstimate`` (``.stderr``, ``.n_samples`` = directions).
 
     Raises:
-        ValueError: as :func:`montecarlo_inner`; a sampled norm that is zero.
+        ValueError: as `montecarlo_inner`; a sampled norm that is zero.
     """
     return montecarlo_similarity_req(_mc_request(n_ctx, n_samples, seed, output, position),
                                      a, b, n_batches)
 
 
 def montecarlo_similarity_req(req: Request, a: Any, b: Any, n_batches: int = MC_REPLICATES):
-    """:func:`montecarlo_similarity` of a validated request: :func:`similarity` of the pair."""
+    """`montecarlo_similarity` of a validated request: `similarity` of the pair."""
     na, nb, n_ctx = _mc_checked(req, a, b, n_batches, "montecarlo_similarity")
     U, _ = req.output_matrix(na.out_features)
     return similarity(na, nb, U, False, req.n_samples, req.seed, "numpy", None, None,
@@ -952,9 +953,9 @@ def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
                                 n_samples: int = 20_000, seed: int = 0, n_batches: int = 20,
                                 chunk: int = 25, progress: Any = None) -> dict:
     """Monte Carlo similarity (APPROXIMATE: an estimate) of every pair of ``N`` sequence models
-    from ONE shared set of directions, each pair with its :class:`~tensoralg.strategies.montecarlo.Diagnostics` verdict.
+    from ONE shared set of directions, each pair with its `Diagnostics` verdict.
 
-    The estimator of :func:`montecarlo_similarity` (directions uniform on the sphere of
+    The estimator of `montecarlo_similarity` (directions uniform on the sphere of
     ``R^(n_ctx d)`` drawn from numpy ``default_rng(seed)`` (``n_batches``: as there), the radius
     integrated exactly by the Gauss rule for the chi distribution; docs/mathematics.md §3.4,
     §3.9), with the same directions for every pair: entry ``(i, j)`` equals
@@ -974,7 +975,7 @@ def montecarlo_similarity_pairs(models: Sequence[Any], *, n_ctx: Any = None,
         ``.diagnostics``; a value whose ``.reliable`` is False is not an answer).
 
     Raises:
-        ValueError: fewer than two models; a pair :func:`montecarlo_similarity` refuses (other
+        ValueError: fewer than two models; a pair `montecarlo_similarity` refuses (other
             input size or outputs, ``n_ctx``, ``n_samples`` below ``2 n_batches``); a sampled
             norm that is zero.
     """

@@ -1,14 +1,15 @@
 """Monte Carlo on the degree-``<= K`` truncations of two networks (docs/mathematics.md §3.9;
-APPROXIMATE), for :func:`tensoralg.degree_similarity` where no exact path applies.
+APPROXIMATE), for [`tensoralg.degree_similarity`][tensoralg.degree_similarity] where no exact path
+applies.
 
-The radial estimator of :mod:`tensoralg.strategies.montecarlo` on the truncation. Per
+The radial estimator of `tensoralg.strategies.montecarlo` on the truncation. Per
 direction ``theta`` the parts ``P_k(rho theta)`` come from the DFT
-(:func:`tensoralg.homogeneous.dft_parts`: ``m`` complex forward passes per input scale of
-:data:`MC_SCALES`, each part read at the scale of smallest rounding bound) at the typical
+(`tensoralg.homogeneous.dft_parts`: ``m`` complex forward passes per input scale of
+`MC_SCALES`, each part read at the scale of smallest rounding bound) at the typical
 radius ``rho = sqrt(D)``, and ``f_{<=K}(r theta) = sum_k (r/rho)^k P_k(rho theta)``, so the
 radial integral is exact given the chi moments ``E[r^n]`` (antithetic ``±theta``: odd ``k + l``
 cancel). The largest exact lower truncation is the control variate (its exact inner products
-replace its sample means). Diagnostics as :mod:`tensoralg.strategies.montecarlo` (three
+replace its sample means). Diagnostics as `tensoralg.strategies.montecarlo` (three
 replicates, their agreement, the largest single-direction share — here of the sampled
 remainder against the whole sum, so that the exact block does not dilute a heavy tail): an
 estimate whose ``reliable`` is False is not an answer.
@@ -40,7 +41,7 @@ def _chi_ratio(D: int, n: int, rho: float) -> float:
 
 
 #: Input scales of the Monte Carlo DFT (fewer than
-#: :data:`tensoralg.homogeneous.DFT_SCALES`: 3 x (degree + 1)
+#: `tensoralg.homogeneous.DFT_SCALES`: 3 x (degree + 1)
 #: forward passes per direction and model).
 MC_SCALES = (1.0, 0.125, 0.015625)
 

@@ -1,24 +1,24 @@
-"""Exact strategy for sequence models: the exact path of sequence models (:func:`exact_inner`,
-:func:`exact_similarity`, :func:`exact_gram`, :func:`head_gram`; sums over query positions
+"""Exact strategy for sequence models: the exact path of sequence models (`exact_inner`,
+`exact_similarity`, `exact_gram`, `head_gram`; sums over query positions
 ``t`` and output ``o`` of ``E[f_a(X)[t, o] f_b(X)[t, o]]``, ``position=`` / ``output=``
 slicing them as in ``tensoralg.inner``) reads both models in the folded canonical tree
-(:func:`canonicalize`): one node of linear and attention terms. Supported exactly: models of the form ``[Linear...]
--> attention or Residual(attention) -> [Linear...]`` (an embedding applied per position, one
-attention layer with or without a residual, biases, any mask, RoPE, an unembedding; a
+(`canonicalize`): one node of linear and attention terms. Supported exactly: models of the form
+``[Linear...] -> attention or Residual(attention) -> [Linear...]`` (an embedding applied per
+position, one attention layer with or without a residual, biases, any mask, RoPE, an unembedding; a
 residual block may hold Linear layers around the attention), and per-position affine models.
-Deeper stacks: :func:`tensoralg.strategies.montecarlo.montecarlo_inner` (unbiased, with a
-standard error) and :func:`tensoralg.strategies.closure.closure_inner` (the second-moment
+Deeper stacks: `tensoralg.strategies.montecarlo.montecarlo_inner` (unbiased, with a
+standard error) and `tensoralg.strategies.closure.closure_inner` (the second-moment
 closure over (position, feature); exact at depth 1, APPROXIMATE deeper).
 
 Cost: before any contraction, the configurations are counted against ``max_configurations``
 and a dry run of the chaos sums (paths found and cached for the real run) estimates the peak
 memory and the FLOPs (the path cost of every contraction the run executes), held against
-``max_memory`` and ``max_flops`` (:func:`chaos_cost_req`; ``tensoralg.plan`` reports both).
+``max_memory`` and ``max_flops`` (`chaos_cost_req`; ``tensoralg.plan`` reports both).
 
 The two ways to sum a pair of terms (equal values; tests cross-check them):
-:class:`~tensoralg.strategies.wick.terms.JoinedTermPair` (``strategy="matchings"``) and
-:class:`~tensoralg.strategies.chaos.sequence.TermSide` +
-:func:`~tensoralg.strategies.chaos.sequence.chaos_pair` (``strategy="chaos"``, the default).
+`JoinedTermPair` (``strategy="matchings"``) and
+`TermSide` +
+`chaos_pair` (``strategy="chaos"``, the default).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _unsupported(name: str, i: int, what: str, degree: int | None = None
                  ) -> AttentionNotSupported:
     """The refusal of a model outside the exact path; ``degree``: the model's polynomial
     degree when it composes non-linear layers, whose unrolled one-node form (every leg
-    reading the residual stream or an earlier layer's term, :mod:`tensoralg.degree`) has a
+    reading the residual stream or an earlier layer's term, `tensoralg.degree`) has a
     term of that degree: its pair with itself joins ``2 degree`` legs, ``(2 degree - 1)!!``
     Wick configurations."""
     unrolled = ""
@@ -126,8 +126,8 @@ def _unsupported(name: str, i: int, what: str, degree: int | None = None
 
 
 def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> Tree:
-    """The model as the folded canonical :class:`~tensoralg.canonical.Tree` the exact path
-    contracts (:func:`tensoralg.canonical.sequence_tree` with ``fold=True``), for ``n_ctx``
+    """The model as the folded canonical `Tree` the exact path
+    contracts (`tensoralg.canonical.sequence_tree` with ``fold=True``), for ``n_ctx``
     positions: one node, a sum of terms of kind linear (the residual, biases and constants,
     one leg at the query position ``t``) and attention (legs ``Q1, Q2`` at ``t``, ``K1, K2, V``
     at the key position ``s``; cores ``O[o, h, v]`` and ``scale * mask[t, s]``), the embedding
@@ -177,7 +177,7 @@ def canonicalize(net: Any, n_ctx: int, name: str = "a", exact: bool = False) -> 
 
 def _slice_output(tree: Tree, output: Any) -> Tree:
     """Apply an ``output=`` int / vector ``u`` to every term of the last node
-    (:meth:`~tensoralg.canonical.Term.project_output` by ``u[None]``: output size 1)."""
+    (`project_output` by ``u[None]``: output size 1)."""
     if output is None or isinstance(output, str):
         return tree
     exact = tree.exact
@@ -214,7 +214,7 @@ def _prepared_pair(a: Layer, b: Layer, n_ctx: int, output: Any, exact: bool):
 
 
 def _checked_trees(req: Request, a: Any, b: Any):
-    """The checks of :func:`exact_inner` on the pair and slices, then :func:`_prepared_pair`:
+    """The checks of `exact_inner` on the pair and slices, then `_prepared_pair`:
     ``(tree of a, tree of b, n_ctx)``."""
     a, b, n_ctx = check_sequence_pair(a, b, req.n_ctx)
     check_slices(req, a.out_features, n_ctx)
@@ -224,18 +224,18 @@ def _checked_trees(req: Request, a: Any, b: Any):
 def count_configurations(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
                          backend: str = "numpy") -> int:
     """Number of Wick configurations (partial matchings after zero-pattern pruning) that
-    :func:`exact_inner` contracts for the pair with the same ``output`` slice and ``backend``
+    `exact_inner` contracts for the pair with the same ``output`` slice and ``backend``
     (the slice and the rounding decide which legs can be capped). Cheap: no contraction.
 
     Raises:
-        AttentionNotSupported, ValueError: as :func:`exact_inner`, before any work.
+        AttentionNotSupported, ValueError: as `exact_inner`, before any work.
     """
     return count_configurations_req(make_request(n_ctx=n_ctx, output=output, backend=backend),
                                     a, b)
 
 
 def count_configurations_req(req: Request, a: Any, b: Any) -> int:
-    """:func:`count_configurations` of a validated request (``position`` ignored)."""
+    """`count_configurations` of a validated request (``position`` ignored)."""
     pa, pb, n_ctx = _checked_trees(req, a, b)
     return sum(JoinedTermPair(x, y, np.ones(n_ctx), (), np.einsum).count()
                for x, y in _term_pairs(pa, pb))
@@ -245,9 +245,9 @@ def _dry_cost(pa: Tree, pb: Tree, n_ctx: int, exact: bool, sel, out_mode) -> tup
     """``(bytes, FLOPs)`` of the chaos strategy, from a dry run (paths found and cached for
     the real run; nothing contracted). Bytes: the estimated peak, every stored ``R[S]`` of
     both models plus the largest working set of one sum (its cached diagonal copies and one
-    contraction's live intermediates and step copies, :func:`sum_peak`); 8 bytes per entry
+    contraction's live intermediates and step copies, `sum_peak`); 8 bytes per entry
     (float64; one pointer per Fraction in rationals, so low there). FLOPs: the path costs of
-    every contraction of the per-model sums and of the cross sums (:func:`sum_flops`; the leg
+    every contraction of the per-model sums and of the cross sums (`sum_flops`; the leg
     grams ``w . P w'``, a few matrix products, come on top)."""
     key = (_shape_signature(pa), _shape_signature(pb), n_ctx, exact, sel.shape, out_mode)
     hit = _DRY_COST.get(key)
@@ -277,8 +277,8 @@ def _shape_signature(p: Tree) -> tuple:
 
 
 def memory_refusal(need: int, max_memory, backend: str = "numpy", device: Any = None):
-    """The refusal message when ``need`` bytes (:func:`chaos_memory_bytes`) exceed
-    ``max_memory`` (default: :func:`tensoralg.backends.available_memory`), else None."""
+    """The refusal message when ``need`` bytes (`chaos_memory_bytes`) exceed
+    ``max_memory`` (default: `tensoralg.backends.available_memory`), else None."""
     if max_memory is None:
         max_memory = available_memory(backend, device)
     if need <= max_memory:
@@ -291,7 +291,7 @@ def memory_refusal(need: int, max_memory, backend: str = "numpy", device: Any = 
 
 def chaos_memory_bytes(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
                        position: Any = None, backend: str = "numpy") -> int:
-    """Estimated peak memory (bytes) of :func:`exact_inner` with ``strategy="chaos"`` and the
+    """Estimated peak memory (bytes) of `exact_inner` with ``strategy="chaos"`` and the
     same options: the per-model chaos tensors (for each term and each set ``S`` of its open
     legs, the sum ``R[S]`` over matchings of the other legs) plus the largest working set of
     one of its sums (cached diagonal copies, and the intermediates alive along one
@@ -301,20 +301,20 @@ def chaos_memory_bytes(a: Any, b: Any, n_ctx: Any = None, *, output: Any = None,
     entry (low: a Fraction takes more).
 
     Raises:
-        AttentionNotSupported, ValueError: as :func:`exact_inner`, before any work.
+        AttentionNotSupported, ValueError: as `exact_inner`, before any work.
     """
     return chaos_memory_bytes_req(make_request(n_ctx=n_ctx, output=output, position=position,
                                                backend=backend), a, b)
 
 
 def chaos_memory_bytes_req(req: Request, a: Any, b: Any) -> int:
-    """:func:`chaos_memory_bytes` of a validated request."""
+    """`chaos_memory_bytes` of a validated request."""
     return chaos_cost_req(req, a, b)[0]
 
 
 def chaos_cost_req(req: Request, a: Any, b: Any) -> tuple[int, float]:
-    """``(estimated peak bytes, estimated FLOPs)`` of :func:`exact_inner` with the chaos
-    strategy for a validated request: one dry run (:func:`_dry_cost`), nothing contracted."""
+    """``(estimated peak bytes, estimated FLOPs)`` of `exact_inner` with the chaos
+    strategy for a validated request: one dry run (`_dry_cost`), nothing contracted."""
     pa, pb, n_ctx = _checked_trees(req, a, b)
     out_mode = ((QUERY,) if isinstance(req.position, str) else ()) + \
         (("o",) if isinstance(req.output, str) else ())
@@ -333,7 +333,7 @@ def max_flops_of(req: Request) -> float:
 
 def flops_refusal(flops: float, req: Request) -> str | None:
     """The refusal message when the chaos strategy's estimated FLOPs exceed the budget of
-    ``req`` (:func:`max_flops_of`), else None."""
+    ``req`` (`max_flops_of`), else None."""
     budget = max_flops_of(req)
     if flops <= budget:
         return None
@@ -348,7 +348,7 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
                 max_memory: float | None = None):
     """Exact Gaussian inner product ``sum_t sum_o E[f_a(X)[t,o] f_b(X)[t,o]]`` of two sequence
     models with at most one bilinear attention layer each (module docstring; docs/mathematics.md §3.7), on
-    their folded canonical trees (:func:`canonicalize`).
+    their folded canonical trees (`canonicalize`).
 
     Args:
         a, b: sequence models ``[Linear...] -> BilinearAttention or Residual(BilinearAttention)
@@ -363,15 +363,15 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
         backend: ``"numpy"`` (float64), ``"torch"`` (float64; the larger contractions run in
             torch on ``device``, default CUDA when available) or ``"exact"`` (rationals: floats
             are taken exactly, ``Fraction(float)``; RoPE rotations are the float64 values of
-            :func:`tensoralg.layers.rope_rotations`, taken exactly).
+            [`tensoralg.layers.rope_rotations`][tensoralg.layers.rope_rotations], taken exactly).
         strategy: ``"chaos"`` (default: per-model sums over internal matchings, then
             bijections of the open legs) or ``"matchings"`` (one contraction per partial
             matching of the joined network; slower, kept as a cross-check).
         max_configurations: refuse (before contracting) above this many Wick configurations.
         max_memory: bytes; with ``strategy="chaos"``, refuse (before contracting) when the
-            per-model chaos tensors alone (:func:`chaos_memory_bytes`, a lower bound of the peak)
+            per-model chaos tensors alone (`chaos_memory_bytes`, a lower bound of the peak)
             exceed it. Default: half the available memory of the computing device
-            (:func:`tensoralg.backends.available_memory`).
+            (`tensoralg.backends.available_memory`).
 
     Returns:
         a float (numpy) or ``Fraction`` (exact); an array for ``"each"``.
@@ -393,7 +393,7 @@ def exact_inner(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, positi
 
 
 def _exact_trees(req: Request, a: Any, b: Any):
-    """The checks of :func:`exact_inner` on the pair and slices, before any contraction:
+    """The checks of `exact_inner` on the pair and slices, before any contraction:
     ``(tree of a, tree of b, n_ctx, out_mode, selector)``."""
     pa, pb, n_ctx = _checked_trees(req, a, b)
     out_mode = (("t",) if isinstance(req.position, str) else ()) + \
@@ -404,7 +404,7 @@ def _exact_trees(req: Request, a: Any, b: Any):
 def check_cost(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
                 strategy: str) -> None:
     """CostTooHigh over ``max_configurations`` or (chaos) the memory estimate over
-    ``max_memory`` or the FLOP estimate over ``max_flops`` (:func:`flops_refusal`); nothing
+    ``max_memory`` or the FLOP estimate over ``max_flops`` (`flops_refusal`); nothing
     contracted."""
     n_conf = sum(JoinedTermPair(x, y, sel, out_mode, np.einsum).count()
                  for x, y in _term_pairs(pa, pb))
@@ -426,12 +426,12 @@ SHAPE_CTX = 4
 
 def early_memory_refusal(req: Request, a: Any, b: Any) -> tuple[str, int] | None:
     """``(message, bytes)`` when the chaos strategy's stored tensors alone, counted from shapes
-    at ``req.n_ctx`` (:func:`~tensoralg.strategies.chaos.sequence.stored_entries` on trees built
+    at ``req.n_ctx`` (`stored_entries` on trees built
     for ``SHAPE_CTX`` positions: feature sizes and zero patterns do not depend on the context),
     exceed ``max_memory``; else None. Milliseconds, nothing ``n_ctx``-sized allocated, so an
     absurd ``n_ctx`` is refused before the trees (their ``n_ctx x n_ctx`` masks) are built.
     Only when the models leave ``n_ctx`` free (no mask array) and the configurations are
-    within budget (then :func:`exact_inner` refuses on them first, with their message)."""
+    within budget (then `exact_inner` refuses on them first, with their message)."""
     a, b, n_ctx = check_sequence_pair(a, b, req.n_ctx)
     if n_ctx <= SHAPE_CTX or a.n_ctx is not None or b.n_ctx is not None:
         return None   # (a mask array fixes the context: the trees are the models' own size)
@@ -463,7 +463,7 @@ def _refuse_early(req: Request, a: Any, b: Any) -> None:
 
 
 def exact_inner_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
-    """:func:`exact_inner` of a validated request."""
+    """`exact_inner` of a validated request."""
     if strategy == "chaos":
         _refuse_early(req, a, b)
     pa, pb, n_ctx, out_mode, sel = _exact_trees(req, a, b)
@@ -507,24 +507,24 @@ def _exact_value(req: Request, pa: Tree, pb: Tree, n_ctx: int, out_mode, sel,
 def tree_inner_req(req: Request, pa: Tree, pb: Tree, n_ctx: int):
     """Exact inner product (sum over query positions and outputs) of two float64 one-node
     trees of linear and attention terms built directly, e.g. the truncations of
-    :mod:`tensoralg.degree`; the cost is checked first (CostTooHigh over the budget)."""
+    `tensoralg.degree`; the cost is checked first (CostTooHigh over the budget)."""
     sel = position_selector(n_ctx, None, False)
     check_cost(req, pa, pb, n_ctx, (), sel, "chaos")
     return _exact_value(req, pa, pb, n_ctx, (), sel, "chaos")
 
 
 def _floatify(tree: Tree) -> Tree:
-    """An exact tree in float64 (:meth:`~tensoralg.canonical.Tree.map`)."""
+    """An exact tree in float64 (`map`)."""
     if not tree.exact:
         return tree
     return replace(tree.map(lambda x: np.asarray(x, dtype=np.float64)), exact=False)
 
 
 def exact_similarity(a: Any, b: Any, *, strategy: str = "chaos", **kw):
-    """``<a,b> / sqrt(<a,a> <b,b>)`` with :func:`exact_inner` (same arguments), clipped to
-    [-1, 1] in float; with ``backend="exact"`` an :class:`~tensoralg.results.ExactSimilarity`
+    """``<a,b> / sqrt(<a,a> <b,b>)`` with `exact_inner` (same arguments), clipped to
+    [-1, 1] in float; with ``backend="exact"`` an `ExactSimilarity`
     (as for position-free networks). The cross term is computed in the pair's canonical order
-    (:func:`tensoralg.results.swap_order`), so ``sim(a, b)`` and ``sim(b, a)`` agree bit for
+    (`tensoralg.results.swap_order`), so ``sim(a, b)`` and ``sim(b, a)`` agree bit for
     bit. Raises ValueError when a norm is zero or (float) an inner product overflowed
     float64."""
     if strategy not in ("chaos", "matchings"):
@@ -533,7 +533,7 @@ def exact_similarity(a: Any, b: Any, *, strategy: str = "chaos", **kw):
 
 
 def exact_similarity_req(req: Request, a: Any, b: Any, strategy: str = "chaos"):
-    """:func:`exact_similarity` of a validated request."""
+    """`exact_similarity` of a validated request."""
     if strategy == "chaos":
         _refuse_early(req, a, b)
     pa, pb, n_ctx, out_mode, sel = _exact_trees(req, a, b)
@@ -582,10 +582,10 @@ def head_gram(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position
     Head ``h`` of a model is its attention term restricted to that head (embedding and
     unembedding kept; the residual branch and ``o_bias`` dropped). By bilinearity, ``G.sum()``
     is the inner product of the two attention terms; ``G[h, k] / sqrt(G_aa[h, h] G_bb[k, k])``
-    is a per-head similarity. One :func:`exact_inner` per head pair (same arguments).
+    is a per-head similarity. One `exact_inner` per head pair (same arguments).
 
     Raises:
-        ValueError / AttentionNotSupported: as :func:`exact_inner`; a model without attention.
+        ValueError / AttentionNotSupported: as `exact_inner`; a model without attention.
     """
     a, b, n_ctx = check_sequence_pair(a, b, n_ctx)
     cores = []
@@ -612,12 +612,12 @@ def head_gram(a: Any, b: Any, *, n_ctx: Any = None, output: Any = None, position
 def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any = None,
                similarity: bool = False, **kw) -> np.ndarray:
     """Exact Gram (or similarity, ``similarity=True``) matrix of sequence models with at most
-    one attention layer each: :func:`exact_inner` once per unordered pair, the self terms once
-    per model (float64; ``kw`` as :func:`exact_inner`, backend ``"numpy"`` or ``"torch"``).
+    one attention layer each: `exact_inner` once per unordered pair, the self terms once
+    per model (float64; ``kw`` as `exact_inner`, backend ``"numpy"`` or ``"torch"``).
 
     Raises:
         AttentionNotSupported: a model the exact path does not handle (``models[i]`` named),
-            before any contraction. ValueError: as :func:`exact_inner`."""
+            before any contraction. ValueError: as `exact_inner`."""
     if kw.get("backend", "numpy") not in ("numpy", "torch"):
         raise ValueError("exact_gram: backend='numpy' or 'torch' (float64; use exact_inner "
                          "per pair for rationals)")
@@ -626,7 +626,7 @@ def exact_gram(models, *, n_ctx: Any = None, output: Any = None, position: Any =
 
 
 def exact_gram_req(req: Request, models, similarity: bool = False) -> np.ndarray:
-    """:func:`exact_gram` of a validated request (float64: numpy or torch backend)."""
+    """`exact_gram` of a validated request (float64: numpy or torch backend)."""
     nets, n_ctx = check_sequence_models(models, req.n_ctx)
     req = req.replace(n_ctx=n_ctx)
     for net in nets:   # each model's own pair bounds the matrix's memory from below
@@ -669,7 +669,7 @@ def configurations_bound(pa: Tree, pb: Tree) -> int:
 
 
 def check_configurations_bound(pa: Tree, pb: Tree) -> None:
-    """CostTooHigh when :func:`configurations_bound` of two bias-free one-node trees is over
+    """CostTooHigh when `configurations_bound` of two bias-free one-node trees is over
     the default ``max_configurations``."""
     n = configurations_bound(pa, pb)
     if n > DEFAULT_MAX_CONFIGURATIONS:
@@ -682,8 +682,8 @@ def check_configurations_bound(pa: Tree, pb: Tree) -> None:
 def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = None
               ) -> np.ndarray:
     """The exact Gram matrix of one-node float64 trees (linear and attention terms), each
-    model's chaos form (:class:`~tensoralg.strategies.chaos.sequence.TermSide`) built once per
-    side, then every unordered pair (:func:`~tensoralg.strategies.chaos.sequence.chaos_pair`);
+    model's chaos form (`TermSide`) built once per
+    side, then every unordered pair (`chaos_pair`);
     the cost of each model's own pair is checked first (CostTooHigh)."""
     req = make_request(n_ctx=n_ctx)
     sel = position_selector(n_ctx, None, False)

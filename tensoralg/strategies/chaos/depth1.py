@@ -1,5 +1,5 @@
 """Chaos coefficients of depth-1 networks in closed form (a kernel of the chaos strategy,
-:mod:`tensoralg.strategies.chaos.position_free`, docs/mathematics.md §3.6).
+`tensoralg.strategies.chaos.position_free`, docs/mathematics.md §3.6).
 
 A folded lifted stage ``y~ = D ((L z~) * (R z~))`` with ``z~ = (1, z)``, ``z ~ N(0, I_r)``,
 projected by ``U (K, O)`` (``Du = U D[1:]``, ``(K, H+1)``), is, per output ``k``, the quadratic
@@ -11,14 +11,14 @@ polynomial ``M0 + <M1, z> + z^T M2 z`` with
 (``l0 = L[:, 0]``, ``L1 = L[:, 1:]``, the same for ``R``). Its chaos (Hermite) coefficients are
 ``C0 = M0 + tr M2``, ``C1 = M1`` and ``C2 = sym M2`` (``E[z^T M z] = tr M`` and
 ``z^T M z - tr M = <sym M, He_2(z)>``), so ``<f, g> = C0 C0' + <C1, C1'> + 2 <C2, C2'>``, the
-formula of :func:`tensoralg.strategies.chaos.position_free.features` at degree 2.
+formula of `tensoralg.strategies.chaos.position_free.features` at degree 2.
 
 All three come from one product over the lifted coordinates: with
 ``M~ = L~^T diag(Du[k]/2) R~`` and ``S = M~ + M~^T`` (``(r+1, r+1)``), ``S[0,0] = M0``,
 ``S[0,1:] = M1 / 2`` and ``S[1:,1:] = sym M2``, so ``C0 = tr S``, ``C1 = 2 S[0,1:]`` and ``C2``
 is the lower right block. The work is one ``(r+1 x H) @ (H x r+1)`` product per output and
 model, about ``2 K H (r+1)^2`` FLOPs, run as one matrix product per chunk of outputs on a
-reused work vector (:data:`WORK_ELEMENTS`), with ``C2`` gathered straight into the packed
+reused work vector (`WORK_ELEMENTS`), with ``C2`` gathered straight into the packed
 layout.
 """
 
@@ -43,9 +43,10 @@ def applies(can: Canonical) -> bool:
 def features(can: Canonical, U: np.ndarray) -> list[np.ndarray]:
     """``[C0 (N, K, 1), C1 (N, K, r), C2 (N, K, r(r+1)/2)]``: the chaos coefficients of every model
     of a depth-1 stack for the outputs projected by ``U (K, O)``, in the packed layout of
-    :func:`tensoralg.strategies.chaos.position_free.packed_features` (``C2`` of shape ``(N, K, r(r+1)/2)``).
+    `tensoralg.strategies.chaos.position_free.packed_features` (``C2`` of shape
+    ``(N, K, r(r+1)/2)``).
 
-    On a stack from :mod:`tensoralg.prepare`'s cache (read-only, ``memo`` set) the result is
+    On a stack from `tensoralg.prepare`'s cache (read-only, ``memo`` set) the result is
     kept in its memo per ``U`` (up to ``MEMO_BYTES`` each; read-only arrays)."""
     key = None
     if can.memo is not None:
@@ -76,7 +77,7 @@ _local = threading.local()
 
 def _work(n: int) -> np.ndarray:
     """A float64 scratch vector of ``n`` elements, reused by the calling thread (kept only up
-    to :data:`WORK_ELEMENTS`)."""
+    to `WORK_ELEMENTS`)."""
     buf = getattr(_local, "buf", None)
     if buf is None or buf.size < n:
         buf = np.empty(n)
@@ -86,7 +87,7 @@ def _work(n: int) -> np.ndarray:
 
 
 def work_elements(H: int, r: int, K: int) -> int:
-    """Elements of the work vector of :func:`features` for one model (``H`` hidden units
+    """Elements of the work vector of `features` for one model (``H`` hidden units
     at most, input width ``r``, ``K`` outputs): an upper bound."""
     n = r + 1
     kc = max(1, min(K, (WORK_ELEMENTS - n * H) // max(1, n * H + 2 * n * n)))

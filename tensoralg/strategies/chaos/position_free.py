@@ -20,7 +20,7 @@ polynomial through the bilinear stages, never sampled. Every coefficient is stor
 symmetric form (its values at sorted index tuples, ``C(r+k-1, k)`` of them instead of ``r**k``)
 and symmetrized as it is formed: a stage's output unit ``o`` is ``sum_h D[o,h] (L P)_h (R P)_h``,
 whose order-``(i+j)`` coefficient is ``Sym`` of a product block ``Y_o (pk_i, pk_j)``, gathered at
-the packed positions (:func:`_gather_index`). A later stage whose input (width ``u``) is narrower
+the packed positions (`_gather_index`). A later stage whose input (width ``u``) is narrower
 than its hidden layer (``H``, e.g. behind a residual) forms ``Y_o = P_i^T T_o P_j`` with the
 ``u x u`` matrix ``T_o = Sym(L^T diag(D_o) R)`` instead of a sum over ``H`` hidden units.
 
@@ -30,15 +30,15 @@ covariance ``G = [E_a; E_b; ...][E_a; E_b; ...]^T`` of rank ``r <= min(d, sum m)
 of ``K`` and every network is expanded in ``z ~ N(0, I_r)``: the joint law, hence every inner
 product, is unchanged. Whitening needs square roots, so the exact (rational) backend expands in
 ``x`` itself (``r = d``). One model per side behind narrow embeddings is expanded densely in its
-own embedded coordinates and paired through ``E_a E_b^T`` (:func:`features`,
-:func:`inner_metric`).
+own embedded coordinates and paired through ``E_a E_b^T`` (`features`,
+`inner_metric`).
 
 Costs (packed): depth 1 ``O(K H r^2)`` per model and ``O(K r^2 / 2)`` per pair; depth 2 (input
 width ``u`` of the second stage) ``O(K u r^4 / 4)`` per model (the ``pk(2) x pk(2)`` product
 block, ``pk(2) = r(r+1)/2``) and ``O(K r^4 / 24)`` per pair. Outputs are expanded in chunks, so
-a pair never holds more than a few hundred MB of coefficients (:data:`FEATURE_ELEMENTS`,
-:data:`WORK_ELEMENTS`). The planner compares this with the Wick strategy (polynomial in the
-hidden widths instead) from the same cost model (:func:`_stage_plan`).
+a pair never holds more than a few hundred MB of coefficients (`FEATURE_ELEMENTS`,
+`WORK_ELEMENTS`). The planner compares this with the Wick strategy (polynomial in the
+hidden widths instead) from the same cost model (`_stage_plan`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class ChaosEstimate:
 # ----------------------------------------------------------------------------------------
 
 def _joint_rank_bound(cans: list[Canonical]) -> tuple[int, bool]:
-    """``(r, whitened)``: the expansion dimension that :func:`whiten` will use."""
+    """``(r, whitened)``: the expansion dimension that `whiten` will use."""
     d = cans[0].d
     if any(c.embed is None for c in cans):
         return d, False
@@ -152,13 +152,13 @@ def whiten(cans: list[Canonical], exact: bool) -> tuple[list[Canonical], int]:
     return out, r
 
 
-#: Whether the planner may use :func:`rotate_to_angles` (False: the expansions before it; for
+#: Whether the planner may use `rotate_to_angles` (False: the expansions before it; for
 #: tests and benchmarks that compare the two).
 ALLOW_ANGLES = True
 
 
 def angles_apply(ca: Canonical, cb: Canonical, same: bool, exact: bool) -> bool:
-    """Whether :func:`rotate_to_angles` may serve a pair (from shapes): one float model per
+    """Whether `rotate_to_angles` may serve a pair (from shapes): one float model per
     side, both behind embeddings, at depth 2 or more (at depth 1 the other expansions are
     already at the cost of their input)."""
     return (ALLOW_ANGLES and not same and not exact and ca.embed is not None and cb.embed is not None
@@ -172,7 +172,7 @@ def _angles_rank_bound(ca: Canonical, cb: Canonical) -> int:
 
 def _eig_rows(E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(W, lam)`` with ``E E^T = W diag(lam) W^T`` over the eigenvalues above
-    ``len * eps * max`` (as :func:`whiten`)."""
+    ``len * eps * max`` (as `whiten`)."""
     lam, W = np.linalg.eigh(E @ E.T)
     keep = lam > max(lam.max(), 0.0) * len(lam) * np.finfo(np.float64).eps
     return W[:, keep], lam[keep]
@@ -190,7 +190,7 @@ def rotate_to_angles(ca: Canonical, cb: Canonical) -> tuple[list[Canonical], np.
     network is expanded in its own ``z`` (width ``r = max(rank E_a, rank E_b)``, the shorter
     padded with unused coordinates) and Mehler's formula
     ``E[He_alpha(z_a) He_beta(z_b)] = delta_{alpha beta} alpha! s^alpha`` pairs the chaos
-    coefficients index by index (:func:`inner_angles`; docs/mathematics.md §3.6). Embedding
+    coefficients index by index (`inner_angles`; docs/mathematics.md §3.6). Embedding
     biases stay in the lifted constant. Returns ``([a, b] folded, s (r,), r)``.
     """
     Ea, Eb = ca.embed[0, 1:, 1:], cb.embed[0, 1:, 1:]
@@ -332,7 +332,7 @@ def features(can: Canonical, U, r: int) -> list:
     A folded stack is expanded in its input ``x ~ N(0, I_r)``. A stack that keeps its
     embedding is expanded in the embedded coordinates ``v = E x`` (``r = m``), whose covariance
     ``S = E E^T`` then replaces the identity in the traces; pair its coefficients with
-    :func:`inner_metric` (the metric ``E_a E_b^T``).
+    `inner_metric` (the metric ``E_a E_b^T``).
 
     Source: docs/mathematics.md §3.6 (``C_k`` from the monomial coefficients by iterated traces; for
     ``v ~ N(0, S)`` the traces contract with ``S``, since ``f(x) = g(E x)`` has ``x``-space
@@ -440,8 +440,8 @@ BLOCK_ROWS = 1 << 16
 
 
 def _block_bounds(r: int, n: int):
-    """Yield ``(lo, hi)``: the blocks of :func:`_multiset_blocks` hold the multisets whose
-    largest element lies in ``[lo, hi)`` (about :data:`BLOCK_ROWS` multisets, at least one
+    """Yield ``(lo, hi)``: the blocks of `_multiset_blocks` hold the multisets whose
+    largest element lies in ``[lo, hi)`` (about `BLOCK_ROWS` multisets, at least one
     value of the largest element per block)."""
     if n == 0:
         yield 0, r
@@ -458,7 +458,7 @@ def _block_bounds(r: int, n: int):
 
 def _multiset_blocks(r: int, n: int):
     """Yield ``(start, alpha)``: the sorted multisets of size ``n`` over ``r`` coordinates in
-    packed order, in the blocks of :func:`_block_bounds` (``alpha (rows, n)`` int32).
+    packed order, in the blocks of `_block_bounds` (``alpha (rows, n)`` int32).
 
     In colexicographic order the multisets whose largest element is ``m`` are the
     ``C(m+n-1, n-1)`` first multisets of size ``n-1``, followed by ``m``."""
@@ -509,7 +509,7 @@ _index_cache: dict = {}
 
 
 def _gather_index(r: int, i: int, j: int, half: bool) -> list:
-    """:func:`_build_gather_index`, kept in a small cache (:data:`INDEX_CACHE_BYTES`)."""
+    """`_build_gather_index`, kept in a small cache (`INDEX_CACHE_BYTES`)."""
     key = (r, i, j, bool(half), BLOCK_ROWS)
     hit = _index_cache.get(key)
     if hit is not None:
@@ -563,13 +563,13 @@ def _build_gather_index(r: int, i: int, j: int, half: bool) -> list:
 
 
 def _windows(r: int, n: int, i: int) -> list[tuple[int, int, int]]:
-    """The ``window``s of :func:`_gather_index` with ``half`` (from the sizes alone)."""
+    """The ``window``s of `_gather_index` with ``half`` (from the sizes alone)."""
     return [(n_packed(lo, i), n_packed(hi, i) - n_packed(lo, i), n_packed(hi, n - i))
             for lo, hi in _block_bounds(r, n)]
 
 
 def _sym_product(Y, index: list, scale, out) -> None:
-    """Add ``scale`` times the sum over the index sets of :func:`_gather_index` of the product
+    """Add ``scale`` times the sum over the index sets of `_gather_index` of the product
     block ``Y (..., pk(i), pk(j))`` to the packed ``out (..., pk(i+j))``, in place (``scale``
     ``1/n_sets`` gives the symmetrization)."""
     Yf = Y.reshape(Y.shape[:-2] + (-1,))
@@ -640,7 +640,7 @@ def _n_sets(i: int, j: int, half: bool) -> int:
 
 
 def _max_block(r: int, n: int) -> int:
-    """Rows of the largest block of :func:`_multiset_blocks`."""
+    """Rows of the largest block of `_multiset_blocks`."""
     if n == 0:
         return 1
     return min(n_packed(r, n), max(BLOCK_ROWS, math.comb(r + n - 2, n - 1)))
@@ -657,7 +657,7 @@ def _block_elems(r: int, i: int, j: int, largest: bool = False) -> int:
 
 def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: int,
                 first: bool) -> _StagePlan:
-    """Cost model of :func:`_packed_stage` (the computation follows it; the planner sums it).
+    """Cost model of `_packed_stage` (the computation follows it; the planner sums it).
 
     Output unit ``o`` of the stage is ``sum_h D[o,h] (L P)_h (R P)_h``, whose order-``(i+j)``
     coefficient is the symmetrization of a product block ``Y_o (pk_i, pk_j)``.
@@ -667,7 +667,7 @@ def _stage_plan(N: int, H: int, u_in: int, u_out: int, degs_in: list[int], r: in
     ``T_o = Sym(L^T diag(D_o) R)`` ``(u_in, u_in)`` and ``Y_o = P_i^T T_o P_j``
     (``2 u_in pk_i pk_j`` per output); with ``T_o`` symmetric the blocks ``(i, j)`` and
     ``(j, i)`` symmetrize to the same tensor and ``Y_o`` is symmetric for ``i = j``, so only
-    ``i <= j`` is formed, and for ``i = j`` only the windows of :func:`_gather_index` (about
+    ``i <= j`` is formed, and for ``i = j`` only the windows of `_gather_index` (about
     half of the block, a few rows at a time)."""
     pk = {i: n_packed(r, i) for i in degs_in}
     degs_out = sorted({i + j for i in degs_in for j in degs_in})
@@ -725,7 +725,7 @@ def _packed_stage(st: Stage, P, D, r: int, exact: bool, n_in: int):
     """One bilinear stage on a packed polynomial vector ``P = [(N, u_in, pk(i))]_i`` (None: the
     lifted input ``(1, z)``) of degree at most ``n_in``; ``D (N, u_out, H)``. Returns
     ``[(N, u_out, pk(n))]_n`` (None: a coefficient that vanishes identically), following
-    :func:`_stage_plan` (planned for every degree up to ``n_in``, as the planner does)."""
+    `_stage_plan` (planned for every degree up to ``n_in``, as the planner does)."""
     N, u_out, H = D.shape
     first = P is None
     u_in = st.L.shape[2]
@@ -789,12 +789,12 @@ def _packed_stage(st: Stage, P, D, r: int, exact: bool, n_in: int):
 def packed_features(can: Canonical, U, r: int) -> list:
     """Chaos coefficients ``[C_0, ..., C_n]`` of every model of a (folded) stack in packed
     symmetric storage, each ``(N, K, C(r+k-1, k))``, for the outputs projected by ``U (K, O)``;
-    ``None`` for an order that vanishes identically. Pair them with :func:`inner_packed`.
+    ``None`` for an order that vanishes identically. Pair them with `inner_packed`.
 
     The lifted polynomial vector is propagated stage by stage with every coefficient
-    symmetrized as it is formed (:func:`_packed_stage`), so nothing of size ``r**n`` is built;
+    symmetrized as it is formed (`_packed_stage`), so nothing of size ``r**n`` is built;
     then ``C_k = sum_m (k+2m)!/(k! m! 2^m) tr^m(M_{k+2m})`` (docs/mathematics.md §3.6) with packed traces.
-    Source: as :func:`features`.
+    Source: as `features`.
     """
     exact = can.exact
     Ucast = U if not exact else np.asarray(U, dtype=object)
@@ -841,7 +841,7 @@ def _float_weights_cached(r: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _float_weights(r: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``(w, sqrt(w))`` in float64 with ``w = k! * k!/prod(mult!)`` per packed coefficient of
-    order ``k`` (read-only; cached while small: :data:`WEIGHTS_CACHE_ELEMENTS`)."""
+    order ``k`` (read-only; cached while small: `WEIGHTS_CACHE_ELEMENTS`)."""
     if n_packed(r, k) <= WEIGHTS_CACHE_ELEMENTS:
         return _float_weights_cached(r, k)
     w = (multiset_weights(r, k) * math.factorial(k)).astype(np.float64)
@@ -897,7 +897,7 @@ def inner_packed(Ca: list, Cb: list, r: int, keep: bool):
 
 def _angle_weights(s: np.ndarray, r: int, k: int) -> np.ndarray:
     """``k! * k!/prod(mult!) * prod_j s[alpha_j]`` per packed multiset ``alpha`` of order
-    ``k`` (float64): the weights of :func:`inner_angles`."""
+    ``k`` (float64): the weights of `inner_angles`."""
     w = _float_weights(r, k)[0].copy()
     for start, a in _multiset_blocks(r, k):
         w[start:start + len(a)] *= np.prod(s[a], axis=1)
@@ -907,7 +907,7 @@ def _angle_weights(s: np.ndarray, r: int, k: int) -> np.ndarray:
 def inner_angles(Ca: list, Cb: list, s: np.ndarray, r: int, keep: bool):
     """``sum_k k! sum_alpha s^alpha C_k^a[alpha] C_k^b[alpha]`` (packed, each value weighted
     by the index tuples it stands for): ``E[f_a f_b]`` for chaos coefficients in two inputs
-    with ``E[z_a z_b^T] = diag(s)`` (:func:`rotate_to_angles`). ``(N_a, N_b)`` or
+    with ``E[z_a z_b^T] = diag(s)`` (`rotate_to_angles`). ``(N_a, N_b)`` or
     ``(N_a, N_b, K)`` with ``keep``."""
     total = None
     for k in range(min(len(Ca), len(Cb))):
@@ -930,7 +930,7 @@ def inner_angles(Ca: list, Cb: list, s: np.ndarray, r: int, keep: bool):
 
 def _sqrt_weighted(C: list, r: int, n: int) -> np.ndarray:
     """Float64 packed coefficients ``C_k (N, K, n_k)`` (orders ``k < n``; None: zero) times
-    ``sqrt(w_k)`` (the weights of :func:`inner_packed`), side by side in one ``(N, F)`` array
+    ``sqrt(w_k)`` (the weights of `inner_packed`), side by side in one ``(N, F)`` array
     with ``F = K sum_{k<n} n_packed(r, k)``: the model's feature vector phi."""
     N, K = next(A.shape[:2] for A in C if A is not None)
     sizes = [K * n_packed(r, k) for k in range(n)]
@@ -948,7 +948,7 @@ def _sqrt_weighted(C: list, r: int, n: int) -> np.ndarray:
 
 
 def _weighted_gram(Wa: np.ndarray, Wb: np.ndarray) -> np.ndarray:
-    """``(N_a, N_b)`` sums of :func:`inner_packed` from :func:`_sqrt_weighted` features
+    """``(N_a, N_b)`` sums of `inner_packed` from `_sqrt_weighted` features
     (``X X^T`` when both sides are the same array, which NumPy computes exactly symmetric)."""
     return Wa @ Wa.T if Wb is Wa else Wa @ Wb.T
 
@@ -1021,7 +1021,7 @@ def _degrees(c: Canonical) -> int:
 
 
 def _output_chunk(cans: list[Canonical], K: int, r: int) -> int:
-    """Outputs expanded together (:data:`FEATURE_ELEMENTS`)."""
+    """Outputs expanded together (`FEATURE_ELEMENTS`)."""
     per = sum(c.arrays()[0].shape[0] * sum(n_packed(r, k) for k in range(_degrees(c) + 1))
               for c in cans)
     return max(1, min(K, FEATURE_ELEMENTS // max(1, per)))
@@ -1029,7 +1029,7 @@ def _output_chunk(cans: list[Canonical], K: int, r: int) -> int:
 
 def _features_on(cans: list[Canonical], U, r: int, conv) -> list[list]:
     """Packed chaos coefficients of every model of every (folded) stack for the outputs
-    ``U``, expanded :data:`FEATURE_CHUNK` models at a time into preallocated arrays."""
+    ``U``, expanded `FEATURE_CHUNK` models at a time into preallocated arrays."""
     out = []
     for c in cans:
         if conv is None and depth1.applies(c):  # closed form, no work arrays
@@ -1066,9 +1066,9 @@ def _result(X, shape, exact):
 def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list,
              cross_s: np.ndarray | None = None):
     """``sum_k k! <C_k^x, C_k^y>`` for each pair ``(x, y)`` of stack indices in ``pairs``,
-    with the outputs expanded in chunks (:func:`_output_chunk`): summed over the chunks, or
+    with the outputs expanded in chunks (`_output_chunk`): summed over the chunks, or
     joined along the output axis with ``keep``. With ``cross_s`` (the cosines of the
-    principal angles, :func:`rotate_to_angles`), a pair ``x != y`` is :func:`inner_angles`."""
+    principal angles, `rotate_to_angles`), a pair ``x != y`` is `inner_angles`."""
     K = U.shape[0]
     kc = _output_chunk(cans, K, r)
     exact = cans[0].exact
@@ -1101,7 +1101,7 @@ def _chunked(cans: list[Canonical], U, keep: bool, r: int, conv, pairs: list,
 
 
 def _route(ca: Canonical, cb: Canonical, U, keep: bool, same: bool) -> str:
-    """Which expansion :func:`estimate` costed for this pair: ``"angles"``, ``"metric"`` or
+    """Which expansion `estimate` costed for this pair: ``"angles"``, ``"metric"`` or
     ``"whiten"`` (so that the computation follows the plan)."""
     est = estimate(ca, cb, U.shape[0], keep, same, ca.exact)
     return "angles" if est.angles else ("metric" if est.metric else "whiten")
@@ -1139,8 +1139,8 @@ def triple(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, conv=None):
 # ----------------------------------------------------------------------------------------
 
 def _packed_cost(c: Canonical, K: int, r: int) -> tuple[float, int, int]:
-    """``(flops, peak, coefficients per model)`` of :func:`packed_features` on the folded
-    stack ``c`` (all models, in chunks of :data:`FEATURE_CHUNK`) for ``K`` outputs; ``peak``
+    """``(flops, peak, coefficients per model)`` of `packed_features` on the folded
+    stack ``c`` (all models, in chunks of `FEATURE_CHUNK`) for ``K`` outputs; ``peak``
     in elements for one chunk of models, the features it returns included."""
     N = c.arrays()[0].shape[0]
     Nw = min(N, FEATURE_CHUNK)
@@ -1172,7 +1172,7 @@ def _packed_cost(c: Canonical, K: int, r: int) -> tuple[float, int, int]:
 
 def estimate(ca: Canonical, cb: Canonical, K: int, keep: bool, same: bool,
              exact: bool) -> ChaosEstimate:
-    """FLOPs and peak memory of :func:`cross` (and :func:`triple`), from the shapes alone
+    """FLOPs and peak memory of `cross` (and `triple`), from the shapes alone
     (nothing allocated). A function of the shapes only, so kept per shapes (a fresh copy is
     returned: the planner marks refusals on it)."""
     key = (_shape_key(ca), _shape_key(cb), int(K), bool(keep), bool(same), bool(exact),

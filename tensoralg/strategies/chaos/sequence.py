@@ -1,8 +1,8 @@
 """Exact chaos on terms with position-carrying legs: the default way of the exact path of
 sequence models (docs/mathematics.md §3.1 and §3.7; the Wick sum over the joined term pair,
-:mod:`tensoralg.strategies.wick.terms`, gives equal values and tests cross-check them).
+`tensoralg.strategies.wick.terms`, gives equal values and tests cross-check them).
 
-* :class:`TermSide` + :func:`chaos_pair` (``strategy="chaos"``, the default): per term the
+* `TermSide` + `chaos_pair` (``strategy="chaos"``, the default): per term the
   chaos (Wiener-Ito) coefficients ``R[S]``, the sums over partial matchings of the legs outside
   each open set ``S``; two Wick products have expectation the sum over bijections of their
   open legs (orthogonality of Gaussian chaoses), so a pair of terms is a sum over
@@ -13,7 +13,7 @@ identify the two key positions sums over the (query, key) pairs where both masks
 only (one packed label; a causal mask keeps ``n(n+1)/2`` of ``n^2``), and the all-ones selector
 of a sum over every query position is left out where another operand carries its label.
 
-The position-free chaos strategy is :mod:`.position_free`.
+The position-free chaos strategy is `.position_free`.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class TermSide:
         self.R = {}
         #: dry: nothing is contracted; R[S] holds shape-only placeholders, ``stored`` the number
         #: of entries the R[S] would take, ``work`` the elements live at the peak of the
-        #: largest of their sums (:func:`sum_peak`) and ``flops`` their path costs
-        #: (:func:`sum_flops`); the compiled paths are cached for the run.
+        #: largest of their sums (`sum_peak`) and ``flops`` their path costs
+        #: (`sum_flops`); the compiled paths are cached for the run.
         self.dry, self.stored, self.work, self.flops = dry, 0, 0, 0.0
         self._compute(n)
 
@@ -150,7 +150,7 @@ class TermSide:
 
 
 def _side_layout(inner, outer, legs, can_cap, can_pair_leg):
-    """:meth:`TermSide._layout` of a side given by its parts."""
+    """`TermSide._layout` of a side given by its parts."""
     n = len(legs)
     for S in range(1 << n):
         opened = [i for i in range(n) if S >> i & 1]
@@ -182,7 +182,7 @@ def _side_sizes(static, legs, n_ctx: int) -> dict:
 
 
 def stored_entries(term: Term, side: str, n_ctx: int) -> int:
-    """Entries of the chaos tensors ``R[S]`` a :class:`TermSide` of ``term`` stores when its
+    """Entries of the chaos tensors ``R[S]`` a `TermSide` of ``term`` stores when its
     positions take ``n_ctx`` values, from shapes and zero patterns alone: no path search,
     nothing allocated, and ``term`` may come from a tree built for a shorter context (its
     feature sizes do not depend on it). A lower bound on the chaos strategy's peak memory (the
@@ -208,7 +208,7 @@ def _gram_labels(A: Leg, B: Leg, pos: str):
 
 
 def _gram(A: Leg, B: Leg, ein):
-    """``w_A . P w_B`` over the non-constant features, labels as :func:`_gram_labels`."""
+    """``w_A . P w_B`` over the non-constant features, labels as `_gram_labels`."""
     la, lb = _leg_labels(A, "@"), _leg_labels(B, "@")
     out = tuple(dict.fromkeys(la + lb))
     syms = {lab: oe.get_symbol(k) for k, lab in enumerate(dict.fromkeys(la + lb + ("#",)))}
@@ -263,12 +263,12 @@ def _packed(arr, labels, t_lab, s_lab, ti, si):
 
 def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
     """``sum_{S_a, S_b} sum_{bijections} <R_a[S_a], R_b[S_b]>`` with cross bridges; with two
-    dry sides (:class:`TermSide` ``dry=True``) nothing is contracted and the value is
-    ``(elements live at the peak of that sum (:func:`sum_peak`), its FLOPs
-    (:func:`sum_flops`))``.
+    dry sides (`TermSide` ``dry=True``) nothing is contracted and the value is
+    ``(elements live at the peak of that sum (`sum_peak`), its FLOPs
+    (`sum_flops`))``.
 
     An item whose bridges identify the two key positions sums over the (query, key) pairs
-    where both masks are nonzero only (:func:`_pack_plan`; a causal mask: ``n(n+1)/2`` of
+    where both masks are nonzero only (`_pack_plan`; a causal mask: ``n(n+1)/2`` of
     ``n^2``): ``R_a``, ``R_b`` and the selector are read on those pairs (one packed label), the
     entries left out being zero in ``R_a`` (its mask factor). The same sum, fewer terms."""
     la, lb = sa.legs, sb.legs

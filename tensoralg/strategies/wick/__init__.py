@@ -1,17 +1,17 @@
 """Exact strategy: the Isserlis/Wick sum over partial matchings (docs/mathematics.md §3.1,
 §3.7), for position-free networks and for terms whose legs carry positions, side by side.
 
-* :mod:`.matchings` — partial and perfect matchings of legs, symmetry orbits.
-* :mod:`.joined` — position-free: the joined tensor network of two canonical stacks, its
+* `.matchings` — partial and perfect matchings of legs, symmetry orbits.
+* `.joined` — position-free: the joined tensor network of two canonical stacks, its
   configuration orbits, contraction paths (cached) and backends.
-* :mod:`.position_free` — the position-free strategy's face for the planner: :func:`build`,
-  :func:`lower_bound`, :func:`compute`.
-* :mod:`.terms` — position-carrying: the Wick sum over the joined network of two terms of
-  :func:`tensoralg.canonical.sequence_tree` (:class:`JoinedTermPair`) and the cached sums of
-  contractions it shares with the chaos pairs of :mod:`tensoralg.strategies.chaos.sequence`.
+* `.position_free` — the position-free strategy's face for the planner: `build`,
+  `lower_bound`, `compute`.
+* `.terms` — position-carrying: the Wick sum over the joined network of two terms of
+  `tensoralg.canonical.sequence_tree` (`JoinedTermPair`) and the cached sums of
+  contractions it shares with the chaos pairs of `tensoralg.strategies.chaos.sequence`.
 
 The exact path of sequence models, which sums each pair of terms either way, is
-:mod:`tensoralg.strategies.sequence_exact`.
+`tensoralg.strategies.sequence_exact`.
 
 What the planner and the engine call is exported here.
 """

@@ -1,6 +1,6 @@
 """Position-free Wick: joined networks, Wick configurations, contraction plans, backends.
 
-A pair of canonical networks (see :mod:`tensoralg.canonical`) is joined into one tensor network
+A pair of canonical networks (see `tensoralg.canonical`) is joined into one tensor network
 whose open legs are copies of the lifted input ``x~``. Its Gaussian inner product is, by Isserlis'
 theorem applied to the non-constant part of ``x~`` only (docs/mathematics.md §3.1),
 
@@ -232,7 +232,7 @@ LOWER_BOUND_MAX_CONFIGURATIONS = 10_000
 
 def _leaf_sketch(c: Canonical, U, embed: np.ndarray | None):
     """``(N, K, hidden size of a first-stage copy, [(label, pair width, can_cap, can_pair)]
-    per leaf in the order of :func:`_build_side`)`` after zero-pattern pruning, or None when the
+    per leaf in the order of `_build_side`)`` after zero-pattern pruning, or None when the
     side's non-leaf part would not be a single (pre-contracted) operand."""
     N = c.arrays()[0].shape[0]
     K = U.shape[0]
@@ -259,10 +259,10 @@ def _swap_exponent(c: Canonical) -> int:
 
 def wick_flops_lower_bound(a: Canonical, b: Canonical, U: np.ndarray,
                            metric: str = "gaussian") -> float | None:
-    """A lower bound on :attr:`WickPlan.flops` (the opt_einsum cost of every configuration
+    """A lower bound on `WickPlan.flops` (the opt_einsum cost of every configuration
     orbit) from the shapes and zero patterns alone: no joined network, expression or path
     search. None when not available (Frobenius metric, degree-1 sides, more than
-    :data:`LOWER_BOUND_MAX_CONFIGURATIONS` configurations, a side too large to pre-contract).
+    `LOWER_BOUND_MAX_CONFIGURATIONS` configurations, a side too large to pre-contract).
 
     Derivation. Each side's non-leaf part is one operand ``T`` (indices: batch, output ``k``,
     one hidden index ``h`` per first-stage copy, shared by its two leaves). In any contraction
@@ -361,7 +361,7 @@ class WickPlan:
     STEP_OVERHEAD = 512
 
     def memory_bytes(self, itemsize: int, shared: bool = True) -> int:
-        """:meth:`memory_elements` in bytes, plus the shared cache's per-intermediate
+        """`memory_elements` in bytes, plus the shared cache's per-intermediate
         bookkeeping."""
         extra = self.n_steps * self.STEP_OVERHEAD if shared else 0
         return int(self.memory_elements(shared) * itemsize + extra)
@@ -597,7 +597,7 @@ class JoinedNetwork:
 
     def expression(self, m) -> tuple[str, list[Any]]:
         """The einsum of configuration ``m`` and its operands (a side's pre-contracted tree is
-        a :class:`_Lazy` placeholder until :meth:`contract`)."""
+        a `_Lazy` placeholder until `contract`)."""
         pairs, singles = m
         ops, subs = [], []
         for side in (self.side_a, self.side_b):
@@ -634,7 +634,7 @@ class JoinedNetwork:
     def flops_at_least(self, threshold: float) -> tuple[float, int, int]:
         """Path FLOPs of configuration orbits, searched one orbit at a time (those with more
         pairs across the two sides first: the dearest) until their sum exceeds ``threshold``:
-        ``(sum, orbits searched, orbits)``. The sum is part of :attr:`WickPlan.flops` (the same
+        ``(sum, orbits searched, orbits)``. The sum is part of `WickPlan.flops` (the same
         per-expression search), hence a lower bound of it, and equals it when every orbit was
         searched. Call within the configuration budget (it enumerates the configurations)."""
         reps = self.configurations()

@@ -1,7 +1,7 @@
 """Exact strategy 1: the Isserlis/Wick sum over partial matchings of the joined tensor network
 (docs/mathematics.md §3.1; Isserlis 1918, Wick 1950), one opt_einsum contraction per configuration orbit.
 The mechanics (joined network, symmetry, zero patterns, paths) live in
-:mod:`.joined`; this module is the strategy's face for the planner."""
+`.joined`; this module is the strategy's face for the planner."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def lower_bound(ca: Canonical, cb: Canonical, U: np.ndarray, keep: bool, metric:
                 threshold: float) -> tuple[float, str] | None:
     """A lower bound on the Wick plan's FLOPs that exceeds ``threshold``, with how it was
     obtained, or None when none was found (then plan in full). First the closed form of
-    :func:`.joined.wick_flops_lower_bound` (shapes and zero patterns; nothing built);
+    `.joined.wick_flops_lower_bound` (shapes and zero patterns; nothing built);
     then the joined network is formed (cheap: no contraction) and its configuration orbits'
     paths are searched one by one, dearest first, until their FLOPs pass ``threshold``
-    (:meth:`JoinedNetwork.flops_at_least`). Call within the configuration budget."""
+    (`JoinedNetwork.flops_at_least`). Call within the configuration budget."""
     lb = wick_flops_lower_bound(ca, cb, U, metric)
     if lb is not None and lb > threshold:
         return lb, "closed-form lower bound; network not built"

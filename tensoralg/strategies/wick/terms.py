@@ -1,6 +1,6 @@
 """Exact Wick on terms with position-carrying legs (docs/mathematics.md §3.1 and §3.7).
 
-A term of :mod:`tensoralg.canonical`'s tree (:class:`~tensoralg.canonical.Term`) is a lifted
+A term of `tensoralg.canonical`'s tree (`Term`) is a lifted
 multilinear map: ``cores`` contracted with ``legs``, each leg a row tensor ``w[(p), ..., i]``
 read against the lifted input ``x~_p = (1, x_p)`` at a *position variable* ``p`` (the query
 position ``t``, a key position ``s`` summed against the mask). Under the Gaussian metric of
@@ -20,12 +20,12 @@ legs whose other columns are zero never paired (an exact zero pattern, pruned).
 
 Two ways to sum (equal values; tests cross-check them):
 
-* :class:`JoinedTermPair` (``strategy="matchings"``): one contraction per partial matching of
+* `JoinedTermPair` (``strategy="matchings"``): one contraction per partial matching of
   the joined network; Gram matrices ``w . P w'`` of the matched rows replace the feature index,
   the full coefficient tensor is never formed; paths found once per topology and cached.
-* :class:`~tensoralg.strategies.chaos.sequence.TermSide` +
-  :func:`~tensoralg.strategies.chaos.sequence.chaos_pair` (``strategy="chaos"``, the default,
-  in :mod:`tensoralg.strategies.chaos.sequence`): per term the chaos (Wiener-Ito)
+* `TermSide` +
+  `chaos_pair` (``strategy="chaos"``, the default,
+  in `tensoralg.strategies.chaos.sequence`): per term the chaos (Wiener-Ito)
   coefficients ``R[S]``, the sums over partial matchings of the legs outside each open set
   ``S``; two Wick products have expectation the sum over bijections of their
   open legs (orthogonality of Gaussian chaoses), so a pair of terms is a sum over
@@ -37,11 +37,11 @@ leaves the function unchanged but not the tensor network unless ``q1 = q2`` and 
 
 Labels: a term's labels are suffixed by its side (``"a"``, ``"b"``) except the shared output
 ``o`` and query position ``t``; a key position ``s`` becomes ``sa`` / ``sb``
-(:func:`term_network`). The sums of contractions of both ways (:func:`compile_sum`,
-:func:`run_sum`) run through :mod:`tensoralg.strategies.executor`.
+(`term_network`). The sums of contractions of both ways (`compile_sum`,
+`run_sum`) run through `tensoralg.strategies.executor`.
 
 The exact path of sequence models, built on both ways, is
-:mod:`tensoralg.strategies.sequence_exact`.
+`tensoralg.strategies.sequence_exact`.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def _side_label(x: str, side: str) -> str:
 
 
 def term_network(term: Term, side: str):
-    """``(static operands [(array, labels)], legs)`` of one :class:`~tensoralg.canonical.Term`
+    """``(static operands [(array, labels)], legs)`` of one `Term`
     on side ``side`` of a joined network: its cores and legs with labels (tuples of strings)
-    and position variables relabelled by :func:`_side_label`."""
+    and position variables relabelled by `_side_label`."""
     static = [(arr, tuple(_side_label(x, side) for x in lab)) for arr, lab in term.cores]
     legs = [Leg(leg.name + side, leg.weight, tuple(_side_label(x, side) for x in leg.labels),
                 _side_label(leg.pos or QUERY, side), leg.positional) for leg in term.legs]
@@ -86,7 +86,7 @@ _NETWORKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def side_network(term: Term, side: str):
-    """:func:`term_network` with the legs' zero pattern ``(can_cap, can_pair)`` per leg,
+    """`term_network` with the legs' zero pattern ``(can_cap, can_pair)`` per leg,
     memoized per ``(term, side)`` while the term lives (a term meets every term of the other
     model, and its chaos side, within one inner product)."""
     per = _NETWORKS.get(term)
@@ -334,16 +334,16 @@ class Shape:
 
 
 def sum_flops(compiled) -> float:
-    """FLOPs of :func:`run_sum` over ``compiled``: the ``opt_einsum`` path cost of each of its
-    contractions (:attr:`Plan.flops`; a single-operand reduction, which reads each entry once,
+    """FLOPs of `run_sum` over ``compiled``: the ``opt_einsum`` path cost of each of its
+    contractions (`Plan.flops`; a single-operand reduction, which reads each entry once,
     is not counted), from shapes alone."""
     return float(sum(getattr(expr, "flops", 0.0) for _, expr in compiled))
 
 
 def sum_peak(compiled, fetch) -> int:
-    """Elements live at the peak of :func:`run_sum` over ``compiled`` beyond its stored
+    """Elements live at the peak of `run_sum` over ``compiled`` beyond its stored
     operands (an estimate, not a bound): the distinct diagonal copies it caches (operands whose
-    labels repeat) plus the largest working set of one contraction (:attr:`Plan.peak`:
+    labels repeat) plus the largest working set of one contraction (`Plan.peak`:
     intermediates alive along its path and one step's copies; checked against tracemalloc
     peaks in tests/test_attention_memory.py)."""
     copies: dict = {}
