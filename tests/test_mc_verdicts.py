@@ -250,6 +250,18 @@ def test_plain_verdict_refused_when_guided_samples_see_more_variance():
     assert "variance over plain directions" in bad.diagnostics.reason
     ok = mc.cross_checked(plain, _estimate(1.0, 0.01, uv=2 * 1000 * 0.01 ** 2))
     assert ok.reliable and ok.diagnostics.spread_ratio == pytest.approx(2)
+    # the standard error is the honest one: the larger of plain's own and sqrt(uv / n)
+    assert ok.stderr == pytest.approx(0.01 * np.sqrt(2), rel=1e-12)
+    assert bad.stderr == pytest.approx(0.01 * np.sqrt(50), rel=1e-12)
+    low = mc.cross_checked(plain, _estimate(1.0, 0.01, uv=0.5 * 1000 * 0.01 ** 2))
+    assert low.reliable and low.stderr == 0.01
+    # agreement is judged with the honest standard error: 1.05 vs 1.0 is 3.5 sigma at
+    # se = 0.01 each, but 1.05 / sqrt(0.01^2 * 9 + 0.01^2) = 1.6 sigma at ratio 9
+    far = _estimate(1.05, 0.01)
+    assert not mc.cross_checked(far, _estimate(1.0, 0.01, uv=1 * 1000 * 0.01 ** 2)).reliable
+    near = mc.cross_checked(far, _estimate(1.0, 0.01, uv=9 * 1000 * 0.01 ** 2))
+    assert near.reliable and near.diagnostics.cross_check[2] == pytest.approx(
+        0.05 / np.sqrt(9e-4 + 1e-4), rel=1e-9)
     tiny = mc.cross_checked(_estimate(1.0, 0.0), _estimate(1.0, 0.0, uv=1e-40))
     assert tiny.diagnostics.spread_ratio in (None, 1.0)
     assert mc.spread_ratio(_estimate(1.0, 1e-20), _estimate(1.0, 0.0, uv=1e-40)) == 1.0

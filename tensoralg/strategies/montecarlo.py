@@ -90,7 +90,8 @@ class Diagnostics:
         spread_ratio: with ``cross_check``: the variance of the per-direction summand over
             uniform directions as the guided samples estimate it, over the sample variance of
             plain sampling's own directions (about 1 when plain's standard error is right; at
-            most `MC_SPREAD_RATIO` for a reliable verdict); None where not computed.
+            most `MC_SPREAD_RATIO` for a reliable verdict; above 1 the reported standard
+            error is the sample one times its square root); None where not computed.
     """
 
     replicates: tuple
@@ -169,11 +170,18 @@ def unchecked(est: MonteCarloEstimate, why: str) -> MonteCarloEstimate:
 
 def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarloEstimate:
     """``est`` (plain sampling) with its verdict checked against ``ref`` (the guided estimate of
-    the same quantity from its own samples): reliable only when ``est`` was, ``ref`` is, and the
-    two agree within `MC_CROSS_Z` combined standard errors. The value and the standard
-    error stay those of ``est``."""
+    the same quantity from its own samples): reliable only when ``est`` was, ``ref`` is, the
+    guided samples see at most `MC_SPREAD_RATIO` times the variance plain sampling saw
+    (`spread_ratio`), and the two agree within `MC_CROSS_Z` combined standard errors. The
+    value is that of ``est``; its standard error the larger of its own and the one the guided
+    samples imply for plain sampling, ``sqrt(ref.uniform_variance / n)`` (where a tail that plain
+    directions missed makes the sample spread too small, this is the honest one), which the
+    agreement test uses too."""
     d = est.diagnostics
-    z = agreement_z(float(est), est.stderr, float(ref), ref.stderr)
+    ratio = spread_ratio(est, ref)
+    se = est.stderr * math.sqrt(ratio) if ratio is not None and 1.0 < ratio < math.inf \
+        else est.stderr
+    z = agreement_z(float(est), se, float(ref), ref.stderr)
     if d.exact and ref.diagnostics.exact and z == 0.0:
         return est   # exact on plain directions and around the modes alike
     why = [d.reason] if not d.reliable else []
@@ -186,7 +194,6 @@ def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarl
         why.append(f"the guided estimate {float(ref):.6g} ± {ref.stderr:.2g} (proposal='modes', "
                    f"sampling around the modes of the integrand) disagrees (|z| = {z:.1f} > "
                    f"{MC_CROSS_Z:g}): plain directions missed where the norm sits")
-    ratio = spread_ratio(est, ref)
     if ratio is not None and not ratio <= MC_SPREAD_RATIO:
         why.append(f"the guided samples put the variance over plain directions at {ratio:.3g}x "
                    f"the spread of the directions drawn (> {MC_SPREAD_RATIO:g}): rare directions "
@@ -195,7 +202,7 @@ def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarl
     new = Diagnostics(d.replicates, d.max_share, d.max_z, not why, "; ".join(why),
                       d.lower_bounds, False,
                       (float(ref), ref.stderr, z, bool(ref.reliable)), ratio)
-    return MonteCarloEstimate(float(est), est.stderr, est.n_samples, new)
+    return MonteCarloEstimate(float(est), se, est.n_samples, new)
 
 
 #: A format spec (Python's format mini-language), its fill, alignment and width named.
