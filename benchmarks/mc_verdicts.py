@@ -169,8 +169,8 @@ def table(path):
         rows = [json.loads(x) for x in f]
     keys = sorted({(r["model"], r["quantity"], r["estimator"]) for r in rows})
     print("| model | quantity | estimator | seeds | reliable (power) | reliable beyond 3 SE | "
-          "mean z, all seeds |")
-    print("|---|---|---|---|---|---|---|")
+          "mean z, all seeds | mean relative error, all seeds |")
+    print("|---|---|---|---|---|---|---|---|")
     tot = {"plain": [0, 0, 0], "guided": [0, 0, 0]}
     for m, q, e in keys:
         sel = [r for r in rows if (r["model"], r["quantity"], r["estimator"]) == (m, q, e)]
@@ -181,8 +181,15 @@ def table(path):
         tot[e][2] += len(bad)
         z = np.array([r["z"] for r in sel if math.isfinite(r["z"])])
         mz = f"{z.mean():+.2f} ± {z.std(ddof=1) / math.sqrt(z.size):.2f}" if z.size > 1 else "-"
+        # the bias of the value itself: a skewed but unbiased estimator has mean z < 0 (a
+        # sample that misses the tail is low AND has a small standard error) and mean
+        # relative error 0
+        re = np.array([(r["value"] - r["truth"]) / abs(r["truth"]) for r in sel
+                       if r["truth"] != 0 and math.isfinite(r["value"])])
+        mre = f"{re.mean():+.4f} ± {re.std(ddof=1) / math.sqrt(re.size):.4f}" \
+            if re.size > 1 else "-"
         print(f"| {m} | {q} | {e} | {len(sel)} | {len(rel)} ({len(rel) / len(sel):.0%}) | "
-              f"{len(bad)} ({len(bad) / max(1, len(rel)):.1%}) | {mz} |")
+              f"{len(bad)} ({len(bad) / max(1, len(rel)):.1%}) | {mz} | {mre} |")
     for e, (n, r, b) in tot.items():
         print(f"{e}: {n} results, {r} labelled reliable ({r / max(1, n):.0%}), {b} of those "
               f"beyond 3 SE ({b / max(1, r):.2%})")
