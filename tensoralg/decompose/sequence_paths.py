@@ -546,8 +546,12 @@ def _prepare_pair(a: Any, b: Any, n_ctx: Any, backend: str):
         raise ValueError(f"a and b: different structures, paths {pa[0]} vs {pb[0]} (heads per "
                          f"attention layer: a {la}, b {lb}); path_similarity compares models "
                          f"with the same layers and heads")
+    return n_ctx, pa, pb
+
+
+def _pair_trees(pa, pb, n_ctx: int, backend: str):
     exact = backend == "exact"
-    return na, nb, n_ctx, pa, pb, _trees(pa[1], n_ctx, exact, "a"), _trees(pb[1], n_ctx, exact, "b")
+    return _trees(pa[1], n_ctx, exact, "a"), _trees(pb[1], n_ctx, exact, "b")
 
 
 def _sim(ab, aa, bb) -> float | None:
@@ -605,7 +609,8 @@ def match_heads(a: Any, b: Any, *, n_ctx: Any = None, backend: str = "numpy",
             heads), sizes, or an ``n_ctx`` missing or disagreeing with a mask; CostTooHigh: a
             path pair over the exact engine's budget (before any contraction).
     """
-    _, _, n_ctx, pa, pb, ta_, tb_ = _prepare_pair(a, b, n_ctx, backend)
+    n_ctx, pa, pb = _prepare_pair(a, b, n_ctx, backend)
+    ta_, tb_ = _pair_trees(pa, pb, n_ctx, backend)
     eng = _Engine(n_ctx, backend, device)
     heads = [pa[0].index(n) for v in pa[3].values() for n in v["heads"]]
     eng.check([(ta_[i], tb_[j]) for i in heads for j in heads], "match_heads")
@@ -619,7 +624,7 @@ def sequence_path_similarity(a: Any, b: Any, *, n_ctx: Any = None, match: bool =
     """:func:`tensoralg.decompose.path_similarity` of two sequence models (its docstring)."""
     if not isinstance(match, (bool, np.bool_)):
         raise ValueError(f"match: expected True or False, got {match!r}")
-    _, _, n_ctx, pa, pb, ta_, tb_ = _prepare_pair(a, b, n_ctx, backend)
+    n_ctx, pa, pb = _prepare_pair(a, b, n_ctx, backend)
     all_names = pa[0]
     if names is not None:
         if isinstance(names, str):
@@ -631,6 +636,7 @@ def sequence_path_similarity(a: Any, b: Any, *, n_ctx: Any = None, match: bool =
                              f"{all_names}")
     else:
         names = all_names
+    ta_, tb_ = _pair_trees(pa, pb, n_ctx, backend)
     eng = _Engine(n_ctx, backend, device)
     partner = {n: n for n in all_names}
     heads = [all_names.index(n) for v in pa[3].values() for n in v["heads"]]
