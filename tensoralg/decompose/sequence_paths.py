@@ -284,6 +284,7 @@ class _Engine:
         self.req = make_request(n_ctx=n_ctx, backend=backend, device=device)
         self.sel = position_selector(n_ctx, None, self.exact)
         self._sides: dict = {}
+        self._memo: dict = {}
 
     def check(self, pairs, what: str) -> None:
         from ..strategies import sequence_exact
@@ -304,6 +305,13 @@ class _Engine:
         return self._sides[key][1]
 
     def inner(self, x, y):
+        """``<x, y>`` (memoized per pair of trees: a norm is asked for by several pairs)."""
+        key = (id(x), id(y))
+        if key not in self._memo:
+            self._memo[key] = self._inner(x, y)
+        return self._memo[key]
+
+    def _inner(self, x, y):
         from ..strategies.chaos.sequence import chaos_pair
 
         zero = Fraction(0) if self.exact else 0.0
