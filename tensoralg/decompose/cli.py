@@ -59,7 +59,8 @@ def add_parsers(sub) -> None:
                         "the trained context)")
     p.add_argument("--match", action="store_true",
                    help="transformer checkpoints with --diff: match heads per layer by the "
-                        "exact similarity of their paths before comparing them")
+                        "exact similarity of their paths before comparing them (default: "
+                        "heads compared by index)")
     p.add_argument("--rest-samples", type=nonneg_int, default=0, metavar="N",
                    help="transformer checkpoints: Monte Carlo directions for the norm of the "
                         "remainder f - sum of the paths (default 0: not assessed)")

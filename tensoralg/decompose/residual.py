@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import combinations
@@ -28,7 +29,7 @@ from .sums import DecompositionCheck, check_decomposition
 
 
 def _valid_order(order: Any) -> None:
-    if isinstance(order, bool) or not isinstance(order, int) or order not in (1, 2):
+    if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order not in (1, 2):
         raise ValueError(f"order: expected 1 (first-order paths) or 2 (second-order paths), "
                          f"got {order!r}")
 
