@@ -67,7 +67,7 @@ def load_before(rev: str = BASE_REV, tmp: str | None = None, name: str = "_sae_b
 
 def _samples_per_s(x, preset, d, m, k, steps, batch_size, before) -> float:
     """Samples/s of ``steps`` training steps of ``preset``; ``before``: the old models module
-    (:func:`load_before`) to train with instead of today's, or None."""
+    (`load_before`) to train with instead of today's, or None."""
     saved = training.SparseAutoencoder
     if before is not None:
         training.SparseAutoencoder = before.SparseAutoencoder

@@ -31,21 +31,20 @@ def _transformer(tmp_path, name="tr"):
     return str(tmp_path / name), model
 
 
-# ---- 1. attention models: say plainly that decompose does not take them apart ----------------
-def test_cli_refuses_a_transformer_checkpoint_saying_what_decompose_handles(tmp_path, capsys):
+# ---- 1. attention models: say plainly what decompose does with them ---------------------------
+def test_cli_refuses_a_transformer_diff_against_a_vector_checkpoint(tmp_path, capsys):
     """It said 'paths needs residual blocks around one Linear or Bilinear layer; block 1 wraps a
-    BilinearAttention', never that decompose has no decomposition of attention models."""
+    BilinearAttention'. A transformer checkpoint now gets its path table
+    (tests/test_decompose_transformer_paths.py); a vector CKPT with a transformer --diff is
+    refused naming the flag."""
     tr, _ = _transformer(tmp_path)
     out = tmp_path / "run"
-    for argv, option in (([tr], "CKPT"), ([_net(tmp_path), "--diff", tr], "--diff")):
-        assert main(["decompose", *argv, "--out", str(out)]) == 2
-        cap = capsys.readouterr()
-        err = cap.err.strip()
-        assert len(err.splitlines()) == 1 and cap.out == "", cap
-        assert f"error: {option}: {tr} holds attention" in err, err
-        assert "tensoralg decompose takes apart vector networks only" in err, err
-        assert "tensoralg compare A B" in err and "ta.similarity" in err, err
-        assert not out.exists()
+    assert main(["decompose", _net(tmp_path), "--diff", tr, "--out", str(out)]) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert len(err.splitlines()) == 1 and cap.out == "", cap
+    assert f"error: --diff: {tr} holds attention" in err, err
+    assert not out.exists()
 
 
 def test_api_refuses_attention_models_by_argument_name(tmp_path):
@@ -58,7 +57,6 @@ def test_api_refuses_attention_models_by_argument_name(tmp_path):
     cases = [(lambda: dc.eigen(n, 0), "model"),
              (lambda: dc.chaos_coefficients_depth1(n), "net"),
              (lambda: dc.as_bilinear_depth1(n), "net"),
-             (lambda: dc.paths(n), "model"),
              (lambda: dc.path_similarity(v, n), "b"),
              (lambda: dc.combine([v, n]), r"networks\[1\]"),
              (lambda: dc.difference(n, n), "a"),

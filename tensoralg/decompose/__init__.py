@@ -15,6 +15,12 @@ Mathematics: docs/mathematics.md §3.8 (decompositions) and §3.6 (Gaussian chao
 * [`paths`][tensoralg.decompose.residual.paths] — a residual network
   ``head o (1 + B_n) o ... o (1 + B_1) o embed`` as a sum of ``2^n`` path networks, one per subset
   of blocks a signal passes through; their Gram matrix is the exact attribution.
+* [`paths`][tensoralg.decompose.residual.paths] of a transformer (a residual stack of bilinear
+  attention and MLP blocks): the first-order paths (direct, each head, each MLP) with their exact
+  Gram matrix and the remainder ``f - sum`` by Monte Carlo;
+  [`path_similarity`][tensoralg.decompose.residual.path_similarity] (``match=True``) and
+  [`match_heads`][tensoralg.decompose.sequence_paths.match_heads] compare two checkpoints head by
+  head (docs/mathematics.md §3.10).
 * [`combine`][tensoralg.decompose.sums.combine] /
   [`difference`][tensoralg.decompose.sums.difference] — ``sum_i c_i f_i`` (e.g. a checkpoint minus
   another) as one network (hidden units side by side, coefficients on the output), so that its
@@ -28,6 +34,7 @@ the degree-2 polynomial ``c + b.x + x^T A x`` straight off the lifted weights (n
 
 from ._common import bilinear_depth
 from .residual import PathDecomposition, path_similarity, paths
+from .sequence_paths import PathSimilarity, SequencePathDecomposition, match_heads
 from .spectral import (
     ChaosCoefficients,
     EigenDecomposition,
@@ -39,4 +46,5 @@ from .sums import DecompositionCheck, check_decomposition, combine, difference
 
 __all__ = ["check_decomposition", "DecompositionCheck", "chaos_coefficients_depth1",
            "ChaosCoefficients", "eigen", "EigenDecomposition", "combine", "difference",
-           "paths", "PathDecomposition", "path_similarity", "bilinear_depth", "as_bilinear_depth1"]
+           "paths", "PathDecomposition", "path_similarity", "bilinear_depth", "as_bilinear_depth1",
+           "SequencePathDecomposition", "PathSimilarity", "match_heads"]

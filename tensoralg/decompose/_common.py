@@ -19,9 +19,10 @@ DEPTH_HINT = ("eigen-components need a depth-1 network (at most one bilinear lay
                "residual network with tensoralg.decompose.paths(model)")
 
 
-SEQUENCE_HINT = ("tensoralg.decompose takes apart vector networks only (Linear, Bilinear and "
-                 "Residual layers, e.g. a BilinearNet: eigen-components at depth 1, residual "
-                 "paths deeper) and has no decomposition of attention; a transformer can be "
+SEQUENCE_HINT = ("this part of tensoralg.decompose takes apart vector networks only (Linear, "
+                 "Bilinear and Residual layers, e.g. a BilinearNet: eigen-components at depth "
+                 "1, residual paths deeper); a transformer is taken apart into its first-order "
+                 "paths by tensoralg.decompose.paths(model, n_ctx=...) / path_similarity, and "
                  "compared with another as a whole with ta.similarity / ta.inner (CLI: "
                  "tensoralg compare A B, tensoralg matrix CKPT...)")
 

@@ -1,5 +1,5 @@
-"""``tensoralg decompose CKPT [--output c] [--k K] [--diff CKPT2]``: a checkpoint (or the change
-from CKPT to CKPT2) taken apart.
+"""``tensoralg decompose CKPT [--output c] [--k K] [--diff CKPT2] [--n-ctx N]``: a checkpoint (or
+the change from CKPT to CKPT2) taken apart.
 
 * depth 1: eigen-components per output (``tensoralg.decompose.eigen``): the norm, the top
   eigenvalues, the exact relative error and similarity of keeping ``k``; the top ``k``
@@ -10,8 +10,12 @@ from CKPT to CKPT2) taken apart.
 Writes ``decompose.json`` (stamped with the version and the options) and, for depth 1 with
 ``--k`` above 0, ``decompose_eigenvectors.png`` under ``--out`` (default ``runs/decompose``;
 new, empty or an earlier decompose output, replaced as a whole only by a complete run).
-Sequence models (attention: bilinear transformers) are refused: ``tensoralg compare`` /
-``matrix`` compare them.
+Transformer checkpoints (a residual stack of bilinear attention and MLP blocks): the first-order
+paths (``tensoralg.decompose.paths``: direct, each head, each MLP) with their exact shares of
+``||sum of the listed paths||^2``, at ``--n-ctx`` positions (default: the trained context), and
+with ``--diff CKPT2`` the exact similarity of each path to the same path of CKPT2
+(``--match``: heads matched per layer by function first); ``--rest-samples N`` estimates the
+remainder ``f - sum`` by Monte Carlo with its verdict (default 0: not assessed).
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ FIG_NAME = "decompose_eigenvectors.png"
 
 def add_parsers(sub) -> None:
     from ..threads import add_threads_option, nonneg_int
+
+    def positive_int(v: str) -> int:
+        n = nonneg_int(v)
+        if n < 1:
+            import argparse
+
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v!r}")
+        return n
 
     p = sub.add_parser("decompose", help="eigen-components / residual paths of a checkpoint",
                        description=__doc__.split("\n\n")[0])
@@ -42,6 +54,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the JSON to PATH (a file path; missing folders on the way "
                         "are created, as for --out; checked before any work; default: none)")
+    p.add_argument("--n-ctx", type=positive_int, default=None, metavar="N",
+                   help="transformer checkpoints: the sequence length of the paths (default: "
+                        "the trained context)")
+    p.add_argument("--match", action="store_true",
+                   help="transformer checkpoints with --diff: match heads per layer by the "
+                        "exact similarity of their paths before comparing them (default: "
+                        "heads compared by index)")
+    p.add_argument("--rest-samples", type=nonneg_int, default=0, metavar="N",
+                   help="transformer checkpoints: Monte Carlo directions for the norm of the "
+                        "remainder f - sum of the paths (default 0: not assessed)")
     add_threads_option(p)
     p.set_defaults(func=cmd_decompose, own_threads=True)
 
@@ -53,12 +75,7 @@ def _load(path: str, option: str):
         raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
     net = load_checkpoint(path)[0].to_network()
     if net.is_sequence_model:
-        raise ValueError(f"{option}: {path} holds attention (a sequence model, e.g. a bilinear "
-                         f"transformer): tensoralg decompose takes apart vector networks only "
-                         f"(Linear, Bilinear and Residual layers, e.g. a BilinearNet checkpoint: "
-                         f"eigen-components at depth 1, residual paths deeper); to compare "
-                         f"transformer checkpoints use tensoralg compare A B or tensoralg matrix "
-                         f"CKPT... (ta.similarity in Python)")
+        return net
     from . import bilinear_depth
     from .residual import _split_residual
 
@@ -75,8 +92,66 @@ def _load(path: str, option: str):
     return net
 
 
+def _sequence_result(net, checkpoint: str, diff: str | None, n_ctx: int | None, match: bool,
+                     rest_samples: int, k: int, output: int | None) -> dict:
+    """The path table of a transformer checkpoint (and the similarity to ``--diff``)."""
+    from ..audit.common import stamp
+    from .residual import path_similarity, paths
+
+    if output is not None:
+        raise ValueError("--output: transformer checkpoints are taken apart into paths, summed "
+                         "over outputs; --output is for eigen-components of vector networks")
+    other = None
+    if diff is not None:
+        other = _load(diff, "--diff")
+        if not other.is_sequence_model:
+            raise ValueError(f"--diff: {diff} is a vector network and CKPT {checkpoint} a "
+                             f"transformer; the paths of two checkpoints are compared within "
+                             f"one architecture")
+    elif match:
+        raise ValueError("--match: matches the heads of CKPT and --diff CKPT2; give --diff")
+    if n_ctx is not None and net.n_ctx is not None and n_ctx > net.n_ctx:
+        raise ValueError(f"--n-ctx: {n_ctx} is longer than the trained context {net.n_ctx} of "
+                         f"CKPT {checkpoint}")
+
+    def named(fn):
+        try:
+            return fn()
+        except ValueError as exc:
+            msg = str(exc)
+            if msg.startswith("n_ctx"):
+                raise ValueError(f"--n-ctx: {msg}") from None
+            if msg.startswith(("a and b", "b:")):
+                raise ValueError(f"--diff: {msg}") from None
+            raise ValueError(f"CKPT: {msg}") from None
+
+    if other is not None:   # the pair's structure checked before any contraction
+        from .sequence_paths import _path_networks
+
+        pa, pb = _path_networks(net, "CKPT")[0], _path_networks(other, "--diff")[0]
+        if pa != pb:
+            raise ValueError(f"--diff: {diff} has the paths {pb}, CKPT {checkpoint} has {pa}; "
+                             f"paths are compared between checkpoints with the same layers and "
+                             f"heads")
+    pd = named(lambda: paths(net, n_ctx=n_ctx, rest_samples=rest_samples))
+    result = stamp("decompose", {"checkpoint": checkpoint, "diff": diff, "output": output,
+                                 "k": k, "n_ctx": pd.n_ctx, "match": match,
+                                 "rest_samples": rest_samples})
+    subject = f"checkpoint {checkpoint}"
+    result.update(subject=subject, sequence=True, d=net.in_features, n_outputs=net.out_features,
+                  paths=pd.to_dict())
+    if other is not None:
+        sims = named(lambda: path_similarity(net, other, n_ctx=pd.n_ctx, match=match))
+        result["similarity"] = {"to": diff, "values": dict(sims), "partner": sims.partner,
+                                "matching": None if sims.matching is None else
+                                {str(k_): v for k_, v in sims.matching.items()},
+                                "method": sims.method}
+    return result
+
+
 def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int | None = None,
-                         k: int = 4) -> tuple[dict, object]:
+                         k: int = 4, n_ctx: int | None = None, match: bool = False,
+                         rest_samples: int = 0) -> tuple[dict, object]:
     """The JSON result of ``tensoralg decompose`` and the eigendecomposition drawn (or None).
 
     Raises:
@@ -88,11 +163,23 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
     from . import bilinear_depth, difference, eigen, paths
 
     net = _load(checkpoint, "CKPT")
+    if net.is_sequence_model:
+        return _sequence_result(net, checkpoint, diff, n_ctx, match, rest_samples, k,
+                                output), None
+    for flag, given in (("--n-ctx", n_ctx is not None), ("--match", match),
+                        ("--rest-samples", bool(rest_samples))):
+        if given:
+            raise ValueError(f"{flag}: only for transformer checkpoints (sequence models); "
+                             f"CKPT {checkpoint} is a vector network")
     what = f"checkpoint {checkpoint}"
     if diff is not None:
         from ._common import type_key
 
         other = _load(diff, "--diff")
+        if other.is_sequence_model:
+            raise ValueError(f"--diff: {diff} holds attention (a transformer) and CKPT "
+                             f"{checkpoint} is a vector network; the change is decomposed "
+                             f"between checkpoints of one architecture")
         if (other.in_features, other.out_features) != (net.in_features, net.out_features):
             raise ValueError(f"--diff: {diff} maps {other.in_features} inputs to "
                              f"{other.out_features} outputs, CKPT {checkpoint} maps "
@@ -136,6 +223,8 @@ def table(result: dict) -> str:
     from ..audit.common import format_table
 
     k = result["config"]["k"]
+    if result.get("sequence"):
+        return _sequence_table(result)
     lines = [f"{result['subject']}: {result['d']} inputs, {result['n_outputs']} outputs, "
              f"bilinear depth {result['depth']}"]
     if "eigen" in result:
@@ -166,6 +255,41 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _sequence_table(result: dict) -> str:
+    from ..audit.common import format_table
+
+    p = result["paths"]
+    sim = result.get("similarity")
+    head = ["path", "kind", "||path||^2", "share"]
+    if sim is not None:
+        head += ["similarity to --diff", "partner"]
+    rows = []
+    for i, (n, kd) in enumerate(zip(p["names"], p["kinds"])):
+        row = [n, kd, p["gram"][i][i], p["share"][i]]
+        if sim is not None:
+            v = sim["values"].get(n)
+            row += ["zero path" if v is None else v, sim["partner"].get(n, n)]
+        rows.append(row)
+    rn = p["rest_norm"]
+    if rn is None:
+        rest = ""
+    elif "stderr" not in rn:
+        rest = f"||rest|| = {rn['value']:.6g} "
+    elif rn["reliable"] is False:
+        rest = f"||rest||: no reliable estimate ({rn['diagnostics']}) "
+    else:
+        rest = f"||rest|| = {rn['value']:.6g} ± {rn['stderr']:.2g} "
+    lines = [f"{result['subject']}: first-order paths at n_ctx={p['n_ctx']} "
+             f"({result['d']} inputs, {result['n_outputs']} outputs)",
+             format_table(head, rows),
+             f"share: of ||sum of the listed paths||^2 = {p['norm2_listed']:.6g} (exact); "
+             f"interference {p['interference']:.4g}",
+             f"rest = f - sum of the listed paths: {rest}({p['methods']['rest_norm']})"]
+    if sim is not None:
+        lines.append(f"similarity: {sim['method']}")
+    return "\n".join(lines)
+
+
 def cmd_decompose(args) -> int:
     from ..audit._cliutil import apply_threads, check_paths
     from ..audit.common import staged_output, write_json
@@ -177,7 +301,8 @@ def cmd_decompose(args) -> int:
     apply_threads(args)
     from .report import eigenvector_figure
 
-    result, eig = decompose_checkpoint(args.checkpoint, args.diff, args.output, args.k)
+    result, eig = decompose_checkpoint(args.checkpoint, args.diff, args.output, args.k,
+                                       args.n_ctx, args.match, args.rest_samples)
     with staged_output(out, JSON_NAME) as stage:
         files = [JSON_NAME]
         if eig is not None:

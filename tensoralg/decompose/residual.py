@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import combinations
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..layers import Bilinear, Layer, Linear, Residual, Sequential
+from ..layers import Bilinear, Layer, Linear, Residual, Sequential, as_network
 from ._common import (
     as_array,
     bilinear_depth,
@@ -20,7 +21,18 @@ from ._common import (
     vector_network,
     zeros_array,
 )
+from .sequence_paths import (
+    SequencePathDecomposition,
+    sequence_path_similarity,
+    sequence_paths,
+)
 from .sums import DecompositionCheck, check_decomposition
+
+
+def _valid_order(order: Any) -> None:
+    if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order not in (1, 2):
+        raise ValueError(f"order: expected 1 (first-order paths) or 2 (second-order paths), "
+                         f"got {order!r}")
 
 
 def _flat_layers(net: Layer) -> list[Layer]:
@@ -180,8 +192,30 @@ def _path_networks(model: Any, name: str = "model", exact: bool | None = None):
                                               for T in Ts]
 
 
-def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDecomposition:
-    """Expand a residual network into path networks that sum to it exactly (docs/mathematics.md §3.8).
+def paths(model: Any, *, backend: str = "numpy", check: bool = True, n_ctx: Any = None,
+          order: Any = None, rest_samples: Any = 0, seed: int = 0, device: Any = None
+          ) -> PathDecomposition | SequencePathDecomposition:
+    """Expand a residual network into path networks that sum to it exactly (docs/mathematics.md
+    §3.8 for vector networks, §3.10 for transformers).
+
+    **Sequence models** (a residual stack of bilinear attention and bilinear MLP blocks, e.g. a
+    `BilinearTransformer`): the first-order paths
+    (``order=1``, the default there) — ``"direct"`` (``U X``), one per head ``"L{l}.H{h}"``
+    (``U A_{l,h}(X)``: the head reading the embedded input on all five legs), one per MLP
+    ``"L{l}.MLP"``, ``"L{l}.bias"`` for an attention block's output bias — and the remainder
+    ``rest = f - sum of the listed paths`` (every tree with a composition;
+    `sequence_paths`). Returns a
+    `SequencePathDecomposition`: the path networks,
+    their exact Gram matrix (the exact sequence engine; never sampled), each path's share of
+    ``||sum of the listed paths||^2`` (exact; for a bias-free stack of attention blocks this is
+    ``||f_{<=5}||^2``, the norm behind S<=5), and the remainder's norm ``||rest||``: exactly 0
+    for a one-block stack, else a Monte Carlo estimate with its diagnostics
+    (``rest_samples`` directions, ``seed``; ``rest_samples=0``: not assessed); ``methods`` says
+    which method produced each number. ``n_ctx``: the sequence length (optional when a mask
+    array fixes it); ``backend``: ``"numpy"``, ``"torch"`` (on ``device``) or ``"exact"``
+    (rationals).
+
+    **Vector networks:**
 
     ``model = head o (1 + B_n) o ... o (1 + B_1) o embed`` (``embed``/``head``: zero or more
     Linear layers; ``B_k``: one Bilinear or Linear layer). A bilinear block reads the stream
@@ -197,10 +231,27 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDeco
     needs ``tensoralg.verify.decompose.check_decomposition_exact``.
 
     Raises:
-        ValueError: a model that is not embed / residual blocks / head, more than 8 blocks.
+        ValueError: a model that is not embed / residual blocks / head, more than 8 blocks;
+            ``order`` other than 1 or 2; ``n_ctx`` or ``order`` for a vector network; a
+            sequence model without ``n_ctx`` (and no mask array fixing it); a sequence model
+            that is not a residual stack (e.g. attention without a residual).
+        NotImplementedError: ``order=2`` (second-order paths need an exact engine for
+            two-node trees; the message names what exists).
+        CostTooHigh: a sequence model's path pair over the exact engine's budget (before any
+            contraction).
     """
     import tensoralg as ta
 
+    if order is not None:
+        _valid_order(order)
+    if as_network(model, "model").is_sequence_model:
+        return sequence_paths(model, n_ctx=n_ctx, order=1 if order is None else order,
+                              backend=backend, device=device, rest_samples=rest_samples,
+                              seed=seed)
+    if n_ctx is not None or order is not None:
+        raise ValueError(f"{'n_ctx' if n_ctx is not None else 'order'}: only for sequence "
+                         f"models (with attention); the paths of a vector network are every "
+                         f"subset of its blocks")
     net, names, nets = _path_networks(model)
     cost, over = [], []
     for n, p in zip(names, nets):
@@ -226,16 +277,43 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True) -> PathDeco
                              share, norm2, chk)
 
 
-def path_similarity(a: Any, b: Any, *, output: Any = None) -> dict[str, float | None]:
+def path_similarity(a: Any, b: Any, *, output: Any = None, n_ctx: Any = None,
+                    match: bool = False, names: Any = None, backend: str = "numpy",
+                    device: Any = None) -> dict[str, float | None]:
     """Similarity of the same path in two models with the same block structure (e.g. two
     checkpoints): ``{path name: sim(path_a, path_b)}`` (``None`` where exact is over budget or
     a path is zero).
 
+    Sequence models (two transformers with the same layers and heads; `paths`): the
+    first-order paths, exactly (the exact sequence engine), as a
+    `PathSimilarity` (a dict with ``partner``,
+    ``matching`` and ``method``). ``match=True``: heads are first matched per layer by
+    `match_heads` (the exact cross-similarity of
+    their first-order paths, `linear_sum_assignment`), and
+    ``"L{l}.H{h}"`` is compared with its partner in ``b``. ``names``: a path name or a list
+    of them (default: every listed path). ``n_ctx``: the sequence length (optional when a
+    mask array fixes it); ``backend``: ``"numpy"``, ``"torch"`` or ``"exact"``.
+
     Raises:
-        ValueError: models with different numbers of residual blocks or sizes.
+        ValueError: models with different numbers of residual blocks or sizes (sequence
+            models: different layers or heads per layer), a path name in ``names`` that does
+            not exist, a vector network beside a sequence model, ``n_ctx`` / ``match`` /
+            ``names`` for vector networks.
     """
     import tensoralg as ta
 
+    xa, xb = as_network(a, "a"), as_network(b, "b")
+    if xa.is_sequence_model and xb.is_sequence_model:
+        if output is not None:
+            raise ValueError("output: not supported for sequence models' paths (the "
+                             "similarity sums over outputs and query positions)")
+        return sequence_path_similarity(xa, xb, n_ctx=n_ctx, match=match, names=names,
+                                        backend=backend, device=device)
+    for v, nm in ((n_ctx, "n_ctx"), (names, "names")):
+        if v is not None and not (xa.is_sequence_model or xb.is_sequence_model):
+            raise ValueError(f"{nm}: only for sequence models (with attention)")
+    if match and not (xa.is_sequence_model or xb.is_sequence_model):
+        raise ValueError("match: head matching is for sequence models (with attention)")
     _, na, pa = _path_networks(a, "a")
     _, nb, pb = _path_networks(b, "b")
     if na != nb:
