@@ -43,6 +43,25 @@ def test_notebook_opens_with_what_it_teaches_and_uses_the_public_api(path):
     assert not private, private
 
 
+COURSE = [p for p in NOTEBOOKS if int(p.name[:2]) >= 7]   # written with exercises
+
+
+@pytest.mark.parametrize("path", COURSE, ids=[p.stem for p in COURSE])
+def test_course_notebook_has_checked_exercises(path):
+    """The course notebooks (07 on) end with two or three exercises, each solution in a hidden
+    cell (metadata jupyter.source_hidden, tag "solution") that checks the answer with an assert,
+    and draw at least one figure."""
+    nb = nbformat.read(path, as_version=4)
+    solutions = [c for c in nb.cells if "solution" in c.metadata.get("tags", [])]
+    assert 2 <= len(solutions) <= 3, path.name
+    for c in solutions:
+        assert c.cell_type == "code" and c.metadata.get("jupyter", {}).get("source_hidden") is True
+        assert re.search(r"^\s*assert\b", c.source, re.M), c.source[:80]
+    exercises = [c for c in nb.cells if c.cell_type == "markdown" and "**Exercise" in c.source]
+    assert len(exercises) == len(solutions), path.name
+    assert any("plt." in c.source for c in nb.cells if c.cell_type == "code"), path.name
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")           # no display; figures render with Agg
