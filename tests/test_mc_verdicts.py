@@ -182,10 +182,18 @@ def test_compare_prints_what_is_exact_in_place_of_an_unreliable_number(tmp_path,
     row = json.loads(out.read_text())["results"][0]
     assert code == 1 and row["reliable"] is False and row["global"] is None
     exact = ta.degree_similarity(a, b, n_ctx=2, max_degree=[1, 5])
-    assert row["exact_instead"] == {"S<=1": pytest.approx(float(exact[1]), rel=1e-12),
-                                    "S<=5": pytest.approx(float(exact[5]), rel=1e-12)}
+    inst = row["exact_instead"]
+    assert {k: inst[k] for k in ("S<=1", "S<=5")} == {
+        "S<=1": pytest.approx(float(exact[1]), rel=1e-12),
+        "S<=5": pytest.approx(float(exact[5]), rel=1e-12)}
+    import tensoralg.decompose as dc
+
+    paths = dc.path_similarity(a, b, n_ctx=2)
+    assert set(inst["paths"]) == set(paths) == {"direct", "L0.H0", "L0.H1", "L1.H0", "L1.H1"}
+    assert inst["paths"] == {k: pytest.approx(float(v), rel=1e-12) for k, v in paths.items()}
     text = capsys.readouterr().out
     assert "no reliable estimate" in text and "exact instead" in text and "S≤5 = " in text
+    assert "exact first-order paths (least similar first) " in text
     lb = row["diagnostics"]["certified_lower_bounds"]
     assert set(lb) == {"<a,a>", "<b,b>"}
     assert "certified lower bounds" in text and f"<b,b> ≥ {lb['<b,b>']:.4g}" in text

@@ -278,7 +278,10 @@ def _compare_rows(rows: list, pairs, na, nb, sequence: bool, n_samples: int, see
 
 def exact_instead(na, nb, n_ctx) -> dict:
     """What is exact for a pair whose Monte Carlo similarity has no reliable estimate: the
-    degree-resolved similarities ``S<=1`` and ``S<=5`` (below the models' degree) where
+    exact first-order path similarities of two transformers (``{"paths": {name: sim}}``,
+    `tensoralg.decompose.path_similarity`; left out where the models are not residual stacks
+    of the same shape) and the degree-resolved similarities ``S<=1`` and ``S<=5`` (below the
+    models' degree) where
     [`tensoralg.degree_similarity`][tensoralg.degree_similarity] computes them exactly
     (docs/mathematics.md §3.9: a different question from the full similarity, the similarity of the
     low-degree parts), as ``{"S<=K": value}``; a ``K`` it could only estimate is left out, and a
@@ -291,19 +294,38 @@ def exact_instead(na, nb, n_ctx) -> dict:
         r = ta.degree_similarity(na, nb, n_ctx=n_ctx, max_degree=Ks)
     except ValueError as exc:   # CostTooHigh is a ValueError
         return {"refused": str(exc).split("\n")[0]}
-    return {f"S<={K}": float(r[K]) for K in Ks if r.method.get(K) == "exact"}
+    out = {f"S<={K}": float(r[K]) for K in Ks if r.method.get(K) == "exact"}
+    if n_ctx is not None:   # transformers: the exact first-order paths, same path in both
+        import tensoralg.decompose as dc
+
+        try:
+            ps = dc.path_similarity(na, nb, n_ctx=n_ctx)
+        except (ValueError, NotImplementedError):   # not a residual stack, over budget
+            return out
+        out["paths"] = {k: (None if v is None else float(v)) for k, v in ps.items()}
+    return out
+
+
+#: First-order paths a table prints in place of an unreliable similarity (all are in the JSON).
+_PATHS_SHOWN = 6
 
 
 def _instead_text(r: dict) -> str:
     """What a table prints in place of an unreliable estimate: the exact degree-resolved
     similarities and the certified lower bounds on the squared norms."""
     ex = r.get("exact_instead") or {}
-    vals = {k: v for k, v in ex.items() if k != "refused"}
+    vals = {k: v for k, v in ex.items() if k not in ("refused", "paths")}
     out = ""
     if vals:
         out = ("; exact instead (degree-resolved similarity, a different question: the "
                "low-degree parts) " + ", ".join(f"{k.replace('<=', '≤')} = {v:.6g}"
                                                 for k, v in vals.items()))
+    paths = {k: v for k, v in (ex.get("paths") or {}).items() if v is not None}
+    if paths:   # the least similar first: where the two models differ
+        shown = sorted(paths.items(), key=lambda kv: kv[1])[:_PATHS_SHOWN]
+        out += ("; exact first-order paths (least similar first) "
+                + ", ".join(f"{k} {v:.4g}" for k, v in shown)
+                + (f", ... ({len(paths)} in the JSON)" if len(paths) > len(shown) else ""))
     lb = (r.get("diagnostics") or {}).get("certified_lower_bounds") or {}
     if lb:
         from ..strategies.montecarlo import MC_LOWER_BOUND_CONFIDENCE
