@@ -138,7 +138,7 @@ def test_errors_before_work():
     with pytest.raises(ValueError, match=r"'bdy' is not a submodule of TinyLM .*nearest: "
                                          r"\['body'"):
         evaluate_spliced(lm, _sae(), "bdy", [_tokens()])
-    with pytest.raises(ValueError, match=r"sae: d_in=8, but the activation at 'head' has shape"):
+    with pytest.raises(ValueError, match=r"sae: d_in=8 \(.*SAE.*\), but the activation at 'head' has shape"):
         evaluate_spliced(lm, _sae(), "head", [_tokens()])
     with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, 2\]"):
         evaluate_transformer(_model(), _sae(), 3, _tokens())

@@ -86,8 +86,9 @@ def _sae_fn(sae, sums: _Sums, d_in: int, hook: str) -> Callable[[torch.Tensor], 
 
     def fn(act: torch.Tensor) -> torch.Tensor:
         if act.shape[-1] != d_in:
-            raise ValueError(f"sae: d_in={d_in}, but the activation at {hook!r} has shape "
-                             f"{tuple(act.shape)}")
+            name = sae.describe() if hasattr(sae, "describe") else type(sae).__name__
+            raise ValueError(f"sae: d_in={d_in} ({name}), but the activation at "
+                             f"{hook!r} has shape {tuple(act.shape)}")
         x = act.reshape(-1, d_in).to(dtype)
         with torch.no_grad():
             z = sae.encode(x)

@@ -350,4 +350,5 @@ def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
         for n, p in model.named_parameters():
             p.copy_(tensors[n].to(p.dtype))
     model.metadata = dict(meta)
+    model.source = str(path)
     return model.to(device)

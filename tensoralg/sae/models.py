@@ -387,6 +387,8 @@ class SparseAutoencoder(nn.Module):
         self.b_dec = nn.Parameter(torch.zeros(cfg.d_in, dtype=dtype))
         # model / hook / data this SAE was trained on (cfg.json "metadata", as SAELens)
         self.metadata: dict = {}
+        # the folder it was loaded from (load_sae); named in errors
+        self.source: str | None = None
         if cfg.activation == "jumprelu":
             self.threshold = nn.Parameter(torch.zeros(cfg.d_sae, dtype=dtype))
         if cfg.encoder == "multistep":
@@ -426,9 +428,43 @@ class SparseAutoencoder(nn.Module):
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.b_dec) @ self.W_enc + self.b_enc
 
+    def describe(self) -> str:
+        """How errors name this SAE: its folder when it has one (``source``, set by
+        ``load_sae``), else its architecture and sizes."""
+        c = self.cfg
+        if self.source:
+            return f"SAE {self.source}"
+        enc = "multi-step " if c.encoder == "multistep" else ""
+        return f"{enc}{c.activation} SAE (d_in={c.d_in}, d_sae={c.d_sae}, k={c.k})"
+
+    def _rows_of(self, x, width: int, what: str, name: str) -> tuple[torch.Tensor, tuple]:
+        """``x (..., width)`` as rows ``(N, width)`` and its leading shape ``...``.
+
+        Raises:
+            ValueError: ``x`` not a tensor, 0-dimensional, or with a last dimension other than
+                ``width`` (one line naming ``what``, the shape given and :meth:`describe`).
+        """
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor (..., {what}={width}) for "
+                             f"{self.describe()}, got {type(x).__name__}")
+        if x.ndim == 0 or x.shape[-1] != width:
+            raise ValueError(f"{name}: expected shape (..., {what}={width}) for "
+                             f"{self.describe()}, got {tuple(x.shape)}")
+        return x.reshape(-1, width), tuple(x.shape[:-1])
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Codes ``(n, d_sae)`` of ``x (n, d_in)`` (at most ``k`` non-zeros per row)."""
-        return self._encode(x)[0]
+        """Codes ``(..., d_sae)`` of ``x (..., d_in)`` (at most ``k`` non-zeros per row).
+
+        Any leading dimensions, as SAELens: ``x`` is flattened to rows ``(N, d_in)``, encoded,
+        and the codes get ``x``'s leading shape back (so a ``(batch, seq, d_in)`` input equals
+        encoding its rows one by one; a 1-D ``(d_in,)`` input gives a ``(d_sae,)`` code).
+
+        Raises:
+            ValueError: the last dimension of ``x`` is not ``d_in`` (or ``x`` is a scalar / not
+                a tensor): one line naming ``d_in``, the shape given and the SAE.
+        """
+        rows, lead = self._rows_of(x, self.cfg.d_in, "d_in", "x")
+        return self._encode(rows)[0].reshape(lead + (self.cfg.d_sae,))
 
     def _encode(self, x: torch.Tensor, normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, first pre-activation)``; the loss reuses the latter for AuxK."""
@@ -489,15 +525,29 @@ class SparseAutoencoder(nn.Module):
         return idx, vals, pre
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """``z @ W_dec + b_dec`` (in the normalized space when ``normalize_activations`` is
-        ``"layer_norm"``; :meth:`forward` maps back)."""
-        return z @ self.W_dec + self.b_dec
+        """``z @ W_dec + b_dec``: ``(..., d_in)`` of codes ``z (..., d_sae)`` (any leading
+        dimensions, kept). In the normalized space when ``normalize_activations`` is
+        ``"layer_norm"``; :meth:`forward` maps back.
+
+        Raises:
+            ValueError: the last dimension of ``z`` is not ``d_sae`` (one line naming it, the
+                shape given and the SAE).
+        """
+        rows, lead = self._rows_of(z, self.cfg.d_sae, "d_sae", "z")
+        return (rows @ self.W_dec + self.b_dec).reshape(lead + (self.cfg.d_in,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Reconstruction of ``x (n, d_in)`` in the input's own space."""
-        xn, mu, std = self.normalize_input(x)
-        out = self.decode(self._encode(xn, normalized=True)[0])
-        return out if mu is None else out * std + mu
+        """Reconstruction ``(..., d_in)`` of ``x (..., d_in)`` in the input's own space (any
+        leading dimensions, as :meth:`encode`).
+
+        Raises:
+            ValueError: as :meth:`encode`.
+        """
+        rows, lead = self._rows_of(x, self.cfg.d_in, "d_in", "x")
+        xn, mu, std = self.normalize_input(rows)
+        out = self._encode(xn, normalized=True)[0] @ self.W_dec + self.b_dec
+        out = out if mu is None else out * std + mu
+        return out.reshape(lead + (self.cfg.d_in,))
 
     # -- training helpers ------------------------------------------------------------------
     def check_input(self, x: torch.Tensor, name: str = "x") -> None:
