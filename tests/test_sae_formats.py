@@ -89,6 +89,13 @@ def test_saelens_folders_load_and_match_saelens_outputs(name):
         assert _close(z, acts)                            # with SAELens's values
         if cfg["normalize_activations"] == "none":
             assert _close(model.decode(acts), out["sae_out"])
+        else:
+            # SAELens's decode after encode(x) maps back through the layer norm of that encode:
+            # here the statistics are given explicitly, and decoding without them is refused
+            assert _close(model.decode(acts, stats=model.input_stats(x)), out["sae_out"])
+            with pytest.raises(ValueError, match=r"normalizes each input row .*"
+                                                 r"stats=sae.input_stats\(x\)"):
+                model.decode(acts)
         # SAELens's decode after encode maps back through the layer norm of that encode
         assert _close(model(x), out["forward"])
         assert _close(model(x), out["sae_out"])

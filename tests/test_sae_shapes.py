@@ -53,16 +53,22 @@ def test_leading_dims_equal_row_by_row(name):
                 assert torch.equal(z[b, t] != 0, zr != 0)
                 torch.testing.assert_close(z[b, t], zr, rtol=1e-12, atol=1e-12)
                 torch.testing.assert_close(xh[b, t], sae(row)[0], rtol=1e-12, atol=1e-12)
-        # decode keeps the leading shape, and equals the flat decode
-        dec = sae.decode(z)
+        # decode keeps the leading shape, and equals the flat decode (a layer_norm SAE needs
+        # the statistics of the rows the codes came from)
+        ln = sae.cfg.normalize_activations == "layer_norm"
+        kw = {"stats": sae.input_stats(x)} if ln else {}
+        kw1 = {"stats": sae.input_stats(x.reshape(-1, D))} if ln else {}
+        dec = sae.decode(z, **kw)
         assert dec.shape == (2, 5, D)
-        assert torch.equal(dec.reshape(-1, D), sae.decode(z.reshape(-1, M)))
+        assert torch.equal(dec.reshape(-1, D), sae.decode(z.reshape(-1, M), **kw1))
+        torch.testing.assert_close(dec, xh, rtol=1e-12, atol=1e-12)      # = forward
         # four leading dimensions, and none: a 1-D (d_in,) input gives a (d_sae,) code
         x4 = x.reshape(1, 2, 5, 1, D)
         assert torch.equal(sae.encode(x4).reshape(-1, M), z.reshape(-1, M))
         assert sae.encode(x[0, 0]).shape == (M,) and sae(x[0, 0]).shape == (D,)
         torch.testing.assert_close(sae.encode(x[0, 0]), sae.encode(x[0, :1])[0], rtol=0, atol=0)
-        assert sae.decode(z[0, 0]).shape == (D,)
+        kw = {"stats": sae.input_stats(x[0, 0])} if ln else {}
+        assert sae.decode(z[0, 0], **kw).shape == (D,)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
@@ -88,3 +94,38 @@ def test_error_names_the_folder(tmp_path):
     sae = load_sae(folder)
     with pytest.raises(ValueError, match=rf"d_in={D}\) for SAE .*my_sae, got \(4, 7\)"):
         sae.encode(torch.zeros(4, 7))
+
+
+def test_layer_norm_decode_needs_the_encode_statistics():
+    """SAELens's decode un-normalizes with the statistics of its last encode call; here they
+    are explicit: decode(encode(x), stats=input_stats(x)) = forward(x) = SAELens's
+    (x̂_n · std + mu), normalized=True gives the normalized space, and neither is refused."""
+    sae = _sae("abstopk-layer_norm")
+    x = 3 * torch.randn(4, 6, D, generator=torch.Generator().manual_seed(2),
+                        dtype=torch.float64) + 1
+    mu = x.mean(-1, keepdim=True)
+    std = (x - mu).std(-1, keepdim=True)
+    xn = (x - mu) / (std + 1e-5)
+    with torch.no_grad():
+        z = sae.encode(x)
+        assert torch.equal(_sae("abstopk").encode(xn), z)     # same weights, no layer_norm
+        m, s = sae.input_stats(x)
+        assert torch.equal(m, mu) and torch.equal(s, std)
+        dn = sae.decode(z, normalized=True)
+        torch.testing.assert_close(dn, z @ sae.W_dec + sae.b_dec, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(sae.decode(z, stats=(m, s)), dn * std + mu,
+                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(sae.decode(z, stats=(m, s)), sae(x), rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match=r"^decode: .* normalizes each input row .*"
+                                             r"decode\(z, normalized=True\)"):
+            sae.decode(z)
+        with pytest.raises(ValueError, match=r"stats: expected \(mu, std\) of shape "
+                                             r"\(4, 6, 1\)"):
+            sae.decode(z, stats=sae.input_stats(x[:2]))
+        with pytest.raises(ValueError, match="not both"):
+            sae.decode(z, stats=(m, s), normalized=True)
+    plain = _sae("abstopk")
+    with pytest.raises(ValueError, match="stats/normalized are for layer_norm SAEs"):
+        plain.decode(torch.zeros(2, M, dtype=torch.float64), normalized=True)
+    with pytest.raises(ValueError, match="only 'layer_norm' SAEs normalize"):
+        plain.input_stats(x)

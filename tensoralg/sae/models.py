@@ -524,17 +524,68 @@ class SparseAutoencoder(nn.Module):
                     idx, vals = self._select(step.scatter_add(-1, idx, vals.to(step.dtype)))
         return idx, vals, pre
 
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """``z @ W_dec + b_dec``: ``(..., d_in)`` of codes ``z (..., d_sae)`` (any leading
-        dimensions, kept). In the normalized space when ``normalize_activations`` is
-        ``"layer_norm"``; :meth:`forward` maps back.
+    def input_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mu, std)``, each ``(..., 1)``: the per-row statistics a ``layer_norm`` SAE
+        normalizes ``x (..., d_in)`` with (mean, unbiased standard deviation; see
+        :meth:`normalize_input`) — what :meth:`decode` needs to map codes back to ``x``'s space.
+
+        Raises:
+            ValueError: an SAE without ``layer_norm``; ``x`` of another width (as :meth:`encode`).
+        """
+        if self.cfg.normalize_activations != "layer_norm":
+            raise ValueError(f"input_stats: {self.describe()} has normalize_activations="
+                             f"{self.cfg.normalize_activations!r}; only 'layer_norm' SAEs "
+                             f"normalize their inputs")
+        rows, lead = self._rows_of(x, self.cfg.d_in, "d_in", "x")
+        _, mu, std = self.normalize_input(rows)
+        return mu.reshape(lead + (1,)), std.reshape(lead + (1,))
+
+    def decode(self, z: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+               normalized: bool = False) -> torch.Tensor:
+        """``z @ W_dec + b_dec``: the reconstruction ``(..., d_in)`` of codes ``z (..., d_sae)``
+        (any leading dimensions, kept).
+
+        With ``normalize_activations="layer_norm"`` the codes live in the normalized space
+        (every input row centred and scaled, :meth:`normalize_input`), so the reconstruction of
+        ``x`` is ``(z W_dec + b_dec) · std + mu`` with ``x``'s own row statistics: give
+        ``stats=sae.input_stats(x)`` (then ``decode(encode(x), stats)`` equals ``forward(x)``
+        and SAELens's ``decode`` after ``encode(x)``, which keeps those statistics from its
+        last ``encode`` call), or ``normalized=True`` for ``z W_dec + b_dec`` in the normalized
+        space. Without either, a ``layer_norm`` SAE refuses to decode (the statistics are not
+        in the codes; SAELens's implicit state is not kept here).
 
         Raises:
             ValueError: the last dimension of ``z`` is not ``d_sae`` (one line naming it, the
-                shape given and the SAE).
+                shape given and the SAE); a ``layer_norm`` SAE given neither ``stats`` nor
+                ``normalized=True``; ``stats`` (or ``normalized``) for an SAE without
+                ``layer_norm``; ``stats`` whose shapes are not ``z``'s leading shape + ``(1,)``.
         """
         rows, lead = self._rows_of(z, self.cfg.d_sae, "d_sae", "z")
-        return (rows @ self.W_dec + self.b_dec).reshape(lead + (self.cfg.d_in,))
+        out = rows @ self.W_dec + self.b_dec
+        if self.cfg.normalize_activations != "layer_norm":
+            if stats is not None or normalized:
+                raise ValueError(f"decode: stats/normalized are for layer_norm SAEs; "
+                                 f"{self.describe()} has normalize_activations="
+                                 f"{self.cfg.normalize_activations!r}")
+        elif stats is not None:
+            if normalized:
+                raise ValueError("decode: give stats (the reconstruction in x's space) or "
+                                 "normalized=True (in the normalized space), not both")
+            mu, std = stats
+            want = lead + (1,)
+            if tuple(mu.shape) != want or tuple(std.shape) != want:
+                raise ValueError(f"stats: expected (mu, std) of shape {want} (z's leading "
+                                 f"shape, from input_stats(x)), got {tuple(mu.shape)} and "
+                                 f"{tuple(std.shape)}")
+            out = out * std.reshape(-1, 1) + mu.reshape(-1, 1)
+        elif not normalized:
+            raise ValueError(f"decode: {self.describe()} normalizes each input row "
+                             f"(normalize_activations='layer_norm'), and the codes do not hold "
+                             f"the row statistics: call decode(z, stats=sae.input_stats(x)) for "
+                             f"the reconstruction of x (what SAELens's decode returns after "
+                             f"encode(x)), decode(z, normalized=True) for the normalized space, "
+                             f"or forward(x)")
+        return out.reshape(lead + (self.cfg.d_in,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Reconstruction ``(..., d_in)`` of ``x (..., d_in)`` in the input's own space (any

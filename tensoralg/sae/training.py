@@ -626,7 +626,8 @@ class _Stepper:
         if self.scale != 1.0:
             x = x * self.scale
         xn = model.normalize_input(x)[0]
-        resid = xn - model.decode(model._encode(xn, normalized=True)[0])
+        resid = xn - model.decode(model._encode(xn, normalized=True)[0], normalized=
+                                   model.cfg.normalize_activations == "layer_norm")
         w = (resid ** 2).sum(dim=1) ** 2
         r = min(idx.numel(), int((w > 0).sum()))
         if r == 0:
