@@ -378,11 +378,13 @@ def _cmd_stability(args) -> int:
         res["dead_on_data_a"] = int((~(z_a != 0).any(dim=0)).sum())
         res["dead_on_data_b"] = int((~(z_b != 0).any(dim=0)).sum())
         res["data_samples"] = int(x.shape[0])
+    saved = {}
     for tag, run in (("a", args.run_a), ("b", args.run_b)):
-        saved = read_config(run)
-        if "train_dead_latents" in saved:   # at the run's last checkpoint, its own threshold
-            res[f"train_dead_latents_{tag}"] = saved["train_dead_latents"]
-            res[f"train_dead_tokens_{tag}"] = saved.get("train_dead_tokens")
+        saved[tag] = read_config(run)
+        if "train_dead_latents" in saved[tag]:   # at the run's last checkpoint, its own threshold
+            res[f"train_dead_latents_{tag}"] = saved[tag]["train_dead_latents"]
+            res[f"train_dead_tokens_{tag}"] = saved[tag].get("train_dead_tokens")
+    res["warnings"] = shared_randomness(saved["a"], saved["b"], a, b)
     c = compare(a.W_dec, b.W_dec, z_a, z_b)
     res.update({k: v for k, v in c.items() if k not in ("perm", "signs")})
     res["random_dcs"] = random_baseline(a.cfg.d_sae, b.cfg.d_sae, a.cfg.d_in, seed=args.seed)["dcs_mean"]
@@ -394,10 +396,47 @@ def _cmd_stability(args) -> int:
         res["gt_dcs_a"] = compare(gt["W_dec"], a.W_dec)["dcs"]
         res["gt_dcs_b"] = compare(gt["W_dec"], b.W_dec)["dcs"]
     for key, val in res.items():
+        if key == "warnings":
+            continue
         print(f"{key:>12s}: {val:.4f}" if isinstance(val, float) else f"{key:>12s}: {val}")
+    for msg in res["warnings"]:
+        print(f"tensoralg sae stability: warning: {msg}", file=sys.stderr)
     if args.json:
         _write_json(args.json, _stamp(res, args))
     return 0
+
+
+def shared_randomness(cfg_a: dict, cfg_b: dict, sae_a=None, sae_b=None) -> list[str]:
+    """Why two runs' agreement would not measure identifiability: the same weights, the same
+    initialization seed, or the same batch order (same ``train_seed`` and batch size on the same
+    data), read from their ``cfg.json`` (``train_seed``, ``train_init_seed``,
+    ``train_batch_size``, ``data``, ``data_seed``; folders without them, e.g. SAELens's, give
+    nothing). One message per finding; ``[]`` when the runs are independent or unknown."""
+    import torch
+
+    out = []
+    if sae_a is not None and sae_b is not None and \
+            sae_a.W_dec.shape == sae_b.W_dec.shape and torch.equal(sae_a.W_dec, sae_b.W_dec):
+        out.append("RUN_A and RUN_B have identical decoders (the same SAE twice?): their "
+                   "agreement is 1 by construction")
+
+    def init(c):
+        return c.get("train_init_seed") if c.get("train_init_seed") is not None \
+            else c.get("train_seed")
+
+    if "train_seed" in cfg_a and "train_seed" in cfg_b:
+        if init(cfg_a) == init(cfg_b):
+            out.append(f"RUN_A and RUN_B share the initialization seed {init(cfg_a)}: their "
+                       f"agreement measures determinism, not identifiability (train them "
+                       f"with different --seed)")
+        same_data = (cfg_a.get("data"), cfg_a.get("data_seed")) == \
+            (cfg_b.get("data"), cfg_b.get("data_seed"))
+        if cfg_a["train_seed"] == cfg_b["train_seed"] and same_data and \
+                cfg_a.get("train_batch_size") == cfg_b.get("train_batch_size"):
+            out.append(f"RUN_A and RUN_B share the batch order (seed {cfg_a['train_seed']}, "
+                       f"batch size {cfg_a.get('train_batch_size')}, same data): part of their "
+                       f"agreement is the shared batches, not identifiability")
+    return out
 
 
 def _cmd_bench(args) -> int:
