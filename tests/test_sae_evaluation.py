@@ -259,3 +259,15 @@ def test_sae_evaluate_command(tmp_path):
                            str(tmp_path / "ck")])
     with pytest.raises(ValueError, match="--layer: required"):
         args.func(args)
+    # a --layer that contradicts the recorded hook is refused naming both (was: exit 0, the SAE
+    # spliced where it was not trained); the same layer, or none recorded, is accepted
+    args = top.parse_args(["evaluate", "--sae", str(tmp_path / "sae"), "--checkpoint",
+                           str(tmp_path / "ck"), "--layer", "2"])
+    with pytest.raises(ValueError, match=r"^--layer: 2 splices at hook_resid.2, but the SAE .*sae "
+                                         r"was trained on hook_name='hook_resid.1'"):
+        args.func(args)
+    args = top.parse_args(["evaluate", "--sae", str(tmp_path / "sae"), "--checkpoint",
+                           str(tmp_path / "ck"), "--layer", "1", "--chars", "30000",
+                           "--no-progress", "--json", str(tmp_path / "r1.json")])
+    assert args.func(args) == 0
+    assert _json.loads((tmp_path / "r1.json").read_text())["loss_spliced"] == got["loss_spliced"]

@@ -905,6 +905,10 @@ def _cmd_evaluate(args) -> int:
             raise ValueError(f"--layer: required (the SAE's metadata names no residual-stream "
                              f"hook_resid.L, got hook_name={hook!r})")
         layer = int(hook[len("hook_resid."):])
+    elif isinstance(hook, str) and hook and hook != f"hook_resid.{layer}":
+        raise ValueError(f"--layer: {layer} splices at hook_resid.{layer}, but the SAE "
+                         f"{args.sae} was trained on hook_name={hook!r} (its cfg.json "
+                         f"metadata); omit --layer to evaluate it where it was trained")
     try:
         model, _ = load_transformer(args.checkpoint, layer)
     except (ValueError, FileNotFoundError) as exc:
@@ -947,7 +951,8 @@ def add_evaluate_parser(ss) -> None:
                         "required)")
     e.add_argument("--layer", type=int, default=None,
                    help="residual stream h_L the SAE reads (default: from the SAE's metadata "
-                        "hook_name hook_resid.L)")
+                        "hook_name hook_resid.L; a --layer that contradicts a recorded "
+                        "hook_name is refused)")
     e.add_argument("--chars", type=int, default=None,
                    help="corpus selection size (default 200000; as `sae activations --chars`)")
     e.add_argument("--seed", type=int, default=0,
