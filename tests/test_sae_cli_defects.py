@@ -150,3 +150,30 @@ def test_resume_without_lr_continues_bit_identically(tmp_path):
     a = load_file(str(tmp_path / "full" / "sae_weights.safetensors"))
     b = load_file(str(tmp_path / "part" / "sae_weights.safetensors"))
     assert all(bool((a[n] == b[n]).all()) for n in a)
+
+
+def test_device_autocast_and_tensorboard_flags(tmp_path, capsys):
+    import importlib.util
+
+    import torch
+    if not torch.cuda.is_available():
+        assert main(["sae", "train", *SYN, "--steps", "1", "--out", str(tmp_path / "c"),
+                     "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--device: 'cuda' requested but CUDA is not available" in err[0]
+        assert not (tmp_path / "c").exists()
+    if importlib.util.find_spec("tensorboard") is None:
+        assert main(["sae", "train", *SYN, "--steps", "1", "--out", str(tmp_path / "t"),
+                     "--tensorboard"]) == 2
+        assert "--tensorboard: the optional package is not installed" in capsys.readouterr().err
+    # autocast is recorded, and a resumed run keeps it unless --override
+    _train(tmp_path / "a", "--steps", "2", "--preset", "topk", "--autocast", "bfloat16",
+           "--batch-size", "32")
+    cfg = json.loads((tmp_path / "a" / "cfg.json").read_text())
+    assert (cfg["train_autocast"], cfg["train_device"]) == ("bfloat16", "cpu")
+    assert main(["sae", "train", *SYN, "--steps", "3", "--out", str(tmp_path / "a"),
+                 "--resume", str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "cfg.json").read_text())["train_autocast"] == "bfloat16"
+    assert main(["sae", "train", *SYN, "--steps", "4", "--out", str(tmp_path / "a"),
+                 "--resume", str(tmp_path / "a"), "--autocast", "float16"]) == 2
+    assert "--autocast: float16 differs from the resumed run's bfloat16" in capsys.readouterr().err

@@ -125,7 +125,7 @@ def _check_out(out) -> None:
 # TrainConfig / train() arguments set from `sae train` flags: their errors name the flag
 _TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "ckpt_every", "lr_warmup_steps", "lr_decay",
                 "lr_end", "grad_clip", "rip_warmup_steps", "auxk_warmup_steps", "normalize",
-                "dead_tokens", "log_every", "resume")
+                "dead_tokens", "log_every", "resume", "device", "autocast", "tensorboard")
 
 
 def _as_flag_error(exc: ValueError) -> ValueError:
@@ -156,7 +156,7 @@ def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
 
     rows = data[:n_max]
     x = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.array(rows, dtype=np.float64))
-    x = x.to(model.W_dec.dtype)
+    x = x.to(device=model.W_dec.device, dtype=model.W_dec.dtype)
     with torch.no_grad():
         return float(model.loss(x)["recon"]), int(x.shape[0])
 
@@ -179,6 +179,9 @@ _RECORDED_FLAGS = (
     ("--data-seed", "data_seed", "data_seed", 0, False),
     ("--log-every", "log_every", "train_log_every", 50, True),     # bookkeeping only
     ("--ckpt-every", "ckpt_every", "train_ckpt_every", 0, True),   # bookkeeping only
+    ("--autocast", "autocast", "train_autocast", None, False),
+    ("--device", "device", "train_device", "cpu", True),           # where, not what
+    ("--tensorboard", "tensorboard", "train_tensorboard", False, True),
 )
 
 
@@ -373,7 +376,9 @@ def _cmd_train(args) -> int:
                            rip_warmup_steps=args.rip_warmup_steps,
                            auxk_warmup_steps=args.auxk_warmup_steps,
                            normalize="expected_norm" if args.normalize == "expected_norm" else "none",
-                           dead_tokens=args.dead_tokens, log_every=args.log_every)
+                           dead_tokens=args.dead_tokens, log_every=args.log_every,
+                           device=args.device, autocast=args.autocast,
+                           tensorboard=bool(args.tensorboard))
     except ValueError as exc:
         raise _as_flag_error(exc) from None
     if s is not None:
@@ -759,6 +764,16 @@ def add_parsers(sub) -> None:
                                     "(--lr, --batch-size, --seed, ...; the defaults above are "
                                     "for a new run) are taken from it, and a flag that "
                                     "contradicts them is refused unless --override")
+    t.add_argument("--device", default=None,
+                   help="torch device to train on, e.g. cuda or cuda:1 (default cpu; checked "
+                        "before any work)")
+    t.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                   help="run the forward pass and loss under torch.autocast in this dtype "
+                        "(weights and AdamW stay float32; float16 adds a gradient scaler); "
+                        "default: none, the SAE's own dtype")
+    t.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write the log records as TensorBoard scalars to OUT/tensorboard/ "
+                        "(needs the tensorboard package; default: off)")
     t.add_argument("--override", action="store_true",
                    help="with --resume: let the training flags given replace the run's recorded "
                         "values (default: a conflicting flag is an error)")
