@@ -81,7 +81,18 @@ def test_metrics_match_a_hand_written_forward(layer):
     x = residual_stream_at(model, tokens, layer).reshape(-1, D)
     with torch.no_grad():
         want = float(((x - sae(x)) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
+        xh = sae(x)
     assert res["fvu"] == pytest.approx(want, rel=1e-10)
+    # shrinkage: L2 ratio and the relative reconstruction bias (Gated-SAE paper eq. 10) in numpy
+    xn, hn = x.numpy(), xh.numpy()
+    ratio = np.linalg.norm(hn, axis=1) / np.linalg.norm(xn, axis=1)
+    assert res["l2_ratio"] == pytest.approx(ratio.mean(), rel=1e-12)
+    gamma = (hn ** 2).sum() / (xn * hn).sum()
+    assert res["relative_reconstruction_bias"] == pytest.approx(gamma, rel=1e-12)
+    # gamma minimizes sum |x_hat / g - x|^2 over g
+    def loss(g):
+        return ((hn / g - xn) ** 2).sum()
+    assert loss(gamma) <= min(loss(gamma * 1.001), loss(gamma / 1.001))
 
 
 def _identity_sae():
@@ -98,12 +109,16 @@ def test_perfect_and_zero_saes_bound_the_recovered_loss():
     perfect = evaluate_transformer(model, _identity_sae(), 1, tokens)
     assert perfect["loss_spliced"] == perfect["loss_clean"] and perfect["kl_spliced"] == 0.0
     assert perfect["ce_loss_recovered"] == 1.0 and perfect["fvu"] == 0.0
+    assert perfect["l2_ratio"] == pytest.approx(1.0, rel=1e-14)
+    assert perfect["relative_reconstruction_bias"] == pytest.approx(1.0, rel=1e-14)
     dead = _identity_sae()
     with torch.no_grad():
         dead.W_dec.zero_()
     zero = evaluate_transformer(model, dead, 1, tokens)
     assert zero["loss_spliced"] == zero["loss_zero"] and zero["ce_loss_recovered"] == 0.0
     assert zero["kl_spliced"] == zero["kl_zero"] > 0
+    # x_hat = b_dec = 0: ratio 0, and the bias undefined (0/0), not NaN
+    assert zero["l2_ratio"] == 0.0 and zero["relative_reconstruction_bias"] is None
 
 
 class TinyLM(nn.Module):

@@ -947,6 +947,9 @@ def _cmd_evaluate(args) -> int:
           f"{'n/a' if ce is None else f'{ce:.4f}'};  KL {res['kl_spliced']:.4f};  fvu "
           f"{'undefined (zero-variance activations)' if fvu is None else f'{fvu:.4f}'};  L0 "
           f"{res['l0']:.2f}")
+    l2r, bias = res["l2_ratio"], res["relative_reconstruction_bias"]
+    print(f"  L2 ratio |x_hat|/|x| {'n/a' if l2r is None else f'{l2r:.4f}'};  relative "
+          f"reconstruction bias {'n/a' if bias is None else f'{bias:.4f}'} (1: no shrinkage)")
     if args.json:
         _write_json(args.json, _stamp(res, args))
     return 0
