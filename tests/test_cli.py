@@ -304,6 +304,8 @@ _BAD_INPUT = [
      "--data: missing.npy: no such file", False),
     (["sae", "train", "--synthetic", "4,8,2", "--out", "o", "--resume", "missing"],
      "--resume: missing: no such checkpoint folder", False),
+    (["sae", "train", "--synthetic", "4,8,2", "--preset", "topk", "--n-steps", "3", "--out",
+      "o"], "--n-steps: preset 'topk' has a single-step encoder", False),
     (["sae", "stability", "missing_a", "missing_b"], "RUN_A: missing_a: no such checkpoint folder",
      False),
     (["sae", "bench", "--out", "a_file"], "--out: a_file exists and is not a folder", False),

@@ -71,7 +71,7 @@ def test_bench_out_follows_the_audit_rules(tmp_path, capsys, monkeypatch):
 
 def test_bench_results_carry_spread_and_plateau():
     from tensoralg.sae.bench import plateau_change, run_bench
-    r = run_bench(["topk"], quick=True, seeds=2, d=6, m=8, k=2, steps=8, n_train=256, batch_size=32,
+    r = run_bench(["topk"], quick=True, seeds=3, d=6, m=8, k=2, steps=8, n_train=256, batch_size=32,
                   log=lambda *a: None)
     assert r["config"]["batch_size"] == 32
     for key in ("fvu_std", "code_iou_std", "gt_code_iou_std", "rip_delta_std", "plateau_change"):

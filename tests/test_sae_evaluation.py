@@ -81,7 +81,18 @@ def test_metrics_match_a_hand_written_forward(layer):
     x = residual_stream_at(model, tokens, layer).reshape(-1, D)
     with torch.no_grad():
         want = float(((x - sae(x)) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
+        xh = sae(x)
     assert res["fvu"] == pytest.approx(want, rel=1e-10)
+    # shrinkage: L2 ratio and the relative reconstruction bias (Gated-SAE paper eq. 10) in numpy
+    xn, hn = x.numpy(), xh.numpy()
+    ratio = np.linalg.norm(hn, axis=1) / np.linalg.norm(xn, axis=1)
+    assert res["l2_ratio"] == pytest.approx(ratio.mean(), rel=1e-12)
+    gamma = (hn ** 2).sum() / (xn * hn).sum()
+    assert res["relative_reconstruction_bias"] == pytest.approx(gamma, rel=1e-12)
+    # gamma minimizes sum |x_hat / g - x|^2 over g
+    def loss(g):
+        return ((hn / g - xn) ** 2).sum()
+    assert loss(gamma) <= min(loss(gamma * 1.001), loss(gamma / 1.001))
 
 
 def _identity_sae():
@@ -98,12 +109,16 @@ def test_perfect_and_zero_saes_bound_the_recovered_loss():
     perfect = evaluate_transformer(model, _identity_sae(), 1, tokens)
     assert perfect["loss_spliced"] == perfect["loss_clean"] and perfect["kl_spliced"] == 0.0
     assert perfect["ce_loss_recovered"] == 1.0 and perfect["fvu"] == 0.0
+    assert perfect["l2_ratio"] == pytest.approx(1.0, rel=1e-14)
+    assert perfect["relative_reconstruction_bias"] == pytest.approx(1.0, rel=1e-14)
     dead = _identity_sae()
     with torch.no_grad():
         dead.W_dec.zero_()
     zero = evaluate_transformer(model, dead, 1, tokens)
     assert zero["loss_spliced"] == zero["loss_zero"] and zero["ce_loss_recovered"] == 0.0
     assert zero["kl_spliced"] == zero["kl_zero"] > 0
+    # x_hat = b_dec = 0: ratio 0, and the bias undefined (0/0), not NaN
+    assert zero["l2_ratio"] == 0.0 and zero["relative_reconstruction_bias"] is None
 
 
 class TinyLM(nn.Module):
@@ -138,7 +153,7 @@ def test_errors_before_work():
     with pytest.raises(ValueError, match=r"'bdy' is not a submodule of TinyLM .*nearest: "
                                          r"\['body'"):
         evaluate_spliced(lm, _sae(), "bdy", [_tokens()])
-    with pytest.raises(ValueError, match=r"sae: d_in=8, but the activation at 'head' has shape"):
+    with pytest.raises(ValueError, match=r"sae: d_in=8 \(.*SAE.*\), but the activation at 'head' has shape"):
         evaluate_spliced(lm, _sae(), "head", [_tokens()])
     with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, 2\]"):
         evaluate_transformer(_model(), _sae(), 3, _tokens())
@@ -259,3 +274,15 @@ def test_sae_evaluate_command(tmp_path):
                            str(tmp_path / "ck")])
     with pytest.raises(ValueError, match="--layer: required"):
         args.func(args)
+    # a --layer that contradicts the recorded hook is refused naming both (was: exit 0, the SAE
+    # spliced where it was not trained); the same layer, or none recorded, is accepted
+    args = top.parse_args(["evaluate", "--sae", str(tmp_path / "sae"), "--checkpoint",
+                           str(tmp_path / "ck"), "--layer", "2"])
+    with pytest.raises(ValueError, match=r"^--layer: 2 splices at hook_resid.2, but the SAE .*sae "
+                                         r"was trained on hook_name='hook_resid.1'"):
+        args.func(args)
+    args = top.parse_args(["evaluate", "--sae", str(tmp_path / "sae"), "--checkpoint",
+                           str(tmp_path / "ck"), "--layer", "1", "--chars", "30000",
+                           "--no-progress", "--json", str(tmp_path / "r1.json")])
+    assert args.func(args) == 0
+    assert _json.loads((tmp_path / "r1.json").read_text())["loss_spliced"] == got["loss_spliced"]

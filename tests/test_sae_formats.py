@@ -6,6 +6,7 @@ SAELens is not needed to run these tests."""
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ from safetensors.torch import load_file as torch_load
 from tensoralg.sae.formats import (
     ENCODER_STEPS_FILE,
     SAE_WEIGHTS_FILE,
+    OldFormatWarning,
+    UpcastWarning,
     fold_saelens_options,
     load_sae,
     save_sae,
@@ -89,6 +92,13 @@ def test_saelens_folders_load_and_match_saelens_outputs(name):
         assert _close(z, acts)                            # with SAELens's values
         if cfg["normalize_activations"] == "none":
             assert _close(model.decode(acts), out["sae_out"])
+        else:
+            # SAELens's decode after encode(x) maps back through the layer norm of that encode:
+            # here the statistics are given explicitly, and decoding without them is refused
+            assert _close(model.decode(acts, stats=model.input_stats(x)), out["sae_out"])
+            with pytest.raises(ValueError, match=r"normalizes each input row .*"
+                                                 r"stats=sae.input_stats\(x\)"):
+                model.decode(acts)
         # SAELens's decode after encode maps back through the layer norm of that encode
         assert _close(model(x), out["forward"])
         assert _close(model(x), out["sae_out"])
@@ -208,7 +218,29 @@ def test_weight_file_errors(tmp_path):
     with pytest.raises(ValueError, match=r"tensor threshold contains NaN"):
         load_sae(nan)
     half = _copy(tmp_path, dtype="bfloat16")
-    assert load_sae(half).cfg.dtype == "float32"        # upcast (exact)
+    with pytest.warns(UpcastWarning, match=r"bfloat16 weights were upcast to float32"):
+        assert load_sae(half).cfg.dtype == "float32"        # upcast (exact)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_precision_folders_are_upcast_and_say_so(tmp_path, half):
+    from safetensors.torch import save_file
+    src = _copy(tmp_path, "topk")
+    w = torch_load(str(src / SAE_WEIGHTS_FILE))
+    save_file({k: v.to(half) for k, v in w.items()}, str(src / SAE_WEIGHTS_FILE))
+    name = str(half).replace("torch.", "")
+    cfg = json.loads((src / "cfg.json").read_text())
+    (src / "cfg.json").write_text(json.dumps({**cfg, "dtype": name}))
+    with pytest.warns(UpcastWarning, match=rf"{src}: {name} weights were upcast to float32 "
+                                           rf"\(exactly\) and the SAE computes in float32"):
+        model = load_sae(src)
+    assert model.upcast_from == name and model.W_dec.dtype == torch.float32
+    # exact upcast: the float32 weights are the half-precision values (after the rescale fold,
+    # computed in float64 from them)
+    assert torch.equal(model.b_dec, w["b_dec"].to(half).float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # a float32 folder loads silently
+        assert load_sae(FIX / "topk").upcast_from is None
 
 
 def test_dense_saelens_saes_are_inference_only():
@@ -293,7 +325,10 @@ def test_earlier_multistep_layout_still_loads(tmp_path):
     save_file({"W_step": t["W_step"]}, str(tmp_path / "old" / ENCODER_STEPS_FILE))
     cfg = {**model.cfg.to_dict(), "architecture": "abstopk"}
     (tmp_path / "old" / "cfg.json").write_text(json.dumps(cfg))
-    back = load_sae(tmp_path / "old")
+    with pytest.warns(OldFormatWarning, match=r"earlier folder format .* SAELens reads such a "
+                                              r"folder as a single-step abstopk SAE .* Re-save "
+                                              r"it .*save_sae\("):
+        back = load_sae(tmp_path / "old")
     x = torch.randn(10, 4)
     with torch.no_grad():
         assert torch.equal(back.encode(x), model.encode(x))
@@ -302,6 +337,9 @@ def test_earlier_multistep_layout_still_loads(tmp_path):
         "cfg.json", "sae_weights.safetensors"]
     assert json.loads((tmp_path / "old" / "cfg.json").read_text())["architecture"] == \
         "tensoralg_multistep_abstopk"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # re-saved: no warning any more
+        assert torch.equal(load_sae(tmp_path / "old").encode(x), model.encode(x))
 
 
 def test_save_refuses_bad_metadata_before_writing(tmp_path):

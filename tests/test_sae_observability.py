@@ -120,6 +120,19 @@ def test_resume_keeps_the_log_consistent(syn, tmp_path):
     ref = [json.loads(l) for l in full]
     for a, b in zip([r for r in lines if "event" not in r], [r for r in ref if "event" not in r]):
         assert a["fvu"] == b["fvu"] and a["dead_latents"] == b["dead_latents"]
+    # a density record covers the samples since the previous checkpoint: resumed from the
+    # checkpoint at 4, the same intervals as the uninterrupted run
+    dens = [(r["step"], r["since_step"], r["tokens"]) for r in lines if r.get("event") == "density"]
+    assert dens == [(4, 0, 256), (8, 4, 256)]
+    assert dens == [(r["step"], r["since_step"], r["tokens"]) for r in ref
+                    if r.get("event") == "density"]
+    # a finished run continued to more steps: the new record covers only the steps since the
+    # resume (steps 8..10), not the whole run
+    train(syn.x, cfg, TrainConfig(steps=10, batch_size=64, log_every=2, ckpt_every=4),
+          out=tmp_path / "t", resume=tmp_path / "t")
+    lines = [json.loads(l) for l in (tmp_path / "t" / "train_log.jsonl").read_text().splitlines()]
+    last = [r for r in lines if r.get("event") == "density"][-1]
+    assert (last["step"], last["since_step"], last["tokens"]) == (10, 8, 2 * 64)
 
 
 def test_gradient_clipping_and_coefficient_warmup(syn, monkeypatch):

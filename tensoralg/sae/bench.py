@@ -59,8 +59,10 @@ def _mean(vals):
 
 
 def _std(vals):
+    """Population standard deviation of the non-None ``vals``; None (no spread is measured, not
+    0.0) when fewer than two remain — e.g. the cross-seed numbers of two seeds, one pair."""
     vals = [v for v in vals if v is not None]
-    return float(np.std(vals)) if vals else None
+    return float(np.std(vals)) if len(vals) >= 2 else None
 
 
 def _pairwise(Ds, Zs, compare):
@@ -228,7 +230,7 @@ def run_bench(presets=None, *, quick: bool = False, seeds: int | None = None, da
                              "plateau_change": plateau_change(hist, cfg["steps"])})
             eval_bar.update(1)
             log(f"  {name:8s} seed {seed_i}: fvu {f:.4f}  rip_delta {rc['delta_max']:.3f}  ({time.time() - ts:.1f}s)")
-        res = {"fvu": _mean(fvus), "fvu_std": float(np.std(fvus)),
+        res = {"fvu": _mean(fvus), "fvu_std": _std(fvus),
                "l0": _mean([p["l0"] for p in per_seed]),
                "dead_latents": _mean([p["dead_latents"] for p in per_seed])}
         res.update(_pairwise(Ds, Zs, compare))
@@ -344,8 +346,14 @@ def plot_bench(r: dict, path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     for ax, (key, title, ref, ylabel) in zip(axes, panels):
         vals = [r[n][key] if r[n][key] is not None else np.nan for n in names]
-        errs = [r[n].get(f"{key}_std") or 0.0 for n in names]
-        ax.bar(names, vals, yerr=errs, capsize=4, color="tab:blue", ecolor="k")
+        ax.bar(names, vals, color="tab:blue")
+        # an error bar only where a spread was measured (a std of None: one value, e.g. the
+        # one seed pair of two seeds, is drawn without a bar, not as ±0)
+        bars = [(i, r[n][f"{key}_std"]) for i, n in enumerate(names)
+                if r[n].get(f"{key}_std") is not None and r[n][key] is not None]
+        if bars:
+            ax.errorbar([i for i, _ in bars], [vals[i] for i, _ in bars],
+                        yerr=[e for _, e in bars], fmt="none", ecolor="k", capsize=4)
         if ref == "random_init":
             ax.plot(names, [r[n]["random_init"][key] for n in names], "k_", markersize=30, label="untrained")
         if ref == "oracle" and "oracle" in r:
@@ -361,8 +369,11 @@ def plot_bench(r: dict, path) -> None:
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_xlabel("preset", fontsize=8)
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"error bars: ±1 std across {r['config']['seeds']} seeds (seed pairs for the "
-                 f"cross-seed IoU)", fontsize=8)
+    n_seeds = r["config"]["seeds"]
+    pairs = n_seeds * (n_seeds - 1) // 2
+    fig.suptitle(f"error bars: ±1 std across {n_seeds} seeds (across {pairs} seed pair"
+                 f"{'s' if pairs != 1 else ''} for the cross-seed IoU"
+                 f"{': one pair, no spread, no bar' if pairs == 1 else ''})", fontsize=8)
     fig.tight_layout()
     buf = __import__("io").BytesIO()
     fig.savefig(buf, format="png", dpi=100)

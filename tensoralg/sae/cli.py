@@ -126,7 +126,7 @@ def _check_out(out) -> None:
 # TrainConfig / train() arguments set from `sae train` flags: their errors name the flag
 _TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "ckpt_every", "lr_warmup_steps", "lr_decay",
                 "lr_end", "grad_clip", "rip_warmup_steps", "auxk_warmup_steps", "normalize",
-                "dead_tokens", "log_every", "resume")
+                "dead_tokens", "log_every", "resume", "device", "autocast", "tensorboard")
 
 
 def _as_flag_error(exc: ValueError) -> ValueError:
@@ -157,9 +157,128 @@ def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
 
     rows = data[:n_max]
     x = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.array(rows, dtype=np.float64))
-    x = x.to(model.W_dec.dtype)
+    x = x.to(device=model.W_dec.device, dtype=model.W_dec.dtype)
     with torch.no_grad():
         return float(model.loss(x)["recon"]), int(x.shape[0])
+
+
+# `sae train` flags recorded in a run's cfg.json: (flag, args attribute, cfg.json key, default
+# of a new run, whether a resumed run may change it freely). Their argparse default is None, so
+# that a flag the user did not type takes the resumed run's value.
+_RECORDED_FLAGS = (
+    ("--steps", "steps", "train_steps", 2000, True),       # the target: continuing extends it
+    ("--batch-size", "batch_size", "train_batch_size", 256, False),
+    ("--lr", "lr", "train_lr", 1e-3, False),
+    ("--lr-warmup-steps", "lr_warmup_steps", "train_lr_warmup_steps", 0, False),
+    ("--lr-decay", "lr_decay", "train_lr_decay", "constant", False),
+    ("--lr-end", "lr_end", "train_lr_end", 0.0, False),
+    ("--grad-clip", "grad_clip", "train_grad_clip", 0.0, False),
+    ("--rip-warmup-steps", "rip_warmup_steps", "train_rip_warmup_steps", 0, False),
+    ("--auxk-warmup-steps", "auxk_warmup_steps", "train_auxk_warmup_steps", 0, False),
+    ("--dead-tokens", "dead_tokens", "train_dead_tokens", None, False),
+    ("--seed", "seed", "train_seed", 0, False),
+    ("--data-seed", "data_seed", "data_seed", 0, False),
+    ("--log-every", "log_every", "train_log_every", 50, True),     # bookkeeping only
+    ("--ckpt-every", "ckpt_every", "train_ckpt_every", 0, True),   # bookkeeping only
+    ("--autocast", "autocast", "train_autocast", None, False),
+    ("--device", "device", "train_device", "cpu", True),           # where, not what
+    ("--tensorboard", "tensorboard", "train_tensorboard", False, True),
+)
+
+
+def _recorded_normalize(saved: dict) -> str:
+    if saved.get("normalize_activations") == "layer_norm":
+        return "layer_norm"
+    return "expected_norm" if saved.get("train_normalize") == "expected_norm" else "none"
+
+
+def _resolve_train_flags(args) -> list[str]:
+    """Fill the ``sae train`` flags the user did not give: from the ``--resume`` run's
+    ``cfg.json`` (its recorded training config), else the defaults of a new run. A flag given
+    with another value than the resumed run's is refused naming both values, unless
+    ``--override`` (then the given value wins and is recorded; one note per flag is returned);
+    ``--steps``, ``--log-every`` and ``--ckpt-every`` may change freely. ``--synthetic`` must
+    describe the same data as the run's. Before any work (reads only ``cfg.json``).
+
+    Raises:
+        ValueError: a conflicting flag without ``--override``; ``--override`` without
+            ``--resume``.
+    """
+    notes = []
+    if args.resume is None:
+        if args.override:
+            raise ValueError("--override: only with --resume (it lets a flag replace the "
+                             "resumed run's recorded value)")
+        for _flag, attr, _key, default, _free in _RECORDED_FLAGS:
+            if getattr(args, attr) is None:
+                setattr(args, attr, default)
+        if args.normalize is None:
+            args.normalize = "none"
+        return notes
+    from ..io import read_config
+
+    saved = read_config(args.resume)
+    recorded = [(flag, attr, saved.get(key, default), free)
+                for flag, attr, key, default, free in _RECORDED_FLAGS]
+    recorded.append(("--normalize", "normalize", _recorded_normalize(saved), False))
+    if args.synthetic is not None and str(saved.get("data", "")).startswith("synthetic"):
+        s = args.synthetic
+        spec = f"synthetic d={s['d']} m={s['m']} k={s['k']} n={s['n']} noise={s['noise']}"
+        if spec != saved["data"]:
+            if not args.override:
+                raise ValueError(f"--synthetic: {spec} differs from the resumed run's "
+                                 f"{saved['data']} ({args.resume}); omit the difference, or give "
+                                 f"--override to train on other data")
+            notes.append(f"--synthetic {spec} replaces the resumed run's {saved['data']} "
+                         f"(--override)")
+    for flag, attr, have, free in recorded:
+        given = getattr(args, attr)
+        if given is None:
+            setattr(args, attr, have)
+        elif given != have and not free:
+            if not args.override:
+                raise ValueError(f"{flag}: {given} differs from the resumed run's {have} "
+                                 f"({args.resume}/cfg.json); omit it to continue that run, or "
+                                 f"give --override to change it")
+            notes.append(f"{flag} {given} replaces the resumed run's {have} (--override)")
+    return notes
+
+
+def _check_preset_flags(args) -> None:
+    """Refuse ``sae train`` flags that the architecture ignores (before any work): ``--n-steps``
+    without a multi-step encoder, ``--rip-beta`` / ``--rip-warmup-steps`` without the aRIP
+    penalty. The architecture is the preset's (``--preset``, default isae-me) or, with
+    ``--resume``, the run's recorded one."""
+    if args.resume is not None:      # its cfg.json's flat SAE fields (read without torch)
+        from ..io import read_config
+        saved = read_config(args.resume)
+        what = f"the resumed run ({args.resume})"
+        encoder = "multistep" if str(saved.get("architecture", "")).startswith(
+            "tensoralg_multistep_") else saved.get("encoder", "single")
+        rip = saved.get("rip", "none") if saved.get("rip_beta", 0) else "none"
+    else:
+        from .presets import PRESETS
+        preset = args.preset or "isae-me"
+        what = f"preset {preset!r}"
+        encoder = PRESETS[preset].get("encoder", "single")
+        rip = PRESETS[preset].get("rip", "none")
+    multi = [p for p in PRESET_NAMES if _preset_field(p, "encoder") == "multistep"]
+    with_rip = [p for p in PRESET_NAMES if _preset_field(p, "rip") not in (None, "none")]
+    if args.n_steps is not None and encoder != "multistep":
+        raise ValueError(f"--n-steps: {what} has a single-step encoder, which has no refinement "
+                         f"steps to set (--n-steps is for the multi-step presets {multi})")
+    if rip == "none":
+        # --rip-beta given at all, --rip-warmup-steps other than its default 0: ignored
+        for flag, ignored in (("--rip-beta", args.rip_beta is not None),
+                              ("--rip-warmup-steps", bool(args.rip_warmup_steps))):
+            if ignored:
+                raise ValueError(f"{flag}: {what} has no aRIP penalty, so {flag} would be "
+                                 f"ignored (the aRIP presets are {with_rip})")
+
+
+def _preset_field(preset: str, field: str):
+    from .presets import PRESETS
+    return PRESETS[preset].get(field)
 
 
 def _resumed_config(args, d_in: int):
@@ -180,9 +299,6 @@ def _resumed_config(args, d_in: int):
         if given is not None and given != have:
             raise ValueError(f"{flag}: {given} differs from the resumed run's {have} "
                              f"({args.resume}); omit it to continue that run")
-    if args.normalize == "layer_norm" and cfg.normalize_activations != "layer_norm":
-        raise ValueError(f"--normalize: layer_norm differs from the resumed run's "
-                         f"{cfg.normalize_activations!r}")
     if cfg.d_in != d_in:
         raise ValueError(f"--resume: {args.resume} has d_in={cfg.d_in}, the data has {d_in} "
                          f"columns")
@@ -214,6 +330,9 @@ def _cmd_train(args) -> int:
 
     if (args.data is None) == (args.synthetic is None):
         raise ValueError("give exactly one of --data X.npy or --synthetic d,m,k[,n[,noise]]")
+    _check_folder(args.resume, "--resume")
+    notes = _resolve_train_flags(args)
+    _check_preset_flags(args)
     _check_int(args.steps, "--steps", 0, " (0: write the initialized, untrained SAE)")
     _check_int(args.seed, "--seed", 0)
     _check_int(args.data_seed, "--data-seed", 0)
@@ -234,7 +353,6 @@ def _cmd_train(args) -> int:
         if not 1 <= k <= d_sae:
             raise ValueError(f"--k: expected 1 <= k <= d_sae={d_sae}, got {k}")
     _check_npy(args.data, "--data")
-    _check_folder(args.resume, "--resume")
     _check_out(args.out)
     # a run never writes into another run's folder: an --out holding an earlier run (other than
     # the --resume folder, continued in place) is replaced as a whole once this run completes
@@ -243,6 +361,8 @@ def _cmd_train(args) -> int:
         from ..audit.common import check_output_folder
         check_output_folder(args.out, "cfg.json")     # e.g. refuses --out . (it is replaced)
     _check_json(args)
+    for note in notes:
+        print(f"note: {note}")
     _threads(args)
     from .presets import make_config
     from .synthetic import make_synthetic
@@ -257,7 +377,9 @@ def _cmd_train(args) -> int:
                            rip_warmup_steps=args.rip_warmup_steps,
                            auxk_warmup_steps=args.auxk_warmup_steps,
                            normalize="expected_norm" if args.normalize == "expected_norm" else "none",
-                           dead_tokens=args.dead_tokens, log_every=args.log_every)
+                           dead_tokens=args.dead_tokens, log_every=args.log_every,
+                           device=args.device, autocast=args.autocast,
+                           tensorboard=bool(args.tensorboard))
     except ValueError as exc:
         raise _as_flag_error(exc) from None
     if s is not None:
@@ -379,11 +501,13 @@ def _cmd_stability(args) -> int:
         res["dead_on_data_a"] = int((~(z_a != 0).any(dim=0)).sum())
         res["dead_on_data_b"] = int((~(z_b != 0).any(dim=0)).sum())
         res["data_samples"] = int(x.shape[0])
+    saved = {}
     for tag, run in (("a", args.run_a), ("b", args.run_b)):
-        saved = read_config(run)
-        if "train_dead_latents" in saved:   # at the run's last checkpoint, its own threshold
-            res[f"train_dead_latents_{tag}"] = saved["train_dead_latents"]
-            res[f"train_dead_tokens_{tag}"] = saved.get("train_dead_tokens")
+        saved[tag] = read_config(run)
+        if "train_dead_latents" in saved[tag]:   # at the run's last checkpoint, its own threshold
+            res[f"train_dead_latents_{tag}"] = saved[tag]["train_dead_latents"]
+            res[f"train_dead_tokens_{tag}"] = saved[tag].get("train_dead_tokens")
+    res["warnings"] = shared_randomness(saved["a"], saved["b"], a, b)
     c = compare(a.W_dec, b.W_dec, z_a, z_b)
     res.update({k: v for k, v in c.items() if k not in ("perm", "signs")})
     res["random_dcs"] = random_baseline(a.cfg.d_sae, b.cfg.d_sae, a.cfg.d_in, seed=args.seed)["dcs_mean"]
@@ -395,10 +519,47 @@ def _cmd_stability(args) -> int:
         res["gt_dcs_a"] = compare(gt["W_dec"], a.W_dec)["dcs"]
         res["gt_dcs_b"] = compare(gt["W_dec"], b.W_dec)["dcs"]
     for key, val in res.items():
+        if key == "warnings":
+            continue
         print(f"{key:>12s}: {val:.4f}" if isinstance(val, float) else f"{key:>12s}: {val}")
+    for msg in res["warnings"]:
+        print(f"tensoralg sae stability: warning: {msg}", file=sys.stderr)
     if args.json:
         _write_json(args.json, _stamp(res, args))
     return 0
+
+
+def shared_randomness(cfg_a: dict, cfg_b: dict, sae_a=None, sae_b=None) -> list[str]:
+    """Why two runs' agreement would not measure identifiability: the same weights, the same
+    initialization seed, or the same batch order (same ``train_seed`` and batch size on the same
+    data), read from their ``cfg.json`` (``train_seed``, ``train_init_seed``,
+    ``train_batch_size``, ``data``, ``data_seed``; folders without them, e.g. SAELens's, give
+    nothing). One message per finding; ``[]`` when the runs are independent or unknown."""
+    import torch
+
+    out = []
+    if sae_a is not None and sae_b is not None and \
+            sae_a.W_dec.shape == sae_b.W_dec.shape and torch.equal(sae_a.W_dec, sae_b.W_dec):
+        out.append("RUN_A and RUN_B have identical decoders (the same SAE twice?): their "
+                   "agreement is 1 by construction")
+
+    def init(c):
+        return c.get("train_init_seed") if c.get("train_init_seed") is not None \
+            else c.get("train_seed")
+
+    if "train_seed" in cfg_a and "train_seed" in cfg_b:
+        if init(cfg_a) == init(cfg_b):
+            out.append(f"RUN_A and RUN_B share the initialization seed {init(cfg_a)}: their "
+                       f"agreement measures determinism, not identifiability (train them "
+                       f"with different --seed)")
+        same_data = (cfg_a.get("data"), cfg_a.get("data_seed")) == \
+            (cfg_b.get("data"), cfg_b.get("data_seed"))
+        if cfg_a["train_seed"] == cfg_b["train_seed"] and same_data and \
+                cfg_a.get("train_batch_size") == cfg_b.get("train_batch_size"):
+            out.append(f"RUN_A and RUN_B share the batch order (seed {cfg_a['train_seed']}, "
+                       f"batch size {cfg_a.get('train_batch_size')}, same data): part of their "
+                       f"agreement is the shared batches, not identifiability")
+    return out
 
 
 def _cmd_bench(args) -> int:
@@ -551,49 +712,72 @@ def add_parsers(sub) -> None:
     t.add_argument("--synthetic", type=_synthetic_spec, metavar="d,m,k[,n[,noise]]",
                    help="train on synthetic data with a ground-truth dictionary (saved to "
                         "OUT/ground_truth); n defaults to 8192, noise to 0")
-    t.add_argument("--data-seed", type=int, default=0,
-                   help="seed of the --synthetic data (default 0); drawn from a stream independent "
-                        "of --seed's, so equal numbers never give equal draws")
+    t.add_argument("--data-seed", type=int, default=None,
+                   help="seed of the --synthetic data (default 0; with --resume: the run's); "
+                        "drawn from a stream independent of --seed's, so equal numbers never "
+                        "give equal draws")
     t.add_argument("--d-sae", type=int, help="number of latents (default: m of --synthetic; with "
                                              "--resume: the resumed run's)")
     t.add_argument("--k", type=int, help="active latents per sample (default: k of --synthetic; "
                                          "with --resume: the resumed run's)")
-    t.add_argument("--steps", type=int, default=2000,
-                   help="optimizer steps (default 2000); 0 writes the initialized, untrained SAE "
+    t.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default 2000; with --resume: the run's target, which "
+                        "--steps may raise to continue it); 0 writes the initialized, untrained SAE "
                         "(a baseline) and reports its FVU on the first 8192 samples")
-    t.add_argument("--batch-size", type=int, default=256, help="samples per step (default 256)")
-    t.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
-    t.add_argument("--lr-warmup-steps", type=int, default=0,
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step (default 256)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak AdamW learning rate (default 1e-3)")
+    t.add_argument("--lr-warmup-steps", type=int, default=None,
                    help="linear lr warmup over this many steps (default 0: none)")
-    t.add_argument("--lr-decay", choices=("constant", "linear", "cosine"), default="constant",
+    t.add_argument("--lr-decay", choices=("constant", "linear", "cosine"), default=None,
                    help="lr decay after warmup, down to --lr-end at the last step (default constant)")
-    t.add_argument("--lr-end", type=float, default=0.0,
+    t.add_argument("--lr-end", type=float, default=None,
                    help="final lr of a linear or cosine decay (default 0)")
-    t.add_argument("--grad-clip", type=float, default=0.0,
+    t.add_argument("--grad-clip", type=float, default=None,
                    help="clip the global gradient norm to this value (default 0: no clipping)")
-    t.add_argument("--rip-warmup-steps", type=int, default=0,
-                   help="raise the aRIP weight linearly from 0 over this many steps (default 0)")
-    t.add_argument("--auxk-warmup-steps", type=int, default=0,
+    t.add_argument("--rip-warmup-steps", type=int, default=None,
+                   help="raise the aRIP weight linearly from 0 over this many steps (default 0; "
+                        "refused for a preset without aRIP)")
+    t.add_argument("--auxk-warmup-steps", type=int, default=None,
                    help="raise the AuxK weight linearly from 0 over this many steps (default 0)")
-    t.add_argument("--normalize", choices=("none", "expected_norm", "layer_norm"), default="none",
+    t.add_argument("--normalize", choices=("none", "expected_norm", "layer_norm"), default=None,
                    help="activation normalization (default none): expected_norm scales the data to "
                         "E|x|^2 = d_in in training and folds the scale into the saved SAE; "
                         "layer_norm normalizes each row (saved as SAELens's layer_norm)")
     t.add_argument("--dead-tokens", type=int, default=None,
                    help="a latent is reported dead when it has not fired on this many samples "
                         "(default: min(10,000,000, n), the TopK paper's 10M tokens)")
-    t.add_argument("--log-every", type=int, default=50,
+    t.add_argument("--log-every", type=int, default=None,
                    help="write a record to OUT/train_log.jsonl every N steps (default 50)")
-    t.add_argument("--seed", type=int, default=0,
+    t.add_argument("--seed", type=int, default=None,
                    help="seed of the initial weights and batch order (default 0)")
     t.add_argument("--rip-beta", type=float, help="override the preset's aRIP weight (default: the "
-                                                  "preset's, 0.1 for isae and isae-me)")
+                                                  "preset's, 0.1 for isae and isae-me; refused "
+                                                  "for a preset without aRIP)")
     t.add_argument("--n-steps", type=int, help="override the multi-step encoder's T (default: the "
-                                               "preset's, 5 for isae-me)")
-    t.add_argument("--ckpt-every", type=int, default=0,
+                                               "preset's, 5 for isae-me and isae-me-dl; refused "
+                                               "for a single-step preset)")
+    t.add_argument("--ckpt-every", type=int, default=None,
                    help="checkpoint every N steps (default 0: at the end only)")
     t.add_argument("--resume", help="checkpoint folder to continue from (default: none); the SAE "
-                                    "config (preset, --d-sae, --k) is taken from it")
+                                    "config (preset, --d-sae, --k) and the training flags "
+                                    "(--lr, --batch-size, --seed, ...; the defaults above are "
+                                    "for a new run) are taken from it, and a flag that "
+                                    "contradicts them is refused unless --override")
+    t.add_argument("--device", default=None,
+                   help="torch device to train on, e.g. cuda or cuda:1 (default cpu; checked "
+                        "before any work)")
+    t.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                   help="run the forward pass and loss under torch.autocast in this dtype "
+                        "(weights and AdamW stay float32; float16 adds a gradient scaler); "
+                        "default: none, the SAE's own dtype")
+    t.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write the log records as TensorBoard scalars to OUT/tensorboard/ "
+                        "(needs the tensorboard package; default: off)")
+    t.add_argument("--override", action="store_true",
+                   help="with --resume: let the training flags given replace the run's recorded "
+                        "values (default: a conflicting flag is an error)")
     t.add_argument("--out", required=True,
                    help="checkpoint folder (sae_weights.safetensors + cfg.json, SAELens layout; "
                         "required): new, empty, the --resume folder (continued in place), or "
@@ -735,6 +919,10 @@ def _cmd_evaluate(args) -> int:
             raise ValueError(f"--layer: required (the SAE's metadata names no residual-stream "
                              f"hook_resid.L, got hook_name={hook!r})")
         layer = int(hook[len("hook_resid."):])
+    elif isinstance(hook, str) and hook and hook != f"hook_resid.{layer}":
+        raise ValueError(f"--layer: {layer} splices at hook_resid.{layer}, but the SAE "
+                         f"{args.sae} was trained on hook_name={hook!r} (its cfg.json "
+                         f"metadata); omit --layer to evaluate it where it was trained")
     try:
         model, _ = load_transformer(args.checkpoint, layer)
     except (ValueError, FileNotFoundError) as exc:
@@ -760,6 +948,9 @@ def _cmd_evaluate(args) -> int:
           f"{'n/a' if ce is None else f'{ce:.4f}'};  KL {res['kl_spliced']:.4f};  fvu "
           f"{'undefined (zero-variance activations)' if fvu is None else f'{fvu:.4f}'};  L0 "
           f"{res['l0']:.2f}")
+    l2r, bias = res["l2_ratio"], res["relative_reconstruction_bias"]
+    print(f"  L2 ratio |x_hat|/|x| {'n/a' if l2r is None else f'{l2r:.4f}'};  relative "
+          f"reconstruction bias {'n/a' if bias is None else f'{bias:.4f}'} (1: no shrinkage)")
     if args.json:
         _write_json(args.json, _stamp(res, args))
     return 0
@@ -777,7 +968,8 @@ def add_evaluate_parser(ss) -> None:
                         "required)")
     e.add_argument("--layer", type=int, default=None,
                    help="residual stream h_L the SAE reads (default: from the SAE's metadata "
-                        "hook_name hook_resid.L)")
+                        "hook_name hook_resid.L; a --layer that contradicts a recorded "
+                        "hook_name is refused)")
     e.add_argument("--chars", type=int, default=None,
                    help="corpus selection size (default 200000; as `sae activations --chars`)")
     e.add_argument("--seed", type=int, default=0,

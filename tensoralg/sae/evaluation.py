@@ -16,7 +16,14 @@ next-token predictions of the evaluation batches:
   (``KL(p_clean ‖ p_zero)``) in nats, ``p`` the next-token distributions (softmax of the logits);
 * ``fvu`` — fraction of variance unexplained of the SAE on the activations it saw there
   (``Σ‖x - x̂‖² / Σ‖x - mean(x)‖²``; ``None``, undefined, when all those rows are equal:
-  zero variance), ``l0`` — mean active latents per row.
+  zero variance), ``l0`` — mean active latents per row;
+* ``l2_ratio`` — mean over rows of ``‖x̂‖ / ‖x‖`` (rows with ``x = 0`` left out; ``None`` when
+  all are zero): below 1 when the SAE shrinks its reconstructions;
+* ``relative_reconstruction_bias`` — ``Σ‖x̂‖² / Σ x·x̂`` over all rows, the ``g`` minimizing
+  ``Σ‖x̂/g - x‖²`` (Rajamanoharan et al., "Improving Dictionary Learning with Gated Sparse
+  Autoencoders", 2024, eq. 10; as SAEBench's ``relative_reconstruction_bias``, but over all rows
+  at once rather than a mean of per-batch ratios): 1 without shrinkage, below 1 with it
+  (``None`` when ``Σ x·x̂ = 0``).
 
 Every quantity is a plain average over predicted tokens of exact per-token values (no
 sampling); ``tests/test_sae_evaluation.py`` checks them against a forward pass written out
@@ -86,8 +93,9 @@ def _sae_fn(sae, sums: _Sums, d_in: int, hook: str) -> Callable[[torch.Tensor], 
 
     def fn(act: torch.Tensor) -> torch.Tensor:
         if act.shape[-1] != d_in:
-            raise ValueError(f"sae: d_in={d_in}, but the activation at {hook!r} has shape "
-                             f"{tuple(act.shape)}")
+            name = sae.describe() if hasattr(sae, "describe") else type(sae).__name__
+            raise ValueError(f"sae: d_in={d_in} ({name}), but the activation at "
+                             f"{hook!r} has shape {tuple(act.shape)}")
         x = act.reshape(-1, d_in).to(dtype)
         with torch.no_grad():
             z = sae.encode(x)
@@ -103,6 +111,13 @@ def _sae_fn(sae, sums: _Sums, d_in: int, hook: str) -> Callable[[torch.Tensor], 
         for j, s in enumerate(x64.sum(dim=0).tolist()):
             sums.add(f"x1_{j}", s)
         sums.add("l0", (z != 0).sum())
+        h64 = x_hat.double()
+        nx = x64.norm(dim=1)
+        nz = nx > 0
+        sums.add("l2_ratio", (h64.norm(dim=1)[nz] / nx[nz]).sum())
+        sums.add("l2_rows", nz.sum())
+        sums.add("xhat2", (h64 ** 2).sum())
+        sums.add("x_xhat", (x64 * h64).sum())
         return x_hat.to(act.dtype).reshape(act.shape)
     return fn
 
@@ -134,7 +149,8 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
             `next_token_logits`.
     Returns:
         dict with ``loss_clean``, ``loss_spliced``, ``loss_zero``, ``ce_loss_recovered``,
-        ``kl_spliced``, ``kl_zero`` (nats per predicted token), ``fvu``, ``l0``, ``n_tokens``,
+        ``kl_spliced``, ``kl_zero`` (nats per predicted token), ``fvu``, ``l0``, ``l2_ratio``,
+        ``relative_reconstruction_bias``, ``n_tokens``,
         ``n_rows``, ``hook_name``, ``point``.
     Raises:
         ValueError: an unknown ``hook_name`` (nearest names listed) or ``point``, before any
@@ -191,6 +207,8 @@ def evaluate_spliced(model: nn.Module, sae, hook_name: str, batches: Iterable, *
             "ce_loss_recovered": (lz - ls) / (lz - lc) if lz != lc else None,
             "kl_spliced": v["kl_spliced"] / n, "kl_zero": v["kl_zero"] / n,
             "fvu": v["err2"] / var if sums.varies and var > 0 else None, "l0": v["l0"] / rows,
+            "l2_ratio": v["l2_ratio"] / v["l2_rows"] if v["l2_rows"] else None,
+            "relative_reconstruction_bias": v["xhat2"] / v["x_xhat"] if v["x_xhat"] else None,
             "n_tokens": int(n), "n_rows": int(rows)}
 
 

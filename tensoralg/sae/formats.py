@@ -37,6 +37,7 @@ earlier version read SAELens TopK folders as AbsTopK).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from .._version import __version__
 from .models import DENSE_ACTIVATIONS, SAEConfig, SparseAutoencoder
 
 __all__ = ["SAE_WEIGHTS_FILE", "ENCODER_STEPS_FILE", "LEGACY_WEIGHTS_FILE", "ARCHITECTURES",
+           "UpcastWarning", "OldFormatWarning",
            "MULTISTEP_ARCHITECTURES", "save_sae", "load_sae", "sae_config_from_cfg",
            "fold_saelens_options", "saelens_cfg"]
 
@@ -65,6 +67,17 @@ _RESCALE_ARCHITECTURES = ("topk", "abstopk")       # SAELens TopKSAEConfig / Abs
 _DTYPE_NAMES = {"float32": "float32", "torch.float32": "float32", "float64": "float64",
                 "torch.float64": "float64", "float16": "float32", "torch.float16": "float32",
                 "bfloat16": "float32", "torch.bfloat16": "float32"}
+
+
+_HALF = ("bfloat16", "float16")
+
+
+class UpcastWarning(UserWarning):
+    """`load_sae` read half-precision (bfloat16 / float16) weights and upcast them."""
+
+
+class OldFormatWarning(UserWarning):
+    """`load_sae` read a folder in a format SAELens misreads; re-save it."""
 
 
 def _architecture(c: SAEConfig) -> str:
@@ -280,14 +293,19 @@ def check_device(device, name: str = "device") -> torch.device:
 
 
 def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
-    """Load an SAE folder written by [`save_sae`][tensoralg.sae.formats.save_sae], by SAELens
-    (standard, TopK, AbsTopK, JumpReLU — the folders its trainers write, BatchTopK ones included),
-    or by an earlier tensoralg (``weights.safetensors``, ``encoder_steps.safetensors``).
-    Half-precision SAELens weights are upcast to float32 (exact). SAELens's
-    ``rescale_acts_by_decoder_norm`` and ``apply_b_dec_to_input=false`` are folded into the weights
-    ([`fold_saelens_options`][tensoralg.sae.formats.fold_saelens_options]), so ``encode``/``decode``
-    equal SAELens's; the loaded model has neither option and saves without them. ``cfg.json``'s
-    ``metadata`` becomes ``model.metadata``.
+    """Load an SAE folder written by `save_sae`, by SAELens (standard, TopK, AbsTopK,
+    JumpReLU — the folders its trainers write, BatchTopK ones included), or by an earlier
+    tensoralg (``weights.safetensors``, ``encoder_steps.safetensors``). Half-precision SAELens
+    weights (bfloat16 / float16, in the file or in ``cfg.json``'s ``dtype``) are upcast to
+    float32 (exact) and the SAE computes in float32, which an `UpcastWarning` says
+    (``model.upcast_from`` names the dtype; None otherwise): near-ties at the ``k``-th largest
+    pre-activation can then select other latents than SAELens's half-precision computation.
+    A multi-step folder of the earlier format (``encoder_steps.safetensors``), which SAELens
+    misreads as a single-step SAE, loads with an `OldFormatWarning` that gives the
+    command re-saving it in the current format. SAELens's ``rescale_acts_by_decoder_norm`` and
+    ``apply_b_dec_to_input=false`` are folded into the weights (`fold_saelens_options`),
+    so ``encode``/``decode`` equal SAELens's; the loaded model has neither option and saves
+    without them. ``cfg.json``'s ``metadata`` becomes ``model.metadata``.
 
     Raises:
         FileNotFoundError: a missing folder, ``cfg.json`` or weights file.
@@ -321,6 +339,14 @@ def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
         files.append(path / ENCODER_STEPS_FILE)
         if not files[1].is_file():
             raise FileNotFoundError(f"{files[1]}: missing (cfg.json says encoder='multistep')")
+        warnings.warn(
+            f"{path}: a multi-step (iSAE-ME) SAE in the earlier folder format (architecture "
+            f"{cfg.get('architecture')!r} + {ENCODER_STEPS_FILE}); SAELens reads such a folder "
+            f"as a single-step {cfg.get('architecture')} SAE with other codes. Re-save it in the "
+            f"current format: python -c \"from tensoralg.sae import load_sae, save_sae; "
+            f"save_sae('{path}', load_sae('{path}'))\" (architecture "
+            f"{_architecture(sae_cfg)!r}, which SAELens refuses by name)",
+            OldFormatWarning, stacklevel=2)
     tensors = {}
     for f in files:
         try:
@@ -344,6 +370,16 @@ def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
     for n in expected:
         if not bool(torch.isfinite(tensors[n]).all()):
             raise ValueError(f"{path}: tensor {n} contains NaN or inf")
+    half = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()
+                   if t.dtype in (torch.bfloat16, torch.float16)} |
+                  ({str(cfg.get("dtype")).replace("torch.", "")}
+                   if str(cfg.get("dtype")).replace("torch.", "") in _HALF else set()))
+    if half:
+        warnings.warn(
+            f"{path}: {'/'.join(half)} weights were upcast to {sae_cfg.dtype} (exactly) and the "
+            f"SAE computes in {sae_cfg.dtype}: its codes can differ from SAELens's, which "
+            f"computes in {'/'.join(half)}, on rows where two pre-activations are within "
+            f"{'/'.join(half)} rounding of the k-th largest", UpcastWarning, stacklevel=2)
     b_dec_in = cfg.get("apply_b_dec_to_input", True)
     rescale = cfg.get("rescale_acts_by_decoder_norm", False)
     if rescale or not b_dec_in:
@@ -353,4 +389,6 @@ def load_sae(path, device: str = "cpu") -> SparseAutoencoder:
         for n, p in model.named_parameters():
             p.copy_(tensors[n].to(p.dtype))
     model.metadata = dict(meta)
+    model.source = str(path)
+    model.upcast_from = half[0] if half else None
     return model.to(device)

@@ -393,6 +393,8 @@ class SparseAutoencoder(nn.Module):
         self.b_dec = nn.Parameter(torch.zeros(cfg.d_in, dtype=dtype))
         # model / hook / data this SAE was trained on (cfg.json "metadata", as SAELens)
         self.metadata: dict = {}
+        # the folder it was loaded from (load_sae); named in errors
+        self.source: str | None = None
         if cfg.activation == "jumprelu":
             self.threshold = nn.Parameter(torch.zeros(cfg.d_sae, dtype=dtype))
         if cfg.encoder == "multistep":
@@ -432,9 +434,43 @@ class SparseAutoencoder(nn.Module):
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.b_dec) @ self.W_enc + self.b_enc
 
+    def describe(self) -> str:
+        """How errors name this SAE: its folder when it has one (``source``, set by
+        ``load_sae``), else its architecture and sizes."""
+        c = self.cfg
+        if self.source:
+            return f"SAE {self.source}"
+        enc = "multi-step " if c.encoder == "multistep" else ""
+        return f"{enc}{c.activation} SAE (d_in={c.d_in}, d_sae={c.d_sae}, k={c.k})"
+
+    def _rows_of(self, x, width: int, what: str, name: str) -> tuple[torch.Tensor, tuple]:
+        """``x (..., width)`` as rows ``(N, width)`` and its leading shape ``...``.
+
+        Raises:
+            ValueError: ``x`` not a tensor, 0-dimensional, or with a last dimension other than
+                ``width`` (one line naming ``what``, the shape given and `describe`).
+        """
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor (..., {what}={width}) for "
+                             f"{self.describe()}, got {type(x).__name__}")
+        if x.ndim == 0 or x.shape[-1] != width:
+            raise ValueError(f"{name}: expected shape (..., {what}={width}) for "
+                             f"{self.describe()}, got {tuple(x.shape)}")
+        return x.reshape(-1, width), tuple(x.shape[:-1])
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Codes ``(n, d_sae)`` of ``x (n, d_in)`` (at most ``k`` non-zeros per row)."""
-        return self._encode(x)[0]
+        """Codes ``(..., d_sae)`` of ``x (..., d_in)`` (at most ``k`` non-zeros per row).
+
+        Any leading dimensions, as SAELens: ``x`` is flattened to rows ``(N, d_in)``, encoded,
+        and the codes get ``x``'s leading shape back (so a ``(batch, seq, d_in)`` input equals
+        encoding its rows one by one; a 1-D ``(d_in,)`` input gives a ``(d_sae,)`` code).
+
+        Raises:
+            ValueError: the last dimension of ``x`` is not ``d_in`` (or ``x`` is a scalar / not
+                a tensor): one line naming ``d_in``, the shape given and the SAE.
+        """
+        rows, lead = self._rows_of(x, self.cfg.d_in, "d_in", "x")
+        return self._encode(rows)[0].reshape(lead + (self.cfg.d_sae,))
 
     def _encode(self, x: torch.Tensor, normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes, first pre-activation)``; the loss reuses the latter for AuxK."""
@@ -494,16 +530,81 @@ class SparseAutoencoder(nn.Module):
                     idx, vals = self._select(step.scatter_add(-1, idx, vals.to(step.dtype)))
         return idx, vals, pre
 
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """``z @ W_dec + b_dec`` (in the normalized space when ``normalize_activations`` is
-        ``"layer_norm"``; [`forward`][tensoralg.sae.models.SparseAutoencoder.forward] maps back)."""
-        return z @ self.W_dec + self.b_dec
+    def input_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mu, std)``, each ``(..., 1)``: the per-row statistics a ``layer_norm`` SAE
+        normalizes ``x (..., d_in)`` with (mean, unbiased standard deviation; see
+        `normalize_input`) — what `decode` needs to map codes back to ``x``'s space.
+
+        Raises:
+            ValueError: an SAE without ``layer_norm``; ``x`` of another width (as `encode`).
+        """
+        if self.cfg.normalize_activations != "layer_norm":
+            raise ValueError(f"input_stats: {self.describe()} has normalize_activations="
+                             f"{self.cfg.normalize_activations!r}; only 'layer_norm' SAEs "
+                             f"normalize their inputs")
+        rows, lead = self._rows_of(x, self.cfg.d_in, "d_in", "x")
+        _, mu, std = self.normalize_input(rows)
+        return mu.reshape(lead + (1,)), std.reshape(lead + (1,))
+
+    def decode(self, z: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+               normalized: bool = False) -> torch.Tensor:
+        """``z @ W_dec + b_dec``: the reconstruction ``(..., d_in)`` of codes ``z (..., d_sae)``
+        (any leading dimensions, kept).
+
+        With ``normalize_activations="layer_norm"`` the codes live in the normalized space
+        (every input row centred and scaled, `normalize_input`), so the reconstruction of
+        ``x`` is ``(z W_dec + b_dec) · std + mu`` with ``x``'s own row statistics: give
+        ``stats=sae.input_stats(x)`` (then ``decode(encode(x), stats)`` equals ``forward(x)``
+        and SAELens's ``decode`` after ``encode(x)``, which keeps those statistics from its
+        last ``encode`` call), or ``normalized=True`` for ``z W_dec + b_dec`` in the normalized
+        space. Without either, a ``layer_norm`` SAE refuses to decode (the statistics are not
+        in the codes; SAELens's implicit state is not kept here).
+
+        Raises:
+            ValueError: the last dimension of ``z`` is not ``d_sae`` (one line naming it, the
+                shape given and the SAE); a ``layer_norm`` SAE given neither ``stats`` nor
+                ``normalized=True``; ``stats`` (or ``normalized``) for an SAE without
+                ``layer_norm``; ``stats`` whose shapes are not ``z``'s leading shape + ``(1,)``.
+        """
+        rows, lead = self._rows_of(z, self.cfg.d_sae, "d_sae", "z")
+        out = rows @ self.W_dec + self.b_dec
+        if self.cfg.normalize_activations != "layer_norm":
+            if stats is not None or normalized:
+                raise ValueError(f"decode: stats/normalized are for layer_norm SAEs; "
+                                 f"{self.describe()} has normalize_activations="
+                                 f"{self.cfg.normalize_activations!r}")
+        elif stats is not None:
+            if normalized:
+                raise ValueError("decode: give stats (the reconstruction in x's space) or "
+                                 "normalized=True (in the normalized space), not both")
+            mu, std = stats
+            want = lead + (1,)
+            if tuple(mu.shape) != want or tuple(std.shape) != want:
+                raise ValueError(f"stats: expected (mu, std) of shape {want} (z's leading "
+                                 f"shape, from input_stats(x)), got {tuple(mu.shape)} and "
+                                 f"{tuple(std.shape)}")
+            out = out * std.reshape(-1, 1) + mu.reshape(-1, 1)
+        elif not normalized:
+            raise ValueError(f"decode: {self.describe()} normalizes each input row "
+                             f"(normalize_activations='layer_norm'), and the codes do not hold "
+                             f"the row statistics: call decode(z, stats=sae.input_stats(x)) for "
+                             f"the reconstruction of x (what SAELens's decode returns after "
+                             f"encode(x)), decode(z, normalized=True) for the normalized space, "
+                             f"or forward(x)")
+        return out.reshape(lead + (self.cfg.d_in,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Reconstruction of ``x (n, d_in)`` in the input's own space."""
-        xn, mu, std = self.normalize_input(x)
-        out = self.decode(self._encode(xn, normalized=True)[0])
-        return out if mu is None else out * std + mu
+        """Reconstruction ``(..., d_in)`` of ``x (..., d_in)`` in the input's own space (any
+        leading dimensions, as `encode`).
+
+        Raises:
+            ValueError: as `encode`.
+        """
+        rows, lead = self._rows_of(x, self.cfg.d_in, "d_in", "x")
+        xn, mu, std = self.normalize_input(rows)
+        out = self._encode(xn, normalized=True)[0] @ self.W_dec + self.b_dec
+        out = out if mu is None else out * std + mu
+        return out.reshape(lead + (self.cfg.d_in,))
 
     # -- training helpers ------------------------------------------------------------------
     def check_input(self, x: torch.Tensor, name: str = "x") -> None:

@@ -16,7 +16,10 @@ first four are the arms of the iSAE ablation (`ABLATION`, what ``sae bench`` tra
 
 from __future__ import annotations
 
-from .models import SAEConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:      # torch is imported by make_config only: the CLI reads PRESETS without it
+    from .models import SAEConfig
 
 __all__ = ["PRESETS", "ABLATION", "SCHEDULES", "make_config", "schedule"]
 
@@ -59,5 +62,7 @@ def make_config(preset: str, d_in: int, d_sae: int, k: int, **overrides) -> SAEC
     """
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {list(PRESETS)}, got {preset!r}")
+    from .models import SAEConfig
+
     kw = {**_COMMON, **PRESETS[preset], **overrides}
     return SAEConfig(d_in=d_in, d_sae=d_sae, k=k, **kw)

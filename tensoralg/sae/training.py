@@ -634,7 +634,8 @@ class _Stepper:
         if self.scale != 1.0:
             x = x * self.scale
         xn = model.normalize_input(x)[0]
-        resid = xn - model.decode(model._encode(xn, normalized=True)[0])
+        resid = xn - model.decode(model._encode(xn, normalized=True)[0], normalized=
+                                   model.cfg.normalize_activations == "layer_norm")
         w = (resid ** 2).sum(dim=1) ** 2
         r = min(idx.numel(), int((w > 0).sum()))
         if r == 0:
@@ -927,7 +928,9 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             if out is not None and ((train_cfg.ckpt_every and done % train_cfg.ckpt_every == 0)  # noqa: SIM102
                                     or done == train_cfg.steps):
                 if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-                    dens = {"event": "density", "step": done,
+                    # the samples since the previous checkpoint of this process: after a
+                    # resume, the first record starts at the resumed step (docs/sae.md)
+                    dens = {"event": "density", "step": done, "since_step": last_ckpt,
                             **density_histogram(run.fires, (done - last_ckpt) * train_cfg.batch_size)}
                     density_recs.append(dens)
                     with open(log_path, "a", encoding="utf-8") as fh:
