@@ -252,8 +252,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     if fo[0][0] is not None and fo[1][0] is not None:
         # bias-free: P_0 = 0 and P_1 is the unrolled linear path, contracted exactly
         t1 = [f.tree({1}) for f, _ in fo]
-        exact_ip[1] = (_tree_inner(t1[0], t1[1], n_ctx), _tree_inner(t1[0], t1[0], n_ctx),
-                       _tree_inner(t1[1], t1[1], n_ctx))
+        exact_ip[1] = sequence_exact.tree_triple(t1[0], t1[1], n_ctx)
         for side in (0, 1):
             prof[side][0], prof[side][1] = 0.0, float(exact_ip[1][1 + side])
     elif seq:   # with biases: the affine part read by the DFT (position-free: graded, below)
@@ -304,6 +303,7 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     else:
         how = "exact: the paths of degree <= K unrolled into one node (exact attention path)"
         done: dict = {}   # the degrees present below K, per side -> the exact triple
+        term_values: dict = {}   # (id(term), id(term)) -> its pair's value (tree_gram)
         for K in Ks:
             if K == 1:
                 continue
@@ -318,8 +318,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             ks = set(range(K + 1))
             try:
                 pa, pb = f0.tree(ks), f1.tree(ks)
-                exact_ip[K] = done[key] = (_tree_inner(pa, pb, n_ctx), _tree_inner(pa, pa, n_ctx),
-                                           _tree_inner(pb, pb, n_ctx))
+                exact_ip[K] = done[key] = sequence_exact.tree_triple(pa, pb, n_ctx,
+                                                                     term_values)
             except (CostTooHigh, sequence_exact.AttentionNotSupported) as exc:
                 why[K] = f"exact path refused: {exc}"
         for K in Ks:
@@ -341,6 +341,11 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                     prof[side][k] = 0.0     # vanishes structurally (bias-free)
                 else:
                     t = f.tree({k})
+                    # a part inside an exact S<=K: its term pairs are already contracted
+                    v = sequence_exact.sum_term_values(t, t, term_values)
+                    if v is not None:
+                        prof[side][k] = v
+                        continue
                     with contextlib.suppress(CostTooHigh):   # too costly: estimated below
                         prof[side][k] = _tree_inner(t, t, n_ctx)
 

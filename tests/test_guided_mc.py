@@ -245,3 +245,32 @@ def test_planted_coverage_over_seeds(planted):
         if bb.reliable:
             z.append(_z(bb, truth["bb"]))
     assert len(z) >= 30 and np.mean(np.abs(z) > 3) <= 0.05
+
+
+def test_adam_step_is_torch_adam_bit_for_bit():
+    """The mode search's hand-written Adam (no torch.optim: its first use imports
+    torch._dynamo) gives the iterates of torch.optim.Adam exactly, tempered objective and all."""
+    import torch
+
+    r = np.random.default_rng(3)
+    A = torch.tensor(r.normal(size=(5, 5)))
+    x0 = r.normal(size=(4, 5)) * 3
+
+    def loss(x, step):
+        y = x @ A.T
+        return -(torch.log((y * y).sum(dim=1) + 1e-300)
+                 - 0.5 * (0.1 ** max(0.0, 1 - step / 20)) * (x * x).sum(dim=1)).sum()
+
+    xa = torch.tensor(x0, requires_grad=True)
+    opt = torch.optim.Adam([xa], lr=guided.ADAM_LR)
+    xb = torch.tensor(x0, requires_grad=True)
+    m1, m2 = torch.zeros_like(xb), torch.zeros_like(xb)
+    for step in range(60):
+        opt.zero_grad()
+        loss(xa, step).backward()
+        opt.step()
+        (g,) = torch.autograd.grad(loss(xb, step), xb)
+        with torch.no_grad():
+            guided.adam_step(xb, g, m1, m2, step + 1, guided.ADAM_LR)
+        assert torch.equal(xa.detach(), xb.detach()), step
+    assert not torch.equal(xb.detach(), torch.tensor(x0))

@@ -167,6 +167,25 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
     return modes
 
 
+#: Adam's learning rate in the mode search (betas and eps: `adam_step`).
+ADAM_LR = 0.05
+
+
+def adam_step(x, grad, m1, m2, step: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8):
+    """One Adam update of ``x`` in place (Kingma & Ba 2015, Algorithm 1), ``m1``, ``m2`` the
+    moment estimates (updated in place), ``step`` counted from 1: the same tensor operations
+    in the same order as ``torch.optim.Adam``'s single-tensor update (without weight decay,
+    amsgrad or maximize; the one it runs on CPU tensors), so the iterates are bit for bit
+    those of ``torch.optim.Adam(lr=lr)`` (tests/test_guided_mc.py). Written out because the
+    first use of ``torch.optim`` imports ``torch._dynamo`` (about 3 s, once per process)."""
+    b1, b2 = betas
+    m1.lerp_(grad, 1 - b1)
+    m2.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    bias1 = 1 - b1 ** float(step)
+    bias2_sqrt = (1 - b2 ** float(step)) ** 0.5
+    x.addcdiv_(m1, (m2.sqrt() / bias2_sqrt).add_(eps), value=-(lr / bias1))
+
+
 def _find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
                 position: int | None = None, steps: int = STEPS,
                 random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
@@ -212,15 +231,15 @@ def _find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
         x = torch.tensor(np.concatenate([x0] * len(TEMPERS)), dtype=torch.float64,
                          requires_grad=True, device=dev)
         held = torch.as_tensor(np.concatenate([hold] * len(TEMPERS)), device=dev)
-        opt = torch.optim.Adam([x], lr=0.05)
+        m1, m2 = torch.zeros_like(x), torch.zeros_like(x)   # Adam's moments
         ramp = max(1, (2 * steps) // 3)
         for step in range(steps):
             lam = torch.as_tensor(lam0 ** max(0.0, 1.0 - step / ramp), device=dev)
-            opt.zero_grad()
             xe = x * held if step < ramp else x
             loss = -_objective(net, Ut, xe, position, lam).sum()
-            loss.backward()
-            opt.step()
+            (grad,) = torch.autograd.grad(loss, x)
+            with torch.no_grad():
+                adam_step(x, grad, m1, m2, step + 1, ADAM_LR)
             if step == ramp - 1:
                 with torch.no_grad():
                     x.mul_(held)

@@ -60,7 +60,7 @@ __all__ = ["exact_inner", "exact_similarity", "exact_gram", "head_gram", "count_
            "count_configurations_req", "chaos_memory_bytes_req", "chaos_cost_req",
            "early_memory_refusal", "memory_refusal", "flops_refusal", "max_flops_of",
            "tree_inner_req", "check_cost", "configurations_bound", "check_configurations_bound",
-           "tree_gram"]
+           "tree_gram", "tree_triple", "sum_term_values"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -679,12 +679,31 @@ def check_configurations_bound(pa: Tree, pb: Tree) -> None:
                           f"{DEFAULT_MAX_CONFIGURATIONS:,}")
 
 
-def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = None
-              ) -> np.ndarray:
+def tree_triple(pa: Tree, pb: Tree, n_ctx: int, term_values: dict | None = None
+                ) -> tuple[float, float, float]:
+    """``(<a, b>, <a, a>, <b, b>)`` of two bias-free one-node float64 trees (the values of
+    `tree_inner_req` on each pair, bit for bit): the pair's configurations and cost
+    checked first (CostTooHigh), then `tree_gram` of ``[pa, pb]`` (each tree's chaos
+    form once, not once per product). ``term_values``: as `tree_gram`'s."""
+    check_configurations_bound(pa, pb)
+    check_cost(make_request(n_ctx=n_ctx), pa, pb, n_ctx, (),
+               position_selector(n_ctx, None, False), "chaos")
+    G = tree_gram([pa, pb], n_ctx, term_values=term_values)
+    return float(G[0, 1]), float(G[0, 0]), float(G[1, 1])
+
+
+def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = None,
+              term_values: dict | None = None) -> np.ndarray:
     """The exact Gram matrix of one-node float64 trees (linear and attention terms), each
     model's chaos form (`TermSide`) built once per
     side, then every unordered pair (`chaos_pair`);
-    the cost of each model's own pair is checked first (CostTooHigh)."""
+    the cost of each model's own pair is checked first (CostTooHigh). A model's ``"b"`` side
+    is its ``"a"`` side relabeled (`relabeled`:
+    the same arrays), so each model's chaos coefficients are contracted once per call.
+    ``term_values``: a dict that receives, for every term pair contracted, ``(id(term of
+    trees[i]), id(term of trees[j]))`` -> its value (the raw sum of
+    `chaos_pair`; None for an empty pair), so that
+    a product over a subset of the terms (`sum_term_values`) costs no contraction."""
     req = make_request(n_ctx=n_ctx)
     sel = position_selector(n_ctx, None, False)
     for t in trees:
@@ -693,16 +712,41 @@ def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = Non
     N = len(trees)
     G = np.zeros((N, N))
     with torch_backend(backend, device, "degree_similarity_matrix"):
-        sides = [{s: [TermSide(x, s, np.einsum, n_ctx, False)
-                      for x in t.nodes[0].terms] for s in ("a", "b")} for t in trees]
+        sides = []
+        for t in trees:   # each model's chaos form once; its "b" side the same arrays relabeled
+            own = [TermSide(x, "a", np.einsum, n_ctx, False) for x in t.nodes[0].terms]
+            sides.append({"a": own, "b": [s.relabeled(x, "b")
+                                          for s, x in zip(own, t.nodes[0].terms)]})
         for i in range(N):
             for j in range(i, N):
                 total = 0.0
-                for x in sides[i]["a"]:
-                    for y in sides[j]["b"]:
+                for x, tx in zip(sides[i]["a"], trees[i].nodes[0].terms):
+                    for y, ty in zip(sides[j]["b"], trees[j].nodes[0].terms):
                         val, _ = chaos_pair(x, y, sel, (), np.einsum,
                                             req.max_configurations)
+                        if term_values is not None:
+                            term_values[(id(tx), id(ty))] = val
                         if val is not None:
                             total += float(val)
                 G[i, j] = G[j, i] = total
     return G
+
+
+def sum_term_values(pa: Tree, pb: Tree, term_values: dict) -> float | None:
+    """``<pa, pb>`` summed from the term pairs' values recorded by `tree_gram`
+    (``term_values``), in the order and with the arithmetic of `tree_inner_req` (bit for
+    bit its value); None when a term pair of ``pa`` x ``pb`` was not recorded."""
+    total = None
+    for x in pa.nodes[0].terms:
+        for y in pb.nodes[0].terms:
+            key = (id(x), id(y))
+            if key not in term_values:
+                return None
+            val = term_values[key]
+            if val is not None:
+                total = val if total is None else total + val
+    if total is None:
+        return 0.0
+    if isinstance(total, np.ndarray) and total.ndim == 0:
+        total = total.item()
+    return float(total)

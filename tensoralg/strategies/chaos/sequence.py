@@ -71,6 +71,32 @@ class TermSide:
         self.dry, self.stored, self.work, self.flops = dry, 0, 0, 0.0
         self._compute(n)
 
+    def relabeled(self, term, side: str) -> TermSide:
+        """This side's chaos form as the `TermSide` of ``term`` (the term this side was
+        built from) on ``side``: the same ``R[S]`` arrays (shared, not copied) under that side's
+        labels. The two sides of one term differ only in their labels' suffixes (same shapes,
+        same contraction paths), so this is what ``TermSide(term, side, ...)`` computes, without
+        the contractions."""
+        new = object.__new__(TermSide)
+        new.__dict__.update(self.__dict__)
+        new.side = side
+        new.static, new.legs, can_cap, can_pair = side_network(term, side)
+        if len(new.static) != len(self.static) or len(new.legs) != len(self.legs):
+            raise ValueError("relabeled: term is not the term of this side")
+        new.outer = [x for x in new.static if OUTPUT in x[1]]
+        new.inner = [x for x in new.static if OUTPUT not in x[1]]
+        new.can_cap, new.can_pair_leg = list(can_cap), list(can_pair)
+        new._gram = {}
+        rename = {}
+        for (_, la), (_, lb) in zip(self.static, new.static):
+            rename.update(zip(la, lb))
+        for La, Lb in zip(self.legs, new.legs):
+            rename.update(zip(La.labels, Lb.labels))
+            rename[La.pos] = Lb.pos
+        new.R = {S: (arr, tuple(rename.get(x, x) for x in lab))
+                 for S, (arr, lab) in self.R.items()}
+        return new
+
     def gram(self, i, j):
         if (i, j) not in self._gram:
             self._gram[(i, j)] = _gram(self.legs[i], self.legs[j], self.ein)
