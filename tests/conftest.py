@@ -20,7 +20,7 @@ def _one_torch_thread():
 
 
 def pytest_sessionfinish(session):
-    """Collect the session's garbage now and freeze what is left (`freeze`).
+    """Collect the session's garbage now and freeze what is left (:func:`gc.freeze`).
 
     Under pytest-xdist the controller tells each worker to exit once all have reported
     "workerfinished" (sent by xdist after every ``pytest_sessionfinish`` implementation, this

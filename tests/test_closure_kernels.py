@@ -1,9 +1,9 @@
 """The closure's two kernels compute one quantity (docs/mathematics.md §3.2, §3.7).
 
 Position-free networks run the packed moment propagation (``closure.triple`` over the stages
-of `Canonical`: batched matrix products, rationals); sequence
+of :class:`~tensoralg.canonical.Canonical`: batched matrix products, rationals); sequence
 models run the chaos-form propagation over (position, feature) moments (``_ClosureModel``,
-read from `sequence_tree`). A position-free network is a sequence
+read from :func:`~tensoralg.canonical.sequence_tree`). A position-free network is a sequence
 model at ``n_ctx = 1``, so the second kernel, run on it, must give the first one's value: the
 two are written independently (moment arrays and their Isserlis products against partial
 matchings of forms in chaos form), so agreement checks both. Measured agreement: 1e-15

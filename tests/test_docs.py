@@ -161,7 +161,7 @@ def test_api_reference_has_no_raw_roles_or_unresolved_references(site):
 
 def test_the_checks_above_can_fail():
     """The two patterns find what they are for (so the test above is not vacuous)."""
-    assert RAW_ROLE.search("see `Foo`") and RAW_ROLE.search("see :func:<code>f</code>")
+    assert RAW_ROLE.search("see :class:`Foo`") and RAW_ROLE.search("see :func:<code>f</code>")
     assert UNRESOLVED.search("see [<code>f</code>][tensoralg.nope]")
     assert not UNRESOLVED.search('<a href="x">[1]</a>')
     assert UNRESOLVED.search(CODE.sub(r"\1\3", "[<code>f</code>][tensoralg.nope]"))

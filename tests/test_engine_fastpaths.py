@@ -249,7 +249,7 @@ def test_chaos_choice_searches_no_wick_path(monkeypatch):
 @pytest.mark.parametrize("output", [None, "each"])
 def test_matrix_product_closure_equals_the_partial_matching_sum(kind, output):
     """The bilinear step written as Grams and column-scaled output maps equals the step summed
-    over the partial matchings of the four forms (`_cross_step`), models
+    over the partial matchings of the four forms (:func:`closure._cross_step`), models
     stacked on both sides."""
     rng = np.random.default_rng(11)
     na = [rand_network(rng, kind, d=4, out=3, hidden=3, width=3) for _ in range(2)]

@@ -4,7 +4,7 @@ The repository's ``verify/`` folder is the package ``tensoralg.verify`` (``pypro
 ``package-dir``): its modules are named so here, and an import of ``verify.x`` from anywhere is
 an error (it would load a second copy, or a user's own ``verify.py``).
 
-The import graph is read from the source with `ast` (every ``import`` / ``from ... import``
+The import graph is read from the source with :mod:`ast` (every ``import`` / ``from ... import``
 statement anywhere in a module, including those inside functions, methods and module
 ``__getattr__``; ``importlib.import_module("literal")`` too), one node per module (a package is
 its ``__init__``). An edge ``a -> b`` means that some statement in ``a`` imports module ``b``:
@@ -16,7 +16,7 @@ nothing about who depends on whom. A module name computed at run time in a packa
 ``tensoralg.sae`` and ``tensoralg.verify``) counts as an edge to each of the package's own submodules;
 elsewhere such a name is not followed (``tensoralg.sae.activations`` loads optional third-party
 packages that way). ``if TYPE_CHECKING:`` blocks are skipped (they never run).
-Circles are the strongly connected components of the graph (`simple_cycles`
+Circles are the strongly connected components of the graph (:func:`networkx.simple_cycles`
 lists example circles inside each for the message).
 """
 
