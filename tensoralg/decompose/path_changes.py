@@ -113,8 +113,10 @@ class PathsOverTraining:
     """Result of `paths_over_training` (``N`` checkpoints, ``P`` listed first-order paths).
 
     Attributes:
-        names, kinds: the paths (`SequencePathDecomposition` names: ``"direct"``, ``"L0.H1"``,
-            ``"L1.MLP"``, ...); ``labels``: one label per checkpoint.
+        names: the paths (`SequencePathDecomposition` names: ``"direct"``, ``"L0.H1"``,
+            ``"L1.MLP"``, ...).
+        kinds: ``"direct"``, ``"head"``, ``"mlp"``, ... per path.
+        labels: one label per checkpoint.
         n_ctx: the sequence length of every number.
         gram: ``(N, P, P)`` each checkpoint's exact path Gram (float; the exact backend's
             Fractions converted at the end).
@@ -272,18 +274,20 @@ class PathTransition:
     """Result of `transition_paths` (``P`` listed first-order paths).
 
     Attributes:
-        names, kinds: the paths.
+        names: the paths.
+        kinds: ``"direct"``, ``"head"``, ``"mlp"``, ... per path.
         similarity: ``(P,)`` exact similarity of each path in ``a`` and ``b`` (NaN: a zero
             path).
-        share_a, share_b: ``(P,)`` each path's share of its model's ``||sum of the listed
-            paths||^2``.
+        share_a: ``(P,)`` each path's share of ``a``'s ``||sum of the listed paths||^2``.
+        share_b: the same in ``b``.
         change: ``(P,)`` each path's own change ``c_p`` (`path_change`).
         cross: the cross terms ``1 - S(F_a, F_b) - sum_p c_p``.
         one_minus_s: ``1 - S(F_a, F_b)``, ``F`` the sum of the listed paths (for a bias-free
             stack of attention layers ``1 - S<=5``), from the joint Gram (exact).
         carried_by: the paths carrying the change under `CARRIED_RULE` (largest first).
         verdict: ``"one path"`` or ``"several paths"`` (``"no change"`` when every ``c_p`` is 0).
-        n_ctx, method.
+        n_ctx: the sequence length of every number.
+        method: how the numbers were computed.
     """
 
     names: list
