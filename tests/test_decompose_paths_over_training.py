@@ -156,6 +156,13 @@ def ckpts(tmp_path_factory):
     from tensoralg.nn import BilinearNet
 
     save_checkpoint(d / "vec", BilinearNet(4, 3, d_model=4, d_hidden=4, seed=0))
+    from tensoralg.layers import BilinearAttention, Linear, Residual, Sequential
+
+    rng = np.random.default_rng(0)
+    for k in range(2):   # causal masks: no sequence length fixed
+        at = BilinearAttention(*(rng.standard_normal((1, 2, 2)) for _ in range(5)),
+                               o=rng.standard_normal((2, 1, 2)), mask="causal")
+        save_checkpoint(d / f"free{k}", Sequential([Residual(at), Linear(np.eye(2))]))
     return d
 
 
@@ -190,6 +197,7 @@ def test_cli_paths_over_training(ckpts, tmp_path, capsys):
     (["paths-over-training", "{c0}", "{c1}", "--k", "2"], "--k: not an option"),
     (["paths-over-training", "{c0}", "{nope}"], "CKPT 2: "),
     (["{c0}", "{c1}"], "CKPT: one checkpoint folder, got 2"),
+    (["paths-over-training", "{free0}", "{free1}"], "--n-ctx: required"),
 ])
 def test_cli_bad_input_one_line_before_loading(ckpts, tmp_path, capsys, monkeypatch, argv,
                                                start):
@@ -199,12 +207,20 @@ def test_cli_bad_input_one_line_before_loading(ckpts, tmp_path, capsys, monkeypa
         raise AssertionError("a checkpoint was loaded before the input was checked")
     monkeypatch.setattr(ck, "load_checkpoint", boom)
     names = {"c0": ckpts / "c0", "c1": ckpts / "c1", "heads4": ckpts / "heads4",
-             "vec": ckpts / "vec", "nope": ckpts / "nope"}
+             "vec": ckpts / "vec", "nope": ckpts / "nope", "free0": ckpts / "free0",
+             "free1": ckpts / "free1"}
     argv = [a.format(**names) for a in argv]
     assert main(["decompose", *argv, "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"error: {start}" in err, err
     if "heads4" in " ".join(argv):
         assert "n_heads 4" in err and "has 2" in err
-    if "vec" in " ".join(argv):
+    if "vec" in " ".join(argv).replace("free", ""):
         assert "vector network" in err
+
+
+def test_cli_compiled_networks_with_causal_masks_take_n_ctx(ckpts, tmp_path, capsys):
+    assert main(["decompose", "paths-over-training", str(ckpts / "free0"), str(ckpts / "free1"),
+                 "--n-ctx", "2", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "at n_ctx=2" in out and "L0.H0" in out
