@@ -881,3 +881,39 @@ def test_a_stack_that_overflows_at_initialisation_says_so(tmp_path):
                                                r"5-layer model's logits overflow .*degree "
                                                r"5\^5 = 3125"):
         train_language_model(model, toks, cfg, [0], lambda step, m: None)
+
+
+def test_degree_report_says_which_paths_carry_the_sharpest_transition(tiny_default_run):
+    """At the sharpest S<=5 interval the exact first-order path attribution: its 1 - S of the
+    sum of the paths is the matrix's exact 1 - S<=5 (another engine), own changes plus cross
+    terms add up to it, the rule's verdict is in the finding, the table, the CSV and the
+    figure, next to the n-gram gains of that interval."""
+    import csv
+
+    from tensoralg.audit.language import language_table
+
+    result, out = tiny_default_run
+    js = json.loads((out / "language.json").read_text())
+    metric = next(m for m in js["config"]["metrics"] if js["degree_report"][m]["paths"]["pairs"])
+    d = js["degree_report"][metric]
+    (r,) = d["paths"]["pairs"]
+    i = d["deep_intervals"][0]
+    assert (r["i"], r["j"]) == (i, i + 1) and r["names"] == ["direct", "L0.H0", "L1.H0"]
+    S5 = np.array(d["S<=5"]["matrix"])
+    assert abs(r["one_minus_similarity_of_sum"] - (1 - S5[i, i + 1])) < 1e-9
+    assert r["check_abs_difference_to_S5"] < 1e-9
+    assert abs(sum(r["own_change"]) + r["cross_terms"] - r["one_minus_similarity_of_sum"]) \
+        < 1e-12
+    frac = np.array(r["own_change_fraction"])
+    assert (r["verdict"] == "one path") == (frac.max() > 0.5) and r["carried_by"]
+    cks = js["checkpoints"]
+    assert r["ngram_gain"]["2"] == pytest.approx(cks[i + 1]["agreement"]["2"]
+                                                 - cks[i]["agreement"]["2"])
+    assert "paths_s" in js["times"] and d["seconds"]["paths"] > 0
+    assert sum(line.startswith("paths at the S<=5 transition") for line in js["finding"]) == \
+        sum(len(js["degree_report"][m]["paths"]["pairs"]) for m in js["config"]["metrics"])
+    assert "which first-order paths changed" in language_table(result)
+    rows = list(csv.DictReader((out / "language_paths.csv").open()))
+    assert [x["path"] for x in rows if x["metric"] == metric] == r["names"]
+    assert (out / "language_paths.png").is_file()
+    assert "language_paths.png" in js["files"] and "language_paths.csv" in js["files"]

@@ -199,6 +199,27 @@ def deep_intervals(S5: np.ndarray, k: int) -> list[int]:
     return [int(i) for i in np.argsort(-ch, kind="stable")[:k]]
 
 
+PATHS_HOW = ("tensoralg.decompose.transition_paths on the pair's networks: the exact joint Gram "
+             "of the first-order paths (direct, each head) of both checkpoints; own change "
+             "c_p = (share_before + share_after)/2 - similarity sqrt(share_before share_after), "
+             "1 - S<=5 = sum_p c_p + cross terms (a bias-free stack: the sum of the first-order "
+             "paths is f_<=5); second-order paths (virtual heads) are not implemented")
+
+
+def transition_record(na, nb, i: int, steps: Sequence[int], n_ctx: int, s5: float,
+                      computed_on: str) -> dict:
+    """`transition_paths` of one interval as the JSON keeps it, with the check that its
+    ``1 - S`` of the sum of the paths is the exact ``1 - S<=5`` of the matrix (same function:
+    a bias-free stack's first-order paths sum to ``f_<=5``)."""
+    from ..decompose.path_changes import transition_paths
+
+    tr = transition_paths(na, nb, n_ctx=n_ctx)
+    return {"i": i, "j": i + 1, "steps": [steps[i], steps[i + 1]], **tr.to_dict(),
+            "summary": tr.summary(), "one_minus_S5": 1.0 - s5,
+            "check_abs_difference_to_S5": abs(tr.one_minus_s - (1.0 - s5)),
+            "computed_on": computed_on}
+
+
 def run_metric(metric: str, models: Sequence[Any], steps: Sequence[int], K: np.ndarray | None,
                cfg, show_progress: bool = False) -> dict:
     """One metric's block of the report (module docstring)."""
@@ -231,13 +252,16 @@ def run_metric(metric: str, models: Sequence[Any], steps: Sequence[int], K: np.n
     out["deep_selection"] = (f"the {len(idx)} consecutive intervals with the largest exact "
                              f"S<=5 change under this metric" if deep else
                              "none: this metric is not among --deep-metrics")
-    s9, full = [], []
-    t9 = tg = 0.0
+    s9, full, paths = [], [], []
+    t9 = tg = tp = 0.0
     for i in progress(idx, f"S<=9 and guided ({metric})", show_progress):
         na, nb, q = pair_networks(models[i], models[i + 1], metric, K)
         how = ("the residual-stream networks" if metric == "residual" else
                f"the pair's joint {q}-dimensional input span (exact change of variables; "
                f"N(0, I_{q}) there)")
+        t = time.perf_counter()
+        paths.append(transition_record(na, nb, i, steps, n_ctx, float(S5[i, i + 1]), how))
+        tp += time.perf_counter() - t
         t = time.perf_counter()
         ds = ta.degree_similarity(na, nb, n_ctx=n_ctx, max_degree=(9,),
                                   n_samples=cfg.degree_samples, seed=cfg.seed)
@@ -255,6 +279,11 @@ def run_metric(metric: str, models: Sequence[Any], steps: Sequence[int], K: np.n
                             "tensoralg.strategies.guided)", seed=cfg.seed)
         full.append(rec)
     out["seconds"]["S<=9"] = t9
+    out["seconds"]["paths"] = tp
+    from ..decompose.path_changes import CARRIED_RULE
+
+    out["paths"] = {"pairs": paths, "exact": True, "rule": CARRIED_RULE,
+                    "how": PATHS_HOW}
     out["seconds"]["full"] = tg
     out["S<=9"] = {"pairs": s9, "exact": False, "n_samples": cfg.degree_samples,
                    "how": "tensoralg.degree_similarity(max_degree=9): Monte Carlo on the DFT "
@@ -350,6 +379,99 @@ DATA_METRICS = ("output cosine", "linear CKA", "weight cosine")
 SHORT = {"residual": "res", "vocab": "voc", "heldout": "hld"}
 
 
+PATHS_CSV = "language_paths.csv"
+PATHS_FIG = "language_paths.png"
+PATHS_HEADER = ["metric", "step_i", "step_j", "path", "similarity", "share_before",
+                "share_after", "own_change", "own_change_fraction", "carries",
+                "one_minus_S5", "verdict"] + [f"ngram_gain_{n}" for n in (1, 2, 3, 4)]
+
+
+def paths_rows(deep: dict, metrics: Sequence[str]) -> list[list]:
+    """One row per (metric, sharpest interval, path) of the path attribution."""
+    rows = []
+    for metric in metrics:
+        for r in deep[metric].get("paths", {}).get("pairs", []):
+            frac = r["own_change_fraction"] or [None] * len(r["names"])
+            for p, n in enumerate(r["names"]):
+                rows.append([metric, r["steps"][0], r["steps"][1], n, r["similarity"][p],
+                             r["share_before"][p], r["share_after"][p], r["own_change"][p],
+                             frac[p], n in r["carried_by"], r["one_minus_S5"], r["verdict"]]
+                            + [r.get("ngram_gain", {}).get(str(k)) for k in (1, 2, 3, 4)])
+    return rows
+
+
+def paths_table(deep: dict, metrics: Sequence[str]) -> str:
+    rows = [[f"{r[1]}->{r[2]}", r[0], r[3] + (" *" if r[9] else ""),
+             "zero path" if r[4] is None else r[4], r[5], r[6], r[7],
+             "" if r[8] is None else f"{r[8]:.0%}"]
+            for r in paths_rows(deep, metrics)]
+    return format_table(["steps", "metric", "path", "similarity", "share before",
+                         "share after", "own change", "fraction"], rows)
+
+
+def paths_lines(deep: dict, metrics: Sequence[str]) -> list[str]:
+    """The finding's lines on the paths: per metric and sharpest interval, which paths carry
+    the transition (`tensoralg.decompose.path_changes.CARRIED_RULE`), in numbers, next to the
+    n-gram gains there."""
+    out = []
+    for metric in metrics:
+        for r in deep[metric].get("paths", {}).get("pairs", []):
+            gains = ", ".join(f"{n}-gram {v:+.3f}" for n, v in r.get("ngram_gain", {}).items())
+            kind = ("the direct path" if r["carried_by"] == ["direct"] else
+                    f"one head ({r['carried_by'][0]})" if r["verdict"] == "one path" else
+                    r["verdict"])
+            details = r["summary"][len(r["verdict"]):].strip()
+            out.append(f"paths at the S<=5 transition {r['steps'][0]}->{r['steps'][1]} under "
+                       f"{METRIC_LABELS[metric]}: carried by {kind} {details}; "
+                       f"|1 - S of the paths' sum - (1 - S<=5)| = "
+                       f"{r['check_abs_difference_to_S5']:.1e}; n-gram agreement gains there: "
+                       f"{gains}")
+    return out
+
+
+def paths_figure(path, deep: dict, metrics: Sequence[str]):
+    """One panel per (metric, sharpest interval): each first-order path's own change as a
+    fraction of sum_p c_p (bars; hatched: the paths carrying the transition), with the path's
+    similarity across the interval written on its bar and the n-gram gains in the title."""
+    from .common import save_figure
+    from .plotting import pyplot
+
+    plt = pyplot()
+    panels = [(m, r) for m in metrics for r in deep[m].get("paths", {}).get("pairs", [])]
+    if not panels:
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no sharpest S<=5 interval assessed (--deep-pairs 0 or no "
+                "--deep-metrics)", ha="center", va="center", fontsize=9)
+        return save_figure(fig, path)
+    cols = min(3, len(panels))
+    rows_ = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(4.6 * cols, 3.4 * rows_), squeeze=False,
+                             layout="constrained")
+    for ax in axes.ravel()[len(panels):]:
+        ax.axis("off")
+    for ax, (m, r) in zip(axes.ravel(), panels):
+        frac = [0.0 if v is None else v for v in (r["own_change_fraction"] or
+                                                   [0.0] * len(r["names"]))]
+        bars = ax.bar(range(len(frac)), frac, color=["tab:red" if n in r["carried_by"] else
+                                                     "tab:grey" for n in r["names"]])
+        for b, s in zip(bars, r["similarity"]):
+            ax.text(b.get_x() + b.get_width() / 2, b.get_height(),
+                    "zero" if s is None else f"sim {s:.2f}", ha="center", va="bottom",
+                    fontsize=6)
+        ax.axhline(0.5, color="k", lw=0.6, ls=":")
+        ax.set_xticks(range(len(frac)), r["names"], fontsize=7)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("own change / sum_p c_p", fontsize=7)
+        gains = " ".join(f"{n}g{v:+.2f}" for n, v in r.get("ngram_gain", {}).items())
+        ax.set_title(f"{SHORT[m]} {r['steps'][0]}->{r['steps'][1]}: 1-S<=5 "
+                     f"{r['one_minus_S5']:.3g}, {r['verdict']}\nn-gram gains {gains}",
+                     fontsize=7)
+    fig.suptitle("first-order paths at the sharpest S<=5 transitions (exact; red: the paths "
+                 "carrying it, dotted: half)", fontsize=9)
+    return save_figure(fig, path)
+
+
 def metric_line(head: str, t: dict, fin: dict, extra: str = "") -> str:
     """One line of the finding: the verdict and its numbers for one metric's transitions."""
     fmt = lambda v: "n/a" if v is None else f"{v:+.2f}"  # noqa: E731
@@ -419,6 +541,12 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
     mats.update(data)
     agreement = {n: [s["agreement"][n] for s in scores] for n in ORDERS}
     fin = transitions_finding(steps, mats, agreement)
+    times["paths_s"] = 0.0
+    for metric in cfg.metrics:   # the n-gram gains next to each interval's paths
+        times["paths_s"] += deep[metric]["seconds"]["paths"]
+        for r in deep[metric]["paths"]["pairs"]:
+            r["ngram_gain"] = {str(n): agreement[n][r["j"]] - agreement[n][r["i"]]
+                               for n in ORDERS}
 
     text = ["order-specific learning (agreement[n] - agreement[n-1]) fastest at: " + "; ".join(
         f"{n}-gram: {v['steps'][0]}->{v['steps'][1]} (+{v['gain_over_lower_order']:.3f})"
@@ -448,6 +576,7 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
                 f"most, so its counts below inherit S<=5's selection and the chance levels "
                 f"are those of all {N - 1} intervals; reliable on "
                 f"{sum(r['reliable'] for r in prs)}]")))
+    text += paths_lines(deep, cfg.metrics)
     for name in DATA_METRICS:
         text.append(metric_line(f"{name} (data metric)", fin["metrics"][name], fin))
         table[name] = _finding_record(fin, name, None)
@@ -489,6 +618,8 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
               ([i, j, steps[i], steps[j]] + [float(mats[k][i, j]) for k in pcols]
                for i in range(N) for j in range(N)))
     write_deep_csv(stage / DEEP_CSV, deep, cfg.metrics, mats)
+    write_csv(stage / PATHS_CSV, PATHS_HEADER, paths_rows(deep, cfg.metrics))
+    paths_figure(stage / PATHS_FIG, deep, cfg.metrics)
     times["outputs_s"] = time.perf_counter() - t
     times["total_s"] = time.perf_counter() - c["t_all"]
     times["cpu_s"] = time.process_time() - c["cpu_all"]
@@ -521,8 +652,8 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
         "times": times,
         "threads": {"torch": torch.get_num_threads(),
                     "note": "torch and BLAS threads as set by --threads (default 1)"},
-        "files": [JSON_NAME, CSV_NAME, PAIRS_CSV, DEEP_CSV, MATRIX_FIG, DATA_FIG, NGRAM_FIG,
-                  "checkpoints/"],
+        "files": [JSON_NAME, CSV_NAME, PAIRS_CSV, DEEP_CSV, PATHS_CSV, MATRIX_FIG, DATA_FIG,
+                  NGRAM_FIG, PATHS_FIG, "checkpoints/"],
         "paths": PATHS_NOTE,
     }
     write_json(stage / JSON_NAME, result)
@@ -640,6 +771,10 @@ def degree_table(result: dict) -> str:
              "S<=9 and the full similarity (Monte Carlo, with verdicts) on the sharpest S<=5 "
              "transitions:",
              deep_table(result["degree_report"], metrics, S), ""]
+    if any(result["degree_report"][m].get("paths", {}).get("pairs") for m in metrics):
+        lines += ["which first-order paths changed at the sharpest S<=5 transitions (exact; "
+                  "own change c_p, its fraction of sum_p c_p; * carries the transition):",
+                  paths_table(result["degree_report"], metrics), ""]
     lines += result["finding"]
     tm = result["times"]
     lines.append(f"time: {tm['total_s']:.1f} s wall, {tm['cpu_s']:.1f} s CPU (train "

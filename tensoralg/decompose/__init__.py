@@ -20,7 +20,11 @@ Mathematics: docs/mathematics.md §3.8 (decompositions) and §3.6 (Gaussian chao
   Gram matrix and the remainder ``f - sum`` by Monte Carlo;
   [`path_similarity`][tensoralg.decompose.residual.path_similarity] (``match=True``) and
   [`match_heads`][tensoralg.decompose.sequence_paths.match_heads] compare two checkpoints head by
-  head (docs/mathematics.md §3.10).
+  head (docs/mathematics.md §3.10);
+  [`paths_over_training`][tensoralg.decompose.path_changes.paths_over_training] compares every
+  first-order path of a series of checkpoints with the final and the next one, and
+  [`transition_paths`][tensoralg.decompose.path_changes.transition_paths] says which paths carry
+  the change between two checkpoints (one path or several, by a declared rule).
 * [`combine`][tensoralg.decompose.sums.combine] /
   [`difference`][tensoralg.decompose.sums.difference] — ``sum_i c_i f_i`` (e.g. a checkpoint minus
   another) as one network (hidden units side by side, coefficients on the output), so that its
@@ -33,6 +37,7 @@ the degree-2 polynomial ``c + b.x + x^T A x`` straight off the lifted weights (n
 """
 
 from ._common import bilinear_depth
+from .path_changes import PathsOverTraining, PathTransition, paths_over_training, transition_paths
 from .residual import PathDecomposition, path_similarity, paths
 from .sequence_paths import PathSimilarity, SequencePathDecomposition, match_heads
 from .spectral import (
@@ -47,4 +52,5 @@ from .sums import DecompositionCheck, check_decomposition, combine, difference
 __all__ = ["check_decomposition", "DecompositionCheck", "chaos_coefficients_depth1",
            "ChaosCoefficients", "eigen", "EigenDecomposition", "combine", "difference",
            "paths", "PathDecomposition", "path_similarity", "bilinear_depth", "as_bilinear_depth1",
-           "SequencePathDecomposition", "PathSimilarity", "match_heads"]
+           "SequencePathDecomposition", "PathSimilarity", "match_heads",
+           "paths_over_training", "PathsOverTraining", "transition_paths", "PathTransition"]

@@ -16,6 +16,16 @@ paths (``tensoralg.decompose.paths``: direct, each head, each MLP) with their ex
 with ``--diff CKPT2`` the exact similarity of each path to the same path of CKPT2
 (``--match``: heads matched per layer by function first); ``--rest-samples N`` estimates the
 remainder ``f - sum`` by Monte Carlo with its verdict (default 0: not assessed).
+
+``tensoralg decompose paths-over-training CKPT1 CKPT2 ... [--n-ctx N]``: transformer checkpoints
+of one architecture (e.g. one training run), every first-order path's exact similarity to the
+same path of the final checkpoint and of the next one, and its share per checkpoint
+(`tensoralg.decompose.paths_over_training`): a table, ``paths_over_training.json``, ``.csv`` and
+a path x checkpoint heatmap ``paths_over_training.png`` under ``--out`` (default
+``runs/paths_over_training``). A form of ``decompose`` rather than ``matrix --paths``: its
+numbers are path x checkpoint tables from the path decomposition, where every option of
+``matrix`` (``--method``, ``--output``, the blocked Dask matrix) is about checkpoint x
+checkpoint similarities of whole models.
 """
 
 from __future__ import annotations
@@ -24,6 +34,15 @@ from pathlib import Path
 
 JSON_NAME = "decompose.json"
 FIG_NAME = "decompose_eigenvectors.png"
+#: ``tensoralg decompose paths-over-training``: the word, its default folder and files.
+OVER_TRAINING = "paths-over-training"
+OT_OUT = "runs/paths_over_training"
+OT_JSON, OT_CSV, OT_FIG = ("paths_over_training.json", "paths_over_training.csv",
+                           "paths_over_training.png")
+USAGE = ("%(prog)s CKPT [--diff CKPT2] [--match] [--output CLASS] [--k K] [--n-ctx N] "
+         "[--rest-samples N] [--out DIR] [--json PATH] [--threads N]\n"
+         "       %(prog)s paths-over-training CKPT1 CKPT2 [CKPT ...] [--n-ctx N] [--out DIR] "
+         "[--json PATH] [--threads N]")
 
 
 def add_parsers(sub) -> None:
@@ -37,16 +56,22 @@ def add_parsers(sub) -> None:
             raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v!r}")
         return n
 
-    p = sub.add_parser("decompose", help="eigen-components / residual paths of a checkpoint",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="checkpoint folder (weights.safetensors + cfg.json)")
+    p = sub.add_parser("decompose", help="eigen-components / residual paths of a checkpoint "
+                                         "(paths-over-training: of several)",
+                       description=__doc__.split("\n\n")[0], usage=USAGE)
+    p.add_argument("checkpoint", help="checkpoint folder (weights.safetensors + cfg.json), or "
+                                      "the word paths-over-training followed by two or more "
+                                      "transformer checkpoint folders")
+    p.add_argument("more", nargs="*", metavar="CKPT",
+                   help="after paths-over-training: the checkpoint folders, in training order, "
+                        "the last one the final checkpoint (default: none)")
     p.add_argument("--diff", metavar="CKPT2", default=None,
                    help="decompose the change CKPT2 - CKPT instead (a difference network; "
                         "default: none)")
     p.add_argument("--output", type=int, default=None, metavar="CLASS",
                    help="the output (class) whose eigenvectors are drawn (default: all outputs "
                         "in the table, the largest in the figure)")
-    p.add_argument("--k", type=nonneg_int, default=4,
+    p.add_argument("--k", type=nonneg_int, default=None,
                    help="eigen-components kept / drawn (default 4; 0: the table only, no "
                         "figure)")
     p.add_argument("--out", metavar="DIR", default=None,
@@ -294,6 +319,13 @@ def cmd_decompose(args) -> int:
     from ..audit._cliutil import apply_threads, check_paths
     from ..audit.common import staged_output, write_json
 
+    if args.checkpoint == OVER_TRAINING:
+        return cmd_paths_over_training(args)
+    if args.more:
+        raise ValueError(f"CKPT: one checkpoint folder, got {1 + len(args.more)} "
+                         f"({args.checkpoint} {' '.join(args.more)}); several checkpoints over "
+                         f"training: tensoralg decompose {OVER_TRAINING} CKPT1 CKPT2 ...")
+    args.k = 4 if args.k is None else args.k
     for path, option in ((args.checkpoint, "CKPT"), (args.diff, "--diff")):
         if path is not None and not Path(path).is_dir():   # before torch is imported
             raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
@@ -316,3 +348,11 @@ def cmd_decompose(args) -> int:
     print(table(result))
     print(f"wrote {', '.join(str(Path(out) / f) for f in files)}")
     return 0
+
+
+def cmd_paths_over_training(args) -> int:
+    """``tensoralg decompose paths-over-training`` (`tensoralg.decompose.training_cli`)."""
+    from . import training_cli
+
+    return training_cli.cmd_paths_over_training(args, OVER_TRAINING, OT_OUT,
+                                                (OT_JSON, OT_CSV, OT_FIG))
