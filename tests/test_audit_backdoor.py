@@ -32,7 +32,7 @@ def test_json_keys_and_the_finding(backdoor_run):
     _, out = backdoor_run
     res = json.loads((out / "backdoor.json").read_text())
     assert set(res) >= KEYS
-    assert res["target_class"] == 9 and res["method"] == "exact"
+    assert res["target_class"] == 9 and res["method"] == "exact" and res["metric"] == "gaussian"
     assert set(res["clean_accuracy"]) == {"before", "after"}
     assert set(res["baselines"]) == {"cka_logits", "cka_logits_debiased", "cka_hidden",
                                      "output_cosine", "js_divergence", "weight_cosine"}

@@ -28,6 +28,7 @@ from pathlib import Path
 from .common import (
     MC_SAMPLES,
     PATHS_NOTE,
+    check_metric,
     format_table,
     gap_finding,
     method_label,
@@ -65,6 +66,7 @@ class BackdoorConfig:
     method: str = "auto"
     control: bool = True
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
+    metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
 
     @classmethod
     def quick(cls, **kw) -> BackdoorConfig:
@@ -74,6 +76,7 @@ class BackdoorConfig:
         return cls(**base)
 
     def validate(self) -> None:
+        check_metric(self.metric, self.method)
         if not (0 <= self.target < 10):
             raise ValueError(f"--target: expected a digit class 0..9, got {self.target}")
         if not (0.0 < self.poison_fraction < 1.0):
@@ -167,7 +170,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     t1 = time.perf_counter()
     # "auto" stays "auto" when exact was planned, keeping its run-time Monte Carlo fallback
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
-    mc = {"n_samples": cfg.n_samples, "seed": cfg.seed}
+    mc = {"n_samples": cfg.n_samples, "seed": cfg.seed, "metric": cfg.metric}
     sim = pair_similarity(clean, backdoored, sim_method, depth=cfg.n_layers, **mc)
     ctl = (pair_similarity(clean, control, sim["method"], depth=cfg.n_layers,
                            norm2_a=sim["norm2_a_each"], **mc) if control else None)
@@ -209,7 +212,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         # the closure's value is not the tensor similarity beyond one layer (it is at depth 1)
         "method_label": method_label(sim["method"]),
         "approximate": sim["method"] == "closure" and cfg.n_layers >= 2,
-        "metric": "gaussian",
+        "metric": cfg.metric,
         "finding": gap_finding(slices, se, cfg.target, sim.get("each_reliable")),
         "data": data.provenance,
         "n_test": int(len(data.X_test)),
@@ -254,7 +257,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     slice_bars(out / FIG_NAME, shown, cfg.target,
                {k: v for k, v in base.items() if k != "js_divergence"},
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
-               f"ASR {asr_after:.2f}, {method_label(sim['method'])})",
+               f"ASR {asr_after:.2f}, {method_label(sim['method'])}, {cfg.metric})",
                control=ctl["each"] if ctl is not None else None,
                global_similarity=result["global_similarity"])
     result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,

@@ -57,8 +57,20 @@ def _common(p: argparse.ArgumentParser, default_out: str, quick: bool = True) ->
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="tensor similarity method (default auto): auto = exact for depth <= 2 (Monte Carlo if the "
                         "exact cost is refused), or force exact/closure/montecarlo")
+    _metric(p)
     _n_samples(p)
     _shared(p, "seed for data split, init, batches and Monte Carlo samples")
+
+
+def _metric(p: argparse.ArgumentParser, language: bool = False) -> None:
+    from .common import SIM_METRICS
+
+    p.add_argument("--metric", choices=SIM_METRICS, default="gaussian",
+                   help="similarity metric (default gaussian: E over x ~ N(0, I)); frobenius: "
+                        "the symmetrised Frobenius cosine of the weights (the original "
+                        "authors' metric for the backdoor and grokking figures; exact only)"
+                        + ("; refused here: bilinear transformers have the Gaussian metric "
+                           "only" if language else ""))
 
 
 def _n_ctx(p: argparse.ArgumentParser) -> None:
@@ -209,6 +221,7 @@ def _add_language(asub) -> None:
                         "verdict, the approximate moment-closure beside it as a labelled "
                         "column; closure: the moment-closure matrix, APPROXIMATE beyond one "
                         "layer)")
+    _metric(p, language=True)
     p.add_argument("--metrics", type=_metric_list, default=None,
                    help="degree report: comma-separated input metrics among residual (N(0, I) "
                         "on the residual stream), vocab (N(0, I) on one-hot tokens through "
@@ -262,7 +275,7 @@ def _add_language(asub) -> None:
 def cmd_language(args) -> int:
     from .language import LanguageConfig, language_table, run_language
 
-    kw = dict(seed=args.seed, method=args.method)
+    kw = dict(seed=args.seed, method=args.method, metric=args.metric)
     for opt, key in (("layers", "n_layers"), ("d_model", "d_model"), ("heads", "n_heads"),
                      ("d_head", "d_head"), ("n_ctx", "n_ctx"), ("steps", "steps"),
                      ("checkpoints", "checkpoints"), ("chars", "n_chars"),
@@ -302,7 +315,7 @@ def cmd_backdoor(args, demo: bool = False) -> int:
     name = "demo" if demo else "audit backdoor"
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
-              d_hidden=args.d_hidden, n_samples=_samples(args))
+              d_hidden=args.d_hidden, n_samples=_samples(args), metric=args.metric)
     if args.steps:
         kw["steps"] = args.steps
     if args.finetune_steps:
@@ -330,7 +343,7 @@ def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
-              n_layers=args.layers, n_samples=_samples(args))
+              n_layers=args.layers, n_samples=_samples(args), metric=args.metric)
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
@@ -346,7 +359,7 @@ def cmd_forgetting(args) -> int:
 def cmd_grokking(args) -> int:
     from .grokking import GrokkingConfig, grokking_table, run_grokking
 
-    kw = dict(seed=args.seed, method=args.method, n_samples=_samples(args))
+    kw = dict(seed=args.seed, method=args.method, n_samples=_samples(args), metric=args.metric)
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
             kw[name] = getattr(args, name)

@@ -22,6 +22,27 @@ from ..io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 METHODS = ("auto", "exact", "closure", "montecarlo")
 
+#: The similarity metrics an audit can use (``--metric``): ``gaussian`` (E over x ~ N(0, I),
+#: docs/mathematics.md §3.1) and ``frobenius``, the symmetrised Frobenius cosine of the lifted
+#: coefficient tensors (§3.3; the metric of the original authors' backdoor and grokking figures;
+#: a closed form of the weights, so exact only).
+SIM_METRICS = ("gaussian", "frobenius")
+
+
+def check_metric(metric: str, method: str) -> None:
+    """Refuse, before any training, an unknown ``--metric`` or a Frobenius run with a method
+    that has no Frobenius value (``closure``, ``montecarlo``).
+
+    Raises:
+        ValueError: one line naming ``--metric`` (and ``--method``).
+    """
+    if metric not in SIM_METRICS:
+        raise ValueError(f"--metric: expected one of {', '.join(SIM_METRICS)}, got {metric!r}")
+    if metric == "frobenius" and method not in ("auto", "exact"):
+        raise ValueError(f"--metric frobenius: the symmetrised Frobenius cosine is a closed form "
+                         f"of the weights, computed exactly; --method {method} has none (use "
+                         f"--method exact or auto)")
+
 PATHS_NOTE = "relative to the output folder (the folder holding this JSON)"
 
 
@@ -222,17 +243,20 @@ def staged_output(out: str | Path, json_name: str):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def exact_cost_refused(net: Any, n_ctx: int | None = None) -> str | None:
+def exact_cost_refused(net: Any, n_ctx: int | None = None,
+                       metric: str = "gaussian") -> str | None:
     """Why the exact Gaussian inner product ``<net, net>`` is over budget, or ``None`` if it is
     affordable. Contracts nothing: [`tensoralg.plan`][tensoralg.plan] counts Wick configurations and
     estimates the FLOPs of the contraction paths (refused when it raises ``CostTooHigh``, marks
     the plan ``refused``, or estimates more than ``tensoralg.request.DEFAULT_MAX_FLOPS``).
-    ``n_ctx``: the sequence length of a sequence network (None for others)."""
+    ``n_ctx``: the sequence length of a sequence network (None for others); ``metric``: the
+    metric planned (``gaussian`` or ``frobenius``)."""
     import tensoralg as ta
     from tensoralg.request import DEFAULT_MAX_FLOPS
 
     try:
-        plan = ta.plan(net) if n_ctx is None else ta.plan(net, n_ctx=n_ctx)
+        plan = (ta.plan(net, metric=metric) if n_ctx is None
+                else ta.plan(net, metric=metric, n_ctx=n_ctx))
     except ta.CostTooHigh as exc:
         return reason_text(str(exc))
     if getattr(plan, "refused", None):
@@ -276,7 +300,8 @@ def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any
     final = check_output_folder(out, json_name)
     if json_copy is not None:
         check_file_writable(json_copy, "--json")
-    method = choose_method(cfg.method, depth, model.to_network())
+    method = choose_method(cfg.method, depth, model.to_network(),
+                           metric=getattr(cfg, "metric", "gaussian"))
     with staged_output(final, json_name) as stage:
         result = runner(cfg, stage, show_progress, method)
         result["out"] = str(final)
@@ -285,12 +310,15 @@ def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any
     return result
 
 
-def choose_method(method: str, depth: int, net: Any, n_ctx: int | None = None) -> str:
+def choose_method(method: str, depth: int, net: Any, n_ctx: int | None = None,
+                  metric: str = "gaussian") -> str:
     """The similarity method a run will use, decided BEFORE any training from an untrained
     model ``net`` of the configured architecture (the cost depends on sizes only).
 
     ``auto``: ``exact`` for depth <= 2 when affordable, otherwise ``montecarlo``. ``exact``
     over budget raises (so that no training is wasted). ``closure``/``montecarlo``: as given.
+    ``metric="frobenius"`` (a closed form of the weights): always ``exact`` at any depth, and
+    over budget raises whatever ``method`` says (there is no Frobenius estimate to fall back on).
 
     Raises:
         tensoralg.CostTooHigh: ``method == "exact"`` and the exact cost is refused (the message
@@ -299,14 +327,20 @@ def choose_method(method: str, depth: int, net: Any, n_ctx: int | None = None) -
     """
     import tensoralg as ta
 
-    m = resolve_method(method, depth)
+    check_metric(metric, method)
+    m = "exact" if metric == "frobenius" else resolve_method(method, depth)
     if m != "exact":
         return m
-    why = exact_cost_refused(net, n_ctx)
+    why = exact_cost_refused(net, n_ctx, metric)
     if why is None:
         return m
-    if method == "auto":
+    if method == "auto" and metric == "gaussian":
         return "montecarlo"
+    if metric == "frobenius":
+        raise ta.CostTooHigh(f"--metric frobenius: the exact Frobenius similarity of this "
+                             f"depth-{depth} architecture is over budget ({why}; planned before "
+                             f"any training); the Frobenius metric has no estimate to fall back "
+                             f"on: use a smaller architecture or --metric gaussian")
     raise ta.CostTooHigh(f"the exact similarity of this depth-{depth} architecture is over budget "
                          f"({why}; planned before any training or contraction); use "
                          f"method='montecarlo' (an estimate with a standard error and "
@@ -341,8 +375,10 @@ def method_label(method: str) -> str:
 
 def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
                     norm2_a: Sequence[float] | None = None, n_samples: int = MC_SAMPLES,
-                    seed: int = 0) -> dict:
-    """Global and per-output tensor similarity (Gaussian metric) of two models.
+                    seed: int = 0, metric: str = "gaussian") -> dict:
+    """Global and per-output tensor similarity of two models under ``metric`` (``gaussian``, or
+    ``frobenius``: the symmetrised Frobenius cosine, docs/mathematics.md §3.3, exact only —
+    ``auto`` then means exact at any depth, with no Monte Carlo fallback).
 
     Exact / closure: three per-output inner-product vectors (``tensoralg.inner(...,
     output="each")``) give everything: slice ``c`` is ``<a_c, b_c> / sqrt(<a_c, a_c> <b_c,
@@ -368,22 +404,24 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
     """
     import tensoralg as ta
 
-    m = resolve_method(method, depth)
+    check_metric(metric, method)
+    m = "exact" if metric == "frobenius" else resolve_method(method, depth)
 
     def compute(meth):
-        ab = np.asarray(ta.inner(a, b, method=meth, output="each"), dtype=np.float64)
+        kw = {"method": meth, "output": "each", "metric": metric}
+        ab = np.asarray(ta.inner(a, b, **kw), dtype=np.float64)
         if norm2_a is not None and meth == m:
             aa = np.asarray(norm2_a, dtype=np.float64)
         else:
-            aa = np.asarray(ta.inner(a, a, method=meth, output="each"), dtype=np.float64)
-        bb = np.asarray(ta.inner(b, b, method=meth, output="each"), dtype=np.float64)
+            aa = np.asarray(ta.inner(a, a, **kw), dtype=np.float64)
+        bb = np.asarray(ta.inner(b, b, **kw), dtype=np.float64)
         return ab, aa, bb
 
     if m != "montecarlo":
         try:
             ab, aa, bb = compute(m)
         except ta.CostTooHigh:
-            if method != "auto":
+            if method != "auto" or metric != "gaussian":
                 raise
             m = "montecarlo"
     if m == "montecarlo":
@@ -455,25 +493,28 @@ def gap_finding(each: Sequence[float], each_stderr: Sequence[float] | None, cls:
 
 def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 1,
                       output: Any = None, seed: int = 0, n_samples: int = MC_SAMPLES,
-                      n_ctx: int | None = None) -> tuple[np.ndarray, str]:
+                      n_ctx: int | None = None,
+                      metric: str = "gaussian") -> tuple[np.ndarray, str]:
     """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded;
+    ``metric``: ``gaussian`` or ``frobenius`` (exact only, no Monte Carlo fallback);
     ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods); ``n_ctx``: the
     sequence length of sequence networks (None for others). A Monte Carlo
     matrix is the library's `MonteCarloArray` itself:
     per entry a delta-method standard error and a reliability verdict (`mc_entries`)."""
     import tensoralg as ta
 
-    m = resolve_method(method, depth)
+    check_metric(metric, method)
+    m = "exact" if metric == "frobenius" else resolve_method(method, depth)
     mc = {"seed": seed, "n_samples": n_samples}
     if n_ctx is not None:
         output = {"output": output, "n_ctx": n_ctx}
     else:
         output = {"output": output}
     try:
-        return ta.similarity_matrix(list(models), method=m, **output,
+        return ta.similarity_matrix(list(models), method=m, metric=metric, **output,
                                     **(mc if m == "montecarlo" else {})), m
     except ta.CostTooHigh:
-        if method != "auto":
+        if method != "auto" or metric != "gaussian":
             raise
         return ta.similarity_matrix(list(models), method="montecarlo", **output,
                                     **mc), "montecarlo"

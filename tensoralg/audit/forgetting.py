@@ -24,6 +24,7 @@ import numpy as np
 from .common import (
     MC_SAMPLES,
     PATHS_NOTE,
+    check_metric,
     format_table,
     matrix_record,
     matrix_uncertainty,
@@ -64,6 +65,7 @@ class ForgettingConfig:
     seed: int = 0
     method: str = "auto"
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
+    metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
 
     @classmethod
     def quick(cls, **kw) -> ForgettingConfig:
@@ -72,6 +74,7 @@ class ForgettingConfig:
         return cls(**base)
 
     def validate(self) -> None:
+        check_metric(self.metric, self.method)
         if not (0 <= self.removed_class < 10):
             raise ValueError(f"--removed-class: expected a digit class 0..9, got {self.removed_class}")
         if not (1 <= self.n_base <= 8):
@@ -161,12 +164,12 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     for m in progress(checkpoints, "similarity to reference", show_progress):
         # the reference goes first in each pair so that its norms are computed once
         ps = pair_similarity(ref, m, sim_method, depth=cfg.n_layers, norm2_a=ref_norm2,
-                             n_samples=cfg.n_samples, seed=cfg.seed)
+                             n_samples=cfg.n_samples, seed=cfg.seed, metric=cfg.metric)
         ref_norm2 = ps["norm2_a_each"]
         per_stage.append(ps)
     method = per_stage[0]["method"]
     tensor_mat, _ = similarity_matrix(checkpoints, method, depth=cfg.n_layers, seed=cfg.seed,
-                                      n_samples=cfg.n_samples)
+                                      n_samples=cfg.n_samples, metric=cfg.metric)
     mat_se, mat_ok = mc_entries(tensor_mat)
     mat_rec = matrix_record(tensor_mat, mat_se, mat_ok)
     tensor_mat = shown_matrix(tensor_mat, mat_ok)
@@ -224,7 +227,7 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         "stages": [{"label": lab, "classes": cl} for lab, cl in stages],
         "reference_stage": labels[ref_index],
         "method": method,
-        "metric": "gaussian",
+        "metric": cfg.metric,
         "global_similarity_to_reference": {lab: s["global"] for lab, s in zip(labels, per_stage)},
         "global_similarity_to_reference_stderr": {lab: s["global_stderr"]
                                                   for lab, s in zip(labels, per_stage)},
@@ -266,9 +269,9 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value", "stderr"], rows)
     class_heatmap(out / FIG_SLICES, slices.T, labels,
                   f"slice similarity to the reference ({labels[ref_index]}, "
-                  f"{method_label(method)}); "
+                  f"{method_label(method)}, {cfg.metric}); "
                   f"class {r} removed at '-{r}'")
-    heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method_label(method)})": tensor_mat,
+    heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method_label(method)}, {cfg.metric})": tensor_mat,
                                   "linear CKA (logits, test data)": cka,
                                   "weight cosine": wcos}, labels,
              "forgetting curriculum: checkpoint x checkpoint"

@@ -25,6 +25,7 @@ import numpy as np
 from .common import (
     MC_SAMPLES,
     PATHS_NOTE,
+    check_metric,
     format_table,
     matrix_record,
     matrix_uncertainty,
@@ -77,6 +78,7 @@ class GrokkingConfig:
     seed: int = 0
     method: str = "auto"
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
+    metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
 
     @classmethod
     def quick(cls, **kw) -> GrokkingConfig:
@@ -96,6 +98,7 @@ class GrokkingConfig:
         return cls(**base)
 
     def validate(self) -> None:
+        check_metric(self.metric, self.method)
         if not 2 <= self.P <= MAX_P:
             raise ValueError(f"--P: expected a modulus in [2, {MAX_P}], got {self.P} (the "
                              f"full-batch data set is P^2 one-hot rows of 2P features: "
@@ -207,7 +210,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     bar = progress(None, "similarity matrix", show_progress, total=1)
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
     sim, method = similarity_matrix(snaps, sim_method, depth=1, seed=cfg.seed,
-                                    n_samples=cfg.n_samples)
+                                    n_samples=cfg.n_samples, metric=cfg.metric)
     bar.update(1)
     bar.close()
     se, ok = mc_entries(sim)
@@ -290,7 +293,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "similarity_to_final": to_final,
         "neighbour_similarity": neighbour,
         "method": method,
-        "metric": "gaussian",
+        "metric": cfg.metric,
         "similarity_matrix_uncertainty": matrix_uncertainty(method, cfg.n_samples, cfg.seed),
         **{f"similarity_matrix_{k}": v for k, v in rec.items()},
         "similarity_to_final_stderr": None if se is None else se[:, -1].tolist(),
@@ -308,7 +311,8 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                   [None] * len(steps) if se is None else se[:, -1]))
     write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
               ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
-    grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method)
+    grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method,
+                    cfg.metric)
     result["files"] = [JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME]
     write_json(out / JSON_NAME, result)
     return result

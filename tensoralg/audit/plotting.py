@@ -122,16 +122,16 @@ def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], t
 
 def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float],
                     val_acc: Sequence[float], sim: np.ndarray, sim_to_final: Sequence[float],
-                    method: str) -> Path:
+                    method: str, metric: str = "gaussian") -> Path:
     """Accuracy curves and similarity to the final checkpoint (log steps) next to the
-    checkpoint x checkpoint similarity heatmap."""
+    checkpoint x checkpoint similarity heatmap; ``metric`` is named in the labels."""
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = np.maximum(np.asarray(steps, dtype=float), 1.0)
     ax1.plot(x, train_acc, "o-", ms=3, label="train accuracy")
     ax1.plot(x, val_acc, "o-", ms=3, label="validation accuracy")
     ax1.plot(x, sim_to_final, "s-", ms=3, color="tab:red",
-             label=f"tensor similarity to final ({method_label(method)})")
+             label=f"tensor similarity to final ({method_label(method)}, {metric})")
     ax1.set_xscale("log")
     ax1.set_xlabel("training step (step 0 drawn at 1)")
     ax1.set_ylim(-0.02, 1.02)
@@ -148,6 +148,6 @@ def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float]
     ax2.set_yticklabels([str(steps[i]) for i in ticks], fontsize=7)
     ax2.set_xlabel("training step")
     ax2.set_ylabel("training step")
-    ax2.set_title("checkpoint x checkpoint tensor similarity")
+    ax2.set_title(f"checkpoint x checkpoint tensor similarity ({metric})")
     fig.colorbar(im, ax=ax2).set_label("similarity")
     return save_figure(fig, path)
