@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .common import (
+    LOCALISATION_RULE,
     MC_SAMPLES,
     PATHS_NOTE,
     check_metric,
@@ -37,6 +38,7 @@ from .common import (
     progress,
     run_staged,
     stamp,
+    unreliable_slices,
     write_csv,
     write_json,
 )
@@ -130,7 +132,7 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
 def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: str) -> dict:
     import torch
 
-    from ..baselines import all_baselines
+    from ..baselines import all_baselines, per_class_baselines
     from ..checkpoint import save_checkpoint
     from ..data import add_trigger, load_digits_data, poison
     from ..nn import accuracy, train_classifier
@@ -184,6 +186,8 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     asr_before = accuracy(clean, Xt, target_t)
     base = all_baselines(clean, backdoored, data.X_test)
     base_ctl = all_baselines(clean, control, data.X_test) if control else None
+    pcb = per_class_baselines(clean, backdoored, data.X_test, data.y_test)
+    pcb_ctl = per_class_baselines(clean, control, data.X_test, data.y_test) if control else None
     bar.update(1)
     bar.close()
 
@@ -214,6 +218,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         "approximate": sim["method"] == "closure" and cfg.n_layers >= 2,
         "metric": cfg.metric,
         "finding": gap_finding(slices, se, cfg.target, sim.get("each_reliable")),
+        "per_class_baselines": _per_class_json(pcb),
         "data": data.provenance,
         "n_test": int(len(data.X_test)),
         "checkpoints": {"clean": "checkpoints/clean", "backdoored": "checkpoints/backdoored"},
@@ -234,7 +239,12 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                 {str(c): v for c, v in enumerate(ctl["each_reliable"])}),
             "clean_accuracy": accuracy(control, data.X_test, data.y_test),
             "baselines": base_ctl,
+            "per_class_baselines": _per_class_json(pcb_ctl),
         }
+    result["localisation"] = _localise(sim, pcb, cfg.target)
+    if ctl is not None:   # the same rule on the control: a class singled out there is noise
+        result["control"]["localisation"] = _localise(ctl, pcb_ctl, cfg.target)
+    result["finding"]["localisation_statement"] = result["localisation"]["comparison"]["statement"]
 
     def _se(s, c):
         return None if s["each_stderr"] is None else s["each_stderr"][c]
@@ -250,6 +260,15 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
              ("clean_accuracy_before", "", result["clean_accuracy"]["before"]),
              ("clean_accuracy_after", "", result["clean_accuracy"]["after"])]
     rows += [(f"baseline:{k}", "", v) for k, v in base.items()]
+    for prefix, pc in (("", pcb), ("control_", pcb_ctl)):
+        if pc is not None:
+            rows += [(f"{prefix}per_class:{k}", c, v) for k, vals in pc.items()
+                     for c, v in enumerate(vals)]
+    for prefix, loc in (("", result["localisation"]),
+                        ("control_", result.get("control", {}).get("localisation"))):
+        if loc is not None:
+            rows += [(f"{prefix}localisation_separation:{k}", cfg.target, d.get("separation"))
+                     for k, d in [("tensor_similarity", loc["tensor"]), *loc["baselines"].items()]]
     rows = [tuple(r) + (None,) * (4 - len(r)) for r in rows]
     write_csv(out / CSV_NAME, ["quantity", "class", "value", "stderr"], rows)
     shown = [v if ok else float("nan") for v, ok in  # a bar is not drawn for a non-answer
@@ -259,11 +278,54 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
                f"ASR {asr_after:.2f}, {method_label(sim['method'])}, {cfg.metric})",
                control=ctl["each"] if ctl is not None else None,
-               global_similarity=result["global_similarity"])
+               global_similarity=result["global_similarity"],
+               per_class={lab: (_scores(pcb)[k], result["localisation"]["baselines"][k])
+                          for k, lab in PER_CLASS_LABELS.items()},
+               tensor_localisation=result["localisation"]["tensor"])
     result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,
                                                                     result, out)
     write_json(out / JSON_NAME, result)
     return result
+
+
+#: The behavioural per-class scores the localisation rule is applied to (clean test data),
+#: with their labels in tables and figures.
+PER_CLASS_LABELS = {
+    "logit_cosine": "logit cosine (class's test images)",
+    "prob_cosine": "probability cosine (class's test images)",
+    "output_slice_cosine": "output-slice cosine (all test images)",
+    "agreement": "prediction agreement (class's test images)",
+    "accuracy_change": "-|accuracy change| (class's test images)",
+}
+
+
+def _scores(pc: dict) -> dict:
+    """The per-class scores of `PER_CLASS_LABELS` (lower = more changed)."""
+    out = {k: pc[k] for k in ("logit_cosine", "prob_cosine", "output_slice_cosine", "agreement")}
+    out["accuracy_change"] = [-abs(b - a) for a, b in zip(pc["accuracy_a"], pc["accuracy_b"])]
+    return out
+
+
+def _per_class_json(pc: dict | None) -> dict | None:
+    if pc is None:
+        return None
+    names = {"accuracy_a": "accuracy_clean", "accuracy_b": "accuracy_compared"}
+    return {names.get(k, k): {str(c): v for c, v in enumerate(vals)} for k, vals in pc.items()}
+
+
+def _localise(sim: dict, pc: dict, target: int) -> dict:
+    """`LOCALISATION_RULE` applied to tensor similarity's slices and to each behavioural
+    per-class score, and the comparison (tensor better / equally / worse)."""
+    from .common import compare_localisation, localisation
+
+    bad = unreliable_slices(sim.get("each_reliable"))
+    tensor = ({"assessed": False, "localises": None,
+               "not_assessed": f"no reliable Monte Carlo estimate for slice(s) "
+                               f"{', '.join(map(str, bad))}"} if bad else
+              localisation(sim["each"], target, sim.get("each_stderr")))
+    base = {k: localisation(v, target) for k, v in _scores(pc).items()}
+    return {"rule": LOCALISATION_RULE, "target_class": target, "tensor": tensor,
+            "baselines": base, "comparison": compare_localisation(tensor, base)}
 
 
 def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Path) -> list[str]:
@@ -356,4 +418,41 @@ def backdoor_table(result: dict) -> str:
               f"similarity method: {method} ({result['metric']} metric); {compared}"]
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
+    if result.get("localisation"):
+        lines += ["", localisation_table(result)]
+    return "\n".join(lines)
+
+
+def localisation_table(result: dict) -> str:
+    """Per-class behavioural baselines on clean test images next to tensor similarity, the
+    localisation rule (stated first), each metric's separation, and the comparison."""
+    pcb = result["per_class_baselines"]
+    loc = result["localisation"]
+    target = loc["target_class"]
+    cols = [("logit_cosine", "logit cos"), ("prob_cosine", "prob cos"),
+            ("output_slice_cosine", "out-slice cos"), ("agreement", "agree"),
+            ("accuracy_clean", "acc clean"), ("accuracy_compared", "acc compared")]
+    rows = [[c, result["slice_similarity"][c]] + [pcb[k][c] for k, _ in cols]
+            + (["<- target"] if int(c) == target else [""]) for c in result["slice_similarity"]]
+    lines = ["per-class behaviour on clean test images (clean model vs backdoored):",
+             format_table(["class", "tensor sim"] + [h for _, h in cols] + ["note"], rows), "",
+             f"localisation rule (declared before the numbers): {loc['rule']}"]
+
+    def sep(d):
+        if not d.get("assessed"):
+            return ["not assessed", "", ""]
+        x = d["separation"]
+        return [d["lowest_class"], "inf" if x == float("inf") else f"{x:.2f}",
+                "yes" if d["localises"] else "no"]
+
+    ctl = result.get("control", {}).get("localisation")
+    verdicts = loc["comparison"]["verdicts"]
+    rows = [["tensor similarity (slice)"] + sep(loc["tensor"]) + ["-"]
+            + ([sep(ctl["tensor"])[2]] if ctl else [])]
+    rows += [[PER_CLASS_LABELS[k]] + sep(d) + [verdicts[k]]
+             + ([sep(ctl["baselines"][k])[2]] if ctl else [])
+             for k, d in loc["baselines"].items()]
+    lines += [format_table(["per-class metric", "lowest class", "separation", "localises",
+                            "tensor vs this"] + (["control localises"] if ctl else []), rows),
+              loc["comparison"]["statement"]]
     return "\n".join(lines)

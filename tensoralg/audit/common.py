@@ -599,3 +599,93 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# localisation: does a per-class score single out one class? (declared before any number)
+# ----------------------------------------------------------------------------------------
+
+#: The threshold of the localisation rule (`localisation`).
+LOCALISATION_MIN_SEPARATION = 1.0
+
+#: The rule every audit applies, to tensor similarity and to each behavioural baseline alike.
+LOCALISATION_RULE = (
+    "a per-class score localises the change to class t when t's score is the lowest of all "
+    "classes and its gap to the next-lowest class is at least the spread (max - min) of the "
+    "other classes' scores: separation = (next-lowest - score_t) / (max_other - min_other) "
+    f">= {LOCALISATION_MIN_SEPARATION:g} (a scale-free test: it compares metrics with different "
+    "ranges); similarities enter as they are (lower = more changed), per-class accuracy as "
+    "-|accuracy change|; with Monte Carlo the gap must also exceed 2 standard errors")
+
+
+def localisation(scores: Sequence[float], target: int,
+                 stderr: Sequence[float] | None = None) -> dict:
+    """Apply `LOCALISATION_RULE` to per-class ``scores`` (lower = more changed) for class
+    ``target``.
+
+    Returns ``{"assessed", "score", "lowest_class", "next_lowest", "next_lowest_class", "gap",
+    "spread_others", "separation", "localises"}``: ``separation`` is ``gap / spread_others``
+    (``inf`` when the other classes are all equal and the gap is positive; null in the JSON);
+    ``assessed`` is False (and ``localises`` None) when a score is not finite.
+    ``stderr``: per-class standard errors (Monte Carlo); the gap must then also exceed twice
+    ``sqrt(se_t^2 + se_next^2)`` (covariance ignored).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if not np.all(np.isfinite(s)):
+        return {"assessed": False, "localises": None,
+                "not_assessed": f"no finite score for class(es) "
+                                f"{', '.join(map(str, np.flatnonzero(~np.isfinite(s))))}"}
+    others = [c for c in range(len(s)) if c != target]
+    nxt = min(others, key=lambda c: s[c])
+    gap = float(s[nxt] - s[target])
+    spread = float(s[others].max() - s[others].min())
+    sep = gap / spread if spread > 0 else (math.inf if gap > 0 else 0.0)
+    ok = gap > 0 and sep >= LOCALISATION_MIN_SEPARATION
+    out = {"assessed": True, "score": float(s[target]), "lowest_class": int(np.argmin(s)),
+           "next_lowest": float(s[nxt]), "next_lowest_class": int(nxt), "gap": gap,
+           "spread_others": spread, "separation": sep}
+    if stderr is not None:
+        se = float(math.hypot(stderr[target], stderr[nxt]))
+        out["gap_stderr"] = se
+        ok = ok and gap > 2 * se
+    out["localises"] = bool(ok)
+    return out
+
+
+def compare_localisation(tensor: Mapping[str, Any],
+                         baselines: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Tensor similarity's `localisation` against each baseline's: ``better`` (tensor
+    localises, the baseline does not), ``worse`` (the reverse), ``equally (both localise)``,
+    ``equally (neither localises)``, ``not assessed`` (either is not assessed); plus the
+    counts and one sentence with every separation."""
+    verdicts = {}
+    for name, b in baselines.items():
+        t, o = tensor.get("localises"), b.get("localises")
+        verdicts[name] = ("not assessed" if t is None or o is None else
+                          "better" if t and not o else "worse" if o and not t else
+                          "equally (both localise)" if t else "equally (neither localises)")
+    counts = {v: sum(1 for x in verdicts.values() if x.startswith(v))
+              for v in ("better", "equally", "worse", "not assessed")}
+
+    def sep(d):
+        if not d.get("assessed"):
+            return "not assessed"
+        x = d["separation"]
+        return (f"{'inf' if math.isinf(x) else f'{x:.2f}'} (lowest class {d['lowest_class']}; "
+                f"{'localises' if d['localises'] else 'does not localise'})")
+
+    def larger(b):   # both localise: which stands further apart (a number, not a verdict)
+        if not (tensor.get("localises") and b.get("localises")):
+            return ""
+        t, o = tensor["separation"], b["separation"]
+        return (", larger separation for tensor similarity" if t > o else
+                ", larger separation for the baseline" if o > t else ", equal separations")
+
+    parts = [f"{name}: {sep(b)} -> tensor {verdicts[name]}{larger(b)}"
+             for name, b in baselines.items()]
+    sentence = (f"tensor similarity: separation {sep(tensor)}; " + "; ".join(parts) +
+                f". Tensor similarity localises better than {counts['better']}, equally well as "
+                f"{counts['equally']}, worse than {counts['worse']} of {len(baselines)} "
+                f"behavioural baselines on this data")
+    return {"rule": LOCALISATION_RULE, "verdicts": verdicts, "counts": counts,
+            "statement": sentence}

@@ -127,7 +127,13 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
 
 
 def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, method: str) -> dict:
-    from ..baselines import linear_cka, model_outputs, weight_cosine
+    from ..baselines import (
+        linear_cka,
+        model_outputs,
+        output_cosine,
+        per_class_baselines,
+        weight_cosine,
+    )
     from ..checkpoint import save_checkpoint
     from ..data import load_digits_data, select_classes
     from ..nn import accuracy, train_classifier
@@ -181,6 +187,9 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     cka = np.array([[linear_cka(logits[i], logits[j]) for j in range(n)] for i in range(n)])
     wcos = np.array([[weight_cosine(checkpoints[i], checkpoints[j]) for j in range(n)]
                      for i in range(n)])
+    # behaviour on clean test images, each checkpoint against the reference, class by class
+    pcb = [per_class_baselines(ref, m, data.X_test, data.y_test) for m in checkpoints]
+    out_cos = [output_cosine(logits[ref_index], lg) for lg in logits]
 
     slices = np.array([s["each"] for s in per_stage])  # (stages, classes)
     r = cfg.removed_class
@@ -222,6 +231,10 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                  ("; each by more than 2 standard errors (sqrt of the summed variances, "
                   "covariance ignored)" if mc else " (deterministic method)")),
     }
+    loc = _localise(slices[i_rm], ses[i_rm] if mc else None, rel[i_rm], pcb[i_rm], r)
+    loc["stage"] = labels[i_rm]
+    finding["localisation_statement"] = (f"at {labels[i_rm]} against {labels[ref_index]}: "
+                                         + loc["comparison"]["statement"])
     result = {
         **stamp("audit forgetting", asdict(cfg)),
         "stages": [{"label": lab, "classes": cl} for lab, cl in stages],
@@ -250,6 +263,13 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                      "tensor_similarity_uncertainty": matrix_uncertainty(method, cfg.n_samples,
                                                                          cfg.seed)},
         "finding": finding,
+        "per_class_baselines_to_reference": {
+            lab: {k: {str(c): v for c, v in enumerate(vals)} for k, vals in _named(pc).items()}
+            for lab, pc in zip(labels, pcb)},
+        "global_baselines_to_reference": {
+            lab: {"output_cosine": out_cos[i], "cka_logits": float(cka[ref_index, i]),
+                  "weight_cosine": float(wcos[ref_index, i])} for i, lab in enumerate(labels)},
+        "localisation": loc,
         "data": data.provenance,
         "checkpoints": dict(zip(labels, names)),
         "paths": PATHS_NOTE,
@@ -262,15 +282,29 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                   None if s["each_stderr"] is None else s["each_stderr"][c])
                  for c, v in enumerate(row)]
         rows += [(lab, "test_accuracy", c, v, None) for c, v in enumerate(arow)]
+    for lab, pc in zip(labels, pcb):
+        rows += [(lab, f"per_class_to_reference:{k}", c, v, None)
+                 for k, vals in _named(pc).items() for c, v in enumerate(vals)]
+    for i, lab in enumerate(labels):
+        rows.append((lab, "output_cosine_to_reference", "", out_cos[i], None))
+    rows += [(labels[i_rm], f"localisation_separation:{k}", r, d.get("separation"), None)
+             for k, d in [("tensor_similarity", loc["tensor"]), *loc["baselines"].items()]]
     for name, mat, se in (("tensor_similarity", tensor_mat, mat_se), ("cka_logits", cka, None),
                           ("weight_cosine", wcos, None)):
         rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]),   # NaN: blank
                   None if se is None else float(se[i, j])) for i in range(n) for j in range(n)]
     write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value", "stderr"], rows)
     class_heatmap(out / FIG_SLICES, slices.T, labels,
-                  f"slice similarity to the reference ({labels[ref_index]}, "
-                  f"{method_label(method)}, {cfg.metric}); "
-                  f"class {r} removed at '-{r}'")
+                  f"per class, each checkpoint against the reference ({labels[ref_index]}; "
+                  f"tensor similarity {method_label(method)}, {cfg.metric}); class {r} removed "
+                  f"at '-{r}'; localisation separation at '-{r}': tensor "
+                  f"{_sep(loc['tensor'])}, "
+                  + ", ".join(f"{k} {_sep(d)}" for k, d in loc["baselines"].items()),
+                  extra={"logit cosine (class's test images)":
+                         np.array([pc["logit_cosine"] for pc in pcb]).T,
+                         "output-slice cosine (all test images)":
+                         np.array([pc["output_slice_cosine"] for pc in pcb]).T,
+                         "test accuracy (class's test images)": np.array(acc).T})
     heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method_label(method)}, {cfg.metric})": tensor_mat,
                                   "linear CKA (logits, test data)": cka,
                                   "weight cosine": wcos}, labels,
@@ -294,6 +328,34 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         result["files"].append(FIG_EIGEN)
     write_json(out / JSON_NAME, result)
     return result
+
+
+def _named(pc: dict) -> dict:
+    names = {"accuracy_a": "accuracy_reference", "accuracy_b": "accuracy_checkpoint"}
+    return {names.get(k, k): v for k, v in pc.items()}
+
+
+def _sep(d: dict) -> str:
+    if not d.get("assessed"):
+        return "not assessed"
+    x = d["separation"]
+    return f"{'inf' if np.isinf(x) else f'{x:.2f}'}{'' if d['localises'] else ' (no)'}"
+
+
+def _localise(slices, stderr, reliable, pc: dict, r: int) -> dict:
+    """`LOCALISATION_RULE` on tensor similarity's slices and on each behavioural per-class
+    score at one checkpoint (against the reference), and the comparison."""
+    from .backdoor import PER_CLASS_LABELS, _scores
+    from .common import LOCALISATION_RULE, compare_localisation, localisation
+
+    bad = unreliable_slices(reliable)
+    tensor = ({"assessed": False, "localises": None,
+               "not_assessed": f"no reliable Monte Carlo estimate for slice(s) "
+                               f"{', '.join(map(str, bad))}"} if bad else
+              localisation(slices, r, stderr))
+    base = {k: localisation(v, r) for k, v in _scores(pc).items() if k in PER_CLASS_LABELS}
+    return {"rule": LOCALISATION_RULE, "target_class": r, "tensor": tensor, "baselines": base,
+            "comparison": compare_localisation(tensor, base)}
 
 
 def forgetting_table(result: dict) -> str:
@@ -333,4 +395,47 @@ def forgetting_table(result: dict) -> str:
                      f"estimate (blank in the figure, null in the JSON)")
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
+    if result.get("localisation"):
+        lines += ["", _localisation_lines(result)]
     return "\n".join(lines)
+
+
+def _localisation_lines(result: dict) -> str:
+    """The behavioural baselines per class at the removal stage, the rule, the comparison."""
+    from .backdoor import PER_CLASS_LABELS
+
+    loc = result["localisation"]
+    st, r = loc["stage"], loc["target_class"]
+    pcb = result["per_class_baselines_to_reference"][st]
+    cols = [("logit_cosine", "logit cos"), ("prob_cosine", "prob cos"),
+            ("output_slice_cosine", "out-slice cos"), ("agreement", "agree"),
+            ("accuracy_reference", "acc ref"), ("accuracy_checkpoint", f"acc {st}")]
+    sl = result["slice_similarity_to_reference"][st]
+    rows = [[c, sl[c]] + [pcb[k][c] for k, _ in cols] + (["<- removed"] if int(c) == r else [""])
+            for c in sl]
+    g = result["global_baselines_to_reference"]
+    grows = [[lab, pm(result["global_similarity_to_reference"][lab],
+                      (result.get("global_similarity_to_reference_stderr") or {}).get(lab)),
+              v["output_cosine"], v["cka_logits"], v["weight_cosine"]] for lab, v in g.items()]
+
+    def sep(d):
+        if not d.get("assessed"):
+            return ["not assessed", "", ""]
+        x = d["separation"]
+        return [d["lowest_class"], "inf" if np.isinf(x) else f"{x:.2f}",
+                "yes" if d["localises"] else "no"]
+
+    v = loc["comparison"]["verdicts"]
+    lrows = [["tensor similarity (slice)"] + sep(loc["tensor"]) + ["-"]]
+    lrows += [[PER_CLASS_LABELS[k]] + sep(d) + [v[k]] for k, d in loc["baselines"].items()]
+    return "\n".join([
+        f"global similarity of each checkpoint to the reference ({result['reference_stage']}); "
+        f"behaviour on clean test images:",
+        format_table(["stage", "tensor sim", "output cosine", "linear CKA (logits)",
+                      "weight cosine"], grows), "",
+        f"per class at {st} against the reference (clean test images):",
+        format_table(["class", "tensor sim"] + [h for _, h in cols] + ["note"], rows), "",
+        f"localisation rule (declared before the numbers): {loc['rule']}",
+        format_table(["per-class metric", "lowest class", "separation", "localises",
+                      "tensor vs this"], lrows),
+        loc["comparison"]["statement"]])
