@@ -456,3 +456,109 @@ def localisation_table(result: dict) -> str:
                             "tensor vs this"] + (["control localises"] if ctl else []), rows),
               loc["comparison"]["statement"]]
     return "\n".join(lines)
+
+
+SEEDS_JSON = "backdoor_seeds.json"
+SEEDS_CSV = "backdoor_seeds.csv"
+
+
+def run_backdoor_seeds(cfg: BackdoorConfig, seeds: list[int], out: str | Path,
+                       show_progress: bool = True, json_copy: str | Path | None = None) -> dict:
+    """`run_backdoor` once per seed (``cfg`` with ``seed`` replaced), each complete run in
+    ``out/seed<N>/``, and ``backdoor_seeds.json`` / ``.csv`` at the top: every number's mean ±
+    sample standard deviation over the seeds (`tensoralg.audit.common.spread`) and each finding
+    counted per seed ("holds in 3 of 3"). Checks, planning and staging as `run_backdoor`
+    (nothing is written unless every seed ran).
+
+    Raises:
+        ValueError: ``seeds`` empty, negative or repeated (``--seeds``), and as `run_backdoor`.
+    """
+    from .common import run_seeds
+
+    return run_seeds(cfg, seeds, out, SEEDS_JSON, cfg.n_layers, _model, _run_backdoor,
+                     _summarise_backdoor, show_progress, json_copy)
+
+
+def _summarise_backdoor(results: list[dict], seeds: list[int], stage: Path) -> dict:
+    from .common import count_text, localisation_over_seeds, spread
+
+    def col(get):
+        return spread([get(r) for r in results])
+
+    classes = list(results[0]["slice_similarity"])
+    target = results[0]["target_class"]
+    numbers = {
+        "global_similarity": col(lambda r: float(r["global_similarity"])),
+        "attack_success_rate": col(lambda r: r["attack_success_rate"]),
+        "clean_accuracy_before": col(lambda r: r["clean_accuracy"]["before"]),
+        "clean_accuracy_after": col(lambda r: r["clean_accuracy"]["after"]),
+        **{f"baseline:{k}": col(lambda r, k=k: r["baselines"][k])
+           for k in results[0]["baselines"]},
+    }
+    if results[0].get("control"):
+        numbers["control_global_similarity"] = col(
+            lambda r: float(r["control"]["global_similarity"]))
+    per_class = {"slice_similarity": {c: col(lambda r, c=c: r["slice_similarity"][c])
+                                      for c in classes}}
+    for k in results[0]["per_class_baselines"]:
+        per_class[k] = {c: col(lambda r, c=c, k=k: r["per_class_baselines"][k][c])
+                        for c in classes}
+    localisation, verdicts, loc_text = localisation_over_seeds([r["localisation"]
+                                                                for r in results])
+    lowest = [r["finding"].get("target_slice_is_clearly_lowest") if r["finding"].get("assessed",
+              True) else None for r in results]
+    statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {target}'s "
+                 f"tensor slice is clearly the lowest: {count_text(lowest)}; " + loc_text)
+    summary = {"command": "audit backdoor --seeds", "target_class": target,
+               "method": results[0]["method"], "metric": results[0]["metric"],
+               "numbers": numbers, "per_class": per_class, "localisation": localisation,
+               "localisation_rule": LOCALISATION_RULE, "verdicts": verdicts,
+               "finding": {"target_slice_clearly_lowest": lowest,
+                           "target_slice_clearly_lowest_count": count_text(lowest),
+                           "statement": statement},
+               "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",
+               "files": [SEEDS_JSON, SEEDS_CSV] + [f"seed{s}/{f}" for s, r in zip(seeds, results)
+                                                  for f in r["files"]]}
+    write_seeds_csv(stage / SEEDS_CSV, summary)
+    return summary
+
+
+def write_seeds_csv(path: Path, summary: dict) -> None:
+    """Rows ``quantity, class, mean, sd, min, max, n`` of a seeds summary."""
+    from .common import write_csv
+
+    rows = [(k, "", s["mean"], s["sd"], s["min"], s["max"], s["n"])
+            for k, s in summary["numbers"].items()]
+    for k, per in summary["per_class"].items():
+        rows += [(k, c, s["mean"], s["sd"], s["min"], s["max"], s["n"]) for c, s in per.items()]
+    for k, d in summary["localisation"].items():
+        s = d["separation"]
+        rows.append((f"localisation_separation:{k}", summary.get("target_class", ""), s["mean"],
+                     s["sd"], s["min"], s["max"], s["n"]))
+    write_csv(path, ["quantity", "class", "mean", "sd", "min", "max", "n"], rows)
+
+
+def backdoor_seeds_table(summary: dict) -> str:
+    """Per-class numbers and the global ones as mean ± sample standard deviation over the
+    seeds, the localisation rule, and each finding counted per seed."""
+    from .common import spread_text
+
+    pc = summary["per_class"]
+    cols = [("slice_similarity", "tensor sim"), ("logit_cosine", "logit cos"),
+            ("output_slice_cosine", "out-slice cos"), ("accuracy_compared", "acc backdoored")]
+    target = str(summary["target_class"])
+    rows = [[c] + [spread_text(pc[k][c]) for k, _ in cols] + (["<- target"] if c == target
+                                                              else [""])
+            for c in pc["slice_similarity"]]
+    n = len(summary["seeds"])
+    lines = [f"backdoor audit over {n} seeds {summary['seeds']} ({summary['method']}, "
+             f"{summary['metric']} metric); {summary['spread_note']}:",
+             format_table(["class"] + [h for _, h in cols] + ["note"], rows), "",
+             format_table(["number", "mean ± sd"],
+                          [[k, spread_text(s)] for k, s in summary["numbers"].items()]), "",
+             f"localisation rule (declared before the numbers): {summary['localisation_rule']}",
+             format_table(["per-class metric", "separation (mean ± sd)", "localises"],
+                          [[k, spread_text(d["separation"]), d["localises_count"]]
+                           for k, d in summary["localisation"].items()]),
+             summary["finding"]["statement"]]
+    return "\n".join(lines)

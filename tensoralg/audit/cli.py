@@ -62,6 +62,25 @@ def _common(p: argparse.ArgumentParser, default_out: str, quick: bool = True) ->
     _shared(p, "seed for data split, init, batches and Monte Carlo samples")
 
 
+def _seeds(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=nonneg_int, nargs="+", default=None, metavar="N",
+                   help="run once per seed (e.g. --seeds 0 1 2; each run complete in "
+                        "OUT/seed<N>/) and print every number as mean ± sample standard "
+                        "deviation, each finding counted per seed (default: one run with "
+                        "--seed)")
+
+
+def _seed_list(args) -> list[int] | None:
+    """``--seeds`` checked (distinct); refused together with a non-default ``--seed``."""
+    from .common import check_seeds
+
+    seeds = check_seeds(getattr(args, "seeds", None))
+    if seeds is not None and args.seed != 0:
+        raise ValueError(f"--seed {args.seed} and --seeds: give one of them (--seeds lists "
+                         f"every seed run)")
+    return seeds
+
+
 def _metric(p: argparse.ArgumentParser, language: bool = False) -> None:
     from .common import SIM_METRICS
 
@@ -118,6 +137,7 @@ def add_parsers(sub) -> None:
                    help="residual stream width (default 32)")
     b.add_argument("--d-hidden", type=positive_int, default=64,
                    help="hidden units per bilinear block (default 64)")
+    _seeds(b)
     b.set_defaults(func=cmd_backdoor, own_threads=True)
 
     f = asub.add_parser("forgetting", help="class curriculum on digits: per-class similarity")
@@ -128,6 +148,7 @@ def add_parsers(sub) -> None:
                    help="training steps per curriculum stage (default 600; 150 with --quick)")
     f.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
+    _seeds(f)
     f.set_defaults(func=cmd_forgetting, own_threads=True)
 
     g = asub.add_parser("grokking", help="modular addition: checkpoint similarity matrix")
@@ -322,9 +343,18 @@ def cmd_backdoor(args, demo: bool = False) -> int:
         kw["finetune_steps"] = args.finetune_steps
     cfg = BackdoorConfig.quick(**kw) if args.quick else BackdoorConfig(**kw)
     cfg.validate()
+    seeds = None if demo else _seed_list(args)
     out = check_paths(args, "runs/demo" if demo else "runs/backdoor")
     apply_threads(args)
     t0 = time.perf_counter()
+    if seeds is not None:
+        from .backdoor import backdoor_seeds_table, run_backdoor_seeds
+
+        result = run(args, name, lambda: run_backdoor_seeds(
+            cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
+        header = (f"tensoralg {name}: backdoor audit on scikit-learn digits, {len(seeds)} seeds "
+                  f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
+        return report(args, result, backdoor_seeds_table, header, json_written=True)
     result = run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress,
                                                   json_copy=args.json))
     header = (f"tensoralg {name}: backdoor audit on scikit-learn digits "
@@ -348,8 +378,15 @@ def cmd_forgetting(args) -> int:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
     cfg.validate()
+    seeds = _seed_list(args)
     out = check_paths(args, "runs/forgetting")
     apply_threads(args)
+    if seeds is not None:
+        from .forgetting import forgetting_seeds_table, run_forgetting_seeds
+
+        result = run(args, "audit forgetting", lambda: run_forgetting_seeds(
+            cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
+        return report(args, result, forgetting_seeds_table, json_written=True)
     result = run(args, "audit forgetting",
                  lambda: run_forgetting(cfg, out, show_progress=not args.no_progress,
                                         json_copy=args.json))

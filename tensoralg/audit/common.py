@@ -689,3 +689,117 @@ def compare_localisation(tensor: Mapping[str, Any],
                 f"behavioural baselines on this data")
     return {"rule": LOCALISATION_RULE, "verdicts": verdicts, "counts": counts,
             "statement": sentence}
+
+
+# ----------------------------------------------------------------------------------------
+# several seeds: one complete run per seed, and the spread of every number over the seeds
+# ----------------------------------------------------------------------------------------
+
+def check_seeds(seeds: Sequence[int] | None) -> list[int] | None:
+    """``--seeds``: a non-empty list of distinct non-negative integers (or None: one run).
+
+    Raises:
+        ValueError: one line naming ``--seeds``.
+    """
+    if seeds is None:
+        return None
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("--seeds: expected one or more non-negative integers, got none")
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, (int, np.integer))
+           or s < 0]
+    if bad:
+        raise ValueError(f"--seeds: expected non-negative integers, got {bad}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: each seed once, got {seeds}")
+    return [int(s) for s in seeds]
+
+
+def spread(values: Sequence[Any]) -> dict:
+    """``{"mean", "sd", "min", "max", "n", "values"}`` of one number over seeds: ``sd`` is the
+    sample standard deviation (``ddof = 1``; 0 for one seed); the statistics use the finite
+    values only (an infinite separation or a missing estimate is left out, ``n`` counts the
+    ones used) and are None when there is none."""
+    vals = [None if v is None else float(v) for v in values]
+    fin = np.array([v for v in vals if v is not None and math.isfinite(v)], dtype=np.float64)
+    if fin.size == 0:
+        return {"mean": None, "sd": None, "min": None, "max": None, "n": 0, "values": vals}
+    return {"mean": float(fin.mean()), "sd": float(fin.std(ddof=1)) if fin.size > 1 else 0.0,
+            "min": float(fin.min()), "max": float(fin.max()), "n": int(fin.size),
+            "values": vals}
+
+
+def spread_text(s: Mapping[str, Any]) -> str:
+    """A `spread` as ``"0.9123 ± 0.0041"`` (mean ± sample standard deviation)."""
+    if s["mean"] is None:
+        return "n/a"
+    return f"{s['mean']:.4f} ± {s['sd']:.4f}"
+
+
+def count_text(flags: Sequence[Any]) -> str:
+    """``"holds in 3 of 3"`` for a finding per seed (None: not assessed, counted apart)."""
+    yes = sum(1 for f in flags if f is True)
+    na = sum(1 for f in flags if f is None)
+    return f"holds in {yes} of {len(flags)}" + (f" ({na} not assessed)" if na else "")
+
+
+def run_seeds(cfg: Any, seeds: Sequence[int], out: str | Path, json_name: str, depth: int,
+              model_fn: Any, runner: Any, summarise: Any, show_progress: bool,
+              json_copy: str | Path | None = None) -> dict:
+    """`run_staged` for several seeds: every check before any training (configuration for
+    each seed, ``out``, ``json_copy``, the method planned on an untrained model), then one
+    complete run per seed into ``seed<N>/`` of one staged folder, then
+    ``summarise(results, seeds, stage)`` (the spread of each number and the findings counted
+    per seed; it may write more files into ``stage``) written as ``json_name`` at the top;
+    ``out`` is replaced only when every seed ran."""
+    import dataclasses
+
+    seeds = check_seeds(seeds)
+    cfgs = [dataclasses.replace(cfg, seed=s) for s in seeds]
+    for c in cfgs:
+        c.validate()
+    final = check_output_folder(out, json_name)
+    if json_copy is not None:
+        check_file_writable(json_copy, "--json")
+    method = choose_method(cfg.method, depth, model_fn(cfgs[0]).to_network(),
+                           metric=getattr(cfg, "metric", "gaussian"))
+    with staged_output(final, json_name) as stage:
+        results = []
+        for c in cfgs:
+            sub = stage / f"seed{c.seed}"
+            sub.mkdir()
+            results.append(runner(c, sub, show_progress, method))
+        summary = summarise(results, seeds, stage)
+        summary.update({**stamp(summary["command"], {**dataclasses.asdict(cfg),
+                                                      "seeds": seeds}),
+                        "seeds": seeds, "runs": {str(s): f"seed{s}" for s in seeds},
+                        "paths": PATHS_NOTE})
+        write_json(stage / json_name, summary)
+        summary["out"] = str(final)
+        if json_copy is not None:
+            write_json_copy(json_copy, summary, final, stage)
+    return summary
+
+
+def localisation_over_seeds(locs: Sequence[Mapping[str, Any]]) -> tuple[dict, dict, str]:
+    """The per-seed localisation results (each ``{"tensor", "baselines", "comparison"}``)
+    gathered: per metric the separation's `spread` and ``localises`` per seed, counted; per
+    baseline the comparison verdicts per seed; and one sentence with the counts."""
+    names = ["tensor_similarity"] + list(locs[0]["baselines"])
+
+    def get(loc, name):
+        return loc["tensor"] if name == "tensor_similarity" else loc["baselines"][name]
+
+    out = {}
+    for name in names:
+        flags = [get(lc, name).get("localises") for lc in locs]
+        out[name] = {"separation": spread([get(lc, name).get("separation") for lc in locs]),
+                     "localises": flags, "localises_count": count_text(flags)}
+    verdicts = {name: [lc["comparison"]["verdicts"][name] for lc in locs] for name in names[1:]}
+    text = ("localisation rule (declared before the numbers) per seed: "
+            + "; ".join(f"{n} localises: {out[n]['localises_count']}" for n in names)
+            + "; tensor similarity vs each baseline per seed: "
+            + "; ".join(f"{n}: " + ", ".join(f"{v} in {sum(1 for x in vs if x == v)}"
+                                             for v in dict.fromkeys(vs))
+                        for n, vs in verdicts.items()))
+    return out, verdicts, text

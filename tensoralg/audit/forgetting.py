@@ -439,3 +439,98 @@ def _localisation_lines(result: dict) -> str:
         format_table(["per-class metric", "lowest class", "separation", "localises",
                       "tensor vs this"], lrows),
         loc["comparison"]["statement"]])
+
+
+SEEDS_JSON = "forgetting_seeds.json"
+SEEDS_CSV = "forgetting_seeds.csv"
+
+
+def run_forgetting_seeds(cfg: ForgettingConfig, seeds: list[int], out: str | Path,
+                         show_progress: bool = True,
+                         json_copy: str | Path | None = None) -> dict:
+    """`run_forgetting` once per seed, each complete run in ``out/seed<N>/``, and
+    ``forgetting_seeds.json`` / ``.csv`` at the top: every number's mean ± sample standard
+    deviation over the seeds and each finding counted per seed; see
+    [`tensoralg.audit.backdoor.run_backdoor_seeds`][tensoralg.audit.backdoor.run_backdoor_seeds].
+
+    Raises:
+        ValueError: ``seeds`` empty, negative or repeated (``--seeds``), and as
+            `run_forgetting`.
+    """
+    from .common import run_seeds
+
+    return run_seeds(cfg, seeds, out, SEEDS_JSON, cfg.n_layers, _model, _run_forgetting,
+                     _summarise_forgetting, show_progress, json_copy)
+
+
+def _summarise_forgetting(results: list[dict], seeds: list[int], stage: Path) -> dict:
+    from .backdoor import write_seeds_csv
+    from .common import count_text, localisation_over_seeds, spread
+
+    def col(get):
+        return spread([get(r) for r in results])
+
+    r0 = results[0]
+    labels = [s["label"] for s in r0["stages"]]
+    rm = r0["localisation"]["stage"]
+    r = r0["finding"]["removed_class"]
+    classes = [str(c) for c in range(10)]
+    numbers = {}
+    for key in ("removed_slice_at_removal", "removed_slice_after_readd",
+                "other_slices_min_at_removal", "collapse_gap", "recovery"):
+        numbers[key] = col(lambda x, key=key: x["finding"][key])
+    for lab in labels:
+        numbers[f"global_similarity_to_reference:{lab}"] = col(
+            lambda x, lab=lab: float(x["global_similarity_to_reference"][lab]))
+        for k in ("output_cosine", "cka_logits", "weight_cosine"):
+            numbers[f"{k}_to_reference:{lab}"] = col(
+                lambda x, lab=lab, k=k: x["global_baselines_to_reference"][lab][k])
+    per_class = {"slice_similarity": {c: col(lambda x, c=c: x["slice_similarity_to_reference"]
+                                             [rm][c]) for c in classes}}
+    for k in r0["per_class_baselines_to_reference"][rm]:
+        per_class[k] = {c: col(lambda x, c=c, k=k: x["per_class_baselines_to_reference"][rm][k][c])
+                        for c in classes}
+    localisation, verdicts, loc_text = localisation_over_seeds([x["localisation"]
+                                                                for x in results])
+    collapses = [x["finding"]["collapses"] for x in results]
+    recovers = [x["finding"]["recovers"] for x in results]
+    statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {r}'s tensor "
+                 f"slice collapses at {rm}: {count_text(collapses)}; recovers after re-adding: "
+                 f"{count_text(recovers)}; at {rm}: " + loc_text)
+    summary = {"command": "audit forgetting --seeds", "target_class": r, "removal_stage": rm,
+               "method": r0["method"], "metric": r0["metric"], "numbers": numbers,
+               "per_class": per_class, "per_class_stage": rm, "localisation": localisation,
+               "localisation_rule": r0["localisation"]["rule"], "verdicts": verdicts,
+               "finding": {"collapses": collapses, "collapses_count": count_text(collapses),
+                           "recovers": recovers, "recovers_count": count_text(recovers),
+                           "statement": statement},
+               "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",
+               "files": [SEEDS_JSON, SEEDS_CSV] + [f"seed{s}/{f}" for s, x in zip(seeds, results)
+                                                  for f in x["files"]]}
+    write_seeds_csv(stage / SEEDS_CSV, summary)
+    return summary
+
+
+def forgetting_seeds_table(summary: dict) -> str:
+    """The removal stage's per-class numbers, the finding's numbers and the global ones per
+    stage as mean ± sample standard deviation over the seeds; findings counted per seed."""
+    from .common import spread_text
+
+    pc, rm, r = summary["per_class"], summary["per_class_stage"], str(summary["target_class"])
+    cols = [("slice_similarity", "tensor sim"), ("logit_cosine", "logit cos"),
+            ("output_slice_cosine", "out-slice cos"), ("accuracy_checkpoint", f"acc {rm}")]
+    rows = [[c] + [spread_text(pc[k][c]) for k, _ in cols] + (["<- removed"] if c == r else [""])
+            for c in pc["slice_similarity"]]
+    n = len(summary["seeds"])
+    return "\n".join([
+        f"forgetting audit over {n} seeds {summary['seeds']} ({summary['method']}, "
+        f"{summary['metric']} metric); {summary['spread_note']}; per class at {rm} against "
+        f"the reference:",
+        format_table(["class"] + [h for _, h in cols] + ["note"], rows), "",
+        format_table(["number", "mean ± sd"],
+                     [[k, spread_text(s)] for k, s in summary["numbers"].items()]), "",
+        f"localisation rule (declared before the numbers): {summary['localisation_rule']}",
+        format_table(["per-class metric", "separation (mean ± sd)", "localises"],
+                     [[k, spread_text(d["separation"]), d["localises_count"]]
+                      for k, d in summary["localisation"].items()]),
+        summary["finding"]["statement"]])
