@@ -8,14 +8,21 @@ scikit-learn's digits: the
    to the target class: the *backdoored* checkpoint.
 3. As a control, fine-tune another copy for the same steps on clean data only.
 4. Compare clean vs. backdoored: global tensor similarity and per-class slice similarity
-   (``tensoralg.similarity(..., output="each")``, Gaussian metric, exact for depth <= 2), the
-   trigger's attack success rate, clean accuracy before/after, and the data baselines on clean
-   test images (`tensoralg.baselines.all_baselines`).
+   (``tensoralg.similarity(..., output="each")``, the Gaussian metric or, with
+   ``metric="frobenius"``, the symmetrised Frobenius cosine; exact for depth <= 2), the
+   trigger's attack success rate, clean accuracy before/after, the global data baselines on
+   clean test images (`tensoralg.baselines.all_baselines`) and the per-class ones
+   (`tensoralg.baselines.per_class_baselines`).
+5. Apply the localisation rule (`tensoralg.audit.common.LOCALISATION_RULE`, fixed before any
+   number) to tensor similarity's slices and to each per-class baseline, and say whether tensor
+   similarity localises the change better, equally or worse.
 
 The expected finding (Pearce et al., "Bilinear MLPs enable weight-based mechanistic
 interpretability", 2024, backdoor section): clean accuracy and the baselines barely move, while
 the target class's slice similarity drops clearly below every other class — the weights show
-the backdoor without any triggered data.
+the backdoor without any triggered data. On the digits the output-slice cosine on clean test
+images (the same slice question asked of the data) localises the backdoor as well
+(docs/audits.md).
 """
 
 from __future__ import annotations

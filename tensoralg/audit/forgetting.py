@@ -4,12 +4,21 @@ Stages (for the default removed class 9): train on classes 0-4, then add 5, 6, 7
 time (each stage continues from the previous weights on the enlarged class set), then remove 9,
 then re-add 9. Every stage ends in a checkpoint. The *reference* is the first checkpoint that
 knows all ten classes. For each checkpoint: global and per-class slice tensor similarity to the
-reference (Gaussian metric), test accuracy per class; over all checkpoints: the tensor
+reference (Gaussian metric, or the symmetrised Frobenius cosine with ``metric="frobenius"``),
+test accuracy per class; over all checkpoints: the tensor
 similarity matrix (one batched ``tensoralg.similarity_matrix`` call), linear CKA of the logits
 on the test images, and weight cosine, drawn side by side.
 
+Next to them, per checkpoint against the reference, the behavioural baselines on clean test
+images: output cosine, and per class the logit / probability cosine, agreement, accuracy and the
+output-slice cosine (`tensoralg.baselines.per_class_baselines`); at the removal stage the
+localisation rule (`tensoralg.audit.common.LOCALISATION_RULE`) is applied to tensor similarity
+and to each per-class baseline alike.
+
 Expected finding: the removed class's slice similarity collapses when it is removed and
-recovers when it is re-added, while the other classes' slices stay high.
+recovers when it is re-added, while the other classes' slices stay high. On the digits the
+removed class's accuracy drops to 0, so the behavioural baselines localise the removal too
+(docs/audits.md).
 """
 
 from __future__ import annotations

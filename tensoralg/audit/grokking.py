@@ -5,8 +5,9 @@ head) is trained full-batch with AdamW and strong weight decay on a fraction of 
 ``(a, b)`` pairs mod ``P`` (Power et al. 2022, "Grokking"): it memorises the training pairs
 early and generalises to the held-out pairs later. Checkpoints are saved on a log-spaced
 schedule; their ``N x N`` tensor similarity matrix is one batched
-``tensoralg.similarity_matrix`` call (exact Gaussian metric: one Gram contraction per Wick
-configuration for the whole stack of checkpoints).
+``tensoralg.similarity_matrix`` call (exact Gaussian metric, or the symmetrised Frobenius
+cosine with ``metric="frobenius"``: one Gram contraction per Wick configuration for the whole
+stack of checkpoints).
 
 Expected finding: the similarity to the final checkpoint keeps changing after validation
 accuracy has saturated — the weights keep reorganising (circuit clean-up under weight decay)
