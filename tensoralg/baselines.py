@@ -10,6 +10,10 @@
 * `output_cosine` — mean over samples of the cosine between the two logit vectors.
 * `js_divergence` — mean over samples of the Jensen–Shannon divergence (natural log,
   in ``[0, ln 2]``) between the two softmax distributions (Lin 1991, via ``scipy.stats.entropy``).
+* `per_class_baselines` — the behavioural baselines per class on labelled data: logit and
+  probability cosine restricted to each class's samples, prediction agreement, each model's
+  accuracy, and the data analogue of a class-slice similarity (cosine of one output over all
+  samples).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["LinearCKA", "linear_cka", "weight_cosine", "output_cosine", "js_divergence",
-           "model_outputs", "hidden_features", "all_baselines", "DegenerateInputWarning"]
+           "model_outputs", "hidden_features", "all_baselines", "per_class_baselines",
+           "DegenerateInputWarning"]
 
 
 class DegenerateInputWarning(RuntimeWarning):
@@ -282,3 +287,67 @@ def all_baselines(a: Any, b: Any, X: Any) -> dict[str, float]:
         "js_divergence": js_divergence(la, lb),
         "weight_cosine": weight_cosine(a, b),
     }
+
+
+def per_class_baselines(a: Any, b: Any, X: Any, y: Any,
+                        n_classes: int | None = None) -> dict[str, list[float]]:
+    """Behavioural similarity of two classifiers class by class, on labelled data.
+
+    ``X`` ``(n, d_in)``, ``y`` ``(n,)`` integer labels in ``0 .. k - 1`` with ``k = n_classes``
+    (default: the models' output size). With ``la``, ``lb`` the ``(n, k)`` logits
+    (`model_outputs`) and ``I_c = {i : y_i = c}``, for each class ``c``:
+
+    * ``logit_cosine[c]`` — mean over ``i in I_c`` of ``cos(la[i], lb[i])``
+      (`output_cosine` restricted to class ``c``'s samples);
+    * ``prob_cosine[c]`` — the same for the softmax probabilities;
+    * ``agreement[c]`` — fraction of ``I_c`` where the two argmax predictions agree;
+    * ``accuracy_a[c]``, ``accuracy_b[c]`` — each model's accuracy on ``I_c``;
+    * ``output_slice_cosine[c]`` — over ALL ``n`` samples, the uncentred cosine of output ``c``:
+      ``sum_i la[i, c] lb[i, c] / sqrt(sum_i la[i, c]^2 sum_i lb[i, c]^2)``: the class-slice
+      similarity with the test data in place of the Gaussian input distribution.
+
+    A class without samples gets NaN in the ``I_c`` quantities; an output that is zero on every
+    sample gets NaN in ``output_slice_cosine``.
+
+    Raises:
+        ValueError: ``X`` and ``y`` of different lengths, ``y`` not integer or out of
+            ``0 .. k - 1``, logits of different shapes, or no samples.
+    """
+    from scipy.special import softmax
+
+    la, lb = _paired(model_outputs(a, X), model_outputs(b, X))
+    k = la.shape[1] if n_classes is None else int(n_classes)
+    if type(y).__module__.startswith("torch"):
+        y = y.detach().to("cpu").numpy()
+    y = np.asarray(y)
+    if y.shape != (len(la),):
+        raise ValueError(f"y: expected ({len(la)},) labels for X's {len(la)} samples, got "
+                         f"shape {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"y: expected integer labels, got dtype {y.dtype}")
+    if y.min() < 0 or y.max() >= k:
+        raise ValueError(f"y: labels must lie in 0..{k - 1}, got {int(y.min())}..{int(y.max())}")
+
+    def cos_rows(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+        nu, nv = np.linalg.norm(u, axis=1), np.linalg.norm(v, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.einsum("ij,ij->i", u, v) / (nu * nv)
+
+    pa, pb = softmax(la, axis=1), softmax(lb, axis=1)
+    lc, pc = cos_rows(la, lb), cos_rows(pa, pb)
+    preds_a, preds_b = la.argmax(1), lb.argmax(1)
+    out: dict[str, list[float]] = {key: [] for key in (
+        "logit_cosine", "prob_cosine", "agreement", "accuracy_a", "accuracy_b",
+        "output_slice_cosine")}
+    for c in range(k):
+        m = y == c
+        none = not m.any()
+        out["logit_cosine"].append(float("nan") if none else float(np.nanmean(lc[m])))
+        out["prob_cosine"].append(float("nan") if none else float(np.nanmean(pc[m])))
+        out["agreement"].append(float("nan") if none else float(np.mean(preds_a[m] == preds_b[m])))
+        out["accuracy_a"].append(float("nan") if none else float(np.mean(preds_a[m] == c)))
+        out["accuracy_b"].append(float("nan") if none else float(np.mean(preds_b[m] == c)))
+        den = math.sqrt(float(la[:, c] @ la[:, c]) * float(lb[:, c] @ lb[:, c]))
+        out["output_slice_cosine"].append(float(la[:, c] @ lb[:, c]) / den if den > 0
+                                          else float("nan"))
+    return out

@@ -32,7 +32,7 @@ def test_json_keys_and_the_finding(backdoor_run):
     _, out = backdoor_run
     res = json.loads((out / "backdoor.json").read_text())
     assert set(res) >= KEYS
-    assert res["target_class"] == 9 and res["method"] == "exact"
+    assert res["target_class"] == 9 and res["method"] == "exact" and res["metric"] == "gaussian"
     assert set(res["clean_accuracy"]) == {"before", "after"}
     assert set(res["baselines"]) == {"cka_logits", "cka_logits_debiased", "cka_hidden",
                                      "output_cosine", "js_divergence", "weight_cosine"}
@@ -187,3 +187,39 @@ def test_closure_at_depth_two_is_labelled_approximate_everywhere(tmp_path, capsy
     assert res["method_label"] == "moment-closure (approximate)"
     lines = (out / "backdoor.csv").read_text().splitlines()
     assert lines[1] == "similarity_method,,moment-closure (approximate),"
+
+
+def test_per_class_baselines_and_localisation(backdoor_run):
+    """The behavioural baselines per class on clean test images are in the JSON, CSV and
+    table, equal to a recomputation from the saved checkpoints, and the localisation rule is
+    applied to tensor similarity and to each baseline with a counted comparison."""
+    _, out = backdoor_run
+    import json as _json
+
+    from tensoralg.audit.backdoor import backdoor_table
+    from tensoralg.baselines import per_class_baselines
+    from tensoralg.checkpoint import load_checkpoint
+    from tensoralg.data import load_digits_data
+
+    res = _json.loads((out / "backdoor.json").read_text())
+    a, _ = load_checkpoint(out / "checkpoints" / "clean")
+    b, _ = load_checkpoint(out / "checkpoints" / "backdoored")
+    d = load_digits_data(seed=0)
+    pc = per_class_baselines(a, b, d.X_test, d.y_test)
+    got = res["per_class_baselines"]
+    for key in ("logit_cosine", "prob_cosine", "output_slice_cosine", "agreement"):
+        assert [got[key][str(c)] for c in range(10)] == pytest.approx(pc[key], rel=1e-9)
+    assert [got["accuracy_compared"][str(c)] for c in range(10)] == pytest.approx(pc["accuracy_b"])
+    loc = res["localisation"]
+    assert loc["rule"].startswith("a per-class score localises the change to class t")
+    assert set(loc["baselines"]) == {"logit_cosine", "prob_cosine", "output_slice_cosine",
+                                     "agreement", "accuracy_change"}
+    assert loc["tensor"]["localises"] is True and loc["tensor"]["lowest_class"] == 9
+    assert sum(loc["comparison"]["counts"].values()) == 5
+    assert res["finding"]["localisation_statement"] == loc["comparison"]["statement"]
+    assert res["control"]["localisation"]["tensor"]["localises"] is False   # no backdoor there
+    csv = (out / "backdoor.csv").read_text()
+    assert "per_class:logit_cosine,9," in csv and "localisation_separation:tensor_similarity" in csv
+    text = backdoor_table(res)
+    assert "localisation rule (declared before the numbers)" in text
+    assert text.index("localisation rule") < text.index("Tensor similarity localises")

@@ -96,3 +96,23 @@ def test_monte_carlo_forgetting_records_standard_errors(tmp_path, capsys):
     header = (out / "forgetting.csv").read_text().splitlines()[0]
     assert header == "stage,quantity,class,value,stderr"
     assert "±" in text and "3000 samples" in text
+
+
+def test_behavioural_baselines_localise_the_removed_class_too(run):
+    """At removal the removed class's accuracy drops to 0: the behavioural per-class baselines
+    single it out as well, and the audit says so by the declared rule."""
+    _, out = run
+    res = json.loads((out / "forgetting.json").read_text())
+    labels = [s["label"] for s in res["stages"]]
+    assert set(res["per_class_baselines_to_reference"]) == set(labels)
+    at = res["per_class_baselines_to_reference"]["-9"]
+    assert at["accuracy_checkpoint"]["9"] == 0.0
+    assert res["global_baselines_to_reference"]["+9"]["output_cosine"] == pytest.approx(1.0)
+    loc = res["localisation"]
+    assert loc["stage"] == "-9" and loc["tensor"]["localises"] is True
+    assert loc["baselines"]["accuracy_change"]["localises"] is True
+    assert loc["comparison"]["counts"]["equally"] >= 1
+    from tensoralg.audit.forgetting import forgetting_table
+
+    text = forgetting_table(res)
+    assert "localisation rule (declared before the numbers)" in text and "linear CKA" in text

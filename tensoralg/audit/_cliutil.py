@@ -114,6 +114,8 @@ def run(args, name: str, fn):
         from .common import reason_text
 
         why = reason_text(str(exc))
+        if getattr(args, "metric", "gaussian") == "frobenius":   # no estimate to suggest
+            raise ValueError(why) from None
         raise ValueError(f"--method {getattr(args, 'method', 'exact')}: {why}; use --method "
                          f"montecarlo (an estimate with its standard error and reliability "
                          f"verdict) or --method closure (the moment-closure similarity: fast, "

@@ -8,14 +8,21 @@ scikit-learn's digits: the
    to the target class: the *backdoored* checkpoint.
 3. As a control, fine-tune another copy for the same steps on clean data only.
 4. Compare clean vs. backdoored: global tensor similarity and per-class slice similarity
-   (``tensoralg.similarity(..., output="each")``, Gaussian metric, exact for depth <= 2), the
-   trigger's attack success rate, clean accuracy before/after, and the data baselines on clean
-   test images (`tensoralg.baselines.all_baselines`).
+   (``tensoralg.similarity(..., output="each")``, the Gaussian metric or, with
+   ``metric="frobenius"``, the symmetrised Frobenius cosine; exact for depth <= 2), the
+   trigger's attack success rate, clean accuracy before/after, the global data baselines on
+   clean test images (`tensoralg.baselines.all_baselines`) and the per-class ones
+   (`tensoralg.baselines.per_class_baselines`).
+5. Apply the localisation rule (`tensoralg.audit.common.LOCALISATION_RULE`, fixed before any
+   number) to tensor similarity's slices and to each per-class baseline, and say whether tensor
+   similarity localises the change better, equally or worse.
 
 The expected finding (Pearce et al., "Bilinear MLPs enable weight-based mechanistic
 interpretability", 2024, backdoor section): clean accuracy and the baselines barely move, while
 the target class's slice similarity drops clearly below every other class — the weights show
-the backdoor without any triggered data.
+the backdoor without any triggered data. On the digits the output-slice cosine on clean test
+images (the same slice question asked of the data) localises the backdoor as well
+(docs/audits.md).
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .common import (
+    LOCALISATION_RULE,
     MC_SAMPLES,
     PATHS_NOTE,
+    check_metric,
     format_table,
     gap_finding,
     method_label,
@@ -36,6 +45,7 @@ from .common import (
     progress,
     run_staged,
     stamp,
+    unreliable_slices,
     write_csv,
     write_json,
 )
@@ -65,6 +75,7 @@ class BackdoorConfig:
     method: str = "auto"
     control: bool = True
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
+    metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
 
     @classmethod
     def quick(cls, **kw) -> BackdoorConfig:
@@ -74,6 +85,7 @@ class BackdoorConfig:
         return cls(**base)
 
     def validate(self) -> None:
+        check_metric(self.metric, self.method)
         if not (0 <= self.target < 10):
             raise ValueError(f"--target: expected a digit class 0..9, got {self.target}")
         if not (0.0 < self.poison_fraction < 1.0):
@@ -127,7 +139,7 @@ def run_backdoor(cfg: BackdoorConfig, out: str | Path, show_progress: bool = Tru
 def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: str) -> dict:
     import torch
 
-    from ..baselines import all_baselines
+    from ..baselines import all_baselines, per_class_baselines
     from ..checkpoint import save_checkpoint
     from ..data import add_trigger, load_digits_data, poison
     from ..nn import accuracy, train_classifier
@@ -167,7 +179,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     t1 = time.perf_counter()
     # "auto" stays "auto" when exact was planned, keeping its run-time Monte Carlo fallback
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
-    mc = {"n_samples": cfg.n_samples, "seed": cfg.seed}
+    mc = {"n_samples": cfg.n_samples, "seed": cfg.seed, "metric": cfg.metric}
     sim = pair_similarity(clean, backdoored, sim_method, depth=cfg.n_layers, **mc)
     ctl = (pair_similarity(clean, control, sim["method"], depth=cfg.n_layers,
                            norm2_a=sim["norm2_a_each"], **mc) if control else None)
@@ -181,6 +193,8 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     asr_before = accuracy(clean, Xt, target_t)
     base = all_baselines(clean, backdoored, data.X_test)
     base_ctl = all_baselines(clean, control, data.X_test) if control else None
+    pcb = per_class_baselines(clean, backdoored, data.X_test, data.y_test)
+    pcb_ctl = per_class_baselines(clean, control, data.X_test, data.y_test) if control else None
     bar.update(1)
     bar.close()
 
@@ -209,8 +223,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
         # the closure's value is not the tensor similarity beyond one layer (it is at depth 1)
         "method_label": method_label(sim["method"]),
         "approximate": sim["method"] == "closure" and cfg.n_layers >= 2,
-        "metric": "gaussian",
+        "metric": cfg.metric,
         "finding": gap_finding(slices, se, cfg.target, sim.get("each_reliable")),
+        "per_class_baselines": _per_class_json(pcb),
         "data": data.provenance,
         "n_test": int(len(data.X_test)),
         "checkpoints": {"clean": "checkpoints/clean", "backdoored": "checkpoints/backdoored"},
@@ -231,7 +246,12 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                 {str(c): v for c, v in enumerate(ctl["each_reliable"])}),
             "clean_accuracy": accuracy(control, data.X_test, data.y_test),
             "baselines": base_ctl,
+            "per_class_baselines": _per_class_json(pcb_ctl),
         }
+    result["localisation"] = _localise(sim, pcb, cfg.target)
+    if ctl is not None:   # the same rule on the control: a class singled out there is noise
+        result["control"]["localisation"] = _localise(ctl, pcb_ctl, cfg.target)
+    result["finding"]["localisation_statement"] = result["localisation"]["comparison"]["statement"]
 
     def _se(s, c):
         return None if s["each_stderr"] is None else s["each_stderr"][c]
@@ -247,6 +267,15 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
              ("clean_accuracy_before", "", result["clean_accuracy"]["before"]),
              ("clean_accuracy_after", "", result["clean_accuracy"]["after"])]
     rows += [(f"baseline:{k}", "", v) for k, v in base.items()]
+    for prefix, pc in (("", pcb), ("control_", pcb_ctl)):
+        if pc is not None:
+            rows += [(f"{prefix}per_class:{k}", c, v) for k, vals in pc.items()
+                     for c, v in enumerate(vals)]
+    for prefix, loc in (("", result["localisation"]),
+                        ("control_", result.get("control", {}).get("localisation"))):
+        if loc is not None:
+            rows += [(f"{prefix}localisation_separation:{k}", cfg.target, d.get("separation"))
+                     for k, d in [("tensor_similarity", loc["tensor"]), *loc["baselines"].items()]]
     rows = [tuple(r) + (None,) * (4 - len(r)) for r in rows]
     write_csv(out / CSV_NAME, ["quantity", "class", "value", "stderr"], rows)
     shown = [v if ok else float("nan") for v, ok in  # a bar is not drawn for a non-answer
@@ -254,13 +283,56 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     slice_bars(out / FIG_NAME, shown, cfg.target,
                {k: v for k, v in base.items() if k != "js_divergence"},
                f"backdoor audit: clean vs backdoored (target {cfg.target}, "
-               f"ASR {asr_after:.2f}, {method_label(sim['method'])})",
+               f"ASR {asr_after:.2f}, {method_label(sim['method'])}, {cfg.metric})",
                control=ctl["each"] if ctl is not None else None,
-               global_similarity=result["global_similarity"])
+               global_similarity=result["global_similarity"],
+               per_class={lab: (_scores(pcb)[k], result["localisation"]["baselines"][k])
+                          for k, lab in PER_CLASS_LABELS.items()},
+               tensor_localisation=result["localisation"]["tensor"])
     result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,
                                                                     result, out)
     write_json(out / JSON_NAME, result)
     return result
+
+
+#: The behavioural per-class scores the localisation rule is applied to (clean test data),
+#: with their labels in tables and figures.
+PER_CLASS_LABELS = {
+    "logit_cosine": "logit cosine (class's test images)",
+    "prob_cosine": "probability cosine (class's test images)",
+    "output_slice_cosine": "output-slice cosine (all test images)",
+    "agreement": "prediction agreement (class's test images)",
+    "accuracy_change": "-|accuracy change| (class's test images)",
+}
+
+
+def _scores(pc: dict) -> dict:
+    """The per-class scores of `PER_CLASS_LABELS` (lower = more changed)."""
+    out = {k: pc[k] for k in ("logit_cosine", "prob_cosine", "output_slice_cosine", "agreement")}
+    out["accuracy_change"] = [-abs(b - a) for a, b in zip(pc["accuracy_a"], pc["accuracy_b"])]
+    return out
+
+
+def _per_class_json(pc: dict | None) -> dict | None:
+    if pc is None:
+        return None
+    names = {"accuracy_a": "accuracy_clean", "accuracy_b": "accuracy_compared"}
+    return {names.get(k, k): {str(c): v for c, v in enumerate(vals)} for k, vals in pc.items()}
+
+
+def _localise(sim: dict, pc: dict, target: int) -> dict:
+    """`LOCALISATION_RULE` applied to tensor similarity's slices and to each behavioural
+    per-class score, and the comparison (tensor better / equally / worse)."""
+    from .common import compare_localisation, localisation
+
+    bad = unreliable_slices(sim.get("each_reliable"))
+    tensor = ({"assessed": False, "localises": None,
+               "not_assessed": f"no reliable Monte Carlo estimate for slice(s) "
+                               f"{', '.join(map(str, bad))}"} if bad else
+              localisation(sim["each"], target, sim.get("each_stderr")))
+    base = {k: localisation(v, target) for k, v in _scores(pc).items()}
+    return {"rule": LOCALISATION_RULE, "target_class": target, "tensor": tensor,
+            "baselines": base, "comparison": compare_localisation(tensor, base)}
 
 
 def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Path) -> list[str]:
@@ -353,4 +425,147 @@ def backdoor_table(result: dict) -> str:
               f"similarity method: {method} ({result['metric']} metric); {compared}"]
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
+    if result.get("localisation"):
+        lines += ["", localisation_table(result)]
+    return "\n".join(lines)
+
+
+def localisation_table(result: dict) -> str:
+    """Per-class behavioural baselines on clean test images next to tensor similarity, the
+    localisation rule (stated first), each metric's separation, and the comparison."""
+    pcb = result["per_class_baselines"]
+    loc = result["localisation"]
+    target = loc["target_class"]
+    cols = [("logit_cosine", "logit cos"), ("prob_cosine", "prob cos"),
+            ("output_slice_cosine", "out-slice cos"), ("agreement", "agree"),
+            ("accuracy_clean", "acc clean"), ("accuracy_compared", "acc compared")]
+    rows = [[c, result["slice_similarity"][c]] + [pcb[k][c] for k, _ in cols]
+            + (["<- target"] if int(c) == target else [""]) for c in result["slice_similarity"]]
+    lines = ["per-class behaviour on clean test images (clean model vs backdoored):",
+             format_table(["class", "tensor sim"] + [h for _, h in cols] + ["note"], rows), "",
+             f"localisation rule (declared before the numbers): {loc['rule']}"]
+
+    def sep(d):
+        if not d.get("assessed"):
+            return ["not assessed", "", ""]
+        x = d["separation"]
+        return [d["lowest_class"], "inf" if x == float("inf") else f"{x:.2f}",
+                "yes" if d["localises"] else "no"]
+
+    ctl = result.get("control", {}).get("localisation")
+    verdicts = loc["comparison"]["verdicts"]
+    rows = [["tensor similarity (slice)"] + sep(loc["tensor"]) + ["-"]
+            + ([sep(ctl["tensor"])[2]] if ctl else [])]
+    rows += [[PER_CLASS_LABELS[k]] + sep(d) + [verdicts[k]]
+             + ([sep(ctl["baselines"][k])[2]] if ctl else [])
+             for k, d in loc["baselines"].items()]
+    lines += [format_table(["per-class metric", "lowest class", "separation", "localises",
+                            "tensor vs this"] + (["control localises"] if ctl else []), rows),
+              loc["comparison"]["statement"]]
+    return "\n".join(lines)
+
+
+SEEDS_JSON = "backdoor_seeds.json"
+SEEDS_CSV = "backdoor_seeds.csv"
+
+
+def run_backdoor_seeds(cfg: BackdoorConfig, seeds: list[int], out: str | Path,
+                       show_progress: bool = True, json_copy: str | Path | None = None) -> dict:
+    """`run_backdoor` once per seed (``cfg`` with ``seed`` replaced), each complete run in
+    ``out/seed<N>/``, and ``backdoor_seeds.json`` / ``.csv`` at the top: every number's mean ±
+    sample standard deviation over the seeds (`tensoralg.audit.common.spread`) and each finding
+    counted per seed ("holds in 3 of 3"). Checks, planning and staging as `run_backdoor`
+    (nothing is written unless every seed ran).
+
+    Raises:
+        ValueError: ``seeds`` empty, negative or repeated (``--seeds``), and as `run_backdoor`.
+    """
+    from .common import run_seeds
+
+    return run_seeds(cfg, seeds, out, SEEDS_JSON, cfg.n_layers, _model, _run_backdoor,
+                     _summarise_backdoor, show_progress, json_copy)
+
+
+def _summarise_backdoor(results: list[dict], seeds: list[int], stage: Path) -> dict:
+    from .common import count_text, localisation_over_seeds, spread
+
+    def col(get):
+        return spread([get(r) for r in results])
+
+    classes = list(results[0]["slice_similarity"])
+    target = results[0]["target_class"]
+    numbers = {
+        "global_similarity": col(lambda r: float(r["global_similarity"])),
+        "attack_success_rate": col(lambda r: r["attack_success_rate"]),
+        "clean_accuracy_before": col(lambda r: r["clean_accuracy"]["before"]),
+        "clean_accuracy_after": col(lambda r: r["clean_accuracy"]["after"]),
+        **{f"baseline:{k}": col(lambda r, k=k: r["baselines"][k])
+           for k in results[0]["baselines"]},
+    }
+    if results[0].get("control"):
+        numbers["control_global_similarity"] = col(
+            lambda r: float(r["control"]["global_similarity"]))
+    per_class = {"slice_similarity": {c: col(lambda r, c=c: r["slice_similarity"][c])
+                                      for c in classes}}
+    for k in results[0]["per_class_baselines"]:
+        per_class[k] = {c: col(lambda r, c=c, k=k: r["per_class_baselines"][k][c])
+                        for c in classes}
+    localisation, verdicts, loc_text = localisation_over_seeds([r["localisation"]
+                                                                for r in results])
+    lowest = [r["finding"].get("target_slice_is_clearly_lowest") if r["finding"].get("assessed",
+              True) else None for r in results]
+    statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {target}'s "
+                 f"tensor slice is clearly the lowest: {count_text(lowest)}; " + loc_text)
+    summary = {"command": "audit backdoor --seeds", "target_class": target,
+               "method": results[0]["method"], "metric": results[0]["metric"],
+               "numbers": numbers, "per_class": per_class, "localisation": localisation,
+               "localisation_rule": LOCALISATION_RULE, "verdicts": verdicts,
+               "finding": {"target_slice_clearly_lowest": lowest,
+                           "target_slice_clearly_lowest_count": count_text(lowest),
+                           "statement": statement},
+               "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",
+               "files": [SEEDS_JSON, SEEDS_CSV] + [f"seed{s}/{f}" for s, r in zip(seeds, results)
+                                                  for f in r["files"]]}
+    write_seeds_csv(stage / SEEDS_CSV, summary)
+    return summary
+
+
+def write_seeds_csv(path: Path, summary: dict) -> None:
+    """Rows ``quantity, class, mean, sd, min, max, n`` of a seeds summary."""
+    from .common import write_csv
+
+    rows = [(k, "", s["mean"], s["sd"], s["min"], s["max"], s["n"])
+            for k, s in summary["numbers"].items()]
+    for k, per in summary["per_class"].items():
+        rows += [(k, c, s["mean"], s["sd"], s["min"], s["max"], s["n"]) for c, s in per.items()]
+    for k, d in summary["localisation"].items():
+        s = d["separation"]
+        rows.append((f"localisation_separation:{k}", summary.get("target_class", ""), s["mean"],
+                     s["sd"], s["min"], s["max"], s["n"]))
+    write_csv(path, ["quantity", "class", "mean", "sd", "min", "max", "n"], rows)
+
+
+def backdoor_seeds_table(summary: dict) -> str:
+    """Per-class numbers and the global ones as mean ± sample standard deviation over the
+    seeds, the localisation rule, and each finding counted per seed."""
+    from .common import spread_text
+
+    pc = summary["per_class"]
+    cols = [("slice_similarity", "tensor sim"), ("logit_cosine", "logit cos"),
+            ("output_slice_cosine", "out-slice cos"), ("accuracy_compared", "acc backdoored")]
+    target = str(summary["target_class"])
+    rows = [[c] + [spread_text(pc[k][c]) for k, _ in cols] + (["<- target"] if c == target
+                                                              else [""])
+            for c in pc["slice_similarity"]]
+    n = len(summary["seeds"])
+    lines = [f"backdoor audit over {n} seeds {summary['seeds']} ({summary['method']}, "
+             f"{summary['metric']} metric); {summary['spread_note']}:",
+             format_table(["class"] + [h for _, h in cols] + ["note"], rows), "",
+             format_table(["number", "mean ± sd"],
+                          [[k, spread_text(s)] for k, s in summary["numbers"].items()]), "",
+             f"localisation rule (declared before the numbers): {summary['localisation_rule']}",
+             format_table(["per-class metric", "separation (mean ± sd)", "localises"],
+                          [[k, spread_text(d["separation"]), d["localises_count"]]
+                           for k, d in summary["localisation"].items()]),
+             summary["finding"]["statement"]]
     return "\n".join(lines)

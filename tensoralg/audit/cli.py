@@ -57,8 +57,39 @@ def _common(p: argparse.ArgumentParser, default_out: str, quick: bool = True) ->
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="tensor similarity method (default auto): auto = exact for depth <= 2 (Monte Carlo if the "
                         "exact cost is refused), or force exact/closure/montecarlo")
+    _metric(p)
     _n_samples(p)
     _shared(p, "seed for data split, init, batches and Monte Carlo samples")
+
+
+def _seeds(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=nonneg_int, nargs="+", default=None, metavar="N",
+                   help="run once per seed (e.g. --seeds 0 1 2; each run complete in "
+                        "OUT/seed<N>/) and print every number as mean ± sample standard "
+                        "deviation, each finding counted per seed (default: one run with "
+                        "--seed)")
+
+
+def _seed_list(args) -> list[int] | None:
+    """``--seeds`` checked (distinct); refused together with a non-default ``--seed``."""
+    from .common import check_seeds
+
+    seeds = check_seeds(getattr(args, "seeds", None))
+    if seeds is not None and args.seed != 0:
+        raise ValueError(f"--seed {args.seed} and --seeds: give one of them (--seeds lists "
+                         f"every seed run)")
+    return seeds
+
+
+def _metric(p: argparse.ArgumentParser, language: bool = False) -> None:
+    from .common import SIM_METRICS
+
+    p.add_argument("--metric", choices=SIM_METRICS, default="gaussian",
+                   help="similarity metric (default gaussian: E over x ~ N(0, I)); frobenius: "
+                        "the symmetrised Frobenius cosine of the weights (the original "
+                        "authors' metric for the backdoor and grokking figures; exact only)"
+                        + ("; refused here: bilinear transformers have the Gaussian metric "
+                           "only" if language else ""))
 
 
 def _n_ctx(p: argparse.ArgumentParser) -> None:
@@ -106,6 +137,7 @@ def add_parsers(sub) -> None:
                    help="residual stream width (default 32)")
     b.add_argument("--d-hidden", type=positive_int, default=64,
                    help="hidden units per bilinear block (default 64)")
+    _seeds(b)
     b.set_defaults(func=cmd_backdoor, own_threads=True)
 
     f = asub.add_parser("forgetting", help="class curriculum on digits: per-class similarity")
@@ -116,6 +148,7 @@ def add_parsers(sub) -> None:
                    help="training steps per curriculum stage (default 600; 150 with --quick)")
     f.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
+    _seeds(f)
     f.set_defaults(func=cmd_forgetting, own_threads=True)
 
     g = asub.add_parser("grokking", help="modular addition: checkpoint similarity matrix")
@@ -209,6 +242,7 @@ def _add_language(asub) -> None:
                         "verdict, the approximate moment-closure beside it as a labelled "
                         "column; closure: the moment-closure matrix, APPROXIMATE beyond one "
                         "layer)")
+    _metric(p, language=True)
     p.add_argument("--metrics", type=_metric_list, default=None,
                    help="degree report: comma-separated input metrics among residual (N(0, I) "
                         "on the residual stream), vocab (N(0, I) on one-hot tokens through "
@@ -262,7 +296,7 @@ def _add_language(asub) -> None:
 def cmd_language(args) -> int:
     from .language import LanguageConfig, language_table, run_language
 
-    kw = dict(seed=args.seed, method=args.method)
+    kw = dict(seed=args.seed, method=args.method, metric=args.metric)
     for opt, key in (("layers", "n_layers"), ("d_model", "d_model"), ("heads", "n_heads"),
                      ("d_head", "d_head"), ("n_ctx", "n_ctx"), ("steps", "steps"),
                      ("checkpoints", "checkpoints"), ("chars", "n_chars"),
@@ -302,16 +336,25 @@ def cmd_backdoor(args, demo: bool = False) -> int:
     name = "demo" if demo else "audit backdoor"
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
-              d_hidden=args.d_hidden, n_samples=_samples(args))
+              d_hidden=args.d_hidden, n_samples=_samples(args), metric=args.metric)
     if args.steps:
         kw["steps"] = args.steps
     if args.finetune_steps:
         kw["finetune_steps"] = args.finetune_steps
     cfg = BackdoorConfig.quick(**kw) if args.quick else BackdoorConfig(**kw)
     cfg.validate()
+    seeds = None if demo else _seed_list(args)
     out = check_paths(args, "runs/demo" if demo else "runs/backdoor")
     apply_threads(args)
     t0 = time.perf_counter()
+    if seeds is not None:
+        from .backdoor import backdoor_seeds_table, run_backdoor_seeds
+
+        result = run(args, name, lambda: run_backdoor_seeds(
+            cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
+        header = (f"tensoralg {name}: backdoor audit on scikit-learn digits, {len(seeds)} seeds "
+                  f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
+        return report(args, result, backdoor_seeds_table, header, json_written=True)
     result = run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress,
                                                   json_copy=args.json))
     header = (f"tensoralg {name}: backdoor audit on scikit-learn digits "
@@ -330,13 +373,20 @@ def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
-              n_layers=args.layers, n_samples=_samples(args))
+              n_layers=args.layers, n_samples=_samples(args), metric=args.metric)
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
     cfg.validate()
+    seeds = _seed_list(args)
     out = check_paths(args, "runs/forgetting")
     apply_threads(args)
+    if seeds is not None:
+        from .forgetting import forgetting_seeds_table, run_forgetting_seeds
+
+        result = run(args, "audit forgetting", lambda: run_forgetting_seeds(
+            cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
+        return report(args, result, forgetting_seeds_table, json_written=True)
     result = run(args, "audit forgetting",
                  lambda: run_forgetting(cfg, out, show_progress=not args.no_progress,
                                         json_copy=args.json))
@@ -346,7 +396,7 @@ def cmd_forgetting(args) -> int:
 def cmd_grokking(args) -> int:
     from .grokking import GrokkingConfig, grokking_table, run_grokking
 
-    kw = dict(seed=args.seed, method=args.method, n_samples=_samples(args))
+    kw = dict(seed=args.seed, method=args.method, n_samples=_samples(args), metric=args.metric)
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
             kw[name] = getattr(args, name)

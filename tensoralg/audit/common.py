@@ -22,6 +22,27 @@ from ..io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 METHODS = ("auto", "exact", "closure", "montecarlo")
 
+#: The similarity metrics an audit can use (``--metric``): ``gaussian`` (E over x ~ N(0, I),
+#: docs/mathematics.md §3.1) and ``frobenius``, the symmetrised Frobenius cosine of the lifted
+#: coefficient tensors (§3.3; the metric of the original authors' backdoor and grokking figures;
+#: a closed form of the weights, so exact only).
+SIM_METRICS = ("gaussian", "frobenius")
+
+
+def check_metric(metric: str, method: str) -> None:
+    """Refuse, before any training, an unknown ``--metric`` or a Frobenius run with a method
+    that has no Frobenius value (``closure``, ``montecarlo``).
+
+    Raises:
+        ValueError: one line naming ``--metric`` (and ``--method``).
+    """
+    if metric not in SIM_METRICS:
+        raise ValueError(f"--metric: expected one of {', '.join(SIM_METRICS)}, got {metric!r}")
+    if metric == "frobenius" and method not in ("auto", "exact"):
+        raise ValueError(f"--metric frobenius: the symmetrised Frobenius cosine is a closed form "
+                         f"of the weights, computed exactly; --method {method} has none (use "
+                         f"--method exact or auto)")
+
 PATHS_NOTE = "relative to the output folder (the folder holding this JSON)"
 
 
@@ -222,17 +243,20 @@ def staged_output(out: str | Path, json_name: str):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def exact_cost_refused(net: Any, n_ctx: int | None = None) -> str | None:
+def exact_cost_refused(net: Any, n_ctx: int | None = None,
+                       metric: str = "gaussian") -> str | None:
     """Why the exact Gaussian inner product ``<net, net>`` is over budget, or ``None`` if it is
     affordable. Contracts nothing: [`tensoralg.plan`][tensoralg.plan] counts Wick configurations and
     estimates the FLOPs of the contraction paths (refused when it raises ``CostTooHigh``, marks
     the plan ``refused``, or estimates more than ``tensoralg.request.DEFAULT_MAX_FLOPS``).
-    ``n_ctx``: the sequence length of a sequence network (None for others)."""
+    ``n_ctx``: the sequence length of a sequence network (None for others); ``metric``: the
+    metric planned (``gaussian`` or ``frobenius``)."""
     import tensoralg as ta
     from tensoralg.request import DEFAULT_MAX_FLOPS
 
     try:
-        plan = ta.plan(net) if n_ctx is None else ta.plan(net, n_ctx=n_ctx)
+        plan = (ta.plan(net, metric=metric) if n_ctx is None
+                else ta.plan(net, metric=metric, n_ctx=n_ctx))
     except ta.CostTooHigh as exc:
         return reason_text(str(exc))
     if getattr(plan, "refused", None):
@@ -276,7 +300,8 @@ def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any
     final = check_output_folder(out, json_name)
     if json_copy is not None:
         check_file_writable(json_copy, "--json")
-    method = choose_method(cfg.method, depth, model.to_network())
+    method = choose_method(cfg.method, depth, model.to_network(),
+                           metric=getattr(cfg, "metric", "gaussian"))
     with staged_output(final, json_name) as stage:
         result = runner(cfg, stage, show_progress, method)
         result["out"] = str(final)
@@ -285,12 +310,15 @@ def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any
     return result
 
 
-def choose_method(method: str, depth: int, net: Any, n_ctx: int | None = None) -> str:
+def choose_method(method: str, depth: int, net: Any, n_ctx: int | None = None,
+                  metric: str = "gaussian") -> str:
     """The similarity method a run will use, decided BEFORE any training from an untrained
     model ``net`` of the configured architecture (the cost depends on sizes only).
 
     ``auto``: ``exact`` for depth <= 2 when affordable, otherwise ``montecarlo``. ``exact``
     over budget raises (so that no training is wasted). ``closure``/``montecarlo``: as given.
+    ``metric="frobenius"`` (a closed form of the weights): always ``exact`` at any depth, and
+    over budget raises whatever ``method`` says (there is no Frobenius estimate to fall back on).
 
     Raises:
         tensoralg.CostTooHigh: ``method == "exact"`` and the exact cost is refused (the message
@@ -299,14 +327,20 @@ def choose_method(method: str, depth: int, net: Any, n_ctx: int | None = None) -
     """
     import tensoralg as ta
 
-    m = resolve_method(method, depth)
+    check_metric(metric, method)
+    m = "exact" if metric == "frobenius" else resolve_method(method, depth)
     if m != "exact":
         return m
-    why = exact_cost_refused(net, n_ctx)
+    why = exact_cost_refused(net, n_ctx, metric)
     if why is None:
         return m
-    if method == "auto":
+    if method == "auto" and metric == "gaussian":
         return "montecarlo"
+    if metric == "frobenius":
+        raise ta.CostTooHigh(f"--metric frobenius: the exact Frobenius similarity of this "
+                             f"depth-{depth} architecture is over budget ({why}; planned before "
+                             f"any training); the Frobenius metric has no estimate to fall back "
+                             f"on: use a smaller architecture or --metric gaussian")
     raise ta.CostTooHigh(f"the exact similarity of this depth-{depth} architecture is over budget "
                          f"({why}; planned before any training or contraction); use "
                          f"method='montecarlo' (an estimate with a standard error and "
@@ -341,8 +375,10 @@ def method_label(method: str) -> str:
 
 def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
                     norm2_a: Sequence[float] | None = None, n_samples: int = MC_SAMPLES,
-                    seed: int = 0) -> dict:
-    """Global and per-output tensor similarity (Gaussian metric) of two models.
+                    seed: int = 0, metric: str = "gaussian") -> dict:
+    """Global and per-output tensor similarity of two models under ``metric`` (``gaussian``, or
+    ``frobenius``: the symmetrised Frobenius cosine, docs/mathematics.md §3.3, exact only —
+    ``auto`` then means exact at any depth, with no Monte Carlo fallback).
 
     Exact / closure: three per-output inner-product vectors (``tensoralg.inner(...,
     output="each")``) give everything: slice ``c`` is ``<a_c, b_c> / sqrt(<a_c, a_c> <b_c,
@@ -368,22 +404,24 @@ def pair_similarity(a: Any, b: Any, method: str = "auto", depth: int = 1,
     """
     import tensoralg as ta
 
-    m = resolve_method(method, depth)
+    check_metric(metric, method)
+    m = "exact" if metric == "frobenius" else resolve_method(method, depth)
 
     def compute(meth):
-        ab = np.asarray(ta.inner(a, b, method=meth, output="each"), dtype=np.float64)
+        kw = {"method": meth, "output": "each", "metric": metric}
+        ab = np.asarray(ta.inner(a, b, **kw), dtype=np.float64)
         if norm2_a is not None and meth == m:
             aa = np.asarray(norm2_a, dtype=np.float64)
         else:
-            aa = np.asarray(ta.inner(a, a, method=meth, output="each"), dtype=np.float64)
-        bb = np.asarray(ta.inner(b, b, method=meth, output="each"), dtype=np.float64)
+            aa = np.asarray(ta.inner(a, a, **kw), dtype=np.float64)
+        bb = np.asarray(ta.inner(b, b, **kw), dtype=np.float64)
         return ab, aa, bb
 
     if m != "montecarlo":
         try:
             ab, aa, bb = compute(m)
         except ta.CostTooHigh:
-            if method != "auto":
+            if method != "auto" or metric != "gaussian":
                 raise
             m = "montecarlo"
     if m == "montecarlo":
@@ -455,25 +493,28 @@ def gap_finding(each: Sequence[float], each_stderr: Sequence[float] | None, cls:
 
 def similarity_matrix(models: Sequence[Any], method: str = "auto", depth: int = 1,
                       output: Any = None, seed: int = 0, n_samples: int = MC_SAMPLES,
-                      n_ctx: int | None = None) -> tuple[np.ndarray, str]:
+                      n_ctx: int | None = None,
+                      metric: str = "gaussian") -> tuple[np.ndarray, str]:
     """``tensoralg.similarity_matrix`` (one batched Gram computation) with the method recorded;
+    ``metric``: ``gaussian`` or ``frobenius`` (exact only, no Monte Carlo fallback);
     ``seed`` and ``n_samples`` drive Monte Carlo (unused by the other methods); ``n_ctx``: the
     sequence length of sequence networks (None for others). A Monte Carlo
     matrix is the library's `MonteCarloArray` itself:
     per entry a delta-method standard error and a reliability verdict (`mc_entries`)."""
     import tensoralg as ta
 
-    m = resolve_method(method, depth)
+    check_metric(metric, method)
+    m = "exact" if metric == "frobenius" else resolve_method(method, depth)
     mc = {"seed": seed, "n_samples": n_samples}
     if n_ctx is not None:
         output = {"output": output, "n_ctx": n_ctx}
     else:
         output = {"output": output}
     try:
-        return ta.similarity_matrix(list(models), method=m, **output,
+        return ta.similarity_matrix(list(models), method=m, metric=metric, **output,
                                     **(mc if m == "montecarlo" else {})), m
     except ta.CostTooHigh:
-        if method != "auto":
+        if method != "auto" or metric != "gaussian":
             raise
         return ta.similarity_matrix(list(models), method="montecarlo", **output,
                                     **mc), "montecarlo"
@@ -558,3 +599,207 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# localisation: does a per-class score single out one class? (declared before any number)
+# ----------------------------------------------------------------------------------------
+
+#: The threshold of the localisation rule (`localisation`).
+LOCALISATION_MIN_SEPARATION = 1.0
+
+#: The rule every audit applies, to tensor similarity and to each behavioural baseline alike.
+LOCALISATION_RULE = (
+    "a per-class score localises the change to class t when t's score is the lowest of all "
+    "classes and its gap to the next-lowest class is at least the spread (max - min) of the "
+    "other classes' scores: separation = (next-lowest - score_t) / (max_other - min_other) "
+    f">= {LOCALISATION_MIN_SEPARATION:g} (a scale-free test: it compares metrics with different "
+    "ranges); similarities enter as they are (lower = more changed), per-class accuracy as "
+    "-|accuracy change|; with Monte Carlo the gap must also exceed 2 standard errors")
+
+
+def localisation(scores: Sequence[float], target: int,
+                 stderr: Sequence[float] | None = None) -> dict:
+    """Apply `LOCALISATION_RULE` to per-class ``scores`` (lower = more changed) for class
+    ``target``.
+
+    Returns ``{"assessed", "score", "lowest_class", "next_lowest", "next_lowest_class", "gap",
+    "spread_others", "separation", "localises"}``: ``separation`` is ``gap / spread_others``
+    (``inf`` when the other classes are all equal and the gap is positive; null in the JSON);
+    ``assessed`` is False (and ``localises`` None) when a score is not finite.
+    ``stderr``: per-class standard errors (Monte Carlo); the gap must then also exceed twice
+    ``sqrt(se_t^2 + se_next^2)`` (covariance ignored).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if not np.all(np.isfinite(s)):
+        return {"assessed": False, "localises": None,
+                "not_assessed": f"no finite score for class(es) "
+                                f"{', '.join(map(str, np.flatnonzero(~np.isfinite(s))))}"}
+    others = [c for c in range(len(s)) if c != target]
+    nxt = min(others, key=lambda c: s[c])
+    gap = float(s[nxt] - s[target])
+    spread = float(s[others].max() - s[others].min())
+    sep = gap / spread if spread > 0 else (math.inf if gap > 0 else 0.0)
+    ok = gap > 0 and sep >= LOCALISATION_MIN_SEPARATION
+    out = {"assessed": True, "score": float(s[target]), "lowest_class": int(np.argmin(s)),
+           "next_lowest": float(s[nxt]), "next_lowest_class": int(nxt), "gap": gap,
+           "spread_others": spread, "separation": sep}
+    if stderr is not None:
+        se = float(math.hypot(stderr[target], stderr[nxt]))
+        out["gap_stderr"] = se
+        ok = ok and gap > 2 * se
+    out["localises"] = bool(ok)
+    return out
+
+
+def compare_localisation(tensor: Mapping[str, Any],
+                         baselines: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Tensor similarity's `localisation` against each baseline's: ``better`` (tensor
+    localises, the baseline does not), ``worse`` (the reverse), ``equally (both localise)``,
+    ``equally (neither localises)``, ``not assessed`` (either is not assessed); plus the
+    counts and one sentence with every separation."""
+    verdicts = {}
+    for name, b in baselines.items():
+        t, o = tensor.get("localises"), b.get("localises")
+        verdicts[name] = ("not assessed" if t is None or o is None else
+                          "better" if t and not o else "worse" if o and not t else
+                          "equally (both localise)" if t else "equally (neither localises)")
+    counts = {v: sum(1 for x in verdicts.values() if x.startswith(v))
+              for v in ("better", "equally", "worse", "not assessed")}
+
+    def sep(d):
+        if not d.get("assessed"):
+            return "not assessed"
+        x = d["separation"]
+        return (f"{'inf' if math.isinf(x) else f'{x:.2f}'} (lowest class {d['lowest_class']}; "
+                f"{'localises' if d['localises'] else 'does not localise'})")
+
+    def larger(b):   # both localise: which stands further apart (a number, not a verdict)
+        if not (tensor.get("localises") and b.get("localises")):
+            return ""
+        t, o = tensor["separation"], b["separation"]
+        return (", larger separation for tensor similarity" if t > o else
+                ", larger separation for the baseline" if o > t else ", equal separations")
+
+    parts = [f"{name}: {sep(b)} -> tensor {verdicts[name]}{larger(b)}"
+             for name, b in baselines.items()]
+    sentence = (f"tensor similarity: separation {sep(tensor)}; " + "; ".join(parts) +
+                f". Tensor similarity localises better than {counts['better']}, equally well as "
+                f"{counts['equally']}, worse than {counts['worse']} of {len(baselines)} "
+                f"behavioural baselines on this data")
+    return {"rule": LOCALISATION_RULE, "verdicts": verdicts, "counts": counts,
+            "statement": sentence}
+
+
+# ----------------------------------------------------------------------------------------
+# several seeds: one complete run per seed, and the spread of every number over the seeds
+# ----------------------------------------------------------------------------------------
+
+def check_seeds(seeds: Sequence[int] | None) -> list[int] | None:
+    """``--seeds``: a non-empty list of distinct non-negative integers (or None: one run).
+
+    Raises:
+        ValueError: one line naming ``--seeds``.
+    """
+    if seeds is None:
+        return None
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("--seeds: expected one or more non-negative integers, got none")
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, (int, np.integer))
+           or s < 0]
+    if bad:
+        raise ValueError(f"--seeds: expected non-negative integers, got {bad}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: each seed once, got {seeds}")
+    return [int(s) for s in seeds]
+
+
+def spread(values: Sequence[Any]) -> dict:
+    """``{"mean", "sd", "min", "max", "n", "values"}`` of one number over seeds: ``sd`` is the
+    sample standard deviation (``ddof = 1``; 0 for one seed); the statistics use the finite
+    values only (an infinite separation or a missing estimate is left out, ``n`` counts the
+    ones used) and are None when there is none."""
+    vals = [None if v is None else float(v) for v in values]
+    fin = np.array([v for v in vals if v is not None and math.isfinite(v)], dtype=np.float64)
+    if fin.size == 0:
+        return {"mean": None, "sd": None, "min": None, "max": None, "n": 0, "values": vals}
+    return {"mean": float(fin.mean()), "sd": float(fin.std(ddof=1)) if fin.size > 1 else 0.0,
+            "min": float(fin.min()), "max": float(fin.max()), "n": int(fin.size),
+            "values": vals}
+
+
+def spread_text(s: Mapping[str, Any]) -> str:
+    """A `spread` as ``"0.9123 ± 0.0041"`` (mean ± sample standard deviation)."""
+    if s["mean"] is None:
+        return "n/a"
+    return f"{s['mean']:.4f} ± {s['sd']:.4f}"
+
+
+def count_text(flags: Sequence[Any]) -> str:
+    """``"holds in 3 of 3"`` for a finding per seed (None: not assessed, counted apart)."""
+    yes = sum(1 for f in flags if f is True)
+    na = sum(1 for f in flags if f is None)
+    return f"holds in {yes} of {len(flags)}" + (f" ({na} not assessed)" if na else "")
+
+
+def run_seeds(cfg: Any, seeds: Sequence[int], out: str | Path, json_name: str, depth: int,
+              model_fn: Any, runner: Any, summarise: Any, show_progress: bool,
+              json_copy: str | Path | None = None) -> dict:
+    """`run_staged` for several seeds: every check before any training (configuration for
+    each seed, ``out``, ``json_copy``, the method planned on an untrained model), then one
+    complete run per seed into ``seed<N>/`` of one staged folder, then
+    ``summarise(results, seeds, stage)`` (the spread of each number and the findings counted
+    per seed; it may write more files into ``stage``) written as ``json_name`` at the top;
+    ``out`` is replaced only when every seed ran."""
+    import dataclasses
+
+    seeds = check_seeds(seeds)
+    cfgs = [dataclasses.replace(cfg, seed=s) for s in seeds]
+    for c in cfgs:
+        c.validate()
+    final = check_output_folder(out, json_name)
+    if json_copy is not None:
+        check_file_writable(json_copy, "--json")
+    method = choose_method(cfg.method, depth, model_fn(cfgs[0]).to_network(),
+                           metric=getattr(cfg, "metric", "gaussian"))
+    with staged_output(final, json_name) as stage:
+        results = []
+        for c in cfgs:
+            sub = stage / f"seed{c.seed}"
+            sub.mkdir()
+            results.append(runner(c, sub, show_progress, method))
+        summary = summarise(results, seeds, stage)
+        summary.update({**stamp(summary["command"], {**dataclasses.asdict(cfg),
+                                                      "seeds": seeds}),
+                        "seeds": seeds, "runs": {str(s): f"seed{s}" for s in seeds},
+                        "paths": PATHS_NOTE})
+        write_json(stage / json_name, summary)
+        summary["out"] = str(final)
+        if json_copy is not None:
+            write_json_copy(json_copy, summary, final, stage)
+    return summary
+
+
+def localisation_over_seeds(locs: Sequence[Mapping[str, Any]]) -> tuple[dict, dict, str]:
+    """The per-seed localisation results (each ``{"tensor", "baselines", "comparison"}``)
+    gathered: per metric the separation's `spread` and ``localises`` per seed, counted; per
+    baseline the comparison verdicts per seed; and one sentence with the counts."""
+    names = ["tensor_similarity"] + list(locs[0]["baselines"])
+
+    def get(loc, name):
+        return loc["tensor"] if name == "tensor_similarity" else loc["baselines"][name]
+
+    out = {}
+    for name in names:
+        flags = [get(lc, name).get("localises") for lc in locs]
+        out[name] = {"separation": spread([get(lc, name).get("separation") for lc in locs]),
+                     "localises": flags, "localises_count": count_text(flags)}
+    verdicts = {name: [lc["comparison"]["verdicts"][name] for lc in locs] for name in names[1:]}
+    text = ("localisation rule (declared before the numbers) per seed: "
+            + "; ".join(f"{n} localises: {out[n]['localises_count']}" for n in names)
+            + "; tensor similarity vs each baseline per seed: "
+            + "; ".join(f"{n}: " + ", ".join(f"{v} in {sum(1 for x in vs if x == v)}"
+                                             for v in dict.fromkeys(vs))
+                        for n, vs in verdicts.items()))
+    return out, verdicts, text

@@ -4,12 +4,21 @@ Stages (for the default removed class 9): train on classes 0-4, then add 5, 6, 7
 time (each stage continues from the previous weights on the enlarged class set), then remove 9,
 then re-add 9. Every stage ends in a checkpoint. The *reference* is the first checkpoint that
 knows all ten classes. For each checkpoint: global and per-class slice tensor similarity to the
-reference (Gaussian metric), test accuracy per class; over all checkpoints: the tensor
+reference (Gaussian metric, or the symmetrised Frobenius cosine with ``metric="frobenius"``),
+test accuracy per class; over all checkpoints: the tensor
 similarity matrix (one batched ``tensoralg.similarity_matrix`` call), linear CKA of the logits
 on the test images, and weight cosine, drawn side by side.
 
+Next to them, per checkpoint against the reference, the behavioural baselines on clean test
+images: output cosine, and per class the logit / probability cosine, agreement, accuracy and the
+output-slice cosine (`tensoralg.baselines.per_class_baselines`); at the removal stage the
+localisation rule (`tensoralg.audit.common.LOCALISATION_RULE`) is applied to tensor similarity
+and to each per-class baseline alike.
+
 Expected finding: the removed class's slice similarity collapses when it is removed and
-recovers when it is re-added, while the other classes' slices stay high.
+recovers when it is re-added, while the other classes' slices stay high. On the digits the
+removed class's accuracy drops to 0, so the behavioural baselines localise the removal too
+(docs/audits.md).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import numpy as np
 from .common import (
     MC_SAMPLES,
     PATHS_NOTE,
+    check_metric,
     format_table,
     matrix_record,
     matrix_uncertainty,
@@ -64,6 +74,7 @@ class ForgettingConfig:
     seed: int = 0
     method: str = "auto"
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
+    metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
 
     @classmethod
     def quick(cls, **kw) -> ForgettingConfig:
@@ -72,6 +83,7 @@ class ForgettingConfig:
         return cls(**base)
 
     def validate(self) -> None:
+        check_metric(self.metric, self.method)
         if not (0 <= self.removed_class < 10):
             raise ValueError(f"--removed-class: expected a digit class 0..9, got {self.removed_class}")
         if not (1 <= self.n_base <= 8):
@@ -124,7 +136,13 @@ def run_forgetting(cfg: ForgettingConfig, out: str | Path, show_progress: bool =
 
 
 def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, method: str) -> dict:
-    from ..baselines import linear_cka, model_outputs, weight_cosine
+    from ..baselines import (
+        linear_cka,
+        model_outputs,
+        output_cosine,
+        per_class_baselines,
+        weight_cosine,
+    )
     from ..checkpoint import save_checkpoint
     from ..data import load_digits_data, select_classes
     from ..nn import accuracy, train_classifier
@@ -161,12 +179,12 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     for m in progress(checkpoints, "similarity to reference", show_progress):
         # the reference goes first in each pair so that its norms are computed once
         ps = pair_similarity(ref, m, sim_method, depth=cfg.n_layers, norm2_a=ref_norm2,
-                             n_samples=cfg.n_samples, seed=cfg.seed)
+                             n_samples=cfg.n_samples, seed=cfg.seed, metric=cfg.metric)
         ref_norm2 = ps["norm2_a_each"]
         per_stage.append(ps)
     method = per_stage[0]["method"]
     tensor_mat, _ = similarity_matrix(checkpoints, method, depth=cfg.n_layers, seed=cfg.seed,
-                                      n_samples=cfg.n_samples)
+                                      n_samples=cfg.n_samples, metric=cfg.metric)
     mat_se, mat_ok = mc_entries(tensor_mat)
     mat_rec = matrix_record(tensor_mat, mat_se, mat_ok)
     tensor_mat = shown_matrix(tensor_mat, mat_ok)
@@ -178,6 +196,9 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     cka = np.array([[linear_cka(logits[i], logits[j]) for j in range(n)] for i in range(n)])
     wcos = np.array([[weight_cosine(checkpoints[i], checkpoints[j]) for j in range(n)]
                      for i in range(n)])
+    # behaviour on clean test images, each checkpoint against the reference, class by class
+    pcb = [per_class_baselines(ref, m, data.X_test, data.y_test) for m in checkpoints]
+    out_cos = [output_cosine(logits[ref_index], lg) for lg in logits]
 
     slices = np.array([s["each"] for s in per_stage])  # (stages, classes)
     r = cfg.removed_class
@@ -219,12 +240,16 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                  ("; each by more than 2 standard errors (sqrt of the summed variances, "
                   "covariance ignored)" if mc else " (deterministic method)")),
     }
+    loc = _localise(slices[i_rm], ses[i_rm] if mc else None, rel[i_rm], pcb[i_rm], r)
+    loc["stage"] = labels[i_rm]
+    finding["localisation_statement"] = (f"at {labels[i_rm]} against {labels[ref_index]}: "
+                                         + loc["comparison"]["statement"])
     result = {
         **stamp("audit forgetting", asdict(cfg)),
         "stages": [{"label": lab, "classes": cl} for lab, cl in stages],
         "reference_stage": labels[ref_index],
         "method": method,
-        "metric": "gaussian",
+        "metric": cfg.metric,
         "global_similarity_to_reference": {lab: s["global"] for lab, s in zip(labels, per_stage)},
         "global_similarity_to_reference_stderr": {lab: s["global_stderr"]
                                                   for lab, s in zip(labels, per_stage)},
@@ -247,6 +272,13 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                      "tensor_similarity_uncertainty": matrix_uncertainty(method, cfg.n_samples,
                                                                          cfg.seed)},
         "finding": finding,
+        "per_class_baselines_to_reference": {
+            lab: {k: {str(c): v for c, v in enumerate(vals)} for k, vals in _named(pc).items()}
+            for lab, pc in zip(labels, pcb)},
+        "global_baselines_to_reference": {
+            lab: {"output_cosine": out_cos[i], "cka_logits": float(cka[ref_index, i]),
+                  "weight_cosine": float(wcos[ref_index, i])} for i, lab in enumerate(labels)},
+        "localisation": loc,
         "data": data.provenance,
         "checkpoints": dict(zip(labels, names)),
         "paths": PATHS_NOTE,
@@ -259,16 +291,30 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                   None if s["each_stderr"] is None else s["each_stderr"][c])
                  for c, v in enumerate(row)]
         rows += [(lab, "test_accuracy", c, v, None) for c, v in enumerate(arow)]
+    for lab, pc in zip(labels, pcb):
+        rows += [(lab, f"per_class_to_reference:{k}", c, v, None)
+                 for k, vals in _named(pc).items() for c, v in enumerate(vals)]
+    for i, lab in enumerate(labels):
+        rows.append((lab, "output_cosine_to_reference", "", out_cos[i], None))
+    rows += [(labels[i_rm], f"localisation_separation:{k}", r, d.get("separation"), None)
+             for k, d in [("tensor_similarity", loc["tensor"]), *loc["baselines"].items()]]
     for name, mat, se in (("tensor_similarity", tensor_mat, mat_se), ("cka_logits", cka, None),
                           ("weight_cosine", wcos, None)):
         rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]),   # NaN: blank
                   None if se is None else float(se[i, j])) for i in range(n) for j in range(n)]
     write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value", "stderr"], rows)
     class_heatmap(out / FIG_SLICES, slices.T, labels,
-                  f"slice similarity to the reference ({labels[ref_index]}, "
-                  f"{method_label(method)}); "
-                  f"class {r} removed at '-{r}'")
-    heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method_label(method)})": tensor_mat,
+                  f"per class, each checkpoint against the reference ({labels[ref_index]}; "
+                  f"tensor similarity {method_label(method)}, {cfg.metric}); class {r} removed "
+                  f"at '-{r}'; localisation separation at '-{r}': tensor "
+                  f"{_sep(loc['tensor'])}, "
+                  + ", ".join(f"{k} {_sep(d)}" for k, d in loc["baselines"].items()),
+                  extra={"logit cosine (class's test images)":
+                         np.array([pc["logit_cosine"] for pc in pcb]).T,
+                         "output-slice cosine (all test images)":
+                         np.array([pc["output_slice_cosine"] for pc in pcb]).T,
+                         "test accuracy (class's test images)": np.array(acc).T})
+    heatmaps(out / FIG_MATRICES, {f"tensor similarity ({method_label(method)}, {cfg.metric})": tensor_mat,
                                   "linear CKA (logits, test data)": cka,
                                   "weight cosine": wcos}, labels,
              "forgetting curriculum: checkpoint x checkpoint"
@@ -291,6 +337,34 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         result["files"].append(FIG_EIGEN)
     write_json(out / JSON_NAME, result)
     return result
+
+
+def _named(pc: dict) -> dict:
+    names = {"accuracy_a": "accuracy_reference", "accuracy_b": "accuracy_checkpoint"}
+    return {names.get(k, k): v for k, v in pc.items()}
+
+
+def _sep(d: dict) -> str:
+    if not d.get("assessed"):
+        return "not assessed"
+    x = d["separation"]
+    return f"{'inf' if np.isinf(x) else f'{x:.2f}'}{'' if d['localises'] else ' (no)'}"
+
+
+def _localise(slices, stderr, reliable, pc: dict, r: int) -> dict:
+    """`LOCALISATION_RULE` on tensor similarity's slices and on each behavioural per-class
+    score at one checkpoint (against the reference), and the comparison."""
+    from .backdoor import PER_CLASS_LABELS, _scores
+    from .common import LOCALISATION_RULE, compare_localisation, localisation
+
+    bad = unreliable_slices(reliable)
+    tensor = ({"assessed": False, "localises": None,
+               "not_assessed": f"no reliable Monte Carlo estimate for slice(s) "
+                               f"{', '.join(map(str, bad))}"} if bad else
+              localisation(slices, r, stderr))
+    base = {k: localisation(v, r) for k, v in _scores(pc).items() if k in PER_CLASS_LABELS}
+    return {"rule": LOCALISATION_RULE, "target_class": r, "tensor": tensor, "baselines": base,
+            "comparison": compare_localisation(tensor, base)}
 
 
 def forgetting_table(result: dict) -> str:
@@ -330,4 +404,142 @@ def forgetting_table(result: dict) -> str:
                      f"estimate (blank in the figure, null in the JSON)")
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
+    if result.get("localisation"):
+        lines += ["", _localisation_lines(result)]
     return "\n".join(lines)
+
+
+def _localisation_lines(result: dict) -> str:
+    """The behavioural baselines per class at the removal stage, the rule, the comparison."""
+    from .backdoor import PER_CLASS_LABELS
+
+    loc = result["localisation"]
+    st, r = loc["stage"], loc["target_class"]
+    pcb = result["per_class_baselines_to_reference"][st]
+    cols = [("logit_cosine", "logit cos"), ("prob_cosine", "prob cos"),
+            ("output_slice_cosine", "out-slice cos"), ("agreement", "agree"),
+            ("accuracy_reference", "acc ref"), ("accuracy_checkpoint", f"acc {st}")]
+    sl = result["slice_similarity_to_reference"][st]
+    rows = [[c, sl[c]] + [pcb[k][c] for k, _ in cols] + (["<- removed"] if int(c) == r else [""])
+            for c in sl]
+    g = result["global_baselines_to_reference"]
+    grows = [[lab, pm(result["global_similarity_to_reference"][lab],
+                      (result.get("global_similarity_to_reference_stderr") or {}).get(lab)),
+              v["output_cosine"], v["cka_logits"], v["weight_cosine"]] for lab, v in g.items()]
+
+    def sep(d):
+        if not d.get("assessed"):
+            return ["not assessed", "", ""]
+        x = d["separation"]
+        return [d["lowest_class"], "inf" if np.isinf(x) else f"{x:.2f}",
+                "yes" if d["localises"] else "no"]
+
+    v = loc["comparison"]["verdicts"]
+    lrows = [["tensor similarity (slice)"] + sep(loc["tensor"]) + ["-"]]
+    lrows += [[PER_CLASS_LABELS[k]] + sep(d) + [v[k]] for k, d in loc["baselines"].items()]
+    return "\n".join([
+        f"global similarity of each checkpoint to the reference ({result['reference_stage']}); "
+        f"behaviour on clean test images:",
+        format_table(["stage", "tensor sim", "output cosine", "linear CKA (logits)",
+                      "weight cosine"], grows), "",
+        f"per class at {st} against the reference (clean test images):",
+        format_table(["class", "tensor sim"] + [h for _, h in cols] + ["note"], rows), "",
+        f"localisation rule (declared before the numbers): {loc['rule']}",
+        format_table(["per-class metric", "lowest class", "separation", "localises",
+                      "tensor vs this"], lrows),
+        loc["comparison"]["statement"]])
+
+
+SEEDS_JSON = "forgetting_seeds.json"
+SEEDS_CSV = "forgetting_seeds.csv"
+
+
+def run_forgetting_seeds(cfg: ForgettingConfig, seeds: list[int], out: str | Path,
+                         show_progress: bool = True,
+                         json_copy: str | Path | None = None) -> dict:
+    """`run_forgetting` once per seed, each complete run in ``out/seed<N>/``, and
+    ``forgetting_seeds.json`` / ``.csv`` at the top: every number's mean ± sample standard
+    deviation over the seeds and each finding counted per seed; see
+    [`tensoralg.audit.backdoor.run_backdoor_seeds`][tensoralg.audit.backdoor.run_backdoor_seeds].
+
+    Raises:
+        ValueError: ``seeds`` empty, negative or repeated (``--seeds``), and as
+            `run_forgetting`.
+    """
+    from .common import run_seeds
+
+    return run_seeds(cfg, seeds, out, SEEDS_JSON, cfg.n_layers, _model, _run_forgetting,
+                     _summarise_forgetting, show_progress, json_copy)
+
+
+def _summarise_forgetting(results: list[dict], seeds: list[int], stage: Path) -> dict:
+    from .backdoor import write_seeds_csv
+    from .common import count_text, localisation_over_seeds, spread
+
+    def col(get):
+        return spread([get(r) for r in results])
+
+    r0 = results[0]
+    labels = [s["label"] for s in r0["stages"]]
+    rm = r0["localisation"]["stage"]
+    r = r0["finding"]["removed_class"]
+    classes = [str(c) for c in range(10)]
+    numbers = {}
+    for key in ("removed_slice_at_removal", "removed_slice_after_readd",
+                "other_slices_min_at_removal", "collapse_gap", "recovery"):
+        numbers[key] = col(lambda x, key=key: x["finding"][key])
+    for lab in labels:
+        numbers[f"global_similarity_to_reference:{lab}"] = col(
+            lambda x, lab=lab: float(x["global_similarity_to_reference"][lab]))
+        for k in ("output_cosine", "cka_logits", "weight_cosine"):
+            numbers[f"{k}_to_reference:{lab}"] = col(
+                lambda x, lab=lab, k=k: x["global_baselines_to_reference"][lab][k])
+    per_class = {"slice_similarity": {c: col(lambda x, c=c: x["slice_similarity_to_reference"]
+                                             [rm][c]) for c in classes}}
+    for k in r0["per_class_baselines_to_reference"][rm]:
+        per_class[k] = {c: col(lambda x, c=c, k=k: x["per_class_baselines_to_reference"][rm][k][c])
+                        for c in classes}
+    localisation, verdicts, loc_text = localisation_over_seeds([x["localisation"]
+                                                                for x in results])
+    collapses = [x["finding"]["collapses"] for x in results]
+    recovers = [x["finding"]["recovers"] for x in results]
+    statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {r}'s tensor "
+                 f"slice collapses at {rm}: {count_text(collapses)}; recovers after re-adding: "
+                 f"{count_text(recovers)}; at {rm}: " + loc_text)
+    summary = {"command": "audit forgetting --seeds", "target_class": r, "removal_stage": rm,
+               "method": r0["method"], "metric": r0["metric"], "numbers": numbers,
+               "per_class": per_class, "per_class_stage": rm, "localisation": localisation,
+               "localisation_rule": r0["localisation"]["rule"], "verdicts": verdicts,
+               "finding": {"collapses": collapses, "collapses_count": count_text(collapses),
+                           "recovers": recovers, "recovers_count": count_text(recovers),
+                           "statement": statement},
+               "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",
+               "files": [SEEDS_JSON, SEEDS_CSV] + [f"seed{s}/{f}" for s, x in zip(seeds, results)
+                                                  for f in x["files"]]}
+    write_seeds_csv(stage / SEEDS_CSV, summary)
+    return summary
+
+
+def forgetting_seeds_table(summary: dict) -> str:
+    """The removal stage's per-class numbers, the finding's numbers and the global ones per
+    stage as mean ± sample standard deviation over the seeds; findings counted per seed."""
+    from .common import spread_text
+
+    pc, rm, r = summary["per_class"], summary["per_class_stage"], str(summary["target_class"])
+    cols = [("slice_similarity", "tensor sim"), ("logit_cosine", "logit cos"),
+            ("output_slice_cosine", "out-slice cos"), ("accuracy_checkpoint", f"acc {rm}")]
+    rows = [[c] + [spread_text(pc[k][c]) for k, _ in cols] + (["<- removed"] if c == r else [""])
+            for c in pc["slice_similarity"]]
+    n = len(summary["seeds"])
+    return "\n".join([
+        f"forgetting audit over {n} seeds {summary['seeds']} ({summary['method']}, "
+        f"{summary['metric']} metric); {summary['spread_note']}; per class at {rm} against "
+        f"the reference:",
+        format_table(["class"] + [h for _, h in cols] + ["note"], rows), "",
+        format_table(["number", "mean ± sd"],
+                     [[k, spread_text(s)] for k, s in summary["numbers"].items()]), "",
+        f"localisation rule (declared before the numbers): {summary['localisation_rule']}",
+        format_table(["per-class metric", "separation (mean ± sd)", "localises"],
+                     [[k, spread_text(d["separation"]), d["localises_count"]]
+                      for k, d in summary["localisation"].items()]),
+        summary["finding"]["statement"]])

@@ -5,8 +5,9 @@ head) is trained full-batch with AdamW and strong weight decay on a fraction of 
 ``(a, b)`` pairs mod ``P`` (Power et al. 2022, "Grokking"): it memorises the training pairs
 early and generalises to the held-out pairs later. Checkpoints are saved on a log-spaced
 schedule; their ``N x N`` tensor similarity matrix is one batched
-``tensoralg.similarity_matrix`` call (exact Gaussian metric: one Gram contraction per Wick
-configuration for the whole stack of checkpoints).
+``tensoralg.similarity_matrix`` call (exact Gaussian metric, or the symmetrised Frobenius
+cosine with ``metric="frobenius"``: one Gram contraction per Wick configuration for the whole
+stack of checkpoints).
 
 Expected finding: the similarity to the final checkpoint keeps changing after validation
 accuracy has saturated — the weights keep reorganising (circuit clean-up under weight decay)
@@ -25,6 +26,7 @@ import numpy as np
 from .common import (
     MC_SAMPLES,
     PATHS_NOTE,
+    check_metric,
     format_table,
     matrix_record,
     matrix_uncertainty,
@@ -77,6 +79,7 @@ class GrokkingConfig:
     seed: int = 0
     method: str = "auto"
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
+    metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
 
     @classmethod
     def quick(cls, **kw) -> GrokkingConfig:
@@ -96,6 +99,7 @@ class GrokkingConfig:
         return cls(**base)
 
     def validate(self) -> None:
+        check_metric(self.metric, self.method)
         if not 2 <= self.P <= MAX_P:
             raise ValueError(f"--P: expected a modulus in [2, {MAX_P}], got {self.P} (the "
                              f"full-batch data set is P^2 one-hot rows of 2P features: "
@@ -207,7 +211,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
     bar = progress(None, "similarity matrix", show_progress, total=1)
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
     sim, method = similarity_matrix(snaps, sim_method, depth=1, seed=cfg.seed,
-                                    n_samples=cfg.n_samples)
+                                    n_samples=cfg.n_samples, metric=cfg.metric)
     bar.update(1)
     bar.close()
     se, ok = mc_entries(sim)
@@ -290,7 +294,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "similarity_to_final": to_final,
         "neighbour_similarity": neighbour,
         "method": method,
-        "metric": "gaussian",
+        "metric": cfg.metric,
         "similarity_matrix_uncertainty": matrix_uncertainty(method, cfg.n_samples, cfg.seed),
         **{f"similarity_matrix_{k}": v for k, v in rec.items()},
         "similarity_to_final_stderr": None if se is None else se[:, -1].tolist(),
@@ -308,7 +312,8 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                   [None] * len(steps) if se is None else se[:, -1]))
     write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
               ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
-    grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method)
+    grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method,
+                    cfg.metric)
     result["files"] = [JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME]
     write_json(out / JSON_NAME, result)
     return result

@@ -131,6 +131,9 @@ class LanguageConfig:
     degree_samples: int = 1000
     guided_samples: int = 2000
     seed: int = 0
+    # the similarity metric (--metric): Gaussian only; the library has no Frobenius metric for
+    # sequence models (tensoralg.similarity refuses metric="frobenius" there)
+    metric: str = "gaussian"
 
     @classmethod
     def quick(cls, **kw) -> LanguageConfig:
@@ -145,6 +148,16 @@ class LanguageConfig:
 
     def validate(self) -> None:
         from ..corpus import HELD_OUT_EVERY, SEGMENT
+        from .common import SIM_METRICS
+
+        if self.metric not in SIM_METRICS:
+            raise ValueError(f"--metric: expected one of {', '.join(SIM_METRICS)}, got "
+                             f"{self.metric!r}")
+        if self.metric != "gaussian":
+            raise ValueError(f"--metric {self.metric}: the language audit compares bilinear "
+                             f"transformers, for which only the Gaussian metric is implemented "
+                             f"(the Frobenius metric covers bilinear MLPs: the backdoor, "
+                             f"forgetting and grokking audits)")
 
         for name in ("n_layers", "d_model", "n_heads", "d_head", "n_ctx", "steps", "batch_size",
                      "eval_windows", "mc_samples", "mc_matrix_samples"):
@@ -727,6 +740,7 @@ def _run(cfg: LanguageConfig, stage: Path, show_progress: bool) -> dict:
 
     result = {
         **stamp("audit language", {**asdict(cfg), "resolved_method": method}),
+        "metric": cfg.metric,
         "corpus": corpus.provenance,
         "model": {**make_model(cfg, V).config(), "exported": "residual stream -> logits "
                   "(Gaussian metric on the residual stream input; docs/language.md)"},

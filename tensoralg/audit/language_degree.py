@@ -626,6 +626,7 @@ def run_degree_report(cfg, stage, show_progress: bool, c: dict) -> dict:
 
     result = {
         **stamp("audit language", {**_asdict(cfg), "resolved_method": "degree"}),
+        "metric": cfg.metric,   # Gaussian: each input metric below is a Gaussian N(0, Σ)
         "corpus": c["corpus"].provenance,
         "model": {**c["model_config"],
                   "exported": "per metric: residual stream -> logits (to_network()) or one-hot "

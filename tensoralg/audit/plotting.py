@@ -21,12 +21,26 @@ def pyplot():
 
 def slice_bars(path: Path, slices: Sequence[float], target: int | None,
                baselines: Mapping[str, float], title: str, control: Sequence[float] | None = None,
-               global_similarity: float | None = None) -> Path:
+               global_similarity: float | None = None,
+               per_class: Mapping[str, tuple[Sequence[float], Mapping]] | None = None,
+               tensor_localisation: Mapping | None = None) -> Path:
     """Per-class slice similarity (target class highlighted) with the global tensor similarity
     and the similarity-like baselines drawn as horizontal lines; the legend sits outside the
-    axes so that it never covers a bar."""
+    axes so that it never covers a bar.
+
+    ``per_class``: ``{name: (scores per class, its localisation dict)}``: a row of small bar
+    panels under the main one, one per behavioural per-class score, each titled with the
+    localisation rule's separation (``tensor_localisation``: the same for the main panel)."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    if per_class:
+        n = len(per_class)
+        fig = plt.figure(figsize=(max(7.5, 2.9 * n), 8.2))
+        gs = fig.add_gridspec(2, n, height_ratios=[1.25, 1.0], hspace=0.55, wspace=0.35)
+        ax = fig.add_subplot(gs[0, :])
+        small = [fig.add_subplot(gs[1, i]) for i in range(n)]
+    else:
+        fig, ax = plt.subplots(figsize=(7.5, 4))
+        small = []
     k = len(slices)
     colors = ["tab:red" if c == target else "tab:blue" for c in range(k)]
     width = 0.4 if control is not None else 0.8
@@ -52,7 +66,23 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
     ax.set_xticks(range(k))
     ax.set_xlabel("class (output slice)")
     ax.set_ylabel("similarity clean vs. audited")
-    ax.set_title(title)
+    ax.set_title(title + ("" if tensor_localisation is None else
+                          f"\nlocalisation separation {_sep_text(tensor_localisation)}"),
+                 fontsize=10)
+    for axs, (name, (vals, loc)) in zip(small, (per_class or {}).items()):
+        import textwrap
+
+        vals = np.asarray(vals, dtype=float)
+        axs.bar(range(k), vals, color=colors)
+        fin = vals[np.isfinite(vals)]
+        if fin.size:
+            lo_, hi_ = float(fin.min()), float(fin.max())
+            pad = max(0.05 * (hi_ - lo_), 1e-3)
+            axs.set_ylim(lo_ - pad, hi_ + pad)
+        axs.set_xticks(range(k))
+        axs.tick_params(labelsize=7)
+        axs.set_title(textwrap.fill(name, 28) + f"\nseparation {_sep_text(loc)}", fontsize=8)
+        axs.set_xlabel("class", fontsize=8)
     handles, names = ax.get_legend_handles_labels()
     if target is not None and 0 <= target < k:   # the red bar is named in the legend too
         from matplotlib.patches import Patch
@@ -63,6 +93,15 @@ def slice_bars(path: Path, slices: Sequence[float], target: int | None,
     ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               borderaxespad=0.0)
     return save_figure(fig, path)
+
+
+def _sep_text(loc: Mapping) -> str:
+    """A localisation dict as "2.31 (localises)" for titles."""
+    if not loc or not loc.get("assessed"):
+        return "not assessed"
+    x = loc["separation"]
+    return (f"{'inf' if np.isinf(x) else f'{x:.2f}'} "
+            f"({'localises' if loc['localises'] else 'does not localise'})")
 
 
 def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], title: str,
@@ -100,38 +139,54 @@ def heatmaps(path: Path, mats: Mapping[str, np.ndarray], labels: Sequence[str], 
 
 
 def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], title: str,
-                  ylabel: str = "class", xlabel: str = "checkpoint") -> Path:
-    """Rows = classes, columns = checkpoints; the number written in each cell."""
+                  ylabel: str = "class", xlabel: str = "checkpoint",
+                  extra: Mapping[str, np.ndarray] | None = None) -> Path:
+    """Rows = classes, columns = checkpoints; the number written in each cell. ``extra``:
+    more ``{panel title: (classes, checkpoints) values}`` drawn to the right of the first
+    (``title`` is then the figure's title and the first panel is "tensor similarity")."""
+    import textwrap
+
     plt = pyplot()
-    values = np.asarray(values, dtype=float)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * values.shape[1], 0.45 * values.shape[0] + 1.5))
-    im = ax.imshow(values, cmap="viridis", vmin=min(0.0, np.nanmin(values)), vmax=1.0, aspect="auto")
-    for i in range(values.shape[0]):
-        for j in range(values.shape[1]):
-            ax.text(j, i, f"{values[i, j]:.2f}", ha="center", va="center", fontsize=6,
-                    color="white" if values[i, j] < 0.6 else "black")
-    ax.set_xticks(range(values.shape[1]))
-    ax.set_xticklabels(stage_labels, rotation=45, ha="right", fontsize=7)
-    ax.set_yticks(range(values.shape[0]))
-    ax.set_ylabel(ylabel)
-    ax.set_xlabel(xlabel)
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax).set_label("similarity")
+    panels = {"tensor similarity (class slice)" if extra else title: np.asarray(values, float)}
+    panels.update({k: np.asarray(v, dtype=float) for k, v in (extra or {}).items()})
+    shape = panels[next(iter(panels))].shape
+    n = len(panels)
+    w, h = 1.0 + 0.75 * shape[1], 0.45 * shape[0] + 1.5
+    fig, axes = plt.subplots(1, n, figsize=(w * n, h + (0.5 if extra else 0)), squeeze=False,
+                             layout="constrained")
+    im = None
+    for ax, (name, vals) in zip(axes[0], panels.items()):
+        fin = vals[np.isfinite(vals)]
+        im = ax.imshow(vals, cmap="viridis", vmin=min(0.0, float(fin.min()) if fin.size else 0),
+                       vmax=1.0, aspect="auto")
+        for i in range(vals.shape[0]):
+            for j in range(vals.shape[1]):
+                ax.text(j, i, f"{vals[i, j]:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if vals[i, j] < 0.6 else "black")
+        ax.set_xticks(range(vals.shape[1]))
+        ax.set_xticklabels(stage_labels, rotation=45, ha="right", fontsize=7)
+        ax.set_yticks(range(vals.shape[0]))
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel(xlabel)
+        ax.set_title(textwrap.fill(name, 40), fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist()).set_label("similarity / accuracy")
+    if extra:
+        fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
 
 
 def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float],
                     val_acc: Sequence[float], sim: np.ndarray, sim_to_final: Sequence[float],
-                    method: str) -> Path:
+                    method: str, metric: str = "gaussian") -> Path:
     """Accuracy curves and similarity to the final checkpoint (log steps) next to the
-    checkpoint x checkpoint similarity heatmap."""
+    checkpoint x checkpoint similarity heatmap; ``metric`` is named in the labels."""
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = np.maximum(np.asarray(steps, dtype=float), 1.0)
     ax1.plot(x, train_acc, "o-", ms=3, label="train accuracy")
     ax1.plot(x, val_acc, "o-", ms=3, label="validation accuracy")
     ax1.plot(x, sim_to_final, "s-", ms=3, color="tab:red",
-             label=f"tensor similarity to final ({method_label(method)})")
+             label=f"tensor similarity to final ({method_label(method)}, {metric})")
     ax1.set_xscale("log")
     ax1.set_xlabel("training step (step 0 drawn at 1)")
     ax1.set_ylim(-0.02, 1.02)
@@ -148,6 +203,6 @@ def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float]
     ax2.set_yticklabels([str(steps[i]) for i in ticks], fontsize=7)
     ax2.set_xlabel("training step")
     ax2.set_ylabel("training step")
-    ax2.set_title("checkpoint x checkpoint tensor similarity")
+    ax2.set_title(f"checkpoint x checkpoint tensor similarity ({metric})")
     fig.colorbar(im, ax=ax2).set_label("similarity")
     return save_figure(fig, path)
