@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tensoralg.audit.common import check_seeds, count_text, spread
+from tensoralg.audit.common import check_seeds, count_text, spread, spread_text
 from tensoralg.cli import main
 
 
@@ -41,7 +41,8 @@ def test_seed_and_seeds_together_are_refused(tmp_path, capsys):
 def test_spread_and_counts():
     s = spread([1.0, 2.0, 4.0])
     assert s["mean"] == pytest.approx(7 / 3) and s["sd"] == pytest.approx(np.std([1, 2, 4], ddof=1))
-    assert spread([0.5])["sd"] == 0.0
+    assert spread([0.5])["sd"] is None        # one value: no spread measured, not a zero one
+    assert spread_text(spread([0.5])) == "0.5000 (one value, no spread)"
     assert spread([1.0, float("inf"), None])["n"] == 1        # finite values only
     assert count_text([True, False, True]) == "holds in 2 of 3"
     assert count_text([True, None]) == "holds in 1 of 2 (1 not assessed)"

@@ -548,24 +548,11 @@ def write_seeds_csv(path: Path, summary: dict) -> None:
 def backdoor_seeds_table(summary: dict) -> str:
     """Per-class numbers and the global ones as mean ± sample standard deviation over the
     seeds, the localisation rule, and each finding counted per seed."""
-    from .common import spread_text
+    from .common import seeds_table
 
-    pc = summary["per_class"]
     cols = [("slice_similarity", "tensor sim"), ("logit_cosine", "logit cos"),
             ("output_slice_cosine", "out-slice cos"), ("accuracy_compared", "acc backdoored")]
-    target = str(summary["target_class"])
-    rows = [[c] + [spread_text(pc[k][c]) for k, _ in cols] + (["<- target"] if c == target
-                                                              else [""])
-            for c in pc["slice_similarity"]]
     n = len(summary["seeds"])
-    lines = [f"backdoor audit over {n} seeds {summary['seeds']} ({summary['method']}, "
-             f"{summary['metric']} metric); {summary['spread_note']}:",
-             format_table(["class"] + [h for _, h in cols] + ["note"], rows), "",
-             format_table(["number", "mean ± sd"],
-                          [[k, spread_text(s)] for k, s in summary["numbers"].items()]), "",
-             f"localisation rule (declared before the numbers): {summary['localisation_rule']}",
-             format_table(["per-class metric", "separation (mean ± sd)", "localises"],
-                          [[k, spread_text(d["separation"]), d["localises_count"]]
-                           for k, d in summary["localisation"].items()]),
-             summary["finding"]["statement"]]
-    return "\n".join(lines)
+    head = (f"backdoor audit over {n} seeds {summary['seeds']} ({summary['method']}, "
+            f"{summary['metric']} metric); {summary['spread_note']}:")
+    return seeds_table(summary, head, cols, str(summary["target_class"]), "<- target")

@@ -724,7 +724,8 @@ def spread(values: Sequence[Any]) -> dict:
     fin = np.array([v for v in vals if v is not None and math.isfinite(v)], dtype=np.float64)
     if fin.size == 0:
         return {"mean": None, "sd": None, "min": None, "max": None, "n": 0, "values": vals}
-    return {"mean": float(fin.mean()), "sd": float(fin.std(ddof=1)) if fin.size > 1 else 0.0,
+    # one value has no spread: sd None (not 0.0, which would claim a measured zero spread)
+    return {"mean": float(fin.mean()), "sd": float(fin.std(ddof=1)) if fin.size > 1 else None,
             "min": float(fin.min()), "max": float(fin.max()), "n": int(fin.size),
             "values": vals}
 
@@ -733,7 +734,30 @@ def spread_text(s: Mapping[str, Any]) -> str:
     """A `spread` as ``"0.9123 ± 0.0041"`` (mean ± sample standard deviation)."""
     if s["mean"] is None:
         return "n/a"
+    if s["sd"] is None:
+        return f"{s['mean']:.4f} (one value, no spread)"
     return f"{s['mean']:.4f} ± {s['sd']:.4f}"
+
+
+def seeds_table(summary: Mapping[str, Any], head: str, cols: Sequence[tuple[str, str]],
+                marked: str, mark: str) -> str:
+    """The text table of a several-seed audit summary (backdoor, forgetting): ``head`` (a
+    line), the per-class numbers ``cols`` (``(key, header)`` in ``summary["per_class"]``) as
+    mean ± sd with class ``marked`` labelled ``mark``, the global numbers, the localisation
+    rule with each per-class metric's separation, and the finding."""
+    pc = summary["per_class"]
+    rows = [[c] + [spread_text(pc[k][c]) for k, _ in cols] + ([mark] if c == marked else [""])
+            for c in pc["slice_similarity"]]
+    return "\n".join([
+        head,
+        format_table(["class"] + [h for _, h in cols] + ["note"], rows), "",
+        format_table(["number", "mean ± sd"],
+                     [[k, spread_text(v)] for k, v in summary["numbers"].items()]), "",
+        f"localisation rule (declared before the numbers): {summary['localisation_rule']}",
+        format_table(["per-class metric", "separation (mean ± sd)", "localises"],
+                     [[k, spread_text(d["separation"]), d["localises_count"]]
+                      for k, d in summary["localisation"].items()]),
+        summary["finding"]["statement"]])
 
 
 def count_text(flags: Sequence[Any]) -> str:

@@ -523,23 +523,13 @@ def _summarise_forgetting(results: list[dict], seeds: list[int], stage: Path) ->
 def forgetting_seeds_table(summary: dict) -> str:
     """The removal stage's per-class numbers, the finding's numbers and the global ones per
     stage as mean ± sample standard deviation over the seeds; findings counted per seed."""
-    from .common import spread_text
+    from .common import seeds_table
 
-    pc, rm, r = summary["per_class"], summary["per_class_stage"], str(summary["target_class"])
+    rm, r = summary["per_class_stage"], str(summary["target_class"])
     cols = [("slice_similarity", "tensor sim"), ("logit_cosine", "logit cos"),
             ("output_slice_cosine", "out-slice cos"), ("accuracy_checkpoint", f"acc {rm}")]
-    rows = [[c] + [spread_text(pc[k][c]) for k, _ in cols] + (["<- removed"] if c == r else [""])
-            for c in pc["slice_similarity"]]
     n = len(summary["seeds"])
-    return "\n".join([
-        f"forgetting audit over {n} seeds {summary['seeds']} ({summary['method']}, "
-        f"{summary['metric']} metric); {summary['spread_note']}; per class at {rm} against "
-        f"the reference:",
-        format_table(["class"] + [h for _, h in cols] + ["note"], rows), "",
-        format_table(["number", "mean ± sd"],
-                     [[k, spread_text(s)] for k, s in summary["numbers"].items()]), "",
-        f"localisation rule (declared before the numbers): {summary['localisation_rule']}",
-        format_table(["per-class metric", "separation (mean ± sd)", "localises"],
-                     [[k, spread_text(d["separation"]), d["localises_count"]]
-                      for k, d in summary["localisation"].items()]),
-        summary["finding"]["statement"]])
+    head = (f"forgetting audit over {n} seeds {summary['seeds']} ({summary['method']}, "
+            f"{summary['metric']} metric); {summary['spread_note']}; per class at {rm} against "
+            f"the reference:")
+    return seeds_table(summary, head, cols, r, "<- removed")

@@ -145,3 +145,18 @@ def gram_mixed(nets: Sequence[Layer], metric: str, backend: str, output: Any,
                 for q, j in enumerate(J):
                     G[i, j] = G[j, i] = block[p, q]
     return G
+
+
+def split_stack(layers: list) -> tuple[list, list, list]:
+    """``(pre, blocks, post)`` of a flat layer list ``[Linear...] Residual... [Linear...]``:
+    the leading linear layers, the residual blocks after them, and everything after those
+    (the callers check that ``post`` is linear and the blocks are of kinds they take)."""
+    from ..layers import Linear, Residual
+
+    i = 0
+    while i < len(layers) and isinstance(layers[i], Linear):
+        i += 1
+    j = i
+    while j < len(layers) and isinstance(layers[j], Residual):
+        j += 1
+    return layers[:i], layers[i:j], layers[j:]

@@ -18,6 +18,7 @@ from ._common import (
     bilinear_depth,
     gram_mixed,
     identity_matrix,
+    split_stack,
     vector_network,
     zeros_array,
 )
@@ -42,14 +43,7 @@ def _flat_layers(net: Layer) -> list[Layer]:
 
 
 def _split_residual(net: Layer) -> tuple[list[Linear], list[Residual], list[Linear]]:
-    layers = _flat_layers(net)
-    i = 0
-    while i < len(layers) and isinstance(layers[i], Linear):
-        i += 1
-    j = i
-    while j < len(layers) and isinstance(layers[j], Residual):
-        j += 1
-    pre, blocks, post = layers[:i], layers[i:j], layers[j:]
+    pre, blocks, post = split_stack(_flat_layers(net))
     for k, b in enumerate(blocks):
         if not isinstance(b.inner, (Linear, Bilinear)):
             raise ValueError(f"model: paths needs residual blocks around one Linear or Bilinear "

@@ -36,6 +36,7 @@ import numpy as np
 from ..canonical import flatten_layers, resolve_n_ctx, sequence_tree, zeros_array
 from ..errors import CostTooHigh
 from ..layers import Bilinear, BilinearAttention, Layer, Linear, Residual, Sequential, as_network
+from ._common import split_stack
 
 __all__ = ["SequencePathDecomposition", "PathSimilarity", "sequence_paths",
            "sequence_path_similarity", "match_heads", "check_order", "ORDER2_MESSAGE"]
@@ -86,13 +87,8 @@ def _split(net: Layer, name: str) -> tuple[list, list, list]:
     """``(pre, blocks, post)`` of ``[Linear...] Residual blocks [Linear...]``, or a one-line
     ValueError naming the layer that breaks the pattern."""
     layers = flatten_layers(net)
-    i = 0
-    while i < len(layers) and isinstance(layers[i], Linear):
-        i += 1
-    j = i
-    while j < len(layers) and isinstance(layers[j], Residual):
-        j += 1
-    pre, res, post = layers[:i], layers[i:j], layers[j:]
+    pre, res, post = split_stack(layers)
+    i, j = len(pre), len(pre) + len(res)   # layer indices for the messages
     shape = ("paths of a sequence model need a residual stack [Linear...] Residual blocks "
              "[Linear...] (embedding, residual blocks of one attention, bilinear or linear "
              "layer, unembedding)")
