@@ -36,3 +36,13 @@ def pytest_sessionfinish(session):
     """
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def pair_without_cross_check(monkeypatch):
+    """``ta.inner`` / ``ta.similarity`` by plain Monte Carlo WITHOUT the guided cross-check
+    (``engine._mode_checked`` made the identity): what a Monte Carlo matrix entry is (matrices
+    run no cross-check, docs/montecarlo.md), so a test can compare an entry with its pair."""
+    from tensoralg import engine
+
+    monkeypatch.setattr(engine, "_mode_checked", lambda est, degree, make_ref: est)

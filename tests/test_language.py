@@ -301,7 +301,7 @@ def test_tiny_audit_end_to_end_two_layers_explicit_closure(tiny_closure_run):
     assert "tensor_similarity" not in (out / "language_pairs.csv").read_text()
 
 
-def test_tiny_audit_montecarlo_two_layers_with_verdicts(tiny_mc_run):
+def test_tiny_audit_montecarlo_two_layers_with_verdicts(tiny_mc_run, pair_without_cross_check):
     """The two-layer audit with --method montecarlo (the default from issue 21 until the
     degree report, item 7): no closure under the tensor-similarity heading.
     Each pair's entry is the Monte Carlo estimate of an independent tensoralg.similarity call
@@ -553,7 +553,7 @@ def test_transitions_finding_by_hand():
     assert fin["chance_same_interval"] == 0.25
 
 
-def test_montecarlo_matrix_agrees_with_exact():
+def test_montecarlo_matrix_agrees_with_exact(pair_without_cross_check):
     """sequence_similarity_matrix(method="montecarlo") is the library's shared-direction
     estimator (ta.similarity_matrix): each entry ta.similarity of the pair with the same
     seed (up to rounding), with its standard error and verdict; a reliable entry lies within

@@ -228,7 +228,7 @@ def test_an_absurd_sample_count_is_refused_before_sampling():
     assert mc.forward_flops(a) * 4 * 100_000 < mc.MC_MAX_FLOPS
 
 
-def test_a_monte_carlo_similarity_matrix_carries_errors_and_verdicts_per_entry():
+def test_a_monte_carlo_similarity_matrix_carries_errors_and_verdicts_per_entry(pair_without_cross_check):
     """Fresh-eyes tester: a Monte Carlo similarity_matrix was a bare array that looked exact.
     Each entry now carries the standard error and the verdict of the pair's own estimate from
     the same directions (ta.similarity with the same seed: equal to rounding), the diagonal is

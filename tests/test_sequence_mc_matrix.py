@@ -32,7 +32,7 @@ def _rel(x, y):
     return abs(float(x) - float(y)) / abs(float(y))
 
 
-def test_similarity_matrix_entries_are_the_pair_estimates(models):
+def test_similarity_matrix_entries_are_the_pair_estimates(models, pair_without_cross_check):
     S = ta.similarity_matrix(models, **MC)
     assert isinstance(S, MonteCarloArray) and S.shape == (3, 3)
     assert np.all(np.diag(S) == 1.0) and np.all(np.diag(S.stderr) == 0.0)
@@ -47,7 +47,7 @@ def test_similarity_matrix_entries_are_the_pair_estimates(models):
             assert bool(S.reliable[i, j]) == e.diagnostics.reliable
 
 
-def test_gram_entries_are_the_pair_estimates_and_cover_the_exact_gram(models):
+def test_gram_entries_are_the_pair_estimates_and_cover_the_exact_gram(models, pair_without_cross_check):
     G = ta.gram(models, **MC)
     E = ta.gram(models, n_ctx=3)   # exact: one attention layer
     for i in range(3):
