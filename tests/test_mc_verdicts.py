@@ -288,13 +288,19 @@ def test_long_contexts_are_refused_before_any_work_not_out_of_memory():
     n_ctx and the GiB) before any sampling, not a MemoryError after minutes; where plain sampling
     fits and its guided cross-check does not, plain runs and is labelled not reliable (no
     cross-check, no promise), saying why."""
+    import warnings
+
     from tensoralg.errors import CostTooHigh
 
     a = planted_attention(8, 2, n_layers=1, seed=1).network
-    with pytest.raises(CostTooHigh, match=r"n_ctx=5000: .* GiB of attention scores"):
-        ta.inner(a, a, method="montecarlo", n_samples=60, seed=0, n_ctx=5000)
-    with pytest.raises(CostTooHigh, match=r"n_ctx=120: the mode search .* GiB"):
-        ta.inner(a, a, method="montecarlo", proposal="modes", n_samples=60, seed=0, n_ctx=120)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the refusal comes first, not after a cost warning
+        with pytest.raises(CostTooHigh, match=r"n_ctx=5000: .* GiB of attention scores"):
+            ta.inner(a, a, method="montecarlo", n_samples=1000, seed=0, n_ctx=5000)
+        for proposal, n_ctx in (("modes", 120), ("modes", 5000)):
+            with pytest.raises(CostTooHigh, match=rf"n_ctx={n_ctx}: .* GiB"):
+                ta.inner(a, a, method="montecarlo", proposal=proposal, n_samples=1000, seed=0,
+                         n_ctx=n_ctx)
     est = ta.inner(a, a, method="montecarlo", n_samples=12, seed=0, n_ctx=120)
     assert est.reliable is False
     assert "guided cross-check could not run (n_ctx=120" in est.diagnostics.reason

@@ -134,6 +134,17 @@ _MODE_CACHE: dict = {}
 _MODE_CACHE_SIZE = 16
 
 
+def _check_search_memory(nets, n_ctx: int | None, random_starts: int = RANDOM_STARTS) -> None:
+    """CostTooHigh (before any work) when the mode search's attention scores, one start per
+    random start and per position, read direction, radius and sign, at each temper, would not
+    fit in `MC_MAX_BYTES` (autograd keeps about twice a forward pass's arrays)."""
+    from .montecarlo import _SCORE_ARRAYS, check_score_memory
+
+    starts = random_starts + (n_ctx or 1) * N_DIRECTIONS * len(START_RADII) * 2
+    check_score_memory(nets, starts * len(TEMPERS), n_ctx,
+                       "the mode search of proposal='modes'", arrays=2 * _SCORE_ARRAYS)
+
+
 def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
                position: int | None = None, steps: int = STEPS,
                random_starts: int = RANDOM_STARTS, device: Any = None) -> np.ndarray:
@@ -146,11 +157,7 @@ def find_modes(nets: list[Layer], U: np.ndarray, n_ctx: int | None, seed: Any,
             [`MC_MAX_BYTES`][tensoralg.strategies.montecarlo.MC_MAX_BYTES] (a long ``n_ctx``), before
             any work.
     """
-    from .montecarlo import _SCORE_ARRAYS, check_score_memory
-
-    starts = random_starts + (n_ctx or 1) * N_DIRECTIONS * len(START_RADII) * 2
-    check_score_memory(nets, starts * len(TEMPERS), n_ctx,
-                       "the mode search of proposal='modes'", arrays=2 * _SCORE_ARRAYS)
+    _check_search_memory(nets, n_ctx, random_starts)
     try:
         key = (tuple(_fingerprint(n) for n in nets), np.asarray(U, np.float64).tobytes(),
                np.shape(U), n_ctx, repr(seed), position, steps, random_starts, str(device))
@@ -455,6 +462,7 @@ def inner(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, seed:
         ValueError: ``output="each"`` (one number only).
     """
     _check_scalar(keep)
+    _check_search_memory([na, nb], n_ctx)
     check_sampling_cost([na, nb], n_samples, _points([na, nb], n_ctx), n_ctx)
     warn_few(n_samples)
     same = nb is na
@@ -497,6 +505,7 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
         ValueError: ``output="each"``; a sampled norm of zero.
     """
     _check_scalar(keep)
+    _check_search_memory([na, nb], n_ctx)
     check_sampling_cost([na, nb], n_samples, _points([na, nb], n_ctx), n_ctx)
     warn_few(n_samples)
     modes = find_modes([na, nb], U, n_ctx, _search_seed(seed), position, device=device)
@@ -544,6 +553,7 @@ def diff_sq(nb: Layer, nc: Layer, U: np.ndarray, keep: bool, n_samples: int, see
         ValueError: ``output="each"`` (one number only).
     """
     _check_scalar(keep)
+    _check_search_memory([nb, nc], n_ctx)
     check_sampling_cost([nb, nc], n_samples, _points([nb, nc], n_ctx), n_ctx)
     warn_few(n_samples)
     diff = Difference(nb, nc)

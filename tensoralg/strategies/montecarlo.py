@@ -497,7 +497,6 @@ def _mc_features(nets: list[Layer], U: np.ndarray, n_samples: int, seed: int, ba
     check_sampling_cost(nets, n_samples, Q, n_ctx)
     if n_ctx is not None:   # directions per chunk: about MC_CHUNK_ELEMENTS input entries
         width = max(d, max(n.out_features for n in nets))
-        check_score_memory(nets, Q, n_ctx, "one direction's forward passes")
         points = _mc_points(seed, n_samples, n_ctx, d, max(n.degree for n in nets),
                             score_chunk(nets, n_ctx, Q,
                                         max(1, MC_CHUNK_ELEMENTS // (Q * n_ctx * width))))
@@ -620,8 +619,10 @@ def score_chunk(nets, n_ctx: int | None, points: int, default: int) -> int:
 
 def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = None) -> None:
     """Refuse (CostTooHigh, before any sampling) ``n_samples`` directions at ``points``
-    evaluations each whose forward passes would cost more than `MC_MAX_FLOPS`; warn
-    (RuntimeWarning, with the estimate) above `MC_WARN_FLOPS`."""
+    evaluations each whose forward passes would cost more than `MC_MAX_FLOPS`, or whose one
+    direction's attention scores would not fit in `MC_MAX_BYTES` (`check_score_memory`), both
+    before any warning; warn (RuntimeWarning, with the estimate) above `MC_WARN_FLOPS`."""
+    check_score_memory(nets, points, n_ctx, "one direction's forward passes")
     per = sum(forward_flops(n, n_ctx) for n in nets)
     total = float(n_samples) * points * per
     if total > MC_MAX_FLOPS:
