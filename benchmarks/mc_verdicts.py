@@ -21,7 +21,10 @@ The families (none of them tuned on: the rates are measured, not fitted):
   amplified-s0.5: random-attn at s = 0.5 behind an embedding that multiplies one token
       direction by 3 (a trained-like model: the norm sits where that direction is large);
   planted-attn-L2-ctx3-s0.3: the planted two-layer model at n_ctx = 3, small scale;
-  twodir-attn-s0.3: a planted model with two directions (``_two_directions``; 4 variables).
+  twodir-attn-s0.3: a planted model with two directions (``_two_directions``; 4 variables);
+  hidden-needle-s0.8: the planted two-layer needle beside a wide linear readout of the other
+      15 directions (``_hidden_needle``; truth: quadrature on v's slice plus the exact linear
+      part).
 """
 
 from __future__ import annotations
@@ -81,7 +84,47 @@ def models():
     out["planted-attn-L2-ctx3-s0.3"] = (a.network, b.network, 3, a.slice())
     a, sl = _two_directions(1, 0.3)
     out["twodir-attn-s0.3"] = (a, _two_directions(2, 0.3)[0], 2, sl)
+    ha, hb = _hidden_needle(1), _hidden_needle(2)
+    out["hidden-needle-s0.8"] = (ha[0], hb[0], 2, (ha, hb))
     return out
+
+
+def _hidden_needle(seed, s=0.8, d=16, share=0.3):
+    """``(network, W, v, v-slice)``: the planted two-layer needle along v (scale s) beside a
+    wide linear readout of the directions orthogonal to v (6 outputs), the needle carrying
+    ``share`` of the squared norm (an independent tester's family: the readout fills the
+    gradient directions the mode search started from)."""
+    from tensoralg.verify.planted import planted_attention
+    from tensoralg.verify.quadrature import quadrature_inner
+
+    import tensoralg as ta
+
+    pm = planted_attention(d, 2, scale=s, seed=seed, v_seed=7)
+    v = pm.direction
+    body = list(pm.network.layers[:-1])
+    head = pm.network.layers[-1].weight[0]
+    W = np.random.default_rng(1000 + seed).standard_normal((6, d))
+    W -= np.outer(W @ v, v)
+    needle = ta.Sequential(body + [ta.Linear(head[None, :])])
+    n2 = float(quadrature_inner(needle, needle, pm.slice(), n_ctx=2))
+    H = W.copy()
+    H[0] += np.sqrt(share / (1 - share) * 2 * float(np.sum(W * W)) / n2) * head
+    return ta.Sequential(body + [ta.Linear(H)]), W, v, pm.slice()
+
+
+def truth_hidden_needle(a, b):
+    """Truth of the hidden-needle pair: quadrature on the v-slice plus the readouts' exact part
+    orthogonal to v, ``n_ctx tr(W_a P W_b^T)`` (uncorrelated with the rest: linear and odd in
+    Gaussian coordinates independent of v's)."""
+    from tensoralg.verify.quadrature import quadrature_similarity
+
+    (na, Wa, v, sl), (nb, Wb, _, _) = a, b
+    P = np.eye(v.size) - np.outer(v, v)
+    q = quadrature_similarity(na, nb, sl, n_ctx=2)
+    aa, bb = q.aa + 2 * np.trace(Wa @ P @ Wa.T), q.bb + 2 * np.trace(Wb @ P @ Wb.T)
+    ab = q.ab + 2 * np.trace(Wa @ P @ Wb.T)
+    return {"sim": float(ab / np.sqrt(aa * bb)), "<a,a>": float(aa), "<b,b>": float(bb),
+            "<a,b>": float(ab)}
 
 
 def _two_directions(seed, s, d=16):
@@ -115,6 +158,9 @@ def _two_directions(seed, s, d=16):
 
 def truth(name, a, b, n_ctx, sl):
     from tensoralg.verify.quadrature import quadrature_similarity
+
+    if name.startswith("hidden-needle"):
+        return truth_hidden_needle(*sl)
 
     q = quadrature_similarity(a, b, sl, n_ctx=n_ctx) if n_ctx else \
         quadrature_similarity(a, b, sl)

@@ -105,13 +105,69 @@ def _read_directions(net: Layer, Ut, shape: tuple, position, rng, n_points: int 
     G = G / np.maximum(np.linalg.norm(G.reshape(n_points, -1), axis=1), 1e-300).reshape(
         (n_points,) + (1,) * len(shape))  # each point counts once
     out = []
+    extra = _nonlinear_read_directions(net, shape[-1])
     for t in ([None] if len(shape) == 1 else range(shape[0])):
         g = G if t is None else G[:, t]
         lam, V = np.linalg.eigh(g.T @ g)
-        for j in range(1, min(N_DIRECTIONS, len(lam)) + 1):
-            if lam[-j] > 1e-12 * max(lam[-1], 1e-300):
-                out.append((t, V[:, -j]))
+        mine = [V[:, -j] for j in range(1, min(N_DIRECTIONS, len(lam)) + 1)
+                if lam[-j] > 1e-12 * max(lam[-1], 1e-300)]
+        for e in extra:   # not already (nearly) among the gradient directions
+            if all(abs(float(e @ f)) < SAME_DIRECTION for f in mine):
+                mine.append(e)
+        out += [(t, e) for e in mine]
     return out
+
+
+#: Directions whose |cosine| is at least this are one start direction.
+SAME_DIRECTION = 0.99
+
+
+def _nonlinear_read_directions(net: Layer, d: int) -> list:
+    """Up to `N_DIRECTIONS` unit directions of the input that the model's nonlinear layers
+    (bilinear attention, bilinear) read most: the top right singular vectors of their stacked
+    read weights (queries, keys, values; left, right), pulled back to the input through the
+    linear layers before them along the residual stream's identity path. A strong linear
+    read fills the gradient directions of `_read_directions` and can hide a rare, strong
+    nonlinear feature from them; its weights cannot hide it."""
+    from ..layers import Bilinear, BilinearAttention, Linear, Residual, Sequential
+
+    rows: list = []
+
+    def walk(layer, P):   # P: (width, d) map from the input to the stream; None: stop
+        if P is None:
+            return None
+        if isinstance(layer, Sequential):
+            for sub in layer.layers:
+                P = walk(sub, P)
+            return P
+        if isinstance(layer, Residual):
+            walk(layer.inner, P)
+            return P
+        if isinstance(layer, Difference):
+            walk(layer.nb, P)
+            walk(layer.nc, P)
+            return None
+        if isinstance(layer, Linear):
+            return np.asarray(layer.weight, dtype=np.float64) @ P
+        if isinstance(layer, Bilinear):
+            rows.extend([np.asarray(layer.left, np.float64) @ P,
+                         np.asarray(layer.right, np.float64) @ P])
+            return None
+        if isinstance(layer, BilinearAttention):
+            for k in ("q1", "k1", "q2", "k2", "v"):
+                w = np.asarray(getattr(layer, k), dtype=np.float64)
+                rows.append(w.reshape(-1, w.shape[-1]) @ P)
+            return None
+        return None
+
+    try:
+        walk(net, np.eye(d))
+        if not rows:
+            return []
+        _, sv, Vt = np.linalg.svd(np.concatenate(rows), full_matrices=False)
+    except (TypeError, ValueError, AttributeError, np.linalg.LinAlgError):
+        return []   # exact (rational) weights or a layer of another kind: gradients only
+    return [Vt[j] for j in range(min(N_DIRECTIONS, len(sv))) if sv[j] > 1e-12 * sv[0]]
 
 
 def _fingerprint(net) -> tuple:
@@ -140,7 +196,7 @@ def _check_search_memory(nets, n_ctx: int | None, random_starts: int = RANDOM_ST
     fit in `MC_MAX_BYTES` (autograd keeps about twice a forward pass's arrays)."""
     from .montecarlo import _SCORE_ARRAYS, check_score_memory
 
-    starts = random_starts + (n_ctx or 1) * N_DIRECTIONS * len(START_RADII) * 2
+    starts = random_starts + (n_ctx or 1) * 2 * N_DIRECTIONS * len(START_RADII) * 2
     check_score_memory(nets, starts * len(TEMPERS), n_ctx,
                        "the mode search of proposal='modes'", arrays=2 * _SCORE_ARRAYS)
 
