@@ -301,6 +301,9 @@ def test_long_contexts_are_refused_before_any_work_not_out_of_memory():
             with pytest.raises(CostTooHigh, match=rf"n_ctx={n_ctx}: .* GiB"):
                 ta.inner(a, a, method="montecarlo", proposal=proposal, n_samples=1000, seed=0,
                          n_ctx=n_ctx)
+        # a billion directions: their kept per-direction values alone would be ~30 GiB
+        with pytest.raises(CostTooHigh, match=r"n_samples=1000000000: .* GiB"):
+            ta.inner(a, a, method="montecarlo", n_samples=10**9, seed=0, n_ctx=2)
     est = ta.inner(a, a, method="montecarlo", n_samples=12, seed=0, n_ctx=120)
     assert est.reliable is False
     assert "guided cross-check could not run (n_ctx=120" in est.diagnostics.reason

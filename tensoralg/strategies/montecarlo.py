@@ -559,6 +559,11 @@ MC_MAX_BYTES = 4 << 30
 _SCORE_ARRAYS = 4
 
 
+#: Float64 values kept per direction for the diagnostics (a similarity's three products and a
+#: guided weight), bounded by `MC_MAX_BYTES` in `check_sampling_cost`.
+_KEPT_PER_DIRECTION = 4
+
+
 def _attention_layers(net: Any):
     """The ``BilinearAttention`` layers inside ``net`` (through ``Sequential``, ``Residual``
     and the guided estimator's ``Difference``)."""
@@ -633,6 +638,14 @@ def check_sampling_cost(nets, n_samples: int, points: int, n_ctx: int | None = N
                           f"{per:.1e} FLOPs), over the Monte Carlo budget of {MC_MAX_FLOPS:.0e} "
                           f"(hours on one core); use fewer samples (the standard error "
                           f"shrinks like 1/sqrt(n_samples))")
+    kept = 8.0 * _KEPT_PER_DIRECTION * float(n_samples)
+    if kept > MC_MAX_BYTES:
+        from ..errors import CostTooHigh
+
+        raise CostTooHigh(f"n_samples={n_samples}: the per-direction values the diagnostics keep "
+                          f"need about {kept / 2**30:.1f} GiB, over the Monte Carlo memory "
+                          f"budget of {MC_MAX_BYTES / 2**30:.0f} GiB; use fewer samples (the "
+                          f"standard error shrinks like 1/sqrt(n_samples))")
     if total > MC_WARN_FLOPS:
         from ..errors import warn_caller
 
