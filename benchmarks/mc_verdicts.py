@@ -23,8 +23,8 @@ The families (none of them tuned on: the rates are measured, not fitted):
   planted-attn-L2-ctx3-s0.3: the planted two-layer model at n_ctx = 3, small scale;
   twodir-attn-s0.3: a planted model with two directions (``_two_directions``; 4 variables);
   hidden-needle-s0.8: the planted two-layer needle beside a wide linear readout of the other
-      15 directions (``_hidden_needle``; truth: quadrature on v's slice plus the exact linear
-      part).
+      15 directions (``tensoralg.verify.planted.hidden_needle``; truth: quadrature on v's
+      slice plus the exact linear part).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _random_attn(seed, d=2, scale=0.5, n_layers=2, bias=False, gain=None):
 
 def models():
     """``{name: (a, b, n_ctx, slice_basis_fn)}``."""
-    from tensoralg.verify.planted import planted_attention, planted_bilinear
+    from tensoralg.verify.planted import hidden_needle, planted_attention, planted_bilinear
 
     out = {}
     for s in (0.3, 0.5, 0.8):
@@ -84,32 +84,9 @@ def models():
     out["planted-attn-L2-ctx3-s0.3"] = (a.network, b.network, 3, a.slice())
     a, sl = _two_directions(1, 0.3)
     out["twodir-attn-s0.3"] = (a, _two_directions(2, 0.3)[0], 2, sl)
-    ha, hb = _hidden_needle(1), _hidden_needle(2)
+    ha, hb = hidden_needle(1), hidden_needle(2)
     out["hidden-needle-s0.8"] = (ha[0], hb[0], 2, (ha, hb))
     return out
-
-
-def _hidden_needle(seed, s=0.8, d=16, share=0.3):
-    """``(network, W, v, v-slice)``: the planted two-layer needle along v (scale s) beside a
-    wide linear readout of the directions orthogonal to v (6 outputs), the needle carrying
-    ``share`` of the squared norm (an independent tester's family: the readout fills the
-    gradient directions the mode search started from)."""
-    from tensoralg.verify.planted import planted_attention
-    from tensoralg.verify.quadrature import quadrature_inner
-
-    import tensoralg as ta
-
-    pm = planted_attention(d, 2, scale=s, seed=seed, v_seed=7)
-    v = pm.direction
-    body = list(pm.network.layers[:-1])
-    head = pm.network.layers[-1].weight[0]
-    W = np.random.default_rng(1000 + seed).standard_normal((6, d))
-    W -= np.outer(W @ v, v)
-    needle = ta.Sequential(body + [ta.Linear(head[None, :])])
-    n2 = float(quadrature_inner(needle, needle, pm.slice(), n_ctx=2))
-    H = W.copy()
-    H[0] += np.sqrt(share / (1 - share) * 2 * float(np.sum(W * W)) / n2) * head
-    return ta.Sequential(body + [ta.Linear(H)]), W, v, pm.slice()
 
 
 def truth_hidden_needle(a, b):

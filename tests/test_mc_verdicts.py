@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from tensoralg.verify.planted import planted_attention
+from tensoralg.verify.planted import hidden_needle, planted_attention
 from tensoralg.verify.quadrature import quadrature_inner, quadrature_similarity
 
 import tensoralg as ta
@@ -312,26 +312,6 @@ def test_long_contexts_are_refused_before_any_work_not_out_of_memory():
     assert float(est) == pytest.approx(float(plain), rel=1e-12)
 
 
-def _hidden_needle(seed, s=0.8, d=16, n_ctx=2, share=0.3):
-    """The planted two-layer needle along v beside a wide linear readout of the 15 directions
-    orthogonal to v (6 outputs): a strong linear read fills the gradient directions the mode
-    search starts from, and hides the needle from them (an independent tester's family: plain
-    and guided sampling were labelled reliable and 3-37 SE off). Returns the network and the
-    truth's pieces: its readout W (rows orthogonal to v), v and the v-slice."""
-    pm = planted_attention(d, n_ctx, scale=s, seed=seed, v_seed=7)
-    v = pm.direction
-    body = list(pm.network.layers[:-1])
-    needle_head = pm.network.layers[-1].weight[0]
-    W = np.random.default_rng(1000 + seed).standard_normal((6, d))
-    W -= np.outer(W @ v, v)
-    needle = ta.Sequential(body + [ta.Linear(needle_head[None, :])])
-    n2 = float(quadrature_inner(needle, needle, pm.slice(), n_ctx=n_ctx))
-    eps = np.sqrt(share / (1 - share) * n_ctx * float(np.sum(W * W)) / n2)
-    H = W.copy()
-    H[0] += eps * needle_head
-    return ta.Sequential(body + [ta.Linear(H)]), W, v, pm.slice()
-
-
 def test_a_strong_linear_read_does_not_hide_a_nonlinear_needle_from_the_mode_search():
     """The mode search also starts along the directions the nonlinear layers' weights read
     (guided._nonlinear_read_directions), which a linear readout cannot crowd out. Truth:
@@ -340,7 +320,7 @@ def test_a_strong_linear_read_does_not_hide_a_nonlinear_needle_from_the_mode_sea
     orthogonal part is linear, odd, in Gaussian coordinates independent of v's). At seed 0,
     where plain and guided sampling were both labelled reliable about 30 SE low, plain is now
     refused and guided covers the truth."""
-    net, W, v, sl = _hidden_needle(2)
+    net, W, v, sl = hidden_needle(2)   # its docstring: the model and its truth
     dirs = guided._nonlinear_read_directions(net, 16)
     assert max(abs(float(e @ v)) for e in dirs) > 0.999
     P = np.eye(16) - np.outer(v, v)

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PlantedModel", "planted_attention", "planted_bilinear", "unit_direction"]
+__all__ = ["PlantedModel", "planted_attention", "planted_bilinear", "unit_direction",
+           "hidden_needle"]
 
 
 def _check_int(v: Any, name: str, minimum: int = 1) -> int:
@@ -174,3 +175,36 @@ def planted_bilinear(d: int, *, depth: int = 2, hidden: int = 2, d_out: int = 1,
         layers.append(ta.Residual(ta.Bilinear(left, right, down, **kw)))
     layers.append(ta.Linear(sigma * g((d_out, 1)) * v[None, :], g(d_out) if bias else None))
     return PlantedModel(ta.Sequential(layers), v, None, sigma)
+
+
+def hidden_needle(seed: int, *, scale: float = 0.8, d: int = 16, n_outputs: int = 6,
+                  share: float = 0.3):
+    """The planted two-layer attention needle (`planted_attention` at ``n_ctx = 2``, direction
+    ``unit_direction(d, 7)``) beside a wide linear readout of the ``d - 1`` directions
+    orthogonal to ``v``: ``n_outputs`` outputs, the first also reading the needle with the
+    coefficient that gives it ``share`` of the squared norm. A strong linear read fills the
+    gradient directions a mode search starts from and hides the needle from them (an
+    independent tester's model that fooled both Monte Carlo estimators).
+
+    Returns:
+        ``(network, W, v, slice)``: ``W`` ``(n_outputs, d)`` the readout (rows orthogonal to
+        ``v``), ``slice`` the v-slice. Exact inner products: quadrature on the slice plus the
+        readouts' part orthogonal to v, ``2 tr(W_a P W_b^T)`` with ``P = I - v v^T`` (the two
+        are uncorrelated: that part is linear, odd, in Gaussian coordinates independent of
+        v's).
+    """
+    from tensoralg import layers as ta
+
+    from .quadrature import quadrature_inner
+
+    pm = planted_attention(d, 2, scale=scale, seed=seed, v_seed=7)
+    v = pm.direction
+    body = list(pm.network.layers[:-1])
+    head = pm.network.layers[-1].weight[0]
+    W = np.random.default_rng(1000 + seed).standard_normal((n_outputs, d))
+    W -= np.outer(W @ v, v)
+    needle = ta.Sequential(body + [ta.Linear(head[None, :])])
+    n2 = float(quadrature_inner(needle, needle, pm.slice(), n_ctx=2))
+    H = W.copy()
+    H[0] += np.sqrt(share / (1 - share) * 2 * float(np.sum(W * W)) / n2) * head
+    return ta.Sequential(body + [ta.Linear(H)]), W, v, pm.slice()
