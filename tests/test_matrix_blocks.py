@@ -374,12 +374,17 @@ def test_cli_errors(ckpts, tmp_path, capsys):
         main(["matrix", *paths, "--block-size", "0"])
 
 
-def test_cli_local_workers(ckpts, forked_workers, tmp_path, capsys):
-    # --workers 2 starts (and closes) its own LocalCluster of 2 processes
+def test_cli_local_workers(ckpts, tmp_path, capsys):
+    # --workers 2 starts (and closes) its own LocalCluster of 2 processes, spawned as in
+    # production: forking them from this process while the module's other cluster runs its
+    # event-loop threads hung the cluster's start once (a fork of a threaded process)
+    import dask
+
     paths, _, S_ref, _ = ckpts
     t = time.perf_counter()
-    assert main(["matrix", *paths[:4], "--out", str(tmp_path / "m"), "--workers", "2",
-                 "--block-size", "2"]) == 0
+    with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
+        assert main(["matrix", *paths[:4], "--out", str(tmp_path / "m"), "--workers", "2",
+                     "--block-size", "2"]) == 0
     assert time.perf_counter() - t < 120
     assert "3 computed" in capsys.readouterr().out
     assert _rel(np.load(tmp_path / "m" / "matrix.npy"), S_ref[:4, :4]) < 1e-12
