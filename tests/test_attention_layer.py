@@ -202,3 +202,26 @@ def test_spec_errors():
     missing = {k: v for k, v in spec.items() if k != "v"}
     with pytest.raises(ValueError, match=r"missing \['v'\]"):
         ta.Sequential.from_spec([missing])
+
+
+@pytest.mark.parametrize("rope", [None, 10000.0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float_forward_by_matrix_products_is_the_definition(rope, bias):
+    """The float forward pass (numpy, complex and torch) is written as batched matrix products
+    for BLAS; it equals the definition's einsums (the path exact inputs take) to rounding,
+    with biases, RoPE and the causal mask."""
+    g = np.random.default_rng(3).standard_normal
+    kw = {k: g((3, 4, 6)) for k in ("q1", "k1", "q2", "k2")}
+    kw["v"], kw["o"] = g((3, 5, 6)), g((7, 3, 5))
+    if bias:
+        kw.update({k + "_bias": g((3, 4)) for k in ("q1", "k1", "q2", "k2")})
+        kw["v_bias"], kw["o_bias"] = g((3, 5)), g(7)
+    layer = ta.BilinearAttention(**kw, rope=rope)
+    x = g((11, 5, 6))
+    ref = layer._forward_einsum(x)
+    scale = np.abs(ref).max()
+    assert np.abs(layer._forward(x) - ref).max() <= 1e-13 * scale
+    assert np.abs(layer._forward(torch.tensor(x)).numpy() - ref).max() <= 1e-13 * scale
+    xc = x + 1j * g(x.shape)
+    refc = layer._forward_einsum(xc)
+    assert np.abs(layer._forward(xc) - refc).max() <= 1e-13 * np.abs(refc).max()
