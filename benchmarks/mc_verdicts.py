@@ -184,12 +184,14 @@ def one(task):
     return out
 
 
-def table(path):
+def table(*paths):
     """The table of a run: per model, quantity and estimator, the seeds, the results labelled
     reliable (the power), those of them beyond 3 SE of the truth, and the mean z over ALL seeds
     with its standard error (the bias of the estimator, verdict or not)."""
-    with open(path) as f:
-        rows = [json.loads(x) for x in f]
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [json.loads(x) for x in f]
     keys = sorted({(r["model"], r["quantity"], r["estimator"]) for r in rows})
     print("| model | quantity | estimator | seeds | reliable (power) | reliable beyond 3 SE | "
           "mean z, all seeds | mean relative error, all seeds |")
@@ -216,6 +218,27 @@ def table(path):
     for e, (n, r, b) in tot.items():
         print(f"{e}: {n} results, {r} labelled reliable ({r / max(1, n):.0%}), {b} of those "
               f"beyond 3 SE ({b / max(1, r):.2%})")
+    print()
+    print("Per family (every quantity of an estimator pooled; the bound is the one-sided 95 % "
+          "Clopper-Pearson upper bound on the rate of reliable results beyond 3 SE):")
+    print()
+    print("| model | estimator | seeds | results | reliable (power) | reliable beyond 3 SE | "
+          "95 % upper bound |")
+    print("|---|---|---|---|---|---|---|")
+    from scipy.stats import beta
+
+    for m in sorted({r["model"] for r in rows}):
+        for e in ("plain", "guided"):
+            sel = [r for r in rows if r["model"] == m and r["estimator"] == e]
+            if not sel:
+                continue
+            rel = [r for r in sel if r["reliable"]]
+            bad = sum(abs(r["z"]) > 3 for r in rel)
+            ub = "-" if not rel else f"{float(beta.ppf(0.95, bad + 1, len(rel) - bad)):.1%}" \
+                if len(rel) > bad else "100%"
+            print(f"| {m} | {e} | {len({r['seed'] for r in sel})} | {len(sel)} | "
+                  f"{len(rel)} ({len(rel) / len(sel):.0%}) | {bad} "
+                  f"({bad / max(1, len(rel)):.1%}) | {ub} |")
 
 
 MODELS = None
@@ -237,10 +260,11 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--only", default=None, help="comma-separated model names")
     p.add_argument("--out", default="runs/mc_verdicts.jsonl")
-    p.add_argument("--table", default=None, help="print the table of a finished run")
+    p.add_argument("--table", default=None, nargs="+",
+                   help="print the table of finished runs (their rows pooled)")
     args = p.parse_args(argv)
     if args.table:
-        table(args.table)
+        table(*args.table)
         return
     _init()
     names = list(MODELS) if args.only is None else args.only.split(",")
