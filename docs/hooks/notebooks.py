@@ -4,8 +4,9 @@ The notebooks stay where they are (CI runs them there, ``tests/test_notebooks.py
 adds each ``proofs_notebooks/NN_name.ipynb`` to the site as ``notebooks/NN_name.ipynb`` (so
 ``docs/notebooks.md`` links to ``notebooks/NN_name.ipynb``), before the mkdocs-jupyter plugin turns
 ``.ipynb`` files into pages, and lists them in the nav under "Teaching notebooks", titled by
-their first heading up to its colon. A new notebook is published and listed without editing
-``mkdocs.yml``.
+their first heading up to its colon; each page opens with a link to download the ``.ipynb``
+(``include_source`` copies it beside the page). A new notebook is published and listed without
+editing ``mkdocs.yml``.
 
 When mkdocs-jupyter executes the notebooks (``execute:`` in ``mkdocs.yml``, on unless
 ``TENSORALG_DOCS_EXECUTE=false``), their kernels inherit this process's environment: the
@@ -106,4 +107,8 @@ def on_page_content(html, page, config, files):
                              f"a page of the site")
         return f'href="{target.url_relative_to(page.file)}{m.group(2) or ""}"'
 
-    return CDN_SCRIPTS.sub("", DOCS_LINK.sub(site_link, html))
+    name = Path(page.file.abs_src_path).name   # mkdocs-jupyter copies it beside the page
+    source = (f'<p class="nb-source"><em>Download</em> <a href="{name}" download>{name}</a> '
+              f'(committed without outputs: open it in Jupyter and run all cells, or read it '
+              f'here with its outputs)</p>\n')
+    return source + CDN_SCRIPTS.sub("", DOCS_LINK.sub(site_link, html))
