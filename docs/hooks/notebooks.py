@@ -87,6 +87,8 @@ def on_nav(nav, config, files):
 
 # a notebook's link to a page of the site, written for a reader of the repository
 DOCS_LINK = re.compile(r'href="\.\./docs/([^"#]+\.md)(#[^"]*)?"')
+# a notebook's link to another notebook (beside it in proofs_notebooks/): on the site, its page
+NB_LINK = re.compile(r'href="(?:\./|\.\./proofs_notebooks/)?(\d\d_\w+\.ipynb)(#[^"]*)?"')
 # nbconvert's page template loads MathJax and (for diagrams, which these notebooks do not have)
 # mermaid from a CDN; the site typesets the notebooks' formulas with its own KaTeX (katex.js)
 # and loads nothing from the network, so both are dropped
@@ -95,8 +97,9 @@ CDN_SCRIPTS = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configura
 
 
 def on_page_content(html, page, config, files):
-    """The notebooks link to the guides as ``../docs/page.md`` (right in a clone and on GitHub);
-    on the site that is the page's URL. A link to a page that does not exist fails the build."""
+    """The notebooks link to the guides as ``../docs/page.md`` and to each other as
+    ``NN_name.ipynb`` (right in a clone and on GitHub); on the site those are the pages' URLs. A
+    link to a page that does not exist fails the build. Each page opens with a download link."""
     if not page.file.src_uri.endswith(".ipynb"):
         return html
 
@@ -107,6 +110,14 @@ def on_page_content(html, page, config, files):
                              f"a page of the site")
         return f'href="{target.url_relative_to(page.file)}{m.group(2) or ""}"'
 
+    def notebook_link(m):
+        target = files.get_file_from_path(f"notebooks/{m.group(1)}")
+        if target is None:
+            raise ValueError(f"{page.file.src_uri}: a link to the notebook {m.group(1)}, which "
+                             f"proofs_notebooks/ does not have")
+        return f'href="{target.url_relative_to(page.file)}{m.group(2) or ""}"'
+
+    html = NB_LINK.sub(notebook_link, html)
     name = Path(page.file.abs_src_path).name   # mkdocs-jupyter copies it beside the page
     source = (f'<p class="nb-source"><em>Download</em> <a href="{name}" download>{name}</a> '
               f'(committed without outputs: open it in Jupyter and run all cells, or read it '
