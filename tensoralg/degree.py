@@ -173,12 +173,12 @@ def _check_max_degree(max_degree) -> tuple:
 def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
                       max_degree: Any = None, cov: Any = None,
                       n_samples: int = DEGREE_DEFAULT_SAMPLES, seed: int = 0) -> DegreeSimilarity:
-    """Degree-resolved similarity ``S<=K`` of two networks, for each ``K`` in ``max_degree``,
-    and the profiles ``||P_k||^2`` (docs/mathematics.md §3.9, "Homogeneous parts").
+    r"""Degree-resolved similarity $S_{\le K}$ of two networks, for each $K$ in ``max_degree``,
+    and the profiles $\|P_k\|^2$ (docs/mathematics.md §3.9, "Homogeneous parts").
 
-    ``f = sum_k P_k`` with ``P_k`` the homogeneous degree-``k`` part (a property of the
-    function); ``S<=K = <f_{<=K}^a, f_{<=K}^b> / (||f_{<=K}^a|| ||f_{<=K}^b||)`` with
-    ``f_{<=K} = sum_{k<=K} P_k``, under the Gaussian metric (sums over outputs and query
+    $f = \sum_k P_k$ with $P_k$ the homogeneous degree-$k$ part (a property of the
+    function); $S_{\le K} = \langle f_{\le K}^a, f_{\le K}^b\rangle / (\|f_{\le K}^a\| \|f_{\le K}^b\|)$
+    with $f_{\le K} = \sum_{k\le K} P_k$, under the Gaussian metric (sums over outputs and query
     positions). ``S<=K`` is a DIFFERENT QUESTION from the full similarity — the similarity on
     typical inputs through the low-order paths — not an approximation of it; for ``K`` at or
     above both degrees it is the full similarity.

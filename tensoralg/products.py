@@ -41,11 +41,12 @@ __all__ = ["inner", "norm", "similarity", "gram", "cross_gram", "similarity_matr
            "inner_diff", "diff_norm", "plan", "MonteCarloEstimate", "MonteCarloArray",
            "ExactSimilarity", "ExactNorm", "MC_MIN_DIRECTIONS"]
 
-_DOC_KW = """
+_DOC_KW = r"""
     Keyword args (shared by inner, norm, similarity, gram, cross_gram, similarity_matrix):
-        metric: ``"gaussian"`` (E over x ~ N(0, I_d), docs/mathematics.md §3.1) or ``"frobenius"``
-            (``<Sym T_a, Sym T_b>_F`` of the lifted coefficient tensors, docs/mathematics.md §3.3; needs the
-            same number of bilinear stages on both sides; method ``"exact"`` only).
+        metric: ``"gaussian"`` ($E$ over $x \sim N(0, I_d)$, docs/mathematics.md §3.1) or
+            ``"frobenius"`` ($\langle \operatorname{Sym} T_a, \operatorname{Sym} T_b\rangle_F$ of the
+            lifted coefficient tensors, docs/mathematics.md §3.3; needs the same number of
+            bilinear stages on both sides; method ``"exact"`` only).
         method: ``"exact"`` (Isserlis/Wick partial-matching sum), ``"closure"`` (Gaussian
             closure, docs/mathematics.md §3.2: exact at depth 1, APPROXIMATE for depth >= 2 — the exact value
             of a different, tree-restricted form, not E[f_a f_b]; it does not certify functional
@@ -65,13 +66,13 @@ _DOC_KW = """
         strategy: the exact representation: ``"auto"`` (default: the cheaper of the two within
             budget, see `tensoralg.planner`), ``"wick"`` (tensor-network Wick sum) or
             ``"chaos"`` (Gaussian chaos / Hermite coefficients, docs/mathematics.md §3.6; Gaussian metric).
-        cov: the input distribution of the Gaussian metric, ``x ~ N(0, Σ)`` (docs/mathematics.md
-            §3.9; per position for sequence models): None (``Σ = I``), a positive scalar
-            ``σ²``, a vector of variances (diagonal), a ``(d, d)`` symmetric PSD matrix,
-            ``(n, d)`` activations with ``n > d`` (their sample covariance) or
-            `CovarianceFactor` ``(K)`` (``Σ = K Kᵀ``; rational ``K`` keeps
-            ``backend="exact"`` exact). Computed exactly as ``<f_a ∘ K, f_b ∘ K>`` under
-            ``N(0, I)``; plans record it (``input_distribution``).
+        cov: the input distribution of the Gaussian metric, $x \sim N(0, \Sigma)$ (docs/mathematics.md
+            §3.9; per position for sequence models): None ($\Sigma = I$), a positive scalar
+            $\sigma^2$, a vector of variances (diagonal), a ``(d, d)`` symmetric PSD matrix,
+            ``(n, d)`` activations with $n > d$ (their sample covariance) or
+            `CovarianceFactor` ``(K)`` ($\Sigma = K K^\top$; rational $K$ keeps
+            ``backend="exact"`` exact). Computed exactly as $\langle f_a \circ K, f_b \circ K\rangle$ under
+            $N(0, I)$; plans record it (``input_distribution``).
         max_flops, max_memory, max_configurations: cost budget of the exact method, checked
             before any contraction or allocation; over it `CostTooHigh` names
             every strategy's estimate and the alternatives. Defaults: 2e11 FLOPs (2e7 with
@@ -108,7 +109,7 @@ def inner(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
           max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
           position: Any = None, cov: Any = None, proposal: str = "radial"
           ) -> float | Fraction | np.ndarray:
-    """Inner product ``<f_a, f_b>`` of two networks with the same input and output sizes.
+    r"""Inner product $\langle f_a, f_b\rangle$ of two networks with the same input and output sizes.
 
     Sequence models (with [`BilinearAttention`][tensoralg.BilinearAttention]; inputs
     ``(n, n_ctx, d)``) go through the sequence functions of `tensoralg.strategies`: the sum runs
@@ -139,8 +140,8 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
                max_configurations: int = DEFAULT_MAX_CONFIGURATIONS, n_ctx: int | None = None,
                position: Any = None, cov: Any = None, proposal: str = "radial"
                ) -> float | np.ndarray | list[ExactSimilarity]:
-    """Tensor similarity ``<a, b> / (||a|| ||b||)`` in [-1, 1] (cosine of the two functions under
-    the chosen metric). ``sim(a, a) = 1``; symmetric (bit for bit: the pair is computed in one
+    r"""Tensor similarity $\langle a, b\rangle / (\|a\| \|b\|)$ in $[-1, 1]$ (cosine of the two
+    functions under the chosen metric). $\mathrm{sim}(a, a) = 1$; symmetric (bit for bit: the pair is computed in one
     canonical order); invariant to reparametrizations that keep the functions (exact method).
     Computed in a normalized gauge so that output scales of 1e±300 cancel exactly. Returns a
     float, an `ExactSimilarity` (exact backend, vector and sequence
@@ -160,7 +161,7 @@ def similarity(a: Any, b: Any, metric: str = "gaussian", method: str = "exact",
 def cross_gram(models_a: Iterable[Any], models_b: Iterable[Any], metric: str = "gaussian",
                method: str = "exact", backend: str = "numpy", output: Any = None,
                **kwargs: Any) -> np.ndarray:
-    """Matrix ``G[i, j] = <a_i, b_j>`` of shape ``(Na, Nb)`` (``(Na, Nb, out)`` for
+    r"""Matrix $G_{ij} = \langle a_i, b_j\rangle$ of shape ``(Na, Nb)`` (``(Na, Nb, out)`` for
     ``output="each"``) for two collections of same-architecture models (networks, modules with
     ``to_network()``, specs, or checkpoint folders, loaded one at a time). With the chaos
     strategy each model is expanded once and the matrix is one matrix product; with Wick the
@@ -214,7 +215,7 @@ def _blocked(kind: str, req: Request, models, opts: dict):
 def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str = "numpy",
          output: Any = None, **kwargs: Any
          ) -> float | np.ndarray | ExactNorm | list[ExactNorm]:
-    """``||f_a|| = sqrt(<f_a, f_a>)``. With ``backend="exact"`` an
+    r"""$\|f_a\| = \sqrt{\langle f_a, f_a\rangle}$. With ``backend="exact"`` an
     `ExactNorm` (a float; ``.exact`` the sympy ``sqrt`` of a rational,
     ``.squared`` the rational; a list of them for ``output="each"``), with ``"montecarlo"`` an
     estimate with a delta-method stderr.
@@ -225,10 +226,10 @@ def norm(a: Any, metric: str = "gaussian", method: str = "exact", backend: str =
 
 def gram(models: Iterable[Any], metric: str = "gaussian", method: str = "exact",
          backend: str = "numpy", output: Any = None, **kwargs: Any) -> np.ndarray:
-    """Gram matrix ``G[i, j] = <m_i, m_j>`` of N same-architecture models, shape ``(N, N)``
+    r"""Gram matrix $G_{ij} = \langle m_i, m_j\rangle$ of $N$ same-architecture models, shape ``(N, N)``
     (models, specs or checkpoint folders). Chaos: one expansion per model and one matrix
     product; Wick: batched contractions (one per configuration orbit). Diffs follow from it:
-    ``||m_i - m_j||^2 = G_ii - 2 G_ij + G_jj`` (docs/mathematics.md §3.5). Keywords as
+    $\|m_i - m_j\|^2 = G_{ii} - 2 G_{ij} + G_{jj}$ (docs/mathematics.md §3.5). Keywords as
     [`inner`][tensoralg.products.inner].
 
     More checkpoints than fit in memory: pass ``out=FOLDER`` (a resumable block store),
@@ -264,12 +265,13 @@ def similarity_matrix(models: Iterable[Any], metric: str = "gaussian", method: s
 
 
 def inner_diff(a: Any, b: Any, c: Any, **kwargs: Any) -> float | Fraction | np.ndarray:
-    """``<a, b - c> = <a, b> - <a, c>`` (bilinearity, docs/mathematics.md §3.5), from one
-    batched [`cross_gram`][tensoralg.products.cross_gram] call when ``b`` and ``c`` share an
-    architecture. Same keywords as [`inner`][tensoralg.products.inner] (``output="each"`` gives one
-    value per output). In floating point the difference carries the absolute error of the two terms
-    (about ``eps * ||a|| (||b|| + ||c||)``). With ``method="montecarlo"`` the per-sample integrand
-    is ``f_a . (f_b - f_c)``, so the returned estimate's ``.stderr`` accounts for the correlation
+    r"""$\langle a, b - c\rangle = \langle a, b\rangle - \langle a, c\rangle$ (bilinearity,
+    docs/mathematics.md §3.5), from one batched [`cross_gram`][tensoralg.products.cross_gram] call
+    when ``b`` and ``c`` share an architecture. Same keywords as
+    [`inner`][tensoralg.products.inner] (``output="each"`` gives one value per output). In
+    floating point the difference carries the absolute error of the two terms (about
+    $\varepsilon \|a\| (\|b\| + \|c\|)$). With ``method="montecarlo"`` the per-sample integrand
+    is $f_a \cdot (f_b - f_c)$, so the returned estimate's ``.stderr`` accounts for the correlation
     of the two terms."""
     req = _request("inner_diff", **kwargs)
     return mark_closure(req, engine.inner_diff(req, a, b, c))
@@ -277,8 +279,8 @@ def inner_diff(a: Any, b: Any, c: Any, **kwargs: Any) -> float | Fraction | np.n
 
 def diff_norm(b: Any, c: Any, **kwargs: Any
               ) -> float | np.ndarray | sympy.Expr | list[sympy.Expr]:
-    """``||b - c|| = sqrt(<b,b> - 2<b,c> + <c,c>)`` from the Gram matrix of ``[b, c]`` (one batched
-    call when both have the same architecture). Exact with backend="exact": an
+    r"""$\|b - c\| = \sqrt{\langle b,b\rangle - 2\langle b,c\rangle + \langle c,c\rangle}$ from the
+    Gram matrix of ``[b, c]`` (one batched call when both have the same architecture). Exact with backend="exact": an
     `ExactNorm` (a float; ``.exact`` the sympy number, ``.squared``
     the rational ``||b - c||^2``; a list of them for ``output="each"``), as the exact
     similarity is an `ExactSimilarity`; in float64 the absolute error is about
