@@ -174,6 +174,9 @@ def one(task):
                     "exact": bool(d.exact), "truth": t,
                     "z": (float(est) - t) / est.stderr if est.stderr > 0 else
                     (0.0 if float(est) == t else math.inf),
+                    # the guided standard error's widening for skewness, so the sample
+                    # standard error's rate can be tabulated from the same run
+                    "skew_factor": d.skew_factor,
                     # the plain verdict's parts, so another MC_SPREAD_RATIO can be tabulated
                     "spread_ratio": d.spread_ratio,
                     "cross_z": None if d.cross_check is None else d.cross_check[2],
@@ -218,6 +221,14 @@ def table(*paths):
     for e, (n, r, b) in tot.items():
         print(f"{e}: {n} results, {r} labelled reliable ({r / max(1, n):.0%}), {b} of those "
               f"beyond 3 SE ({b / max(1, r):.2%})")
+    raw = [r for r in rows if r["estimator"] == "guided" and r["reliable"]
+           and "skew_factor" in r]
+    if raw:
+        b = sum(abs(r["z"]) * r["skew_factor"] > 3 for r in raw)
+        print(f"guided with the sample standard error (not widened for skewness): {b} of "
+              f"{len(raw)} beyond 3 SE ({b / len(raw):.2%}); widening factor median "
+              f"{np.median([r['skew_factor'] for r in raw]):.3g}, largest "
+              f"{max(r['skew_factor'] for r in raw):.3g}")
     print()
     print("Per family (every quantity of an estimator pooled; the bound is the one-sided 95 % "
           "Clopper-Pearson upper bound on the rate of reliable results beyond 3 SE):")

@@ -31,6 +31,7 @@ the diagnostics may or may not reveal (measured: docs/results/montecarlo.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -43,6 +44,7 @@ from .montecarlo import (
     inner_diagnostics,
     ratio_diagnostics,
     ratio_estimate,
+    skew_widening,
     warn_few,
 )
 
@@ -535,8 +537,10 @@ def _mean_estimate(P: np.ndarray, w: np.ndarray, norm_name: str | None) -> Monte
     and ``.uniform_variance`` (`uniform_variance` of ``h``)."""
     p = P[0]
     n = len(p)
-    out = MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)), n,
-                             inner_diagnostics(p, norm_name))
+    d = inner_diagnostics(p, norm_name)
+    f = skew_widening(p)
+    out = MonteCarloEstimate(float(p.mean()), float(p.std(ddof=1) / math.sqrt(n)) * f, n,
+                             dataclasses.replace(d, skew_factor=f))
     out.uniform_variance = uniform_variance(P, w)
     return out
 
@@ -572,12 +576,14 @@ def similarity(na: Layer, nb: Layer, U: np.ndarray, keep: bool, n_samples: int, 
     names = ("<a,b>", "<a,a>", "<b,b>")
     parts = {k: _mean_estimate(P[i:i + 1], w, None if i == 0 else k)
              for i, k in enumerate(names)}
-    out = MonteCarloEstimate(float(est), est.stderr, n, ratio_diagnostics(P))
-    out.inner_products = parts
     _, aa, bb = P.mean(axis=1)
     r = float(est)
     # the ratio's linearised summand psi = g . (h - m), g its gradient at the guided means
     g = np.array([1 / math.sqrt(aa * bb), -r / (2 * aa), -r / (2 * bb)])
+    f = skew_widening(g @ (P - P.mean(axis=1, keepdims=True)))
+    out = MonteCarloEstimate(float(est), est.stderr * f, n,
+                             dataclasses.replace(ratio_diagnostics(P), skew_factor=f))
+    out.inner_products = parts
     out.uniform_variance = uniform_variance(P - np.outer(P.mean(axis=1), w), w, g)
     return out
 

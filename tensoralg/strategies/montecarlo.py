@@ -22,7 +22,7 @@ __all__ = ["MonteCarloEstimate", "MonteCarloArray", "Diagnostics", "check_mc", "
            "similarity", "features", "warn_few", "MC_MIN_DIRECTIONS", "ratio_estimate",
            "inner_diagnostics", "ratio_diagnostics", "certified_lower_bound", "verdict", "MC_REPLICATES",
            "MC_MIN_SAMPLES", "montecarlo_inner", "cross_checked", "agreement_z",
-           "MC_CROSS_Z", "MC_CROSS_DEGREE", "MC_SPREAD_RATIO", "spread_ratio", "MC_MAX_BYTES",
+           "MC_CROSS_Z", "MC_CROSS_DEGREE", "MC_SPREAD_RATIO", "spread_ratio", "skew_widening", "MC_MAX_BYTES",
            "check_score_memory", "score_entries", "unchecked", "montecarlo_similarity",
            "montecarlo_similarity_pairs", "montecarlo_inner_req", "montecarlo_similarity_req"]
 
@@ -92,6 +92,9 @@ class Diagnostics:
             plain sampling's own directions (about 1 when plain's standard error is right; at
             most `MC_SPREAD_RATIO` for a reliable verdict; above 1 the reported standard
             error is the sample one times its square root); None where not computed.
+        skew_factor: guided sampling only: the factor (>= 1) by which the reported standard
+            error was widened for the skewness of the per-direction summand
+            (`skew_widening`); the sample standard error is ``stderr / skew_factor``.
     """
 
     replicates: tuple
@@ -103,6 +106,7 @@ class Diagnostics:
     exact: bool = False
     cross_check: tuple | None = None
     spread_ratio: float | None = None
+    skew_factor: float = 1.0
 
     def summary(self) -> str:
         reps = ", ".join(f"{v:.6g} ± {se:.2g}" for v, se in self.replicates)
@@ -121,8 +125,10 @@ class Diagnostics:
             "; what is exact instead: ta.degree_similarity (S<=1 of every model, S<=K of "
             "position-free networks, S<=5 of bias-free attention pairs) and the certified lower "
             "bounds")
+        sk = (f"; standard error widened {self.skew_factor:.3g}x for the summand's skewness"
+              if self.skew_factor > 1.0 else "")
         return (f"{head}; replicates {reps}; largest single-direction share "
-                f"{self.max_share:.3g}; replicates' largest |z| {self.max_z:.2f}" + cc
+                f"{self.max_share:.3g}; replicates' largest |z| {self.max_z:.2f}" + sk + cc
                 + (f"; certified lower bounds {lb}" if lb else "") + instead)
 
 
@@ -139,6 +145,39 @@ def agreement_z(x: float, sx: float, y: float, sy: float) -> float:
         return 0.0
     den = math.sqrt(sx * sx + sy * sy)
     return abs(x - y) / den if den > 0 else math.inf
+
+
+def skew_widening(v: np.ndarray, z: float = MC_AGREE_Z) -> float:
+    """The factor (>= 1) by which the standard error of the mean of the per-direction values
+    ``v`` ``(n,)`` is widened so that ``z`` standard errors either side cover Hall's
+    skewness-corrected confidence interval for the mean.
+
+    The mean of a skewed summand is not normal at finite ``n``: its studentized error
+    ``T = (mean - mu) / se`` has a heavier tail on the side opposite the summand's skew (a sample
+    that misses the long tail is low *and* has a small standard error). Hall's transformation
+    ``g(T) = T + a T^2 + a^2 T^3 / 3 + b``, ``a = gamma / (3 sqrt(n))``, ``b = gamma / (6 sqrt(n))``
+    with ``gamma`` the sample skewness, is normal to ``O(1/n)`` (P. Hall, "On the removal of
+    skewness by transformation", J. R. Statist. Soc. B 54 (1992) 221-228; the Edgeworth term
+    of Johnson 1978). It is increasing (``g'(t) = (1 + a t)^2``), so ``|g(T)| <= z`` is
+    ``T`` in ``[g^-1(-z), g^-1(z)]``, ``g^-1(y) = (cbrt(1 + 3 a (y - b)) - 1) / a``; the factor is
+    the larger end over ``z``. Measured: means of 1 000 lognormal(0, 1.5) values lie beyond 3
+    sample standard errors in 1.6 % of 20 000 runs and beyond 3 widened ones in 0.46 %
+    (lognormal(0, 1): 0.60 % and 0.20 %; normal: 0.22 % both; the normal rate is 0.27 %).
+    1 when ``v`` does not vary or has fewer than 3 values."""
+    v = np.asarray(v, dtype=np.float64)
+    n = v.size
+    if n < 3:
+        return 1.0
+    d = v - v.mean()
+    sd = math.sqrt(float(np.mean(d * d)))
+    if not sd > 0 or not math.isfinite(sd):
+        return 1.0
+    gamma = float(np.mean((d / sd) ** 3))
+    if gamma == 0.0 or not math.isfinite(gamma):
+        return 1.0
+    a, b = gamma / (3 * math.sqrt(n)), gamma / (6 * math.sqrt(n))
+    ends = [(np.cbrt(1 + 3 * a * (y - b)) - 1) / a for y in (-z, z)]
+    return max(1.0, *(abs(float(t)) / z for t in ends))
 
 
 def spread_ratio(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> float | None:
@@ -181,7 +220,9 @@ def cross_checked(est: MonteCarloEstimate, ref: MonteCarloEstimate) -> MonteCarl
     ratio = spread_ratio(est, ref)
     se = est.stderr * math.sqrt(ratio) if ratio is not None and 1.0 < ratio < math.inf \
         else est.stderr
-    z = agreement_z(float(est), se, float(ref), ref.stderr)
+    # the guided sample standard error: a skewness-widened one would loosen the agreement test
+    ref_se = ref.stderr / ref.diagnostics.skew_factor
+    z = agreement_z(float(est), se, float(ref), ref_se)
     if d.exact and ref.diagnostics.exact and z == 0.0:
         return est   # exact on plain directions and around the modes alike
     why = [d.reason] if not d.reliable else []
