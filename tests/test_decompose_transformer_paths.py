@@ -193,7 +193,9 @@ def test_head_permutation_is_recovered_and_every_matched_path_scores_one():
     perms = {0: [2, 0, 1], 1: [1, 2, 0]}
     other = _permuted(model, perms)
     X = np.random.default_rng(0).standard_normal((2, 4, 8))
-    assert np.abs(other.to_network()(X) - model.to_network()(X)).max() < 1e-12   # same function
+    ref = model.to_network()(X)
+    # same function: equal to rounding (the heads are summed in another order; outputs ~660)
+    assert np.abs(other.to_network()(X) - ref).max() < 1e-13 * np.abs(ref).max()
     m = dc.match_heads(model, other)
     for l, perm in perms.items():   # a's head h is b's head k with perm[k] = h
         assert [perm.index(h) for h in range(3)] == m[l]["perm"]
