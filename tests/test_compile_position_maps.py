@@ -84,7 +84,7 @@ class Attention(nn.Module):
         return x.view(B, T, self.n_head, self.d_head).transpose(1, 2)
 
     def forward(self, x):
-        B, T, D = x.shape
+        B, T, _ = x.shape
         q1, k1, q2, k2 = (self.heads(f(x)) for f in (self.q1, self.k1, self.q2, self.k2))
         q1, q2 = self.pos(q1), self.pos(q2)
         if not self.q_only:
