@@ -325,7 +325,7 @@ def stack(cans: list[Canonical], name: str = "models") -> Canonical:
 # The legs of node ``k + 1`` read copies of node ``k``'s output, so the chain unrolls into a
 # tree of degree ``prod_k max_term degree``. A leg of a sequence model reads ``x~`` at a
 # *position variable* (``"t"``: the query position, the output's; ``"s"``: a key position
-# summed inside an attention term against the mask); a positional leg (RoPE) has a leading
+# summed inside an attention term against the mask); a positional leg (RoPE, position maps) has a leading
 # position axis. Kinds: linear (1 leg), bilinear (2 legs sharing the hidden index ``h``),
 # attention (5 legs: ``Q1, Q2`` at ``t``; ``K1, K2, V`` at ``s``; docs/mathematics.md §3.7).
 #
@@ -655,9 +655,10 @@ def _layer_node(layer: Layer, n_ctx: int, exact: bool, name: str, index: int) ->
         if lw["o_bias"] is not None:
             const[:, 0] = const[:, 0] + P @ lw["o_bias"]
         proj = {k: np.einsum("hef,fi->hei", lw[k], E) for k in ("q1", "k1", "q2", "k2", "v")}
-        rope = core.rope is not None
+        rot = core.rotations(n_ctx)          # RoPE or position_maps: R_t on queries and keys
+        rope = rot is not None
         if rope:
-            rot = _num(core.rotations(n_ctx), exact)
+            rot = _num(rot, exact)
             for k in ("q1", "k1", "q2", "k2"):
                 proj[k] = np.einsum("tef,hfi->thei", rot, proj[k])
         scale = Fraction(core.scale) if exact else float(core.scale)
@@ -740,7 +741,7 @@ def sequence_tree(net: Any, n_ctx: int, name: str = "a", exact: bool = False,
     One node per layer: a Linear or Bilinear layer acts per position (legs at the query
     position ``t``); a BilinearAttention layer is one attention term (legs ``Q1, Q2`` at ``t``,
     ``K1, K2, V`` at the key position ``s``; the mask times the scale is the core
-    ``M[t, s]``; RoPE makes the query/key legs positional); a Residual block ``x + f(x)`` is
+    ``M[t, s]``; RoPE or position maps make the query/key legs positional); a Residual block ``x + f(x)`` is
     ``f``'s terms plus a linear term carrying ``x``; biases and constants go into the linear
     term's column 0 (the lifted constant is the same 1 at every position). ``fold``: fold the
     affine nodes into their neighbours (the form the exact attention path contracts; the
@@ -764,6 +765,15 @@ def sequence_tree(net: Any, n_ctx: int, name: str = "a", exact: bool = False,
     return Tree(nodes, net.in_features, net.out_features, int(n_ctx), exact, False)
 
 
+def _check_max_n_ctx(models: list, n_ctx: int) -> int:
+    for name, m in models:
+        cap = getattr(m, "max_n_ctx", None)
+        if cap is not None and n_ctx > cap:
+            raise ValueError(f"n_ctx={n_ctx} exceeds the {cap} positions {name}'s attention "
+                             f"position_maps cover")
+    return n_ctx
+
+
 def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
     """The sequence length for ``models`` (``[(name, layer)]``): ``n_ctx`` when given (checked
     against the masks that fix one), else the length a mask array fixes; None when no model is
@@ -774,7 +784,8 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
             ``n_ctx`` is given and every such mask is causal); ``n_ctx`` that differs from a
             mask, except a shorter one of a causal mask (the exact prefix model,
             [`mask_matrix`][tensoralg.layers.BilinearAttention.mask_matrix]); a sequence model
-            without ``n_ctx`` and no mask fixing it.
+            without ``n_ctx`` and no mask fixing it; ``n_ctx`` beyond a model's
+            ``position_maps`` (`max_n_ctx`).
     """
     fixed = {name: m.n_ctx for name, m in models if m.n_ctx is not None}
     if len(set(fixed.values())) > 1 and (n_ctx is None or not all(
@@ -784,7 +795,7 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
                          f"lengths ({shown})")
     if n_ctx is None:
         if fixed:
-            return next(iter(fixed.values()))
+            return _check_max_n_ctx(models, next(iter(fixed.values())))
         seq = [name for name, m in models if m.is_sequence_model]
         if seq:
             raise ValueError(f"n_ctx: required for {' and '.join(seq)} (sequence models whose "
@@ -792,6 +803,7 @@ def resolve_n_ctx(models: list, n_ctx: Any) -> int | None:
         return None
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)) or n_ctx < 1:
         raise ValueError(f"n_ctx: expected a positive int, got {n_ctx!r}")
+    _check_max_n_ctx(models, n_ctx)
     notes = {name: getattr(m, "n_ctx_note", "") for name, m in models}
     prefix = {name: getattr(m, "prefix_ok", False) for name, m in models}
     for name, n in fixed.items():

@@ -143,9 +143,12 @@ def _flatten_network(net) -> tuple[list[str], dict[str, np.ndarray]]:
         if isinstance(layer, BilinearAttention):
             mask = layer.mask if isinstance(layer.mask, str) else "array"
             nodes.append(f"bilinear_attention mask={mask} scale={float(layer.scale)!r} "
-                         f"rope={layer.rope!r}")
+                         f"rope={layer.rope!r}"
+                         + ("" if layer.position_maps is None else " position_maps=array"))
             if mask == "array":
                 tensors[f"n{i}.mask"] = layer.mask
+            if layer.position_maps is not None:
+                tensors[f"n{i}.position_maps"] = layer.position_maps
         elif isinstance(layer, (Linear, Bilinear)):
             nodes.append("linear" if isinstance(layer, Linear) else "bilinear")
         else:
@@ -192,9 +195,14 @@ def _network_from_tensors(nodes: list, tensors: Mapping[str, Any], where: str):
         opts = dict(p.split("=", 1) for p in parts[1:])
         mask = opts.get("mask", "causal")
         rope = opts.get("rope", "None")
+        maps = opts.get("position_maps")
+        if maps not in (None, "array") or (maps == "array" and get(i, "position_maps") is None):
+            raise ValueError(f"{where}: cfg.json node {i} has position_maps={maps!r} but "
+                             f"weights.safetensors no tensor n{i}.position_maps")
         return BilinearAttention(**kw, mask=get(i, "mask") if mask == "array" else mask,
                                  scale=float(opts["scale"]),
-                                 rope=None if rope == "None" else float(rope))
+                                 rope=None if rope == "None" else float(rope),
+                                 position_maps=get(i, "position_maps") if maps else None)
 
     try:
         net = build()
@@ -203,7 +211,7 @@ def _network_from_tensors(nodes: list, tensors: Mapping[str, Any], where: str):
     if pos[0] != len(nodes):
         raise ValueError(f"{where}: cfg.json has {len(nodes) - pos[0]} nodes after the network")
     used = {f"n{i}.{f}" for i in range(len(nodes)) for f in
-            _NODE_FIELDS.get(str(nodes[i]).split()[0], ()) + ("mask",)}
+            _NODE_FIELDS.get(str(nodes[i]).split()[0], ()) + ("mask", "position_maps")}
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"{where}: weights.safetensors holds tensors no node uses: {extra}")
@@ -252,6 +260,8 @@ def _save_network(path, net, step, provenance) -> Path:
         tensors[name] = torch.from_numpy(np.ascontiguousarray(a))
     seq = bool(net.is_sequence_model)
     n_ctx = net.n_ctx if net.n_ctx is not None else (NETWORK_PROBE_N_CTX if seq else None)
+    if n_ctx is not None and net.max_n_ctx is not None:   # within the position maps' table
+        n_ctx = min(n_ctx, net.max_n_ctx)
     arch = {"architecture": NETWORK, "d_in": int(net.in_features),
             "d_out": int(net.out_features), "n_layers": _depth(net), "sequence": seq,
             "n_ctx": net.n_ctx, "nodes": nodes,

@@ -22,10 +22,15 @@ turns the latest residual-stream-like value they are both linear images of into 
 activation only gives the shape of (``zeros_like``, ``ones_like``, ``full_like``, ``new_zeros``,
 ``new_ones``, ``new_full``).
 
-Rotary embeddings: queries and keys whose linear maps depend on the position are matched against
-[`tensoralg.layers.rope_rotations`][tensoralg.layers.rope_rotations] (interleaved pairs; the "rotate
-half" layout is a permutation of the head coordinates, which leaves the scores unchanged); the
-rotary base is read off the rotation at position 1 and the whole table is checked.
+Position-dependent queries and keys: when their linear maps depend on the position, they are
+first matched against [`tensoralg.layers.rope_rotations`][tensoralg.layers.rope_rotations]
+(interleaved pairs; the "rotate half" layout is a permutation of the head coordinates, which
+leaves the scores unchanged; the rotary base is read off the rotation at position 1 and the
+whole table is checked to 1e-10): an exact rotary embedding compiles to ``rope=base``. Any other
+linear map per position applied to every query and key alike (a rotary table computed in float32,
+whose angles are off by ~4e-8; a learned per-position map) compiles to ``position_maps``, the
+maps read off the traced table (docs/mathematics.md §3.7). Different maps on queries and keys,
+or per head, are refused.
 
 Every export is verified: the compiled network and the module (a float64 copy on the CPU, in
 eval mode) are run on deterministic inputs of the example's shape and must agree to ``1e-10``
@@ -426,11 +431,19 @@ class _Compiler:
         for dat, Mp in atts:
             parts.append(self.attention_params(dat, Mp))
         ref = parts[0]
+
+        def same_maps(a, b):
+            if a is None or b is None:
+                return a is None and b is None
+            return a.shape == b.shape and np.allclose(a, b, rtol=0, atol=_TOL * max(
+                1.0, np.abs(b).max()))
+
         for p in parts[1:]:
-            if p["rope"] != ref["rope"] or not np.allclose(p["mask"], ref["mask"], rtol=1e-12,
-                                                           atol=0):
-                raise self.fail("attention heads with different masks or rotary bases cannot "
-                                "form one attention layer")
+            if p["rope"] != ref["rope"] or not same_maps(p["position_maps"],
+                                                         ref["position_maps"]) or \
+                    not np.allclose(p["mask"], ref["mask"], rtol=1e-12, atol=0):
+                raise self.fail("attention heads with different masks, rotary bases or "
+                                "position maps cannot form one attention layer")
             if p["q1"].shape[1] != ref["q1"].shape[1] or p["v"].shape[1] != ref["v"].shape[1]:
                 raise self.fail("attention heads of different sizes in one layer")
             p["o"] = p["o"] * (p["scale"] / ref["scale"])
@@ -441,7 +454,7 @@ class _Compiler:
             if not np.any(kw[k]):
                 kw[k] = None
         layer = BilinearAttention(**kw, o_bias=o_bias, mask=ref["mask"], scale=ref["scale"],
-                                  rope=ref["rope"])
+                                  rope=ref["rope"], position_maps=ref["position_maps"])
         n = layer.n_ctx
         layer._n_ctx_note = (f"; the network was compiled by ta.from_torch at n_ctx={n} (the "
                              f"example inputs' length) and is fixed there: to use another n_ctx, "
@@ -462,11 +475,16 @@ class _Compiler:
         X = np.moveaxis(W, 3, 0).reshape(E, 4, H, T, -1)         # (E, 4, H, T, F)
         X = np.moveaxis(X, 3, 0).reshape(T, E, -1)               # (T, E, 4 H F)
         scale_x = max(1.0, np.abs(X).max())
-        rope = None
+        rope = maps = None
+        X0 = X[0]
         if not np.allclose(X, X[:1], rtol=0, atol=_TOL * scale_x):
-            rope, perm = self.fit_rope(X)
-            X = X[:, perm]
-        X0 = X[0].reshape(E, 4, H, -1)
+            fit = self.fit_rope(X)
+            if fit is not None:     # an exact rotary embedding: rope=base
+                rope, perm = fit
+                X0 = X[0, perm]
+            else:                   # any other map per position: position_maps
+                maps, X0 = self.fit_position_maps(X)
+        X0 = X0.reshape(E, 4, H, -1)
         q1, k1, q2, k2 = (np.moveaxis(X0[:, i], 0, 1) for i in range(4))   # (H, E, F)
         C, V = dat["C"], dat["V"].copy()
         c0 = C[0]
@@ -488,19 +506,17 @@ class _Compiler:
         return {"q1": q1[:, :, 1:], "k1": k1[:, :, 1:], "q2": q2[:, :, 1:], "k2": k2[:, :, 1:],
                 "q1_bias": q1[:, :, 0], "k1_bias": k1[:, :, 0], "q2_bias": q2[:, :, 0],
                 "k2_bias": k2[:, :, 0], "v": V[:, :, 1:], "v_bias": V[:, :, 0], "o": o,
-                "mask": mask, "scale": scale, "rope": rope}
+                "mask": mask, "scale": scale, "rope": rope, "position_maps": maps}
 
     def fit_rope(self, X):
         """Rotary base and head-coordinate permutation with ``X[t] = R_t X[0]`` (R_t of
-        `rope_rotations`, in permuted coordinates); refuses anything else."""
+        `rope_rotations`, in permuted coordinates, to 1e-10); None when ``X`` is no exact
+        rotary embedding (a float32 table, another map: `fit_position_maps`)."""
         from .layers import rope_rotations
 
         T, E = X.shape[0], X.shape[1]
-        why = ("queries/keys whose linear maps depend on the position in a way that is not a "
-               "rotary embedding (a rotation of coordinate pairs by angle t * base^(-2i/d_head) "
-               "applied to every query and key alike)")
         if E % 2 or T < 2:
-            raise self.fail(why)
+            return None
         R1 = X[1] @ np.linalg.pinv(X[0])
         pairs, used = [], set()
         for a in range(E):
@@ -510,26 +526,53 @@ class _Compiler:
             off[a] = -1
             b = int(np.argmax(off))
             if b in used:
-                raise self.fail(why)
+                return None
             used |= {a, b}
             first, second = (a, b) if R1[b, a] > 0 else (b, a)
             theta = math.atan2(R1[second, first], R1[first, first])
             pairs.append((theta, first, second))
         pairs.sort(key=lambda p: -p[0])
-        if not abs(pairs[0][0] - 1.0) < 1e-9:
-            raise self.fail(f"{why}; the fastest rotation turns by {pairs[0][0]!r} rad per "
-                            f"position instead of 1 (rotary tables computed in float32? compute "
-                            f"them in float64)")
+        if not abs(pairs[0][0] - 1.0) < 1e-9 or (E > 2 and not pairs[1][0] > 0):
+            return None
         base = 10000.0 if E == 2 else pairs[1][0] ** (-E / 2)
         perm = [i for _, f, s in pairs for i in (f, s)]
         Rt = rope_rotations(T, E, base)
         Xp = X[:, perm]
         err = np.abs(np.einsum("tef,tfk->tek", Rt, np.broadcast_to(Xp[:1], Xp.shape)) - Xp).max()
         if not err <= 1e-10 * max(1.0, np.abs(X).max()):
-            raise self.fail(f"{why}; the closest rotary embedding (base {base:.6g}) is off by "
-                            f"{err:.3g} (rotary tables computed in float32? compute them in "
-                            f"float64)")
+            return None
         return base, perm
+
+    def fit_position_maps(self, X):
+        """Maps ``R_t`` (``(T, E, E)``) and position-free rows ``W`` (``(E, 4 H F)``) with
+        ``X[t] = R_t W`` for every position ``t`` (to 1e-10 relative): one linear map per
+        position applied to every query and key of every head alike (a float32 rotary table, a
+        learned per-position map; docs/mathematics.md §3.7). ``W = X[0]`` (so ``R_0 = I``)
+        when ``X[0]`` spans the rows of every ``X[t]``; else ``W`` is an orthonormal basis of
+        their common row space (of dimension at most ``E``). Refuses anything else."""
+        T, E, F = X.shape
+        tol = 1e-10 * max(1.0, np.abs(X).max())
+        why = ("queries/keys whose linear maps depend on the position in a way that is not one "
+               "linear map per position applied to every query and key alike (R_t q_t, R_s k_s)")
+
+        def maps_for(W):
+            R = np.einsum("tef,fk->tek", X, np.linalg.pinv(W))
+            err = np.abs(np.einsum("tek,kf->tef", R, W) - X).max()
+            return R if err <= tol else None
+
+        R = maps_for(X[0])
+        if R is not None:
+            return R, X[0]
+        sv, Vt = np.linalg.svd(X.reshape(T * E, F), full_matrices=False)[1:]
+        r = int(np.sum(sv > 1e-12 * sv[0]))
+        if r > E:
+            raise self.fail(f"{why}: across positions they span {r} > d_head = {E} directions")
+        W = np.zeros((E, F))
+        W[:r] = Vt[:r]
+        R = maps_for(W)
+        if R is None:
+            raise self.fail(why)
+        return R, W
 
 
 # ----------------------------------------------------------------------------------------

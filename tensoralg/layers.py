@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Layer", "Linear", "Bilinear", "Residual", "Sequential", "BilinearAttention",
-           "as_network", "map_arrays"]
+           "as_network", "map_arrays", "rope_rotations", "rotary_maps"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -171,6 +171,10 @@ class Layer:
     def __call__(self, x: Any) -> Any:
         x, squeeze = _prepare_input(x, self.in_features, self.is_sequence_model, self.n_ctx,
                                     self.n_ctx_note, self.prefix_ok)
+        cap = self.max_n_ctx
+        if self.is_sequence_model and cap is not None and x.shape[1] > cap:
+            raise ValueError(f"x: sequences of length {x.shape[1]} exceed the {cap} positions "
+                             f"the network's position_maps cover")
         y = self._forward(x)
         return y[0] if squeeze else y
 
@@ -190,6 +194,13 @@ class Layer:
     @property
     def n_ctx(self) -> int | None:
         """The sequence length fixed by an attention mask array; None when any length works."""
+        return None
+
+    @property
+    def max_n_ctx(self) -> int | None:
+        """The longest sequence the network's per-position maps cover (the first axis of a
+        [`BilinearAttention`][tensoralg.layers.BilinearAttention]'s ``position_maps``); None when
+        any length works."""
         return None
 
     @property
@@ -369,6 +380,10 @@ class Residual(Layer):
         return self.inner.n_ctx
 
     @property
+    def max_n_ctx(self) -> int | None:
+        return self.inner.max_n_ctx
+
+    @property
     def prefix_ok(self) -> bool:
         return self.inner.prefix_ok
 
@@ -429,6 +444,11 @@ class Sequential(Layer):
     @property
     def n_ctx(self) -> int | None:
         return self._n_ctx
+
+    @property
+    def max_n_ctx(self) -> int | None:
+        caps = [layer.max_n_ctx for layer in self.layers if layer.max_n_ctx is not None]
+        return min(caps) if caps else None
 
     @property
     def prefix_ok(self) -> bool:
@@ -492,7 +512,7 @@ _LAYER_FIELDS = {
     "residual": ({"inner"}, set()),
     "bilinear_attention": ({"q1", "k1", "q2", "k2", "v", "o"},
                            {"q1_bias", "k1_bias", "q2_bias", "k2_bias", "v_bias", "o_bias",
-                            "mask", "scale", "rope"}),
+                            "mask", "scale", "rope", "position_maps"}),
 }
 
 
@@ -530,7 +550,8 @@ def layer_from_spec(spec: dict, where: str = "spec") -> Layer:
         return BilinearAttention(*(exact(spec[k]) for k in ("q1", "k1", "q2", "k2", "v", "o")),
                                  **{k: exact(spec.get(k)) for k in _ATTENTION_BIASES},
                                  mask=mask if isinstance(mask, str) else exact(mask),
-                                 scale=spec.get("scale"), rope=spec.get("rope"))
+                                 scale=spec.get("scale"), rope=spec.get("rope"),
+                                 position_maps=exact(spec.get("position_maps")))
     inner = spec["inner"]
     if isinstance(inner, list):
         return Residual(Sequential([layer_from_spec(s, f"{where}.inner[{i}]")
@@ -623,6 +644,47 @@ def rope_rotations(n_ctx: int, d_head: int, base: float) -> np.ndarray:
     return R
 
 
+def rotary_maps(cos: Any, sin: Any, layout: str = "interleaved") -> np.ndarray:
+    """Position maps ``(n_ctx, d_head, d_head)`` (float64) of a rotary embedding given by its
+    tables, for ``BilinearAttention(..., position_maps=...)``: ``R[t] @ q`` is the query at
+    position ``t`` rotated by the table's angles, whatever precision they were computed in (a
+    float32 table gives the float32 rotation, taken as it is).
+
+    Args:
+        cos, sin: ``(n_ctx, d_head // 2)`` (one entry per coordinate pair), or
+            ``(n_ctx, d_head)`` with equal halves (the ``cat((freqs, freqs))`` tables of
+            "rotate half" code); numpy arrays or torch tensors.
+        layout: ``"interleaved"`` (pairs ``(2i, 2i+1)``, RoFormer, Su et al. 2021, eq. 13-15;
+            what [`rope_rotations`][tensoralg.layers.rope_rotations] builds) or ``"half"``
+            (pairs ``(i, i + d_head/2)``, the ``rotate_half`` convention of GPT-NeoX/LLaMA code).
+
+    Raises:
+        ValueError: tables of different shapes or not two-dimensional, ``(n_ctx, d_head)``
+            tables whose halves differ, non-finite entries, an unknown ``layout``.
+    """
+    c, s = as_array(cos, "cos", 2), as_array(sin, "sin", 2)
+    c, s = np.asarray(c, dtype=np.float64), np.asarray(s, dtype=np.float64)
+    if c.shape != s.shape:
+        raise ValueError(f"cos and sin: expected tables of one shape (n_ctx, d_head // 2), got "
+                         f"{c.shape} and {s.shape}")
+    if layout not in ("interleaved", "half"):
+        raise ValueError(f"layout: expected 'interleaved' or 'half', got {layout!r}")
+    if layout == "half" and c.shape[1] % 2 == 0 and c.shape[1] >= 2:
+        h = c.shape[1] // 2
+        if np.array_equal(c[:, :h], c[:, h:]) and np.array_equal(s[:, :h], s[:, h:]):
+            c, s = c[:, :h], s[:, :h]
+    n_ctx, n_pairs = c.shape
+    d_head = 2 * n_pairs
+    i = np.arange(n_pairs)
+    first, second = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, i + n_pairs)
+    R = np.zeros((n_ctx, d_head, d_head))
+    R[:, first, first] = c
+    R[:, first, second] = -s
+    R[:, second, first] = s
+    R[:, second, second] = c
+    return R
+
+
 class BilinearAttention(Layer):
     """Bilinear (softmax-free) multi-head attention on sequences (docs/mathematics.md §3.7).
 
@@ -633,11 +695,13 @@ class BilinearAttention(Layer):
         pattern_h[t, s] = mask[t, s] * scale * (q1_t . k1_s) * (q2_t . k2_s)
         out_t = sum_h o[:, h, :] @ sum_s pattern_h[t, s] v_s  + o_bias
 
-    ``R_t`` is the identity without RoPE and the rotary rotation of
-    [`rope_rotations`][tensoralg.layers.rope_rotations] with ``rope=base``. The output at position
-    ``t`` is a polynomial of degree 5 in the lifted
-    inputs: degree 2 in ``x_t`` (the queries) times degree 3 in ``x_s`` (keys and value),
-    summed over ``s`` against the mask.
+    ``R_t`` is the identity without RoPE, the rotary rotation of
+    [`rope_rotations`][tensoralg.layers.rope_rotations] with ``rope=base``, and
+    ``position_maps[t]`` with ``position_maps=`` (any linear map per position, applied to every
+    query and key of every head: a float32 rotary table, [`rotary_maps`][tensoralg.layers.rotary_maps],
+    or a learned per-position map; docs/mathematics.md §3.7). The output at position ``t`` is a
+    polynomial of degree 5 in the lifted inputs: degree 2 in ``x_t`` (the queries) times degree
+    3 in ``x_s`` (keys and value), summed over ``s`` against the mask.
 
     Args:
         q1, k1, q2, k2: ``(n_heads, d_head, d)``, all four the same shape.
@@ -650,17 +714,22 @@ class BilinearAttention(Layer):
         scale: the constant ``c`` multiplying every pattern; default ``1/d_head`` (the square
             of the usual ``1/sqrt(d_head)``, one factor per score). Rational when the weights are.
         rope: None, or the rotary base (a positive number, e.g. 10000); needs an even ``d_head``.
+        position_maps: None, or ``(n_ctx_max, d_head, d_head)``: ``R_t = position_maps[t]``
+            (finite; Fractions when the weights are, floats then taken exactly). Sequences up
+            to ``n_ctx_max`` long; not together with ``rope``.
 
     Raises:
         ValueError: head, feature or output sizes that disagree (naming both shapes), a bad
             mask (shape, non-finite entries, unknown string), a non-finite or non-positive
-            rope base, an odd ``d_head`` with RoPE, empty or non-finite weights.
+            rope base, an odd ``d_head`` with RoPE, both ``rope`` and ``position_maps``,
+            ``position_maps`` of another shape than ``(n_ctx_max, d_head, d_head)``, empty or
+            non-finite weights.
     """
 
     def __init__(self, q1: Any, k1: Any, q2: Any, k2: Any, v: Any, o: Any, q1_bias: Any = None,
                  k1_bias: Any = None, q2_bias: Any = None, k2_bias: Any = None,
                  v_bias: Any = None, o_bias: Any = None, mask: Any = "causal",
-                 scale: Any = None, rope: Any = None):
+                 scale: Any = None, rope: Any = None, position_maps: Any = None):
         w = {"q1": q1, "k1": k1, "q2": q2, "k2": k2, "v": v}
         for name, val in w.items():
             setattr(self, name, as_array(val, name, 3))
@@ -721,6 +790,22 @@ class BilinearAttention(Layer):
                                  f"d_head, got d_head={self.d_head} (q1 of shape {shape})")
             rope = float(rope)
         self.rope = rope
+        # position maps
+        if position_maps is not None:
+            if rope is not None:
+                raise ValueError(f"rope and position_maps: give one (rope={rope:g} is the "
+                                 f"position map rope_rotations(n_ctx, d_head, rope))")
+            pm = as_array(position_maps, "position_maps", 3)
+            if pm.shape[1:] != (self.d_head, self.d_head):
+                raise ValueError(f"position_maps: expected shape (n_ctx_max, d_head, d_head) = "
+                                 f"(n_ctx_max, {self.d_head}, {self.d_head}) for q1 of shape "
+                                 f"{shape}, got {pm.shape}")
+            if exact and pm.dtype != object:
+                pm = np.vectorize(lambda v: Fraction(float(v)), otypes=[object])(pm)
+            elif not exact and pm.dtype == object:
+                pm = pm.astype(np.float64)
+            position_maps = pm
+        self.position_maps = position_maps
 
     # -- structure ----------------------------------------------------------------------
     def _weight_arrays(self):
@@ -747,11 +832,22 @@ class BilinearAttention(Layer):
         return getattr(self, "_n_ctx_note", "")
 
     @property
+    def max_n_ctx(self) -> int | None:
+        return None if self.position_maps is None else int(self.position_maps.shape[0])
+
+    @property
+    def position_kwargs(self) -> dict:
+        """``{"rope": ..., "position_maps": ...}``: the keyword arguments that give a copy the
+        same position maps ``R_t``."""
+        return {"rope": self.rope, "position_maps": self.position_maps}
+
+    @property
     def degree(self) -> int:
         return 5
 
     def arrays(self) -> list[np.ndarray]:
-        return self._weight_arrays() + ([] if isinstance(self.mask, str) else [self.mask])
+        return self._weight_arrays() + ([] if isinstance(self.mask, str) else [self.mask]) + \
+            ([] if self.position_maps is None else [self.position_maps])
 
     def mask_matrix(self, n_ctx: int) -> np.ndarray:
         """The ``(n_ctx, n_ctx)`` mask (Fractions when the layer is exact, else float64).
@@ -780,8 +876,20 @@ class BilinearAttention(Layer):
         return m.astype(np.float64)
 
     def rotations(self, n_ctx: int) -> np.ndarray | None:
-        """RoPE rotations ``(n_ctx, d_head, d_head)`` float64
-        ([`rope_rotations`][tensoralg.layers.rope_rotations]), or None."""
+        """The position maps ``R_t`` of positions ``0 .. n_ctx-1``, ``(n_ctx, d_head, d_head)``:
+        the RoPE rotations (float64, [`rope_rotations`][tensoralg.layers.rope_rotations]), the
+        leading ``n_ctx`` of ``position_maps`` (as stored: Fractions when the layer is exact),
+        or None (identity).
+
+        Raises:
+            ValueError: ``n_ctx`` beyond the ``n_ctx_max`` positions of ``position_maps``.
+        """
+        if self.position_maps is not None:
+            cap = self.position_maps.shape[0]
+            if n_ctx > cap:
+                raise ValueError(f"n_ctx={n_ctx} exceeds the {cap} positions of the attention "
+                                 f"layer's position_maps (shape {self.position_maps.shape})")
+            return self.position_maps[:n_ctx]
         if self.rope is None:
             return None
         return rope_rotations(n_ctx, self.d_head, self.rope)
@@ -886,23 +994,29 @@ class BilinearAttention(Layer):
         spec["mask"] = self.mask if isinstance(self.mask, str) else _spec_array(self.mask)
         spec["scale"] = str(self.scale) if isinstance(self.scale, Fraction) else float(self.scale)
         spec["rope"] = self.rope
+        if self.position_maps is not None:
+            spec["position_maps"] = _spec_array(self.position_maps)
         return spec
 
     def _map(self, fn):
         kw = {name: None if getattr(self, name) is None else fn(getattr(self, name))
               for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES}
         mask = self.mask if isinstance(self.mask, str) else fn(self.mask)
-        out = BilinearAttention(**kw, mask=mask, scale=self.scale, rope=self.rope)
+        maps = None if self.position_maps is None else fn(self.position_maps)
+        out = BilinearAttention(**kw, mask=mask, scale=self.scale, rope=self.rope,
+                                position_maps=maps)
         return out
 
     def scaled_output(self, factor: float) -> BilinearAttention:
         kw = {name: getattr(self, name) for name in _ATTENTION_WEIGHTS + _ATTENTION_BIASES}
         kw["o"] = self.o * factor
         kw["o_bias"] = None if self.o_bias is None else self.o_bias * factor
-        return BilinearAttention(**kw, mask=self.mask, scale=self.scale, rope=self.rope)
+        return BilinearAttention(**kw, mask=self.mask, scale=self.scale, **self.position_kwargs)
 
     def __repr__(self):
         extra = "" if self.rope is None else f", rope={self.rope:g}"
+        if self.position_maps is not None:
+            extra = f", position_maps={self.position_maps.shape}"
         mask = self.mask if isinstance(self.mask, str) else f"array{self.mask.shape}"
         return (f"BilinearAttention({self.in_features} -> {self.out_features}, "
                 f"heads={self.n_heads}, d_head={self.d_head}, d_v={self.d_v}, mask={mask}{extra})")

@@ -243,13 +243,26 @@ def test_data_dependent_control_flow_is_refused():
         ta.from_torch(G.ControlFlow(), torch.randn(3, 4))
 
 
-def test_float32_rotary_tables_are_refused_with_the_reason():
+def test_float32_rotary_tables_compile_as_position_maps():
+    """float32 tables are no exact rotary embedding (angles off by ~1e-7): they compile to the
+    traced table as position_maps (the rotate-half rotation by the float32 cos/sin, read off
+    to 1e-12; the export verified against the module's forward as always), not to rope=base."""
+    from tensoralg.layers import rope_rotations, rotary_maps
+
     module, x, _ = G.GALLERY["bilinear_lm_tokens"]()
     for attn in module.attn:
         attn.rotary.cos = attn.rotary.cos.float()
         attn.rotary.sin = attn.rotary.sin.float()
-    with pytest.raises(NotCompilable, match="rotary tables computed in float32"):
-        ta.from_torch(module, x)
+    net = ta.from_torch(module, x)
+    T = x.shape[1]
+    atts = [getattr(x, "inner", x) for x in net.layers]
+    atts = [a for a in atts if isinstance(a, ta.BilinearAttention)]
+    assert len(atts) == len(module.attn) == 1
+    for att, attn in zip(atts, module.attn):
+        assert att.rope is None and att.position_maps.shape == (T, 2, 2)
+        want = rotary_maps(attn.rotary.cos[:T], attn.rotary.sin[:T], layout="half")
+        assert np.abs(att.position_maps - want).max() < 1e-12
+        assert np.abs(att.position_maps - rope_rotations(T, 2, 10000.0)).max() > 1e-9
 
 
 # ---------------------------------------------------------------------------------------

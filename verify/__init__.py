@@ -16,6 +16,9 @@ network or Wick code). Everything is recomputed from definitions:
   convergence reports and z-score agreement checks.
 * [`tensoralg.verify.attention`][verify.attention] — brute-force rational polynomial expansion of
   small sequence models (bilinear attention) and their exact Gaussian inner products.
+* [`tensoralg.verify.paths`][verify.paths] — the first-order path expansion of a small
+  transformer (``tensoralg.decompose.paths``) against the model's polynomial with one gain symbol
+  per head, output bias and MLP, in sympy's exact polynomial ring.
 * [`tensoralg.verify.quadrature`][verify.quadrature] — exact Gauss–Hermite quadrature of inner
   products, similarities and Wiener-chaos (Hermite order) profiles on low-dimensional Gaussian
   slices of any network, from the forward pass alone; [`tensoralg.verify.planted`][verify.planted] —
@@ -24,7 +27,8 @@ network or Wick code). Everything is recomputed from definitions:
 
 ``import tensoralg.verify`` is cheap: it loads only [`tensoralg.verify.certify`][verify.certify]
 (numpy); ``symbolic`` (sympy), ``montecarlo``, ``quadrature`` and ``planted`` load on first use, and
-``tensoralg.verify.identifiability`` is never imported here.
+``tensoralg.verify.identifiability`` is never imported here (``attention`` and ``paths`` load on
+first use too).
 """
 
 from __future__ import annotations
@@ -40,6 +44,6 @@ from .certify import Certificate, certify, expand, gaussian_inner_exact  # binds
 
 def __getattr__(name: str):
     if name in ("symbolic", "montecarlo", "identifiability", "attention", "quadrature",
-                "planted"):
+                "planted", "paths"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -186,7 +186,7 @@ def _head_layer(b: _Block, h: int, exact: bool) -> BilinearAttention:
         kw[k] = W
         kw[k + "_bias"] = c if any(v != 0 for v in c.reshape(-1)) else None
     o = np.einsum("pq,qhv->phv", P, _arr(at.o[:, h:h + 1], exact))
-    return BilinearAttention(**kw, o=o, mask=at.mask, scale=at.scale, rope=at.rope)
+    return BilinearAttention(**kw, o=o, mask=at.mask, scale=at.scale, **at.position_kwargs)
 
 
 def _block_constant(b: _Block, exact: bool) -> np.ndarray:

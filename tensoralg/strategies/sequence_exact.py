@@ -571,7 +571,7 @@ def _head_model(net: Layer, head: int) -> Layer:
               for k in ("q1", "k1", "q2", "k2", "v", "q1_bias", "k1_bias", "q2_bias", "k2_bias",
                         "v_bias")}
         out.append(BilinearAttention(**kw, o=at.o[:, head:head + 1], mask=at.mask,
-                                     scale=at.scale, rope=at.rope))
+                                     scale=at.scale, **at.position_kwargs))
     return Sequential(out)
 
 
