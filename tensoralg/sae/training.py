@@ -781,7 +781,11 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     """Train a sparse autoencoder.
 
     Args:
-        data: ``(n, d_in)`` activations: tensor, array or path to a ``.npy`` (memory-mapped).
+        data: ``(n, d_in)`` activations: tensor, array or path to a ``.npy`` (memory-mapped); or
+            an [`ActivationStream`][tensoralg.sae.streaming.ActivationStream] (activations
+            streamed from a live model through a shuffled buffer; its settings are recorded in
+            ``cfg.json`` as ``streamed_*`` entries, its ``metadata`` as the SAE's unless ``meta`` gives one,
+            and a resumed run must use the same stream).
         sae_cfg: architecture; ``train_cfg``: optimization (defaults
             [`TrainConfig`][tensoralg.sae.training.TrainConfig]).
         out: checkpoint folder (written every ``ckpt_every`` steps and at the end), or None.
@@ -803,25 +807,53 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         model is returned in raw-activation space (any ``normalize`` scale folded in), and
         ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
-        ValueError: bad data (shape, NaN/inf, zero variance), a batch larger than the data, a resume
-            checkpoint whose config differs.
+        ValueError: bad data (shape, NaN/inf, zero variance), a batch larger than the data (or
+            than a stream's buffer), a stream's width other than ``d_in``, a resume checkpoint
+            whose config (or stream) differs.
         TrainingDiverged: the loss became NaN/inf (the last good checkpoint is kept on disk).
         KeyboardInterrupt: passed on; as on divergence, ``out`` keeps its last checkpoint, or
             is left as before (missing or empty) when none was written yet.
     """
+    from .streaming import ActivationStream
+
     train_cfg = train_cfg or TrainConfig()
-    data = as_activations(data)
+    stream = data if isinstance(data, ActivationStream) else None
+    if stream is None:
+        data = as_activations(data)
     n, d = data.shape
     if d != sae_cfg.d_in:
+        if stream is not None:
+            raise ValueError(f"d_in: the model's activation at {stream.hook_name!r} has width "
+                             f"{d}, the SAE config has d_in={sae_cfg.d_in}")
         raise ValueError(f"data: expected d_in={sae_cfg.d_in} columns, got shape {tuple(data.shape)}")
-    check_variance(data)
-    batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
     if train_cfg.ckpt_every and out is None:
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
     if train_cfg.tensorboard and out is None:
         raise ValueError("out: tensorboard=True writes OUT/tensorboard/; give an out folder")
     device = torch.device(train_cfg.device)
     dtype = torch.float64 if sae_cfg.dtype == "float64" else torch.float32
+    if stream is not None:
+        stream.set_batch_size(train_cfg.batch_size)
+        described = {f"streamed_{k}": v for k, v in stream.describe().items()}
+        meta = {**(meta or {}), **described}
+        if resume is not None:
+            saved = tio.read_config(Path(resume))
+            diff = {k: (saved.get(k), v) for k, v in described.items() if saved.get(k) != v}
+            if diff:
+                raise ValueError(f"resume: {resume} was trained on another stream (saved, now): "
+                                 f"{diff}; a resumed run must read the same batches")
+        if not (meta or {}).get("metadata"):
+            meta["metadata"] = dict(stream.metadata)
+        stream.check_variance()
+
+        def next_batch(step: int) -> torch.Tensor:
+            return stream.batch(step).to(device=device, dtype=dtype)
+    else:
+        check_variance(data)
+        batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
+
+        def next_batch(step: int) -> torch.Tensor:
+            return _rows(data, batches.indices(step), dtype, device)
     model = SparseAutoencoder(sae_cfg, seed=_init_seed(train_cfg)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
     dead = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
@@ -840,8 +872,11 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         start, dead, scale, fires_since_resample = _load_trainer_state(resume, model, opt)
         dead = dead.to(torch.long)
     else:
-        gen = stream_generator(train_cfg.seed, "b_dec")
-        sample = _rows(data, torch.randperm(n, generator=gen)[:min(n, 8192)], dtype, device)
+        if stream is not None:
+            sample = stream.sample(8192).to(device=device, dtype=dtype)
+        else:
+            gen = stream_generator(train_cfg.seed, "b_dec")
+            sample = _rows(data, torch.randperm(n, generator=gen)[:min(n, 8192)], dtype, device)
         if train_cfg.normalize == "expected_norm":
             scale = _expected_norm_scale(sample, d)
         model.init_b_dec(sample * scale if scale != 1.0 else sample)
@@ -885,15 +920,21 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         if train_cfg.progress:
             from tqdm import tqdm
             # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
-            steps = tqdm(steps, desc="sae train", unit="step", disable=None)
+            # counted in samples (tokens), so the rate reads tokens/s
+            steps = tqdm(steps, desc="sae train", unit="tok", unit_scale=train_cfg.batch_size,
+                         disable=None)
         t0 = time.perf_counter()
         last_ckpt = start
-        run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0,
-                       _pool(data, train_cfg, dtype, device), start=start)
+        pool = (_pool(data, train_cfg, dtype, device) if stream is None else
+                (lambda step: stream.sample(train_cfg.resample_pool, step).to(device=device,
+                                                                             dtype=dtype))
+                if train_cfg.resample_every else None)
+        run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0, pool,
+                       start=start)
         if fires_since_resample is not None:
             run.fires_since_resample.copy_(fires_since_resample)
         for step in steps:
-            x = _rows(data, batches.indices(step), dtype, device)
+            x = next_batch(step)
             where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
             try:
                 run.step(x, step, where, last_good)
