@@ -126,7 +126,8 @@ def _check_out(out) -> None:
 # TrainConfig / train() arguments set from `sae train` flags: their errors name the flag
 _TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "ckpt_every", "lr_warmup_steps", "lr_decay",
                 "lr_end", "grad_clip", "rip_warmup_steps", "auxk_warmup_steps", "normalize",
-                "dead_tokens", "log_every", "resume", "device", "autocast", "tensorboard")
+                "dead_tokens", "log_every", "resume", "device", "autocast", "tensorboard",
+                "wandb", "wandb_project")
 
 
 def _as_flag_error(exc: ValueError) -> ValueError:
@@ -183,6 +184,8 @@ _RECORDED_FLAGS = (
     ("--autocast", "autocast", "train_autocast", None, False),
     ("--device", "device", "train_device", "cpu", True),           # where, not what
     ("--tensorboard", "tensorboard", "train_tensorboard", False, True),
+    ("--wandb", "wandb", "train_wandb", False, True),
+    ("--wandb-project", "wandb_project", "train_wandb_project", "tensoralg-sae", True),
     # the streamed source (--model): a resumed run must read the same batches
     ("--model", "model", "stream_model", None, False),
     ("--hook", "hook", "stream_hook", None, False),
@@ -482,7 +485,8 @@ def _cmd_train(args) -> int:
                            normalize="expected_norm" if args.normalize == "expected_norm" else "none",
                            dead_tokens=args.dead_tokens, log_every=args.log_every,
                            device=args.device, autocast=args.autocast,
-                           tensorboard=bool(args.tensorboard))
+                           tensorboard=bool(args.tensorboard), wandb=bool(args.wandb),
+                           wandb_project=args.wandb_project)
     except ValueError as exc:
         raise _as_flag_error(exc) from None
     if s is not None:
@@ -922,6 +926,12 @@ def add_parsers(sub) -> None:
     t.add_argument("--tensorboard", action="store_true", default=None,
                    help="also write the log records as TensorBoard scalars to OUT/tensorboard/ "
                         "(needs the tensorboard package; default: off)")
+    t.add_argument("--wandb", action="store_true", default=None,
+                   help="also log the records to Weights & Biases (needs the wandb package: pip "
+                        "install 'tensoralg[wandb]'; files under OUT/wandb/; set "
+                        "WANDB_MODE=offline to keep the run local; default: off)")
+    t.add_argument("--wandb-project", default=None,
+                   help="the W&B project of --wandb (default tensoralg-sae)")
     t.add_argument("--override", action="store_true",
                    help="with --resume: let the training flags given replace the run's recorded "
                         "values (default: a conflicting flag is an error)")

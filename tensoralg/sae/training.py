@@ -48,6 +48,7 @@ TRAINER_STATE = "trainer_state"
 
 LOG_FILE = "train_log.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
 DENSITY_PLOT = "feature_density.png"
 DEAD_TOKENS_DEFAULT = 10_000_000       # Gao et al. (2024): dead = not fired in 10M tokens
 _LR_DECAYS = ("constant", "linear", "cosine")
@@ -116,6 +117,14 @@ class TrainConfig:
             ``sae/l0``, ``sae/dead_latents``, ``sae/lr``, ...) to ``OUT/tensorboard/`` (needs an
             ``out`` folder and the optional package ``tensorboard``: ``pip install
             tensorboard``; checked when the config is made).
+        wandb: also log each record to Weights & Biases (``wandb.log``, keys ``sae/fvu``, ...,
+            step = the optimizer step; ``wandb.init`` with ``project=wandb_project``, the train
+            and SAE configs as its config, files under ``OUT/wandb/``). Needs an ``out`` folder
+            and the optional package ``wandb`` (``pip install wandb``; checked when the config
+            is made). Offline (no account, no network): set ``WANDB_MODE=offline`` and the run
+            is written to ``OUT/wandb/offline-run-*`` for a later ``wandb sync``. A resumed run
+            logs as a new W&B run whose steps continue from the checkpoint's.
+        wandb_project: the W&B project (default ``"tensoralg-sae"``).
         multistep_start: a multi-step encoder runs no refinement step (it is the single-step
             encoder ``act(W_enc(x - b_dec) + b_enc)``) before this step, its ``T`` steps from
             it on (0: from the start), so the dictionary can first be learned cheaply.
@@ -148,8 +157,19 @@ class TrainConfig:
     multistep_start: int = 0
     autocast: str | None = None
     tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "tensoralg-sae"
 
     def __post_init__(self) -> None:
+        if self.wandb:
+            try:
+                import wandb  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"wandb: the optional package is not installed (pip install "
+                                 f"wandb): {exc}") from None
+        if not isinstance(self.wandb_project, str) or not self.wandb_project:
+            raise ValueError(f"wandb_project: expected a non-empty string, got "
+                             f"{self.wandb_project!r}")
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: F401
@@ -685,6 +705,19 @@ class _Stepper:
         return rec
 
 
+def _wandb_init(out: Path, train_cfg: TrainConfig, sae_cfg: SAEConfig, meta: dict,
+                metadata: dict):
+    """A W&B run for ``train`` (files under ``OUT/wandb/``; ``WANDB_MODE=offline`` keeps it
+    local), its config the train and SAE configs and the run's recorded entries."""
+    import wandb
+
+    (out / WANDB_DIR).mkdir(parents=True, exist_ok=True)
+    config = {"train": asdict(train_cfg), "sae": sae_cfg.to_dict(), "metadata": metadata,
+              **{k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))}}
+    return wandb.init(project=train_cfg.wandb_project, dir=str(out), name=out.name,
+                      config=config, reinit="create_new")
+
+
 def _expected_norm_scale(sample: torch.Tensor, d: int) -> float:
     msq = float((sample.double() ** 2).sum(dim=1).mean())
     if not msq > 0:
@@ -830,6 +863,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
     if train_cfg.tensorboard and out is None:
         raise ValueError("out: tensorboard=True writes OUT/tensorboard/; give an out folder")
+    if train_cfg.wandb and out is None:
+        raise ValueError("out: wandb=True writes OUT/wandb/; give an out folder")
     device = torch.device(train_cfg.device)
     dtype = torch.float64 if sae_cfg.dtype == "float64" else torch.float32
     if stream is not None:
@@ -893,6 +928,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     old_log = _read_log(log_path, start) if (log_path is not None and resume is not None) else []
     created_out = out is not None and not out.exists()
     writer = None
+    wandb_run = None
 
     def discard() -> None:
         """No checkpoint in OUT yet: remove what this run wrote (its log, tensorboard/, the
@@ -903,12 +939,15 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             return
         if writer is not None:
             writer.close()
+        if wandb_run is not None:
+            wandb_run.finish(exit_code=1)
         import shutil
         if created_out:
             shutil.rmtree(out, ignore_errors=True)
         else:
             log_path.unlink(missing_ok=True)
             shutil.rmtree(out / TENSORBOARD_DIR, ignore_errors=True)
+            shutil.rmtree(out / WANDB_DIR, ignore_errors=True)
 
     try:
         if log_path is not None:
@@ -963,6 +1002,12 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                                 not isinstance(value, bool):
                             writer.add_scalar(f"sae/{key}", value, rec["step"])
                     writer.flush()
+                if train_cfg.wandb:
+                    if wandb_run is None:
+                        wandb_run = _wandb_init(out, train_cfg, sae_cfg, meta, model.metadata)
+                    wandb_run.log({f"sae/{k}": v for k, v in rec.items() if k != "step" and
+                                   isinstance(v, (int, float)) and not isinstance(v, bool)},
+                                  step=rec["step"])
                 if train_cfg.progress:
                     steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
                                       dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
@@ -988,6 +1033,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
     if writer is not None:
         writer.close()
+    if wandb_run is not None:
+        wandb_run.finish()
     seconds = time.perf_counter() - t0
     if out is not None and density_recs and start < train_cfg.steps:
         plot_density(density_recs[-5:], out / DENSITY_PLOT)
