@@ -272,3 +272,13 @@ def test_transformer_checkpoint_streams_the_corpus_by_default(tmp_path, capsys):
     assert cfg["metadata"]["dataset_path"].startswith("tensoralg.corpus train split")
     assert cfg["metadata"]["context_size"] == 8 and cfg["d_in"] == 8
     assert cfg["streamed_hook_name"] == "hook_resid.1"
+
+
+@pytest.mark.parametrize("flag, value", [("--hook", "blocks.0"), ("--buffer-size", "512"),
+                                         ("--hook-point", "input"), ("--tokens", "t.npy")])
+def test_stream_flags_without_model_are_refused(capsys, tmp_path, flag, value):
+    r = _cli(capsys, "--synthetic", "6,8,2,128", "--steps", 2, flag, value,
+             "--out", tmp_path / "out")
+    assert r.returncode == 2
+    assert f"{flag}: only with --model (it sets the streamed source)" in r.stderr
+

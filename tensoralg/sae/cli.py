@@ -335,16 +335,19 @@ def _summary_lines(model, out) -> list[str]:
     return lines
 
 
-def _check_stream_flags(args) -> None:
+_STREAM_ONLY = (("--hook", "hook"), ("--hook-point", "hook_point"), ("--tokens", "tokens"),
+                ("--context-size", "context_size"), ("--buffer-size", "buffer_size"),
+                ("--forward-batch", "forward_batch"), ("--vocab-size", "vocab_size"))
+
+
+def _check_stream_flags(args, typed=()) -> None:
     """The ``--model`` source's flags, before any work: ``--hook`` given, the stream-only flags
-    not given without ``--model``, sizes positive, ``--tokens`` an integer .npy of sequences
-    (read by `tensoralg.sae.streaming.load_tokens`: shape, dtype and, with ``--vocab-size``,
-    the id range)."""
-    stream_flags = (("--hook", args.hook), ("--tokens", args.tokens),
-                    ("--context-size", args.context_size), ("--vocab-size", args.vocab_size))
+    not typed (``typed``: their attribute names) without ``--model``, sizes positive,
+    ``--tokens`` an integer .npy of sequences (read by `tensoralg.sae.streaming.load_tokens`:
+    shape, dtype and, with ``--vocab-size``, the id range)."""
     if args.model is None:
-        for flag, value in stream_flags:
-            if value is not None:
+        for flag, attr in _STREAM_ONLY:
+            if attr in typed:
                 raise ValueError(f"{flag}: only with --model (it sets the streamed source)")
         return
     if args.hook is None:
@@ -430,12 +433,13 @@ def _cmd_train(args) -> int:
     from ..io import save_folder
 
     _check_folder(args.resume, "--resume")
+    typed = {attr for _flag, attr in _STREAM_ONLY if getattr(args, attr) is not None}
     notes = _resolve_train_flags(args)
     if sum(x is not None for x in (args.data, args.synthetic, args.model)) != 1:
         raise ValueError("give exactly one of --data X.npy, --synthetic d,m,k[,n[,noise]] or "
                          "--model MODULE:FACTORY --hook NAME (with --resume: the run's --model "
                          "is taken when none of them is given)")
-    _check_stream_flags(args)
+    _check_stream_flags(args, typed)
     _check_preset_flags(args)
     _check_int(args.steps, "--steps", 0, " (0: write the initialized, untrained SAE)")
     _check_int(args.seed, "--seed", 0)
