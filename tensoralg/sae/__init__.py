@@ -19,6 +19,9 @@ Submodules (imported lazily so that ``tensoralg.sae.cli`` stays light):
   in SAELens (needs SAELens);
 * `tensoralg.sae.hooks` — activations at a named submodule of any ``torch.nn.Module``
   (`activations_at`, `collect_activations`: streamed, resumable);
+* [`tensoralg.sae.streaming`][tensoralg.sae.streaming] — training from a live model:
+  `ActivationStream` (activations at a hook streamed through a shuffled buffer, refills a
+  function of the seed, so resuming stays bit-identical);
 * `tensoralg.sae.evaluation` — the SAE spliced into the model: CE loss recovered, KL
   (`evaluate_spliced`, `evaluate_transformer`);
 * [`tensoralg.sae.synthetic`][tensoralg.sae.synthetic] — `make_synthetic`;
@@ -47,6 +50,7 @@ _EXPORTS = {
     "omp": "pursuit", "PRESETS": "presets", "make_config": "presets",
     "run_bench": "bench", "extract_transformer_activations": "transformer_acts",
     "residual_stream_at": "transformer_acts",
+    "ActivationStream": "streaming",
     "activations_at": "hooks", "collect_activations": "hooks",
     "evaluate_spliced": "evaluation", "evaluate_transformer": "evaluation",
 }

@@ -2,7 +2,8 @@
 
 Every random draw in [`tensoralg.sae`][tensoralg.sae] goes through a private ``torch.Generator``
 seeded by `stream_seed`, which mixes the user's seed with a *stream name* (``"data"``, ``"init"``,
-``"batches"``, ``"b_dec"``, ``"resample"``, ``"resample_pool"``) through
+``"batches"``, ``"b_dec"``, ``"resample"``, ``"resample_pool"``, ``"stream_sequences"``,
+``"stream_shuffle"``) through
 `numpy.random.SeedSequence` (its hash-based entropy mixing, O'Neill's PCG seeding scheme).
 Two streams with the same user seed are therefore unrelated: ``make_synthetic(seed=s)`` and
 ``SparseAutoencoder(cfg, seed=s)`` no longer draw the same Gaussian matrix (which made an untrained
@@ -18,7 +19,8 @@ __all__ = ["STREAMS", "stream_seed", "stream_generator"]
 
 # fixed salts, one per stream (ASCII of the name); never reuse one for another purpose
 STREAMS = {name: int.from_bytes(name.encode(), "big")
-           for name in ("data", "init", "batches", "b_dec", "resample", "resample_pool")}
+           for name in ("data", "init", "batches", "b_dec", "resample", "resample_pool",
+                         "stream_sequences", "stream_shuffle")}
 
 
 def stream_seed(seed: int, stream: str, *extra: int) -> int:

@@ -126,7 +126,8 @@ def _check_out(out) -> None:
 # TrainConfig / train() arguments set from `sae train` flags: their errors name the flag
 _TRAIN_FLAGS = ("steps", "batch_size", "lr", "seed", "ckpt_every", "lr_warmup_steps", "lr_decay",
                 "lr_end", "grad_clip", "rip_warmup_steps", "auxk_warmup_steps", "normalize",
-                "dead_tokens", "log_every", "resume", "device", "autocast", "tensorboard")
+                "dead_tokens", "log_every", "resume", "device", "autocast", "tensorboard",
+                "wandb", "wandb_project")
 
 
 def _as_flag_error(exc: ValueError) -> ValueError:
@@ -155,7 +156,7 @@ def _eval_fvu(model, data, n_max: int = 8192) -> tuple[float, int]:
     import numpy as np
     import torch
 
-    rows = data[:n_max]
+    rows = data.sample(n_max) if hasattr(data, "sample") else data[:n_max]
     x = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.array(rows, dtype=np.float64))
     x = x.to(device=model.W_dec.device, dtype=model.W_dec.dtype)
     with torch.no_grad():
@@ -183,6 +184,17 @@ _RECORDED_FLAGS = (
     ("--autocast", "autocast", "train_autocast", None, False),
     ("--device", "device", "train_device", "cpu", True),           # where, not what
     ("--tensorboard", "tensorboard", "train_tensorboard", False, True),
+    ("--wandb", "wandb", "train_wandb", False, True),
+    ("--wandb-project", "wandb_project", "train_wandb_project", "tensoralg-sae", True),
+    # the streamed source (--model): a resumed run must read the same batches
+    ("--model", "model", "stream_model", None, False),
+    ("--hook", "hook", "stream_hook", None, False),
+    ("--hook-point", "hook_point", "stream_hook_point", "output", False),
+    ("--tokens", "tokens", "stream_tokens", None, False),
+    ("--context-size", "context_size", "stream_context_size", None, False),
+    ("--buffer-size", "buffer_size", "stream_buffer_size", 65_536, False),
+    ("--forward-batch", "forward_batch", "stream_forward_batch", None, False),
+    ("--vocab-size", "vocab_size", "stream_vocab_size", None, False),
 )
 
 
@@ -323,15 +335,111 @@ def _summary_lines(model, out) -> list[str]:
     return lines
 
 
+_STREAM_ONLY = (("--hook", "hook"), ("--hook-point", "hook_point"), ("--tokens", "tokens"),
+                ("--context-size", "context_size"), ("--buffer-size", "buffer_size"),
+                ("--forward-batch", "forward_batch"), ("--vocab-size", "vocab_size"))
+
+
+def _check_stream_flags(args, typed=()) -> None:
+    """The ``--model`` source's flags, before any work: ``--hook`` given, the stream-only flags
+    not typed (``typed``: their attribute names) without ``--model``, sizes positive,
+    ``--tokens`` an integer .npy of sequences (read by `tensoralg.sae.streaming.load_tokens`:
+    shape, dtype and, with ``--vocab-size``, the id range)."""
+    if args.model is None:
+        for flag, attr in _STREAM_ONLY:
+            if attr in typed:
+                raise ValueError(f"{flag}: only with --model (it sets the streamed source)")
+        return
+    if args.hook is None:
+        raise ValueError("--hook: required with --model (the submodule whose activation is "
+                         "learned, e.g. blocks.0 or hook_resid.1)")
+    for flag, value in (("--buffer-size", args.buffer_size), ("--forward-batch", args.forward_batch),
+                        ("--context-size", args.context_size), ("--vocab-size", args.vocab_size),
+                        ("--d-in", args.d_in)):
+        _check_int(value, flag, 1)
+    if args.tokens not in (None, "corpus"):
+        from .streaming import load_tokens
+        load_tokens(args.tokens, args.context_size, args.vocab_size, "--tokens")
+
+
+def _open_stream(args):
+    """The `ActivationStream` of ``--model/--hook/--tokens`` (checks in order: the model loads,
+    the hook exists (available names listed), the token ids fit the model's vocabulary, one
+    forward pass of one sequence gives one row per token of width ``--d-in``); each error one
+    line naming the flag."""
+    from .hooks import get_submodule
+    from .streaming import (
+        ActivationStream,
+        check_token_ids,
+        corpus_tokens,
+        load_model_spec,
+        load_tokens,
+        model_vocab_size,
+    )
+
+    model = load_model_spec(args.model, "--model")
+    try:
+        get_submodule(model, args.hook)
+    except ValueError as exc:
+        raise ValueError("--hook: " + str(exc).split(": ", 1)[1]) from None
+    hp = getattr(model, "hparams", None)
+    vocab = args.vocab_size if args.vocab_size is not None else model_vocab_size(model)
+    if args.tokens in (None, "corpus"):
+        n_ctx = hp.get("n_ctx") if isinstance(hp, dict) else None
+        if args.tokens is None and type(model).__name__ != "BilinearTransformer":
+            raise ValueError(f"--tokens: required for a {type(model).__name__} (the offline "
+                             f"corpus is the default only for a tensoralg BilinearTransformer)")
+        ctx = args.context_size or n_ctx
+        if ctx is None:
+            raise ValueError("--context-size: required with --tokens corpus for a model that "
+                             "records no n_ctx")
+        tokens, dataset = corpus_tokens(ctx)
+        check_token_ids(tokens, vocab, "--tokens", "the corpus")
+    else:
+        tokens = load_tokens(args.tokens, args.context_size, vocab, "--tokens")
+        dataset = str(args.tokens)
+    try:
+        stream = ActivationStream(model, args.hook, tokens, point=args.hook_point,
+                                  buffer_size=args.buffer_size, seed=args.seed,
+                                  forward_batch=args.forward_batch, device=args.device,
+                                  vocab_size=vocab,
+                                  metadata={"model_name": args.model, "dataset_path": dataset})
+    except ValueError as exc:
+        msg = str(exc)
+        for name, flag in (("buffer_size", "--buffer-size"), ("forward_batch", "--forward-batch"),
+                           ("hook", "--hook"), ("tokens", "--tokens")):
+            if msg.startswith(name + ":"):
+                msg = flag + msg[len(name):]
+        raise ValueError(msg) from None
+    except (RuntimeError, TypeError, IndexError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"--model: a forward pass of {args.model} on one sequence of --tokens "
+                         f"{tuple(tokens[:1].shape)} failed ({type(exc).__name__}: {first})"
+                         ) from None
+    if args.d_in is not None and args.d_in != stream.d_in:
+        raise ValueError(f"--d-in: {args.d_in}, but the {args.hook_point} of {args.hook!r} in "
+                         f"{args.model} has width {stream.d_in}")
+    if args.batch_size > stream.rows:
+        raise ValueError(f"--batch-size: {args.batch_size} exceeds the buffer of {stream.rows} "
+                         f"rows (--buffer-size {args.buffer_size}, whole sequences of "
+                         f"{stream.context_size} tokens); raise --buffer-size or lower "
+                         f"--batch-size")
+    return stream
+
+
 def _cmd_train(args) -> int:
     from pathlib import Path
 
     from ..io import save_folder
 
-    if (args.data is None) == (args.synthetic is None):
-        raise ValueError("give exactly one of --data X.npy or --synthetic d,m,k[,n[,noise]]")
     _check_folder(args.resume, "--resume")
+    typed = {attr for _flag, attr in _STREAM_ONLY if getattr(args, attr) is not None}
     notes = _resolve_train_flags(args)
+    if sum(x is not None for x in (args.data, args.synthetic, args.model)) != 1:
+        raise ValueError("give exactly one of --data X.npy, --synthetic d,m,k[,n[,noise]] or "
+                         "--model MODULE:FACTORY --hook NAME (with --resume: the run's --model "
+                         "is taken when none of them is given)")
+    _check_stream_flags(args, typed)
     _check_preset_flags(args)
     _check_int(args.steps, "--steps", 0, " (0: write the initialized, untrained SAE)")
     _check_int(args.seed, "--seed", 0)
@@ -342,9 +450,11 @@ def _cmd_train(args) -> int:
                         ("--auxk-warmup-steps", args.auxk_warmup_steps),
                         ("--dead-tokens", args.dead_tokens), ("--ckpt-every", args.ckpt_every)):
         _check_int(value, flag, 1 if flag in ("--log-every", "--dead-tokens") else 0)
-    if args.data is not None and args.resume is None and (args.d_sae is None or args.k is None):
+    if (args.data is not None or args.model is not None) and args.resume is None and \
+            (args.d_sae is None or args.k is None):
         missing = " and ".join(f for f, v in (("--d-sae", args.d_sae), ("--k", args.k)) if v is None)
-        raise ValueError(f"{missing}: required with --data (the data fixes only d_in), unless "
+        src = "--data" if args.data is not None else "--model"
+        raise ValueError(f"{missing}: required with {src} (the data fixes only d_in), unless "
                          f"--resume gives them")
     s = args.synthetic
     if args.resume is None:
@@ -379,7 +489,8 @@ def _cmd_train(args) -> int:
                            normalize="expected_norm" if args.normalize == "expected_norm" else "none",
                            dead_tokens=args.dead_tokens, log_every=args.log_every,
                            device=args.device, autocast=args.autocast,
-                           tensorboard=bool(args.tensorboard))
+                           tensorboard=bool(args.tensorboard), wandb=bool(args.wandb),
+                           wandb_project=args.wandb_project)
     except ValueError as exc:
         raise _as_flag_error(exc) from None
     if s is not None:
@@ -387,11 +498,21 @@ def _cmd_train(args) -> int:
         data, d_in = syn.x, s["d"]
         meta = {"data": f"synthetic d={s['d']} m={s['m']} k={s['k']} n={s['n']} noise={s['noise']}",
                 "data_seed": args.data_seed}
+    elif args.model is not None:
+        data = _open_stream(args)
+        d_in = data.d_in
+        meta = {"data": f"stream: {args.model} at {args.hook} ({args.hook_point}) on "
+                        f"{data.metadata['dataset_path']}",
+                "metadata": dict(data.metadata),
+                **{key: getattr(args, attr) for _f, attr, key, _d, _free in _RECORDED_FLAGS
+                   if key.startswith("stream_")}}
     else:
         from .hooks import read_activation_metadata
         data = as_activations(args.data, "--data")
         check_variance(data, "--data")
         d_in = int(data.shape[1])
+        if args.d_in is not None and args.d_in != d_in:
+            raise ValueError(f"--d-in: {args.d_in}, but --data {args.data} has {d_in} columns")
         meta = {"data": str(args.data), "metadata": read_activation_metadata(args.data)}
     if args.resume is not None:
         sae_cfg, preset = _resumed_config(args, d_in)
@@ -702,7 +823,8 @@ def add_parsers(sub) -> None:
     ss = p.add_subparsers(dest="sae_command", metavar="SAE_COMMAND")
     ss.required = True
 
-    t = ss.add_parser("train", help="train an SAE on a .npy of activations or synthetic data")
+    t = ss.add_parser("train", help="train an SAE on a .npy of activations, activations "
+                                    "streamed from a live model, or synthetic data")
     t.add_argument("--preset", choices=PRESET_NAMES, default=None,
                    help="architecture preset (default isae-me; with --resume: the resumed run's); "
                         "isae-me-dl also brings its training schedule (dead-latent resampling, "
@@ -712,6 +834,39 @@ def add_parsers(sub) -> None:
     t.add_argument("--synthetic", type=_synthetic_spec, metavar="d,m,k[,n[,noise]]",
                    help="train on synthetic data with a ground-truth dictionary (saved to "
                         "OUT/ground_truth); n defaults to 8192, noise to 0")
+    t.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="stream the activations from a live model instead of a file: "
+                        "MODULE:FACTORY (an importable module or a .py path, and a function "
+                        "returning a torch.nn.Module; e.g. "
+                        "tensoralg.sae.streaming:quick_transformer, the project's offline "
+                        "transformer) or a tensoralg transformer checkpoint folder; needs --hook "
+                        "(default: none)")
+    t.add_argument("--hook", metavar="NAME",
+                   help="with --model: the submodule (a name of model.named_modules()) whose "
+                        "output is learned (required with --model; default: none); an unknown "
+                        "name is refused listing the available ones, before any forward pass")
+    t.add_argument("--hook-point", choices=("output", "input"), default=None,
+                   help="with --model: read the hook's output or its first input (default output)")
+    t.add_argument("--tokens", metavar="PATH",
+                   help="with --model: integer .npy of token ids, (n_seq, context) or a 1-D "
+                        "stream cut by --context-size; ids checked against the model's "
+                        "vocabulary; default for a tensoralg transformer: 'corpus', the train "
+                        "split of the offline corpus in windows of its n_ctx")
+    t.add_argument("--context-size", type=int, default=None,
+                   help="tokens per sequence for a 1-D --tokens (default: the file's second "
+                        "dimension; for --tokens corpus the model's n_ctx)")
+    t.add_argument("--buffer-size", type=int, default=None,
+                   help="with --model: activation rows per shuffled buffer refill, rounded down "
+                        "to whole sequences (default 65536); memory is this times d_in floats")
+    t.add_argument("--forward-batch", type=int, default=None,
+                   help="with --model: sequences per forward pass when refilling (default: "
+                        "8192 // context size, about 8192 tokens)")
+    t.add_argument("--vocab-size", type=int, default=None,
+                   help="with --model: token ids must be below this (default: the model's "
+                        "vocabulary, when it declares one)")
+    t.add_argument("--d-in", type=int, default=None,
+                   help="expected activation width; refused when the data or the hook's "
+                        "activation has another (default: not checked)")
     t.add_argument("--data-seed", type=int, default=None,
                    help="seed of the --synthetic data (default 0; with --resume: the run's); "
                         "drawn from a stream independent of --seed's, so equal numbers never "
@@ -775,6 +930,12 @@ def add_parsers(sub) -> None:
     t.add_argument("--tensorboard", action="store_true", default=None,
                    help="also write the log records as TensorBoard scalars to OUT/tensorboard/ "
                         "(needs the tensorboard package; default: off)")
+    t.add_argument("--wandb", action="store_true", default=None,
+                   help="also log the records to Weights & Biases (needs the wandb package: pip "
+                        "install 'tensoralg[wandb]'; files under OUT/wandb/; set "
+                        "WANDB_MODE=offline to keep the run local; default: off)")
+    t.add_argument("--wandb-project", default=None,
+                   help="the W&B project of --wandb (default tensoralg-sae)")
     t.add_argument("--override", action="store_true",
                    help="with --resume: let the training flags given replace the run's recorded "
                         "values (default: a conflicting flag is an error)")

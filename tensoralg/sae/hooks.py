@@ -61,8 +61,10 @@ def get_submodule(model: nn.Module, hook_name: str) -> nn.Module:
     if hook_name in names:
         return model.get_submodule(hook_name) if hook_name else model
     near = difflib.get_close_matches(hook_name, names, n=5, cutoff=0.0)
+    # all of them when they fit on a line (the root module "" is not a hook)
+    listed = f"; all: {[n for n in names if n]}" if len(names) <= 40 else ""
     raise ValueError(f"hook_name: {hook_name!r} is not a submodule of {type(model).__name__} "
-                     f"({len(names)} submodules); nearest: {near}")
+                     f"({len(names)} submodules); nearest: {near}{listed}")
 
 
 def check_point(point: str) -> None:

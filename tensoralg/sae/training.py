@@ -48,6 +48,7 @@ TRAINER_STATE = "trainer_state"
 
 LOG_FILE = "train_log.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
 DENSITY_PLOT = "feature_density.png"
 DEAD_TOKENS_DEFAULT = 10_000_000       # Gao et al. (2024): dead = not fired in 10M tokens
 _LR_DECAYS = ("constant", "linear", "cosine")
@@ -116,6 +117,14 @@ class TrainConfig:
             ``sae/l0``, ``sae/dead_latents``, ``sae/lr``, ...) to ``OUT/tensorboard/`` (needs an
             ``out`` folder and the optional package ``tensorboard``: ``pip install
             tensorboard``; checked when the config is made).
+        wandb: also log each record to Weights & Biases (``wandb.log``, keys ``sae/fvu``, ...,
+            step = the optimizer step; ``wandb.init`` with ``project=wandb_project``, the train
+            and SAE configs as its config, files under ``OUT/wandb/``). Needs an ``out`` folder
+            and the optional package ``wandb`` (``pip install wandb``; checked when the config
+            is made). Offline (no account, no network): set ``WANDB_MODE=offline`` and the run
+            is written to ``OUT/wandb/offline-run-*`` for a later ``wandb sync``. A resumed run
+            logs as a new W&B run whose steps continue from the checkpoint's.
+        wandb_project: the W&B project (default ``"tensoralg-sae"``).
         multistep_start: a multi-step encoder runs no refinement step (it is the single-step
             encoder ``act(W_enc(x - b_dec) + b_enc)``) before this step, its ``T`` steps from
             it on (0: from the start), so the dictionary can first be learned cheaply.
@@ -148,8 +157,19 @@ class TrainConfig:
     multistep_start: int = 0
     autocast: str | None = None
     tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "tensoralg-sae"
 
     def __post_init__(self) -> None:
+        if self.wandb:
+            try:
+                import wandb  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"wandb: the optional package is not installed (pip install "
+                                 f"wandb): {exc}") from None
+        if not isinstance(self.wandb_project, str) or not self.wandb_project:
+            raise ValueError(f"wandb_project: expected a non-empty string, got "
+                             f"{self.wandb_project!r}")
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: F401
@@ -685,6 +705,19 @@ class _Stepper:
         return rec
 
 
+def _wandb_init(out: Path, train_cfg: TrainConfig, sae_cfg: SAEConfig, meta: dict,
+                metadata: dict):
+    """A W&B run for ``train`` (files under ``OUT/wandb/``; ``WANDB_MODE=offline`` keeps it
+    local), its config the train and SAE configs and the run's recorded entries."""
+    import wandb
+
+    (out / WANDB_DIR).mkdir(parents=True, exist_ok=True)
+    config = {"train": asdict(train_cfg), "sae": sae_cfg.to_dict(), "metadata": metadata,
+              **{k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))}}
+    return wandb.init(project=train_cfg.wandb_project, dir=str(out), name=out.name,
+                      config=config, reinit="create_new")
+
+
 def _expected_norm_scale(sample: torch.Tensor, d: int) -> float:
     msq = float((sample.double() ** 2).sum(dim=1).mean())
     if not msq > 0:
@@ -781,7 +814,11 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     """Train a sparse autoencoder.
 
     Args:
-        data: ``(n, d_in)`` activations: tensor, array or path to a ``.npy`` (memory-mapped).
+        data: ``(n, d_in)`` activations: tensor, array or path to a ``.npy`` (memory-mapped); or
+            an [`ActivationStream`][tensoralg.sae.streaming.ActivationStream] (activations
+            streamed from a live model through a shuffled buffer; its settings are recorded in
+            ``cfg.json`` as ``streamed_*`` entries, its ``metadata`` as the SAE's unless ``meta`` gives one,
+            and a resumed run must use the same stream).
         sae_cfg: architecture; ``train_cfg``: optimization (defaults
             [`TrainConfig`][tensoralg.sae.training.TrainConfig]).
         out: checkpoint folder (written every ``ckpt_every`` steps and at the end), or None.
@@ -803,25 +840,55 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         model is returned in raw-activation space (any ``normalize`` scale folded in), and
         ``model.train_summary`` holds the final record with ``samples_per_s``.
     Raises:
-        ValueError: bad data (shape, NaN/inf, zero variance), a batch larger than the data, a resume
-            checkpoint whose config differs.
+        ValueError: bad data (shape, NaN/inf, zero variance), a batch larger than the data (or
+            than a stream's buffer), a stream's width other than ``d_in``, a resume checkpoint
+            whose config (or stream) differs.
         TrainingDiverged: the loss became NaN/inf (the last good checkpoint is kept on disk).
         KeyboardInterrupt: passed on; as on divergence, ``out`` keeps its last checkpoint, or
             is left as before (missing or empty) when none was written yet.
     """
+    from .streaming import ActivationStream
+
     train_cfg = train_cfg or TrainConfig()
-    data = as_activations(data)
+    stream = data if isinstance(data, ActivationStream) else None
+    if stream is None:
+        data = as_activations(data)
     n, d = data.shape
     if d != sae_cfg.d_in:
+        if stream is not None:
+            raise ValueError(f"d_in: the model's activation at {stream.hook_name!r} has width "
+                             f"{d}, the SAE config has d_in={sae_cfg.d_in}")
         raise ValueError(f"data: expected d_in={sae_cfg.d_in} columns, got shape {tuple(data.shape)}")
-    check_variance(data)
-    batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
     if train_cfg.ckpt_every and out is None:
         raise ValueError("out: ckpt_every > 0 needs a checkpoint folder")
     if train_cfg.tensorboard and out is None:
         raise ValueError("out: tensorboard=True writes OUT/tensorboard/; give an out folder")
+    if train_cfg.wandb and out is None:
+        raise ValueError("out: wandb=True writes OUT/wandb/; give an out folder")
     device = torch.device(train_cfg.device)
     dtype = torch.float64 if sae_cfg.dtype == "float64" else torch.float32
+    if stream is not None:
+        stream.set_batch_size(train_cfg.batch_size)
+        described = {f"streamed_{k}": v for k, v in stream.describe().items()}
+        meta = {**(meta or {}), **described}
+        if resume is not None:
+            saved = tio.read_config(Path(resume))
+            diff = {k: (saved.get(k), v) for k, v in described.items() if saved.get(k) != v}
+            if diff:
+                raise ValueError(f"resume: {resume} was trained on another stream (saved, now): "
+                                 f"{diff}; a resumed run must read the same batches")
+        if not (meta or {}).get("metadata"):
+            meta["metadata"] = dict(stream.metadata)
+        stream.check_variance()
+
+        def next_batch(step: int) -> torch.Tensor:
+            return stream.batch(step).to(device=device, dtype=dtype)
+    else:
+        check_variance(data)
+        batches = _Batches(n, train_cfg.batch_size, train_cfg.seed)
+
+        def next_batch(step: int) -> torch.Tensor:
+            return _rows(data, batches.indices(step), dtype, device)
     model = SparseAutoencoder(sae_cfg, seed=_init_seed(train_cfg)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
     dead = torch.zeros(sae_cfg.d_sae, dtype=torch.long)
@@ -840,8 +907,11 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         start, dead, scale, fires_since_resample = _load_trainer_state(resume, model, opt)
         dead = dead.to(torch.long)
     else:
-        gen = stream_generator(train_cfg.seed, "b_dec")
-        sample = _rows(data, torch.randperm(n, generator=gen)[:min(n, 8192)], dtype, device)
+        if stream is not None:
+            sample = stream.sample(8192).to(device=device, dtype=dtype)
+        else:
+            gen = stream_generator(train_cfg.seed, "b_dec")
+            sample = _rows(data, torch.randperm(n, generator=gen)[:min(n, 8192)], dtype, device)
         if train_cfg.normalize == "expected_norm":
             scale = _expected_norm_scale(sample, d)
         model.init_b_dec(sample * scale if scale != 1.0 else sample)
@@ -858,6 +928,7 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
     old_log = _read_log(log_path, start) if (log_path is not None and resume is not None) else []
     created_out = out is not None and not out.exists()
     writer = None
+    wandb_run = None
 
     def discard() -> None:
         """No checkpoint in OUT yet: remove what this run wrote (its log, tensorboard/, the
@@ -868,12 +939,15 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
             return
         if writer is not None:
             writer.close()
+        if wandb_run is not None:
+            wandb_run.finish(exit_code=1)
         import shutil
         if created_out:
             shutil.rmtree(out, ignore_errors=True)
         else:
             log_path.unlink(missing_ok=True)
             shutil.rmtree(out / TENSORBOARD_DIR, ignore_errors=True)
+            shutil.rmtree(out / WANDB_DIR, ignore_errors=True)
 
     try:
         if log_path is not None:
@@ -885,15 +959,21 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         if train_cfg.progress:
             from tqdm import tqdm
             # disable=None: hidden when stderr is not a terminal (logs, CI, pipes)
-            steps = tqdm(steps, desc="sae train", unit="step", disable=None)
+            # counted in samples (tokens), so the rate reads tokens/s
+            steps = tqdm(steps, desc="sae train", unit="tok", unit_scale=train_cfg.batch_size,
+                         disable=None)
         t0 = time.perf_counter()
         last_ckpt = start
-        run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0,
-                       _pool(data, train_cfg, dtype, device), start=start)
+        pool = (_pool(data, train_cfg, dtype, device) if stream is None else
+                (lambda step: stream.sample(train_cfg.resample_pool, step).to(device=device,
+                                                                             dtype=dtype))
+                if train_cfg.resample_every else None)
+        run = _Stepper(model, opt, sae_cfg, train_cfg, dead, dead_tokens, scale, t0, pool,
+                       start=start)
         if fires_since_resample is not None:
             run.fires_since_resample.copy_(fires_since_resample)
         for step in steps:
-            x = _rows(data, batches.indices(step), dtype, device)
+            x = next_batch(step)
             where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written"
             try:
                 run.step(x, step, where, last_good)
@@ -922,6 +1002,12 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
                                 not isinstance(value, bool):
                             writer.add_scalar(f"sae/{key}", value, rec["step"])
                     writer.flush()
+                if train_cfg.wandb:
+                    if wandb_run is None:
+                        wandb_run = _wandb_init(out, train_cfg, sae_cfg, meta, model.metadata)
+                    wandb_run.log({f"sae/{k}": v for k, v in rec.items() if k != "step" and
+                                   isinstance(v, (int, float)) and not isinstance(v, bool)},
+                                  step=rec["step"])
                 if train_cfg.progress:
                     steps.set_postfix(fvu=f"{rec['fvu']:.4f}", l0=f"{rec['l0']:.1f}",
                                       dead=rec["dead_latents"], lr=f"{rec['lr']:.2e}")
@@ -947,6 +1033,8 @@ def train(data, sae_cfg: SAEConfig, train_cfg: TrainConfig | None = None, out=No
         _save_checkpoint(out, model, opt, start, dead, train_cfg, meta, scale, dead_tokens)
     if writer is not None:
         writer.close()
+    if wandb_run is not None:
+        wandb_run.finish()
     seconds = time.perf_counter() - t0
     if out is not None and density_recs and start < train_cfg.steps:
         plot_density(density_recs[-5:], out / DENSITY_PLOT)
