@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(1)
     threadpool_limits(1)
     import tensoralg as ta
-    from tensoralg.degree import truncation_trees
+    from tensoralg.homogeneous import truncation_trees
     from tensoralg.strategies import executor, sequence_exact
 
     d, n_ctx, heads, dh = (int(x) for x in args.size.split(","))

@@ -359,8 +359,8 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
 
 def _degree_trees(refs: list, opts: dict, first: int = 0) -> list:
     """The one-node trees of ``f_{<=K}`` (``K = opts["degree"]``) of ``refs``
-    (`tensoralg.degree.truncation_trees`), loading checkpoints here."""
-    from .degree import truncation_trees
+    (`tensoralg.homogeneous.truncation_trees`), loading checkpoints here."""
+    from .homogeneous import truncation_trees
 
     nets = [_load(r, opts["n_ctx"], True) for r in refs]
     names = [r if isinstance(r, str) else f"sources[{first + i}]" for i, r in enumerate(refs)]

@@ -670,7 +670,7 @@ def test_blocked_degree_interrupt_then_resume_is_bit_identical(lm_ckpts, tmp_pat
 
 
 def test_blocked_degree_refusals_before_any_block(lm_ckpts, tmp_path, capsys):
-    from tensoralg.degree import truncation_trees
+    from tensoralg.homogeneous import truncation_trees
     from tensoralg.prepare import position_selector
     from tensoralg.strategies import sequence_exact
     from tensoralg.transformer import BilinearTransformer
