@@ -308,6 +308,8 @@ def _block_task(rows: list, cols: list | None, opts: dict) -> tuple[np.ndarray, 
         import torch
 
         torch.set_num_threads(int(opts["threads"]))
+    if opts.get("degree") is not None:
+        return _degree_block(rows, cols, opts), "cpu"
     if opts.get("sequence"):
         return _sequence_block(rows, cols, opts), "cpu"
     req, device = _engine_request(opts)
@@ -353,6 +355,109 @@ def _sequence_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
         for j, y in enumerate(b):
             G[i, j] = float(sequence_exact.exact_inner(x, y, n_ctx=n_ctx, output=output, **kw))
     return G
+
+
+def _degree_trees(refs: list, opts: dict, first: int = 0) -> list:
+    """The one-node trees of ``f_{<=K}`` (``K = opts["degree"]``) of ``refs``
+    (`tensoralg.homogeneous.truncation_trees`), loading checkpoints here."""
+    from .homogeneous import truncation_trees
+
+    nets = [_load(r, opts["n_ctx"], True) for r in refs]
+    names = [r if isinstance(r, str) else f"sources[{first + i}]" for i, r in enumerate(refs)]
+    return truncation_trees(nets, opts["n_ctx"], int(opts["degree"]), names)
+
+
+def _degree_block(rows: list, cols: list | None, opts: dict) -> np.ndarray:
+    """One block of the Gram matrix of the truncations ``f_{<=K}`` (``S<=K``, bias-free
+    sequence models; `tensoralg.degree_similarity_matrix`): each of the block's models'
+    chaos forms once, then its pairs — `tensoralg.strategies.sequence_exact.tree_gram` on the
+    diagonal, `tensoralg.strategies.sequence_exact.tree_cross_gram` off it (row models first,
+    the operations of the unblocked matrix's entry ``(i, j)``, ``i < j``)."""
+    from .strategies import sequence_exact
+
+    a = _degree_trees(rows, opts)
+    if cols is None:
+        return sequence_exact.tree_gram(a, opts["n_ctx"])
+    return sequence_exact.tree_cross_gram(a, _degree_trees(cols, opts), opts["n_ctx"])
+
+
+def _check_degree(refs: list, prints: list[dict], opts: dict, block_size: int) -> None:
+    """The blocked ``S<=K`` matrix (``opts["degree"]``): resolve ``n_ctx`` and refuse, before
+    any block runs, what it cannot compute and a block over budget.
+
+    Budget: one model's own pair against ``max_flops`` / ``max_configurations`` (as the
+    unblocked matrix), and the largest block — its models' chaos forms held together plus the
+    largest working set of one sum (`tensoralg.strategies.sequence_exact.tree_block_cost`) —
+    against ``max_memory`` (default the memory available), refused with the estimate.
+
+    Raises:
+        ValueError: position-free models, a method other than exact, an ``output``, a device of
+            "cuda", a model whose ``S<=K`` is not exact (biases), a bad ``n_ctx``;
+        tensoralg.CostTooHigh: a pair or a block over budget (with the estimate).
+    """
+    from .backends import available_memory
+    from .canonical import resolve_n_ctx
+    from .errors import CostTooHigh
+    from .prepare import position_selector
+    from .request import make_request
+    from .strategies import sequence_exact
+
+    K = opts["degree"]
+    if isinstance(K, bool) or not isinstance(K, numbers.Integral) or K < 1:
+        raise ValueError(f"degree: expected a positive integer, got {K!r}")
+    if not opts.get("sequence"):
+        raise ValueError(f"degree={K}: the blocked S<={K} matrix is for sequence models "
+                         f"(bilinear-transformer checkpoints or models with attention); "
+                         f"tensoralg.degree_similarity_matrix computes position-free networks")
+    if opts["method"] != "exact":
+        raise ValueError(f"method: the S<={K} matrix (degree={K}) is exact, got "
+                         f"{opts['method']!r}")
+    if opts["metric"] != "gaussian":
+        raise ValueError(f"metric: S<={K} is under metric='gaussian', got {opts['metric']!r}")
+    if opts["output"] is not None:
+        raise ValueError(f"output: the S<={K} matrix sums over all outputs, got "
+                         f"output={opts['output']!r}")
+    if opts["device"] == "cuda":
+        raise ValueError("device: the S<=K blocks are computed in float64 NumPy; use 'auto' or "
+                         "'cpu'")
+    paths = all(isinstance(r, str) for r in refs)
+    if paths:
+        opts["n_ctx"] = sequence_n_ctx(prints, opts["n_ctx"])
+    else:
+        opts["n_ctx"] = resolve_n_ctx([(f"sources[{i}]", r) for i, r in enumerate(refs)],
+                                      opts["n_ctx"])
+    n_ctx = opts["n_ctx"]
+    # checkpoints share one architecture (validated): one tree tells the cost of all
+    trees = _degree_trees(refs[:1] if paths else refs, opts)
+    req = make_request(n_ctx=n_ctx, max_flops=opts.get("max_flops"),
+                       max_memory=opts.get("max_memory"),
+                       **({} if opts.get("max_configurations") is None else
+                          {"max_configurations": opts["max_configurations"]}))
+    sel = position_selector(n_ctx, None, False)
+    n, b = len(refs), int(block_size)
+    models, pairs = (n, n * (n + 1) // 2) if n <= b else (2 * b, b * b)
+    budget = available_memory("numpy", None) if opts.get("max_memory") is None \
+        else float(opts["max_memory"])
+    seen = set()
+    for i, t in enumerate(trees):
+        sig = sequence_exact._shape_signature(t)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        try:
+            sequence_exact.check_configurations_bound(t, t)
+            sequence_exact.check_cost(req.replace(max_memory=None), t, t, n_ctx, (), sel, "chaos")
+        except CostTooHigh as exc:
+            raise CostTooHigh(f"degree={K}: one pair of {refs[i] if paths else f'sources[{i}]'}"
+                              f": {exc}") from None
+        need, flops = sequence_exact.tree_block_cost(t, n_ctx, models, pairs)
+        if need > budget:
+            raise CostTooHigh(f"degree={K}: a block of {models} models ({pairs} pairs, "
+                              f"block_size={b}) needs an estimated {need / 2**30:.3g} GiB (its "
+                              f"models' chaos tensors held together and the largest working set "
+                              f"of one sum) and {flops:.3g} FLOPs, over max_memory="
+                              f"{budget / 2**30:.3g} GiB; use a smaller block_size "
+                              f"(--block-size)")
 
 
 def _check_sequence(refs: list, prints: list[dict], opts: dict) -> None:
@@ -491,7 +596,8 @@ def _manifest_diff(old: dict, new: dict) -> str:
     """Why an earlier manifest ``old`` does not describe this run ``new`` ("" if it does)."""
     if old.get("format") != new["format"]:
         return f"format {old.get('format')!r}, this run writes {new['format']!r}"
-    for k in ("n", "block_size", "metric", "method", "output", "n_samples", "seed", "n_ctx"):
+    for k in ("n", "block_size", "metric", "method", "output", "n_samples", "seed", "n_ctx",
+              "degree"):
         if old.get(k) != new.get(k):
             return f"{k} was {old.get(k)!r}, now {new.get(k)!r}"
     keys = ("cfg_sha256", "weights_sha256", "model_sha256")
@@ -558,7 +664,9 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
     from tqdm.auto import tqdm
 
     n, b = len(refs), int(block_size)
-    if opts.get("sequence"):
+    if opts.get("degree") is not None:
+        _check_degree(refs, prints, opts, b)
+    elif opts.get("sequence"):
         _check_sequence(refs, prints, opts)
     K = _n_outputs(refs[0], opts["output"])
     tail = () if K is None else (K,)
@@ -568,7 +676,8 @@ def _run(refs, prints, *, out, block_size, client, workers, resume, opts, retrie
                 "method": opts["method"], "output": _jsonable_output(opts["output"]),
                 "n_samples": opts["n_samples"] if opts["method"] == "montecarlo" else None,
                 "seed": opts["seed"] if opts["method"] == "montecarlo" else None,
-                "n_ctx": opts.get("n_ctx"), "blocks": len(grid), "checkpoints": prints}
+                "n_ctx": opts.get("n_ctx"), "degree": opts.get("degree"), "blocks": len(grid),
+                "checkpoints": prints}
     store = BlockStore(out, manifest, resume) if out is not None else None
     G = np.empty((n, n) + tail, dtype=np.float64)
 
@@ -661,7 +770,7 @@ def _jsonable_output(output: Any) -> Any:
 
 
 def _options(metric, method, output, device, n_samples, seed, threads, max_flops,
-             max_configurations, n_ctx=None) -> dict:
+             max_configurations, n_ctx=None, degree=None, max_memory=None) -> dict:
     from .request import check_options as _check_options
 
     _check_options(metric, method, "numpy")
@@ -669,7 +778,8 @@ def _options(metric, method, output, device, n_samples, seed, threads, max_flops
         raise ValueError(f"threads: expected a positive integer, got {threads!r}")
     return {"metric": metric, "method": method, "output": output, "device": device,
             "n_samples": n_samples, "seed": seed, "threads": int(threads),
-            "max_flops": max_flops, "max_configurations": max_configurations, "n_ctx": n_ctx}
+            "max_flops": max_flops, "max_configurations": max_configurations, "n_ctx": n_ctx,
+            "degree": degree, "max_memory": max_memory}
 
 
 def _mark_sequence(refs: list, prints: list[dict], opts: dict) -> None:
@@ -703,6 +813,14 @@ _API_DOC = """
         metric, method, output, n_samples, seed, max_flops, max_configurations: as for
             `tensoralg.gram` (Monte Carlo: every block draws the same ``seed`` samples, so
             the entries equal those of one unblocked call).
+        degree: an int ``K``: the Gram matrix of the truncations ``f_{<=K}`` (``S<=K``,
+            `tensoralg.degree_similarity_matrix`) of bias-free sequence models, exact:
+            every block builds its models' truncations and chaos forms once, then its pairs
+            (`_degree_block`); the first model's own pair is held against ``max_flops`` and the
+            largest block against ``max_memory`` before any block runs. None (default): the
+            models themselves.
+        max_memory: with ``degree``, the bytes one block may hold (default the memory
+            available).
         n_ctx: sequence models only (bilinear-transformer checkpoints, models with attention):
             the context length; for transformer checkpoints default the shortest trained one,
             longer refused. Their blocks run in float64 NumPy with ``method="exact"`` (at most
@@ -721,7 +839,9 @@ _API_DOC = """
         FileNotFoundError / ValueError: a missing or corrupt checkpoint, named, before any block
             runs; a store of other checkpoints or options.
         ImportError: ``client``/``workers`` without ``dask.distributed`` installed.
-        tensoralg.CostTooHigh: an exact block over the engine's budget.
+        tensoralg.CostTooHigh: an exact block over the engine's budget (with ``degree``: a pair
+            over ``max_flops`` or the largest block over ``max_memory``, with the estimate,
+            before any block runs).
         KeyboardInterrupt: passed on after pending tasks are cancelled; the store keeps every
             finished block and resumes from them.
 """
@@ -734,7 +854,8 @@ def gram(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
          threads: int = 1, max_flops: float | None = None, max_configurations: int | None = None,
          n_ctx: int | None = None, retries: int = 2, show_progress: bool = False,
          on_block: Callable[[int, int], Any] | None = None,
-         return_summary: bool = False):
+         return_summary: bool = False, degree: int | None = None,
+         max_memory: float | None = None):
     """Gram matrix ``G[i, j] = <m_i, m_j>`` (float64 ``(N, N)``, ``(N, N, out)`` for
     ``output="each"``) of N same-architecture checkpoints, computed in blocks (see the module
     docstring); equal to [`tensoralg.gram`][tensoralg.gram] up to float64 rounding (the blocks run
@@ -742,8 +863,10 @@ def gram(sources: Sequence[Any], out: str | os.PathLike | None = None, *,
     blocks, resumed/computed blocks, devices used, store folder.
     """
     _check_args(block_size, client, workers, resume, device, retries)
+    if max_memory is not None and degree is None:
+        raise ValueError("max_memory: a block budget of the degree=K matrix only; give degree")
     opts = _options(metric, method, output, device, n_samples, seed, threads, max_flops,
-                    max_configurations, n_ctx)
+                    max_configurations, n_ctx, degree, max_memory)
     if client is not None or workers is not None:
         need_distributed()
     refs, prints = _prepare_sources(sources)
@@ -760,12 +883,13 @@ def gram_of_validated(paths: Sequence[str], prints: list[dict], out=None, *,
                       method: str = "exact", output: Any = None, device: str = "auto",
                       n_samples: int = 100_000, seed: int = 0, threads: int = 1,
                       n_ctx: int | None = None, retries: int = 2, show_progress: bool = False,
-                      on_block=None):
+                      on_block=None, degree: int | None = None):
     """`gram` (returning ``(G, summary)``) for checkpoint ``paths`` already validated by
     `validate_checkpoints` (``prints``: its result), so that a caller that needed the
     configs first does not hash the files twice."""
     _check_args(block_size, client, workers, resume, device, retries)
-    opts = _options(metric, method, output, device, n_samples, seed, threads, None, None, n_ctx)
+    opts = _options(metric, method, output, device, n_samples, seed, threads, None, None, n_ctx,
+                    degree)
     if client is not None or workers is not None:
         need_distributed()
     if len(prints) != len(paths):

@@ -444,8 +444,10 @@ def _gram_similarity(G: np.ndarray, K: int) -> np.ndarray:
 
 def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
                              max_degree: Any = (1, 5), cov: Any = None,
-                             backend: str = "numpy", device: Any = None
-                             ) -> DegreeSimilarityMatrix:
+                             backend: str = "numpy", device: Any = None, out: Any = None,
+                             block_size: int | None = None, workers: int | None = None,
+                             client: Any = None, resume: bool = False,
+                             show_progress: bool = False) -> DegreeSimilarityMatrix:
     """The exact ``S<=K`` matrices of ``N`` models (e.g. the checkpoints of a training run),
     for each ``K`` in ``max_degree``: each model's truncation and chaos form once, then the
     ``N (N + 1) / 2`` pairs (docs/mathematics.md §3.9, "Homogeneous parts").
@@ -468,6 +470,14 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         backend, device: ``"numpy"`` (default) or ``"torch"`` on ``device`` (CUDA when
             available and ``device`` is None): the larger contractions of the sequence
             models' pairs run there in float64 (the same values up to rounding).
+        out, block_size, workers, client, resume, show_progress: any of ``out``,
+            ``block_size``, ``workers``, ``client`` selects the blocked path of
+            `tensoralg.blocks` (bias-free sequence models, NumPy): the matrix of each ``K`` in
+            blocks of ``block_size`` models per side, each block building its models'
+            truncations and chaos forms once; with ``out``, the finished blocks of ``K`` are
+            kept in ``out/degree_K`` and ``resume=True`` continues an interrupted run (bit for
+            bit the same values); ``workers``/``client`` run the blocks on Dask. The entries
+            equal the unblocked ones (the same operations per pair).
 
     Returns:
         [`DegreeSimilarityMatrix`][tensoralg.degree.DegreeSimilarityMatrix] (``r[K]``: the
@@ -480,6 +490,10 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
         CostTooHigh: a model's own pair over the exact path's budget (before the pairs).
     """
     Ks = _check_max_degree(max_degree)
+    blocked = any(v is not None for v in (out, block_size, workers, client))
+    if blocked and backend != "numpy":
+        raise ValueError(f"backend: the blocked path (out=/block_size=/workers=/client=) "
+                         f"computes in float64 NumPy, got backend={backend!r}")
     if not isinstance(backend, str) or backend not in ("numpy", "torch"):
         raise ValueError(f"backend: degree_similarity_matrix runs in float64 on 'numpy' or "
                          f"'torch', got {backend!r}")
@@ -507,6 +521,10 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     top = max(degs)
     if max(Ks) > top:
         raise ValueError(f"max_degree: {max(Ks)} is above the models' largest degree {top}")
+    if blocked:
+        return _blocked_matrix(nets, n_ctx, Ks, seq, req, out=out, block_size=block_size,
+                               workers=workers, client=client, resume=resume,
+                               show_progress=show_progress)
     grams, notes = {}, {}
     rest = [K for K in Ks if K != 1]
     fos = [homogeneous.unrolled(x, n_ctx, max(Ks)) for x in nets] if seq else []
@@ -551,3 +569,25 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     sims = {K: _gram_similarity(grams[K], K) for K in Ks}
     return DegreeSimilarityMatrix(sims, {K: grams[K] for K in Ks}, {K: notes[K] for K in Ks},
                                   req.distribution.describe())
+
+
+def _blocked_matrix(nets: list, n_ctx: int, Ks: tuple, seq: bool, req, *, out, block_size,
+                    workers, client, resume, show_progress) -> DegreeSimilarityMatrix:
+    """`degree_similarity_matrix` through `tensoralg.blocks` (one store per ``K``)."""
+    from pathlib import Path
+
+    from . import blocks
+
+    if not seq:
+        raise ValueError("out=/block_size=/workers=/client=: the blocked S<=K matrix is for "
+                         "sequence models (with attention); position-free networks: drop them")
+    kw = dict(block_size=blocks.DEFAULT_BLOCK_SIZE if block_size is None else block_size,
+              workers=workers, client=client, resume=resume, n_ctx=n_ctx,
+              show_progress=show_progress, device="cpu")
+    grams = {K: blocks.gram(nets, None if out is None else Path(out) / f"degree_{K}", degree=K,
+                            **kw) for K in Ks}
+    note = ("exact: the paths of degree <= K unrolled into one node (exact attention path), "
+            "in blocks")
+    return DegreeSimilarityMatrix({K: _gram_similarity(grams[K], K) for K in Ks}, grams,
+                                  dict.fromkeys(Ks, note), req.distribution.describe())
+

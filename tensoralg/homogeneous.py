@@ -53,7 +53,7 @@ from .canonical import (
 from .layers import Bilinear, Layer, Linear, Sequential, as_network
 
 __all__ = ["DFT_SCALES", "dft_parts", "homogeneous_parts", "affine_part", "affine_inner",
-           "Graded", "graded", "Unrolled", "unrolled"]
+           "Graded", "graded", "Unrolled", "unrolled", "truncation_trees"]
 
 
 #: Input scales of the DFT (`dft_parts`): each part is read at the scale with the
@@ -396,3 +396,35 @@ def unrolled(net: Layer, n_ctx: int, cap: int) -> tuple[Unrolled | None, str]:
         terms.setdefault(k, []).append(t)
     terms = {k: _merge_attention(v, n_ctx) for k, v in terms.items()}
     return Unrolled(terms, set(terms), tree.d_in, tree.d_out, n_ctx), ""
+
+
+def truncation_trees(nets: list, n_ctx: int, K: int, names: list[str]) -> list[Tree]:
+    """``f_{<=K}`` of each bias-free sequence model as the one-node float64 tree the exact
+    attention path contracts (its degree-<=K paths unrolled into one node, `unrolled`, as
+    `tensoralg.degree_similarity_matrix` builds them): the per-model work of a blocked ``S<=K`` matrix
+    (`tensoralg.blocks`).
+
+    Raises:
+        ValueError: a model that is not a sequence model, a ``K`` above its degree, a model
+            whose ``S<=K`` is not exact (biases; naming it and why), or a truncation that
+            vanishes (norm zero); ``names[i]`` names ``nets[i]``.
+    """
+    trees = []
+    for x, name in zip(nets, names):
+        if not x.is_sequence_model:
+            raise ValueError(f"{name}: not a sequence model (with attention); the blocked "
+                             f"S<={K} matrix is for sequence models, "
+                             f"tensoralg.degree_similarity_matrix computes position-free ones")
+        x = x.astype_float() if x.is_exact else x
+        if x.degree < K:
+            raise ValueError(f"degree: {K} is above the degree {x.degree} of {name}")
+        f, why = unrolled(x, n_ctx, K)
+        if f is None:
+            raise ValueError(f"degree: S<={K} is not exact for {name} ({why}); "
+                             f"degree_similarity(a, b) estimates it by Monte Carlo per pair")
+        t = f.tree(set(range(K + 1)))
+        if t is None:
+            raise ValueError(f"{name}: the degree-<={K} truncation has no terms (norm zero), "
+                             f"so S<={K} is undefined")
+        trees.append(t)
+    return trees

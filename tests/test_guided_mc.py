@@ -274,3 +274,58 @@ def test_adam_step_is_torch_adam_bit_for_bit():
             guided.adam_step(xb, g, m1, m2, step + 1, guided.ADAM_LR)
         assert torch.equal(xa.detach(), xb.detach()), step
     assert not torch.equal(xb.detach(), torch.tensor(x0))
+
+
+@pytest.mark.parametrize("dim", [2, 3, 4, 7, 40])
+def test_vmf_draws_are_scipys_bit_for_bit(dim):
+    """The written-out von Mises-Fisher sampler (no scipy.stats import inside a guided call)
+    draws what scipy.stats.vonmises_fisher draws from the same generator, bit for bit, and
+    leaves the generator in the same state: small, moderate and huge concentrations (the last
+    takes scipy's expansion of the envelope parameter when D >= 4)."""
+    from scipy.stats import vonmises_fisher
+
+    r = np.random.default_rng(dim)
+    mu = r.normal(size=dim)
+    mu /= np.linalg.norm(mu)
+    for kappa, n in ((0.7, 5), (12.0, 200), (3e9, 17)):
+        a, b = np.random.default_rng(11), np.random.default_rng(11)
+        want = vonmises_fisher(mu, np.float64(kappa)).rvs(n, random_state=a)
+        got = guided.vmf_draws(mu, np.float64(kappa), n, b)
+        np.testing.assert_array_equal(got, want.reshape(n, dim))
+        assert a.random() == b.random()
+    # the mean direction's sign is kept (QR may flip it)
+    assert guided.vmf_draws(-np.eye(dim)[0], 50.0, 400, r).mean(axis=0)[0] < -0.5
+
+
+def test_clopper_pearson_bound_is_scipy_stats_beta_ppf():
+    """certified_lower_bound's quantile (scipy.special.betaincinv) is scipy.stats.beta.ppf,
+    equal on a grid of sample sizes, counts and levels."""
+    from scipy.special import betaincinv
+    from scipy.stats import beta
+
+    for n in (6, 300, 20_000):
+        for k in range(1, n + 1, max(1, n // 37)):
+            for a in (1e-3 / 16, 0.05 / 16, 0.3):
+                assert betaincinv(k, n - k + 1, a) == beta.ppf(a, k, n - k + 1)
+
+
+def test_a_guided_call_imports_no_library():
+    """After `import tensoralg` and torch, a guided similarity imports nothing (scipy.stats
+    took about a second of CPU inside the first call): checked in a fresh process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, tensoralg as ta, torch, scipy.special, scipy.linalg\n"
+        "r = np.random.default_rng(0)\n"
+        "g = lambda *s: r.standard_normal(s) * 0.5\n"
+        "m = lambda: ta.Sequential([ta.Residual(ta.BilinearAttention("
+        "*(g(1, 2, 3) for _ in range(5)), g(3, 1, 2))) for _ in range(2)])\n"
+        "a, b = m(), m()\n"
+        "before = set(sys.modules)\n"
+        "ta.similarity(a, b, method='montecarlo', proposal='modes', n_samples=300, seed=0,"
+        " n_ctx=2)\n"
+        "print(sorted(set(sys.modules) - before))\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=600, check=True).stdout.strip().splitlines()[-1]
+    assert out == "[]", out

@@ -613,3 +613,115 @@ def test_ta_gram_of_sequence_models_with_a_block_store(tmp_path):
     # blocks come from closure_cross_gram on 2-model stacks, the reference from one
     # closure_gram: the same sums grouped differently, so rounding only (a few ulps)
     assert np.allclose(got, want, rtol=1e-12, atol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# the exact S<=K matrix (degree=K, --degree K) in blocks
+# ----------------------------------------------------------------------------------------
+
+def _degree_ref(paths, n_ctx=3):
+    return ta.degree_similarity_matrix(_lm_nets(paths, n_ctx), n_ctx=n_ctx, max_degree=5)
+
+
+def test_blocked_degree_matrix_equals_unblocked(lm_ckpts, tmp_path, capsys):
+    """S<=5 of two-layer checkpoints in blocks of 1 and 3 (diagonal and off-diagonal blocks)
+    = the unblocked degree_similarity_matrix within 1e-12 (the same operations per pair:
+    each block builds its models' chaos forms once, then `tree_gram` / `tree_cross_gram`)."""
+    paths = lm_ckpts[2]
+    ref = _degree_ref(paths)
+    for b in (1, 3):
+        G = blocks.gram(paths, block_size=b, degree=5)
+        assert np.max(np.abs(G - ref.gram[5]) / np.abs(ref.gram[5])) <= 1e-12
+    out = tmp_path / "m"
+    assert main(["matrix", *paths, "--out", str(out), "--degree", "5", "--block-size", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "3 blocks of up to 3 checkpoints per side: 0 resumed, 3 computed" in text
+    assert "S<=5 (exact)" in text
+    res = json.loads((out / "matrix.json").read_text())
+    assert res["degree"] == 5 and res["method"] == "exact" and res["n_ctx"] == 3
+    assert np.max(np.abs(np.load(out / "matrix.npy") - ref[5])) <= 1e-12
+    # the library entry point with a store: one per K, the same values
+    M = ta.degree_similarity_matrix(_lm_nets(paths), n_ctx=3, max_degree=5,
+                                    out=tmp_path / "api", block_size=2)
+    assert np.max(np.abs(M.gram[5] - ref.gram[5]) / np.abs(ref.gram[5])) <= 1e-12
+    assert (tmp_path / "api" / "degree_5" / "manifest.json").is_file()
+
+
+def test_blocked_degree_interrupt_then_resume_is_bit_identical(lm_ckpts, tmp_path):
+    paths = lm_ckpts[2]
+    full = blocks.gram(paths, block_size=2, degree=5)   # 3 blocks, uninterrupted
+
+    def stop_after_one(done, total):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    store = tmp_path / "store"
+    with pytest.raises(KeyboardInterrupt):
+        blocks.gram(paths, store, block_size=2, degree=5, on_block=stop_after_one)
+    files = _block_files(store)
+    assert len(files) == 1
+    stamp = (store / files[0]).stat().st_mtime_ns
+    with pytest.raises(ValueError, match="degree was 5, now 1"):
+        blocks.gram(paths, store, block_size=2, degree=1)
+    G, summary = blocks.gram(paths, store, block_size=2, degree=5, return_summary=True)
+    assert summary["resumed_blocks"] == 1 and summary["computed_blocks"] == 2
+    assert (store / files[0]).stat().st_mtime_ns == stamp
+    np.testing.assert_array_equal(G, full)
+
+
+def test_blocked_degree_refusals_before_any_block(lm_ckpts, tmp_path, capsys):
+    from tensoralg.homogeneous import truncation_trees
+    from tensoralg.prepare import position_selector
+    from tensoralg.strategies import sequence_exact
+    from tensoralg.transformer import BilinearTransformer
+
+    paths, calls = lm_ckpts[2], []
+    other = tmp_path / "dhead4"
+    save_checkpoint(other, BilinearTransformer(7, 4, 2, 2, 4, n_ctx=3, rope=100.0, seed=0,
+                                               dtype="float64"))
+    cases = [
+        # a checkpoint of another shape: named with the first mismatch
+        (dict(sources=paths[:2] + [str(other)] + paths[2:]), ValueError,
+         rf"{other} has a different architecture from {paths[0]} \(d_head: 2 vs 4, "),
+        # the largest block over the memory budget: its estimate
+        (dict(sources=paths, max_memory=10_000), ta.CostTooHigh,
+         r"degree=5: a block of 4 models \(4 pairs, block_size=2\) needs an estimated "
+         r"[0-9.e-]+ GiB .* and [0-9.e+]+ FLOPs, over max_memory=.*--block-size"),
+        # one pair over the FLOP budget
+        (dict(sources=paths, max_flops=1000), ta.CostTooHigh,
+         rf"degree=5: one pair of {paths[0]}: .*FLOPs.*over max_flops=1e\+03"),
+        (dict(sources=lm_ckpts[1], degree=9), ValueError, r"degree: 9 is above the degree 5"),
+        (dict(sources=paths, method="closure"), ValueError, r"S<=5 matrix \(degree=5\) is exact"),
+    ]
+    for k, (kw, exc, msg) in enumerate(cases):
+        kw.setdefault("degree", 5)
+        with pytest.raises(exc, match=msg):
+            blocks.gram(kw.pop("sources"), tmp_path / f"s{k}", block_size=2,
+                        on_block=lambda d, t: calls.append(d), **kw)
+        assert not (tmp_path / f"s{k}").exists()
+    assert calls == []
+    # biases: S<=5 is not exact for them (named), models in memory
+    rng = np.random.default_rng(3)
+    g = lambda *s: rng.standard_normal(s) * 0.5  # noqa: E731
+    attn = lambda **b: ta.Residual(ta.BilinearAttention(*(g(1, 2, 2) for _ in range(5)),  # noqa: E731
+                                                        g(2, 1, 2), **b))
+    plain = ta.Sequential([attn(), attn()])
+    biased = ta.Sequential([attn(q1_bias=g(1, 2)), attn()])
+    with pytest.raises(ValueError, match=r"S<=5 is not exact for sources\[1\] \(biases"):
+        blocks.gram([plain, biased], tmp_path / "b", degree=5, n_ctx=2, block_size=1)
+    assert not (tmp_path / "b").exists()
+    # the block estimate is the pair estimate's arithmetic: 2 models, 1 pair = one pair's
+    t = truncation_trees([plain], 2, 5, ["plain"])[0]
+    sel = position_selector(2, None, False)
+    assert sequence_exact.tree_block_cost(t, 2, 2, 1)[1] == \
+        sequence_exact._dry_cost(t, t, 2, False, sel, ())[1]
+    # the CLI: exit 2, one line, nothing written
+    for extra, msg in ([["--method", "closure"], "--method closure: --degree 5 computes"],
+                       [["--output", "1"], "--output: not supported with --degree"]):
+        assert main(["matrix", *paths, "--out", str(tmp_path / "c"), "--degree", "5",
+                     *extra]) == 2
+        assert msg in capsys.readouterr().err
+        assert not (tmp_path / "c" / "blocks").exists()
+    assert main(["matrix", *paths, str(other), "--out", str(tmp_path / "c"), "--degree",
+                 "5"]) == 2
+    assert "(d_head: 2 vs 4, " in capsys.readouterr().err

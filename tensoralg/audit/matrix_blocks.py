@@ -52,7 +52,7 @@ from .common import (
 )
 
 STORE = "blocks"
-BLOCK_OPTIONS = ("block_size", "resume", "scheduler", "workers")
+BLOCK_OPTIONS = ("block_size", "resume", "scheduler", "workers", "degree")
 _TABLE_MAX = 12  # print the whole matrix up to this size, a summary beyond
 
 
@@ -69,6 +69,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="continue from the finished blocks stored under OUT/blocks (refused if "
                         "they were made from other checkpoints or options; default: off, an "
                         "existing store is an error)")
+    g.add_argument("--degree", type=positive_int, default=None, metavar="K",
+                   help="the exact S<=K matrix instead: the similarity of the degree-<=K "
+                        "truncations f_<=K (a different question from the full similarity, "
+                        "not an approximation of it), for bias-free bilinear-transformer "
+                        "checkpoints below the first composition degree (5 for two layers); "
+                        "computed in blocks, resumable (default: none, the models themselves)")
     where = g.add_mutually_exclusive_group()
     where.add_argument("--scheduler", metavar="ADDRESS", default=None,
                        help="run the blocks on this Dask scheduler (e.g. tcp://host:8786); the "
@@ -99,10 +105,15 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
                        block_size: int | None = None, resume: bool = False,
                        scheduler: str | None = None, workers: int | None = None,
                        threads: int = 1, show_progress: bool = False,
-                       json_copy: str | Path | None = None, n_ctx: int | None = None) -> dict:
+                       json_copy: str | Path | None = None, n_ctx: int | None = None,
+                       degree: int | None = None) -> dict:
     """Similarity matrix of the checkpoints at ``paths`` in blocks (see the module docstring).
 
     Every argument and every checkpoint header is checked before any block runs.
+
+    ``degree=K`` (``--degree``): the exact ``S<=K`` matrix of bias-free bilinear-transformer
+    checkpoints (`tensoralg.degree_similarity_matrix`, each block's models once); ``method``
+    must be auto or exact, ``output`` is refused.
 
     Bilinear-transformer checkpoints (as in the unblocked ``tensoralg matrix``): residual stream
     -> logits maps over ``n_ctx`` positions (default the shortest trained context, longer
@@ -139,7 +150,19 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
 
     cfg0 = read_config(paths[0])
     depth = int(cfg0["n_layers"])
-    if "n_ctx_trained" in prints[0]:      # bilinear transformers (the unblocked rules)
+    if degree is not None:
+        if "n_ctx_trained" not in prints[0]:
+            raise ValueError(f"--degree {degree}: the S<={degree} matrix is for bilinear-"
+                             f"transformer (sequence) checkpoints; {paths[0]} is a classifier")
+        if method not in ("auto", "exact"):
+            raise ValueError(f"--method {method}: --degree {degree} computes the exact S<={degree}"
+                             f" matrix; use --method auto or exact")
+        if output is not None:
+            raise ValueError(f"--output: not supported with --degree (the S<={degree} matrix "
+                             f"sums over all logits)")
+        used = "exact"
+        n_ctx = blocks.sequence_n_ctx(prints, n_ctx)
+    elif "n_ctx_trained" in prints[0]:      # bilinear transformers (the unblocked rules)
         if output is not None:
             raise ValueError("--output: not supported for bilinear-transformer checkpoints "
                              "(the matrix sums over all logits)")
@@ -162,7 +185,7 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
         used = choose_method(method, depth, load_network(paths[0]))
     kw = dict(block_size=block_size or blocks.DEFAULT_BLOCK_SIZE, resume=resume, method=used,
               output=output, n_samples=n_samples, seed=seed, threads=threads,
-              show_progress=show_progress, n_ctx=n_ctx)
+              show_progress=show_progress, n_ctx=n_ctx, degree=degree)
     t = time.perf_counter()
     if scheduler is not None:
         import distributed
@@ -185,10 +208,11 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
         **stamp("matrix", {"checkpoints": [str(p) for p in paths], "method": method,
                            "output": output, "seed": seed, "n_samples": n_samples,
                            "block_size": kw["block_size"], "resume": resume,
-                           "scheduler": scheduler, "workers": workers, "n_ctx": n_ctx}),
+                           "scheduler": scheduler, "workers": workers, "n_ctx": n_ctx,
+                           "degree": degree}),
         "labels": labels, "steps": [p.get("step") for p in prints], "method": used,
         "method_label": method_label(used), "approximate": used != "exact",
-        "metric": "gaussian", "output": output, "n_ctx": n_ctx,
+        "metric": "gaussian", "output": output, "n_ctx": n_ctx, "degree": degree,
         "similarity_matrix": S.tolist() if n <= 1000 else None,
         "similarity_matrix_file": "matrix.npy",
         "uncertainty": matrix_uncertainty(used, n_samples, seed, per_entry=False),
@@ -196,14 +220,15 @@ def run_matrix_blocked(paths: Sequence[str], out: str | Path, *, method: str = "
         "files": ["matrix.json", "matrix.npy", "matrix.csv", "matrix.png", f"{STORE}/"],
         "paths": "files: relative to the output folder; checkpoints: as given on the command line",
     }
-    _write_outputs(out, S, labels, used, output, result)
+    _write_outputs(out, S, labels, used, output, result, degree)
     result["out"] = str(out)
     if json_copy is not None:
         write_json(json_copy, result)
     return result
 
 
-def _write_outputs(out: Path, S: np.ndarray, labels: list[str], used: str, output, result) -> None:
+def _write_outputs(out: Path, S: np.ndarray, labels: list[str], used: str, output, result,
+                   degree: int | None = None) -> None:
     """matrix.npy, .csv, .png, then matrix.json last (each atomic)."""
     import io
 
@@ -218,6 +243,8 @@ def _write_outputs(out: Path, S: np.ndarray, labels: list[str], used: str, outpu
     what = "all outputs" if output is None else f"output {output}"
     title = (f"{method_label(used)} similarity ({what}): not the tensor similarity at depth >= 2"
              if used == "closure" else f"tensor similarity ({used}, {what})")
+    if degree is not None:
+        title = f"S<={degree}: similarity of the degree-<={degree} truncations (exact)"
     if len(labels) <= 60:
         heatmaps(out / "matrix.png", {title: S}, labels, "checkpoint x checkpoint similarity")
     else:
@@ -251,6 +278,10 @@ def blocked_table(result: dict) -> str:
             f"{b['resumed_blocks']} resumed, {b['computed_blocks']} computed "
             f"({', '.join(f'{k}: {v}' for k, v in b['devices'].items()) or 'none'}), "
             f"{result['seconds']:.1f} s")
+    if result.get("degree") is not None:
+        K = result["degree"]
+        head += (f"\nS<={K} (exact): the similarity of the degree-<={K} truncations, a different "
+                 f"question from the full similarity, not an approximation of it")
     n = len(result["labels"])
     if n <= _TABLE_MAX and result["similarity_matrix"] is not None:
         return head + "\n" + matrix_table(result)
@@ -279,7 +310,7 @@ def cmd_matrix_blocked(args) -> int:
                                       resume=args.resume, scheduler=args.scheduler,
                                       workers=args.workers, threads=args.threads,
                                       show_progress=not args.no_progress, json_copy=args.json,
-                                      n_ctx=args.n_ctx)
+                                      n_ctx=args.n_ctx, degree=args.degree)
         except KeyboardInterrupt:
             store = out / STORE
             done = len(list(store.glob("G_*_*.npy"))) if store.is_dir() else 0

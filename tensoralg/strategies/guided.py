@@ -402,14 +402,67 @@ def log_direction_ratio(u: np.ndarray, mu: np.ndarray, kappa: np.ndarray,
     return logsumexp(e, axis=1)
 
 
+def _uniform_directions(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    """``n`` uniform unit vectors ``(n, dim)``: normalised Gaussians (Marsaglia 1972)."""
+    u = rng.standard_normal((n, dim))
+    u /= np.linalg.norm(u, axis=-1, keepdims=True)
+    return u
+
+
+def vmf_draws(mu: np.ndarray, kappa: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` draws ``(n, D)`` of the von Mises-Fisher distribution of mean direction ``mu``
+    (a unit ``(D,)`` vector, ``D >= 2``) and concentration ``kappa > 0``: the algorithm and the
+    random stream of ``scipy.stats.vonmises_fisher(mu, kappa).rvs(n, random_state=rng)``
+    (scipy 1.11+; the same draws bit for bit, tested), written out so that a guided call does
+    not import ``scipy.stats`` (about a second of CPU, once per process). ``D = 2``: numpy's
+    von Mises angles; ``D = 3``: the inverse-CDF rule of Jakob (2012), "Numerically stable
+    sampling of the von Mises Fisher distribution on S^2"; ``D >= 4``: Wood's rejection
+    sampler (Wood 1994, "Simulation of the von Mises Fisher distribution", eq. 4 and steps
+    0-3); ``D >= 3`` rotated from the north pole ``e_1`` to ``mu`` by the orthogonal factor
+    of a QR decomposition."""
+    mu = np.asarray(mu, dtype=np.float64)
+    dim = mu.shape[0]
+    if dim == 2:
+        angle = rng.vonmises(np.arctan2(mu[1], mu[0]), kappa, size=n)
+        return np.stack([np.cos(angle), np.sin(angle)], axis=-1)
+    if dim == 3:
+        x = rng.random(n)
+        x = 1. + np.log(x + (1. - x) * np.exp(-2 * kappa)) / kappa
+        circle = _uniform_directions(rng, n, 2)
+        r = np.sqrt(1. - np.square(x))
+        samples = np.stack([x, r * circle[..., 0], r * circle[..., 1]], axis=-1)
+    else:
+        m = dim - 1
+        b = (-2 * kappa + np.sqrt(4 * kappa ** 2. + m ** 2)) / m
+        if b == 0:   # large kappa: the expansion of the square root (as scipy)
+            b = m / 4 * kappa ** -1. - m ** 3 / 64 * kappa ** -3.
+        x0 = (1. - b) / (1. + b)
+        c = kappa * x0 + m * (np.log(4) + np.log(b) - 2 * np.log1p(b))
+        x = np.zeros((n,))
+        done = 0
+        while done < n:
+            z = rng.beta(0.5 * m, 0.5 * m, size=n - done)
+            w = (1 - (1 + b) * z) / (1 - (1 - b) * z)
+            u = rng.random(n - done)
+            ok = (kappa * w + m * (np.log((1 + b - w + w * b) / (1 + b))) - c) > np.log(u)
+            k = np.sum(ok)
+            x[done:done + k] = w[ok]
+            done += k
+        rest = np.einsum("...,...i->...i", np.sqrt(1 - x ** 2), _uniform_directions(rng, n, m))
+        samples = np.concatenate([x[..., None], rest], axis=1)
+    pole = np.zeros((dim,))
+    pole[0] = 1.
+    Q, _ = np.linalg.qr(np.transpose(np.concatenate([mu[None, :], np.zeros((dim - 1, dim))])))
+    sign = 1 if np.allclose(np.matmul(Q, pole[:, None])[:, 0], mu) else -1
+    return np.einsum("ij,...j->...i", Q, samples) * sign
+
+
 def direction_draws(mu: np.ndarray, kappa: np.ndarray, D: int, n: int, seed: int,
                     beta: float = BETA, chunk: int = 4096):
     """Yield ``(u, w)`` in chunks: ``n`` directions ``(s, D)`` of the mixture ``q`` of
     `log_direction_ratio` (numpy ``default_rng(seed)``; the von Mises-Fisher draws by
-    ``scipy.stats.vonmises_fisher``, Wood's algorithm) and their weights ``uniform / q`` (at
-    most ``1 / (1 - beta)``; exactly 1 with no components)."""
-    from scipy.stats import vonmises_fisher
-
+    `vmf_draws`, those of ``scipy.stats.vonmises_fisher``) and their weights ``uniform / q``
+    (at most ``1 / (1 - beta)``; exactly 1 with no components)."""
     rng = np.random.default_rng(seed)
     done = 0
     K = len(mu)
@@ -423,8 +476,7 @@ def direction_draws(mu: np.ndarray, kappa: np.ndarray, D: int, n: int, seed: int
             comp = rng.integers(0, K, size=pick.size)
             for k in np.unique(comp):
                 rows = pick[comp == k]
-                u[rows] = vonmises_fisher(mu[k], kappa[k]).rvs(rows.size, random_state=rng) \
-                    .reshape(rows.size, D)
+                u[rows] = vmf_draws(mu[k], kappa[k], rows.size, rng).reshape(rows.size, D)
         yield u, np.exp(-log_direction_ratio(u, mu, kappa, beta))
         done += s
 

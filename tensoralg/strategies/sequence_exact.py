@@ -60,7 +60,8 @@ __all__ = ["exact_inner", "exact_similarity", "exact_gram", "head_gram", "count_
            "count_configurations_req", "chaos_memory_bytes_req", "chaos_cost_req",
            "early_memory_refusal", "memory_refusal", "flops_refusal", "max_flops_of",
            "tree_inner_req", "check_cost", "configurations_bound", "check_configurations_bound",
-           "tree_gram", "tree_triple", "sum_term_values"]
+           "tree_gram", "tree_cross_gram", "tree_block_cost", "tree_triple",
+           "sum_term_values"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -692,6 +693,37 @@ def tree_triple(pa: Tree, pb: Tree, n_ctx: int, term_values: dict | None = None
     return float(G[0, 1]), float(G[0, 0]), float(G[1, 1])
 
 
+def _tree_sides(trees: list, n_ctx: int) -> list[dict]:
+    """Each one-node tree's chaos form (`TermSide`) once: ``{"a": sides, "b": the same arrays
+    relabeled}`` (`relabeled`), so a model's chaos coefficients are contracted once."""
+    sides = []
+    for t in trees:
+        own = [TermSide(x, "a", np.einsum, n_ctx, False) for x in t.nodes[0].terms]
+        sides.append({"a": own, "b": [s.relabeled(x, "b") for s, x in zip(own, t.nodes[0].terms)]})
+    return sides
+
+
+def _sides_pair(sa: dict, ta: Tree, sb: dict, tb: Tree, sel, max_configurations,
+                term_values: dict | None) -> float:
+    """``<ta, tb>`` from their sides (`_tree_sides`): ``ta``'s "a" side against ``tb``'s "b"
+    side, term pair by term pair, summed in order."""
+    total = 0.0
+    for x, tx in zip(sa["a"], ta.nodes[0].terms):
+        for y, ty in zip(sb["b"], tb.nodes[0].terms):
+            val, _ = chaos_pair(x, y, sel, (), np.einsum, max_configurations)
+            if term_values is not None:
+                term_values[(id(tx), id(ty))] = val
+            if val is not None:
+                total += float(val)
+    return total
+
+
+def _check_own_pairs(trees: list, n_ctx: int, req: Request, sel) -> None:
+    for t in trees:
+        check_configurations_bound(t, t)
+        check_cost(req, t, t, n_ctx, (), sel, "chaos")
+
+
 def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = None,
               term_values: dict | None = None) -> np.ndarray:
     """The exact Gram matrix of one-node float64 trees (linear and attention terms), each
@@ -706,30 +738,54 @@ def tree_gram(trees: list, n_ctx: int, backend: str = "numpy", device: Any = Non
     a product over a subset of the terms (`sum_term_values`) costs no contraction."""
     req = make_request(n_ctx=n_ctx)
     sel = position_selector(n_ctx, None, False)
-    for t in trees:
-        check_configurations_bound(t, t)
-        check_cost(req, t, t, n_ctx, (), sel, "chaos")
+    _check_own_pairs(trees, n_ctx, req, sel)
     N = len(trees)
     G = np.zeros((N, N))
     with torch_backend(backend, device, "degree_similarity_matrix"):
-        sides = []
-        for t in trees:   # each model's chaos form once; its "b" side the same arrays relabeled
-            own = [TermSide(x, "a", np.einsum, n_ctx, False) for x in t.nodes[0].terms]
-            sides.append({"a": own, "b": [s.relabeled(x, "b")
-                                          for s, x in zip(own, t.nodes[0].terms)]})
+        sides = _tree_sides(trees, n_ctx)
         for i in range(N):
             for j in range(i, N):
-                total = 0.0
-                for x, tx in zip(sides[i]["a"], trees[i].nodes[0].terms):
-                    for y, ty in zip(sides[j]["b"], trees[j].nodes[0].terms):
-                        val, _ = chaos_pair(x, y, sel, (), np.einsum,
-                                            req.max_configurations)
-                        if term_values is not None:
-                            term_values[(id(tx), id(ty))] = val
-                        if val is not None:
-                            total += float(val)
-                G[i, j] = G[j, i] = total
+                G[i, j] = G[j, i] = _sides_pair(sides[i], trees[i], sides[j], trees[j], sel,
+                                                req.max_configurations, term_values)
     return G
+
+
+def tree_cross_gram(rows: list, cols: list, n_ctx: int, backend: str = "numpy",
+                    device: Any = None) -> np.ndarray:
+    """``G[i, j] = <rows[i], cols[j]>`` (float64 ``(len(rows), len(cols))``) of one-node
+    float64 trees: each tree's chaos form once, then every pair, ``rows[i]``'s ``"a"`` side
+    against ``cols[j]``'s ``"b"`` side — the operations of `tree_gram`'s entry ``(i, j)``
+    for ``i < j`` over ``rows + cols``, so an off-diagonal block of a blocked matrix equals
+    that part of the unblocked one bit for bit. Each model's own pair is checked first
+    (CostTooHigh)."""
+    req = make_request(n_ctx=n_ctx)
+    sel = position_selector(n_ctx, None, False)
+    _check_own_pairs(list(rows) + list(cols), n_ctx, req, sel)
+    G = np.zeros((len(rows), len(cols)))
+    with torch_backend(backend, device, "degree_similarity_matrix"):
+        sa, sb = _tree_sides(rows, n_ctx), _tree_sides(cols, n_ctx)
+        for i, (x, tx) in enumerate(zip(sa, rows)):
+            for j, (y, ty) in enumerate(zip(sb, cols)):
+                G[i, j] = _sides_pair(x, tx, y, ty, sel, req.max_configurations, None)
+    return G
+
+
+def tree_block_cost(tree: Tree, n_ctx: int, n_models: int, n_pairs: int) -> tuple[int, float]:
+    """``(estimated peak bytes, estimated FLOPs)`` of a block of `tree_gram` /
+    `tree_cross_gram` over ``n_models`` trees shaped like ``tree`` (their chaos forms held
+    together) and ``n_pairs`` pairs, from one dry run (nothing contracted): bytes, every
+    model's stored chaos tensors plus the largest working set of one sum; FLOPs, each model's
+    chaos form once plus every pair's cross sums (the path costs, as `chaos_cost_req`)."""
+    sel = position_selector(n_ctx, None, False)
+    sides = [TermSide(t, side, np.einsum, n_ctx, False, dry=True)
+             for side in ("a", "b") for t in tree.nodes[0].terms]
+    own = sides[:len(sides) // 2]
+    cross = [chaos_pair(x, y, sel, (), np.einsum, 1 << 62)[0]
+             for x in own for y in sides[len(sides) // 2:]]
+    stored = sum(x.stored for x in own)
+    work = max([x.work for x in own] + [c[0] for c in cross])
+    flops = n_models * sum(x.flops for x in own) + n_pairs * sum(c[1] for c in cross)
+    return 8 * (n_models * stored + work), float(flops)
 
 
 def sum_term_values(pa: Tree, pb: Tree, term_values: dict) -> float | None:
