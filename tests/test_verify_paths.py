@@ -14,7 +14,7 @@ import tensoralg.decompose as dc
 
 
 def test_two_layer_transformer_paths_equal_the_gain_expansion():
-    r = vp.prove_sequence_paths()
+    r = vp.prove_sequence_paths(dc.paths)
     assert r.passed, r.detail
     assert r.sizes == {"n_ctx": 2, "d": 1, "blocks": 3, "paths": 7} and r.checked == 10
     # no path of the tiny model is zero (else the check would prove less)
@@ -29,32 +29,22 @@ def _small():
     return ta.Sequential([net.layers[0], net.layers[1], net.layers[3], net.layers[4]])
 
 
-def test_a_wrong_path_or_remainder_is_caught(monkeypatch):
+def test_a_wrong_path_or_remainder_is_caught():
     net = _small()
-    assert vp.check_sequence_paths(net, n_ctx=2).passed
-    real = dc.paths
-
-    def tampered(model, **kw):   # head 1's path network doubled
-        pd = real(model, **kw)
-        nets = list(pd.networks)
-        i = pd.names.index("L0.H1")
-        nets[i] = ta.Sequential([nets[i], ta.Linear([[2]])])
-        return replace(pd, networks=nets)
-
-    monkeypatch.setattr(dc, "paths", tampered)
-    r = vp.check_sequence_paths(net, n_ctx=2)
+    pd = dc.paths(net, n_ctx=2, order=1)
+    assert vp.check_sequence_paths(net, pd, n_ctx=2).passed
+    nets = list(pd.networks)                     # head 1's path network doubled
+    i = pd.names.index("L0.H1")
+    nets[i] = ta.Sequential([nets[i], ta.Linear([[2]])])
+    r = vp.check_sequence_paths(net, replace(pd, networks=nets), n_ctx=2)
     assert not r.passed and r.detail == "path 'L0.H1' differs from the coefficient of its gain"
-
-    def wrong_first_order(model, **kw):   # the first-order sum without the direct path
-        pd = real(model, **kw)
-        return replace(pd, first_order=ta.Sequential([pd.first_order, ta.Linear([[1]], [1])]))
-
-    monkeypatch.setattr(dc, "paths", wrong_first_order)
-    r = vp.check_sequence_paths(net, n_ctx=2)
+    # the first-order sum shifted by a constant
+    wrong = replace(pd, first_order=ta.Sequential([pd.first_order, ta.Linear([[1]], [1])]))
+    r = vp.check_sequence_paths(net, wrong, n_ctx=2)
     assert not r.passed and r.detail.startswith("rest = model - first_order differs")
 
 
 def test_other_shapes_are_refused():
     net = vp.tiny_transformer(0)
     with pytest.raises(ValueError, match=r"verify\.paths: layer 1 is BilinearAttention"):
-        vp.check_sequence_paths(ta.Sequential([net.layers[0], net.layers[1].inner]))
+        vp.check_sequence_paths(ta.Sequential([net.layers[0], net.layers[1].inner]), None)

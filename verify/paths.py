@@ -216,8 +216,9 @@ def _path_names(blocks) -> dict:
     return names
 
 
-def check_sequence_paths(model: Any, n_ctx: int = 2) -> ProofResult:
-    """Check ``tensoralg.decompose.paths(model, n_ctx=n_ctx, order=1)`` against the gain
+def check_sequence_paths(model: Any, decomposition: Any, n_ctx: int = 2) -> ProofResult:
+    """Check ``decomposition`` = ``tensoralg.decompose.paths(model, n_ctx=n_ctx, order=1)``
+    (computed by the caller: verify never imports the code it checks) against the gain
     expansion of the module docstring, exactly: each listed path network's polynomial equals
     the coefficient of its gain, ``rest = model - first_order`` equals the sum of the terms with
     two or more gains, and the listed paths plus that remainder equal the model's polynomial.
@@ -236,8 +237,6 @@ def check_sequence_paths(model: Any, n_ctx: int = 2) -> ProofResult:
         ValueError: a model of another shape (one line).
     """
     from sympy import QQ, ring
-
-    import tensoralg.decompose as dc
 
     t0 = time.perf_counter()
     net = _network(model, "model")
@@ -280,7 +279,7 @@ def check_sequence_paths(model: Any, n_ctx: int = 2) -> ProofResult:
         rest = add(rest, part, -1)            # the terms with two or more gains
 
     fails, checked = [], 0
-    pd = dc.paths(net, n_ctx=n_ctx, order=1)
+    pd = decomposition
     if sorted(pd.names) != sorted(want):
         fails.append(f"path names {sorted(pd.names)} differ from the expansion's {sorted(want)}")
     listed = zeros()
@@ -314,7 +313,7 @@ def tiny_transformer(seed: int = 2):
     attention with two heads of size 1 and every bias, attention with one head of size 2 and a
     rational per-position map on its queries and keys, a bilinear MLP, a 2 -> 1 unembedding
     with bias."""
-    import tensoralg as ta
+    from tensoralg.layers import Bilinear, BilinearAttention, Linear, Residual, Sequential
 
     rng = np.random.default_rng(seed)
 
@@ -323,21 +322,23 @@ def tiny_transformer(seed: int = 2):
             rng.integers(-3, 4, shape))
 
     def attn(H, dh, **kw):
-        return ta.BilinearAttention(q(H, dh, 2), q(H, dh, 2), q(H, dh, 2), q(H, dh, 2),
+        return BilinearAttention(q(H, dh, 2), q(H, dh, 2), q(H, dh, 2), q(H, dh, 2),
                                     q(H, 1, 2), q(2, H, 1), q1_bias=q(H, dh), k1_bias=q(H, dh),
                                     q2_bias=q(H, dh), k2_bias=q(H, dh), v_bias=q(H, 1),
                                     o_bias=q(2), **kw)
 
-    return ta.Sequential([
-        ta.Linear(q(2, 1), q(2)),
-        ta.Residual(attn(2, 1)),
-        ta.Residual(attn(1, 2, position_maps=q(2, 2, 2))),
-        ta.Residual(ta.Bilinear(q(1, 2), q(1, 2), q(2, 1), q(1), q(1), q(2))),
-        ta.Linear(q(1, 2), q(1)),
+    return Sequential([
+        Linear(q(2, 1), q(2)),
+        Residual(attn(2, 1)),
+        Residual(attn(1, 2, position_maps=q(2, 2, 2))),
+        Residual(Bilinear(q(1, 2), q(1, 2), q(2, 1), q(1), q(1), q(2))),
+        Linear(q(1, 2), q(1)),
     ])
 
 
-def prove_sequence_paths(seed: int = 2) -> ProofResult:
-    """[`check_sequence_paths`][verify.paths.check_sequence_paths] on
+def prove_sequence_paths(decompose_paths: Any, seed: int = 2) -> ProofResult:
+    """[`check_sequence_paths`][verify.paths.check_sequence_paths] of ``decompose_paths``
+    (``tensoralg.decompose.paths``, passed in by the caller) on
     [`tiny_transformer`][verify.paths.tiny_transformer] at ``n_ctx = 2``."""
-    return check_sequence_paths(tiny_transformer(seed), n_ctx=2)
+    net = tiny_transformer(seed)
+    return check_sequence_paths(net, decompose_paths(net, n_ctx=2, order=1), n_ctx=2)
