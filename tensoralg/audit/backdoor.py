@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .common import (
     LOCALISATION_RULE,
     MC_SAMPLES,
@@ -76,6 +78,7 @@ class BackdoorConfig:
     control: bool = True
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
     metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
+    data: str = "digits"        # or "npz:PATH" (tensoralg.data.load_npz_data)
 
     @classmethod
     def quick(cls, **kw) -> BackdoorConfig:
@@ -86,8 +89,16 @@ class BackdoorConfig:
 
     def validate(self) -> None:
         check_metric(self.metric, self.method)
-        if not (0 <= self.target < 10):
-            raise ValueError(f"--target: expected a digit class 0..9, got {self.target}")
+        from .common import data_info
+
+        k, shape = data_info(self.data, self.seed)   # an npz file is read and checked here
+        if not (0 <= self.target < k):
+            raise ValueError(f"--target: expected a class 0..{k - 1} of --data {self.data}, "
+                             f"got {self.target}")
+        if shape[0] < 3 or shape[1] < 2:
+            raise ValueError(f"--data {self.data}: images of {shape[0]}x{shape[1]} pixels are "
+                             f"too small for the trigger (a diamond on the left edge needs at "
+                             f"least 3x2)")
         if not (0.0 < self.poison_fraction < 1.0):
             raise ValueError(f"--poison-fraction: expected a fraction in (0, 1), got "
                              f"{self.poison_fraction}")
@@ -105,8 +116,10 @@ class BackdoorConfig:
 
 def _model(cfg: BackdoorConfig):
     from ..nn import BilinearNet
+    from .common import data_info
 
-    return BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+    k, shape = data_info(cfg.data, cfg.seed)
+    return BilinearNet(int(np.prod(shape)), k, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
 
 
@@ -141,12 +154,16 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
 
     from ..baselines import all_baselines, per_class_baselines
     from ..checkpoint import save_checkpoint
-    from ..data import add_trigger, load_digits_data, poison
+    from ..data import add_trigger, audit_data, poison, trigger_pixels
     from ..nn import accuracy, train_classifier
     from .plotting import slice_bars
 
     t0 = time.perf_counter()
-    data = load_digits_data(seed=cfg.seed)
+    data = audit_data(cfg.data, cfg.seed)
+    # the trigger: a diamond on the left edge near the bottom, at the data's brightest value
+    # (1.0 for the digits: pixels / 16); TRIGGER_PIXELS on 8x8 images
+    trig = {"pixels": trigger_pixels(data.image_shape[0]), "shape": data.image_shape,
+            "value": float(data.X_train.max())}
     bar = progress(None, "backdoor audit (train, fine-tune, similarity, baselines)",
                    show_progress, total=4)
     clean = _model(cfg)
@@ -155,7 +172,8 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                      progress="clean training" if show_progress else False)
 
     bar.update(1)
-    Xp, yp, _ = poison(data.X_train, data.y_train, cfg.poison_fraction, cfg.target, seed=cfg.seed)
+    Xp, yp, _ = poison(data.X_train, data.y_train, cfg.poison_fraction, cfg.target, seed=cfg.seed,
+                       n_classes=data.n_classes, **trig)
     backdoored = copy.deepcopy(clean)
     train_classifier(backdoored, Xp, yp, steps=cfg.finetune_steps, lr=cfg.finetune_lr,
                      weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, seed=cfg.seed + 1,
@@ -175,7 +193,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     save_checkpoint(out / "checkpoints" / "backdoored", backdoored,
                     step=cfg.steps + cfg.finetune_steps,
                     provenance={**provenance, "poison_fraction": cfg.poison_fraction,
-                                "target": cfg.target, "trigger": "diamond (5,0),(6,0),(7,0),(6,1)"})
+                                "target": cfg.target,
+                                "trigger": f"diamond {', '.join(map(str, trig['pixels']))} "
+                                           f"(row, column) = {trig['value']:g}"})
     t1 = time.perf_counter()
     # "auto" stays "auto" when exact was planned, keeping its run-time Monte Carlo fallback
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
@@ -187,7 +207,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
 
     bar.update(1)
     non_target = data.y_test != cfg.target
-    Xt = add_trigger(data.X_test[non_target])
+    Xt = add_trigger(data.X_test[non_target], trig["value"], trig["pixels"], trig["shape"])
     target_t = torch.full((len(Xt),), cfg.target)
     asr_after = accuracy(backdoored, Xt, target_t)
     asr_before = accuracy(clean, Xt, target_t)
@@ -290,7 +310,8 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                           for k, lab in PER_CLASS_LABELS.items()},
                tensor_localisation=result["localisation"]["tensor"])
     result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,
-                                                                    result, out)
+                                                                    result, out,
+                                                                    data.image_shape)
     write_json(out / JSON_NAME, result)
     return result
 
@@ -335,18 +356,18 @@ def _localise(sim: dict, pc: dict, target: int) -> dict:
             "baselines": base, "comparison": compare_localisation(tensor, base)}
 
 
-def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Path) -> list[str]:
+def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Path,
+                  shape: tuple[int, int, int] = (8, 8, 1)) -> list[str]:
     """Depth 1: eigenvectors of the target's clean->backdoored change as 8x8 images next to the
     trigger, and the top eigenvector's squared mass inside the trigger (into the finding)."""
     if cfg.n_layers != 1:
         result["eigen_change"] = None
         return []
-    import numpy as np
 
-    from ..data import trigger_mask
+    from ..data import trigger_mask, trigger_pixels
     from ..decompose.report import change_eigen, eigenvector_figure
 
-    mask = trigger_mask().numpy()
+    mask = trigger_mask(trigger_pixels(shape[0]), shape=shape).numpy()
     eig, summary = change_eigen(clean.to_network(), backdoored.to_network(), cfg.target, 4, mask)
     tm = summary["top_eigenvector_mask"]
     result["eigen_change"] = summary

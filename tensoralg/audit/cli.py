@@ -81,6 +81,26 @@ def _seed_list(args) -> list[int] | None:
     return seeds
 
 
+def _data_spec(text: str) -> str:
+    """argparse type of ``--data``: ``digits`` or ``npz:PATH`` (the file is checked later, still
+    before any training, by the audit's configuration)."""
+    from ..data import check_data_spec
+
+    try:
+        return check_data_spec(text, "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).lstrip(": ")) from None
+
+
+def _data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", type=_data_spec, default="digits", metavar="digits|npz:PATH",
+                   help="the images (default digits: scikit-learn's 8x8 digits, split by "
+                        "--seed); npz:PATH: your own .npz with arrays X_train, y_train, X_test, "
+                        "y_test (images (n, H, W) or (n, H, W, C) of any size, or square rows "
+                        "(n, side*side); integer labels 0..K-1, every class in both splits; "
+                        "pixels used as stored), checked before any training")
+
+
 def _metric(p: argparse.ArgumentParser, language: bool = False) -> None:
     from .common import SIM_METRICS
 
@@ -127,6 +147,7 @@ def add_parsers(sub) -> None:
     b.add_argument("--poison-fraction", type=fraction, default=0.1,
                    help="fraction of non-target training images triggered and relabelled "
                         "(default 0.1)")
+    _data(b)
     b.add_argument("--steps", type=positive_int, default=None,
                    help="clean training steps (default 2000; 500 with --quick)")
     b.add_argument("--finetune-steps", type=positive_int, default=None,
@@ -144,6 +165,7 @@ def add_parsers(sub) -> None:
     _common(f, "runs/forgetting")
     f.add_argument("--removed-class", type=int, default=9,
                    help="the class added last, then removed and re-added (default 9)")
+    _data(f)
     f.add_argument("--stage-steps", type=positive_int, default=None,
                    help="training steps per curriculum stage (default 600; 150 with --quick)")
     f.add_argument("--layers", type=positive_int, default=1,
@@ -336,7 +358,8 @@ def cmd_backdoor(args, demo: bool = False) -> int:
     name = "demo" if demo else "audit backdoor"
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
-              d_hidden=args.d_hidden, n_samples=_samples(args), metric=args.metric)
+              d_hidden=args.d_hidden, n_samples=_samples(args), metric=args.metric,
+              data=args.data)
     if args.steps:
         kw["steps"] = args.steps
     if args.finetune_steps:
@@ -352,20 +375,24 @@ def cmd_backdoor(args, demo: bool = False) -> int:
 
         result = run(args, name, lambda: run_backdoor_seeds(
             cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
-        header = (f"tensoralg {name}: backdoor audit on scikit-learn digits, {len(seeds)} seeds "
+        header = (f"tensoralg {name}: backdoor audit on {_data_name(cfg.data)}, {len(seeds)} seeds "
                   f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
         return report(args, result, backdoor_seeds_table, header, json_written=True)
     result = run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress,
                                                   json_copy=args.json))
-    header = (f"tensoralg {name}: backdoor audit on scikit-learn digits "
+    header = (f"tensoralg {name}: backdoor audit on {_data_name(cfg.data)} "
               f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
     return report(args, result, backdoor_table, header, json_written=True)
+
+
+def _data_name(spec: str) -> str:
+    return "scikit-learn digits" if spec == "digits" else spec
 
 
 def cmd_demo(args) -> int:
     args.target, args.poison_fraction, args.layers = 9, 0.1, 1
     args.d_model, args.d_hidden, args.steps, args.finetune_steps = 32, 64, None, None
-    args.quick = True
+    args.quick, args.data = True, "digits"
     return cmd_backdoor(args, demo=True)
 
 
@@ -373,7 +400,8 @@ def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
-              n_layers=args.layers, n_samples=_samples(args), metric=args.metric)
+              n_layers=args.layers, n_samples=_samples(args), metric=args.metric,
+              data=args.data)
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)

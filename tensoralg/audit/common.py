@@ -287,6 +287,22 @@ def write_json_copy(json_copy: str | Path, result: Mapping[str, Any], final: Pat
     return write_json(stage / rel, result)
 
 
+def data_info(spec: str, seed: int = 0) -> tuple[int, tuple[int, int, int]]:
+    """``(n_classes, (H, W, C))`` of an audit's ``--data``: the digits' ``(10, (8, 8, 1))``
+    without loading them, or an npz file's, read and checked
+    (`tensoralg.data.audit_data`; the run reuses the read).
+
+    Raises:
+        ValueError: a bad ``--data`` (one line naming it).
+    """
+    from ..data import audit_data, check_data_spec
+
+    if check_data_spec(spec) == "digits":
+        return 10, (8, 8, 1)
+    d = audit_data(spec, seed)
+    return d.n_classes, d.image_shape
+
+
 def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any,
                runner: Any, show_progress: bool, json_copy: str | Path | None = None) -> dict:
     """The shared frame of every audit: validate ``cfg``, check ``out``

@@ -61,7 +61,7 @@ FIG_EIGEN = "forgetting_eigenvectors.png"
 @dataclass
 class ForgettingConfig:
     removed_class: int = 9
-    n_base: int = 5
+    n_base: int | None = None   # classes of the first stage (default half: 5 of the 10 digits)
     stage_steps: int = 600
     d_model: int = 32
     d_hidden: int = 64
@@ -75,6 +75,7 @@ class ForgettingConfig:
     method: str = "auto"
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
     metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
+    data: str = "digits"        # or "npz:PATH" (tensoralg.data.load_npz_data)
 
     @classmethod
     def quick(cls, **kw) -> ForgettingConfig:
@@ -84,10 +85,17 @@ class ForgettingConfig:
 
     def validate(self) -> None:
         check_metric(self.metric, self.method)
-        if not (0 <= self.removed_class < 10):
-            raise ValueError(f"--removed-class: expected a digit class 0..9, got {self.removed_class}")
-        if not (1 <= self.n_base <= 8):
-            raise ValueError(f"n_base: expected 1..8 initial classes, got {self.n_base}")
+        from .common import data_info
+
+        k, _ = data_info(self.data, self.seed)   # an npz file is read and checked here
+        if k < 3:
+            raise ValueError(f"--data {self.data}: {k} classes; the curriculum needs at least 3 "
+                             f"(base classes, one added, the removed one)")
+        if not (0 <= self.removed_class < k):
+            raise ValueError(f"--removed-class: expected a class 0..{k - 1} of --data "
+                             f"{self.data}, got {self.removed_class}")
+        if self.n_base is not None and not (1 <= self.n_base <= k - 2):
+            raise ValueError(f"n_base: expected 1..{k - 2} initial classes, got {self.n_base}")
         from ._cliutil import check_n_samples
 
         check_n_samples(self.n_samples)
@@ -113,8 +121,10 @@ def curriculum(removed_class: int = 9, n_base: int = 5, n_classes: int = 10) -> 
 
 def _model(cfg: ForgettingConfig):
     from ..nn import BilinearNet
+    from .common import data_info
 
-    return BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+    k, shape = data_info(cfg.data, cfg.seed)
+    return BilinearNet(int(np.prod(shape)), k, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
 
 
@@ -144,13 +154,14 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         weight_cosine,
     )
     from ..checkpoint import save_checkpoint
-    from ..data import load_digits_data, select_classes
+    from ..data import audit_data, select_classes
     from ..nn import accuracy, train_classifier
     from .plotting import class_heatmap, heatmaps
 
     t0 = time.perf_counter()
-    data = load_digits_data(seed=cfg.seed)
-    stages = curriculum(cfg.removed_class, cfg.n_base)
+    data = audit_data(cfg.data, cfg.seed)
+    K = data.n_classes
+    stages = curriculum(cfg.removed_class, K // 2 if cfg.n_base is None else cfg.n_base, K)
     model = _model(cfg)
     checkpoints, labels, acc, names = [], [], [], []
     step = 0
@@ -163,14 +174,14 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         snap = copy.deepcopy(model)
         checkpoints.append(snap)
         labels.append(label)
-        acc.append([accuracy(snap, *select_classes(data.X_test, data.y_test, [c])) for c in range(10)])
+        acc.append([accuracy(snap, *select_classes(data.X_test, data.y_test, [c])) for c in range(K)])
         names.append(f"checkpoints/stage{i:02d}")
         save_checkpoint(out / names[-1], snap, step=step,
                         provenance={"data": data.provenance, "audit": "forgetting",
                                     "stage": label, "classes": classes})
     t_train = time.perf_counter() - t0
 
-    ref_index = next(i for i, (_, cl) in enumerate(stages) if len(cl) == 10)
+    ref_index = next(i for i, (_, cl) in enumerate(stages) if len(cl) == K)
     ref = checkpoints[ref_index]
     t1 = time.perf_counter()
     per_stage = []
@@ -204,7 +215,7 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     r = cfg.removed_class
     i_rm = next(i for i, (lab, _) in enumerate(stages) if lab == f"-{r}")
     i_re = len(stages) - 1
-    others = [c for c in range(10) if c != r]
+    others = [c for c in range(K) if c != r]
     # collapse: the removed class's slice below every other slice at removal; with Monte Carlo
     # by more than 2 standard errors (sqrt(se_r^2 + se_low^2), covariance ignored)
     low = others[int(np.argmin(slices[i_rm, others]))]
@@ -372,14 +383,15 @@ def forgetting_table(result: dict) -> str:
     r = result["finding"]["removed_class"]
     se = result.get("slice_similarity_to_reference_stderr")
     gse = result.get("global_similarity_to_reference_stderr") or {}
-    header = ["stage", "global"] + [f"c{c}" for c in range(10)] + [f"acc c{r}"]
+    classes = list(result["slice_similarity_to_reference"][labels[0]])
+    header = ["stage", "global"] + [f"c{c}" for c in classes] + [f"acc c{r}"]
     rows = []
     rel = result.get("slice_similarity_to_reference_reliable") or {}
     for lab in labels:
         sl = result["slice_similarity_to_reference"][lab]
         ok = rel.get(lab, {})
         rows.append([lab, pm(result["global_similarity_to_reference"][lab], gse.get(lab))]
-                    + [pm(sl[str(c)], None, ok.get(str(c))) for c in range(10)]
+                    + [pm(sl[c], None, ok.get(c)) for c in classes]
                     + [result["test_accuracy_per_class"][lab][str(r)]])
     f = result["finding"]
     method = f"{method_label(result['method'])} {result['metric']} metric"
@@ -483,7 +495,7 @@ def _summarise_forgetting(results: list[dict], seeds: list[int], stage: Path) ->
     labels = [s["label"] for s in r0["stages"]]
     rm = r0["localisation"]["stage"]
     r = r0["finding"]["removed_class"]
-    classes = [str(c) for c in range(10)]
+    classes = list(r0["slice_similarity_to_reference"][rm])
     numbers = {}
     for key in ("removed_slice_at_removal", "removed_slice_after_readd",
                 "other_slices_min_at_removal", "collapse_gap", "recovery"):
