@@ -168,6 +168,10 @@ def add_parsers(sub) -> None:
     _data(f)
     f.add_argument("--stage-steps", type=positive_int, default=None,
                    help="training steps per curriculum stage (default 600; 150 with --quick)")
+    f.add_argument("--checkpoints-per-stage", type=positive_int, default=None,
+                   help="checkpoints saved within each stage, evenly spaced, the last at its "
+                        "end (default 5: 40 over the 8 stages, also with --quick); each is "
+                        "compared with the reference class by class")
     f.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
     _seeds(f)
@@ -404,6 +408,8 @@ def cmd_forgetting(args) -> int:
               data=args.data)
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
+    if args.checkpoints_per_stage:
+        kw["per_stage"] = args.checkpoints_per_stage
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
     cfg.validate()
     seeds = _seed_list(args)

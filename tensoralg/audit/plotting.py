@@ -175,6 +175,42 @@ def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], t
     return save_figure(fig, path)
 
 
+def training_heatmaps(path: Path, panels: Mapping[str, np.ndarray],
+                      bounds: Sequence[tuple[int, str]], title: str,
+                      highlight: int | None = None) -> Path:
+    """Rows = classes, columns = checkpoints over training, one panel per entry of ``panels``
+    (``{title: (classes, checkpoints) values}``) stacked vertically on one colour scale;
+    ``bounds``: ``(first column, stage label)`` of each stage, drawn as white lines with the
+    label centred under its columns; ``highlight``: a class whose row label is marked."""
+    import textwrap
+
+    plt = pyplot()
+    n = len(panels)
+    first = np.asarray(next(iter(panels.values())), dtype=float)
+    k, m = first.shape
+    fig, axes = plt.subplots(n, 1, figsize=(max(8.0, 0.16 * m + 2.5), n * (0.28 * k + 1.3) + 0.8),
+                             squeeze=False, layout="constrained")
+    lo = min(0.0, *(float(np.nanmin(v)) for v in panels.values() if np.isfinite(v).any()))
+    edges = [b for b, _ in bounds] + [m]
+    im = None
+    for ax, (name, vals) in zip(axes[:, 0], panels.items()):
+        im = ax.imshow(np.asarray(vals, dtype=float), cmap="viridis", vmin=lo, vmax=1.0,
+                       aspect="auto", interpolation="nearest")
+        for b in edges[1:-1]:
+            ax.axvline(b - 0.5, color="white", lw=1.2)
+        ax.set_xticks([(edges[i] + edges[i + 1] - 1) / 2 for i in range(len(bounds))])
+        ax.set_xticklabels([lab for _, lab in bounds], fontsize=8)
+        ax.set_yticks(range(k))
+        ax.set_yticklabels([f"{c} *" if c == highlight else str(c) for c in range(k)],
+                           fontsize=7)
+        ax.set_ylabel("class")
+        ax.set_title(textwrap.fill(name, 90), fontsize=9)
+    axes[-1, 0].set_xlabel("checkpoint (grouped by curriculum stage; * = the removed class)")
+    fig.colorbar(im, ax=axes[:, 0].tolist()).set_label("similarity / accuracy")
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
 def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float],
                     val_acc: Sequence[float], sim: np.ndarray, sim_to_final: Sequence[float],
                     method: str, metric: str = "gaussian") -> Path:
