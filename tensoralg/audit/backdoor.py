@@ -56,6 +56,7 @@ JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
 FIG_NAME = "backdoor_slices.png"
 FIG_EIGEN = "backdoor_eigenvectors.png"
+FIG_TRAINING = "backdoor_over_training.png"
 
 
 @dataclass
@@ -69,6 +70,7 @@ class BackdoorConfig:
     bias: bool = True
     steps: int = 2000
     finetune_steps: int = 600
+    finetune_checkpoints: int = 20   # checkpoints through each fine-tune (the last at its end)
     lr: float = 3e-3
     finetune_lr: float = 1e-3
     weight_decay: float = 1e-2
@@ -109,6 +111,9 @@ class BackdoorConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got "
                                  f"{getattr(self, name)}")
+        if not 1 <= self.finetune_checkpoints <= self.finetune_steps:
+            raise ValueError(f"--finetune-checkpoints: expected 1 .. --finetune-steps = "
+                             f"{self.finetune_steps}, got {self.finetune_checkpoints}")
         for name in ("lr", "finetune_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive learning rate")
@@ -174,17 +179,33 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     bar.update(1)
     Xp, yp, _ = poison(data.X_train, data.y_train, cfg.poison_fraction, cfg.target, seed=cfg.seed,
                        n_classes=data.n_classes, **trig)
+    from .forgetting import inner_steps
+
+    # checkpoints through each fine-tune: snapshots by a callback that draws no random numbers,
+    # so the final models are those of a run without it
+    within = inner_steps(cfg.finetune_steps, cfg.finetune_checkpoints)
+    walk: dict[str, list] = {"backdoored": [], "control": []}
+
+    def keeper(name):
+        return lambda s, m: walk[name].append((s, copy.deepcopy(m)))
+
     backdoored = copy.deepcopy(clean)
     train_classifier(backdoored, Xp, yp, steps=cfg.finetune_steps, lr=cfg.finetune_lr,
                      weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, seed=cfg.seed + 1,
+                     eval_at=within[:-1], callback=keeper("backdoored"),
                      progress="backdoor fine-tune" if show_progress else False)
+    walk["backdoored"].append((cfg.finetune_steps, backdoored))
     control = None
     if cfg.control:
         control = copy.deepcopy(clean)
         train_classifier(control, data.X_train, data.y_train, steps=cfg.finetune_steps,
                          lr=cfg.finetune_lr, weight_decay=cfg.weight_decay,
                          batch_size=cfg.batch_size, seed=cfg.seed + 1,
+                         eval_at=within[:-1], callback=keeper("control"),
                          progress="control fine-tune" if show_progress else False)
+        walk["control"].append((cfg.finetune_steps, control))
+    else:
+        del walk["control"]
     t_train = time.perf_counter() - t0
 
     bar.update(1)
@@ -268,6 +289,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
             "baselines": base_ctl,
             "per_class_baselines": _per_class_json(pcb_ctl),
         }
+    result["over_training"] = _walkthrough(cfg, clean, walk, data, trig, sim, ctl, pcb, pcb_ctl,
+                                           sim_method, out, provenance, show_progress)
+    result["finding"]["over_training_statement"] = result["over_training"]["statement"]
     result["localisation"] = _localise(sim, pcb, cfg.target)
     if ctl is not None:   # the same rule on the control: a class singled out there is noise
         result["control"]["localisation"] = _localise(ctl, pcb_ctl, cfg.target)
@@ -297,7 +321,24 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
             rows += [(f"{prefix}localisation_separation:{k}", cfg.target, d.get("separation"))
                      for k, d in [("tensor_similarity", loc["tensor"]), *loc["baselines"].items()]]
     rows = [tuple(r) + (None,) * (4 - len(r)) for r in rows]
+    ot = result["over_training"]
+    for run_name, rec in ot["runs"].items():
+        for j, st in enumerate(ot["step"]):
+            q = f"over_training:{run_name}:step{st}:"
+            rows += [(q + k, "", rec[k][j], None) for k in
+                     ("global_similarity", "attack_success_rate", "clean_accuracy",
+                      "output_cosine")]
+            se_j = rec["slice_similarity_stderr"][j]
+            rows += [(q + "slice_similarity", c, v, None if se_j is None else se_j[c])
+                     for c, v in enumerate(rec["slice_similarity"][j])]
+            rows += [(q + k, c, v, None) for k in ("output_slice_cosine", "logit_cosine")
+                     for c, v in enumerate(rec[k][j])]
     write_csv(out / CSV_NAME, ["quantity", "class", "value", "stderr"], rows)
+    from .plotting import walkthrough_figure
+
+    walkthrough_figure(out / FIG_TRAINING, ot, cfg.target,
+                       f"backdoor audit over the fine-tune ({len(ot['step'])} checkpoints, "
+                       f"step 0 = the clean model; {method_label(sim['method'])}, {cfg.metric})")
     shown = [v if ok else float("nan") for v, ok in  # a bar is not drawn for a non-answer
              zip(slices, sim.get("each_reliable") or [True] * len(slices))]
     slice_bars(out / FIG_NAME, shown, cfg.target,
@@ -309,11 +350,107 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                per_class={lab: (_scores(pcb)[k], result["localisation"]["baselines"][k])
                           for k, lab in PER_CLASS_LABELS.items()},
                tensor_localisation=result["localisation"]["tensor"])
-    result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,
+    result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME, FIG_TRAINING] + _eigen_change(cfg, clean, backdoored,
                                                                     result, out,
                                                                     data.image_shape)
     write_json(out / JSON_NAME, result)
     return result
+
+
+def _walkthrough(cfg: BackdoorConfig, clean, walk: dict, data, trig: dict, sim: dict,
+                 ctl: dict | None, pcb: dict, pcb_ctl: dict | None, sim_method: str, out: Path,
+                 provenance: dict, show_progress: bool) -> dict:
+    """The fine-tunes checkpoint by checkpoint (step 0 = the clean model), each against the clean
+    model: global and per-class tensor similarity, attack success rate, clean accuracy, output
+    cosine and the per-class output-slice and logit cosines on clean test images; the inner
+    checkpoints are saved under ``checkpoints/<run>_step<N>``; the last of each run reuses the
+    final numbers. Also: the first step at which each per-class score localises the change to
+    the target (`LOCALISATION_RULE`) and at which the attack success rate reaches 0.5."""
+    import torch
+
+    from ..baselines import model_outputs, output_cosine, per_class_baselines
+    from ..checkpoint import save_checkpoint
+    from ..data import add_trigger
+    from ..nn import accuracy
+    from .common import localisation
+
+    non_target = data.y_test != cfg.target
+    Xt = add_trigger(data.X_test[non_target], trig["value"], trig["pixels"], trig["shape"])
+    tt = torch.full((len(Xt),), cfg.target)
+    lg_clean = model_outputs(clean, data.X_test)
+    finals = {"backdoored": (sim, pcb), "control": (ctl, pcb_ctl)}
+    steps = [0] + [s for s, _ in walk["backdoored"]]
+    runs = {}
+    first = {}
+    norm2 = sim.get("norm2_a_each")
+    for name, snaps in walk.items():
+        rec = {k: [] for k in ("checkpoint", "global_similarity", "global_similarity_stderr",
+                               "slice_similarity", "slice_similarity_stderr",
+                               "slice_similarity_reliable", "attack_success_rate",
+                               "clean_accuracy", "output_cosine", "output_slice_cosine",
+                               "logit_cosine")}
+        for j, (st, m) in enumerate(progress([(0, clean)] + snaps, f"{name} over the fine-tune",
+                                             show_progress)):
+            last = j == len(snaps)
+            ps, pc = finals[name] if last else (
+                pair_similarity(clean, m, sim_method, depth=cfg.n_layers, norm2_a=norm2,
+                                n_samples=cfg.n_samples, seed=cfg.seed, metric=cfg.metric),
+                per_class_baselines(clean, m, data.X_test, data.y_test))
+            if j == 0:
+                path = "checkpoints/clean"
+            elif last:
+                path = f"checkpoints/{name}" if name == "backdoored" else None
+            else:
+                path = f"checkpoints/{name}_step{st:07d}"
+                save_checkpoint(out / path, m, step=cfg.steps + st,
+                                provenance={**provenance, "run": name, "finetune_step": st})
+            rec["checkpoint"].append(path)
+            rec["global_similarity"].append(ps["global"])
+            rec["global_similarity_stderr"].append(ps["global_stderr"])
+            rec["slice_similarity"].append([float(v) for v in ps["each"]])
+            rec["slice_similarity_stderr"].append(ps["each_stderr"])
+            rec["slice_similarity_reliable"].append(ps.get("each_reliable"))
+            rec["attack_success_rate"].append(accuracy(m, Xt, tt))
+            rec["clean_accuracy"].append(accuracy(m, data.X_test, data.y_test))
+            rec["output_cosine"].append(output_cosine(lg_clean, model_outputs(m, data.X_test)))
+            rec["output_slice_cosine"].append(pc["output_slice_cosine"])
+            rec["logit_cosine"].append(pc["logit_cosine"])
+        runs[name] = rec
+
+        def first_step(key, rec=rec):
+            for j, st in enumerate(steps[1:], 1):
+                ok = rec["slice_similarity_reliable"][j]
+                if key == "slice_similarity" and ok is not None and not all(ok):
+                    continue   # no finding leans on a slice without a reliable estimate
+                se = rec["slice_similarity_stderr"][j] if key == "slice_similarity" else None
+                if localisation(rec[key][j], cfg.target, se).get("localises"):
+                    return st
+            return None
+
+        first[name] = {k: first_step(k) for k in ("slice_similarity", "output_slice_cosine",
+                                                  "logit_cosine")}
+        first[name]["attack_success_rate_0.5"] = next(
+            (st for st, a in zip(steps, rec["attack_success_rate"]) if a >= 0.5), None)
+
+    def said(v):
+        return "never" if v is None else f"step {v}"
+
+    b = first["backdoored"]
+    text = (f"{len(steps)} checkpoints (step 0 = clean, then every "
+            f"{cfg.finetune_steps / cfg.finetune_checkpoints:g} fine-tune steps): the attack "
+            f"success rate reaches 0.5 at {said(b['attack_success_rate_0.5'])}; class "
+            f"{cfg.target} is singled out by the rule from {said(b['slice_similarity'])} by "
+            f"tensor similarity, {said(b['output_slice_cosine'])} by the output-slice cosine, "
+            f"{said(b['logit_cosine'])} by the logit cosine on clean test images")
+    if "control" in first:
+        c = first["control"]
+        text += (f"; in the clean control run: tensor similarity {said(c['slice_similarity'])}, "
+                 f"output-slice cosine {said(c['output_slice_cosine'])} (a class singled out "
+                 f"there is noise)")
+    return {"step": steps, "runs": runs, "first_localising_step": first, "statement": text,
+            "note": "each checkpoint against the clean model; per-class values are lists "
+                    "indexed by class; the control run's last checkpoint is not saved (as "
+                    "before)"}
 
 
 #: The behavioural per-class scores the localisation rule is applied to (clean test data),
@@ -446,6 +583,9 @@ def backdoor_table(result: dict) -> str:
               f"similarity method: {method} ({result['metric']} metric); {compared}"]
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
+    if f.get("over_training_statement"):
+        lines.append(f"over the fine-tune (figure {FIG_TRAINING}): "
+                     f"{f['over_training_statement']}")
     if result.get("localisation"):
         lines += ["", localisation_table(result)]
     return "\n".join(lines)

@@ -152,6 +152,10 @@ def add_parsers(sub) -> None:
                    help="clean training steps (default 2000; 500 with --quick)")
     b.add_argument("--finetune-steps", type=positive_int, default=None,
                    help="backdoor fine-tuning steps (default 600; 300 with --quick)")
+    b.add_argument("--finetune-checkpoints", type=positive_int, default=None,
+                   help="checkpoints through the backdoor and the control fine-tune, evenly "
+                        "spaced, the last at the end (default 20, also with --quick); each is "
+                        "compared with the clean model (the walk-through figure)")
     b.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
     b.add_argument("--d-model", type=positive_int, default=32,
@@ -368,6 +372,8 @@ def cmd_backdoor(args, demo: bool = False) -> int:
         kw["steps"] = args.steps
     if args.finetune_steps:
         kw["finetune_steps"] = args.finetune_steps
+    if getattr(args, "finetune_checkpoints", None):
+        kw["finetune_checkpoints"] = args.finetune_checkpoints
     cfg = BackdoorConfig.quick(**kw) if args.quick else BackdoorConfig(**kw)
     cfg.validate()
     seeds = None if demo else _seed_list(args)
@@ -396,6 +402,7 @@ def _data_name(spec: str) -> str:
 def cmd_demo(args) -> int:
     args.target, args.poison_fraction, args.layers = 9, 0.1, 1
     args.d_model, args.d_hidden, args.steps, args.finetune_steps = 32, 64, None, None
+    args.finetune_checkpoints = None
     args.quick, args.data = True, "digits"
     return cmd_backdoor(args, demo=True)
 
