@@ -192,6 +192,11 @@ def add_parsers(sub) -> None:
                    help="number of checkpoints on the log schedule (default 24; 12 with --quick)")
     g.add_argument("--train-fraction", type=fraction, default=None,
                    help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
+    g.add_argument("--paper-size", action="store_true",
+                   help="the original authors' size: P = 113 with 30%% of the pairs trained "
+                        "(other settings as the default; slow: its measured CPU time is printed "
+                        "before training and in docs/audits.md); not with --quick, --P or "
+                        "--train-fraction (default off: P = 31, 80%% trained)")
     g.set_defaults(func=cmd_grokking, own_threads=True)
 
     _add_language(asub)
@@ -441,9 +446,21 @@ def cmd_grokking(args) -> int:
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
             kw[name] = getattr(args, name)
-    cfg = GrokkingConfig.quick(**kw) if args.quick else GrokkingConfig(**kw)
+    if args.paper_size:
+        clash = [f for f, v in (("--quick", args.quick), ("--P", args.P),
+                                ("--train-fraction", args.train_fraction)) if v]
+        if clash:
+            raise ValueError(f"--paper-size sets P = 113 and 30% of the pairs trained: drop "
+                             f"{' and '.join(clash)}")
+        cfg = GrokkingConfig.paper(**kw)
+    else:
+        cfg = GrokkingConfig.quick(**kw) if args.quick else GrokkingConfig(**kw)
     cfg.validate()
     out = check_paths(args, "runs/grokking")
+    if args.paper_size:
+        from .grokking import PAPER_SIZE_COST
+
+        print(f"tensoralg audit grokking --paper-size: {PAPER_SIZE_COST}", file=sys.stderr)
     apply_threads(args)
     result = run(args, "audit grokking",
                  lambda: run_grokking(cfg, out, show_progress=not args.no_progress,

@@ -45,7 +45,9 @@ from .common import (
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
 MATRIX_CSV = "grokking_matrix.csv"
+FOURIER_CSV = "grokking_fourier.csv"
 FIG_NAME = "grokking.png"
+FIG_FOURIER = "grokking_fourier.png"
 
 SATURATION_TOL = 0.02     # val accuracy within this of its maximum = saturated ...
 SATURATION_ABOVE_CHANCE = 0.5  # ... provided the maximum is at least halfway from chance to 1
@@ -98,6 +100,14 @@ class GrokkingConfig:
         base.update(kw)
         return cls(**base)
 
+    @classmethod
+    def paper(cls, **kw) -> GrokkingConfig:
+        """The paper's sizes: P = 113, 30 % of the pairs trained (`PAPER_P`,
+        `PAPER_TRAIN_FRACTION`); the other settings are the defaults' unless given."""
+        base = dict(P=PAPER_P, train_fraction=PAPER_TRAIN_FRACTION)
+        base.update(kw)
+        return cls(**base)
+
     def validate(self) -> None:
         check_metric(self.metric, self.method)
         if not 2 <= self.P <= MAX_P:
@@ -122,6 +132,27 @@ class GrokkingConfig:
         from ._cliutil import check_n_samples
 
         check_n_samples(self.n_samples)
+
+
+#: The original authors' grokking sizes (modulus, training fraction): `GrokkingConfig.paper`.
+PAPER_P, PAPER_TRAIN_FRACTION = 113, 0.3
+
+
+#: What --paper-size costs, printed before training (measured: docs/audits.md, "Run time").
+PAPER_SIZE_COST = ("P = 113 with 30% of the 12769 pairs trained: every full-batch step runs "
+                   "3831 pairs of 226 one-hot features (the default: 769 of 62), and the "
+                   "accuracy curve evaluates all 12769 pairs 200 times; expect several times "
+                   "the default's CPU time (measured in docs/audits.md, Run time)")
+
+
+def size_note(cfg: GrokkingConfig) -> str:
+    """How this run's size compares with the paper's (P = 113, 30 % of the pairs trained)."""
+    if cfg.P == PAPER_P and abs(cfg.train_fraction - PAPER_TRAIN_FRACTION) < 1e-12:
+        return (f"size: the paper's (P = {PAPER_P}, {PAPER_TRAIN_FRACTION:.0%} of the pairs "
+                f"trained), {cfg.steps} steps")
+    return (f"size: P = {cfg.P}, {cfg.train_fraction:.0%} of the {cfg.P ** 2} pairs trained, "
+            f"{cfg.steps} steps; the paper's figure uses P = {PAPER_P} with "
+            f"{PAPER_TRAIN_FRACTION:.0%} trained (--paper-size)")
 
 
 def log_schedule(steps: int, n: int) -> list[int]:
@@ -282,6 +313,28 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "keeps_changing_criterion": f"similarity to final at saturation < {1 - CHANGE_THRESHOLD}",
         "grokked": j_grok is not None,
     }
+    # the data baseline over all P^2 inputs, and the Fourier picture of the weights
+    import torch
+
+    from ..baselines import model_outputs, output_cosine
+    from .grokking_fourier import fourier_figure, fourier_record, fourier_statement
+
+    X_all = torch.cat([data.X_train, data.X_test])
+    logits = [model_outputs(m, X_all) for m in snaps]
+    out_final = [output_cosine(lg, logits[-1]) for lg in logits]
+    out_next = [output_cosine(logits[i], logits[i + 1]) for i in range(len(logits) - 1)]
+    fourier = fourier_record(snaps, cfg.P, sim, val_acc, out_next, out_final)
+    data_at_sat = None if i_sat is None else out_final[i_sat]
+    finding.update({
+        "output_cosine_to_final_at_saturation": data_at_sat,
+        "data_keeps_changing": (None if data_at_sat is None or i_sat == len(steps) - 1
+                                else bool(data_at_sat < 1 - CHANGE_THRESHOLD)),
+        "data_keeps_changing_criterion": (f"output cosine to the final checkpoint over all "
+                                          f"P^2 = {cfg.P ** 2} inputs at saturation < "
+                                          f"{1 - CHANGE_THRESHOLD}"),
+        "key_frequencies": fourier["key_frequencies"],
+        "fourier_statement": fourier_statement(fourier, steps),
+    })
     result = {
         **stamp("audit grokking", asdict(cfg)),
         "steps": steps,
@@ -300,6 +353,12 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "similarity_to_final_stderr": None if se is None else se[:, -1].tolist(),
         "similarity_to_final_reliable": None if ok is None else ok[:, -1].tolist(),
         "finding": finding,
+        "output_cosine_to_final": out_final,
+        "output_cosine_neighbour": out_next,
+        "output_cosine_note": (f"data baseline: mean cosine of the logits over all P^2 = "
+                               f"{cfg.P ** 2} input pairs (train and validation)"),
+        "fourier": fourier,
+        "size_note": size_note(cfg),
         "data": data.provenance,
         "checkpoints": names,
         "paths": PATHS_NOTE,
@@ -307,25 +366,52 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                     "total": time.perf_counter() - t0},
     }
     write_csv(out / CSV_NAME, ["step", "train_accuracy", "val_accuracy", "train_loss",
-                               "similarity_to_final", "similarity_to_final_stderr"],
+                               "similarity_to_final", "similarity_to_final_stderr",
+                               "output_cosine_to_final", "spectrum_distance_to_final",
+                               "key_share_embedding", "key_share_bilinear"],
               zip(steps, train_acc, val_acc, loss, to_final,
-                  [None] * len(steps) if se is None else se[:, -1]))
+                  [None] * len(steps) if se is None else se[:, -1], out_final,
+                  fourier["spectrum_distance_to_final"], fourier["key_share_embedding"],
+                  fourier["key_share_bilinear"]))
+    write_csv(out / FOURIER_CSV, ["step", "part"] + [f"k{k}" for k in fourier["frequencies"]],
+              [[st, part] + row for part in ("embedding", "bilinear")
+               for st, row in zip(steps, fourier[f"{part}_power_share"])])
+    fourier_figure(out / FIG_FOURIER, fourier, steps, to_final, out_final, val_acc,
+                   f"grokking, mod {cfg.P}: Fourier power over training ({len(steps)} "
+                   f"checkpoints; key frequencies {fourier['key_frequencies']})")
     write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
               ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
     grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method,
                     cfg.metric)
-    result["files"] = [JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME]
+    result["files"] = [JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME, FOURIER_CSV, FIG_FOURIER]
     write_json(out / JSON_NAME, result)
     return result
+
+
+def _baseline_lines(result: dict) -> list[str]:
+    f = result["finding"]
+    lines = []
+    if f.get("output_cosine_to_final_at_saturation") is not None:
+        lines.append(f"data baseline ({result['output_cosine_note']}): to the final checkpoint "
+                     f"at saturation {f['output_cosine_to_final_at_saturation']:.3f} (keeps "
+                     f"changing: {f['data_keeps_changing']}; "
+                     f"{f['data_keeps_changing_criterion']})")
+    if f.get("fourier_statement"):
+        lines.append(f"Fourier (figure {FIG_FOURIER}): {f['fourier_statement']}")
+    if result.get("size_note"):
+        lines.append(result["size_note"])
+    return lines
 
 
 def grokking_table(result: dict) -> str:
     n = len(result["steps"])
     se = result.get("similarity_to_final_stderr") or [None] * n
     ok = result.get("similarity_to_final_reliable") or [None] * n
-    rows = [[s, tr, va, pm(sf, e or None, r)] for s, tr, va, sf, e, r in zip(
+    oc = result.get("output_cosine_to_final") or [None] * n
+    ks = (result.get("fourier") or {}).get("key_share_embedding") or [None] * n
+    rows = [[s, tr, va, pm(sf, e or None, r), o, k] for s, tr, va, sf, e, r, o, k in zip(
         result["steps"], result["train_accuracy"], result["val_accuracy"],
-        result["similarity_to_final"], se, ok)]
+        result["similarity_to_final"], se, ok, oc, ks)]
     f = result["finding"]
     cfg = result["config"]
     method = result["method"]
@@ -364,5 +450,7 @@ def grokking_table(result: dict) -> str:
         f"grokking audit: modular addition mod {cfg['P']}, {len(result['steps'])} checkpoints "
         f"({method_label(method)} {result['metric']} similarity, "
         f"{result['seconds']['total']:.1f} s)",
-        format_table(["step", "train acc", "val acc", "sim to final"], rows), "", grok, sat]
+        format_table(["step", "train acc", "val acc", "sim to final", "out cos to final",
+                      "key share"], rows), "", grok, sat]
+        + _baseline_lines(result)
         + ([f"not assessed: {f['not_assessed']}"] if f.get("not_assessed") else []))
