@@ -192,6 +192,7 @@ def add_parsers(sub) -> None:
                    help="number of checkpoints on the log schedule (default 24; 12 with --quick)")
     g.add_argument("--train-fraction", type=fraction, default=None,
                    help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
+    _seeds(g)
     g.add_argument("--paper-size", action="store_true",
                    help="the original authors' size: P = 113 with 30%% of the pairs trained "
                         "(other settings as the default; slow: its measured CPU time is printed "
@@ -456,12 +457,19 @@ def cmd_grokking(args) -> int:
     else:
         cfg = GrokkingConfig.quick(**kw) if args.quick else GrokkingConfig(**kw)
     cfg.validate()
+    seeds = _seed_list(args)
     out = check_paths(args, "runs/grokking")
     if args.paper_size:
         from .grokking import PAPER_SIZE_COST
 
         print(f"tensoralg audit grokking --paper-size: {PAPER_SIZE_COST}", file=sys.stderr)
     apply_threads(args)
+    if seeds is not None:
+        from .grokking import grokking_seeds_table, run_grokking_seeds
+
+        result = run(args, "audit grokking", lambda: run_grokking_seeds(
+            cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
+        return report(args, result, grokking_seeds_table, json_written=True)
     result = run(args, "audit grokking",
                  lambda: run_grokking(cfg, out, show_progress=not args.no_progress,
                                       json_copy=args.json))

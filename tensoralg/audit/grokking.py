@@ -454,3 +454,110 @@ def grokking_table(result: dict) -> str:
                       "key share"], rows), "", grok, sat]
         + _baseline_lines(result)
         + ([f"not assessed: {f['not_assessed']}"] if f.get("not_assessed") else []))
+
+
+SEEDS_JSON = "grokking_seeds.json"
+SEEDS_CSV = "grokking_seeds.csv"
+
+
+def run_grokking_seeds(cfg: GrokkingConfig, seeds: list[int], out: str | Path,
+                       show_progress: bool = True, json_copy: str | Path | None = None) -> dict:
+    """`run_grokking` once per seed (data split, initialisation and Monte Carlo seed), each
+    complete run in ``out/seed<N>/``, and ``grokking_seeds.json`` / ``.csv`` at the top: every
+    number's mean ± sample standard deviation over the seeds and each finding counted per seed;
+    see [`tensoralg.audit.backdoor.run_backdoor_seeds`][tensoralg.audit.backdoor.run_backdoor_seeds].
+
+    Raises:
+        ValueError: ``seeds`` empty, negative or repeated (``--seeds``), and as `run_grokking`.
+    """
+    from .common import run_seeds
+
+    return run_seeds(cfg, seeds, out, SEEDS_JSON, 1, _model, _run_grokking,
+                     _summarise_grokking, show_progress, json_copy)
+
+
+def _summarise_grokking(results: list[dict], seeds: list[int], stage: Path) -> dict:
+    from .common import count_text, spread
+
+    def col(get):
+        vals = []
+        for r in results:
+            try:
+                v = get(r)
+            except (KeyError, TypeError):
+                v = None
+            vals.append(None if v is None else float(v))
+        return spread(vals)
+
+    sp = lambda part, key: (lambda r: r["fourier"]["spearman"][part][key])  # noqa: E731
+    numbers = {
+        "memorisation_step": col(lambda r: r["finding"]["memorisation_step"]),
+        "grokking_step": col(lambda r: r["finding"]["grokking_step"]),
+        "final_val_acc": col(lambda r: r["finding"]["final_val_acc"]),
+        "saturation_step": col(lambda r: r["finding"]["saturation_step"]),
+        "similarity_to_final_at_saturation": col(
+            lambda r: r["finding"]["similarity_to_final_at_saturation"]),
+        "output_cosine_to_final_at_saturation": col(
+            lambda r: r["finding"]["output_cosine_to_final_at_saturation"]),
+        "key_frequency_count": col(lambda r: len(r["fourier"]["key_frequencies"])),
+        "key_share_embedding_final": col(lambda r: r["fourier"]["key_share_embedding"][-1]),
+        **{f"spearman_{part}:{key}": col(sp(part, key))
+           for part in ("intervals", "to_final")
+           for key in ("tensor_similarity", "val_accuracy", "data_output_cosine")},
+    }
+
+    def flag(r, get):
+        try:
+            return get(r)
+        except (KeyError, TypeError):
+            return None
+
+    def beats(r, other):
+        t, o = r["fourier"]["spearman"]["intervals"]["tensor_similarity"], \
+            r["fourier"]["spearman"]["intervals"][other]
+        return None if t is None or o is None else bool(t > o)
+
+    findings = {
+        "grokked": [r["finding"]["grokked"] for r in results],
+        "keeps_changing": [r["finding"]["keeps_changing"] for r in results],
+        "data_keeps_changing": [flag(r, lambda r: r["finding"]["data_keeps_changing"])
+                                for r in results],
+        "tensor_tracks_spectrum_better_than_accuracy": [beats(r, "val_accuracy")
+                                                        for r in results],
+        "tensor_tracks_spectrum_better_than_data": [beats(r, "data_output_cosine")
+                                                    for r in results],
+    }
+    statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): "
+                 + "; ".join(f"{k.replace('_', ' ')}: {count_text(v)}"
+                             for k, v in findings.items())
+                 + " (Spearman over the consecutive intervals; see fourier.correlation_rule "
+                   "in each run)")
+    summary = {"command": "audit grokking --seeds", "method": results[0]["method"],
+               "metric": results[0]["metric"], "numbers": numbers,
+               "key_frequencies": {str(s): r["fourier"]["key_frequencies"]
+                                   for s, r in zip(seeds, results)},
+               "finding": {**findings,
+                           **{f"{k}_count": count_text(v) for k, v in findings.items()},
+                           "statement": statement},
+               "size_note": results[0]["size_note"],
+               "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",
+               "files": [SEEDS_JSON, SEEDS_CSV] + [f"seed{s}/{f}" for s, r in zip(seeds, results)
+                                                  for f in r["files"]]}
+    write_csv(stage / SEEDS_CSV, ["quantity", "mean", "sd", "min", "max", "n"],
+              [(k, v["mean"], v["sd"], v["min"], v["max"], v["n"]) for k, v in numbers.items()])
+    return summary
+
+
+def grokking_seeds_table(summary: dict) -> str:
+    """Every number as mean ± sample standard deviation over the seeds, and each finding
+    counted per seed."""
+    from .common import spread_text
+
+    return "\n".join([
+        f"grokking audit over {len(summary['seeds'])} seeds {summary['seeds']} "
+        f"({summary['method']}, {summary['metric']} metric); {summary['spread_note']}:",
+        format_table(["number", "mean ± sd"],
+                     [[k, spread_text(v)] for k, v in summary["numbers"].items()]), "",
+        "key frequencies per seed: " + "; ".join(f"seed {s}: {k}" for s, k in
+                                                 summary["key_frequencies"].items()),
+        summary["finding"]["statement"], summary["size_note"]])
