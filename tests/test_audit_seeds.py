@@ -67,6 +67,10 @@ def test_backdoor_seeds_summary_matches_the_runs(tmp_path, capsys):
     assert summ["localisation"]["tensor_similarity"]["localises"] == flags
     assert summ["localisation"]["tensor_similarity"]["localises_count"] == count_text(flags)
     assert "holds in" in summ["finding"]["statement"] and " ± " in text
+    first = [r["over_training"]["first_localising_step"]["backdoored"] for r in runs]
+    assert summ["finding"]["first_localising_step"] == first
+    assert len(summ["finding"]["tensor_no_later_than_output_slice"]) == 2
+    assert "no later than the output-slice cosine" in summ["finding"]["statement"]
     assert (out / "backdoor_seeds.csv").read_text().startswith("quantity,class,mean,sd,min,max,n")
 
 
@@ -78,6 +82,9 @@ def test_forgetting_seeds_counts_the_finding_per_seed(tmp_path):
     runs = [json.loads((out / f"seed{s}" / "forgetting.json").read_text()) for s in (2, 0)]
     assert summ["finding"]["collapses"] == [r["finding"]["collapses"] for r in runs]
     assert summ["finding"]["collapses_count"] == count_text(summ["finding"]["collapses"])
+    assert summ["finding"]["first_localising_checkpoint"] == [
+        r["finding"]["first_localising_checkpoint"] for r in runs]
+    assert "no later than the accuracy change" in summ["finding"]["statement"]
     rm = [r["finding"]["removed_slice_at_removal"] for r in runs]
     assert summ["numbers"]["removed_slice_at_removal"]["mean"] == pytest.approx(np.mean(rm))
 

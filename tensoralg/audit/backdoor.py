@@ -675,13 +675,28 @@ def _summarise_backdoor(results: list[dict], seeds: list[int], stage: Path) -> d
                                                                 for r in results])
     lowest = [r["finding"].get("target_slice_is_clearly_lowest") if r["finding"].get("assessed",
               True) else None for r in results]
+    # over the fine-tune: does tensor similarity single the target out no later than the
+    # output-slice cosine (None: neither ever does)?
+    first = [r["over_training"]["first_localising_step"]["backdoored"] for r in results]
+    no_later = [None if f["slice_similarity"] is None and f["output_slice_cosine"] is None
+                else f["output_slice_cosine"] is None or (f["slice_similarity"] is not None and
+                                                          f["slice_similarity"]
+                                                          <= f["output_slice_cosine"])
+                for f in first]
     statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {target}'s "
-                 f"tensor slice is clearly the lowest: {count_text(lowest)}; " + loc_text)
+                 f"tensor slice is clearly the lowest: {count_text(lowest)}; over the fine-tune "
+                 f"tensor similarity singles it out no later than the output-slice cosine: "
+                 f"{count_text(no_later)} (first steps: tensor "
+                 f"{[f['slice_similarity'] for f in first]}, output-slice "
+                 f"{[f['output_slice_cosine'] for f in first]}, ASR >= 0.5 "
+                 f"{[f['attack_success_rate_0.5'] for f in first]}); " + loc_text)
     summary = {"command": "audit backdoor --seeds", "target_class": target,
                "method": results[0]["method"], "metric": results[0]["metric"],
                "numbers": numbers, "per_class": per_class, "localisation": localisation,
                "localisation_rule": LOCALISATION_RULE, "verdicts": verdicts,
-               "finding": {"target_slice_clearly_lowest": lowest,
+               "finding": {"first_localising_step": first,
+                           "tensor_no_later_than_output_slice": no_later,
+                           "target_slice_clearly_lowest": lowest,
                            "target_slice_clearly_lowest_count": count_text(lowest),
                            "statement": statement},
                "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",

@@ -668,14 +668,28 @@ def _summarise_forgetting(results: list[dict], seeds: list[int], stage: Path) ->
                                                                 for x in results])
     collapses = [x["finding"]["collapses"] for x in results]
     recovers = [x["finding"]["recovers"] for x in results]
+    # over training: the first checkpoint of the removal stage where each score localises it
+    first = [x["finding"]["first_localising_checkpoint"] for x in results]
+    steps = [{k: None if v is None else int(v.rsplit("@", 1)[1]) for k, v in f.items()}
+             for f in first]
+    no_later = [None if f["slice_similarity"] is None and f["accuracy_change"] is None
+                else f["accuracy_change"] is None or (f["slice_similarity"] is not None and
+                                                      f["slice_similarity"]
+                                                      <= f["accuracy_change"])
+                for f in steps]
     statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {r}'s tensor "
                  f"slice collapses at {rm}: {count_text(collapses)}; recovers after re-adding: "
-                 f"{count_text(recovers)}; at {rm}: " + loc_text)
+                 f"{count_text(recovers)}; over training, tensor similarity localises the "
+                 f"removal no later than the accuracy change: {count_text(no_later)} (first "
+                 f"checkpoints: tensor {[f['slice_similarity'] for f in first]}, accuracy "
+                 f"change {[f['accuracy_change'] for f in first]}); at {rm}: " + loc_text)
     summary = {"command": "audit forgetting --seeds", "target_class": r, "removal_stage": rm,
                "method": r0["method"], "metric": r0["metric"], "numbers": numbers,
                "per_class": per_class, "per_class_stage": rm, "localisation": localisation,
                "localisation_rule": r0["localisation"]["rule"], "verdicts": verdicts,
-               "finding": {"collapses": collapses, "collapses_count": count_text(collapses),
+               "finding": {"first_localising_checkpoint": first,
+                           "tensor_no_later_than_accuracy_change": no_later,
+                           "collapses": collapses, "collapses_count": count_text(collapses),
                            "recovers": recovers, "recovers_count": count_text(recovers),
                            "statement": statement},
                "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",

@@ -11,7 +11,11 @@ stack of checkpoints).
 
 Expected finding: the similarity to the final checkpoint keeps changing after validation
 accuracy has saturated — the weights keep reorganising (circuit clean-up under weight decay)
-while the behaviour on the data no longer moves.
+while the validation accuracy no longer moves. Next to it: the Fourier picture of the weights
+(`tensoralg.audit.grokking_fourier`: power per frequency of the embedding and of the bilinear
+layer over training, the key frequencies, the Spearman correlation of each quantity's change
+with the spectrum's change) and a data baseline, the output cosine over all P^2 inputs, which
+at the quick size keeps changing after saturation too (docs/audits.md).
 """
 
 from __future__ import annotations
@@ -355,7 +359,7 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "finding": finding,
         "output_cosine_to_final": out_final,
         "output_cosine_neighbour": out_next,
-        "output_cosine_note": (f"data baseline: mean cosine of the logits over all P^2 = "
+        "output_cosine_note": (f"mean cosine of the logits over all P^2 = "
                                f"{cfg.P ** 2} input pairs (train and validation)"),
         "fourier": fourier,
         "size_note": size_note(cfg),
