@@ -192,19 +192,20 @@ def modular_addition(P: int = 31, train_fraction: float = 0.4, seed: int = 0,
 # your own data: an .npz file (the audits' --data npz:PATH)
 # ----------------------------------------------------------------------------------------
 
-NPZ_ARRAYS = ("X_train", "y_train", "X_test", "y_test")
+from .audit.common import NPZ_ARRAYS  # noqa: E402  (the arrays' names, one definition)
 
 
 def check_data_spec(spec: str, flag: str = "--data") -> str:
-    """``digits`` or ``npz:PATH`` (the audits' ``--data``), returned unchanged.
+    """``digits`` or ``npz:PATH`` (the audits' ``--data``), returned unchanged; see
+    `tensoralg.audit.common.check_data_spec` (torch-free, so that the CLI checks it before
+    importing torch).
 
     Raises:
         ValueError: anything else, in one line naming ``flag``.
     """
-    if spec == "digits" or (isinstance(spec, str) and spec.startswith("npz:") and len(spec) > 4):
-        return spec
-    raise ValueError(f"{flag}: expected 'digits' or 'npz:PATH' (an .npz file with arrays "
-                     f"{', '.join(NPZ_ARRAYS)}), got {spec!r}")
+    from .audit.common import check_data_spec as check
+
+    return check(spec, flag)
 
 
 def load_npz_data(path: str, flag: str = "--data npz:PATH",

@@ -84,7 +84,7 @@ def _seed_list(args) -> list[int] | None:
 def _data_spec(text: str) -> str:
     """argparse type of ``--data``: ``digits`` or ``npz:PATH`` (the file is checked later, still
     before any training, by the audit's configuration)."""
-    from ..data import check_data_spec
+    from .common import check_data_spec
 
     try:
         return check_data_spec(text, "")
