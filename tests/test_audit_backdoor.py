@@ -98,7 +98,7 @@ def test_checkpoint_paths_are_relative_to_the_output_folder(backdoor_run):
     for path in res["checkpoints"].values():
         assert not path.startswith("/") and (out / path / "cfg.json").is_file()
     assert res["files"] == ["backdoor.json", "backdoor.csv", "backdoor_slices.png",
-                            "backdoor_eigenvectors.png"]
+                            "backdoor_over_training.png", "backdoor_eigenvectors.png"]
     f = res["finding"]   # eigenvectors of the target's change (tensoralg.decompose)
     assert 0 <= f["top_eigenvector_trigger_mass"] <= 1 and f["trigger_pixel_share"] == 4 / 64
 
@@ -111,8 +111,8 @@ def test_monte_carlo_audit_records_its_standard_errors(tmp_path, capsys):
 
     out = tmp_path / "b"
     assert main(["audit", "backdoor", "--quick", "--layers", "3", "--steps", "30",
-                 "--finetune-steps", "20", "--n-samples", "4000", "--seed", "2",
-                 "--out", str(out), "--no-progress"]) == 0
+                 "--finetune-steps", "20", "--finetune-checkpoints", "2", "--n-samples", "4000",
+                 "--seed", "2", "--out", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
     res = json.loads((out / "backdoor.json").read_text())
     assert res["method"] == "montecarlo" and res["n_samples"] == 4000
@@ -223,3 +223,49 @@ def test_per_class_baselines_and_localisation(backdoor_run):
     text = backdoor_table(res)
     assert "localisation rule (declared before the numbers)" in text
     assert text.index("localisation rule") < text.index("Tensor similarity localises")
+
+
+def test_walkthrough_over_the_fine_tune(backdoor_run):
+    """20 checkpoints through each fine-tune (plus step 0, the clean model), each against the
+    clean model: the last repeats the final numbers, an inner one is the library's similarity
+    of the saved checkpoints, the attack success rate and the first localising steps are
+    recorded, and the figure is written."""
+    import tensoralg as ta
+    from tensoralg.checkpoint import load_checkpoint
+
+    _, out = backdoor_run
+    res = json.loads((out / "backdoor.json").read_text())
+    ot = res["over_training"]
+    assert len(ot["step"]) == 21 and ot["step"][0] == 0 and ot["step"][-1] == 250
+    assert ot["step"][1:3] == [12, 25]   # round(k * 250 / 20)
+    b, c = ot["runs"]["backdoored"], ot["runs"]["control"]
+    assert np.allclose(b["slice_similarity"][0], 1.0, atol=1e-12)   # the clean model itself
+    assert b["slice_similarity"][-1] == [res["slice_similarity"][str(k)] for k in range(10)]
+    assert c["slice_similarity"][-1] == [res["control"]["slice_similarity"][str(k)]
+                                         for k in range(10)]
+    assert b["attack_success_rate"][-1] == res["attack_success_rate"]
+    assert b["attack_success_rate"][0] == res["attack_success_rate_before"]
+    assert b["clean_accuracy"][-1] == res["clean_accuracy"]["after"]
+    j = ot["step"].index(125)
+    assert b["checkpoint"][j] == "checkpoints/backdoored_step0000125"
+    clean = load_checkpoint(out / "checkpoints" / "clean")[0]
+    mid = load_checkpoint(out / b["checkpoint"][j])[0]
+    assert np.allclose(b["slice_similarity"][j], ta.similarity(clean, mid, output="each"),
+                       rtol=1e-10, atol=1e-12)
+    assert (out / c["checkpoint"][j] / "cfg.json").is_file()
+    first = ot["first_localising_step"]["backdoored"]
+    assert first["slice_similarity"] in ot["step"]   # the backdoor is singled out on the way
+    assert first["attack_success_rate_0.5"] in ot["step"]
+    assert "attack success rate reaches 0.5 at step" in res["finding"]["over_training_statement"]
+    assert (out / "backdoor_over_training.png").read_bytes()[:4] == b"\x89PNG"
+    rows = (out / "backdoor.csv").read_text().splitlines()
+    assert sum(ln.startswith("over_training:control:step125:slice_similarity,") for ln in rows) == 10
+
+
+def test_bad_finetune_checkpoints(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["audit", "backdoor", "--quick", "--finetune-checkpoints", "301",
+                 "--out", str(out)]) == 2
+    assert "--finetune-checkpoints: expected 1 .. --finetune-steps = 300, got 301" in \
+        capsys.readouterr().err
+    assert not out.exists()

@@ -66,7 +66,8 @@ def test_bad_removed_class(tmp_path, capsys):
 def test_monte_carlo_forgetting_records_standard_errors(tmp_path, capsys):
     out = tmp_path / "f"
     assert main(["audit", "forgetting", "--quick", "--stage-steps", "20", "--method", "montecarlo",
-                 "--n-samples", "3000", "--out", str(out), "--no-progress"]) == 0
+                 "--n-samples", "3000", "--checkpoints-per-stage", "2", "--out", str(out),
+                 "--no-progress"]) == 0
     text = capsys.readouterr().out
     res = json.loads((out / "forgetting.json").read_text())
     assert res["method"] == "montecarlo" and res["n_samples"] == 3000
@@ -96,6 +97,9 @@ def test_monte_carlo_forgetting_records_standard_errors(tmp_path, capsys):
     header = (out / "forgetting.csv").read_text().splitlines()[0]
     assert header == "stage,quantity,class,value,stderr"
     assert "±" in text and "3000 samples" in text
+    t = res["over_training"]   # the inner checkpoints carry their standard errors too
+    assert len(t["label"]) == 16 and all(len(se) == 10 for se in t["slice_similarity_stderr"])
+    assert all(v > 0 for v in t["slice_similarity_stderr"][t["label"].index("-9@130")])
 
 
 def test_behavioural_baselines_localise_the_removed_class_too(run):
@@ -116,3 +120,62 @@ def test_behavioural_baselines_localise_the_removed_class_too(run):
 
     text = forgetting_table(res)
     assert "localisation rule (declared before the numbers)" in text and "linear CKA" in text
+
+
+def test_inner_steps():
+    from tensoralg.audit.forgetting import inner_steps
+
+    assert inner_steps(150, 5) == [30, 60, 90, 120, 150]
+    assert inner_steps(7, 3) == [2, 5, 7] and inner_steps(4, 1) == [4] and inner_steps(3, 3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="per_stage"):
+        inner_steps(3, 4)
+
+
+def test_checkpoints_over_training(run):
+    """40 checkpoints (5 per stage) saved and compared with the reference class by class: the
+    stage ends repeat the per-stage values, an inner checkpoint's slices are the library's,
+    the removed class's accuracy and slices are tracked through the removal stage."""
+    import tensoralg as ta
+    from tensoralg.checkpoint import load_checkpoint
+
+    _, out = run
+    res = json.loads((out / "forgetting.json").read_text())
+    t = res["over_training"]
+    assert len(t["label"]) == 40 and t["reference"] == "+9"
+    assert t["step"] == list(range(30, 1201, 30))
+    labels = [s["label"] for s in res["stages"]]
+    assert [t["stage"][j] for j in range(4, 40, 5)] == labels
+    for j in range(4, 40, 5):   # stage ends: the per-stage numbers
+        lab = t["stage"][j]
+        assert t["checkpoint"][j] == res["checkpoints"][lab]
+        assert t["slice_similarity"][j] == [res["slice_similarity_to_reference"][lab][str(c)]
+                                            for c in range(10)]
+    j = t["label"].index("-9@960")   # inside the removal stage
+    ref = load_checkpoint(out / res["checkpoints"]["+9"])[0]
+    mid = load_checkpoint(out / t["checkpoint"][j])[0]
+    assert t["checkpoint"][j] == "checkpoints/stage06_step0000960"
+    each = ta.similarity(ref, mid, output="each")
+    assert np.allclose(t["slice_similarity"][j], each, rtol=1e-10, atol=1e-12)
+    acc9 = [a[9] for a, st in zip(t["test_accuracy_per_class"], t["stage"]) if st == "-9"]
+    assert acc9[-1] == 0.0
+    first = res["finding"]["first_localising_checkpoint"]
+    assert set(first) == {"slice_similarity", "accuracy_change", "output_slice_cosine",
+                          "logit_cosine"}
+    assert first["slice_similarity"] is not None and first["slice_similarity"].startswith("-9@")
+    assert (out / "forgetting_over_training.png").read_bytes()[:4] == b"\x89PNG"
+    assert "forgetting_over_training.png" in res["files"]
+    rows = [ln for ln in (out / "forgetting.csv").read_text().splitlines()
+            if ln.startswith("-9@960,over_training:slice_similarity,")]
+    assert len(rows) == 10
+
+
+def test_bad_checkpoints_per_stage(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["audit", "forgetting", "--quick", "--checkpoints-per-stage", "151",
+                 "--out", str(out)]) == 2
+    assert "--checkpoints-per-stage: expected 1 .. --stage-steps = 150, got 151" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["audit", "forgetting", "--quick", "--checkpoints-per-stage", "0",
+              "--out", str(out)])
+    assert not out.exists()

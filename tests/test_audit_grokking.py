@@ -174,7 +174,8 @@ def test_monte_carlo_entry_without_verdict_is_not_assessed(tmp_path, capsys, mon
     assert f["min_neighbour_similarity_after_saturation"] is None
     assert f["assessed"] is False and str(steps[-2]) in f["not_assessed"]
     row = next(line for line in text.splitlines() if line.strip().startswith(f"{steps[-2]} "))
-    assert row.endswith("no reliable estimate")
+    # the similarity-to-final column (the data baseline and key share follow it)
+    assert row.split()[3:6] == ["no", "reliable", "estimate"]
     assert text.count("±") >= len(steps) - 2 and "keeps changing: not assessed" in text
     assert "per_entry" in res["similarity_matrix_uncertainty"]
     assert (tmp_path / "g" / "grokking.png").stat().st_size > 0
@@ -196,3 +197,81 @@ def test_monte_carlo_matrix_is_the_library_matrix(tmp_path):
     S = np.array(res["similarity_matrix"], dtype=float)
     assert np.array_equal(S[lib.reliable], np.asarray(lib)[lib.reliable])
     assert np.array_equal(np.array(res["similarity_matrix_stderr"]), lib.stderr)
+
+
+def test_frequency_power_of_pure_waves():
+    """A cosine of frequency k in the a-tokens and of frequency j in the b-tokens puts all the
+    power on k and j (k and P - k folded), and the spectrum sums to P * ||W||^2 (Parseval)."""
+    from tensoralg.audit.grokking_fourier import frequency_power, key_frequencies, shares
+
+    P = 31
+    t = np.arange(P)
+    W = np.zeros((3, 2 * P))
+    W[0, :P] = np.cos(2 * np.pi * 5 * t / P)
+    W[1, P:] = 2 * np.sin(2 * np.pi * 12 * t / P + 0.3)
+    W[2, :] = 0.5                                  # constant: frequency 0
+    p = frequency_power(W, P)
+    assert p.shape == (16,) and np.isclose(p.sum(), P * (W ** 2).sum())
+    assert set(np.flatnonzero(p > 1e-9)) == {0, 5, 12}
+    assert np.isclose(p[12], 4 * p[5])
+    s = shares(p)
+    assert np.isclose(s.sum(), 1.0) and np.isclose(s[11], 0.8) and np.isclose(s[4], 0.2)
+    assert key_frequencies(s) == [12]               # 80 % in one frequency
+    assert key_frequencies(np.full(15, 1 / 15)) == list(range(1, 13))   # uniform: 12 of 15
+    with pytest.raises(ValueError, match="W: expected"):
+        frequency_power(np.zeros((2, 30)), P)
+
+
+def test_fourier_picture_and_data_baseline(tmp_path, capsys):
+    """The Fourier record of the run's own checkpoints, recomputed from the saved weights, the
+    data baseline over all P^2 inputs, the declared correlations, CSV and figure."""
+    from scipy.stats import spearmanr
+
+    from tensoralg.audit.grokking_fourier import model_spectra, shares
+    from tensoralg.checkpoint import load_checkpoint
+
+    out = tmp_path / "g"
+    assert main(["audit", "grokking", "--quick", "--steps", "300", "--checkpoints", "8",
+                 "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((out / "grokking.json").read_text())
+    fo = res["fourier"]
+    assert fo["frequencies"] == list(range(1, 16)) and len(fo["embedding_power_share"]) == 8
+    last = load_checkpoint(out / res["checkpoints"][-1])[0]
+    emb, bil = model_spectra(last, 31)
+    assert np.allclose(fo["embedding_power_share"][-1], shares(emb), rtol=1e-12)
+    assert np.allclose(fo["bilinear_power_share"][-1], shares(bil), rtol=1e-12)
+    assert 1 <= len(fo["key_frequencies"]) <= 12
+    assert fo["key_share_embedding"][-1] >= 0.8 - 1e-12
+    sim = np.array(res["similarity_matrix"])
+    x = [1 - sim[i, i + 1] for i in range(7)]
+    assert fo["spearman"]["intervals"]["tensor_similarity"] == pytest.approx(
+        spearmanr(x, fo["spectrum_change_intervals"]).statistic)
+    oc = res["output_cosine_to_final"]
+    assert len(oc) == 8 and oc[-1] == pytest.approx(1.0)
+    f = res["finding"]
+    assert "data_keeps_changing" in f and f["key_frequencies"] == fo["key_frequencies"]
+    assert "P = 113 with 30% trained (--paper-size)" in res["size_note"]
+    assert "Spearman with the spectrum's change" in text and "data baseline" in text
+    for name in ("grokking_fourier.png", "grokking_fourier.csv"):
+        assert (out / name).stat().st_size > 0 and name in res["files"]
+    rows = (out / "grokking_fourier.csv").read_text().splitlines()
+    assert rows[0].startswith("step,part,k1,k2") and len(rows) == 1 + 2 * 8
+
+
+def test_paper_size_arguments(tmp_path, capsys):
+    """--paper-size is validated only here (a run takes minutes): it is the paper's P and
+    training fraction, and it refuses --quick, --P and --train-fraction before any work."""
+    from tensoralg.audit.grokking import GrokkingConfig, size_note
+
+    cfg = GrokkingConfig.paper()
+    assert (cfg.P, cfg.train_fraction) == (113, 0.3)
+    cfg.validate()
+    assert size_note(cfg).startswith("size: the paper's (P = 113, 30% of the pairs trained)")
+    for extra, named in ((["--quick"], "--quick"), (["--P", "31"], "--P"),
+                         (["--train-fraction", "0.5"], "--train-fraction")):
+        out = tmp_path / "r"
+        assert main(["audit", "grokking", "--paper-size", *extra, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--paper-size" in err[0] and f"drop {named}" in err[0]
+        assert not out.exists()

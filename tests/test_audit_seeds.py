@@ -67,6 +67,10 @@ def test_backdoor_seeds_summary_matches_the_runs(tmp_path, capsys):
     assert summ["localisation"]["tensor_similarity"]["localises"] == flags
     assert summ["localisation"]["tensor_similarity"]["localises_count"] == count_text(flags)
     assert "holds in" in summ["finding"]["statement"] and " ± " in text
+    first = [r["over_training"]["first_localising_step"]["backdoored"] for r in runs]
+    assert summ["finding"]["first_localising_step"] == first
+    assert len(summ["finding"]["tensor_no_later_than_output_slice"]) == 2
+    assert "no later than the output-slice cosine" in summ["finding"]["statement"]
     assert (out / "backdoor_seeds.csv").read_text().startswith("quantity,class,mean,sd,min,max,n")
 
 
@@ -78,5 +82,34 @@ def test_forgetting_seeds_counts_the_finding_per_seed(tmp_path):
     runs = [json.loads((out / f"seed{s}" / "forgetting.json").read_text()) for s in (2, 0)]
     assert summ["finding"]["collapses"] == [r["finding"]["collapses"] for r in runs]
     assert summ["finding"]["collapses_count"] == count_text(summ["finding"]["collapses"])
+    assert summ["finding"]["first_localising_checkpoint"] == [
+        r["finding"]["first_localising_checkpoint"] for r in runs]
+    assert "no later than the accuracy change" in summ["finding"]["statement"]
     rm = [r["finding"]["removed_slice_at_removal"] for r in runs]
     assert summ["numbers"]["removed_slice_at_removal"]["mean"] == pytest.approx(np.mean(rm))
+
+
+def test_grokking_seeds(tmp_path, capsys):
+    """--seeds on grokking: one complete run per seed, the numbers' spread and the findings
+    counted; bad seeds refused before training."""
+    out = tmp_path / "g"
+    with pytest.raises(SystemExit):
+        main(["audit", "grokking", "--quick", "--seeds", "--out", str(out)])
+    assert main(["audit", "grokking", "--quick", "--seeds", "1", "1", "--out", str(out)]) == 2
+    assert "--seeds: each seed once" in capsys.readouterr().err and not out.exists()
+    assert main(["audit", "grokking", "--quick", "--steps", "150", "--checkpoints", "5",
+                 "--seeds", "0", "1", "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    s = json.loads((out / "grokking_seeds.json").read_text())
+    assert s["seeds"] == [0, 1] and set(s["runs"]) == {"0", "1"}
+    runs = [json.loads((out / f"seed{k}" / "grokking.json").read_text()) for k in (0, 1)]
+    g = [r["finding"]["similarity_to_final_at_saturation"] for r in runs]
+    sat = s["numbers"]["similarity_to_final_at_saturation"]
+    fin = [v for v in g if v is not None]
+    if fin:
+        assert sat["mean"] == pytest.approx(np.mean(fin)) and sat["n"] == len(fin)
+    rho = [r["fourier"]["spearman"]["intervals"]["tensor_similarity"] for r in runs]
+    assert s["numbers"]["spearman_intervals:tensor_similarity"]["values"] == rho
+    assert s["finding"]["keeps_changing"] == [r["finding"]["keeps_changing"] for r in runs]
+    assert "keeps changing: holds in" in s["finding"]["statement"]
+    assert "mean ± sd" in text and (out / "grokking_seeds.csv").is_file()

@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .common import (
     LOCALISATION_RULE,
     MC_SAMPLES,
@@ -54,6 +56,7 @@ JSON_NAME = "backdoor.json"
 CSV_NAME = "backdoor.csv"
 FIG_NAME = "backdoor_slices.png"
 FIG_EIGEN = "backdoor_eigenvectors.png"
+FIG_TRAINING = "backdoor_over_training.png"
 
 
 @dataclass
@@ -67,6 +70,7 @@ class BackdoorConfig:
     bias: bool = True
     steps: int = 2000
     finetune_steps: int = 600
+    finetune_checkpoints: int = 20   # checkpoints through each fine-tune (the last at its end)
     lr: float = 3e-3
     finetune_lr: float = 1e-3
     weight_decay: float = 1e-2
@@ -76,6 +80,7 @@ class BackdoorConfig:
     control: bool = True
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
     metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
+    data: str = "digits"        # or "npz:PATH" (tensoralg.data.load_npz_data)
 
     @classmethod
     def quick(cls, **kw) -> BackdoorConfig:
@@ -86,8 +91,16 @@ class BackdoorConfig:
 
     def validate(self) -> None:
         check_metric(self.metric, self.method)
-        if not (0 <= self.target < 10):
-            raise ValueError(f"--target: expected a digit class 0..9, got {self.target}")
+        from .common import data_info
+
+        k, shape = data_info(self.data, self.seed)   # an npz file is read and checked here
+        if not (0 <= self.target < k):
+            raise ValueError(f"--target: expected a class 0..{k - 1} of --data {self.data}, "
+                             f"got {self.target}")
+        if shape[0] < 3 or shape[1] < 2:
+            raise ValueError(f"--data {self.data}: images of {shape[0]}x{shape[1]} pixels are "
+                             f"too small for the trigger (a diamond on the left edge needs at "
+                             f"least 3x2)")
         if not (0.0 < self.poison_fraction < 1.0):
             raise ValueError(f"--poison-fraction: expected a fraction in (0, 1), got "
                              f"{self.poison_fraction}")
@@ -98,6 +111,9 @@ class BackdoorConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got "
                                  f"{getattr(self, name)}")
+        if not 1 <= self.finetune_checkpoints <= self.finetune_steps:
+            raise ValueError(f"--finetune-checkpoints: expected 1 .. --finetune-steps = "
+                             f"{self.finetune_steps}, got {self.finetune_checkpoints}")
         for name in ("lr", "finetune_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}: expected a positive learning rate")
@@ -105,8 +121,10 @@ class BackdoorConfig:
 
 def _model(cfg: BackdoorConfig):
     from ..nn import BilinearNet
+    from .common import data_info
 
-    return BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+    k, shape = data_info(cfg.data, cfg.seed)
+    return BilinearNet(int(np.prod(shape)), k, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
 
 
@@ -141,12 +159,16 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
 
     from ..baselines import all_baselines, per_class_baselines
     from ..checkpoint import save_checkpoint
-    from ..data import add_trigger, load_digits_data, poison
+    from ..data import add_trigger, audit_data, poison, trigger_pixels
     from ..nn import accuracy, train_classifier
     from .plotting import slice_bars
 
     t0 = time.perf_counter()
-    data = load_digits_data(seed=cfg.seed)
+    data = audit_data(cfg.data, cfg.seed)
+    # the trigger: a diamond on the left edge near the bottom, at the data's brightest value
+    # (1.0 for the digits: pixels / 16); TRIGGER_PIXELS on 8x8 images
+    trig = {"pixels": trigger_pixels(data.image_shape[0]), "shape": data.image_shape,
+            "value": float(data.X_train.max())}
     bar = progress(None, "backdoor audit (train, fine-tune, similarity, baselines)",
                    show_progress, total=4)
     clean = _model(cfg)
@@ -155,18 +177,35 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                      progress="clean training" if show_progress else False)
 
     bar.update(1)
-    Xp, yp, _ = poison(data.X_train, data.y_train, cfg.poison_fraction, cfg.target, seed=cfg.seed)
+    Xp, yp, _ = poison(data.X_train, data.y_train, cfg.poison_fraction, cfg.target, seed=cfg.seed,
+                       n_classes=data.n_classes, **trig)
+    from .forgetting import inner_steps
+
+    # checkpoints through each fine-tune: snapshots by a callback that draws no random numbers,
+    # so the final models are those of a run without it
+    within = inner_steps(cfg.finetune_steps, cfg.finetune_checkpoints)
+    walk: dict[str, list] = {"backdoored": [], "control": []}
+
+    def keeper(name):
+        return lambda s, m: walk[name].append((s, copy.deepcopy(m)))
+
     backdoored = copy.deepcopy(clean)
     train_classifier(backdoored, Xp, yp, steps=cfg.finetune_steps, lr=cfg.finetune_lr,
                      weight_decay=cfg.weight_decay, batch_size=cfg.batch_size, seed=cfg.seed + 1,
+                     eval_at=within[:-1], callback=keeper("backdoored"),
                      progress="backdoor fine-tune" if show_progress else False)
+    walk["backdoored"].append((cfg.finetune_steps, backdoored))
     control = None
     if cfg.control:
         control = copy.deepcopy(clean)
         train_classifier(control, data.X_train, data.y_train, steps=cfg.finetune_steps,
                          lr=cfg.finetune_lr, weight_decay=cfg.weight_decay,
                          batch_size=cfg.batch_size, seed=cfg.seed + 1,
+                         eval_at=within[:-1], callback=keeper("control"),
                          progress="control fine-tune" if show_progress else False)
+        walk["control"].append((cfg.finetune_steps, control))
+    else:
+        del walk["control"]
     t_train = time.perf_counter() - t0
 
     bar.update(1)
@@ -175,7 +214,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     save_checkpoint(out / "checkpoints" / "backdoored", backdoored,
                     step=cfg.steps + cfg.finetune_steps,
                     provenance={**provenance, "poison_fraction": cfg.poison_fraction,
-                                "target": cfg.target, "trigger": "diamond (5,0),(6,0),(7,0),(6,1)"})
+                                "target": cfg.target,
+                                "trigger": f"diamond {', '.join(map(str, trig['pixels']))} "
+                                           f"(row, column) = {trig['value']:g}"})
     t1 = time.perf_counter()
     # "auto" stays "auto" when exact was planned, keeping its run-time Monte Carlo fallback
     sim_method = "auto" if (cfg.method == "auto" and method == "exact") else method
@@ -187,7 +228,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
 
     bar.update(1)
     non_target = data.y_test != cfg.target
-    Xt = add_trigger(data.X_test[non_target])
+    Xt = add_trigger(data.X_test[non_target], trig["value"], trig["pixels"], trig["shape"])
     target_t = torch.full((len(Xt),), cfg.target)
     asr_after = accuracy(backdoored, Xt, target_t)
     asr_before = accuracy(clean, Xt, target_t)
@@ -248,6 +289,9 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
             "baselines": base_ctl,
             "per_class_baselines": _per_class_json(pcb_ctl),
         }
+    result["over_training"] = _walkthrough(cfg, clean, walk, data, trig, sim, ctl, pcb, pcb_ctl,
+                                           sim_method, out, provenance, show_progress)
+    result["finding"]["over_training_statement"] = result["over_training"]["statement"]
     result["localisation"] = _localise(sim, pcb, cfg.target)
     if ctl is not None:   # the same rule on the control: a class singled out there is noise
         result["control"]["localisation"] = _localise(ctl, pcb_ctl, cfg.target)
@@ -277,7 +321,24 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
             rows += [(f"{prefix}localisation_separation:{k}", cfg.target, d.get("separation"))
                      for k, d in [("tensor_similarity", loc["tensor"]), *loc["baselines"].items()]]
     rows = [tuple(r) + (None,) * (4 - len(r)) for r in rows]
+    ot = result["over_training"]
+    for run_name, rec in ot["runs"].items():
+        for j, st in enumerate(ot["step"]):
+            q = f"over_training:{run_name}:step{st}:"
+            rows += [(q + k, "", rec[k][j], None) for k in
+                     ("global_similarity", "attack_success_rate", "clean_accuracy",
+                      "output_cosine")]
+            se_j = rec["slice_similarity_stderr"][j]
+            rows += [(q + "slice_similarity", c, v, None if se_j is None else se_j[c])
+                     for c, v in enumerate(rec["slice_similarity"][j])]
+            rows += [(q + k, c, v, None) for k in ("output_slice_cosine", "logit_cosine")
+                     for c, v in enumerate(rec[k][j])]
     write_csv(out / CSV_NAME, ["quantity", "class", "value", "stderr"], rows)
+    from .plotting import walkthrough_figure
+
+    walkthrough_figure(out / FIG_TRAINING, ot, cfg.target,
+                       f"backdoor audit over the fine-tune ({len(ot['step'])} checkpoints, "
+                       f"step 0 = the clean model; {method_label(sim['method'])}, {cfg.metric})")
     shown = [v if ok else float("nan") for v, ok in  # a bar is not drawn for a non-answer
              zip(slices, sim.get("each_reliable") or [True] * len(slices))]
     slice_bars(out / FIG_NAME, shown, cfg.target,
@@ -289,10 +350,107 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
                per_class={lab: (_scores(pcb)[k], result["localisation"]["baselines"][k])
                           for k, lab in PER_CLASS_LABELS.items()},
                tensor_localisation=result["localisation"]["tensor"])
-    result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME] + _eigen_change(cfg, clean, backdoored,
-                                                                    result, out)
+    result["files"] = [JSON_NAME, CSV_NAME, FIG_NAME, FIG_TRAINING] + _eigen_change(cfg, clean, backdoored,
+                                                                    result, out,
+                                                                    data.image_shape)
     write_json(out / JSON_NAME, result)
     return result
+
+
+def _walkthrough(cfg: BackdoorConfig, clean, walk: dict, data, trig: dict, sim: dict,
+                 ctl: dict | None, pcb: dict, pcb_ctl: dict | None, sim_method: str, out: Path,
+                 provenance: dict, show_progress: bool) -> dict:
+    """The fine-tunes checkpoint by checkpoint (step 0 = the clean model), each against the clean
+    model: global and per-class tensor similarity, attack success rate, clean accuracy, output
+    cosine and the per-class output-slice and logit cosines on clean test images; the inner
+    checkpoints are saved under ``checkpoints/<run>_step<N>``; the last of each run reuses the
+    final numbers. Also: the first step at which each per-class score localises the change to
+    the target (`LOCALISATION_RULE`) and at which the attack success rate reaches 0.5."""
+    import torch
+
+    from ..baselines import model_outputs, output_cosine, per_class_baselines
+    from ..checkpoint import save_checkpoint
+    from ..data import add_trigger
+    from ..nn import accuracy
+    from .common import localisation
+
+    non_target = data.y_test != cfg.target
+    Xt = add_trigger(data.X_test[non_target], trig["value"], trig["pixels"], trig["shape"])
+    tt = torch.full((len(Xt),), cfg.target)
+    lg_clean = model_outputs(clean, data.X_test)
+    finals = {"backdoored": (sim, pcb), "control": (ctl, pcb_ctl)}
+    steps = [0] + [s for s, _ in walk["backdoored"]]
+    runs = {}
+    first = {}
+    norm2 = sim.get("norm2_a_each")
+    for name, snaps in walk.items():
+        rec = {k: [] for k in ("checkpoint", "global_similarity", "global_similarity_stderr",
+                               "slice_similarity", "slice_similarity_stderr",
+                               "slice_similarity_reliable", "attack_success_rate",
+                               "clean_accuracy", "output_cosine", "output_slice_cosine",
+                               "logit_cosine")}
+        for j, (st, m) in enumerate(progress([(0, clean)] + snaps, f"{name} over the fine-tune",
+                                             show_progress)):
+            last = j == len(snaps)
+            ps, pc = finals[name] if last else (
+                pair_similarity(clean, m, sim_method, depth=cfg.n_layers, norm2_a=norm2,
+                                n_samples=cfg.n_samples, seed=cfg.seed, metric=cfg.metric),
+                per_class_baselines(clean, m, data.X_test, data.y_test))
+            if j == 0:
+                path = "checkpoints/clean"
+            elif last:
+                path = f"checkpoints/{name}" if name == "backdoored" else None
+            else:
+                path = f"checkpoints/{name}_step{st:07d}"
+                save_checkpoint(out / path, m, step=cfg.steps + st,
+                                provenance={**provenance, "run": name, "finetune_step": st})
+            rec["checkpoint"].append(path)
+            rec["global_similarity"].append(ps["global"])
+            rec["global_similarity_stderr"].append(ps["global_stderr"])
+            rec["slice_similarity"].append([float(v) for v in ps["each"]])
+            rec["slice_similarity_stderr"].append(ps["each_stderr"])
+            rec["slice_similarity_reliable"].append(ps.get("each_reliable"))
+            rec["attack_success_rate"].append(accuracy(m, Xt, tt))
+            rec["clean_accuracy"].append(accuracy(m, data.X_test, data.y_test))
+            rec["output_cosine"].append(output_cosine(lg_clean, model_outputs(m, data.X_test)))
+            rec["output_slice_cosine"].append(pc["output_slice_cosine"])
+            rec["logit_cosine"].append(pc["logit_cosine"])
+        runs[name] = rec
+
+        def first_step(key, rec=rec):
+            for j, st in enumerate(steps[1:], 1):
+                ok = rec["slice_similarity_reliable"][j]
+                if key == "slice_similarity" and ok is not None and not all(ok):
+                    continue   # no finding leans on a slice without a reliable estimate
+                se = rec["slice_similarity_stderr"][j] if key == "slice_similarity" else None
+                if localisation(rec[key][j], cfg.target, se).get("localises"):
+                    return st
+            return None
+
+        first[name] = {k: first_step(k) for k in ("slice_similarity", "output_slice_cosine",
+                                                  "logit_cosine")}
+        first[name]["attack_success_rate_0.5"] = next(
+            (st for st, a in zip(steps, rec["attack_success_rate"]) if a >= 0.5), None)
+
+    def said(v):
+        return "never" if v is None else f"step {v}"
+
+    b = first["backdoored"]
+    text = (f"{len(steps)} checkpoints (step 0 = clean, then every "
+            f"{cfg.finetune_steps / cfg.finetune_checkpoints:g} fine-tune steps): the attack "
+            f"success rate reaches 0.5 at {said(b['attack_success_rate_0.5'])}; class "
+            f"{cfg.target} is singled out by the rule from {said(b['slice_similarity'])} by "
+            f"tensor similarity, {said(b['output_slice_cosine'])} by the output-slice cosine, "
+            f"{said(b['logit_cosine'])} by the logit cosine on clean test images")
+    if "control" in first:
+        c = first["control"]
+        text += (f"; in the clean control run: tensor similarity {said(c['slice_similarity'])}, "
+                 f"output-slice cosine {said(c['output_slice_cosine'])} (a class singled out "
+                 f"there is noise)")
+    return {"step": steps, "runs": runs, "first_localising_step": first, "statement": text,
+            "note": "each checkpoint against the clean model; per-class values are lists "
+                    "indexed by class; the control run's last checkpoint is not saved (as "
+                    "before)"}
 
 
 #: The behavioural per-class scores the localisation rule is applied to (clean test data),
@@ -335,18 +493,18 @@ def _localise(sim: dict, pc: dict, target: int) -> dict:
             "baselines": base, "comparison": compare_localisation(tensor, base)}
 
 
-def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Path) -> list[str]:
+def _eigen_change(cfg: BackdoorConfig, clean, backdoored, result: dict, out: Path,
+                  shape: tuple[int, int, int] = (8, 8, 1)) -> list[str]:
     """Depth 1: eigenvectors of the target's clean->backdoored change as 8x8 images next to the
     trigger, and the top eigenvector's squared mass inside the trigger (into the finding)."""
     if cfg.n_layers != 1:
         result["eigen_change"] = None
         return []
-    import numpy as np
 
-    from ..data import trigger_mask
+    from ..data import trigger_mask, trigger_pixels
     from ..decompose.report import change_eigen, eigenvector_figure
 
-    mask = trigger_mask().numpy()
+    mask = trigger_mask(trigger_pixels(shape[0]), shape=shape).numpy()
     eig, summary = change_eigen(clean.to_network(), backdoored.to_network(), cfg.target, 4, mask)
     tm = summary["top_eigenvector_mask"]
     result["eigen_change"] = summary
@@ -425,6 +583,9 @@ def backdoor_table(result: dict) -> str:
               f"similarity method: {method} ({result['metric']} metric); {compared}"]
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
+    if f.get("over_training_statement"):
+        lines.append(f"over the fine-tune (figure {FIG_TRAINING}): "
+                     f"{f['over_training_statement']}")
     if result.get("localisation"):
         lines += ["", localisation_table(result)]
     return "\n".join(lines)
@@ -514,13 +675,28 @@ def _summarise_backdoor(results: list[dict], seeds: list[int], stage: Path) -> d
                                                                 for r in results])
     lowest = [r["finding"].get("target_slice_is_clearly_lowest") if r["finding"].get("assessed",
               True) else None for r in results]
+    # over the fine-tune: does tensor similarity single the target out no later than the
+    # output-slice cosine (None: neither ever does)?
+    first = [r["over_training"]["first_localising_step"]["backdoored"] for r in results]
+    no_later = [None if f["slice_similarity"] is None and f["output_slice_cosine"] is None
+                else f["output_slice_cosine"] is None or (f["slice_similarity"] is not None and
+                                                          f["slice_similarity"]
+                                                          <= f["output_slice_cosine"])
+                for f in first]
     statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {target}'s "
-                 f"tensor slice is clearly the lowest: {count_text(lowest)}; " + loc_text)
+                 f"tensor slice is clearly the lowest: {count_text(lowest)}; over the fine-tune "
+                 f"tensor similarity singles it out no later than the output-slice cosine: "
+                 f"{count_text(no_later)} (first steps: tensor "
+                 f"{[f['slice_similarity'] for f in first]}, output-slice "
+                 f"{[f['output_slice_cosine'] for f in first]}, ASR >= 0.5 "
+                 f"{[f['attack_success_rate_0.5'] for f in first]}); " + loc_text)
     summary = {"command": "audit backdoor --seeds", "target_class": target,
                "method": results[0]["method"], "metric": results[0]["metric"],
                "numbers": numbers, "per_class": per_class, "localisation": localisation,
                "localisation_rule": LOCALISATION_RULE, "verdicts": verdicts,
-               "finding": {"target_slice_clearly_lowest": lowest,
+               "finding": {"first_localising_step": first,
+                           "tensor_no_later_than_output_slice": no_later,
+                           "target_slice_clearly_lowest": lowest,
                            "target_slice_clearly_lowest_count": count_text(lowest),
                            "statement": statement},
                "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",

@@ -81,6 +81,26 @@ def _seed_list(args) -> list[int] | None:
     return seeds
 
 
+def _data_spec(text: str) -> str:
+    """argparse type of ``--data``: ``digits`` or ``npz:PATH`` (the file is checked later, still
+    before any training, by the audit's configuration)."""
+    from .common import check_data_spec
+
+    try:
+        return check_data_spec(text, "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).lstrip(": ")) from None
+
+
+def _data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", type=_data_spec, default="digits", metavar="digits|npz:PATH",
+                   help="the images (default digits: scikit-learn's 8x8 digits, split by "
+                        "--seed); npz:PATH: your own .npz with arrays X_train, y_train, X_test, "
+                        "y_test (images (n, H, W) or (n, H, W, C) of any size, or square rows "
+                        "(n, side*side); integer labels 0..K-1, every class in both splits; "
+                        "pixels used as stored), checked before any training")
+
+
 def _metric(p: argparse.ArgumentParser, language: bool = False) -> None:
     from .common import SIM_METRICS
 
@@ -127,10 +147,15 @@ def add_parsers(sub) -> None:
     b.add_argument("--poison-fraction", type=fraction, default=0.1,
                    help="fraction of non-target training images triggered and relabelled "
                         "(default 0.1)")
+    _data(b)
     b.add_argument("--steps", type=positive_int, default=None,
                    help="clean training steps (default 2000; 500 with --quick)")
     b.add_argument("--finetune-steps", type=positive_int, default=None,
                    help="backdoor fine-tuning steps (default 600; 300 with --quick)")
+    b.add_argument("--finetune-checkpoints", type=positive_int, default=None,
+                   help="checkpoints through the backdoor and the control fine-tune, evenly "
+                        "spaced, the last at the end (default 20, also with --quick); each is "
+                        "compared with the clean model (the walk-through figure)")
     b.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
     b.add_argument("--d-model", type=positive_int, default=32,
@@ -144,8 +169,13 @@ def add_parsers(sub) -> None:
     _common(f, "runs/forgetting")
     f.add_argument("--removed-class", type=int, default=9,
                    help="the class added last, then removed and re-added (default 9)")
+    _data(f)
     f.add_argument("--stage-steps", type=positive_int, default=None,
                    help="training steps per curriculum stage (default 600; 150 with --quick)")
+    f.add_argument("--checkpoints-per-stage", type=positive_int, default=None,
+                   help="checkpoints saved within each stage, evenly spaced, the last at its "
+                        "end (default 5: 40 over the 8 stages, also with --quick); each is "
+                        "compared with the reference class by class")
     f.add_argument("--layers", type=positive_int, default=1,
                    help="bilinear blocks (depth; default 1)")
     _seeds(f)
@@ -162,6 +192,12 @@ def add_parsers(sub) -> None:
                    help="number of checkpoints on the log schedule (default 24; 12 with --quick)")
     g.add_argument("--train-fraction", type=fraction, default=None,
                    help="fraction of the P^2 pairs used for training (default 0.8, also with --quick)")
+    _seeds(g)
+    g.add_argument("--paper-size", action="store_true",
+                   help="the original authors' size: P = 113 with 30%% of the pairs trained "
+                        "(other settings as the default; slow: its measured CPU time is printed "
+                        "before training and in docs/audits.md); not with --quick, --P or "
+                        "--train-fraction (default off: P = 31, 80%% trained)")
     g.set_defaults(func=cmd_grokking, own_threads=True)
 
     _add_language(asub)
@@ -336,11 +372,14 @@ def cmd_backdoor(args, demo: bool = False) -> int:
     name = "demo" if demo else "audit backdoor"
     kw = dict(target=args.target, poison_fraction=args.poison_fraction, seed=args.seed,
               method=args.method, n_layers=args.layers, d_model=args.d_model,
-              d_hidden=args.d_hidden, n_samples=_samples(args), metric=args.metric)
+              d_hidden=args.d_hidden, n_samples=_samples(args), metric=args.metric,
+              data=args.data)
     if args.steps:
         kw["steps"] = args.steps
     if args.finetune_steps:
         kw["finetune_steps"] = args.finetune_steps
+    if getattr(args, "finetune_checkpoints", None):
+        kw["finetune_checkpoints"] = args.finetune_checkpoints
     cfg = BackdoorConfig.quick(**kw) if args.quick else BackdoorConfig(**kw)
     cfg.validate()
     seeds = None if demo else _seed_list(args)
@@ -352,20 +391,25 @@ def cmd_backdoor(args, demo: bool = False) -> int:
 
         result = run(args, name, lambda: run_backdoor_seeds(
             cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
-        header = (f"tensoralg {name}: backdoor audit on scikit-learn digits, {len(seeds)} seeds "
+        header = (f"tensoralg {name}: backdoor audit on {_data_name(cfg.data)}, {len(seeds)} seeds "
                   f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
         return report(args, result, backdoor_seeds_table, header, json_written=True)
     result = run(args, name, lambda: run_backdoor(cfg, out, show_progress=not args.no_progress,
                                                   json_copy=args.json))
-    header = (f"tensoralg {name}: backdoor audit on scikit-learn digits "
+    header = (f"tensoralg {name}: backdoor audit on {_data_name(cfg.data)} "
               f"({'quick' if args.quick else 'full'} size, {time.perf_counter() - t0:.1f} s)\n")
     return report(args, result, backdoor_table, header, json_written=True)
+
+
+def _data_name(spec: str) -> str:
+    return "scikit-learn digits" if spec == "digits" else spec
 
 
 def cmd_demo(args) -> int:
     args.target, args.poison_fraction, args.layers = 9, 0.1, 1
     args.d_model, args.d_hidden, args.steps, args.finetune_steps = 32, 64, None, None
-    args.quick = True
+    args.finetune_checkpoints = None
+    args.quick, args.data = True, "digits"
     return cmd_backdoor(args, demo=True)
 
 
@@ -373,9 +417,12 @@ def cmd_forgetting(args) -> int:
     from .forgetting import ForgettingConfig, forgetting_table, run_forgetting
 
     kw = dict(removed_class=args.removed_class, seed=args.seed, method=args.method,
-              n_layers=args.layers, n_samples=_samples(args), metric=args.metric)
+              n_layers=args.layers, n_samples=_samples(args), metric=args.metric,
+              data=args.data)
     if args.stage_steps:
         kw["stage_steps"] = args.stage_steps
+    if args.checkpoints_per_stage:
+        kw["per_stage"] = args.checkpoints_per_stage
     cfg = ForgettingConfig.quick(**kw) if args.quick else ForgettingConfig(**kw)
     cfg.validate()
     seeds = _seed_list(args)
@@ -400,10 +447,29 @@ def cmd_grokking(args) -> int:
     for name in ("P", "steps", "checkpoints", "train_fraction"):
         if getattr(args, name):
             kw[name] = getattr(args, name)
-    cfg = GrokkingConfig.quick(**kw) if args.quick else GrokkingConfig(**kw)
+    if args.paper_size:
+        clash = [f for f, v in (("--quick", args.quick), ("--P", args.P),
+                                ("--train-fraction", args.train_fraction)) if v]
+        if clash:
+            raise ValueError(f"--paper-size sets P = 113 and 30% of the pairs trained: drop "
+                             f"{' and '.join(clash)}")
+        cfg = GrokkingConfig.paper(**kw)
+    else:
+        cfg = GrokkingConfig.quick(**kw) if args.quick else GrokkingConfig(**kw)
     cfg.validate()
+    seeds = _seed_list(args)
     out = check_paths(args, "runs/grokking")
+    if args.paper_size:
+        from .grokking import PAPER_SIZE_COST
+
+        print(f"tensoralg audit grokking --paper-size: {PAPER_SIZE_COST}", file=sys.stderr)
     apply_threads(args)
+    if seeds is not None:
+        from .grokking import grokking_seeds_table, run_grokking_seeds
+
+        result = run(args, "audit grokking", lambda: run_grokking_seeds(
+            cfg, seeds, out, show_progress=not args.no_progress, json_copy=args.json))
+        return report(args, result, grokking_seeds_table, json_written=True)
     result = run(args, "audit grokking",
                  lambda: run_grokking(cfg, out, show_progress=not args.no_progress,
                                       json_copy=args.json))

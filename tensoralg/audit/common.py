@@ -287,6 +287,39 @@ def write_json_copy(json_copy: str | Path, result: Mapping[str, Any], final: Pat
     return write_json(stage / rel, result)
 
 
+#: The arrays of an audit's ``--data npz:PATH`` file (`tensoralg.data.load_npz_data`).
+NPZ_ARRAYS = ("X_train", "y_train", "X_test", "y_test")
+
+
+def check_data_spec(spec: str, flag: str = "--data") -> str:
+    """``digits`` or ``npz:PATH`` (the audits' ``--data``), returned unchanged; imports
+    nothing heavy (the file itself is checked by `tensoralg.data.load_npz_data`).
+
+    Raises:
+        ValueError: anything else, in one line naming ``flag``.
+    """
+    if spec == "digits" or (isinstance(spec, str) and spec.startswith("npz:") and len(spec) > 4):
+        return spec
+    raise ValueError(f"{flag}: expected 'digits' or 'npz:PATH' (an .npz file with arrays "
+                     f"{', '.join(NPZ_ARRAYS)}), got {spec!r}")
+
+
+def data_info(spec: str, seed: int = 0) -> tuple[int, tuple[int, int, int]]:
+    """``(n_classes, (H, W, C))`` of an audit's ``--data``: the digits' ``(10, (8, 8, 1))``
+    without loading them, or an npz file's, read and checked
+    (`tensoralg.data.audit_data`; the run reuses the read).
+
+    Raises:
+        ValueError: a bad ``--data`` (one line naming it).
+    """
+    if check_data_spec(spec) == "digits":   # torch is not imported for the digits' sizes
+        return 10, (8, 8, 1)
+    from ..data import audit_data
+
+    d = audit_data(spec, seed)
+    return d.n_classes, d.image_shape
+
+
 def run_staged(cfg: Any, out: str | Path, json_name: str, depth: int, model: Any,
                runner: Any, show_progress: bool, json_copy: str | Path | None = None) -> dict:
     """The shared frame of every audit: validate ``cfg``, check ``out``

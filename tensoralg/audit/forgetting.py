@@ -56,13 +56,15 @@ CSV_NAME = "forgetting.csv"
 FIG_SLICES = "forgetting_slices.png"
 FIG_MATRICES = "forgetting_matrices.png"
 FIG_EIGEN = "forgetting_eigenvectors.png"
+FIG_TRAINING = "forgetting_over_training.png"
 
 
 @dataclass
 class ForgettingConfig:
     removed_class: int = 9
-    n_base: int = 5
+    n_base: int | None = None   # classes of the first stage (default half: 5 of the 10 digits)
     stage_steps: int = 600
+    per_stage: int = 5          # checkpoints within each stage (the last at its end): 8 x 5 = 40
     d_model: int = 32
     d_hidden: int = 64
     n_layers: int = 1
@@ -75,6 +77,7 @@ class ForgettingConfig:
     method: str = "auto"
     n_samples: int = MC_SAMPLES   # Monte Carlo samples (used when the method is montecarlo)
     metric: str = "gaussian"    # or "frobenius" (exact only; see common.SIM_METRICS)
+    data: str = "digits"        # or "npz:PATH" (tensoralg.data.load_npz_data)
 
     @classmethod
     def quick(cls, **kw) -> ForgettingConfig:
@@ -84,15 +87,25 @@ class ForgettingConfig:
 
     def validate(self) -> None:
         check_metric(self.metric, self.method)
-        if not (0 <= self.removed_class < 10):
-            raise ValueError(f"--removed-class: expected a digit class 0..9, got {self.removed_class}")
-        if not (1 <= self.n_base <= 8):
-            raise ValueError(f"n_base: expected 1..8 initial classes, got {self.n_base}")
+        from .common import data_info
+
+        k, _ = data_info(self.data, self.seed)   # an npz file is read and checked here
+        if k < 3:
+            raise ValueError(f"--data {self.data}: {k} classes; the curriculum needs at least 3 "
+                             f"(base classes, one added, the removed one)")
+        if not (0 <= self.removed_class < k):
+            raise ValueError(f"--removed-class: expected a class 0..{k - 1} of --data "
+                             f"{self.data}, got {self.removed_class}")
+        if self.n_base is not None and not (1 <= self.n_base <= k - 2):
+            raise ValueError(f"n_base: expected 1..{k - 2} initial classes, got {self.n_base}")
         from ._cliutil import check_n_samples
 
         check_n_samples(self.n_samples)
         if self.stage_steps < 1:
             raise ValueError(f"--stage-steps: expected a positive integer, got {self.stage_steps}")
+        if not 1 <= self.per_stage <= self.stage_steps:
+            raise ValueError(f"--checkpoints-per-stage: expected 1 .. --stage-steps = "
+                             f"{self.stage_steps}, got {self.per_stage}")
 
 
 def curriculum(removed_class: int = 9, n_base: int = 5, n_classes: int = 10) -> list[tuple[str, list[int]]]:
@@ -113,8 +126,10 @@ def curriculum(removed_class: int = 9, n_base: int = 5, n_classes: int = 10) -> 
 
 def _model(cfg: ForgettingConfig):
     from ..nn import BilinearNet
+    from .common import data_info
 
-    return BilinearNet(64, 10, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
+    k, shape = data_info(cfg.data, cfg.seed)
+    return BilinearNet(int(np.prod(shape)), k, d_model=cfg.d_model, d_hidden=cfg.d_hidden, n_layers=cfg.n_layers,
                        bias=cfg.bias, residual=cfg.residual, seed=cfg.seed)
 
 
@@ -144,33 +159,48 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         weight_cosine,
     )
     from ..checkpoint import save_checkpoint
-    from ..data import load_digits_data, select_classes
-    from ..nn import accuracy, train_classifier
+    from ..data import audit_data, select_classes
+    from ..nn import train_classifier
     from .plotting import class_heatmap, heatmaps
 
     t0 = time.perf_counter()
-    data = load_digits_data(seed=cfg.seed)
-    stages = curriculum(cfg.removed_class, cfg.n_base)
+    data = audit_data(cfg.data, cfg.seed)
+    K = data.n_classes
+    stages = curriculum(cfg.removed_class, K // 2 if cfg.n_base is None else cfg.n_base, K)
     model = _model(cfg)
     checkpoints, labels, acc, names = [], [], [], []
+    # every checkpoint over training: (stage index, global step, model, folder); the stage ends
+    # are the last of each stage's (the same objects as `checkpoints`)
+    within = inner_steps(cfg.stage_steps, cfg.per_stage)
+    traj: list[tuple[int, int, object, str]] = []
     step = 0
     for i, (label, classes) in enumerate(progress(stages, "forgetting curriculum", show_progress)):
         X, y = select_classes(data.X_train, data.y_train, classes)
+        prov = {"data": data.provenance, "audit": "forgetting", "stage": label,
+                "classes": classes}
+
+        def keep(s, m, i=i, prov=prov, start=step):
+            snap = copy.deepcopy(m)
+            name = f"checkpoints/stage{i:02d}_step{start + s:07d}"
+            save_checkpoint(out / name, snap, step=start + s, provenance=prov)
+            traj.append((i, start + s, snap, name))
+
+        # snapshots inside the stage only (not its step 0, the previous stage's end); the
+        # callback draws no random numbers, so the stage ends are those of a run without it
         train_classifier(model, X, y, steps=cfg.stage_steps, lr=cfg.lr,
                          weight_decay=cfg.weight_decay, batch_size=cfg.batch_size,
-                         seed=cfg.seed + i)
+                         seed=cfg.seed + i, eval_at=within[:-1], callback=keep)
         step += cfg.stage_steps
         snap = copy.deepcopy(model)
         checkpoints.append(snap)
         labels.append(label)
-        acc.append([accuracy(snap, *select_classes(data.X_test, data.y_test, [c])) for c in range(10)])
+        acc.append(_class_accuracy(snap, data, K))
         names.append(f"checkpoints/stage{i:02d}")
-        save_checkpoint(out / names[-1], snap, step=step,
-                        provenance={"data": data.provenance, "audit": "forgetting",
-                                    "stage": label, "classes": classes})
+        save_checkpoint(out / names[-1], snap, step=step, provenance=prov)
+        traj.append((i, step, snap, names[-1]))
     t_train = time.perf_counter() - t0
 
-    ref_index = next(i for i, (_, cl) in enumerate(stages) if len(cl) == 10)
+    ref_index = next(i for i, (_, cl) in enumerate(stages) if len(cl) == K)
     ref = checkpoints[ref_index]
     t1 = time.perf_counter()
     per_stage = []
@@ -199,12 +229,14 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     # behaviour on clean test images, each checkpoint against the reference, class by class
     pcb = [per_class_baselines(ref, m, data.X_test, data.y_test) for m in checkpoints]
     out_cos = [output_cosine(logits[ref_index], lg) for lg in logits]
+    traj_rec = _trajectory(cfg, traj, stages, ref, ref_index, per_stage, pcb, acc, data,
+                           sim_method, show_progress)
 
     slices = np.array([s["each"] for s in per_stage])  # (stages, classes)
     r = cfg.removed_class
     i_rm = next(i for i, (lab, _) in enumerate(stages) if lab == f"-{r}")
     i_re = len(stages) - 1
-    others = [c for c in range(10) if c != r]
+    others = [c for c in range(K) if c != r]
     # collapse: the removed class's slice below every other slice at removal; with Monte Carlo
     # by more than 2 standard errors (sqrt(se_r^2 + se_low^2), covariance ignored)
     low = others[int(np.argmin(slices[i_rm, others]))]
@@ -244,6 +276,13 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
     loc["stage"] = labels[i_rm]
     finding["localisation_statement"] = (f"at {labels[i_rm]} against {labels[ref_index]}: "
                                          + loc["comparison"]["statement"])
+    first = _first_localising(traj_rec, r, labels[i_rm])
+    finding["first_localising_checkpoint"] = first
+    finding["over_training_statement"] = (
+        f"over the {sum(1 for st in traj_rec['stage'] if st == labels[i_rm])} checkpoints of "
+        f"{labels[i_rm]}, the first at which each score localises the removal to class {r} "
+        f"(same rule): " + "; ".join(f"{k.replace('_', ' ')} {v or 'never'}"
+                                     for k, v in first.items()))
     result = {
         **stamp("audit forgetting", asdict(cfg)),
         "stages": [{"label": lab, "classes": cl} for lab, cl in stages],
@@ -279,6 +318,7 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
             lab: {"output_cosine": out_cos[i], "cka_logits": float(cka[ref_index, i]),
                   "weight_cosine": float(wcos[ref_index, i])} for i, lab in enumerate(labels)},
         "localisation": loc,
+        "over_training": traj_rec,
         "data": data.provenance,
         "checkpoints": dict(zip(labels, names)),
         "paths": PATHS_NOTE,
@@ -302,7 +342,17 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
                           ("weight_cosine", wcos, None)):
         rows += [(labels[i], f"{name}_vs:{labels[j]}", "", float(mat[i, j]),   # NaN: blank
                   None if se is None else float(se[i, j])) for i in range(n) for j in range(n)]
+    for j, lab in enumerate(traj_rec["label"]):
+        rows.append((lab, "over_training:global_similarity", "",
+                     traj_rec["global_similarity"][j], traj_rec["global_similarity_stderr"][j]))
+        se_j = traj_rec["slice_similarity_stderr"][j]
+        for key in ("slice_similarity", "test_accuracy_per_class", "logit_cosine",
+                    "output_slice_cosine"):
+            rows += [(lab, f"over_training:{key}", c, v,
+                      None if key != "slice_similarity" or se_j is None else se_j[c])
+                     for c, v in enumerate(traj_rec[key][j])]
     write_csv(out / CSV_NAME, ["stage", "quantity", "class", "value", "stderr"], rows)
+    _trajectory_figure(out / FIG_TRAINING, traj_rec, r, method, cfg.metric)
     class_heatmap(out / FIG_SLICES, slices.T, labels,
                   f"per class, each checkpoint against the reference ({labels[ref_index]}; "
                   f"tensor similarity {method_label(method)}, {cfg.metric}); class {r} removed "
@@ -320,7 +370,7 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
              "forgetting curriculum: checkpoint x checkpoint"
              + ("; tensor similarity blank: no reliable estimate" if mat_rec.get("n_unreliable")
                 else ""))
-    result["files"] = [JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES]
+    result["files"] = [JSON_NAME, CSV_NAME, FIG_SLICES, FIG_MATRICES, FIG_TRAINING]
     if cfg.n_layers == 1:   # eigenvectors of the removed class's change at removal (pixels)
         from ..decompose.report import change_eigen, eigenvector_figure
 
@@ -337,6 +387,117 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         result["files"].append(FIG_EIGEN)
     write_json(out / JSON_NAME, result)
     return result
+
+
+def inner_steps(stage_steps: int, per_stage: int) -> list[int]:
+    """The steps inside one stage (1 .. ``stage_steps``) at which a checkpoint is saved:
+    ``per_stage`` evenly spaced ones, the last at the stage's end.
+
+    Raises:
+        ValueError: ``per_stage`` outside ``1 .. stage_steps``.
+    """
+    if not 1 <= per_stage <= stage_steps:
+        raise ValueError(f"per_stage: expected 1 .. {stage_steps}, got {per_stage}")
+    pts = [int(round(k * stage_steps / per_stage)) for k in range(1, per_stage + 1)]
+    return sorted(set(pts))
+
+
+def _class_accuracy(model, data, k: int) -> list[float]:
+    from ..data import select_classes
+    from ..nn import accuracy
+
+    return [accuracy(model, *select_classes(data.X_test, data.y_test, [c])) for c in range(k)]
+
+
+def _trajectory(cfg: ForgettingConfig, traj: list, stages: list, ref, ref_index: int,
+                per_stage: list, pcb: list, acc: list, data, sim_method: str,
+                show_progress: bool) -> dict:
+    """Every checkpoint over training against the reference: global and per-class tensor
+    similarity (the stage ends reuse the per-stage values), per-class test accuracy, and the
+    behavioural per-class logit and output-slice cosines on clean test images."""
+    from ..baselines import per_class_baselines
+
+    ends = {}
+    for j, (i, *_rest) in enumerate(traj):
+        ends[i] = j   # the last of each stage is its end
+    rows = {"label": [], "stage": [], "step": [], "checkpoint": [], "global_similarity": [],
+            "global_similarity_stderr": [], "slice_similarity": [], "slice_similarity_stderr": [],
+            "slice_similarity_reliable": [], "test_accuracy_per_class": [],
+            "logit_cosine": [], "output_slice_cosine": []}
+    norm2 = per_stage[ref_index]["norm2_a_each"]
+    for j, (i, step, m, name) in enumerate(progress(traj, "similarity over training",
+                                                    show_progress)):
+        end = ends[i] == j
+        ps = per_stage[i] if end else pair_similarity(
+            ref, m, sim_method, depth=cfg.n_layers, norm2_a=norm2, n_samples=cfg.n_samples,
+            seed=cfg.seed, metric=cfg.metric)
+        pc = pcb[i] if end else per_class_baselines(ref, m, data.X_test, data.y_test)
+        rows["label"].append(f"{stages[i][0]}@{step}")
+        rows["stage"].append(stages[i][0])
+        rows["step"].append(step)
+        rows["checkpoint"].append(name)
+        rows["global_similarity"].append(ps["global"])
+        rows["global_similarity_stderr"].append(ps["global_stderr"])
+        rows["slice_similarity"].append([float(v) for v in ps["each"]])
+        rows["slice_similarity_stderr"].append(ps["each_stderr"])
+        rows["slice_similarity_reliable"].append(ps.get("each_reliable"))
+        rows["test_accuracy_per_class"].append(acc[i] if end else
+                                               _class_accuracy(m, data, data.n_classes))
+        rows["logit_cosine"].append(pc["logit_cosine"])
+        rows["output_slice_cosine"].append(pc["output_slice_cosine"])
+    rows["reference"] = stages[ref_index][0]
+    rows["reference_accuracy"] = acc[ref_index]
+    rows["note"] = ("every checkpoint over training (checkpoints_per_stage per stage, the last "
+                    "at the stage's end) against the reference; per-class values are lists "
+                    "indexed by class")
+    return rows
+
+
+def _first_localising(traj_rec: dict, r: int, stage: str) -> dict:
+    """Over the checkpoints of ``stage`` (the removal), the first at which each per-class score
+    localises the change to class ``r`` by `LOCALISATION_RULE`: tensor similarity's slice, the
+    accuracy change, the output-slice and the class-restricted logit cosine (None: never)."""
+    from .common import localisation
+
+    idx = [j for j, st in enumerate(traj_rec["stage"]) if st == stage]
+    out = {}
+    for key in ("slice_similarity", "accuracy_change", "output_slice_cosine", "logit_cosine"):
+        first = None
+        for j in idx:
+            if key == "accuracy_change":
+                scores = [-abs(a - b) for a, b in zip(traj_rec["reference_accuracy"],
+                                                      traj_rec["test_accuracy_per_class"][j])]
+            else:
+                scores = traj_rec[key][j]
+            se = traj_rec["slice_similarity_stderr"][j] if key == "slice_similarity" else None
+            ok = traj_rec["slice_similarity_reliable"][j]
+            if key == "slice_similarity" and ok is not None and not all(ok):
+                continue   # no finding leans on a slice without a reliable estimate
+            if localisation(scores, r, se).get("localises"):
+                first = traj_rec["label"][j]
+                break
+        out[key] = first
+    return out
+
+
+def _trajectory_figure(path: Path, rec: dict, r: int, method: str, metric: str) -> None:
+    """Heatmaps class x checkpoint over training: tensor similarity's slices, the per-class
+    test accuracy and the behavioural output-slice cosine, stage boundaries marked."""
+    from .plotting import training_heatmaps
+
+    bounds, prev = [], None
+    for j, st in enumerate(rec["stage"]):
+        if st != prev:
+            bounds.append((j, st))
+            prev = st
+    training_heatmaps(path, {
+        f"tensor similarity to the reference ({method_label(method)}, {metric})":
+            np.array(rec["slice_similarity"], dtype=float).T,
+        "output-slice cosine to the reference (clean test images)":
+            np.array(rec["output_slice_cosine"], dtype=float).T,
+        "test accuracy (class's test images)": np.array(rec["test_accuracy_per_class"]).T},
+        bounds, f"forgetting curriculum over training: {len(rec['stage'])} checkpoints, "
+                f"reference {rec['reference']}; class {r} removed at '-{r}'", highlight=r)
 
 
 def _named(pc: dict) -> dict:
@@ -372,14 +533,15 @@ def forgetting_table(result: dict) -> str:
     r = result["finding"]["removed_class"]
     se = result.get("slice_similarity_to_reference_stderr")
     gse = result.get("global_similarity_to_reference_stderr") or {}
-    header = ["stage", "global"] + [f"c{c}" for c in range(10)] + [f"acc c{r}"]
+    classes = list(result["slice_similarity_to_reference"][labels[0]])
+    header = ["stage", "global"] + [f"c{c}" for c in classes] + [f"acc c{r}"]
     rows = []
     rel = result.get("slice_similarity_to_reference_reliable") or {}
     for lab in labels:
         sl = result["slice_similarity_to_reference"][lab]
         ok = rel.get(lab, {})
         rows.append([lab, pm(result["global_similarity_to_reference"][lab], gse.get(lab))]
-                    + [pm(sl[str(c)], None, ok.get(str(c))) for c in range(10)]
+                    + [pm(sl[c], None, ok.get(c)) for c in classes]
                     + [result["test_accuracy_per_class"][lab][str(r)]])
     f = result["finding"]
     method = f"{method_label(result['method'])} {result['metric']} metric"
@@ -404,6 +566,9 @@ def forgetting_table(result: dict) -> str:
                      f"estimate (blank in the figure, null in the JSON)")
     if f.get("eigen_statement"):
         lines.append(f["eigen_statement"])
+    if f.get("over_training_statement"):
+        lines.append(f"{len(result['over_training']['label'])} checkpoints over training "
+                     f"(figure forgetting_over_training.png): {f['over_training_statement']}")
     if result.get("localisation"):
         lines += ["", _localisation_lines(result)]
     return "\n".join(lines)
@@ -483,7 +648,7 @@ def _summarise_forgetting(results: list[dict], seeds: list[int], stage: Path) ->
     labels = [s["label"] for s in r0["stages"]]
     rm = r0["localisation"]["stage"]
     r = r0["finding"]["removed_class"]
-    classes = [str(c) for c in range(10)]
+    classes = list(r0["slice_similarity_to_reference"][rm])
     numbers = {}
     for key in ("removed_slice_at_removal", "removed_slice_after_readd",
                 "other_slices_min_at_removal", "collapse_gap", "recovery"):
@@ -503,14 +668,28 @@ def _summarise_forgetting(results: list[dict], seeds: list[int], stage: Path) ->
                                                                 for x in results])
     collapses = [x["finding"]["collapses"] for x in results]
     recovers = [x["finding"]["recovers"] for x in results]
+    # over training: the first checkpoint of the removal stage where each score localises it
+    first = [x["finding"]["first_localising_checkpoint"] for x in results]
+    steps = [{k: None if v is None else int(v.rsplit("@", 1)[1]) for k, v in f.items()}
+             for f in first]
+    no_later = [None if f["slice_similarity"] is None and f["accuracy_change"] is None
+                else f["accuracy_change"] is None or (f["slice_similarity"] is not None and
+                                                      f["slice_similarity"]
+                                                      <= f["accuracy_change"])
+                for f in steps]
     statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): class {r}'s tensor "
                  f"slice collapses at {rm}: {count_text(collapses)}; recovers after re-adding: "
-                 f"{count_text(recovers)}; at {rm}: " + loc_text)
+                 f"{count_text(recovers)}; over training, tensor similarity localises the "
+                 f"removal no later than the accuracy change: {count_text(no_later)} (first "
+                 f"checkpoints: tensor {[f['slice_similarity'] for f in first]}, accuracy "
+                 f"change {[f['accuracy_change'] for f in first]}); at {rm}: " + loc_text)
     summary = {"command": "audit forgetting --seeds", "target_class": r, "removal_stage": rm,
                "method": r0["method"], "metric": r0["metric"], "numbers": numbers,
                "per_class": per_class, "per_class_stage": rm, "localisation": localisation,
                "localisation_rule": r0["localisation"]["rule"], "verdicts": verdicts,
-               "finding": {"collapses": collapses, "collapses_count": count_text(collapses),
+               "finding": {"first_localising_checkpoint": first,
+                           "tensor_no_later_than_accuracy_change": no_later,
+                           "collapses": collapses, "collapses_count": count_text(collapses),
                            "recovers": recovers, "recovers_count": count_text(recovers),
                            "statement": statement},
                "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",

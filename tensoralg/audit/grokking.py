@@ -11,7 +11,11 @@ stack of checkpoints).
 
 Expected finding: the similarity to the final checkpoint keeps changing after validation
 accuracy has saturated — the weights keep reorganising (circuit clean-up under weight decay)
-while the behaviour on the data no longer moves.
+while the validation accuracy no longer moves. Next to it: the Fourier picture of the weights
+(`tensoralg.audit.grokking_fourier`: power per frequency of the embedding and of the bilinear
+layer over training, the key frequencies, the Spearman correlation of each quantity's change
+with the spectrum's change) and a data baseline, the output cosine over all P^2 inputs, which
+at the quick size keeps changing after saturation too (docs/audits.md).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from .common import (
 JSON_NAME = "grokking.json"
 CSV_NAME = "grokking.csv"
 MATRIX_CSV = "grokking_matrix.csv"
+FOURIER_CSV = "grokking_fourier.csv"
 FIG_NAME = "grokking.png"
+FIG_FOURIER = "grokking_fourier.png"
 
 SATURATION_TOL = 0.02     # val accuracy within this of its maximum = saturated ...
 SATURATION_ABOVE_CHANCE = 0.5  # ... provided the maximum is at least halfway from chance to 1
@@ -98,6 +104,14 @@ class GrokkingConfig:
         base.update(kw)
         return cls(**base)
 
+    @classmethod
+    def paper(cls, **kw) -> GrokkingConfig:
+        """The paper's sizes: P = 113, 30 % of the pairs trained (`PAPER_P`,
+        `PAPER_TRAIN_FRACTION`); the other settings are the defaults' unless given."""
+        base = dict(P=PAPER_P, train_fraction=PAPER_TRAIN_FRACTION)
+        base.update(kw)
+        return cls(**base)
+
     def validate(self) -> None:
         check_metric(self.metric, self.method)
         if not 2 <= self.P <= MAX_P:
@@ -122,6 +136,29 @@ class GrokkingConfig:
         from ._cliutil import check_n_samples
 
         check_n_samples(self.n_samples)
+
+
+#: The original authors' grokking sizes (modulus, training fraction): `GrokkingConfig.paper`.
+PAPER_P, PAPER_TRAIN_FRACTION = 113, 0.3
+
+
+#: What --paper-size costs, printed before training (measured: docs/audits.md, "Run time").
+PAPER_SIZE_COST = ("P = 113 with 30% of the 12769 pairs trained: every full-batch step runs "
+                   "3831 pairs of 226 one-hot features (the default: 769 of 62). Measured on "
+                   "one thread: --paper-size --steps 500 --checkpoints 8 took 23.5 s of CPU "
+                   "(memorised at step 106, validation still at chance); the full 5000 steps "
+                   "are estimated at about 4 minutes of CPU (not measured), and whether this "
+                   "model groks at 30% trained within them is untested (docs/audits.md)")
+
+
+def size_note(cfg: GrokkingConfig) -> str:
+    """How this run's size compares with the paper's (P = 113, 30 % of the pairs trained)."""
+    if cfg.P == PAPER_P and abs(cfg.train_fraction - PAPER_TRAIN_FRACTION) < 1e-12:
+        return (f"size: the paper's (P = {PAPER_P}, {PAPER_TRAIN_FRACTION:.0%} of the pairs "
+                f"trained), {cfg.steps} steps")
+    return (f"size: P = {cfg.P}, {cfg.train_fraction:.0%} of the {cfg.P ** 2} pairs trained, "
+            f"{cfg.steps} steps; the paper's figure uses P = {PAPER_P} with "
+            f"{PAPER_TRAIN_FRACTION:.0%} trained (--paper-size)")
 
 
 def log_schedule(steps: int, n: int) -> list[int]:
@@ -282,6 +319,28 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "keeps_changing_criterion": f"similarity to final at saturation < {1 - CHANGE_THRESHOLD}",
         "grokked": j_grok is not None,
     }
+    # the data baseline over all P^2 inputs, and the Fourier picture of the weights
+    import torch
+
+    from ..baselines import model_outputs, output_cosine
+    from .grokking_fourier import fourier_figure, fourier_record, fourier_statement
+
+    X_all = torch.cat([data.X_train, data.X_test])
+    logits = [model_outputs(m, X_all) for m in snaps]
+    out_final = [output_cosine(lg, logits[-1]) for lg in logits]
+    out_next = [output_cosine(logits[i], logits[i + 1]) for i in range(len(logits) - 1)]
+    fourier = fourier_record(snaps, cfg.P, sim, val_acc, out_next, out_final)
+    data_at_sat = None if i_sat is None else out_final[i_sat]
+    finding.update({
+        "output_cosine_to_final_at_saturation": data_at_sat,
+        "data_keeps_changing": (None if data_at_sat is None or i_sat == len(steps) - 1
+                                else bool(data_at_sat < 1 - CHANGE_THRESHOLD)),
+        "data_keeps_changing_criterion": (f"output cosine to the final checkpoint over all "
+                                          f"P^2 = {cfg.P ** 2} inputs at saturation < "
+                                          f"{1 - CHANGE_THRESHOLD}"),
+        "key_frequencies": fourier["key_frequencies"],
+        "fourier_statement": fourier_statement(fourier, steps),
+    })
     result = {
         **stamp("audit grokking", asdict(cfg)),
         "steps": steps,
@@ -300,6 +359,12 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
         "similarity_to_final_stderr": None if se is None else se[:, -1].tolist(),
         "similarity_to_final_reliable": None if ok is None else ok[:, -1].tolist(),
         "finding": finding,
+        "output_cosine_to_final": out_final,
+        "output_cosine_neighbour": out_next,
+        "output_cosine_note": (f"mean cosine of the logits over all P^2 = "
+                               f"{cfg.P ** 2} input pairs (train and validation)"),
+        "fourier": fourier,
+        "size_note": size_note(cfg),
         "data": data.provenance,
         "checkpoints": names,
         "paths": PATHS_NOTE,
@@ -307,25 +372,52 @@ def _run_grokking(cfg: GrokkingConfig, out: Path, show_progress: bool, method: s
                     "total": time.perf_counter() - t0},
     }
     write_csv(out / CSV_NAME, ["step", "train_accuracy", "val_accuracy", "train_loss",
-                               "similarity_to_final", "similarity_to_final_stderr"],
+                               "similarity_to_final", "similarity_to_final_stderr",
+                               "output_cosine_to_final", "spectrum_distance_to_final",
+                               "key_share_embedding", "key_share_bilinear"],
               zip(steps, train_acc, val_acc, loss, to_final,
-                  [None] * len(steps) if se is None else se[:, -1]))
+                  [None] * len(steps) if se is None else se[:, -1], out_final,
+                  fourier["spectrum_distance_to_final"], fourier["key_share_embedding"],
+                  fourier["key_share_bilinear"]))
+    write_csv(out / FOURIER_CSV, ["step", "part"] + [f"k{k}" for k in fourier["frequencies"]],
+              [[st, part] + row for part in ("embedding", "bilinear")
+               for st, row in zip(steps, fourier[f"{part}_power_share"])])
+    fourier_figure(out / FIG_FOURIER, fourier, steps, to_final, out_final, val_acc,
+                   f"grokking, mod {cfg.P}: Fourier power over training ({len(steps)} "
+                   f"checkpoints; key frequencies {fourier['key_frequencies']})")
     write_csv(out / MATRIX_CSV, ["step"] + [str(s) for s in steps],
               ([s] + [float(v) for v in row] for s, row in zip(steps, sim)))
     grokking_figure(out / FIG_NAME, steps, train_acc, val_acc, sim, to_final, method,
                     cfg.metric)
-    result["files"] = [JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME]
+    result["files"] = [JSON_NAME, CSV_NAME, MATRIX_CSV, FIG_NAME, FOURIER_CSV, FIG_FOURIER]
     write_json(out / JSON_NAME, result)
     return result
+
+
+def _baseline_lines(result: dict) -> list[str]:
+    f = result["finding"]
+    lines = []
+    if f.get("output_cosine_to_final_at_saturation") is not None:
+        lines.append(f"data baseline ({result['output_cosine_note']}): to the final checkpoint "
+                     f"at saturation {f['output_cosine_to_final_at_saturation']:.3f} (keeps "
+                     f"changing: {f['data_keeps_changing']}; "
+                     f"{f['data_keeps_changing_criterion']})")
+    if f.get("fourier_statement"):
+        lines.append(f"Fourier (figure {FIG_FOURIER}): {f['fourier_statement']}")
+    if result.get("size_note"):
+        lines.append(result["size_note"])
+    return lines
 
 
 def grokking_table(result: dict) -> str:
     n = len(result["steps"])
     se = result.get("similarity_to_final_stderr") or [None] * n
     ok = result.get("similarity_to_final_reliable") or [None] * n
-    rows = [[s, tr, va, pm(sf, e or None, r)] for s, tr, va, sf, e, r in zip(
+    oc = result.get("output_cosine_to_final") or [None] * n
+    ks = (result.get("fourier") or {}).get("key_share_embedding") or [None] * n
+    rows = [[s, tr, va, pm(sf, e or None, r), o, k] for s, tr, va, sf, e, r, o, k in zip(
         result["steps"], result["train_accuracy"], result["val_accuracy"],
-        result["similarity_to_final"], se, ok)]
+        result["similarity_to_final"], se, ok, oc, ks)]
     f = result["finding"]
     cfg = result["config"]
     method = result["method"]
@@ -364,5 +456,114 @@ def grokking_table(result: dict) -> str:
         f"grokking audit: modular addition mod {cfg['P']}, {len(result['steps'])} checkpoints "
         f"({method_label(method)} {result['metric']} similarity, "
         f"{result['seconds']['total']:.1f} s)",
-        format_table(["step", "train acc", "val acc", "sim to final"], rows), "", grok, sat]
+        format_table(["step", "train acc", "val acc", "sim to final", "out cos to final",
+                      "key share"], rows), "", grok, sat]
+        + _baseline_lines(result)
         + ([f"not assessed: {f['not_assessed']}"] if f.get("not_assessed") else []))
+
+
+SEEDS_JSON = "grokking_seeds.json"
+SEEDS_CSV = "grokking_seeds.csv"
+
+
+def run_grokking_seeds(cfg: GrokkingConfig, seeds: list[int], out: str | Path,
+                       show_progress: bool = True, json_copy: str | Path | None = None) -> dict:
+    """`run_grokking` once per seed (data split, initialisation and Monte Carlo seed), each
+    complete run in ``out/seed<N>/``, and ``grokking_seeds.json`` / ``.csv`` at the top: every
+    number's mean ± sample standard deviation over the seeds and each finding counted per seed;
+    see [`tensoralg.audit.backdoor.run_backdoor_seeds`][tensoralg.audit.backdoor.run_backdoor_seeds].
+
+    Raises:
+        ValueError: ``seeds`` empty, negative or repeated (``--seeds``), and as `run_grokking`.
+    """
+    from .common import run_seeds
+
+    return run_seeds(cfg, seeds, out, SEEDS_JSON, 1, _model, _run_grokking,
+                     _summarise_grokking, show_progress, json_copy)
+
+
+def _summarise_grokking(results: list[dict], seeds: list[int], stage: Path) -> dict:
+    from .common import count_text, spread
+
+    def col(get):
+        vals = []
+        for r in results:
+            try:
+                v = get(r)
+            except (KeyError, TypeError):
+                v = None
+            vals.append(None if v is None else float(v))
+        return spread(vals)
+
+    sp = lambda part, key: (lambda r: r["fourier"]["spearman"][part][key])  # noqa: E731
+    numbers = {
+        "memorisation_step": col(lambda r: r["finding"]["memorisation_step"]),
+        "grokking_step": col(lambda r: r["finding"]["grokking_step"]),
+        "final_val_acc": col(lambda r: r["finding"]["final_val_acc"]),
+        "saturation_step": col(lambda r: r["finding"]["saturation_step"]),
+        "similarity_to_final_at_saturation": col(
+            lambda r: r["finding"]["similarity_to_final_at_saturation"]),
+        "output_cosine_to_final_at_saturation": col(
+            lambda r: r["finding"]["output_cosine_to_final_at_saturation"]),
+        "key_frequency_count": col(lambda r: len(r["fourier"]["key_frequencies"])),
+        "key_share_embedding_final": col(lambda r: r["fourier"]["key_share_embedding"][-1]),
+        **{f"spearman_{part}:{key}": col(sp(part, key))
+           for part in ("intervals", "to_final")
+           for key in ("tensor_similarity", "val_accuracy", "data_output_cosine")},
+    }
+
+    def flag(r, get):
+        try:
+            return get(r)
+        except (KeyError, TypeError):
+            return None
+
+    def beats(r, other):
+        t, o = r["fourier"]["spearman"]["intervals"]["tensor_similarity"], \
+            r["fourier"]["spearman"]["intervals"][other]
+        return None if t is None or o is None else bool(t > o)
+
+    findings = {
+        "grokked": [r["finding"]["grokked"] for r in results],
+        "keeps_changing": [r["finding"]["keeps_changing"] for r in results],
+        "data_keeps_changing": [flag(r, lambda r: r["finding"]["data_keeps_changing"])
+                                for r in results],
+        "tensor_tracks_spectrum_better_than_accuracy": [beats(r, "val_accuracy")
+                                                        for r in results],
+        "tensor_tracks_spectrum_better_than_data": [beats(r, "data_output_cosine")
+                                                    for r in results],
+    }
+    statement = (f"over {len(seeds)} seeds ({', '.join(map(str, seeds))}): "
+                 + "; ".join(f"{k.replace('_', ' ')}: {count_text(v)}"
+                             for k, v in findings.items())
+                 + " (Spearman over the consecutive intervals; see fourier.correlation_rule "
+                   "in each run)")
+    summary = {"command": "audit grokking --seeds", "method": results[0]["method"],
+               "metric": results[0]["metric"], "numbers": numbers,
+               "key_frequencies": {str(s): r["fourier"]["key_frequencies"]
+                                   for s, r in zip(seeds, results)},
+               "finding": {**findings,
+                           **{f"{k}_count": count_text(v) for k, v in findings.items()},
+                           "statement": statement},
+               "size_note": results[0]["size_note"],
+               "spread_note": "mean ± sample standard deviation (ddof 1) over the seeds",
+               "files": [SEEDS_JSON, SEEDS_CSV] + [f"seed{s}/{f}" for s, r in zip(seeds, results)
+                                                  for f in r["files"]]}
+    write_csv(stage / SEEDS_CSV, ["quantity", "mean", "sd", "min", "max", "n"],
+              [(k, v["mean"], v["sd"], v["min"], v["max"], v["n"]) for k, v in numbers.items()])
+    return summary
+
+
+def grokking_seeds_table(summary: dict) -> str:
+    """Every number as mean ± sample standard deviation over the seeds, and each finding
+    counted per seed."""
+    from .common import spread_text
+
+    return "\n".join([
+        f"grokking audit over {len(summary['seeds'])} seeds {summary['seeds']} "
+        f"({summary['method']}, {summary['metric']} metric); {summary['spread_note']}:",
+        format_table(["number", "mean ± sd"],
+                     [[k, spread_text(v)] for k, v in summary["numbers"].items()]), "",
+        "key frequencies per seed: " + "; ".join(f"seed {s}: {k}" for s, k in
+                                                 summary["key_frequencies"].items()),
+        summary["finding"]["statement"], summary["size_note"]])

@@ -175,6 +175,91 @@ def class_heatmap(path: Path, values: np.ndarray, stage_labels: Sequence[str], t
     return save_figure(fig, path)
 
 
+def training_heatmaps(path: Path, panels: Mapping[str, np.ndarray],
+                      bounds: Sequence[tuple[int, str]], title: str,
+                      highlight: int | None = None) -> Path:
+    """Rows = classes, columns = checkpoints over training, one panel per entry of ``panels``
+    (``{title: (classes, checkpoints) values}``) stacked vertically on one colour scale;
+    ``bounds``: ``(first column, stage label)`` of each stage, drawn as white lines with the
+    label centred under its columns; ``highlight``: a class whose row label is marked."""
+    import textwrap
+
+    plt = pyplot()
+    n = len(panels)
+    first = np.asarray(next(iter(panels.values())), dtype=float)
+    k, m = first.shape
+    fig, axes = plt.subplots(n, 1, figsize=(max(8.0, 0.16 * m + 2.5), n * (0.28 * k + 1.3) + 0.8),
+                             squeeze=False, layout="constrained")
+    lo = min(0.0, *(float(np.nanmin(v)) for v in panels.values() if np.isfinite(v).any()))
+    edges = [b for b, _ in bounds] + [m]
+    im = None
+    for ax, (name, vals) in zip(axes[:, 0], panels.items()):
+        im = ax.imshow(np.asarray(vals, dtype=float), cmap="viridis", vmin=lo, vmax=1.0,
+                       aspect="auto", interpolation="nearest")
+        for b in edges[1:-1]:
+            ax.axvline(b - 0.5, color="white", lw=1.2)
+        ax.set_xticks([(edges[i] + edges[i + 1] - 1) / 2 for i in range(len(bounds))])
+        ax.set_xticklabels([lab for _, lab in bounds], fontsize=8)
+        ax.set_yticks(range(k))
+        ax.set_yticklabels([f"{c} *" if c == highlight else str(c) for c in range(k)],
+                           fontsize=7)
+        ax.set_ylabel("class")
+        ax.set_title(textwrap.fill(name, 90), fontsize=9)
+    axes[-1, 0].set_xlabel("checkpoint (grouped by curriculum stage; * = the removed class)")
+    fig.colorbar(im, ax=axes[:, 0].tolist()).set_label("similarity / accuracy")
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def walkthrough_figure(path: Path, rec: Mapping, target: int, title: str) -> Path:
+    """The backdoor walk-through: one column per run (``rec["runs"]``: backdoored, control),
+    per-class tensor similarity to the clean model over the fine-tune steps (the target in red,
+    the other classes grey) above the attack success rate, clean accuracy, global tensor
+    similarity and output cosine."""
+    plt = pyplot()
+    runs = rec["runs"]
+    steps = np.asarray(rec["step"], dtype=float)
+    fig, axes = plt.subplots(2, len(runs), figsize=(5.2 * len(runs), 7.0), squeeze=False,
+                             sharex=True, layout="constrained")
+    # one similarity scale for both runs, so that the control reads next to the backdoor
+    lo = min(min(float(np.nanmin(np.asarray(r["slice_similarity"], dtype=float))),
+                 float(np.nanmin(np.asarray(r["output_slice_cosine"], dtype=float)[:, target])))
+             for r in runs.values())
+    for col, (name, r) in enumerate(runs.items()):
+        ax = axes[0, col]
+        ax.set_ylim(lo - 0.03 * (1 - lo) - 0.01, 1.01)
+        sl = np.asarray(r["slice_similarity"], dtype=float)
+        for c in range(sl.shape[1]):
+            if c != target:
+                ax.plot(steps, sl[:, c], color="0.6", lw=0.9,
+                        label="other classes" if c == (0 if target else 1) else None)
+        ax.plot(steps, sl[:, target], color="tab:red", lw=2, marker="o", ms=3,
+                label=f"class {target} (target)")
+        osc = np.asarray(r["output_slice_cosine"], dtype=float)
+        ax.plot(steps, osc[:, target], color="tab:orange", ls="--", lw=1.2,
+                label=f"class {target}: output-slice cosine (clean test images)")
+        ax.set_title(f"{name}: per-class tensor similarity to the clean model", fontsize=9)
+        ax.set_ylabel("similarity")
+        ax = axes[1, col]
+        ax.plot(steps, r["attack_success_rate"], color="tab:purple", marker="o", ms=3,
+                label="attack success rate (triggered test images)")
+        ax.plot(steps, r["clean_accuracy"], color="tab:green", label="clean test accuracy")
+        g = [float(v) if getattr(v, "reliable", True) is not False else np.nan
+             for v in r["global_similarity"]]
+        ax.plot(steps, g, color="black", label="global tensor similarity")
+        ax.plot(steps, r["output_cosine"], color="tab:blue", ls=":",
+                label="output cosine (clean test images)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("fine-tune step")
+        ax.set_title(f"{name}: behaviour and global similarity", fontsize=9)
+    # the legends below the panels (matplotlib >= 3.7 "outside"): they never cover a line
+    handles = [h for ax in axes[:, 0] for h in ax.get_legend_handles_labels()[0]]
+    labels = [lab for ax in axes[:, 0] for lab in ax.get_legend_handles_labels()[1]]
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
 def grokking_figure(path: Path, steps: Sequence[int], train_acc: Sequence[float],
                     val_acc: Sequence[float], sim: np.ndarray, sim_to_final: Sequence[float],
                     method: str, metric: str = "gaussian") -> Path:
