@@ -33,6 +33,7 @@ the largest chaos order ``K`` (9 for two attention heads), like the position-fre
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from fractions import Fraction
 from typing import Any
@@ -127,147 +128,189 @@ def compose(outer: Term, leg: str, inner: Term, pre: np.ndarray | None = None) -
 # feature-space chaos
 # ----------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=16)
-def _packing(N: int, k: int):
-    """``(ids, weights)``: for every index tuple of ``range(N)**k`` (row-major) the number of
-    its multiset, and per multiset ``alpha!`` (the product of the factorials of its
-    multiplicities), as float64 (cached: read-only arrays)."""
-    if k == 0:
-        ids, w = np.zeros(1, dtype=np.int64), np.ones(1)
+def _lifted_leg(leg: Leg, n: int, d: int, exact: bool) -> tuple:
+    """``(F, labels)``: the leg as an affine form of the ``N = n d`` input variables,
+    ``F[p, *labels, 0]`` its constant (the lifted 1, the same at every position) and
+    ``F[p, *labels, 1 + p' d + i] = delta(p, p') w[(p), *labels, 1 + i]``; labels
+    ``(pos, *leg.labels)`` and one axis of size ``N + 1``."""
+    w = leg.weight
+    lab_shape = w.shape[1 if leg.positional else 0:-1]
+    F = np.zeros((n,) + lab_shape + (n * d + 1,), dtype=object if exact else np.float64)
+    if exact:
+        F.fill(Fraction(0))
+    for p in range(n):
+        wp = w[p] if leg.positional else w
+        F[p, ..., 0] = wp[..., 0]
+        F[p, ..., 1 + p * d:1 + (p + 1) * d] = wp[..., 1:]
+    return F, ((leg.pos or QUERY),) + leg.labels
+
+
+def _lifted_expression(term: Term, n: int, d: int, exact: bool):
+    """``(subscripts, operands, shapes)`` of the dense lifted coefficient tensor
+    ``T[t, o, phi_1..phi_L]`` of one term (``phi`` in ``0..N``, 0 the constant)."""
+    one = Fraction(1) if exact else 1.0
+    ops = [np.full(n, one, dtype=object if exact else np.float64)]
+    labs = [(QUERY,)]
+    for arr, lb in term.cores:
+        ops.append(arr)
+        labs.append(lb)
+    for j, leg in enumerate(term.legs):
+        F, lb = _lifted_leg(leg, n, d, exact)
+        ops.append(F)
+        labs.append(lb + (f"#phi{j}",))
+    out = (QUERY, OUTPUT) + tuple(f"#phi{j}" for j in range(len(term.legs)))
+    syms: dict = {}
+    for lb in labs + [out]:
+        for x in lb:
+            syms.setdefault(x, oe.get_symbol(len(syms)))
+    ops2, subs = [], []
+    for arr, lb in zip(ops, labs):
+        u = tuple(dict.fromkeys(lb))
+        if len(u) != len(lb):   # a repeated label: its diagonal
+            arr = np.einsum("".join(syms[x] for x in lb) + "->" + "".join(syms[x] for x in u),
+                            arr)
+        ops2.append(arr)
+        subs.append("".join(syms[x] for x in u))
+    expr = ",".join(subs) + "->" + "".join(syms[x] for x in out if x in syms)
+    return expr, ops2
+
+
+@functools.lru_cache(maxsize=8)
+def _monomials(N: int, K: int):
+    """The exponent vectors ``alpha`` (``|alpha| <= K``) of ``N`` variables: ``(exps (M, N)
+    int, index {tuple: row})``, graded by degree."""
+    rows = [np.zeros(N, dtype=np.int64)]
+    for k in range(1, K + 1):
+        for c in itertools.combinations_with_replacement(range(N), k):
+            a = np.zeros(N, dtype=np.int64)
+            for v in c:
+                a[v] += 1
+            rows.append(a)
+    E = np.array(rows)
+    return E, {tuple(r): i for i, r in enumerate(E.tolist())}
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_ids(N: int, L: int, K: int) -> np.ndarray:
+    """For every index tuple of ``range(N + 1)**L`` (row-major; 0 the constant slot) the row
+    of its monomial (the multiset of its non-zero entries) in `_monomials` ``(N, K)``."""
+    E, _ = _monomials(N, K)
+    # each exponent vector as one integer in base K + 1: additive over the slots, so the code
+    # of every index tuple is a broadcast sum of one vector per slot
+    if (K + 1) ** N >= 2 ** 62:
+        raise ValueError(f"_slot_ids: {N} variables at degree {K} overflow the int64 codes")
+    slot = np.array([0] + [(K + 1) ** v for v in range(N)], dtype=np.int64)
+    code = np.zeros((1,) * 0, dtype=np.int64)
+    for _ in range(L):
+        code = np.add.outer(code, slot)
+    code = code.reshape(-1)
+    ecode = E @ np.array(slot[1:], dtype=np.int64)
+    if (K + 1) ** N <= 10 ** 8:   # a lookup table of every code
+        table = np.zeros((K + 1) ** N, dtype=np.int64)
+        table[ecode] = np.arange(len(ecode))
+        ids = table[code]
     else:
-        srt = np.sort(np.indices((N,) * k, dtype=np.int64).reshape(k, -1), axis=0)
-        code = np.zeros(srt.shape[1], dtype=np.int64)
-        for r in range(k):   # the sorted tuple in base N (N**k < 2**63, checked by `check`)
-            code = code * N + srt[r]
-        uniq, first, ids = np.unique(code, return_index=True, return_inverse=True)
-        w = np.ones(len(uniq))
-        rows = srt[:, first]
-        for c in range(N):
-            cnt = (rows == c).sum(axis=0)
-            w *= np.array([math.factorial(int(v)) for v in cnt], dtype=np.float64)
+        order = np.argsort(ecode)
+        ids = order[np.searchsorted(ecode[order], code)]
     ids.setflags(write=False)
-    w.setflags(write=False)
-    return ids.reshape(-1), w
+    return ids
+
+
+@functools.lru_cache(maxsize=8)
+def _hermite(N: int, K: int):
+    """``(H, norms)``: ``x^alpha = sum_beta H[alpha, beta] He_beta(x)`` (per variable
+    ``x^n = sum_m n! / (m! (n - 2m)! 2^m) He_{n-2m}``, Abramowitz & Stegun 22.3.11) as a
+    sparse ``(M, M)`` matrix of Python ints, and ``beta! = E[He_beta^2]`` per row."""
+    E, index = _monomials(N, K)
+    entries = []
+    for a, alpha in enumerate(E.tolist()):
+        parts = [[(alpha[v] - 2 * m, math.factorial(alpha[v]) //
+                   (math.factorial(m) * math.factorial(alpha[v] - 2 * m) * 2 ** m))
+                  for m in range(alpha[v] // 2 + 1)] for v in range(N)]
+        for combo in itertools.product(*parts):
+            beta = tuple(x for x, _ in combo)
+            entries.append((a, index[beta], math.prod(c for _, c in combo)))
+    norms = [math.prod(math.factorial(int(x)) for x in row) for row in E.tolist()]
+    return entries, norms
 
 
 class FeatureChaos:
-    """The feature-space chaos tensors of a sum of terms of one model: per order ``k``, the
-    packed coefficients ``A_k[t, o, alpha]`` (``alpha`` a multiset of ``k`` input variables
-    ``(position, feature)``) of the module docstring.
+    """The chaos (Hermite) coefficients of a sum of terms of one model over its ``N = n_ctx
+    d`` input variables: ``coef[t * d_out + o, beta]`` with
+    ``g[t, o] = sum_beta coef[., beta] He_beta(X)`` (``beta`` an exponent vector,
+    ``|beta| <= K``).
+
+    Built per term as the dense lifted coefficient tensor ``T[t, o, phi_1..phi_L]`` (one
+    einsum of its cores and legs, every leg an affine form of the ``N`` variables), summed
+    into monomial coefficients (the multiset of each index tuple's non-constant entries), then
+    turned into Hermite coefficients variable by variable (`_hermite`).
 
     Args:
         terms: `Term` s of one sequence model over the same lifted input (width ``d + 1``),
             each with output ``(t, o)``.
         n_ctx: positions.
         exact: Fractions (object arrays) instead of float64.
-
-    ``self.orders``: ``{k: (n_ctx * d_out, n_multisets) array}``.
+        max_degree: ``K``, at least the largest term degree (all chaos of a Gram share it).
     """
 
-    def __init__(self, terms: list, n_ctx: int, exact: bool = False):
-        from .sequence import TermSide
-
+    def __init__(self, terms: list, n_ctx: int, exact: bool = False,
+                 max_degree: int | None = None):
         self.n_ctx, self.exact = n_ctx, exact
         d = terms[0].legs[0].weight.shape[-1] - 1
-        self.N = n_ctx * d
-        self.d = d
-        dense: dict = {}
+        self.d, self.N = d, n_ctx * d
+        K = max(len(t.legs) for t in terms) if max_degree is None else int(max_degree)
+        self.K = K
+        E, _ = _monomials(self.N, K)
+        mono = None
         for term in terms:
-            side = TermSide(term, "a", np.einsum, n_ctx, exact)
-            for S, (R, lab) in side.R.items():
-                opened = [j for j in range(len(side.legs)) if S >> j & 1]
-                val = self._project(side, R, lab, opened)
-                k = len(opened)
-                dense[k] = val if k not in dense else dense[k] + val
-        self.d_out = next(iter(dense.values())).shape[1]
-        self.orders = {k: self._pack(v, k) for k, v in dense.items()}
-
-    def _project(self, side, R, lab, opened):
-        """``sum`` over the term's labels of ``R[S]``, the output cores and the open legs'
-        non-constant rows placed at their position: shape ``(n_ctx, d_out, N, ..., N)``."""
-        n, exact = self.n_ctx, self.exact
-        one = Fraction(1) if exact else 1.0
-        ops, labs = [], []
-        ones = np.full(n, one, dtype=object if exact else np.float64)
-        ops.append(ones)
-        labs.append((QUERY,))
-        if R is not None:
-            ops.append(R)
-            labs.append(lab)
-        for arr, lb in side.outer:
-            ops.append(arr)
-            labs.append(lb)
-        for r, j in enumerate(opened):
-            leg = side.legs[j]
-            w = leg.weight[..., 1:]
-            pos = leg.pos
-            # F[p, *labels, p', i] = delta(p, p') w[(p), *labels, i]
-            eye = np.eye(n, dtype=object if exact else np.float64)
+            expr, ops = _lifted_expression(term, n_ctx, d, exact)
+            T = np.asarray(oe.contract(expr, *ops) if not exact else np.einsum(expr, *ops))
+            L = len(term.legs)
+            flat = T.reshape(T.shape[0] * T.shape[1], -1)
+            ids = _slot_ids(self.N, L, K)
             if exact:
-                eye = np.where(eye == 1, Fraction(1), Fraction(0))
-            if leg.positional:
-                ops += [w, eye]
-                labs += [(pos,) + leg.labels + (f"#i{r}",), (pos, f"#p{r}")]
+                part = np.full((flat.shape[0], len(E)), Fraction(0), dtype=object)
+                for c in range(flat.shape[1]):
+                    part[:, ids[c]] = part[:, ids[c]] + flat[:, c]
             else:
-                ops += [w, eye]
-                labs += [leg.labels + (f"#i{r}",), (pos, f"#p{r}")]
-        out = (QUERY, OUTPUT) + tuple(x for r in range(len(opened))
-                                      for x in (f"#p{r}", f"#i{r}"))
-        syms: dict = {}
-        for lb in labs + [out]:
-            for x in lb:
-                if x not in syms:
-                    syms[x] = oe.get_symbol(len(syms))
-        ops2, subs = [], []
-        for arr, lb in zip(ops, labs):
-            u = tuple(dict.fromkeys(lb))
-            if len(u) != len(lb):   # a repeated label: its diagonal
-                s = "".join(syms[x] for x in lb) + "->" + "".join(syms[x] for x in u)
-                arr = np.einsum(s, arr)
-            ops2.append(arr)
-            subs.append("".join(syms[x] for x in u))
-        expr = ",".join(subs) + "->" + "".join(syms[x] for x in out)
-        val = oe.contract(expr, *ops2)
-        k = len(opened)
-        return np.asarray(val).reshape((n, -1) + (self.N,) * k)
+                from scipy.sparse import csr_matrix
 
-    def _pack(self, A, k):
-        n, do = A.shape[:2]
-        flat = A.reshape(n * do, -1)
-        ids, _ = _packing(self.N, k)
-        n_alpha = int(ids.max()) + 1 if ids.size else 1
-        if self.exact:
-            out = np.full((n * do, n_alpha), Fraction(0), dtype=object)
-            for c in range(flat.shape[1]):
-                out[:, ids[c]] = out[:, ids[c]] + flat[:, c]
-            return out
-        from scipy.sparse import csr_matrix
+                S = csr_matrix((np.ones(ids.size), (np.arange(ids.size), ids)),
+                               shape=(ids.size, len(E)))
+                part = np.asarray((S.T @ flat.T).T)
+            mono = part if mono is None else mono + part
+            self.d_out = T.shape[1]
+        entries, norms = _hermite(self.N, K)
+        if exact:
+            coef = np.full(mono.shape, Fraction(0), dtype=object)
+            for a, b, c in entries:
+                coef[:, b] = coef[:, b] + mono[:, a] * c
+            self.norms = [Fraction(v) for v in norms]
+        else:
+            from scipy.sparse import csr_matrix
 
-        S = csr_matrix((np.ones(ids.size), (np.arange(ids.size), ids)),
-                       shape=(ids.size, n_alpha))
-        return np.asarray((S.T @ flat.T).T)
+            a, b, c = (np.array(x) for x in zip(*entries))
+            H = csr_matrix((c.astype(np.float64), (a, b)), shape=(len(E), len(E)))
+            coef = np.asarray((H.T @ mono.T).T)
+            self.norms = np.array(norms, dtype=np.float64)
+        self.coef = coef
 
 
 def feature_inner(a: FeatureChaos, b: FeatureChaos):
-    """``<g_a, g_b>`` (summed over positions and outputs) of two `FeatureChaos` of models
-    over the same input (module docstring)."""
-    if (a.N, a.n_ctx) != (b.N, b.n_ctx):
-        raise ValueError(f"feature_inner: different inputs (N {a.N} vs {b.N}, n_ctx "
-                         f"{a.n_ctx} vs {b.n_ctx})")
-    exact = a.exact
-    total = Fraction(0) if exact else 0.0
-    for k in sorted(set(a.orders) & set(b.orders)):
-        _, w = _packing(a.N, k)
-        A, B = a.orders[k], b.orders[k]
-        if exact:
-            wf = [Fraction(int(v)) for v in w]
-            for r in range(A.shape[0]):
-                for c in range(A.shape[1]):
-                    if A[r, c] != 0 and B[r, c] != 0:
-                        total += A[r, c] * B[r, c] * wf[c]
-        else:
-            total += float(np.einsum("rc,rc,c->", A, B, w))
-    return total
+    """``<g_a, g_b> = sum_{t, o, beta} a[., beta] b[., beta] beta!`` (summed over positions
+    and outputs; tensor Hermite polynomials are orthogonal with ``E[He_beta^2] = beta!``) of
+    two `FeatureChaos` of models over the same input and ``max_degree``."""
+    if (a.N, a.n_ctx, a.K) != (b.N, b.n_ctx, b.K):
+        raise ValueError(f"feature_inner: different inputs or degrees (N {a.N} vs {b.N}, n_ctx "
+                         f"{a.n_ctx} vs {b.n_ctx}, max_degree {a.K} vs {b.K})")
+    if a.exact:
+        total = Fraction(0)
+        for r in range(a.coef.shape[0]):
+            for c in range(a.coef.shape[1]):
+                if a.coef[r, c] != 0 and b.coef[r, c] != 0:
+                    total += a.coef[r, c] * b.coef[r, c] * a.norms[c]
+        return total
+    return float(np.einsum("rc,rc,c->", a.coef, b.coef, a.norms))
 
 
 # ----------------------------------------------------------------------------------------
@@ -276,41 +319,56 @@ def feature_inner(a: FeatureChaos, b: FeatureChaos):
 
 def estimate(terms: list, n_ctx: int) -> dict:
     """``{"bytes", "flops", "max_order", "N"}`` of `FeatureChaos` on ``terms`` from shapes
-    alone: the dense order-``K`` tensor (``n_ctx * d_out * N^K`` entries, twice: dense and
-    packed), the packing map (``N^K`` int64) and the projections (per open set ``S`` of each
-    term, ``n_ctx d_out N^|S|`` times the contracted head labels)."""
+    alone (nothing allocated): the dense lifted tensor of the largest term, ``n_ctx d_out
+    (N + 1)^L`` entries, counted three times (it, its flat copy and the contraction's last
+    intermediate) plus its slot map (``(N + 1)^L`` int64), and the FLOPs of every term's
+    einsum (the opt_einsum path cost) and packing."""
     d = terms[0].legs[0].weight.shape[-1] - 1
     N = n_ctx * d
-    d_out = 1
-    for t in terms:
-        for arr, lab in t.cores:
-            if OUTPUT in lab:
-                d_out = max(d_out, arr.shape[arr.ndim - len(lab) + lab.index(OUTPUT)])
-        for leg in t.legs:
-            if OUTPUT in leg.labels:
-                d_out = max(d_out, leg.weight.shape[leg.weight.ndim - 1 - len(leg.labels)
-                                                    + leg.labels.index(OUTPUT)])
-    K = max(len(t.legs) for t in terms)
-    flops = 0.0
+    need, flops, K = 0.0, 0.0, 0
     for t in terms:
         L = len(t.legs)
-        hsz = max(1, max((math.prod(leg.weight.shape[:-1]) for leg in t.legs), default=1))
-        for k in range(L + 1):
-            # the projection of each open set and the partial matchings of the closed legs
-            flops += math.comb(L, k) * 2.0 * n_ctx * d_out * float(N) ** k * hsz
-            flops += math.comb(L, k) * _matchings(L - k) * 2.0 * n_ctx ** 3 * hsz ** 2
-    entries = n_ctx * d_out * float(N) ** K
-    need = 8.0 * (3 * entries + float(N) ** K)
+        K = max(K, L)
+        shapes = [(n_ctx,)] + [a.shape for a, _ in t.cores]
+        for leg in t.legs:
+            lab_shape = leg.weight.shape[1 if leg.positional else 0:-1]
+            shapes.append((n_ctx,) + lab_shape + (N + 1,))
+        d_out = 1
+        for arr, lab in t.cores:
+            if OUTPUT in lab:
+                d_out = arr.shape[arr.ndim - len(lab) + lab.index(OUTPUT)]
+        for leg in t.legs:
+            if OUTPUT in leg.labels:
+                d_out = leg.weight.shape[leg.weight.ndim - 1 - len(leg.labels)
+                                         + leg.labels.index(OUTPUT)]
+        entries = n_ctx * d_out * float(N + 1) ** L
+        need = max(need, 8.0 * (3 * entries + float(N + 1) ** L))
+        flops += 4.0 * entries
+        if entries < 1e15:   # the path of the lifted einsum, from shapes
+            expr = _shape_expression(t)
+            try:
+                _, info = oe.contract_path(expr, *shapes, shapes=True)
+                flops += float(info.opt_cost)
+            except (ValueError, TypeError):   # pragma: no cover - repeated labels
+                flops += entries * 64
+        else:
+            flops += entries * 64
+    M = math.comb(N + K, K)
+    need += 8.0 * 2 * M * n_ctx * 4
     return {"bytes": need, "flops": flops, "max_order": K, "N": N}
 
 
-def _matchings(n: int) -> int:
-    """Partial matchings of ``n`` legs (telephone numbers): an upper bound on the Wick sums of
-    the closed legs of one open set."""
-    a, b = 1, 1
-    for k in range(1, n):
-        a, b = b, b + k * a
-    return b if n else 1
+def _shape_expression(term: Term) -> str:
+    labs = [(QUERY,)] + [lb for _, lb in term.cores]
+    labs += [((leg.pos or QUERY),) + leg.labels + (f"#phi{j}",)
+             for j, leg in enumerate(term.legs)]
+    out = (QUERY, OUTPUT) + tuple(f"#phi{j}" for j in range(len(term.legs)))
+    syms: dict = {}
+    for lb in labs + [out]:
+        for x in lb:
+            syms.setdefault(x, oe.get_symbol(len(syms)))
+    subs = ["".join(syms[x] for x in dict.fromkeys(lb)) for lb in labs]
+    return ",".join(subs) + "->" + "".join(syms[x] for x in out)
 
 
 def check(terms_lists: list, n_ctx: int, what: str, max_flops: Any = None,
@@ -330,12 +388,11 @@ def check(terms_lists: list, n_ctx: int, what: str, max_flops: Any = None,
     budget_m = float(available_memory(backend) if max_memory is None else max_memory)
     if need > budget_m:
         raise CostTooHigh(f"{what}: the exact inner product of two-node terms needs dense "
-                          f"chaos tensors of order {K} over N = n_ctx*d = {N} input variables, "
+                          f"lifted tensors of order {K} over N = n_ctx*d = {N} input variables, "
                           f"about {need / 2**30:.3g} GiB, over max_memory="
                           f"{budget_m / 2**30:.3g} GiB. {ALTERNATIVES}")
     if flops > budget_f:
         raise CostTooHigh(f"{what}: the exact inner product of two-node terms is estimated at "
-                          f"{flops:.3g} FLOPs (chaos order {K}, N = n_ctx*d = {N} input "
+                          f"{flops:.3g} FLOPs (order {K}, N = n_ctx*d = {N} input "
                           f"variables), over max_flops={budget_f:.3g}. {ALTERNATIVES}")
     return {"bytes": need, "flops": flops, "max_order": K, "N": N}
-
