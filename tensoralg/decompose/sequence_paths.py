@@ -14,14 +14,24 @@ and expanding groups the terms by tree; the trees of order at most one are
 * ``"L{l}.bias"``: ``U c_l`` where the attention block of layer ``l`` writes a constant ``c_l``
   (its output bias): a constant path, listed only for blocks that have one,
 
-and the remainder ``rest = f - sum of the listed paths``: every tree with a composition (a leg
-of a later block reading an earlier block's output). A layer is an attention block and the MLP
-block after it (an MLP block with no attention block before it in its layer opens a layer).
+with ``order=2`` also the second-order paths (two-node trees)
 
-The Gram matrix of the listed paths is exact (the exact sequence engine, Wick/chaos with
-position-carrying legs, each path one node of one term); the remainder's norm is a Monte Carlo
-estimate with its diagnostics (``tensoralg.diff_norm(model, first_order, method="montecarlo")``)
-or "not assessed".
+* ``"L{l}.H{h}.{LEG}\u2190L{l'}.H{h'}"``: ``U A_{l,h}[LEG <- A_{l',h'}(X)]``, leg ``LEG`` (Q1,
+  K1, Q2, K2 or V) of head ``h`` of attention layer ``l`` reading the output of head ``h'`` of an
+  earlier attention layer (the virtual heads), every other leg reading the embedded input; the
+  leg's bias stays with the first-order path (a composition reads ``(0, A(X))``),
+
+and the remainder ``rest = f - sum of the listed paths``: every tree with a composition not
+listed (order 1: all of them; order 2: two or more compositions, and compositions with an MLP
+block or a block bias). A layer is an attention block and the MLP block after it (an MLP block
+with no attention block before it in its layer opens a layer).
+
+The Gram matrix of the listed paths is exact: order 1 by the exact sequence engine (Wick/chaos
+with position-carrying legs, each path one node of one term), order 2 by the feature-space
+chaos of two-node terms (`tensoralg.strategies.chaos.composed`, polynomial in ``n_ctx * d``
+and exponential in the degree: small models only, refused with its estimate elsewhere); the
+remainder's norm is a Monte Carlo estimate with its diagnostics
+(``tensoralg.diff_norm(model, listed, method="montecarlo")``) or "not assessed".
 """
 
 from __future__ import annotations
@@ -41,13 +51,13 @@ from ._common import split_stack
 __all__ = ["SequencePathDecomposition", "PathSimilarity", "sequence_paths",
            "sequence_path_similarity", "match_heads", "check_order", "ORDER2_MESSAGE"]
 
-#: What ``order=2`` would need, and what exists instead (the message of its refusal).
+#: What ``order=2`` covers, and what exists beyond it.
 ORDER2_MESSAGE = (
-    "order: second-order paths (a leg of a later head reading an earlier head, the virtual "
-    "heads) need an exact engine for two-node trees, which is not implemented; what exists: "
-    "order=1 (exact first-order paths: direct, each head, each MLP, and the remainder by Monte "
-    "Carlo), and ta.degree_similarity(a, b, n_ctx=..., max_degree=9) (S<=9, the sum of the "
-    "paths of order <= 2, by Monte Carlo with its diagnostics)")
+    "order=2: second-order paths (a leg of a later head reading an earlier head, the virtual "
+    "heads) are exact through the feature-space chaos of two-node terms "
+    "(tensoralg.strategies.chaos.composed), whose cost is polynomial in n_ctx*d and "
+    "exponential in the degree (small models only); elsewhere: order=1 (exact first-order "
+    "paths) and Monte Carlo on the path networks")
 
 _ATT = ("q1", "k1", "q2", "k2", "v")
 
@@ -531,8 +541,9 @@ class SequencePathDecomposition:
             paths; the remainder ``"rest"`` is not listed: it is ``f - sum of the listed``).
         networks: the ``P`` path networks (tensoralg networks on the model's input ``(n,
             n_ctx, d)``; they and ``rest`` sum to the model).
-        kinds: ``"direct"``, ``"head"``, ``"mlp"``, ``"linear"`` or ``"bias"`` per path.
-        order: 1. n_ctx: the sequence length of every number.
+        kinds: ``"direct"``, ``"head"``, ``"mlp"``, ``"linear"``, ``"bias"`` or
+            ``"composition"`` (a second-order path) per path.
+        order: 1 or 2. n_ctx: the sequence length of every number.
         gram: ``(P, P)`` exact Gaussian Gram matrix of the listed paths (sums over query
             positions and outputs; float64, or Fractions with ``backend="exact"``).
         norm2_listed: ``||sum of the listed paths||^2 = gram.sum()`` (exact). For a bias-free
@@ -548,7 +559,8 @@ class SequencePathDecomposition:
             ``reliable`` and ``diagnostics``) or None ("not assessed").
         methods: ``{"gram", "share", "norm2_listed", "rest_norm"}`` -> how each was computed.
         first_order: the sum of the listed paths as one network (``model(X) -
-            first_order(X)`` is the remainder).
+            first_order(X)`` is the remainder; with ``order=2`` it holds the second-order
+            paths too).
         model: the model (as a tensoralg network).
     """
 
