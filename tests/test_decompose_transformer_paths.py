@@ -267,7 +267,7 @@ def test_order_2_over_budget_is_refused_before_the_gram(monkeypatch):
     monkeypatch.setattr(composed, "FeatureChaos", boom)
     with pytest.raises(CostTooHigh) as e:
         dc.paths(_transformer(), order=2)
-    msg = _one_line(e, "paths(order=2): the exact inner product of two-node terms")
+    msg = _one_line(e, "paths(order=2): the exact Gram of the listed paths: the exact inner")
     assert "Monte Carlo" in msg and "order=1" in msg and "N = n_ctx*d = 32" in msg
 
 
