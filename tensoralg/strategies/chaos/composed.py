@@ -10,24 +10,26 @@ two (the outer leg's non-constant columns applied to the inner output: the leg's
 column reads the lifted 1 of the first-order path, not the composition). A term of an
 attention head composed into a leg of a later head has ``4 + 5 = 9`` legs.
 
-Inner products (`FeatureChaos`, `feature_inner`): the chaos (Wiener-Ito) expansion in
-*feature space*. Per term, `tensoralg.strategies.chaos.sequence.TermSide` gives for every set
-``S`` of open legs the sum ``R[S]`` over partial matchings of the other legs (Isserlis/Wick on
-the lifted input: pairs bridged by ``delta(p, p') P``, caps by the shared lifted constant);
-contracting the open legs' non-constant rows with a one-hot of their position gives the
-coefficient tensor ``A_k[t, o, xi_1..xi_k]`` of the Wick product ``:xi_1 ... xi_k:`` over the
-``N = n_ctx * d`` input variables ``xi = (position, feature)``. Wick products of distinct
-multisets are orthogonal and ``E[:xi^alpha: :xi^alpha:] = alpha!``, so with ``A`` summed over
-the index tuples of one multiset ``alpha`` (packing)
+Inner products (`FeatureChaos`, `feature_inner`): the chaos (Hermite) expansion over the
+``N = n_ctx * d`` input variables ``xi = (position, feature)`` (docs/mathematics.md §3.6, here
+with positions). Every leg is an affine form ``c + sum_xi w_xi x_xi`` of those variables (its
+lifted constant is the same 1 at every position), so one einsum of the term's cores and its
+legs gives the dense *lifted* coefficient tensor ``T[t, o, phi_1..phi_L]`` (``phi`` in
+``0..N``, 0 the constant); summing the entries of each multiset of non-constant indices gives
+the monomial coefficients ``c[t, o, alpha]`` (``|alpha| <= L``), and per variable
+``x^n = sum_m n! / (m! (n - 2m)! 2^m) He_{n-2m}(x)`` turns them into tensor Hermite
+coefficients ``a[t, o, beta]``. Hermite polynomials are orthogonal under the Gaussian with
+``E[He_beta^2] = beta!``, so
 
-    <g_a, g_b> = sum_k sum_{t, o} sum_{|alpha| = k} A^a_k[t, o, alpha] A^b_k[t, o, alpha] alpha!
+    <g_a, g_b> = sum_{t, o} sum_beta a[t, o, beta] b[t, o, beta] beta!
 
-— no sum over leg bijections (a pair of 9-leg terms would need ``sum_k C(9,k)^2 k!`` =
-1.8e7 of them in leg space, `chaos_pair`), at the price of dense feature-space tensors: the
-cost is polynomial in ``N`` and exponential in the degree, ``O(n_ctx d_out N^K)`` memory for
-the largest chaos order ``K`` (9 for two attention heads), like the position-free chaos
-(docs/mathematics.md §3.6). `estimate` gives memory and FLOPs from shapes before any work;
-`check` refuses over budget (`CostTooHigh`, naming the alternatives).
+No Wick matchings and no sum over leg bijections (a pair of 9-leg terms would need
+``sum_k C(9,k)^2 k!`` = 1.8e7 of them in leg space, `chaos_pair`), at the price of a dense
+tensor of ``d_out (N + 1)^L`` entries per query position: the cost is polynomial in ``N`` and
+exponential in the degree (``L = 9`` for two attention heads), like the position-free chaos.
+Measured and modelled in docs/decompose.md ("Transformer paths"). `estimate` gives memory and
+FLOPs from shapes before any work; `check` refuses over budget (`CostTooHigh`, naming the
+alternatives).
 """
 
 from __future__ import annotations
@@ -145,11 +147,14 @@ def _lifted_leg(leg: Leg, n: int, d: int, exact: bool) -> tuple:
     return F, ((leg.pos or QUERY),) + leg.labels
 
 
-def _lifted_expression(term: Term, n: int, d: int, exact: bool):
-    """``(subscripts, operands, shapes)`` of the dense lifted coefficient tensor
-    ``T[t, o, phi_1..phi_L]`` of one term (``phi`` in ``0..N``, 0 the constant)."""
-    one = Fraction(1) if exact else 1.0
-    ops = [np.full(n, one, dtype=object if exact else np.float64)]
+def _lifted_expression(term: Term, n: int, d: int, exact: bool, t: int):
+    """``(subscripts, operands)`` of the dense lifted coefficient tensor
+    ``T[o, phi_1..phi_L]`` of one term at query position ``t`` (``phi`` in ``0..N``, 0 the
+    constant): one query position at a time bounds the memory by ``d_out (N + 1)^L``."""
+    one, zero = (Fraction(1), Fraction(0)) if exact else (1.0, 0.0)
+    sel = np.full(n, zero, dtype=object if exact else np.float64)
+    sel[t] = one
+    ops = [sel]
     labs = [(QUERY,)]
     for arr, lb in term.cores:
         ops.append(arr)
@@ -158,7 +163,7 @@ def _lifted_expression(term: Term, n: int, d: int, exact: bool):
         F, lb = _lifted_leg(leg, n, d, exact)
         ops.append(F)
         labs.append(lb + (f"#phi{j}",))
-    out = (QUERY, OUTPUT) + tuple(f"#phi{j}" for j in range(len(term.legs)))
+    out = (OUTPUT,) + tuple(f"#phi{j}" for j in range(len(term.legs)))
     syms: dict = {}
     for lb in labs + [out]:
         for x in lb:
@@ -263,23 +268,29 @@ class FeatureChaos:
         E, _ = _monomials(self.N, K)
         mono = None
         for term in terms:
-            expr, ops = _lifted_expression(term, n_ctx, d, exact)
-            T = np.asarray(oe.contract(expr, *ops) if not exact else np.einsum(expr, *ops))
             L = len(term.legs)
-            flat = T.reshape(T.shape[0] * T.shape[1], -1)
             ids = _slot_ids(self.N, L, K)
-            if exact:
-                part = np.full((flat.shape[0], len(E)), Fraction(0), dtype=object)
-                for c in range(flat.shape[1]):
-                    part[:, ids[c]] = part[:, ids[c]] + flat[:, c]
-            else:
+            S = None
+            if not exact:
                 from scipy.sparse import csr_matrix
 
                 S = csr_matrix((np.ones(ids.size), (np.arange(ids.size), ids)),
-                               shape=(ids.size, len(E)))
-                part = np.asarray((S.T @ flat.T).T)
+                               shape=(ids.size, len(E))).T.tocsr()
+            rows = []
+            for t in range(n_ctx):
+                expr, ops = _lifted_expression(term, n_ctx, d, exact, t)
+                T = np.asarray(oe.contract(expr, *ops) if not exact else np.einsum(expr, *ops))
+                flat = T.reshape(T.shape[0], -1)
+                if exact:
+                    part = np.full((flat.shape[0], len(E)), Fraction(0), dtype=object)
+                    for c in range(flat.shape[1]):
+                        part[:, ids[c]] = part[:, ids[c]] + flat[:, c]
+                else:
+                    part = np.asarray((S @ flat.T).T)
+                rows.append(part)
+            part = np.concatenate(rows, axis=0)   # rows t * d_out + o
             mono = part if mono is None else mono + part
-            self.d_out = T.shape[1]
+            self.d_out = part.shape[0] // n_ctx
         entries, norms = _hermite(self.N, K)
         if exact:
             coef = np.full(mono.shape, Fraction(0), dtype=object)
@@ -319,8 +330,8 @@ def feature_inner(a: FeatureChaos, b: FeatureChaos):
 
 def estimate(terms: list, n_ctx: int) -> dict:
     """``{"bytes", "flops", "max_order", "N"}`` of `FeatureChaos` on ``terms`` from shapes
-    alone (nothing allocated): the dense lifted tensor of the largest term, ``n_ctx d_out
-    (N + 1)^L`` entries, counted three times (it, its flat copy and the contraction's last
+    alone (nothing allocated): the dense lifted tensor of the largest term at one query
+    position, ``d_out (N + 1)^L`` entries, counted three times (it, its flat copy and the contraction's last
     intermediate) plus its slot map (``(N + 1)^L`` int64), and the FLOPs of every term's
     einsum (the opt_einsum path cost) and packing."""
     d = terms[0].legs[0].weight.shape[-1] - 1
@@ -341,18 +352,18 @@ def estimate(terms: list, n_ctx: int) -> dict:
             if OUTPUT in leg.labels:
                 d_out = leg.weight.shape[leg.weight.ndim - 1 - len(leg.labels)
                                          + leg.labels.index(OUTPUT)]
-        entries = n_ctx * d_out * float(N + 1) ** L
+        entries = d_out * float(N + 1) ** L     # one query position at a time
         need = max(need, 8.0 * (3 * entries + float(N + 1) ** L))
-        flops += 4.0 * entries
+        flops += 4.0 * entries * n_ctx
         if entries < 1e15:   # the path of the lifted einsum, from shapes
             expr = _shape_expression(t)
             try:
                 _, info = oe.contract_path(expr, *shapes, shapes=True)
-                flops += float(info.opt_cost)
+                flops += float(info.opt_cost) * n_ctx
             except (ValueError, TypeError):   # pragma: no cover - repeated labels
-                flops += entries * 64
+                flops += entries * 64 * n_ctx
         else:
-            flops += entries * 64
+            flops += entries * 64 * n_ctx
     M = math.comb(N + K, K)
     need += 8.0 * 2 * M * n_ctx * 4
     return {"bytes": need, "flops": flops, "max_order": K, "N": N}
@@ -362,7 +373,7 @@ def _shape_expression(term: Term) -> str:
     labs = [(QUERY,)] + [lb for _, lb in term.cores]
     labs += [((leg.pos or QUERY),) + leg.labels + (f"#phi{j}",)
              for j, leg in enumerate(term.legs)]
-    out = (QUERY, OUTPUT) + tuple(f"#phi{j}" for j in range(len(term.legs)))
+    out = (OUTPUT,) + tuple(f"#phi{j}" for j in range(len(term.legs)))
     syms: dict = {}
     for lb in labs + [out]:
         for x in lb:
