@@ -136,3 +136,23 @@ def test_refusals_before_any_work(monkeypatch):
         dc.paths(_model(), n_ctx=N_CTX, order=2, backend="torch")
     with pytest.raises(CostTooHigh, match=r"order 9 over N = n_ctx\*d = 16 .*Monte Carlo"):
         dc.paths(_model(), n_ctx=8, order=2)
+
+
+@pytest.mark.slow   # ~15 s: rationals through object-array einsums
+def test_exact_backend_gives_rationals_equal_to_float():
+    from fractions import Fraction
+
+    rng = np.random.default_rng(5)
+
+    def att():
+        kw = {k: rng.integers(-2, 3, size=(1, 1, 1)) / 2 for k in LEGS}
+        kw.update({k + "_bias": rng.integers(-2, 3, size=(1, 1)) / 2 for k in ("q1", "k1")})
+        return BilinearAttention(**kw, o=rng.integers(-2, 3, size=(1, 1, 1)) / 2 + 1.0,
+                                 mask="causal")
+    model = Sequential([Linear(np.array([[1.5]]), np.array([0.5])), Residual(att()),
+                        Residual(att()), Linear(np.array([[1.0], [-0.5]]))])
+    pf = dc.paths(model, n_ctx=2, order=2)
+    pe = dc.paths(model, n_ctx=2, order=2, backend="exact")
+    assert isinstance(pe.gram[3, 5], Fraction) and "rationals" in pe.methods["gram"]
+    np.testing.assert_allclose(np.asarray(pe.gram, dtype=float), pf.gram, rtol=1e-12,
+                               atol=1e-14 * np.abs(pf.gram).max())

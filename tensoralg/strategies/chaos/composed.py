@@ -279,7 +279,7 @@ class FeatureChaos:
             rows = []
             for t in range(n_ctx):
                 expr, ops = _lifted_expression(term, n_ctx, d, exact, t)
-                T = np.asarray(oe.contract(expr, *ops) if not exact else np.einsum(expr, *ops))
+                T = np.asarray(oe.contract(expr, *ops))
                 flat = T.reshape(T.shape[0], -1)
                 if exact:
                     part = np.full((flat.shape[0], len(E)), Fraction(0), dtype=object)
