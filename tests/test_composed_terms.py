@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensoralg.verify.quadrature as vq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensoralg.canonical import Node, Tree, sequence_tree
 from tensoralg.errors import CostTooHigh
@@ -148,3 +150,29 @@ def test_compose_rejects_an_unknown_leg_and_a_mismatched_stream():
                              o=rng.normal(size=(D + 1, 1, DH)))
     with pytest.raises(ValueError, match="inner: writes 3 features"):
         compose(t, "K1", _term(wide))
+
+
+_SWAP = {"q1": "q2", "k1": "k2", "q2": "q1", "k2": "k1", "v": "v"}
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10 ** 6), leg=st.sampled_from(LEGS),
+       biased=st.booleans())
+def test_property_swap_of_the_outer_head_keeps_every_inner_product(seed, leg, biased):
+    """For any weights and any composed leg: the outer head with (Q1, K1) <-> (Q2, K2)
+    swapped and the composed leg renamed accordingly is the same function, so its two-node
+    term has the same inner product with a third term (a first-order one) and the same norm."""
+    rng = np.random.default_rng(seed)
+    biases = ("q1", "k2") if biased else ()
+    a0, a1, b0 = _head(rng, biases), _head(rng, biases), _head(rng)
+    sw = {_SWAP[k]: getattr(a1, k) for k in LEGS}
+    sw.update({_SWAP[k] + "_bias": getattr(a1, k + "_bias") for k in LEGS})
+    s1 = BilinearAttention(**sw, o=a1.o, mask="causal")
+    x = FeatureChaos([_composed(a1, leg, a0)], N_CTX)
+    y = FeatureChaos([_composed(s1, _SWAP[leg], a0)], N_CTX)
+    z = FeatureChaos([_term(b0)], N_CTX, max_degree=9)
+    nx = feature_inner(x, x)
+    assert feature_inner(y, y) == pytest.approx(nx, rel=1e-12)
+    assert feature_inner(x, y) == pytest.approx(nx, rel=1e-12)
+    assert feature_inner(y, z) == pytest.approx(feature_inner(x, z), rel=1e-10,
+                                                abs=1e-12 * nx ** 0.5)
