@@ -257,11 +257,20 @@ def test_bad_order(no_work, order):
     _one_line(e, "order: expected 1")
 
 
-def test_order_2_names_what_exists(no_work):
-    with pytest.raises(NotImplementedError) as e:
+def test_order_2_over_budget_is_refused_before_the_gram(monkeypatch):
+    """Second-order paths of the default test transformer (N = n_ctx*d = 32 input variables):
+    the two-node terms' dense order-9 tensors are refused, naming the alternatives, before
+    any chaos is built."""
+    from tensoralg.errors import CostTooHigh
+    from tensoralg.strategies.chaos import composed
+
+    def boom(*a, **k):
+        raise AssertionError("work started before the refusal")
+    monkeypatch.setattr(composed, "FeatureChaos", boom)
+    with pytest.raises(CostTooHigh) as e:
         dc.paths(_transformer(), order=2)
-    msg = _one_line(e, "order: second-order paths")
-    assert "order=1" in msg and "degree_similarity" in msg
+    msg = _one_line(e, "paths(order=2): the exact Gram of the listed paths: the exact inner")
+    assert "Monte Carlo" in msg and "order=1" in msg and "N = n_ctx*d = 32" in msg
 
 
 def test_missing_n_ctx(no_work):

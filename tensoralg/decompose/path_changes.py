@@ -23,8 +23,8 @@
   "direct") when that set has one element, several otherwise. The cross terms are reported
   beside it (they are what the paths' changes share).
 
-Second-order paths (a leg of a later head reading an earlier head) are not listed: the exact
-engine contracts one node per term (`tensoralg.decompose.sequence_paths.ORDER2_MESSAGE`), so
+Second-order paths (a leg of a later head reading an earlier head) are not listed here: their
+exact engine (`tensoralg.decompose.sequence_paths.ORDER2_MESSAGE`) fits small models only, so
 the remainder ``f - sum of the listed paths`` is not attributed here.
 """
 

@@ -198,7 +198,14 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True, n_ctx: Any 
     (``U A_{l,h}(X)``: the head reading the embedded input on all five legs), one per MLP
     ``"L{l}.MLP"``, ``"L{l}.bias"`` for an attention block's output bias — and the remainder
     ``rest = f - sum of the listed paths`` (every tree with a composition;
-    `sequence_paths`). Returns a
+    `sequence_paths`). ``order=2`` adds the second-order paths ``"L{l}.H{h}.{LEG}\u2190L{l'}.H{h'}"``
+    (``U A_{l,h}[LEG <- A_{l',h'}(X)]``: one leg Q1, K1, Q2, K2 or V of a later head reading an
+    earlier head, the virtual heads; its bias stays with the first-order path) with the exact
+    Gram of all listed paths by the feature-space chaos of two-node terms
+    (`tensoralg.strategies.chaos.composed`; polynomial in ``N = n_ctx * d``, exponential in
+    the degree: small models and short contexts only, refused with its estimate elsewhere);
+    compositions with MLP blocks or block biases, and trees of two or more compositions, stay
+    in the remainder. Returns a
     `SequencePathDecomposition`: the path networks,
     their exact Gram matrix (the exact sequence engine; never sampled), each path's share of
     ``||sum of the listed paths||^2`` (exact; for a bias-free stack of attention blocks this is
@@ -229,10 +236,10 @@ def paths(model: Any, *, backend: str = "numpy", check: bool = True, n_ctx: Any 
             ``order`` other than 1 or 2; ``n_ctx`` or ``order`` for a vector network; a
             sequence model without ``n_ctx`` (and no mask array fixing it); a sequence model
             that is not a residual stack (e.g. attention without a residual).
-        NotImplementedError: ``order=2`` (second-order paths need an exact engine for
-            two-node trees; the message names what exists).
         CostTooHigh: a sequence model's path pair over the exact engine's budget (before any
-            contraction).
+            contraction; ``order=2``: the dense order-9 tensors of the two-node terms, about
+            ``n_ctx * d_out * (n_ctx * d + 1)^9`` entries, are over ``max_memory``, or their
+            FLOPs over the default budget).
     """
     import tensoralg as ta
 

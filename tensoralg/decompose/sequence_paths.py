@@ -14,14 +14,24 @@ and expanding groups the terms by tree; the trees of order at most one are
 * ``"L{l}.bias"``: ``U c_l`` where the attention block of layer ``l`` writes a constant ``c_l``
   (its output bias): a constant path, listed only for blocks that have one,
 
-and the remainder ``rest = f - sum of the listed paths``: every tree with a composition (a leg
-of a later block reading an earlier block's output). A layer is an attention block and the MLP
-block after it (an MLP block with no attention block before it in its layer opens a layer).
+with ``order=2`` also the second-order paths (two-node trees)
 
-The Gram matrix of the listed paths is exact (the exact sequence engine, Wick/chaos with
-position-carrying legs, each path one node of one term); the remainder's norm is a Monte Carlo
-estimate with its diagnostics (``tensoralg.diff_norm(model, first_order, method="montecarlo")``)
-or "not assessed".
+* ``"L{l}.H{h}.{LEG}\u2190L{l'}.H{h'}"``: ``U A_{l,h}[LEG <- A_{l',h'}(X)]``, leg ``LEG`` (Q1,
+  K1, Q2, K2 or V) of head ``h`` of attention layer ``l`` reading the output of head ``h'`` of an
+  earlier attention layer (the virtual heads), every other leg reading the embedded input; the
+  leg's bias stays with the first-order path (a composition reads ``(0, A(X))``),
+
+and the remainder ``rest = f - sum of the listed paths``: every tree with a composition not
+listed (order 1: all of them; order 2: two or more compositions, and compositions with an MLP
+block or a block bias). A layer is an attention block and the MLP block after it (an MLP block
+with no attention block before it in its layer opens a layer).
+
+The Gram matrix of the listed paths is exact: order 1 by the exact sequence engine (Wick/chaos
+with position-carrying legs, each path one node of one term), order 2 by the feature-space
+chaos of two-node terms (`tensoralg.strategies.chaos.composed`, polynomial in ``n_ctx * d``
+and exponential in the degree: small models only, refused with its estimate elsewhere); the
+remainder's norm is a Monte Carlo estimate with its diagnostics
+(``tensoralg.diff_norm(model, listed, method="montecarlo")``) or "not assessed".
 """
 
 from __future__ import annotations
@@ -41,26 +51,23 @@ from ._common import split_stack
 __all__ = ["SequencePathDecomposition", "PathSimilarity", "sequence_paths",
            "sequence_path_similarity", "match_heads", "check_order", "ORDER2_MESSAGE"]
 
-#: What ``order=2`` would need, and what exists instead (the message of its refusal).
+#: What ``order=2`` covers, and what exists beyond it.
 ORDER2_MESSAGE = (
-    "order: second-order paths (a leg of a later head reading an earlier head, the virtual "
-    "heads) need an exact engine for two-node trees, which is not implemented; what exists: "
-    "order=1 (exact first-order paths: direct, each head, each MLP, and the remainder by Monte "
-    "Carlo), and ta.degree_similarity(a, b, n_ctx=..., max_degree=9) (S<=9, the sum of the "
-    "paths of order <= 2, by Monte Carlo with its diagnostics)")
+    "order=2: second-order paths (a leg of a later head reading an earlier head, the virtual "
+    "heads) are exact through the feature-space chaos of two-node terms "
+    "(tensoralg.strategies.chaos.composed), whose cost is polynomial in n_ctx*d and "
+    "exponential in the degree (small models only); elsewhere: order=1 (exact first-order "
+    "paths) and Monte Carlo on the path networks")
 
 _ATT = ("q1", "k1", "q2", "k2", "v")
 
 
 def check_order(order: Any) -> int:
-    """``order`` checked: 1, or the refusal of 2 (NotImplementedError naming what exists), or a
-    one-line ValueError."""
+    """``order`` checked: 1 or 2, or a one-line ValueError."""
     if isinstance(order, bool) or not isinstance(order, numbers.Integral) or order not in (1, 2):
         raise ValueError(f"order: expected 1 (first-order paths) or 2 (second-order paths), "
                          f"got {order!r}")
-    if order == 2:
-        raise NotImplementedError(ORDER2_MESSAGE)
-    return 1
+    return int(order)
 
 
 # ----------------------------------------------------------------------------------------
@@ -250,6 +257,170 @@ def _path_networks(net: Layer, name: str) -> tuple[list, list, list, dict, Layer
 
 
 # ----------------------------------------------------------------------------------------
+# second-order paths: one leg of a later head reading an earlier head (two-node trees)
+# ----------------------------------------------------------------------------------------
+
+_LEG = {"q1": "Q1", "k1": "K1", "q2": "Q2", "k2": "K2", "v": "V"}
+ARROW = "\u2190"   # the arrow of the path names: "L1.H0.K1<-L0.H1" with a left arrow
+
+
+def _block_heads(blocks: list, exact: bool) -> list:
+    """Per attention block: ``(layer, block index, [head layers reading the stream])``."""
+    out = []
+    for k, (b, (layer, _)) in enumerate(zip(blocks, _names(blocks))):
+        if b.kind == "attention":
+            out.append((layer, k, [_head_layer(b, h, exact) for h in range(b.core.n_heads)]))
+    return out
+
+
+def _pad(w: np.ndarray, m: int, slot: int, n_slots: int, exact: bool) -> np.ndarray:
+    """``w`` (``(..., m)``) reading slot ``slot`` of a stream of ``n_slots`` copies of width
+    ``m`` (zeros elsewhere)."""
+    parts = [w if k == slot else zeros_array(w.shape[:-1] + (m,), exact) for k in range(n_slots)]
+    return np.concatenate(parts, axis=-1)
+
+
+def _head_copy(hd: BilinearAttention, m: int, n_slots: int, exact: bool, read: int,
+               leg: str | None = None, leg_slot: int | None = None,
+               o: np.ndarray | None = None) -> dict:
+    """The weights of one head reading a stream of ``n_slots`` copies: every leg reads slot
+    ``read`` with its bias, except ``leg``, which reads slot ``leg_slot`` without its bias (a
+    composition reads the earlier head's output; the bias stays with the first-order path)."""
+    kw = {}
+    for k in _ATT:
+        w = _arr(getattr(hd, k), exact)
+        b = getattr(hd, k + "_bias")
+        if k == leg:
+            kw[k], kw[k + "_bias"] = _pad(w, m, leg_slot, n_slots, exact), None
+        else:
+            kw[k] = _pad(w, m, read, n_slots, exact)
+            kw[k + "_bias"] = None if b is None else _arr(b, exact)
+    kw["o"] = _arr(hd.o, exact) if o is None else o
+    return kw
+
+
+def _stack_heads(kws: list, mask, scale, rope, o_bias=None) -> BilinearAttention:
+    """One attention layer holding the heads ``kws`` (each one head's weights)."""
+    exact = kws[0]["q1"].dtype == object
+    out = {}
+    for k in _ATT:
+        out[k] = np.concatenate([kw[k] for kw in kws], axis=0)
+        bs = [kw[k + "_bias"] for kw in kws]
+        if all(b is None for b in bs):
+            out[k + "_bias"] = None
+        else:
+            out[k + "_bias"] = np.concatenate(
+                [zeros_array(kw[k].shape[:2], exact) if b is None else b
+                 for kw, b in zip(kws, bs)], axis=0)
+    out["o"] = np.concatenate([kw["o"] for kw in kws], axis=1)
+    return BilinearAttention(**out, o_bias=o_bias, mask=mask, scale=scale, rope=rope)
+
+
+def _embed_copies(pre: list, m: int, n_slots: int, filled: tuple, exact: bool) -> list:
+    """``pre`` then the stream copied into the slots ``filled`` of ``n_slots`` (zeros
+    elsewhere)."""
+    I, Z = _identity(m, exact), zeros_array((m, m), exact)
+    return pre + [Linear(np.concatenate([I if k in filled else Z for k in range(n_slots)],
+                                        axis=0))]
+
+
+def _composition_network(pre: list, post: list, outer: BilinearAttention, leg: str,
+                         inner: BilinearAttention, m: int, exact: bool) -> Layer:
+    """``U outer[leg <- inner(X)]`` as a network: the stream doubled to ``[X; 0]``, the inner
+    head writing ``inner(X)`` into the second copy, the outer head reading it on ``leg`` and
+    ``X`` on its other legs, then the unembedding's linear part."""
+    I, Z = _identity(m, exact), zeros_array((m, m), exact)
+    write = Residual(Sequential([Linear(np.concatenate([I, Z], axis=1)), inner,
+                                 Linear(np.concatenate([Z, I], axis=0))]))
+    head = _stack_heads([_head_copy(outer, m, 2, exact, 0, leg, 1)], outer.mask, outer.scale,
+                        outer.rope)
+    return Sequential(_embed_copies(pre, m, 2, (0,), exact) + [write, head] + _strip(post))
+
+
+def _listed_network(pre: list, blocks: list, post: list, m: int, exact: bool) -> Layer:
+    """The sum of the first- and second-order paths as one network: the stream
+    ``[acc; X; Y]`` (``X`` the embedded input, kept; ``Y`` the sum of the attention heads'
+    outputs on ``X`` so far); every block reads ``X`` and adds into ``acc``, every attention
+    head also into ``Y``, and every later head's copy with one leg reading ``Y`` (five per
+    head) into ``acc``; then the unembedding of ``acc``."""
+    I, Z = _identity(m, exact), zeros_array((m, m), exact)
+    mid, seen_attention = [], False
+    for b in blocks:
+        if b.kind != "attention":
+            read = Linear(np.concatenate([Z, I, Z], axis=1))
+            write = Linear(np.concatenate([I, Z, Z], axis=0))
+            mid.append(Residual(Sequential([read] + b.prefix + ([b.core] if b.core is not None
+                                                                 else []) + b.suffix + [write])))
+            continue
+        kws = []
+        for h in range(b.core.n_heads):
+            hd = _head_layer(b, h, exact)
+            o = _arr(hd.o, exact)
+            zo = zeros_array(o.shape, exact)
+            kws.append(_head_copy(hd, m, 3, exact, 1, o=np.concatenate([o, zo, o], axis=0)))
+            if seen_attention:
+                for k in _ATT:
+                    kws.append(_head_copy(hd, m, 3, exact, 1, k, 2,
+                                          o=np.concatenate([o, zo, zo], axis=0)))
+        c = _block_constant(b, exact)
+        o_bias = None
+        if any(v != 0 for v in c.reshape(-1)):
+            o_bias = np.concatenate([c, zeros_array((2 * m,), exact)])
+        mid.append(Residual(_stack_heads(kws, b.core.mask, b.core.scale, b.core.rope, o_bias)))
+        seen_attention = True
+    take = Linear(np.concatenate([I, Z, Z], axis=1))
+    return Sequential(_embed_copies(pre, m, 3, (0, 1), exact) + mid + [take] + post)
+
+
+def _second_order(pre: list, blocks: list, post: list, m: int, exact: bool):
+    """``(names, networks, specs)`` of the second-order paths ``"L{l}.H{h}.{LEG}<-L{l'}.H{h'}"``
+    (every leg of every head of a later attention block reading every head of an earlier
+    one); ``specs``: ``(outer head, leg, inner head)`` per path."""
+    heads = _block_heads(blocks, exact)
+    names, nets, specs = [], [], []
+    for i, (layer, _, outs) in enumerate(heads):
+        for h, outer in enumerate(outs):
+            for k in _ATT:
+                for layer2, _, ins in heads[:i]:
+                    for h2, inner in enumerate(ins):
+                        names.append(f"L{layer}.H{h}.{_LEG[k]}{ARROW}L{layer2}.H{h2}")
+                        nets.append(_composition_network(pre, post, outer, k, inner, m, exact))
+                        specs.append((outer, k, inner))
+    return names, nets, specs
+
+
+def _lifted_chain(layers: list, exact: bool, width: int) -> np.ndarray | None:
+    """The lifted ``(m + 1, width + 1)`` matrix of an affine chain, or None when empty."""
+    if not layers:
+        return None
+    W, c = _chain(layers, exact, width)
+    A = zeros_array((W.shape[0] + 1, width + 1), exact)
+    A[0, 0] = Fraction(1) if exact else 1.0
+    A[1:, 0] = c
+    A[1:, 1:] = W
+    return A
+
+
+def _composed_terms(spec, pre: list, post: list, n_ctx: int, exact: bool, d: int) -> list:
+    """The two-node `Term` of a second-order path (`tensoralg.strategies.chaos.composed`)."""
+    from ..strategies.chaos.composed import compose
+
+    outer, k, inner = spec
+    ot = sequence_tree(Sequential([outer] + _strip(post)), n_ctx, "outer", exact=exact,
+                       fold=True).nodes[0].terms
+    it = sequence_tree(Sequential(pre + [inner]), n_ctx, "inner", exact=exact,
+                       fold=True).nodes[0].terms
+    att_o = [t for t in ot if t.kind == "attention"]
+    if len(att_o) != 1 or len(ot) != 1:   # pragma: no cover - one head, no bias, no residual
+        raise AssertionError("a second-order path's outer head folded into other terms")
+    pre_lift = _lifted_chain(pre, exact, d)
+    terms = [compose(att_o[0], _LEG[k], t, pre_lift) for t in it]
+    if not exact:
+        terms = [t.map(lambda a: np.asarray(a, dtype=np.float64)) for t in terms]
+    return terms
+
+
+# ----------------------------------------------------------------------------------------
 # exact inner products of one-node path trees
 # ----------------------------------------------------------------------------------------
 
@@ -329,6 +500,21 @@ class _Engine:
             return fn()
 
 
+def _feature_gram(terms: list, n_ctx: int, exact: bool) -> np.ndarray:
+    """The exact Gram matrix of sums of terms (one list per path) by the feature-space chaos
+    of `tensoralg.strategies.chaos.composed` (each path's chaos built once)."""
+    from ..strategies.chaos.composed import FeatureChaos, feature_inner
+
+    K = max(len(x.legs) for t in terms for x in t)
+    fc = [FeatureChaos(t, n_ctx, exact, max_degree=K) for t in terms]
+    n = len(fc)
+    G = np.empty((n, n), dtype=object) if exact else np.zeros((n, n))
+    for i in range(n):
+        for j in range(i, n):
+            G[i, j] = G[j, i] = feature_inner(fc[i], fc[j])
+    return G
+
+
 def _gram(engine: _Engine, trees: list) -> np.ndarray:
     n = len(trees)
     G = np.empty((n, n), dtype=object) if engine.exact else np.zeros((n, n))
@@ -355,8 +541,9 @@ class SequencePathDecomposition:
             paths; the remainder ``"rest"`` is not listed: it is ``f - sum of the listed``).
         networks: the ``P`` path networks (tensoralg networks on the model's input ``(n,
             n_ctx, d)``; they and ``rest`` sum to the model).
-        kinds: ``"direct"``, ``"head"``, ``"mlp"``, ``"linear"`` or ``"bias"`` per path.
-        order: 1. n_ctx: the sequence length of every number.
+        kinds: ``"direct"``, ``"head"``, ``"mlp"``, ``"linear"``, ``"bias"`` or
+            ``"composition"`` (a second-order path) per path.
+        order: 1 or 2. n_ctx: the sequence length of every number.
         gram: ``(P, P)`` exact Gaussian Gram matrix of the listed paths (sums over query
             positions and outputs; float64, or Fractions with ``backend="exact"``).
         norm2_listed: ``||sum of the listed paths||^2 = gram.sum()`` (exact). For a bias-free
@@ -372,7 +559,8 @@ class SequencePathDecomposition:
             ``reliable`` and ``diagnostics``) or None ("not assessed").
         methods: ``{"gram", "share", "norm2_listed", "rest_norm"}`` -> how each was computed.
         first_order: the sum of the listed paths as one network (``model(X) -
-            first_order(X)`` is the remainder).
+            first_order(X)`` is the remainder; with ``order=2`` it holds the second-order
+            paths too).
         model: the model (as a tensoralg network).
     """
 
@@ -467,21 +655,44 @@ def sequence_paths(model: Any, *, n_ctx: Any = None, order: Any = 1, backend: st
     names, nets, kinds, _, first = _path_networks(net, name)
     exact = backend == "exact"
     trees = _trees(nets, n_ctx, exact, name)
-    eng = _Engine(n_ctx, backend, device)
-    eng.check([(t, t) for t in trees], "paths: the exact Gram of the first-order paths")
-    _, blocks, _ = _split(net, name)
+    pre, blocks, post = _split(net, name)
     one_block = len(blocks) == 1
+    if order == 2:
+        if backend == "torch":
+            raise ValueError("backend: order=2 runs on 'numpy' or 'exact' (the feature-space "
+                             "chaos of two-node terms has no torch path), got 'torch'")
+        from ..strategies.chaos import composed
+
+        m = pre[-1].out_features if pre else net.in_features
+        names2, nets2, specs = _second_order(pre, blocks, post, m, exact)
+        terms = [list(t.nodes[0].terms) for t in trees]
+        terms += [_composed_terms(sp, pre, post, n_ctx, exact, net.in_features) for sp in specs]
+        composed.check(terms, n_ctx, "paths(order=2): the exact Gram of the listed paths",
+                       backend="numpy")
+        names, nets = names + names2, nets + nets2
+        kinds = kinds + ["composition"] * len(names2)
+        first = _listed_network(pre, blocks, post, m, exact)
+    else:
+        eng = _Engine(n_ctx, backend, device)
+        eng.check([(t, t) for t in trees], "paths: the exact Gram of the first-order paths")
     if not one_block and rest_samples:   # the Monte Carlo request checked before the Gram
         from ..request import make_request
 
         make_request(method="montecarlo", n_ctx=n_ctx, n_samples=int(rest_samples),
                      seed=seed)
-    G = _gram(eng, trees)
+    if order == 2:
+        G = _feature_gram(terms, n_ctx, exact)
+    else:
+        G = _gram(eng, trees)
     total = sum(G[i, j] for i in range(len(G)) for j in range(len(G)))
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.array([float(G[i, i]) for i in range(len(G))]) / float(total)
-    how = ("exact (chaos sums of the exact sequence engine, rationals)" if exact else
-           f"exact (chaos sums of the exact sequence engine, float64, {backend})")
+    if order == 2:
+        how = ("exact (feature-space chaos of one- and two-node terms, "
+               + ("rationals)" if exact else "float64)"))
+    else:
+        how = ("exact (chaos sums of the exact sequence engine, rationals)" if exact else
+               f"exact (chaos sums of the exact sequence engine, float64, {backend})")
     methods = {"gram": how, "norm2_listed": how + ": the sum of the Gram matrix",
                "share": "exact: gram[i, i] / norm2_listed"}
     if one_block:
@@ -501,13 +712,13 @@ def sequence_paths(model: Any, *, n_ctx: Any = None, order: Any = 1, backend: st
                                 n_samples=int(rest_samples), seed=seed)
             verdict = "reliable" if rest.reliable else "NOT reliable: not an answer"
             methods["rest_norm"] = (f"Monte Carlo (APPROXIMATE): ta.diff_norm(model, "
-                                    f"first_order, method='montecarlo'), {int(rest_samples)} "
+                                    f"listed, method='montecarlo'), {int(rest_samples)} "
                                     f"directions, seed {seed}; {verdict}")
         except (ValueError, CostTooHigh) as exc:
             rest = None
             methods["rest_norm"] = f"not assessed ({str(exc).splitlines()[0][:160]})"
-    return SequencePathDecomposition(names, nets, kinds, 1, n_ctx, G, total, share, rest,
-                                     methods, first, net)
+    return SequencePathDecomposition(names, nets, kinds, int(order), n_ctx, G, total, share,
+                                     rest, methods, first, net)
 
 
 # ----------------------------------------------------------------------------------------
