@@ -253,7 +253,7 @@ def test_guided_estimator_is_unbiased_over_100_seeds(bench):
     """The guided estimator's bias, measured: on a small two-layer attention model with
     quadrature truth (benchmarks/mc_verdicts.py's ``random-attn-s0.3``, n_ctx * d = 4), the
     mean z of the guided similarity and of each inner product it reports, over 100 seeds at
-    1 000 directions, lies within 0.25 of 0 and within 3 of its own standard errors (the
+    1 000 directions, lies within 0.2 of 0 and within 3 of its own standard errors (the
     input-space proposal it replaced averaged z = -1.25 on <a,a>)."""
     z: dict = {}
     for seed in range(100):
@@ -263,7 +263,7 @@ def test_guided_estimator_is_unbiased_over_100_seeds(bench):
     for q, v in z.items():
         v = np.asarray(v)
         se = v.std(ddof=1) / np.sqrt(v.size)
-        assert abs(v.mean()) <= 0.25 and abs(v.mean()) <= 3 * se, (q, v.mean(), se)
+        assert abs(v.mean()) <= 0.2 and abs(v.mean()) <= 3 * se, (q, v.mean(), se)
 
 
 def test_sequence_models_take_the_same_smallest_sample_count_as_vector_models():
