@@ -43,12 +43,12 @@ def test_notebook_opens_with_what_it_teaches_and_uses_the_public_api(path):
     assert not private, private
 
 
-COURSE = [p for p in NOTEBOOKS if int(p.name[:2]) >= 4]   # written with exercises
+COURSE = NOTEBOOKS   # every notebook of the course ends with checked exercises
 
 
 @pytest.mark.parametrize("path", COURSE, ids=[p.stem for p in COURSE])
 def test_course_notebook_has_checked_exercises(path):
-    """The course notebooks (04 on) end with two or three exercises, each solution in a hidden
+    """Every course notebook ends with two or three exercises, each solution in a hidden
     cell (metadata jupyter.source_hidden, tag "solution") that checks the answer with an assert,
     and draw at least one figure."""
     nb = nbformat.read(path, as_version=4)
