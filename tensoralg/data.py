@@ -192,7 +192,7 @@ def modular_addition(P: int = 31, train_fraction: float = 0.4, seed: int = 0,
 # your own data: an .npz file (the audits' --data npz:PATH)
 # ----------------------------------------------------------------------------------------
 
-from .audit.common import NPZ_ARRAYS  # noqa: E402  (the arrays' names, one definition)
+from ._dataspec import NPZ_ARRAYS  # noqa: E402  (the arrays' names, one definition)
 
 
 def check_data_spec(spec: str, flag: str = "--data") -> str:
@@ -203,7 +203,7 @@ def check_data_spec(spec: str, flag: str = "--data") -> str:
     Raises:
         ValueError: anything else, in one line naming ``flag``.
     """
-    from .audit.common import check_data_spec as check
+    from ._dataspec import check_data_spec as check
 
     return check(spec, flag)
 

@@ -179,7 +179,7 @@ def _run_backdoor(cfg: BackdoorConfig, out: Path, show_progress: bool, method: s
     bar.update(1)
     Xp, yp, _ = poison(data.X_train, data.y_train, cfg.poison_fraction, cfg.target, seed=cfg.seed,
                        n_classes=data.n_classes, **trig)
-    from .forgetting import inner_steps
+    from .common import inner_steps
 
     # checkpoints through each fine-tune: snapshots by a callback that draws no random numbers,
     # so the final models are those of a run without it

@@ -287,21 +287,8 @@ def write_json_copy(json_copy: str | Path, result: Mapping[str, Any], final: Pat
     return write_json(stage / rel, result)
 
 
-#: The arrays of an audit's ``--data npz:PATH`` file (`tensoralg.data.load_npz_data`).
-NPZ_ARRAYS = ("X_train", "y_train", "X_test", "y_test")
-
-
-def check_data_spec(spec: str, flag: str = "--data") -> str:
-    """``digits`` or ``npz:PATH`` (the audits' ``--data``), returned unchanged; imports
-    nothing heavy (the file itself is checked by `tensoralg.data.load_npz_data`).
-
-    Raises:
-        ValueError: anything else, in one line naming ``flag``.
-    """
-    if spec == "digits" or (isinstance(spec, str) and spec.startswith("npz:") and len(spec) > 4):
-        return spec
-    raise ValueError(f"{flag}: expected 'digits' or 'npz:PATH' (an .npz file with arrays "
-                     f"{', '.join(NPZ_ARRAYS)}), got {spec!r}")
+# the --data spec (torch-free, one definition shared with tensoralg.data)
+from .._dataspec import check_data_spec  # noqa: E402
 
 
 def data_info(spec: str, seed: int = 0) -> tuple[int, tuple[int, int, int]]:
@@ -860,3 +847,16 @@ def localisation_over_seeds(locs: Sequence[Mapping[str, Any]]) -> tuple[dict, di
                                              for v in dict.fromkeys(vs))
                         for n, vs in verdicts.items()))
     return out, verdicts, text
+
+
+def inner_steps(stage_steps: int, per_stage: int) -> list[int]:
+    """The steps inside one stage (1 .. ``stage_steps``) at which a checkpoint is saved:
+    ``per_stage`` evenly spaced ones, the last at the stage's end.
+
+    Raises:
+        ValueError: ``per_stage`` outside ``1 .. stage_steps``.
+    """
+    if not 1 <= per_stage <= stage_steps:
+        raise ValueError(f"per_stage: expected 1 .. {stage_steps}, got {per_stage}")
+    pts = [int(round(k * stage_steps / per_stage)) for k in range(1, per_stage + 1)]
+    return sorted(set(pts))

@@ -35,6 +35,7 @@ from .common import (
     PATHS_NOTE,
     check_metric,
     format_table,
+    inner_steps,
     matrix_record,
     matrix_uncertainty,
     mc_entries,
@@ -387,19 +388,6 @@ def _run_forgetting(cfg: ForgettingConfig, out: Path, show_progress: bool, metho
         result["files"].append(FIG_EIGEN)
     write_json(out / JSON_NAME, result)
     return result
-
-
-def inner_steps(stage_steps: int, per_stage: int) -> list[int]:
-    """The steps inside one stage (1 .. ``stage_steps``) at which a checkpoint is saved:
-    ``per_stage`` evenly spaced ones, the last at the stage's end.
-
-    Raises:
-        ValueError: ``per_stage`` outside ``1 .. stage_steps``.
-    """
-    if not 1 <= per_stage <= stage_steps:
-        raise ValueError(f"per_stage: expected 1 .. {stage_steps}, got {per_stage}")
-    pts = [int(round(k * stage_steps / per_stage)) for k in range(1, per_stage + 1)]
-    return sorted(set(pts))
 
 
 def _class_accuracy(model, data, k: int) -> list[float]:
