@@ -38,6 +38,7 @@ from .common import (
     LOCALISATION_RULE,
     MC_SAMPLES,
     PATHS_NOTE,
+    append_similarity,
     check_metric,
     format_table,
     gap_finding,
@@ -405,11 +406,7 @@ def _walkthrough(cfg: BackdoorConfig, clean, walk: dict, data, trig: dict, sim: 
                 save_checkpoint(out / path, m, step=cfg.steps + st,
                                 provenance={**provenance, "run": name, "finetune_step": st})
             rec["checkpoint"].append(path)
-            rec["global_similarity"].append(ps["global"])
-            rec["global_similarity_stderr"].append(ps["global_stderr"])
-            rec["slice_similarity"].append([float(v) for v in ps["each"]])
-            rec["slice_similarity_stderr"].append(ps["each_stderr"])
-            rec["slice_similarity_reliable"].append(ps.get("each_reliable"))
+            append_similarity(rec, ps)
             rec["attack_success_rate"].append(accuracy(m, Xt, tt))
             rec["clean_accuracy"].append(accuracy(m, data.X_test, data.y_test))
             rec["output_cosine"].append(output_cosine(lg_clean, model_outputs(m, data.X_test)))

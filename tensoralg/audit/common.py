@@ -860,3 +860,13 @@ def inner_steps(stage_steps: int, per_stage: int) -> list[int]:
         raise ValueError(f"per_stage: expected 1 .. {stage_steps}, got {per_stage}")
     pts = [int(round(k * stage_steps / per_stage)) for k in range(1, per_stage + 1)]
     return sorted(set(pts))
+
+
+def append_similarity(rec: dict, ps: dict) -> None:
+    """Append one checkpoint's `pair_similarity` result ``ps`` (global and per-class values,
+    their standard errors and verdicts) to the over-training record ``rec``'s lists."""
+    rec["global_similarity"].append(ps["global"])
+    rec["global_similarity_stderr"].append(ps["global_stderr"])
+    rec["slice_similarity"].append([float(v) for v in ps["each"]])
+    rec["slice_similarity_stderr"].append(ps["each_stderr"])
+    rec["slice_similarity_reliable"].append(ps.get("each_reliable"))

@@ -33,6 +33,7 @@ import numpy as np
 from .common import (
     MC_SAMPLES,
     PATHS_NOTE,
+    append_similarity,
     check_metric,
     format_table,
     inner_steps,
@@ -424,11 +425,7 @@ def _trajectory(cfg: ForgettingConfig, traj: list, stages: list, ref, ref_index:
         rows["stage"].append(stages[i][0])
         rows["step"].append(step)
         rows["checkpoint"].append(name)
-        rows["global_similarity"].append(ps["global"])
-        rows["global_similarity_stderr"].append(ps["global_stderr"])
-        rows["slice_similarity"].append([float(v) for v in ps["each"]])
-        rows["slice_similarity_stderr"].append(ps["each_stderr"])
-        rows["slice_similarity_reliable"].append(ps.get("each_reliable"))
+        append_similarity(rows, ps)
         rows["test_accuracy_per_class"].append(acc[i] if end else
                                                _class_accuracy(m, data, data.n_classes))
         rows["logit_cosine"].append(pc["logit_cosine"])
