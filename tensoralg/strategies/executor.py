@@ -31,18 +31,25 @@ __all__ = ["Plan", "PairStep", "ein", "einsum_any", "torch_backend", "torch_exec
 _EXPRS: dict = {}
 
 
+def _block(lab: str, group: str) -> bool:
+    """Whether the labels ``group`` sit next to each other, in that order, in ``lab``."""
+    return not group or group in lab
+
+
 class PairStep:
     """One pairwise step ``einsum("la,lb->lo", A, B)`` (labels unique within each operand) as a
     batched matrix product: labels in one operand only and absent from the output are summed
     first; labels in both operands and in the output are the batch, in both and not in the
     output are contracted. Compiled once per step of a `Plan` (fixed shapes).
 
-    ``la``, ``lb`` are the operands' axes as they lie in memory; the order of the batch,
-    contracted, left and right labels is chosen to copy as little as possible (an operand
-    whose axes already form the blocks ``(batch, left, contracted)`` or ``(batch, contracted,
-    left)`` is read in place, transposed in BLAS), and the output is returned as the matrix
-    product leaves it, axes ``out_labels`` = batch + left + right (the next step, or the
-    `Plan`, reads it in that order: no copy back to ``lo``'s order)."""
+    ``la``, ``lb`` are the operands' axes as they lie in memory (C order). The batch labels
+    stay separate, strided axes of ``matmul`` (no copy); an operand whose left (or right) and
+    contracted labels each sit together, not behind a batch label, is read in place as a
+    matrix (transposed in BLAS when its contracted block comes first); the order of the
+    contracted labels is taken from the operand that then needs no copy. Only an operand that
+    is not so laid out is copied. The output is returned as the product leaves it, axes
+    ``out_labels`` = batch + left + right (the next step, or the `Plan`, reads it in that
+    order: no copy back to ``lo``'s order)."""
 
     def __init__(self, es: str, sa, sb):
         lhs, lo = es.split("->")
@@ -54,31 +61,43 @@ class PairStep:
         lb = "".join(x for x in lb if x in la or x in lo)
         n = lambda lab: int(np.prod([size[x] for x in lab], dtype=np.int64))  # noqa: E731
         pick = lambda lab, group: "".join(x for x in lab if x in group)  # noqa: E731
-        batch_set = {x for x in lo if x in la and x in lb}
+        batch = pick(la, {x for x in lo if x in la and x in lb})
         con_set = {x for x in la if x in lb and x not in lo}
         left = pick(la, set(la) - set(lb))
         right = pick(lb, set(lb) - set(la))
+
+        def free(lab, outer, con):
+            """None (copied) or whether the contracted block comes first (read transposed)."""
+            if not (_block(lab, outer) and _block(lab, con)) or (lab and lab[-1] in batch):
+                return None
+            return bool(con and outer) and lab.index(con) < lab.index(outer)
+
         best = None
-        for src in (la, lb):    # the batch and contracted orders of one operand, kept
-            batch, con = pick(src, batch_set), pick(src, con_set)
-            fa = 0 if la == batch + left + con else 1 if la == batch + con + left else None
-            fb = 0 if lb == batch + con + right else 1 if lb == batch + right + con else None
+        orders = (pick(la, con_set), pick(lb, con_set))   # on a tie, the larger operand's
+        for con in dict.fromkeys(orders if n(la) >= n(lb) else orders[::-1]):
+            fa, fb = free(la, left, con), free(lb, right, con)
             cost = (n(la) if fa is None else 0) + (n(lb) if fb is None else 0)
             if best is None or cost < best[0]:
-                best = (cost, batch, con, fa, fb)
-        _, batch, con, fa, fb = best
-        # orientation 1: the operand is read as (batch, contracted, left) and swapped in BLAS
-        self.swap_a, self.swap_b = fa == 1, fb == 1
+                best = (cost, con, fa, fb)
+        _, con, fa, fb = best
+        # A is read as (batch, left, contracted), B as (batch, contracted, right): swapped when
+        # the other block comes first in memory
+        self.swap_a, self.swap_b = fa is True, fb is False and bool(con and right)
+        # a copied operand keeps its last axis last (a strided copy reads rows, not columns)
+        if fa is None:
+            self.swap_a = bool(la) and la[-1] in left and bool(con)
+        if fb is None:
+            self.swap_b = bool(lb) and lb[-1] in con and bool(right)
+        bdims = tuple(size[x] for x in batch)
         self.perm_a = tuple(la.index(x) for x in batch + (con + left if self.swap_a
                                                            else left + con))
         self.perm_b = tuple(lb.index(x) for x in batch + (right + con if self.swap_b
                                                            else con + right))
-        self.copy_a = self.perm_a != tuple(range(len(la)))
-        self.copy_b = self.perm_b != tuple(range(len(lb)))
+        self.copy_a, self.copy_b = fa is None, fb is None
         self.shape_a = (n(batch), n(left), n(con))
         self.shape_b = (n(batch), n(con), n(right))
-        self.view_a = (n(batch), n(con), n(left)) if self.swap_a else self.shape_a
-        self.view_b = (n(batch), n(right), n(con)) if self.swap_b else self.shape_b
+        self.view_a = bdims + ((n(con), n(left)) if self.swap_a else (n(left), n(con)))
+        self.view_b = bdims + ((n(right), n(con)) if self.swap_b else (n(con), n(right)))
         self.shape_c = tuple(size[x] for x in batch + left + right)
         self.out_labels = batch + left + right
 
@@ -93,21 +112,25 @@ class PairStep:
             A = A.permute(self.perm_a).reshape(self.view_a)
             B = B.permute(self.perm_b).reshape(self.view_b)
             if self.swap_a:
-                A = A.transpose(1, 2)
+                A = A.transpose(-1, -2)
             if self.swap_b:
-                B = B.transpose(1, 2)
+                B = B.transpose(-1, -2)
             return torch.matmul(A, B).reshape(self.shape_c)
         A, B = np.asarray(A), np.asarray(B)   # an object einsum may return a bare Fraction
         if self.sum_a:
             A = np.asarray(A.sum(axis=self.sum_a))
         if self.sum_b:
             B = np.asarray(B.sum(axis=self.sum_b))
-        A = (A.transpose(self.perm_a) if self.copy_a else A).reshape(self.view_a)
-        B = (B.transpose(self.perm_b) if self.copy_b else B).reshape(self.view_b)
+        A = A.transpose(self.perm_a)
+        B = B.transpose(self.perm_b)
+        A = np.ascontiguousarray(A).reshape(self.view_a) if self.copy_a else \
+            A.reshape(self.view_a)
+        B = np.ascontiguousarray(B).reshape(self.view_b) if self.copy_b else \
+            B.reshape(self.view_b)
         if self.swap_a:
-            A = A.swapaxes(1, 2)
+            A = A.swapaxes(-1, -2)
         if self.swap_b:
-            B = B.swapaxes(1, 2)
+            B = B.swapaxes(-1, -2)
         return np.asarray(np.matmul(A, B)).reshape(self.shape_c)
 
 
