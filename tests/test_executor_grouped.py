@@ -129,3 +129,24 @@ def test_exact_attention_grouped_equals_ungrouped(backend, monkeypatch):
         assert isinstance(got, Fraction) and got == ref
     else:
         assert abs(got - ref) <= 1e-12 * abs(ref)
+
+
+def test_dry_run_flops_are_the_grouped_flops_executed(monkeypatch):
+    """The dry-run FLOP estimate (`chaos_cost_req`) is the path cost of the contractions the
+    grouped execution runs (counted at every `Plan` call), not of the ungrouped ones."""
+    from tensoralg.request import make_request
+    from tensoralg.strategies.sequence_exact import chaos_cost_req
+
+    rng = np.random.default_rng(5)
+    a, b = _attention(rng), _attention(rng)
+    req = make_request(n_ctx=4)
+    _, est = chaos_cost_req(req, a, b)
+    ran = [0.0]
+    call = executor.Plan.__call__
+
+    def counted(self, *ops, **kw):
+        ran[0] += self.flops
+        return call(self, *ops, **kw)
+    monkeypatch.setattr(executor.Plan, "__call__", counted)
+    exact_inner(a, b, n_ctx=4)
+    assert ran[0] > 0 and ran[0] == est, (ran[0], est)
