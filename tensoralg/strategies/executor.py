@@ -31,11 +31,25 @@ __all__ = ["Plan", "PairStep", "ein", "einsum_any", "torch_backend", "torch_exec
 _EXPRS: dict = {}
 
 
+def _block(lab: str, group: str) -> bool:
+    """Whether the labels ``group`` sit next to each other, in that order, in ``lab``."""
+    return not group or group in lab
+
+
 class PairStep:
     """One pairwise step ``einsum("la,lb->lo", A, B)`` (labels unique within each operand) as a
     batched matrix product: labels in one operand only and absent from the output are summed
     first; labels in both operands and in the output are the batch, in both and not in the
-    output are contracted. Compiled once per step of a `Plan` (fixed shapes)."""
+    output are contracted. Compiled once per step of a `Plan` (fixed shapes).
+
+    ``la``, ``lb`` are the operands' axes as they lie in memory (C order). The batch labels
+    stay separate, strided axes of ``matmul`` (no copy); an operand whose left (or right) and
+    contracted labels each sit together, not behind a batch label, is read in place as a
+    matrix (transposed in BLAS when its contracted block comes first); the order of the
+    contracted labels is taken from the operand that then needs no copy. Only an operand that
+    is not so laid out is copied. The output is returned as the product leaves it, axes
+    ``out_labels`` = batch + left + right (the next step, or the `Plan`, reads it in that
+    order: no copy back to ``lo``'s order)."""
 
     def __init__(self, es: str, sa, sb):
         lhs, lo = es.split("->")
@@ -45,18 +59,47 @@ class PairStep:
         self.sum_b = tuple(k for k, x in enumerate(lb) if x not in la and x not in lo)
         la = "".join(x for x in la if x in lb or x in lo)
         lb = "".join(x for x in lb if x in la or x in lo)
-        batch = "".join(x for x in lo if x in la and x in lb)
-        con = "".join(x for x in la if x in lb and x not in lo)
-        left = "".join(x for x in la if x not in lb)
-        right = "".join(x for x in lb if x not in la)
         n = lambda lab: int(np.prod([size[x] for x in lab], dtype=np.int64))  # noqa: E731
-        self.perm_a = tuple(la.index(x) for x in batch + left + con)
-        self.perm_b = tuple(lb.index(x) for x in batch + con + right)
+        pick = lambda lab, group: "".join(x for x in lab if x in group)  # noqa: E731
+        batch = pick(la, {x for x in lo if x in la and x in lb})
+        con_set = {x for x in la if x in lb and x not in lo}
+        left = pick(la, set(la) - set(lb))
+        right = pick(lb, set(lb) - set(la))
+
+        def free(lab, outer, con):
+            """None (copied) or whether the contracted block comes first (read transposed)."""
+            if not (_block(lab, outer) and _block(lab, con)) or (lab and lab[-1] in batch):
+                return None
+            return bool(con and outer) and lab.index(con) < lab.index(outer)
+
+        best = None
+        orders = (pick(la, con_set), pick(lb, con_set))   # on a tie, the larger operand's
+        for con in dict.fromkeys(orders if n(la) >= n(lb) else orders[::-1]):
+            fa, fb = free(la, left, con), free(lb, right, con)
+            cost = (n(la) if fa is None else 0) + (n(lb) if fb is None else 0)
+            if best is None or cost < best[0]:
+                best = (cost, con, fa, fb)
+        _, con, fa, fb = best
+        # A is read as (batch, left, contracted), B as (batch, contracted, right): swapped when
+        # the other block comes first in memory
+        self.swap_a, self.swap_b = fa is True, fb is False and bool(con and right)
+        # a copied operand keeps its last axis last (a strided copy reads rows, not columns)
+        if fa is None:
+            self.swap_a = bool(la) and la[-1] in left and bool(con)
+        if fb is None:
+            self.swap_b = bool(lb) and lb[-1] in con and bool(right)
+        bdims = tuple(size[x] for x in batch)
+        self.perm_a = tuple(la.index(x) for x in batch + (con + left if self.swap_a
+                                                           else left + con))
+        self.perm_b = tuple(lb.index(x) for x in batch + (right + con if self.swap_b
+                                                           else con + right))
+        self.copy_a, self.copy_b = fa is None, fb is None
         self.shape_a = (n(batch), n(left), n(con))
         self.shape_b = (n(batch), n(con), n(right))
+        self.view_a = bdims + ((n(con), n(left)) if self.swap_a else (n(left), n(con)))
+        self.view_b = bdims + ((n(right), n(con)) if self.swap_b else (n(con), n(right)))
         self.shape_c = tuple(size[x] for x in batch + left + right)
-        mid = batch + left + right
-        self.perm_c = tuple(mid.index(x) for x in lo)
+        self.out_labels = batch + left + right
 
     def __call__(self, A, B):
         if not isinstance(A, np.ndarray) and hasattr(A, "permute"):   # torch tensors
@@ -66,17 +109,29 @@ class PairStep:
                 A = A.sum(dim=self.sum_a)
             if self.sum_b:
                 B = B.sum(dim=self.sum_b)
-            A = A.permute(self.perm_a).reshape(self.shape_a)
-            B = B.permute(self.perm_b).reshape(self.shape_b)
-            return torch.matmul(A, B).reshape(self.shape_c).permute(self.perm_c)
+            A = A.permute(self.perm_a).reshape(self.view_a)
+            B = B.permute(self.perm_b).reshape(self.view_b)
+            if self.swap_a:
+                A = A.transpose(-1, -2)
+            if self.swap_b:
+                B = B.transpose(-1, -2)
+            return torch.matmul(A, B).reshape(self.shape_c)
         A, B = np.asarray(A), np.asarray(B)   # an object einsum may return a bare Fraction
         if self.sum_a:
             A = np.asarray(A.sum(axis=self.sum_a))
         if self.sum_b:
             B = np.asarray(B.sum(axis=self.sum_b))
-        A = A.transpose(self.perm_a).reshape(self.shape_a)
-        B = B.transpose(self.perm_b).reshape(self.shape_b)
-        return np.asarray(np.matmul(A, B)).reshape(self.shape_c).transpose(self.perm_c)
+        A = A.transpose(self.perm_a)
+        B = B.transpose(self.perm_b)
+        A = np.ascontiguousarray(A).reshape(self.view_a) if self.copy_a else \
+            A.reshape(self.view_a)
+        B = np.ascontiguousarray(B).reshape(self.view_b) if self.copy_b else \
+            B.reshape(self.view_b)
+        if self.swap_a:
+            A = A.swapaxes(-1, -2)
+        if self.swap_b:
+            B = B.swapaxes(-1, -2)
+        return np.asarray(np.matmul(A, B)).reshape(self.shape_c)
 
 
 # contractions below this path cost (flops) run step by step in numpy's C einsum
@@ -95,6 +150,7 @@ class Plan:
         self.flops = float(info.opt_cost)
         self.largest = int(info.largest_intermediate)  # elements
         self.peak = self._peak(sub, shapes)
+        self.sub = sub
         self.compiled = None
 
     def _peak(self, sub: str, shapes) -> int:
@@ -116,21 +172,32 @@ class Plan:
         return peak
 
     def _compile(self, ops):
+        """Steps with the operands' axes as they lie in memory: a `PairStep` returns its
+        output in its own axis order (``out_labels``), recorded here and read as such by the
+        steps after it; the last output is transposed (a view) to the subscripts' order."""
+        lhs0, out0 = self.sub.split("->")
+        labels = lhs0.split(",")
         shapes = [o.shape for o in ops]
         compiled = []
         for inds, es in self.steps:
             tmp = [shapes.pop(x) for x in inds]
-            lhs, lo = es.split("->")
+            act = [labels.pop(x) for x in inds]
+            lo = es.split("->")[1]
             if len(inds) == 2 and self.flops >= _MATMUL_MIN_FLOPS:
-                step = PairStep(es, *tmp)
-                shapes.append(tuple(step.shape_c[p] for p in step.perm_c))
+                step = PairStep(",".join(act) + "->" + lo, *tmp)
+                shapes.append(step.shape_c)
+                labels.append(step.out_labels)
             else:   # tiny contractions: one C einsum call beats transposes and a matmul
                 size = {}
-                for lab, sh in zip(lhs.split(","), tmp):
+                for lab, sh in zip(act, tmp):
                     size.update(zip(lab, sh))
-                step = (lambda e: (lambda *xs: einsum_any(e, *xs)))(es)
+                step = (lambda e: (lambda *xs: einsum_any(e, *xs)))(",".join(act) + "->" + lo)
                 shapes.append(tuple(size[x] for x in lo))
+                labels.append(lo)
             compiled.append((inds, step))
+        self.final = tuple(labels[0].index(x) for x in out0)
+        if self.final == tuple(range(len(out0))):
+            self.final = None
         return compiled
 
     def __call__(self, *ops, keep=None):
@@ -145,7 +212,10 @@ class Plan:
         for inds, step in self.compiled:
             tmp = [ops.pop(x) for x in inds]
             ops.append(step(*tmp))
-        return ops[0].cpu().numpy() if on_torch else ops[0]
+        out = ops[0]
+        if self.final is not None:
+            out = out.permute(self.final) if on_torch else np.transpose(out, self.final)
+        return out.cpu().numpy() if on_torch else out
 
 
 def einsum_any(es: str, *xs):

@@ -52,6 +52,7 @@ from ..request import (
 from ..results import gram_to_similarity, similarity_from, swap_order
 from .chaos.sequence import TermSide, chaos_pair, stored_entries
 from .executor import torch_backend
+from .wick import terms as _terms
 from .wick.terms import JoinedTermPair, entry_dtype
 
 __all__ = ["exact_inner", "exact_similarity", "exact_gram", "head_gram", "count_configurations",
@@ -250,7 +251,8 @@ def _dry_cost(pa: Tree, pb: Tree, n_ctx: int, exact: bool, sel, out_mode) -> tup
     (float64; one pointer per Fraction in rationals, so low there). FLOPs: the path costs of
     every contraction of the per-model sums and of the cross sums (`sum_flops`; the leg
     grams ``w . P w'``, a few matrix products, come on top)."""
-    key = (_shape_signature(pa), _shape_signature(pb), n_ctx, exact, sel.shape, out_mode)
+    key = (_shape_signature(pa), _shape_signature(pb), n_ctx, exact, sel.shape, out_mode,
+           _terms.GROUPED)   # the grouped and the ungrouped sums differ in FLOPs and memory
     hit = _DRY_COST.get(key)
     if hit is not None:
         return hit

@@ -36,6 +36,7 @@ from ..wick.terms import (
     position_variables,
     run_sum,
     side_network,
+    spec_operands,
     sum_flops,
     sum_peak,
 )
@@ -152,8 +153,8 @@ class TermSide:
                 self.stored += math.prod(shape)
                 self.work = max(self.work, sum_peak(compiled, self.fetch))
                 self.flops += sum_flops(compiled)
-                self._grams_read.update(k for specs, _ in compiled for k, _ in specs
-                                        if k[0] == "gram")
+                self._grams_read.update(k for specs, _ in compiled
+                                        for k, _ in spec_operands(specs) if k[0] == "gram")
                 continue
             self.R[S] = (np.asarray(run_sum(compiled, self.fetch, self.ein),
                                     dtype=entry_dtype(self.exact)), out)
@@ -394,5 +395,5 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
 
 def _gram_entries(compiled, fetch, kind: str) -> int:
     """Entries of the distinct gram operands (key kind ``kind``) that ``compiled`` reads."""
-    keys = {key for specs, _ in compiled for key, _ in specs if key[0] == kind}
+    keys = {key for specs, _ in compiled for key, _ in spec_operands(specs) if key[0] == kind}
     return sum(math.prod(fetch(key).shape) for key in keys)

@@ -46,6 +46,7 @@ The exact path of sequence models, built on both ways, is
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 
@@ -57,7 +58,7 @@ from ..executor import Plan
 from .matchings import partial_matchings, parts
 
 __all__ = ["term_network", "side_network", "position_variables", "UnionFind", "entry_dtype",
-           "JoinedTermPair", "compile_sum", "run_sum", "Shape", "sum_flops", "sum_peak",
+           "JoinedTermPair", "compile_sum", "run_sum", "spec_operands", "Shape", "sum_flops", "sum_peak",
            "OverBudget"]
 
 
@@ -282,13 +283,55 @@ _COMPILED: dict = {}
 _PLANS: dict = {}
 
 
-def compile_sum(key, build):
+#: a group of same-shape contractions runs as one stacked contraction in chunks whose stacked
+#: operands, and whose largest intermediate, hold at most about this many entries per member
+#: times the chunk's size (`compile_sum`)
+GROUP_ENTRIES = 1 << 21
+
+#: whether `compile_sum` groups same-shape contractions (the default; False runs every
+#: contraction on its own, the reference the grouped execution is tested against)
+GROUPED = True
+
+
+def _plan(sub: str, ushapes) -> Plan:
+    """The cached `Plan` of ``sub`` on ``ushapes`` (contractions of one shape up to the names
+    of their labels share a path)."""
+    expr = _PLANS.get((sub, tuple(ushapes)))
+    if expr is None:
+        expr = _PLANS[(sub, tuple(ushapes))] = Plan(sub, ushapes)
+    return expr
+
+
+class _Reduce:
+    """The single-operand contraction ``sub`` (``opt_einsum.contract``; not counted in
+    `sum_flops`: it reads each entry once)."""
+
+    def __init__(self, sub: str):
+        self.sub = sub
+
+    def __call__(self, x, keep=None):
+        return oe.contract(self.sub, x)
+
+
+def compile_sum(key, build, group: bool | None = None):
     """Cached list of ``(operand specs, contract expression)``: ``build()`` returns a list of
-    ``(specs, out_labels, shapes)`` with ``specs = [(operand key, labels)]``."""
+    ``(specs, out_labels, shapes)`` with ``specs = [(operand key, labels)]``; the value of the
+    sum is the sum of the contractions (`run_sum`).
+
+    ``group`` (default `GROUPED`): contractions with the same subscripts on the same shapes (up to the
+    names of their labels) are summed together. Where they differ in one operand only, that
+    operand is summed first and the contraction runs once (multilinearity: the same sum, one
+    contraction's FLOPs); where they differ in several, those operands are stacked along one
+    new label, summed by the contraction itself, and the group runs as one contraction in
+    chunks of at most `GROUP_ENTRIES` entries (one batched matrix product per step instead of
+    one per member). Such an entry's operand spec is ``(("sum" | "stack", ((key, labels), ...
+    per member)), labels)`` (`spec_operands` lists the members)."""
+    group = GROUPED if group is None else bool(group)
+    key = (key, group)
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
-    compiled = []
+    groups: dict = {}
     for specs, out_labels, shapes in build():
         uniq = [tuple(dict.fromkeys(lab)) for _, lab in specs]
         allabs = list(dict.fromkeys(x for lab in uniq for x in lab))
@@ -299,30 +342,82 @@ def compile_sum(key, build):
         for (_, lab), shp in zip(specs, shapes):
             size = dict(zip(lab, shp))
             ushapes.append(tuple(size[x] for x in dict.fromkeys(lab)))
-        if len(specs) == 1:
-            expr = (lambda sub_: (lambda x: oe.contract(sub_, x)))(sub)
-        else:   # contractions of one shape up to the names of their labels share a path
-            expr = _PLANS.get((sub, tuple(ushapes)))
-            if expr is None:
-                expr = _PLANS[(sub, tuple(ushapes))] = Plan(sub, ushapes)
-        compiled.append((specs, expr))
+        gkey = (sub, tuple(ushapes)) if group else (sub, tuple(ushapes), len(groups))
+        groups.setdefault(gkey, []).append(list(specs))
+    compiled = []
+    for (sub, ushapes, *_), members in groups.items():
+        single = sub.count(",") == 0
+        expr = _Reduce(sub) if single else _plan(sub, ushapes)
+        if len(members) == 1:
+            compiled.append((members[0], expr))
+            continue
+        n = len(members[0])
+        varying = [p for p in range(n) if any(m[p] != members[0][p] for m in members[1:])]
+        if len(varying) <= 1:   # one operand differs (or none): sum it, contract once
+            p = varying[0] if varying else 0
+            specs = list(members[0])
+            specs[p] = (("sum", tuple(m[p] for m in members)), members[0][p][1])
+            compiled.append((specs, expr))
+            continue
+        per = sum(math.prod(ushapes[p]) for p in varying)
+        chunk = max(1, GROUP_ENTRIES // max(per, getattr(expr, "largest", 1), 1))
+        lhs, rhs = sub.split("->")
+        z = next(oe.get_symbol(k) for k in itertools.count() if oe.get_symbol(k) not in sub)
+        for c0 in range(0, len(members), chunk):
+            part = members[c0:c0 + chunk]
+            if len(part) == 1:
+                compiled.append((part[0], expr))
+                continue
+            terms_ = lhs.split(",")
+            gshapes = list(ushapes)
+            specs = list(part[0])
+            for p in varying:
+                terms_[p] = z + terms_[p]
+                gshapes[p] = (len(part),) + tuple(ushapes[p])
+                specs[p] = (("stack", tuple(m[p] for m in part)), part[0][p][1])
+            compiled.append((specs, _plan(",".join(terms_) + "->" + rhs, gshapes)))
     _COMPILED[key] = compiled
     return compiled
 
 
+def spec_operands(specs):
+    """The ``(operand key, labels)`` an entry of `compile_sum` reads (the members of a summed
+    or stacked operand)."""
+    for key, labels in specs:
+        if key[0] in ("sum", "stack"):
+            yield from key[1]
+        else:
+            yield key, labels
+
+
+def _operand(key, labels, cache, fetch, ein):
+    """One operand of a `compile_sum` entry: diagonals taken (cached in ``cache``), a summed
+    or stacked group built (not cached)."""
+    if key[0] in ("sum", "stack"):
+        arrs = [np.asarray(_operand(k, lab, cache, fetch, ein)) for k, lab in key[1]]
+        if key[0] == "stack":
+            return np.stack(arrs)
+        total = arrs[0] + arrs[1]
+        for a in arrs[2:]:
+            total += a
+        return total
+    arr = cache.get((key, labels))
+    if arr is None:
+        arr = cache[(key, labels)] = _diagonal(fetch(key), labels, ein)[0]
+    return arr
+
+
 def run_sum(compiled, fetch, ein):
+    """The sum of the contractions of ``compiled`` (`compile_sum`), operands fetched by key."""
     cache = {}
     total = None
     for specs, expr in compiled:
-        ops = []
-        for key, labels in specs:
-            arr = cache.get((key, labels))
-            if arr is None:
-                arr = cache[(key, labels)] = _diagonal(fetch(key), labels, ein)[0]
-            ops.append(arr)
-        val = expr(*ops)
+        ops = [_operand(key, labels, cache, fetch, ein) for key, labels in specs]
+        keep = [key[0] not in ("sum", "stack") for key, _ in specs]
+        val = expr(*ops, keep=keep)
         total = val if total is None else total + val
     return total
+
 
 class Shape:
     """A shape-only stand-in for an array (dry runs: paths are found, nothing contracted)."""
@@ -349,11 +444,18 @@ def sum_peak(compiled, fetch) -> int:
     copies: dict = {}
     largest = 0
     for specs, expr in compiled:
-        for key, labels in specs:
+        for key, labels in spec_operands(specs):
             if len(set(labels)) < len(labels) and (key, labels) not in copies:
                 size = dict(zip(labels, fetch(key).shape))
                 copies[(key, labels)] = math.prod(size[x] for x in dict.fromkeys(labels))
-        largest = max(largest, getattr(expr, "peak", 0))
+        temp = 0    # a summed or stacked operand, built for this contraction only
+        for key, _labels in specs:
+            if key[0] in ("sum", "stack"):
+                k, lab = key[1][0]
+                size = dict(zip(lab, fetch(k).shape))
+                one = math.prod(size[x] for x in dict.fromkeys(lab))
+                temp += one * (len(key[1]) if key[0] == "stack" else 1)
+        largest = max(largest, getattr(expr, "peak", 0) + temp)
     return sum(copies.values()) + largest
 
 
