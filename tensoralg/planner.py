@@ -504,6 +504,10 @@ class SequencePlan:
             the same dry run: `tensoralg.strategies.sequence_exact.chaos_cost_req`), None when it
             was not reached; max_flops: the budget it was held against (``max_flops`` or its
             default).
+        similarity_memory_bytes, similarity_flops: what a similarity of the two models costs
+            on the exact path: it also computes ``<a, a>`` and ``<b, b>`` (one after the
+            other), so the larger of the three products' peaks and the sum of their FLOPs;
+            None when ``a`` and ``b`` are one model or the inner product was refused.
         terms_a, terms_b: each model's canonical tree (`tensoralg.canonical.tree`), one
             line per node: its terms with their legs and the positions they read.
         alternatives: the other methods.
@@ -523,6 +527,8 @@ class SequencePlan:
     max_memory: float | None = None
     flops: float | None = None
     max_flops: float | None = None
+    similarity_memory_bytes: int | None = None
+    similarity_flops: float | None = None
     terms_a: list = field(default_factory=list)
     terms_b: list = field(default_factory=list)
     alternatives: str = SEQUENCE_ALTERNATIVES
@@ -559,6 +565,11 @@ class SequencePlan:
             if self.flops is not None:
                 lines.append(f"estimated FLOPs (the same dry run): {self.flops:.3g} "
                              f"(max_flops={self.max_flops:.3g})")
+            if self.similarity_memory_bytes is not None:
+                lines.append(f"a similarity also computes <a, a> and <b, b>: estimated peak "
+                             f"{self.similarity_memory_bytes / 2**30:.3g} GiB (the largest of "
+                             f"the three), {self.similarity_flops:.3g} FLOPs in all (each "
+                             f"product is held to the budgets on its own)")
         else:
             lines.append("exact one-attention-layer path (tensoralg.strategies.sequence_exact): not available"
                          + (f" (the unrolled trees: {legs})" if legs else ""))
@@ -678,6 +689,15 @@ def plan_sequence(req, na, nb) -> SequencePlan:
                 plan.refused = sequence_exact.flops_refusal(plan.flops, req)
                 if plan.refused:
                     plan.reason = "over max_flops"
+    if plan.supported and not plan.refused and na is not nb:
+        costs = [(plan.memory_bytes, plan.flops)]
+        try:
+            costs += [sequence_exact.chaos_cost_req(req, x, x) for x in (na, nb)]
+        except (ValueError, sequence_exact.AttentionNotSupported):
+            pass   # similarity refuses these itself, with its own message
+        else:
+            plan.similarity_memory_bytes = max(c[0] for c in costs)
+            plan.similarity_flops = float(sum(c[1] for c in costs))
     if plan.supported and not plan.refused:
         plan.strategy = "attention"
         plan.reason = (f"exact: at most one attention layer per model, "

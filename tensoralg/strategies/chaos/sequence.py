@@ -385,11 +385,19 @@ def chaos_pair(sa: TermSide, sb: TermSide, sel, out_mode, ein, budget: int):
                 specs = specs[1:]
             yield specs, out_mode, [fetch(k).shape for k, _ in specs]
 
-    compiled = compile_sum(key, build)
-    if sa.dry or sb.dry:  # the cross grams and packed copies stay alive through the sum
-        return (sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g") +
-                _gram_entries(compiled, fetch, "pk"), sum_flops(compiled)), len(items)
-    return run_sum(compiled, fetch, ein), len(items)
+    try:
+        compiled = compile_sum(key, build)
+        if sa.dry or sb.dry:  # the cross grams and packed copies stay alive through the sum
+            return (sum_peak(compiled, fetch) + _gram_entries(compiled, fetch, "g") +
+                    _gram_entries(compiled, fetch, "pk"), sum_flops(compiled)), len(items)
+        return run_sum(compiled, fetch, ein), len(items)
+    finally:
+        # ``fetch`` calls itself (packed operands), a reference cycle that would keep the
+        # packed copies and cross grams alive until the garbage collector runs: the next
+        # inner product's peak would stack on this one's
+        packs.clear()
+        grams.clear()
+        fetch = None  # the cell the cycle runs through: frees both sides too
 
 
 

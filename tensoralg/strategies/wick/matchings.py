@@ -63,7 +63,10 @@ def partial_matchings(n: int, can_cap: Sequence[bool] | None = None,
                 if can_pair[j] and (pairable is None or pairable[i][j]):
                     yield from rec(tail[:k] + tail[k + 1:], pairs + ((i, j),), singles)
 
-    yield from rec(tuple(range(n)), (), ())
+    try:
+        yield from rec(tuple(range(n)), (), ())
+    finally:
+        rec = None  # rec refers to itself: break the cycle
 
 
 def parts(matching: Matching) -> tuple:

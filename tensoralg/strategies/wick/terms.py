@@ -196,7 +196,10 @@ class JoinedTermPair:
                     c += rec(r & ~(1 << j))
             memo[rest] = c
             return c
-        return rec((1 << n) - 1)
+        try:
+            return rec((1 << n) - 1)
+        finally:
+            rec = None  # rec refers to itself: break the cycle that holds self
 
     def signature(self):
         """Everything the compiled contractions depend on (not the weight values)."""
