@@ -502,6 +502,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_matrix(args) -> int:
+    if len(args.checkpoints) < 2:   # before the imports below (torch): seconds
+        raise ValueError(f"checkpoints: need at least two, got {len(args.checkpoints)}")
     from .compare import matrix_table, run_matrix
     from .matrix_blocks import cmd_matrix_blocked, wants_blocks
 
