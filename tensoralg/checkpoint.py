@@ -481,6 +481,11 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[BilinearNet, dict]:
                              f"weights must be floating point")
         if not torch.isfinite(tensors[name]).all():
             raise ValueError(f"{path}: tensor {name!r} has non-finite (NaN/inf) entries")
+        if tensors[name].dtype.itemsize < ref.dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {tensors[name].dtype} but "
+                             f"cfg.json records {cfg.get('dtype')!r} weights: converted after "
+                             f"saving, they cannot compute the saved forward probe; save the "
+                             f"model in {cfg.get('dtype')} (or float64)")
     model.load_state_dict({k: tensors[k].to(ref.dtype) for k, ref in expected.items()})
     model.eval()
     _check_probe(path, model, cfg)

@@ -311,3 +311,14 @@ def test_weights_too_large_to_evaluate_are_named(tmp_path):
     save_folder(tmp_path / "b", big, dict(cfg.items()))
     with pytest.raises(ValueError, match="probe overflowed"):
         load_checkpoint(tmp_path / "b")
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_lower_precision_weights_named_by_dtype(tmp_path, low):
+    from safetensors.torch import load_file, save_file
+
+    save_checkpoint(tmp_path / "c", _model())
+    w = tmp_path / "c" / "weights.safetensors"
+    save_file({k: v.to(low) for k, v in load_file(w).items()}, w)
+    with pytest.raises(ValueError, match=f"has dtype {low} but cfg.json records 'float32'"):
+        load_checkpoint(tmp_path / "c")
