@@ -111,8 +111,10 @@ class _FeatureParts:
     (`tensoralg.strategies.chaos.composed`, docs/mathematics.md §3.10). All parts share one
     ``max_degree`` (the largest term of the truncations asked for), so they add."""
 
-    def __init__(self, unrolled: list, n_ctx: int, max_degree: int):
+    def __init__(self, unrolled: list, n_ctx: int, max_degree: int, backend: str = "numpy",
+                 device: Any = None):
         self.unrolled, self.n_ctx, self.K = unrolled, n_ctx, max_degree
+        self.backend, self.device = backend, device
         self._parts: dict = {}
 
     def check(self, K: int, what: str) -> None:
@@ -129,7 +131,8 @@ class _FeatureParts:
         if (side, k) not in self._parts:
             t = self.unrolled[side].tree({k})
             self._parts[side, k] = FeatureChaos(list(t.nodes[0].terms), self.n_ctx,
-                                                max_degree=self.K)
+                                                max_degree=self.K, backend=self.backend,
+                                                device=self.device)
         return self._parts[side, k]
 
     def coef(self, side: int, K: int) -> np.ndarray:
@@ -559,7 +562,8 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     layers: one node holding both layers' heads), ``K`` whose truncation holds compositions
     (``S<=9`` of two attention layers) by the feature-space chaos of
     `tensoralg.strategies.chaos.composed` where its estimate fits the budget (each model's
-    chaos once, then every pair a dot product; NumPy whatever ``backend``), and the full
+    chaos once, then every pair a dot product; ``backend="torch"``: its dense tensors in
+    torch), and the full
     similarity of one attention layer. A ``K`` outside these is refused (estimate it per pair with
     [`degree_similarity`][tensoralg.degree.degree_similarity], which samples it by Monte Carlo with
     its diagnostics).
@@ -655,7 +659,7 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
             unr = [f for f, _ in fos]
             feats = _FeatureParts(unr, n_ctx, max(
                 len(t.legs) for f in unr for t in f.tree(set(range(max(feature_ks) + 1)))
-                .nodes[0].terms))
+                .nodes[0].terms), req.backend, req.device)
             for K in feature_ks:
                 try:
                     feats.check(K, f"S<={K}")

@@ -168,3 +168,9 @@ def test_biases_at_degree_nine_pair_says_why():
     r = ta.degree_similarity(a, b, n_ctx=N_CTX, max_degree=9, n_samples=60)
     assert r.method[9] == "montecarlo"
     assert "S<=9 with biases is not exact here" in r.notes[9] and "order=2" in r.notes[9]
+
+
+def test_s9_matrix_torch_backend_equals_numpy(models, matrix):
+    Mt = ta.degree_similarity_matrix(models, n_ctx=N_CTX, max_degree=9, backend="torch",
+                                     device="cpu")
+    np.testing.assert_allclose(Mt.gram[9], matrix.gram[9], rtol=1e-12, atol=0)
