@@ -293,7 +293,7 @@ class FeatureChaos:
             if tdev is not None:
                 import torch
 
-                tids = torch.as_tensor(ids, device=tdev)
+                tids = torch.from_numpy(np.array(ids)).to(tdev)   # ids is read-only
             elif not exact:
                 from scipy.sparse import csr_matrix
 
