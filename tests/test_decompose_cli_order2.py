@@ -79,3 +79,15 @@ def test_order_2_with_diff_refused(ckpt, capsys):
     assert main(["decompose", str(ckpt / "a"), "--diff", str(ckpt / "a"), "--order", "2",
                  "--n-ctx", "2", "--out", str(ckpt / "z")]) == 2
     assert "error: --order: 2 with --diff" in _err(capsys)
+
+
+def test_order_on_a_vector_network_refused(tmp_path, capsys):
+    import tensoralg as ta
+    from tensoralg.checkpoint import save_checkpoint
+
+    rng = np.random.default_rng(0)
+    save_checkpoint(tmp_path / "v", ta.Bilinear(rng.normal(size=(4, 3)), rng.normal(size=(4, 3)),
+                                                rng.normal(size=(2, 4))))
+    assert main(["decompose", str(tmp_path / "v"), "--order", "2",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "error: --order: only for transformer checkpoints" in _err(capsys)
