@@ -26,6 +26,14 @@ Exact where the truncation is a network the exact engines compute:
   node (`tensoralg.homogeneous.unrolled`; ``f_{<=5}`` of two attention layers is one
   node holding both layers' heads), which the exact attention path computes
   (`tensoralg.strategies.sequence_exact`).
+* bias-free sequence models whose truncation holds compositions (``f_{<=9}`` of two attention
+  layers: the direct path, every head and every composition of one leg of a later head with
+  an earlier head; an attention block followed by a bilinear MLP up to its full degree 10)
+  where the leg-space engine is over budget: the feature-space chaos of the same unrolled
+  terms (`tensoralg.strategies.chaos.composed`), polynomial in ``N = n_ctx * d`` and
+  exponential in the number of legs, its cost from shapes before any work (small inputs:
+  ``N <= 6`` at degree 9; docs/attention.md, "Exact S<=9"). The parts of different degree
+  are not orthogonal (``E[x x^5] != 0``): every cross term is in the inner product.
 
 Everything else by Monte Carlo (APPROXIMATE; `tensoralg.strategies.montecarlo_degree`):
 the radial estimator on the DFT parts, the largest exact lower truncation as control variate,
@@ -48,7 +56,7 @@ from . import engine, homogeneous
 from .canonical import Tree, resolve_n_ctx
 from .errors import CostTooHigh
 from .layers import Layer, as_network
-from .prepare import check_pair, check_sizes
+from .prepare import check_pair, check_sizes, position_selector
 from .request import make_request
 from .results import similarity_from
 from .strategies import sequence_exact
@@ -74,6 +82,72 @@ _DISCLAIMER = ("S<=K is the similarity of the degree-<=K truncations f_<=K = sum
 def _tree_inner(pa: Tree, pb: Tree, n_ctx: int) -> float:
     sequence_exact.check_configurations_bound(pa, pb)
     return float(sequence_exact.tree_inner_req(make_request(n_ctx=n_ctx), pa, pb, n_ctx))
+
+
+#: How an exact ``S<=K`` whose truncation holds compositions (two-node terms) is computed.
+FEATURE_HOW = ("exact: the paths of degree <= K (direct, every head, every composition of one "
+               "leg of a later head with an earlier head) by the feature-space chaos of one- and "
+               "two-node terms (tensoralg.strategies.chaos.composed)")
+
+
+def _not_exact_message(K: int, name: str, why: str, tail: bool = True) -> str:
+    """The one-line refusal of an exact ``S<=K`` of a sequence model with biases (``tail``:
+    with the Monte Carlo alternative)."""
+    msg = f"max_degree: S<={K} is not exact for {name} ({why})"
+    if K >= 9:
+        msg += (f"; S<={K} with biases is not exact here (the lifted constant mixes the degrees "
+                f"of every tree): dc.paths(model, n_ctx=..., order=2) gives the exact Gram of "
+                f"the direct, first- and second-order paths with biases (grouped by tree, not "
+                f"by degree)")
+    return msg + ("; degree_similarity(a, b) estimates it by Monte Carlo per pair, with its "
+                  "verdict" if tail else "")
+
+
+class _FeatureParts:
+    """Per model, the feature-space chaos of each homogeneous part of its unrolled paths
+    (`tensoralg.homogeneous.unrolled`), each built once: the chaos is linear in the terms, so
+    the chaos of a truncation ``f_{<=K}`` is the sum of its parts' coefficients, and every
+    inner product ``sum_{t, o, beta} a b beta!`` a weighted dot product of them
+    (`tensoralg.strategies.chaos.composed`, docs/mathematics.md §3.10). All parts share one
+    ``max_degree`` (the largest term of the truncations asked for), so they add."""
+
+    def __init__(self, unrolled: list, n_ctx: int, max_degree: int, backend: str = "numpy",
+                 device: Any = None):
+        self.unrolled, self.n_ctx, self.K = unrolled, n_ctx, max_degree
+        self.backend, self.device = backend, device
+        self._parts: dict = {}
+
+    def check(self, K: int, what: str) -> None:
+        """CostTooHigh from shapes alone (`composed.check`), before any work."""
+        from .strategies.chaos import composed
+
+        composed.check([list(f.tree(set(range(K + 1))).nodes[0].terms) for f in self.unrolled],
+                       self.n_ctx, what)
+
+    def part(self, side: int, k: int):
+        """The `FeatureChaos` of side ``side``'s homogeneous part of degree ``k``."""
+        from .strategies.chaos.composed import FeatureChaos
+
+        if (side, k) not in self._parts:
+            t = self.unrolled[side].tree({k})
+            self._parts[side, k] = FeatureChaos(list(t.nodes[0].terms), self.n_ctx,
+                                                max_degree=self.K, backend=self.backend,
+                                                device=self.device)
+        return self._parts[side, k]
+
+    def coef(self, side: int, K: int) -> np.ndarray:
+        """The chaos coefficients of ``f_{<=K}`` of side ``side``."""
+        return sum(self.part(side, k).coef for k in sorted(self.unrolled[side].degrees)
+                   if k <= K)
+
+    def inner(self, u: np.ndarray, v: np.ndarray) -> float:
+        norms = self.part(0, min(self.unrolled[0].degrees)).norms
+        return float(np.einsum("rc,rc,c->", u, v, norms))
+
+    def triple(self, K: int) -> tuple[float, float, float]:
+        """``(<a, b>, <a, a>, <b, b>)`` of the two truncations ``f_{<=K}``."""
+        ca, cb = self.coef(0, K), self.coef(1, K)
+        return self.inner(ca, cb), self.inner(ca, ca), self.inner(cb, cb)
 
 
 # ----------------------------------------------------------------------------------------
@@ -186,7 +260,11 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     Exact (float64): ``S<=1`` for every model; every ``K`` for position-free networks (the
     graded network of the canonical chain); for bias-free sequence models below the first
     composition degree (``S<=5`` of two attention layers: one node holding both layers'
-    heads, by the exact attention path). Otherwise a Monte Carlo estimate (APPROXIMATE): the
+    heads, by the exact attention path); for bias-free sequence models whose truncation
+    holds compositions (``S<=9`` of two attention layers) by the feature-space chaos of
+    `tensoralg.strategies.chaos.composed` where its estimate (from shapes, before any work)
+    fits the budget (``r.notes[K]`` says which). Otherwise a Monte Carlo estimate
+    (APPROXIMATE; with biases ``S<=9`` is not exact here, and the note says so): the
     radial estimator on the DFT parts with the largest exact lower truncation as control
     variate, with ``stderr`` and reliability diagnostics (module docstring of
     `tensoralg.degree`).
@@ -263,7 +341,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
         exact_ip[1] = (homogeneous.affine_inner(aff[0], aff[1]),
                        homogeneous.affine_inner(aff[0], aff[0]),
                        homogeneous.affine_inner(aff[1], aff[1]))
-    why = {}
+    why: dict = {}
+    hows: dict = {}   # K -> how an exact S<=K was computed, where not `how`
 
     if not seq:
         Kmax = min(max(Ks), max(deg_a, deg_b))
@@ -303,25 +382,46 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     else:
         how = "exact: the paths of degree <= K unrolled into one node (exact attention path)"
         done: dict = {}   # the degrees present below K, per side -> the exact triple
+        feats = None      # _FeatureParts once a truncation holds compositions
+        done_how: dict = {}
+        feature_ok = 0    # the largest K computed by the feature-space chaos
         term_values: dict = {}   # (id(term), id(term)) -> its pair's value (tree_gram)
         for K in Ks:
             if K == 1:
                 continue
             if fo[0][0] is None or fo[1][0] is None:
-                why[K] = (fo[0][1] or fo[1][1])
+                side = "a" if fo[0][0] is None else "b"
+                why[K] = _not_exact_message(K, side, fo[0][1] or fo[1][1], False)[12:]
                 continue
             f0, f1 = fo[0][0], fo[1][0]
             key = tuple(frozenset(k for k in f.degrees if k <= K) for f in (f0, f1))
             if key in done:
                 exact_ip[K] = done[key]
+                if key in done_how:
+                    hows[K] = done_how[key]
                 continue
             ks = set(range(K + 1))
+            pa, pb = f0.tree(ks), f1.tree(ks)
             try:
-                pa, pb = f0.tree(ks), f1.tree(ks)
                 exact_ip[K] = done[key] = sequence_exact.tree_triple(pa, pb, n_ctx,
                                                                      term_values)
+                continue
             except (CostTooHigh, sequence_exact.AttentionNotSupported) as exc:
                 why[K] = f"exact path refused: {exc}"
+            # over the leg-space engine's budget (compositions: a leg reading another term):
+            # the feature-space chaos, its cost from shapes before any work
+            try:
+                if feats is None:
+                    top_k = max(len(t.legs) for f in (f0, f1)
+                                for t in f.tree(set(range(kprof + 1))).nodes[0].terms)
+                    feats = _FeatureParts([f0, f1], n_ctx, top_k)
+                feats.check(K, f"S<={K}")
+                exact_ip[K] = done[key] = feats.triple(K)
+                hows[K] = done_how[key] = FEATURE_HOW
+                feature_ok = max(feature_ok, K)
+                why.pop(K)
+            except CostTooHigh as exc:
+                why[K] += f"; exact feature-space chaos refused: {exc}"
         for K in Ks:
             if K in exact_ip or max(deg_a, deg_b) > K or (fo[0][0] and fo[1][0]):
                 continue
@@ -339,6 +439,9 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             for k in range(2, kprof + 1):
                 if k not in f.degrees:
                     prof[side][k] = 0.0     # vanishes structurally (bias-free)
+                elif feats is not None and k <= feature_ok:
+                    pk = feats.part(side, k).coef
+                    prof[side][k] = feats.inner(pk, pk)
                 else:
                     t = f.tree({k})
                     # a part inside an exact S<=K: its term pairs are already contracted
@@ -354,8 +457,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
             ab, aa, bb = exact_ip[K]
             values[K] = similarity_from(ab, aa, bb, False, what=f"<={K}")
             method[K] = "exact"
-            notes[K] = "exact: affine part (P_0 + J X)" if K == 1 else (
-                "exact: the models themselves" if max(deg_a, deg_b) <= K else how)
+            notes[K] = "exact: affine part (P_0 + J X)" if K == 1 else hows[K] if K in hows \
+                else ("exact: the models themselves" if max(deg_a, deg_b) <= K else how)
     todo = [K for K in Ks if K not in exact_ip]
     need_prof = any(k not in prof[s] for s, dg in ((0, deg_a), (1, deg_b))
                     for k in range(min(kprof, dg) + 1))
@@ -456,8 +559,12 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     for every model (the affine part); every ``K`` of position-free networks (the graded network);
     for bias-free sequence models ``K`` below the first composition degree (``S<=5`` of two
     attention
-    layers: one node holding both layers' heads), and the full similarity of one attention
-    layer. A ``K`` outside these is refused (estimate it per pair with
+    layers: one node holding both layers' heads), ``K`` whose truncation holds compositions
+    (``S<=9`` of two attention layers) by the feature-space chaos of
+    `tensoralg.strategies.chaos.composed` where its estimate fits the budget (each model's
+    chaos once, then every pair a dot product; ``backend="torch"``: its dense tensors in
+    torch), and the full
+    similarity of one attention layer. A ``K`` outside these is refused (estimate it per pair with
     [`degree_similarity`][tensoralg.degree.degree_similarity], which samples it by Monte Carlo with
     its diagnostics).
 
@@ -486,7 +593,8 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     Raises:
         ValueError: no models; a bad ``max_degree``, ``n_ctx`` or ``cov``; models of different
             sizes, or sequence models mixed with position-free networks of degree > 1; a ``K``
-            that is not exact for some model (named, with why); a truncation of norm zero.
+            that is not exact for some model (named, with why: biases, or both exact engines
+            over budget; before any work); a truncation of norm zero.
         CostTooHigh: a model's own pair over the exact path's budget (before the pairs).
     """
     Ks = _check_max_degree(max_degree)
@@ -528,6 +636,37 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
     grams, notes = {}, {}
     rest = [K for K in Ks if K != 1]
     fos = [homogeneous.unrolled(x, n_ctx, max(Ks)) for x in nets] if seq else []
+    feats, feature_ks, first = None, [], {}
+    if seq:   # refusals before any work
+        for K in rest:
+            if top <= K and all(dg == top for dg in degs):
+                continue    # one attention layer: the models themselves, tried below
+            for i, (f, why) in enumerate(fos):
+                if f is None:
+                    raise ValueError(_not_exact_message(K, f"models[{i}]", why))
+        if all(f is not None for f, _ in fos):
+            for K in rest:
+                if top <= K and all(dg == top for dg in degs):
+                    continue
+                trees = [f.tree(set(range(K + 1))) for f, _ in fos]
+                try:    # the leg-space engine's own cost check, from shapes
+                    sequence_exact._check_own_pairs(trees, n_ctx, make_request(n_ctx=n_ctx),
+                                                    position_selector(n_ctx, None, False))
+                except CostTooHigh as exc:
+                    feature_ks.append(K)
+                    first[K] = str(exc)
+        if feature_ks:
+            unr = [f for f, _ in fos]
+            feats = _FeatureParts(unr, n_ctx, max(
+                len(t.legs) for f in unr for t in f.tree(set(range(max(feature_ks) + 1)))
+                .nodes[0].terms), req.backend, req.device)
+            for K in feature_ks:
+                try:
+                    feats.check(K, f"S<={K}")
+                except CostTooHigh as exc:
+                    raise ValueError(f"max_degree: S<={K} is not exact here (exact path: "
+                                     f"{first[K]}; {exc}); degree_similarity(a, b) estimates "
+                                     f"it by Monte Carlo per pair, with its verdict") from None
     if 1 in Ks:
         if seq and all(f is not None for f, _ in fos):   # bias-free: the linear path, exactly
             grams[1] = sequence_exact.tree_gram([f.tree({1}) for f, _ in fos], n_ctx, req.backend, req.device)
@@ -554,9 +693,12 @@ def degree_similarity_matrix(models: Any, *, n_ctx: int | None = None,
                     pass
             for i, (f, why) in enumerate(fos):
                 if f is None:
-                    raise ValueError(f"max_degree: S<={K} is not exact for models[{i}] ({why}); "
-                                     f"degree_similarity(a, b) estimates it by Monte Carlo "
-                                     f"per pair")
+                    raise ValueError(_not_exact_message(K, f"models[{i}]", why))
+            if K in feature_ks:
+                coefs = [feats.coef(i, K) for i in range(len(nets))]
+                grams[K] = np.array([[feats.inner(u, v) for v in coefs] for u in coefs])
+                notes[K] = FEATURE_HOW
+                continue
             try:
                 grams[K] = sequence_exact.tree_gram([f.tree(set(range(K + 1))) for f, _ in fos], n_ctx,
                                       req.backend, req.device)

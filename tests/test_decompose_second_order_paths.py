@@ -129,13 +129,25 @@ def test_refusals_before_any_work(monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("work started before the refusal")
+    real = composed.FeatureChaos
     monkeypatch.setattr(composed, "FeatureChaos", boom)
     with pytest.raises(ValueError, match=r"^order: expected 1 .* got 3$"):
         dc.paths(_model(), n_ctx=N_CTX, order=3)
-    with pytest.raises(ValueError, match="^backend: order=2 runs on 'numpy' or 'exact'"):
-        dc.paths(_model(), n_ctx=N_CTX, order=2, backend="torch")
+    with pytest.raises(ValueError, match="^backend: expected 'numpy', 'torch' or 'exact'"):
+        dc.paths(_model(), n_ctx=N_CTX, order=2, backend="cupy")
+    with pytest.raises(ValueError, match="^backend: expected 'numpy' or 'torch', got 'jax'$"):
+        real([], 2, backend="jax")
     with pytest.raises(CostTooHigh, match=r"order 9 over N = n_ctx\*d = 16 .*Monte Carlo"):
         dc.paths(_model(), n_ctx=8, order=2)
+
+
+def test_torch_backend_equals_numpy(biased):
+    """backend="torch" (float64, here on the CPU): the dense lifted tensors and their packing
+    into monomials in torch; the Gram equals NumPy's to 1e-12 (summation order only)."""
+    model, pd = biased
+    pt = dc.paths(model, n_ctx=N_CTX, order=2, backend="torch", device="cpu")
+    assert pt.names == pd.names and "float64, torch" in pt.methods["gram"]
+    np.testing.assert_allclose(pt.gram, pd.gram, rtol=1e-12, atol=1e-12 * np.abs(pd.gram).max())
 
 
 @pytest.mark.slow   # ~15 s: rationals through object-array einsums

@@ -272,12 +272,25 @@ def test_one_attention_layer_with_biases():
     assert abs(est - truth) < 4 * est.stderr
 
 
-def test_S9_montecarlo_with_control_variate_covers_quadrature():
+def test_S9_montecarlo_with_control_variate_covers_quadrature(monkeypatch):
+    """S<=9 of two attention layers is exact where the feature-space chaos fits (here N = 2);
+    over its budget (simulated), Monte Carlo with the exact S<=5 as control variate."""
+    from tensoralg.errors import CostTooHigh
+    from tensoralg.strategies.chaos import composed
+
     a, b = _two_layer(9, s=0.4, d_in=1), _two_layer(10, s=0.4, d_in=1)
+    truth = _sim(_quad_truncated(a, b, 9, (2, 1)))
+    r = degree_similarity(a, b, n_ctx=2, max_degree=(5, 9), n_samples=60)
+    assert r.exact(9) and "feature-space chaos" in r.notes[9]
+    assert abs(r[9] - truth) < 1e-10
+
+    def over(*args, **kw):
+        raise CostTooHigh("over budget (simulated)")
+    monkeypatch.setattr(composed, "check", over)
     r = degree_similarity(a, b, n_ctx=2, max_degree=(5, 9), n_samples=1500, seed=2)
     assert r.exact(5) and r.method[9] == "montecarlo"
     assert "control variate: exact S<=5" in r.notes[9]
-    truth = _sim(_quad_truncated(a, b, 9, (2, 1)))
+    assert "feature-space chaos refused: over budget (simulated)" in r.notes[9]
     est = r[9]
     assert est.reliable, est.diagnostics.summary()
     assert abs(est - truth) < 4 * est.stderr
@@ -346,8 +359,9 @@ def test_attention_then_bilinear_mlp_block_exact_to_degree_9():
     f = U(h + M(h)), h = X + A(X), M(h) = D((L h)(R h)) has parts of degrees 1, 2, 5 (X, M(X),
     A(X)), 6 (the MLP reading A in one factor: L X * R A + L A * R X) and 10 (in both). The
     unrolled one-node form makes every S<=K with K <= 9 exact (degree 6 joins 12 legs); S<=10,
-    the full similarity, joins 20 legs (~6.5e8 Wick configurations): refused, and estimated.
-    Truth by quadrature over the 4 input variables."""
+    the full similarity, joins 20 legs (~6.5e8 Wick configurations): over the leg-space
+    engine's budget, exact by the feature-space chaos of the unrolled terms (10 legs over the
+    N = 4 input variables). Truth by quadrature over the 4 input variables."""
     def model(seed):
         r = np.random.default_rng(seed)
         return ta.Sequential([ta.Residual(_attn(r, 2, 2, 1, False, 0.5)),
@@ -355,11 +369,11 @@ def test_attention_then_bilinear_mlp_block_exact_to_degree_9():
                               ta.Linear(r.standard_normal((2, 2)))])
     a, b = model(1), model(2)
     r = degree_similarity(a, b, n_ctx=2, max_degree=(2, 5, 6, 9, 10), n_samples=300)
-    assert [r.exact(K) for K in (2, 5, 6, 9, 10)] == [True] * 4 + [False]
-    for K in (2, 5, 6):
+    assert [r.exact(K) for K in (2, 5, 6, 9, 10)] == [True] * 5
+    for K in (2, 5, 6, 10):
         assert r[K] == pytest.approx(_sim(_quad_truncated(a, b, K, (2, 2))), rel=1e-10)
     assert r[9] == r[6]                  # no parts of degree 7, 8, 9
-    assert "20 legs joined" in r.notes[10] and "control variate: exact S<=9" in r.notes[10]
+    assert "feature-space chaos" in r.notes[10]
     assert [r.profile_a[k] for k in (3, 4, 7, 8, 9)] == [0.0] * 5
     q = _quad_part_norms(a, (6,), (2, 2))
     assert r.profile_a[6] == pytest.approx(q[6], rel=1e-10)
@@ -367,10 +381,13 @@ def test_attention_then_bilinear_mlp_block_exact_to_degree_9():
 
 def test_two_attention_layers_S9_refused_with_its_count():
     """Two attention layers: S<=9 adds a layer-2 leg reading a layer-1 head (9 legs a side,
-    18 joined, ~8.6e8 configurations): over the budget, so estimated, and the note says why."""
-    r = degree_similarity(_two_layer(1), _two_layer(2), n_ctx=2, max_degree=(5, 9), n_samples=300)
+    18 joined, ~8.6e8 configurations): over the leg-space engine's budget; at N = n_ctx * d
+    = 8 input variables also over the feature-space chaos's, so estimated, and the note says
+    why (both)."""
+    r = degree_similarity(_two_layer(1), _two_layer(2), n_ctx=4, max_degree=(5, 9), n_samples=300)
     assert r.exact(5) and not r.exact(9)
     assert "18 legs joined" in r.notes[9] and "max_configurations=200,000" in r.notes[9]
+    assert "feature-space chaos refused" in r.notes[9] and "N = n_ctx*d = 8" in r.notes[9]
 
 
 def test_a_zero_affine_part_is_zero_not_rounding_noise():
@@ -438,9 +455,9 @@ def test_matrix_position_free_and_one_layer_full():
     ([_two_layer(1), _two_layer(2, d_in=3)], {"n_ctx": 2},
      r"^models\[1\]: reads 3 inputs but models\[0\] reads 2; every network must read the same "
      r"input$"),
-    ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": (1, 9)},
-     r"S<=9 is not exact here \(the exact path would contract about 8.6.e\+08 Wick "
-     r"configurations \(up to 18 legs joined\).*degree_similarity"),
+    ([_two_layer(1), _two_layer(2)], {"n_ctx": 4, "max_degree": (1, 9)},
+     r"S<=9 is not exact here \(exact path: the exact path would contract about .* Wick "
+     r"configurations \(up to 18 legs joined\).*N = n_ctx\*d = 8 .*degree_similarity"),
     ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": 30}, r"above the models'"),
     ([_two_layer(1), _two_layer(2)], {"n_ctx": 2, "max_degree": (5, 1)}, r"increasing"),
     ([_mlp(1), _mlp(2)], {"n_ctx": 2}, r"n_ctx: only for sequence models"),

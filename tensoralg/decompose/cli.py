@@ -15,7 +15,11 @@ paths (``tensoralg.decompose.paths``: direct, each head, each MLP) with their ex
 ``||sum of the listed paths||^2``, at ``--n-ctx`` positions (default: the trained context), and
 with ``--diff CKPT2`` the exact similarity of each path to the same path of CKPT2
 (``--match``: heads matched per layer by function first); ``--rest-samples N`` estimates the
-remainder ``f - sum`` by Monte Carlo with its verdict (default 0: not assessed).
+remainder ``f - sum`` by Monte Carlo with its verdict (default 0: not assessed). ``--order 2``
+adds the second-order paths (a leg of a later head reading an earlier head, the virtual
+heads ``L1.H0.K1<-L0.H1``), exact by the feature-space chaos of two-node terms where
+``n_ctx * d`` is small (refused in one line with its estimate before any work otherwise; not
+with ``--diff``). The table is also drawn, each path's share, as ``decompose_paths.png``.
 
 ``tensoralg decompose paths-over-training CKPT1 CKPT2 ... [--n-ctx N]``: transformer checkpoints
 of one architecture (e.g. one training run), every first-order path's exact similarity to the
@@ -34,13 +38,14 @@ from pathlib import Path
 
 JSON_NAME = "decompose.json"
 FIG_NAME = "decompose_eigenvectors.png"
+PATHS_FIG = "decompose_paths.png"   # transformer checkpoints: each path's share
 #: ``tensoralg decompose paths-over-training``: the word, its default folder and files.
 OVER_TRAINING = "paths-over-training"
 OT_OUT = "runs/paths_over_training"
 OT_JSON, OT_CSV, OT_FIG = ("paths_over_training.json", "paths_over_training.csv",
                            "paths_over_training.png")
 USAGE = ("%(prog)s CKPT [--diff CKPT2] [--match] [--output CLASS] [--k K] [--n-ctx N] "
-         "[--rest-samples N] [--out DIR] [--json PATH] [--threads N]\n"
+         "[--order 1|2] [--rest-samples N] [--out DIR] [--json PATH] [--threads N]\n"
          "       %(prog)s paths-over-training CKPT1 CKPT2 [CKPT ...] [--n-ctx N] [--out DIR] "
          "[--json PATH] [--threads N]")
 
@@ -82,6 +87,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--n-ctx", type=positive_int, default=None, metavar="N",
                    help="transformer checkpoints: the sequence length of the paths (default: "
                         "the trained context)")
+    p.add_argument("--order", default=None, metavar="1|2",
+                   help="transformer checkpoints: 1 for the first-order paths (direct, each "
+                        "head, each MLP), 2 to add the second-order paths (a leg of a later "
+                        "head reading an earlier head, the virtual heads; exact for small "
+                        "n_ctx * d only, refused with its estimate before any work; not with "
+                        "--diff) (default 1)")
     p.add_argument("--match", action="store_true",
                    help="transformer checkpoints with --diff: match heads per layer by the "
                         "exact similarity of their paths before comparing them (default: "
@@ -117,8 +128,18 @@ def _load(path: str, option: str):
     return net
 
 
+def check_order_option(order) -> int | None:
+    """``--order`` as given on the command line: None, or 1 or 2 (a one-line ValueError)."""
+    if order is None or order in (1, 2):
+        return order
+    if str(order).strip() in ("1", "2"):
+        return int(str(order).strip())
+    raise ValueError(f"--order: expected 1 (first-order paths) or 2 (second-order paths), got "
+                     f"{order!r}")
+
+
 def _sequence_result(net, checkpoint: str, diff: str | None, n_ctx: int | None, match: bool,
-                     rest_samples: int, k: int, output: int | None) -> dict:
+                     rest_samples: int, k: int, output: int | None, order: int = 1) -> dict:
     """The path table of a transformer checkpoint (and the similarity to ``--diff``)."""
     from ..audit.common import stamp
     from .residual import path_similarity, paths
@@ -135,6 +156,10 @@ def _sequence_result(net, checkpoint: str, diff: str | None, n_ctx: int | None, 
                              f"one architecture")
     elif match:
         raise ValueError("--match: matches the heads of CKPT and --diff CKPT2; give --diff")
+    if order == 2 and diff is not None:
+        raise ValueError("--order: 2 with --diff: the similarity between checkpoints is of the "
+                         "first-order paths only; drop --diff for the second-order path table, "
+                         "or use --order 1 with --diff")
     if n_ctx is not None and net.n_ctx is not None and n_ctx > net.n_ctx:
         raise ValueError(f"--n-ctx: {n_ctx} is longer than the trained context {net.n_ctx} of "
                          f"CKPT {checkpoint}")
@@ -158,10 +183,18 @@ def _sequence_result(net, checkpoint: str, diff: str | None, n_ctx: int | None, 
             raise ValueError(f"--diff: {diff} has the paths {pb}, CKPT {checkpoint} has {pa}; "
                              f"paths are compared between checkpoints with the same layers and "
                              f"heads")
-    pd = named(lambda: paths(net, n_ctx=n_ctx, rest_samples=rest_samples))
+    try:
+        pd = named(lambda: paths(net, n_ctx=n_ctx, rest_samples=rest_samples, order=order))
+    except ValueError as exc:
+        if order == 2 and "two-node terms" in str(exc):
+            raise ValueError(f"--order: 2 at n_ctx={n_ctx or net.n_ctx} is over the exact "
+                             f"budget ({str(exc).split(': ', 2)[-1].split(' Alternatives')[0]}); "
+                             f"use --order 1 (exact first-order paths) or a shorter --n-ctx"
+                             ) from None
+        raise
     result = stamp("decompose", {"checkpoint": checkpoint, "diff": diff, "output": output,
                                  "k": k, "n_ctx": pd.n_ctx, "match": match,
-                                 "rest_samples": rest_samples})
+                                 "rest_samples": rest_samples, "order": order})
     subject = f"checkpoint {checkpoint}"
     result.update(subject=subject, sequence=True, d=net.in_features, n_outputs=net.out_features,
                   paths=pd.to_dict())
@@ -176,7 +209,8 @@ def _sequence_result(net, checkpoint: str, diff: str | None, n_ctx: int | None, 
 
 def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int | None = None,
                          k: int = 4, n_ctx: int | None = None, match: bool = False,
-                         rest_samples: int = 0) -> tuple[dict, object]:
+                         rest_samples: int = 0, order: int | None = None
+                         ) -> tuple[dict, object]:
     """The JSON result of ``tensoralg decompose`` and the eigendecomposition drawn (or None).
 
     Raises:
@@ -190,8 +224,9 @@ def decompose_checkpoint(checkpoint: str, diff: str | None = None, output: int |
     net = _load(checkpoint, "CKPT")
     if net.is_sequence_model:
         return _sequence_result(net, checkpoint, diff, n_ctx, match, rest_samples, k,
-                                output), None
+                                output, 1 if order is None else order), None
     for flag, given in (("--n-ctx", n_ctx is not None), ("--match", match),
+                        ("--order", order is not None),
                         ("--rest-samples", bool(rest_samples))):
         if given:
             raise ValueError(f"{flag}: only for transformer checkpoints (sequence models); "
@@ -304,7 +339,8 @@ def _sequence_table(result: dict) -> str:
         rest = f"||rest||: no reliable estimate ({rn['diagnostics']}) "
     else:
         rest = f"||rest|| = {rn['value']:.6g} ± {rn['stderr']:.2g} "
-    lines = [f"{result['subject']}: first-order paths at n_ctx={p['n_ctx']} "
+    what = "first- and second-order paths" if p.get("order") == 2 else "first-order paths"
+    lines = [f"{result['subject']}: {what} at n_ctx={p['n_ctx']} "
              f"({result['d']} inputs, {result['n_outputs']} outputs)",
              format_table(head, rows),
              f"share: of ||sum of the listed paths||^2 = {p['norm2_listed']:.6g} (exact); "
@@ -326,21 +362,25 @@ def cmd_decompose(args) -> int:
                          f"({args.checkpoint} {' '.join(args.more)}); several checkpoints over "
                          f"training: tensoralg decompose {OVER_TRAINING} CKPT1 CKPT2 ...")
     args.k = 4 if args.k is None else args.k
+    args.order = check_order_option(args.order)
     for path, option in ((args.checkpoint, "CKPT"), (args.diff, "--diff")):
         if path is not None and not Path(path).is_dir():   # before torch is imported
             raise FileNotFoundError(f"{option}: {path} is not a checkpoint folder")
     out = check_paths(args, "runs/decompose")   # --json, --out: empty or unwritable refused
     apply_threads(args)
-    from .report import eigenvector_figure
+    from .report import eigenvector_figure, path_share_figure
 
     result, eig = decompose_checkpoint(args.checkpoint, args.diff, args.output, args.k,
-                                       args.n_ctx, args.match, args.rest_samples)
+                                       args.n_ctx, args.match, args.rest_samples, args.order)
     with staged_output(out, JSON_NAME) as stage:
         files = [JSON_NAME]
         if eig is not None:
             eigenvector_figure(stage / FIG_NAME, eig, args.k,
                                f"{result['subject']}: output {result['drawn_output']}")
             files.append(FIG_NAME)
+        elif result.get("sequence"):
+            path_share_figure(stage / PATHS_FIG, result["paths"], result["subject"])
+            files.append(PATHS_FIG)
         result["files"] = files
         write_json(stage / JSON_NAME, result)
         if args.json is not None:

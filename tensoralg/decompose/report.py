@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["change_eigen", "mask_mass", "eigenvector_figure"]
+__all__ = ["change_eigen", "mask_mass", "eigenvector_figure", "path_share_figure"]
 
 
 def mask_mass(v: np.ndarray, mask: np.ndarray) -> dict:
@@ -95,4 +95,24 @@ def eigenvector_figure(path: str | Path, eig: Any, k: int, title: str,
         fig.colorbar(im, ax=list(axes), shrink=0.7).set_label("eigenvector entry (unit norm)",
                                                               fontsize=8)
     fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def path_share_figure(path: str | Path, paths: dict, title: str) -> Path:
+    """Each listed path's exact share of ``||sum of the listed paths||^2`` (``paths``: the
+    ``to_dict()`` of a transformer's path decomposition) as horizontal bars, the
+    second-order paths (virtual heads) in their own colour. PNG, written atomically."""
+    from ..audit.common import save_figure
+    from ..audit.plotting import pyplot
+
+    plt = pyplot()
+    names, share, kinds = paths["names"], paths["share"], paths["kinds"]
+    fig, ax = plt.subplots(figsize=(6.0, 0.8 + 0.22 * len(names)))
+    colours = ["tab:orange" if k == "composition" else "tab:blue" for k in kinds]
+    ax.barh(range(len(names)), share, color=colours)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of ||sum of the listed paths||^2 (exact; orange: second-order)",
+                  fontsize=8)
+    ax.set_title(f"{title}: paths at n_ctx={paths['n_ctx']}", fontsize=9)
     return save_figure(fig, path)

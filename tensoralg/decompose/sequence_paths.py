@@ -500,13 +500,17 @@ class _Engine:
             return fn()
 
 
-def _feature_gram(terms: list, n_ctx: int, exact: bool) -> np.ndarray:
+def _feature_gram(terms: list, n_ctx: int, exact: bool, backend: str = "numpy",
+                  device: Any = None) -> np.ndarray:
     """The exact Gram matrix of sums of terms (one list per path) by the feature-space chaos
-    of `tensoralg.strategies.chaos.composed` (each path's chaos built once)."""
+    of `tensoralg.strategies.chaos.composed` (each path's chaos built once; ``backend="torch"``:
+    the dense lifted tensors in float64 torch on ``device``)."""
     from ..strategies.chaos.composed import FeatureChaos, feature_inner
 
     K = max(len(x.legs) for t in terms for x in t)
-    fc = [FeatureChaos(t, n_ctx, exact, max_degree=K) for t in terms]
+    bk = "torch" if backend == "torch" else "numpy"
+    fc = [FeatureChaos(t, n_ctx, exact, max_degree=K, backend=bk, device=device)
+          for t in terms]
     n = len(fc)
     G = np.empty((n, n), dtype=object) if exact else np.zeros((n, n))
     for i in range(n):
@@ -658,9 +662,6 @@ def sequence_paths(model: Any, *, n_ctx: Any = None, order: Any = 1, backend: st
     pre, blocks, post = _split(net, name)
     one_block = len(blocks) == 1
     if order == 2:
-        if backend == "torch":
-            raise ValueError("backend: order=2 runs on 'numpy' or 'exact' (the feature-space "
-                             "chaos of two-node terms has no torch path), got 'torch'")
         from ..strategies.chaos import composed
 
         m = pre[-1].out_features if pre else net.in_features
@@ -668,7 +669,7 @@ def sequence_paths(model: Any, *, n_ctx: Any = None, order: Any = 1, backend: st
         terms = [list(t.nodes[0].terms) for t in trees]
         terms += [_composed_terms(sp, pre, post, n_ctx, exact, net.in_features) for sp in specs]
         composed.check(terms, n_ctx, "paths(order=2): the exact Gram of the listed paths",
-                       backend="numpy")
+                       backend="torch" if backend == "torch" else "numpy")
         names, nets = names + names2, nets + nets2
         kinds = kinds + ["composition"] * len(names2)
         first = _listed_network(pre, blocks, post, m, exact)
@@ -681,7 +682,7 @@ def sequence_paths(model: Any, *, n_ctx: Any = None, order: Any = 1, backend: st
         make_request(method="montecarlo", n_ctx=n_ctx, n_samples=int(rest_samples),
                      seed=seed)
     if order == 2:
-        G = _feature_gram(terms, n_ctx, exact)
+        G = _feature_gram(terms, n_ctx, exact, backend, device)
     else:
         G = _gram(eng, trees)
     total = sum(G[i, j] for i in range(len(G)) for j in range(len(G)))
@@ -689,7 +690,7 @@ def sequence_paths(model: Any, *, n_ctx: Any = None, order: Any = 1, backend: st
         share = np.array([float(G[i, i]) for i in range(len(G))]) / float(total)
     if order == 2:
         how = ("exact (feature-space chaos of one- and two-node terms, "
-               + ("rationals)" if exact else "float64)"))
+               + ("rationals)" if exact else f"float64, {backend})"))
     else:
         how = ("exact (chaos sums of the exact sequence engine, rationals)" if exact else
                f"exact (chaos sums of the exact sequence engine, float64, {backend})")

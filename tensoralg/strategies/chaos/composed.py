@@ -256,10 +256,29 @@ class FeatureChaos:
         n_ctx: positions.
         exact: Fractions (object arrays) instead of float64.
         max_degree: ``K``, at least the largest term degree (all chaos of a Gram share it).
+        backend, device: ``"numpy"`` (default) or ``"torch"`` on ``device`` (CUDA when
+            available and ``device`` is None; float64): the dense lifted tensors and their
+            packing into monomials run there, the (small) Hermite change of basis in NumPy.
+            The same values up to rounding (summation order).
+
+    Raises:
+        ValueError: ``backend`` other than ``"numpy"``/``"torch"``, or ``"torch"`` with
+            ``exact``.
     """
 
     def __init__(self, terms: list, n_ctx: int, exact: bool = False,
-                 max_degree: int | None = None):
+                 max_degree: int | None = None, backend: str = "numpy", device=None):
+        if backend not in ("numpy", "torch"):
+            raise ValueError(f"backend: expected 'numpy' or 'torch', got {backend!r}")
+        if backend == "torch" and exact:
+            raise ValueError("backend: 'torch' computes in float64; exact (rationals) runs on "
+                             "'numpy'")
+        tdev = None
+        if backend == "torch":
+            import torch
+
+            tdev = torch.device(device if device is not None else
+                                ("cuda" if torch.cuda.is_available() else "cpu"))
         self.n_ctx, self.exact = n_ctx, exact
         d = terms[0].legs[0].weight.shape[-1] - 1
         self.d, self.N = d, n_ctx * d
@@ -271,7 +290,11 @@ class FeatureChaos:
             L = len(term.legs)
             ids = _slot_ids(self.N, L, K)
             S = None
-            if not exact:
+            if tdev is not None:
+                import torch
+
+                tids = torch.from_numpy(np.array(ids)).to(tdev)   # ids is read-only
+            elif not exact:
                 from scipy.sparse import csr_matrix
 
                 S = csr_matrix((np.ones(ids.size), (np.arange(ids.size), ids)),
@@ -279,6 +302,16 @@ class FeatureChaos:
             rows = []
             for t in range(n_ctx):
                 expr, ops = _lifted_expression(term, n_ctx, d, exact, t)
+                if tdev is not None:
+                    tops = [torch.as_tensor(np.ascontiguousarray(o, dtype=np.float64),
+                                            device=tdev) for o in ops]
+                    T = oe.contract(expr, *tops, backend="torch")
+                    flat = T.reshape(T.shape[0], -1)
+                    part = torch.zeros((flat.shape[0], len(E)), dtype=torch.float64,
+                                       device=tdev).index_add_(1, tids, flat)
+                    rows.append(part.cpu().numpy())
+                    del T, flat, part
+                    continue
                 T = np.asarray(oe.contract(expr, *ops))
                 flat = T.reshape(T.shape[0], -1)
                 if exact:
