@@ -276,7 +276,9 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
         max_degree: a positive int or a strictly increasing sequence of them, at most the
             models' degree (``S<=degree`` is the full similarity); None: those of
             `DEFAULT_MAX_DEGREE` below the degree, and the degree itself when it is at
-            most 9 (so that a shallow model's report ends with its full similarity).
+            most 9 (so that a shallow model's report ends with its full similarity), leaving
+            out a truncation that is zero for either model (``S<=1`` of a bias-free bilinear
+            layer: undefined).
         cov: the input distribution ``N(0, Σ)`` as in [`tensoralg.inner`][tensoralg.inner] (folded
             into the
             models: ``P_k ∘ K`` are the parts of ``f ∘ K``).
@@ -294,7 +296,8 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
         ValueError: a bad ``max_degree`` (or one above both models' degree), ``n_ctx``,
             ``cov``, ``n_samples`` or ``seed``;
             models of different input/output sizes; a sequence model compared with a
-            position-free network; (after the exact work) a truncation of norm zero.
+            position-free network; (after the exact work) a truncation of norm zero
+            asked for in ``max_degree``.
     """
     Ks = None if max_degree is None else _check_max_degree(max_degree)
     req = make_request(method="montecarlo", n_ctx=n_ctx, n_samples=n_samples, seed=seed,
@@ -455,6 +458,17 @@ def degree_similarity(a: Any, b: Any, *, n_ctx: int | None = None,
     for K in Ks:
         if K in exact_ip:
             ab, aa, bb = exact_ip[K]
+            zero = [n for n, v in (("a", aa), ("b", bb)) if np.all(np.isfinite(v)) and
+                    np.any(np.asarray(v) <= 0)]
+            if zero and max_degree is None:
+                continue    # the default degrees skip a truncation that is zero: undefined
+            if zero:
+                raise ValueError(
+                    f"max_degree: S<={K} is undefined: the part of degree <= {K} of "
+                    f"{' and '.join(zero)} is zero (a bias-free bilinear layer has only "
+                    f"degree 2, a bias-free attention stack degrees 1, 5, 9, ...; or the weights "
+                    f"are so small that the norm underflowed: rescale them); ask for degrees "
+                    f"from the lowest nonzero one, or leave max_degree at its default")
             values[K] = similarity_from(ab, aa, bb, False, what=f"<={K}")
             method[K] = "exact"
             notes[K] = "exact: affine part (P_0 + J X)" if K == 1 else hows[K] if K in hows \

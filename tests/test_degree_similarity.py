@@ -396,17 +396,23 @@ def test_a_zero_affine_part_is_zero_not_rounding_noise():
     labelled exact, with ||P_1||^2 = 1e-33)."""
     g = lambda s: ta.Bilinear(*(np.random.default_rng(s).normal(size=z)  # noqa: E731
                                 for z in [(8, 6), (8, 6), (3, 8)]))
-    with pytest.raises(ValueError, match="norm zero"):
+    with pytest.raises(ValueError, match=r"max_degree: S<=1 is undefined: the part of degree "
+                                         r"<= 1 of a and b is zero"):
         degree_similarity(g(0), g(1), max_degree=1)
     r = degree_similarity(g(0), g(1), max_degree=2)
     assert r.profile_a[0] == 0.0 and r.profile_a[1] == 0.0
+    # the default degrees leave the undefined S<=1 out (the call once raised "norm zero ...
+    # underflowed": misleading for a structural zero) and end with the full similarity
+    d = degree_similarity(g(0), g(1))
+    assert list(d.values) == [2] and d[2] == pytest.approx(ta.similarity(g(0), g(1)),
+                                                           rel=1e-12)
     rng = np.random.default_rng(0)
 
     def attn():
         return ta.Sequential([ta.BilinearAttention(*(rng.normal(size=(2, 2, 4)) for _ in range(5)),
                                                    rng.normal(size=(4, 2, 2))),
                               ta.Linear(rng.normal(size=(3, 4)))])
-    with pytest.raises(ValueError, match="norm zero"):
+    with pytest.raises(ValueError, match="S<=1 is undefined"):
         degree_similarity(attn(), attn(), n_ctx=3, max_degree=1)
 
 
