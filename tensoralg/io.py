@@ -19,7 +19,7 @@ from ._version import __version__
 WEIGHTS_FILE = "weights.safetensors"
 CONFIG_FILE = "cfg.json"
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "save_folder",
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "check_folder", "save_folder",
            "load_folder", "read_config", "WEIGHTS_FILE", "CONFIG_FILE"]
 
 
@@ -111,6 +111,25 @@ def read_config(path: str | os.PathLike) -> dict:
         raise ValueError(f"{cfg_path}: corrupt JSON ({exc})") from exc
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def check_folder(path: str | os.PathLike) -> dict:
+    """``cfg.json`` of a saved folder (`read_config`) after checking that its weights file
+    exists and its safetensors header is whole (the header and the data offsets it names,
+    against the file's size) — milliseconds, without importing torch, so that a CLI refuses a
+    truncated or corrupt checkpoint before its heavy imports. Raises as `load_folder`."""
+    from safetensors import safe_open
+
+    cfg = read_config(path)
+    weights = Path(path) / WEIGHTS_FILE
+    if not weights.exists():
+        raise FileNotFoundError(f"{weights}: missing ({path} is not a complete checkpoint)")
+    try:
+        with safe_open(str(weights), framework="numpy"):
+            pass
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ValueError(f"{weights}: corrupt or truncated safetensors file ({exc})") from exc
     return cfg
 
 

@@ -82,12 +82,12 @@ def check_n_samples_used(n: int | None, methods) -> None:
 
 
 def check_checkpoints(paths) -> None:
-    """Each checkpoint folder exists and holds ``cfg.json`` (the errors loading would give,
-    before any heavy import: `tensoralg.io.read_config`)."""
-    from ..io import read_config
+    """Each checkpoint folder exists and holds ``cfg.json`` and a whole safetensors file (the
+    errors loading would give, before any heavy import: `tensoralg.io.check_folder`)."""
+    from ..io import check_folder
 
     for p in paths:
-        read_config(p)
+        check_folder(p)
 
 
 def check_paths(args, default_out: str | None = None) -> Path | None:
